@@ -1,0 +1,115 @@
+"""What a model forward reads: a batch of sequences and the paged cache.
+
+Every family's `forward` takes a `ForwardBatch` (all sequences of a step
+flattened into one token axis) and a `KVCache` (paged K/V for the attention
+layers, state slots for recurrent layers). No contiguous per-request KV exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """One step's tokens. T tokens in all, B sequences.
+
+    input_ids, positions, slot_mapping: [T]; sequence b owns token rows
+    query_start[b]:query_start[b+1], the last tokens of its seq_lens[b] context
+    tokens. block_tables: [B, max_blocks] (one paging group: the full-attention
+    layers). state_slots: [B] recurrent-state slot of each sequence (hybrid
+    models; a fresh sequence's slot is zeroed by its allocator).
+    logits_rows: [R] token rows whose logits the caller wants.
+    The host lists mirror the tensors for ops that loop per sequence on the CPU.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    logits_rows: torch.Tensor
+    query_start: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    state_slots: torch.Tensor | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start[-1]
+
+    def query_lens(self) -> list[int]:
+        return [self.query_start[b + 1] - self.query_start[b] for b in range(self.num_seqs)]
+
+    @staticmethod
+    def build(token_ids: list[list[int]], context_before: list[int], block_tables: list[list[int]],
+              block_size: int, logits: str = "last", state_slots: list[int] | None = None,
+              device: torch.device | str = "cpu") -> ForwardBatch:
+        """Lay out B sequences' new tokens; sequence b already has context_before[b] tokens cached.
+
+        logits="last" asks for each sequence's last row, "all" for every row.
+        """
+        ids, pos, slots, rows, starts = [], [], [], [], [0]
+        for toks, before, table in zip(token_ids, context_before, block_tables):
+            for i, t in enumerate(toks):
+                p = before + i
+                ids.append(t)
+                pos.append(p)
+                slots.append(table[p // block_size] * block_size + p % block_size)
+            starts.append(starts[-1] + len(toks))
+            if logits == "all":
+                rows.extend(range(starts[-2], starts[-1]))
+            elif toks:
+                rows.append(starts[-1] - 1)
+        width = max((len(t) for t in block_tables), default=0) or 1
+        tables = torch.zeros((len(block_tables), width), dtype=torch.int32)
+        for b, t in enumerate(block_tables):
+            tables[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        lens = tuple(before + len(toks) for toks, before in zip(token_ids, context_before))
+
+        def as_long(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int64, device=device)
+
+        return ForwardBatch(
+            input_ids=as_long(ids), positions=as_long(pos), slot_mapping=as_long(slots),
+            block_tables=tables.to(device), logits_rows=as_long(rows),
+            query_start=tuple(starts), seq_lens=lens,
+            state_slots=None if state_slots is None else as_long(state_slots),
+        )
+
+
+class KVCache:
+    """Paged K/V of the full-attention layers, one paging group.
+
+    Storage is [P, N, L, 2, S, Hkv, D]: P pages of N blocks; a block holds S
+    tokens of K and V for all L attention layers, so a block is one contiguous
+    piece of memory that can live in an arena page. `layer(i)` gives the
+    [P, N, S, Hkv, D] views the attention op reads.
+    """
+
+    def __init__(self, storage: torch.Tensor, layers: tuple[int, ...]):
+        # storage: [P, N, L, 2, S, Hkv, D]
+        self.storage = storage
+        self.block_size = storage.shape[4]
+        self.blocks_per_page = storage.shape[1]
+        self._index = {layer: i for i, layer in enumerate(layers)}
+
+    @classmethod
+    def allocate(cls, num_blocks: int, block_size: int, layers: tuple[int, ...], kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> KVCache:
+        """A standalone cache of num_blocks blocks (one block per page)."""
+        storage = torch.zeros((num_blocks, 1, len(layers), 2, block_size, kv_heads, head_dim),
+                              dtype=dtype, device=device)
+        return cls(storage, layers)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.storage.shape[0] * self.storage.shape[1]
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i = self._index[layer]
+        return self.storage[:, :, i, 0], self.storage[:, :, i, 1]
