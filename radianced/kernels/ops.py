@@ -16,4 +16,5 @@ apply_rotary = reference.apply_rotary
 silu_mlp = reference.silu_mlp
 write_kv = reference.write_kv
 paged_attention = reference.paged_attention
+moe = reference.moe
 

@@ -110,3 +110,33 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         probs = scores.softmax(-1)
         out[lo:hi] = torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
     return out
+
+
+# -- routed experts ---------------------------------------------------------
+
+
+def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
+        slab: torch.Tensor, inter: int) -> torch.Tensor:
+    """Routed SiLU experts, tokens grouped by expert.
+
+    x: [T, H]; topk_ids, topk_weights: [T, k]; table: [E] slab row of each expert;
+    slab: [R, 3 * I * H], a row = gate [I, H] | up [I, H] | down [H, I].
+    Each distinct routed expert's row is read once (one index_select) and applied
+    to all of its tokens; outputs are weighted and summed per token. Returns [T, H].
+    """
+    t, k = topk_ids.shape
+    hidden = x.shape[1]
+    experts, inverse = torch.unique(topk_ids.flatten(), return_inverse=True)  # sorted distinct experts
+    rows = slab.index_select(0, table[experts])  # [n, 3IH]: one read per expert per step
+    gate, up, down = rows.split(inter * hidden, dim=1)
+    order = torch.argsort(inverse, stable=True)  # assignments grouped by expert
+    token = order // k
+    weight = topk_weights.flatten()[order]
+    out = torch.zeros_like(x)
+    start = 0
+    for i, count in enumerate(torch.bincount(inverse, minlength=len(experts)).tolist()):
+        idx = token[start:start + count]
+        h = silu_mlp(x[idx], gate[i].view(inter, hidden), up[i].view(inter, hidden), down[i].view(hidden, inter))
+        out.index_add_(0, idx, h * weight[start:start + count, None])
+        start += count
+    return out

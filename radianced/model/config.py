@@ -126,7 +126,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             partial_rotary_factor=float(partial),
             attention_bias=bool(hf.get("attention_bias", False)),
             intermediate_size=hf.get("intermediate_size", 0) or 0,
-            num_experts=hf.get("num_experts", 0) if moe else 0,
+            # transformers 5 writes qwen3_moe's count as num_local_experts; the Qwen checkpoints say num_experts
+            num_experts=(hf.get("num_experts") or hf.get("num_local_experts", 0)) if moe else 0,
             num_experts_per_tok=hf.get("num_experts_per_tok", 0) if moe else 0,
             moe_intermediate_size=hf.get("moe_intermediate_size", 0) if moe else 0,
             norm_topk_prob=bool(hf.get("norm_topk_prob", True)),

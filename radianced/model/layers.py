@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from radianced.kernels import ops
 from radianced.model.batch import ForwardBatch, KVCache
 from radianced.model.config import ModelConfig
+from radianced.model.experts import ExpertSource
 
 Weights = Callable[[str], torch.Tensor]
 
@@ -109,3 +110,64 @@ class LMHead:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight).float()
+
+
+class Router:
+    """Softmax over all experts in fp32, top-k, optional renormalization of the k weights."""
+
+    def __init__(self, weight: torch.Tensor, top_k: int, renormalize: bool):
+        self.weight, self.top_k, self.renormalize = weight, top_k, renormalize  # weight: [E, hidden]
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> (ids [T, k] int64, weights [T, k] in x's dtype)."""
+        probs = F.linear(x, self.weight).softmax(dim=-1, dtype=torch.float32)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(x.dtype)
+
+
+class MoE:
+    """Routed experts read through the layer's expert table, plus an optional
+    sigmoid-gated shared expert (Qwen3-Next)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, w: Weights, experts: ExpertSource):
+        p = f"model.layers.{layer}.mlp."
+        self.layer, self.inter, self.experts = layer, cfg.moe_intermediate_size, experts
+        self.router = Router(w(p + "gate.weight"), cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        self.shared = self.shared_gate = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared = DenseMLP(p + "shared_expert", w)
+            self.shared_gate = w(p + "shared_expert_gate.weight")  # [1, hidden]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.router(x)
+        self.experts.prepare(self.layer, ids)
+        out = ops.moe(x, ids, weights, self.experts.table(self.layer), self.experts.slab, self.inter)
+        if self.shared is not None:
+            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
+        return out
+
+
+class CausalLM:
+    """Embedding -> decoder layers -> final norm -> lm_head, over one step's batch.
+
+    Each layer is called as `layer(x, rope, batch, cache) -> x`; families differ
+    only in the layers they build and in the final norm's kind.
+    """
+
+    def __init__(self, cfg: ModelConfig, w: Weights, layers: list, zero_centred: bool = False):
+        self.cfg = cfg
+        self.embed = Embedding(w("model.embed_tokens.weight"))
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+        self.layers = layers
+        self.norm = RMSNorm(w("model.norm.weight"), cfg.rms_norm_eps, zero_centred)
+        self.lm_head = LMHead(self.embed.weight if cfg.tie_word_embeddings else w("lm_head.weight"))
+
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Run the step; returns logits [R, V] (fp32) for batch.logits_rows."""
+        x = self.embed(batch.input_ids)  # [T, hidden]
+        rope = self.rotary.cos_sin(batch.positions)
+        for layer in self.layers:
+            x = layer(x, rope, batch, cache)
+        return self.lm_head(self.norm(x[batch.logits_rows]))

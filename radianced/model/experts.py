@@ -1,0 +1,74 @@
+"""How a MoE layer reaches routed-expert weights: the `ExpertSource` seam.
+
+The model never holds expert weights. It asks an `ExpertSource` for a layer's
+table (the seed of the device pointer table): `table(layer)[e]` is the row of
+expert e in `slab`, where each row is one expert extent laid out as in the
+`.rad` file: gate [I, H] | up [I, H] | down [H, I]. The tiers package
+implements the source with slots, a host pool and a disk tier; `ResidentExperts`
+here keeps every expert in one slab (the CPU and `--placement resident`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class ExpertSource(Protocol):
+    slab: torch.Tensor  # [rows, 3 * I * H]
+
+    def table(self, layer: int) -> torch.Tensor:
+        """[E] int64: the slab row holding each expert of `layer`. Contents may change between steps."""
+        ...
+
+    def prepare(self, layer: int, expert_ids: torch.Tensor) -> None:
+        """Called after `layer`'s router, before its experts are read: make `expert_ids` addressable.
+
+        Returns once the table rows of those experts point at readable weights.
+        """
+        ...
+
+
+class ResidentExperts:
+    """Every routed expert in one slab; the table maps (layer, expert) to its fixed row."""
+
+    def __init__(self, slab: torch.Tensor, tables: dict[int, torch.Tensor]):
+        self.slab = slab
+        self._tables = tables
+
+    @classmethod
+    def from_rad(cls, rad, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> ResidentExperts:
+        """Copy every expert extent of a `.rad` (checksums verified) into one slab, layer-major."""
+        entries = sorted(rad.header.experts, key=lambda e: (e.layer, e.expert))
+        return cls._build([(e.layer, e.expert, rad.expert(e.layer, e.expert, verify=True)) for e in entries],
+                          device, dtype)
+
+    @classmethod
+    def from_weights(cls, layers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                     device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> ResidentExperts:
+        """From stacked per-layer weights: gate [E, I, H], up [E, I, H], down [E, H, I]."""
+        return cls._build([(layer, e, (g[e], u[e], d[e]))
+                           for layer, (g, u, d) in sorted(layers.items()) for e in range(g.shape[0])],
+                          device, dtype)
+
+    @classmethod
+    def _build(cls, experts, device, dtype) -> ResidentExperts:
+        """experts: iterable of (layer, expert, (gate, up, down)) in layer-major order; read lazily, once."""
+        experts = list(experts)
+        gate0 = experts[0][2][0]
+        slab = torch.empty((len(experts), 3 * gate0.numel()), dtype=dtype or gate0.dtype, device=device)
+        rows: dict[int, list[int]] = {}
+        for row, (layer, expert, (gate, up, down)) in enumerate(experts):
+            slab[row] = torch.cat((gate.flatten(), up.flatten(), down.flatten()))
+            table = rows.setdefault(layer, [])
+            assert expert == len(table), "experts must come in order within a layer"
+            table.append(row)
+        tables = {layer: torch.tensor(r, dtype=torch.int64, device=device) for layer, r in rows.items()}
+        return cls(slab, tables)
+
+    def table(self, layer: int) -> torch.Tensor:
+        return self._tables[layer]
+
+    def prepare(self, layer: int, expert_ids: torch.Tensor) -> None:
+        """Resident experts are always addressable."""

@@ -1,0 +1,27 @@
+"""Qwen3-MoE (Qwen3-30B-A3B): Llama's skeleton with per-head q/k RMSNorm and
+routed SiLU experts (softmax router, top-k renormalized) reached through an
+`ExpertSource`; layers in `mlp_only_layers` keep a dense MLP."""
+
+from __future__ import annotations
+
+from radianced.model.batch import ForwardBatch, KVCache
+from radianced.model.config import ModelConfig
+from radianced.model.experts import ExpertSource
+from radianced.model.layers import Attention, CausalLM, DenseMLP, MoE, RMSNorm, Weights
+
+
+class Qwen3MoeLayer:
+    def __init__(self, cfg: ModelConfig, i: int, w: Weights, experts: ExpertSource):
+        p = f"model.layers.{i}."
+        self.input_norm = RMSNorm(w(p + "input_layernorm.weight"), cfg.rms_norm_eps)
+        self.attn = Attention(cfg, i, w, qk_norm=True)
+        self.post_norm = RMSNorm(w(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps)
+        self.mlp = MoE(cfg, i, w, experts) if cfg.is_moe_layer(i) else DenseMLP(p + "mlp", w)
+
+    def __call__(self, x, rope, batch: ForwardBatch, cache: KVCache):
+        x = x + self.attn(self.input_norm(x), rope, batch, cache)
+        return x + self.mlp(self.post_norm(x))
+
+
+def build_qwen3_moe(cfg: ModelConfig, w: Weights, experts: ExpertSource) -> CausalLM:
+    return CausalLM(cfg, w, [Qwen3MoeLayer(cfg, i, w, experts) for i in range(cfg.num_hidden_layers)])
