@@ -140,3 +140,198 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tab
         out.index_add_(0, idx, h * weight[start:start + count, None])
         start += count
     return out
+
+
+# == Gated DeltaNet (Qwen3-Next linear attention) =============================
+# Everything below is one sequence at a time (prefill) or one token per sequence
+# (decode), fp32 inside. Shapes: T tokens, Hk key heads, Hv value heads (a
+# multiple of Hk: value head h reads key head h // (Hv // Hk), as transformers'
+# repeat_interleave does), K key dim, V value dim, C conv channels, W conv width.
+# The recurrent state of a value head is S: [K, V]; per token
+#     S = S * exp(g);  delta = beta * (v - S^T k);  S = S + k delta^T;  o = S^T q
+# where q and k are (optionally) L2-normalized and q is scaled by K^-0.5 inside
+# these functions, exactly where transformers' torch_*_gated_delta_rule and
+# FLA's kernels do it: l2norm first, then the scale. Callers pass raw q and k.
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6, dim: int = -1) -> torch.Tensor:
+    """`x / sqrt(sum(x^2) + eps)` along `dim` (transformers' and FLA's form: eps inside the root)."""
+    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def deltanet_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                   dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-decay and write strength. a, b: [..., Hv]; A_log, dt_bias: [Hv].
+
+    Returns g = -exp(A_log) * softplus(a + dt_bias) (fp32, <= 0) and beta = sigmoid(b)
+    (in b's dtype), as Qwen3NextGatedDeltaNet computes them.
+    """
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return g, b.sigmoid()
+
+
+def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor,
+                          conv_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU over one sequence's new tokens.
+
+    x: [T, C]; weight: [C, W] (conv1d.weight squeezed; column W-1 meets the current
+    token); conv_state: [C, W-1], the inputs of the W-1 tokens before x (oldest
+    first), None for a fresh sequence (zeros). Returns y: [T, C] in x's dtype and
+    the new conv state [C, W-1] (the last W-1 inputs, earlier state included when
+    T < W-1). Nothing is modified in place.
+    """
+    c, w = weight.shape
+    if conv_state is None:
+        conv_state = x.new_zeros(c, w - 1)
+    xs = torch.cat([conv_state.float().T, x.float()])  # [W-1+T, C]
+    windows = xs.unfold(0, w, 1)  # [T, C, W]: windows[t] = inputs t .. t+W-1 (t+W-1 is token t)
+    y = F.silu((windows * weight.float()).sum(-1))
+    new_state = xs[xs.shape[0] - (w - 1):].T.to(conv_state.dtype)
+    return y.to(x.dtype), new_state
+
+
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                         slots: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode token per sequence: depthwise causal conv + SiLU, state updated in place.
+
+    x: [B, C]; weight: [C, W]. Without `slots`, conv_state is [B, C, W-1] and row b
+    is sequence b's state. With `slots` [B] (int), conv_state is a pool [N, C, W-1]
+    and sequence b owns row slots[b]; slots must be distinct, and a slot < 0 marks a
+    padding row (zero output, no state touched). Returns y: [B, C] in x's dtype.
+    """
+    batch, rows = _live_rows(slots, x.shape[0], x.device)
+    xs = torch.cat([conv_state[rows].float(), x[batch].float()[:, :, None]], dim=-1)  # [B', C, W]
+    y = x.new_zeros(x.shape)
+    y[batch] = F.silu((xs * weight.float()).sum(-1)).to(x.dtype)
+    conv_state[rows] = xs[:, :, 1:].to(conv_state.dtype)
+    return y
+
+
+def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, state: torch.Tensor | None = None, *,
+                               use_qk_l2norm: bool = False,
+                               scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule token by token over one sequence (the definition).
+
+    q, k: [T, Hk, K]; v: [T, Hv, V]; g (log-decay, <= 0), beta: [T, Hv];
+    state: [Hv, K, V] or None (zeros). q, k are L2-normalized here if
+    `use_qk_l2norm`, then q is multiplied by `scale` (default K^-0.5).
+    Returns o: [T, Hv, V] in q's dtype and the final state [Hv, K, V] fp32;
+    `state` itself is not modified.
+    """
+    out_dtype = q.dtype
+    q, k, v, g, beta = _prepare_delta_inputs(q, k, v, g, beta, use_qk_l2norm, scale)
+    s = _initial_state(state, k, v)
+    o = torch.empty_like(v)  # [T, Hv, V]
+    for t in range(v.shape[0]):
+        s, o[t] = _delta_step(s, q[t], k[t], v[t], g[t], beta[t])
+    return o.to(out_dtype), s
+
+
+def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                             beta: torch.Tensor, state: torch.Tensor | None = None, *,
+                             use_qk_l2norm: bool = False, scale: float | None = None,
+                             chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over one sequence in chunks (the prefill form); equals the recurrence.
+
+    Same arguments and results as `gated_delta_rule_recurrent`. T is padded to a
+    multiple of `chunk_size` with tokens that change nothing (g = 0, beta = 0, k = 0).
+
+    Within a chunk of n tokens starting from state S0, with G_i = sum_{j<=i} g_j and
+    D_ij = exp(G_i - G_j) for j <= i (0 above the diagonal), the writes U = [u_i]
+    (S gains k_i u_i^T at step i) solve the unit lower-triangular system
+        (I + tril(diag(beta) K K^T * D, -1)) U = diag(beta) V - diag(beta exp(G)) K S0
+    (the WY / UT transform), and then
+        O     = (Q * exp(G)) S0 + ((Q K^T) * D) U
+        S_end = exp(G_n) S0 + (K * exp(G_n - G))^T U.
+    """
+    out_dtype = q.dtype
+    q, k, v, g, beta = _prepare_delta_inputs(q, k, v, g, beta, use_qk_l2norm, scale)
+    t_len, hv, dv = v.shape
+    s = _initial_state(state, k, v)
+    if t_len == 0:
+        return v.to(out_dtype), s
+    pad = (-t_len) % chunk_size
+    n = chunk_size
+    # [T, H, D] -> [H, chunks, n, D]; [T, H] -> [H, chunks, n]
+    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).reshape(-1, n, hv, x.shape[-1]).permute(2, 0, 1, 3) for x in (q, k, v))
+    g, beta = (F.pad(x, (0, 0, 0, pad)).reshape(-1, n, hv).permute(2, 0, 1) for x in (g, beta))
+
+    G = g.cumsum(-1)  # [H, N, n]
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    # D[..., i, j] = exp(G_i - G_j) on and below the diagonal; masked before exp so it cannot overflow
+    D = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [H, N, n, n]
+    k_beta = k * beta[..., None]
+    L = (k_beta @ k.transpose(-1, -2) * D).tril(-1) + torch.eye(n, device=q.device)
+    rhs = torch.cat([v * beta[..., None], k_beta * G.exp()[..., None]], dim=-1)  # [H, N, n, V+K]
+    w = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
+    u_free, w_state = w[..., :dv], w[..., dv:]  # U = u_free - w_state @ S0
+    attn = q @ k.transpose(-1, -2) * D  # [H, N, n, n]
+    q_decayed = q * G.exp()[..., None]
+    k_to_end = k * (G[..., -1:] - G).exp()[..., None]
+    chunk_decay = G[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
+
+    o = torch.empty_like(v)
+    for c in range(o.shape[1]):
+        u = u_free[:, c] - w_state[:, c] @ s  # [H, n, V]
+        o[:, c] = q_decayed[:, c] @ s + attn[:, c] @ u
+        s = s * chunk_decay[:, c] + k_to_end[:, c].transpose(-1, -2) @ u
+    o = o.permute(1, 2, 0, 3).reshape(-1, hv, dv)[:t_len]  # [H, N, n, V] -> [T, Hv, V]
+    return o.to(out_dtype), s
+
+
+def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                            beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor | None = None, *,
+                            use_qk_l2norm: bool = False, scale: float | None = None) -> torch.Tensor:
+    """One decode token for each of B sequences; their recurrent states are updated in place.
+
+    q, k: [B, Hk, K]; v: [B, Hv, V]; g, beta: [B, Hv]. Without `slots`, state is
+    [B, Hv, K, V]. With `slots` [B] (int), state is a pool [N, Hv, K, V] and
+    sequence b owns state[slots[b]]; slots must be distinct, and a slot < 0 marks a
+    padding row (zero output, no state touched). Returns o: [B, Hv, V] in q's dtype.
+    """
+    batch, rows = _live_rows(slots, q.shape[0], q.device)
+    qf, kf, vf, gf, bf = _prepare_delta_inputs(q[batch], k[batch], v[batch], g[batch], beta[batch],
+                                               use_qk_l2norm, scale)
+    s, o_live = _delta_step(state[rows].float(), qf, kf, vf, gf, bf)
+    state[rows] = s.to(state.dtype)
+    o = q.new_zeros(v.shape)
+    o[batch] = o_live.to(q.dtype)
+    return o
+
+
+def _live_rows(slots: torch.Tensor | None, b: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch rows that are real sequences [B'], the state rows they own [B'])."""
+    rows = torch.arange(b, device=device)
+    if slots is None:
+        return rows, rows
+    slots = slots.long()
+    live = slots >= 0
+    return rows[live], slots[live]
+
+
+def _prepare_delta_inputs(q, k, v, g, beta, use_qk_l2norm: bool, scale: float | None):
+    """fp32 q, k expanded to the value heads, normalized and scaled as transformers does."""
+    hk, hv = k.shape[-2], v.shape[-2]
+    if hv % hk:
+        raise ValueError(f"value heads ({hv}) must be a multiple of key heads ({hk})")
+    q, k = (x.float().repeat_interleave(hv // hk, dim=-2) for x in (q, k))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
+    return q, k, v.float(), g.float(), beta.float()
+
+
+def _initial_state(state: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """[Hv, K, V] fp32: a copy of `state`, or zeros for a fresh sequence."""
+    if state is None:
+        return torch.zeros(v.shape[-2], k.shape[-1], v.shape[-1], dtype=torch.float32, device=v.device)
+    return state.float().clone()
+
+
+def _delta_step(s, q, k, v, g, beta):
+    """One token of the rule for any leading dims. s: [..., K, V]; q, k: [..., K]; v: [..., V]; g, beta: [...]."""
+    s = s * g.exp()[..., None, None]
+    delta = beta[..., None] * (v - torch.einsum("...kv,...k->...v", s, k))
+    s = s + k[..., :, None] * delta[..., None, :]
+    return s, torch.einsum("...kv,...k->...v", s, q)
