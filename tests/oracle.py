@@ -54,3 +54,23 @@ def compare_with_reference(model, cache, hf_model, prompts: list[list[int]], ste
                 continue
             assert int(ours[b].argmax()) == ref_tokens[step], f"seq {b} step {step}: greedy token differs"
     return OracleResult(worst_rel_err=worst, ties=ties)
+
+
+def compare_prefill_rows(model, cache, hf_model, prompts: list[list[int]], tol: float = 1e-4) -> float:
+    """Prefill all prompts in one batch and compare the logits of every prompt row."""
+    from radianced.kv.blocks import BlockAllocator
+    from radianced.model.batch import ForwardBatch
+
+    alloc = BlockAllocator(cache.num_blocks, cache.block_size)
+    tables = [alloc.allocate(alloc.blocks_for(len(p))) for p in prompts]
+    if cache.states is not None:
+        for b in range(len(prompts)):
+            cache.states.reset(b)
+    batch = ForwardBatch.build(prompts, [0] * len(prompts), tables, cache.block_size, logits="all",
+                               state_slots=list(range(len(prompts))))
+    with torch.inference_mode():
+        ours = model.forward(batch, cache)  # [sum(len), V]
+        refs = torch.cat([hf_model(torch.tensor([p])).logits[0].float() for p in prompts])
+    err = float(((ours - refs).abs().max(-1).values / refs.abs().max(-1).values).max())
+    assert err < tol, f"prefill logits differ by {err:.2e} of max|logit|"
+    return err

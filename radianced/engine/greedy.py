@@ -26,7 +26,8 @@ def greedy_generate(model, cache: KVCache, prompts: list[list[int]], max_new_tok
                     forced: list[list[int]] | None = None, stop_ids: tuple[int, ...] = ()) -> GreedyTrace:
     """Greedy continuation of each prompt; `forced[b]` (teacher forcing) overrides the pick.
 
-    Sequences stop early on any of `stop_ids` (the stop token is kept).
+    Sequence b uses recurrent-state slot b (the cache needs len(prompts) slots on
+    hybrid models). Sequences stop early on any of `stop_ids` (the stop token is kept).
     """
     alloc = BlockAllocator(cache.num_blocks, cache.block_size)
     tables: list[list[int]] = [[] for _ in prompts]
@@ -34,11 +35,15 @@ def greedy_generate(model, cache: KVCache, prompts: list[list[int]], max_new_tok
     pending = [list(p) for p in prompts]
     trace = GreedyTrace(tokens=[[] for _ in prompts])
     live = list(range(len(prompts)))
+    if cache.states is not None:
+        for b in live:
+            cache.states.reset(b)
     for step in range(max_new_tokens):
         for b in live:
             alloc.grow(tables[b], done[b] + len(pending[b]))
         batch = ForwardBatch.build([pending[b] for b in live], [done[b] for b in live],
-                                   [tables[b] for b in live], cache.block_size, device=cache.storage.device)
+                                   [tables[b] for b in live], cache.block_size, state_slots=live,
+                                   device=cache.storage.device)
         with torch.inference_mode():
             logits = model.forward(batch, cache)  # [B, V]
         trace.logits.append(logits.cpu())

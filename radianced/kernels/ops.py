@@ -18,3 +18,6 @@ write_kv = reference.write_kv
 paged_attention = reference.paged_attention
 moe = reference.moe
 
+deltanet_gates = reference.deltanet_gates
+causal_conv1d_prefill = reference.causal_conv1d_prefill
+gated_delta_rule_chunked = reference.gated_delta_rule_chunked

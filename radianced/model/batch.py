@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from radianced.model.config import ModelConfig
+
 
 @dataclass(frozen=True)
 class ForwardBatch:
@@ -91,20 +93,24 @@ class KVCache:
     [P, N, S, Hkv, D] views the attention op reads.
     """
 
-    def __init__(self, storage: torch.Tensor, layers: tuple[int, ...]):
+    def __init__(self, storage: torch.Tensor, layers: tuple[int, ...], states: RecurrentState | None = None):
         # storage: [P, N, L, 2, S, Hkv, D]
         self.storage = storage
+        self.states = states
         self.block_size = storage.shape[4]
         self.blocks_per_page = storage.shape[1]
         self._index = {layer: i for i, layer in enumerate(layers)}
 
     @classmethod
-    def allocate(cls, num_blocks: int, block_size: int, layers: tuple[int, ...], kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> KVCache:
-        """A standalone cache of num_blocks blocks (one block per page)."""
-        storage = torch.zeros((num_blocks, 1, len(layers), 2, block_size, kv_heads, head_dim),
+    def allocate(cls, cfg: ModelConfig, num_blocks: int, block_size: int, num_state_slots: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> KVCache:
+        """A standalone cache of num_blocks blocks (one block per page) and, for hybrid
+        models, num_state_slots recurrent-state slots."""
+        layers = cfg.full_attention_layers
+        storage = torch.zeros((num_blocks, 1, len(layers), 2, block_size, cfg.num_key_value_heads, cfg.head_dim),
                               dtype=dtype, device=device)
-        return cls(storage, layers)
+        states = RecurrentState.allocate(cfg, num_state_slots, dtype, device) if cfg.linear_attention_layers else None
+        return cls(storage, layers, states)
 
     @property
     def num_blocks(self) -> int:
@@ -113,3 +119,33 @@ class KVCache:
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = self._index[layer]
         return self.storage[:, :, i, 0], self.storage[:, :, i, 1]
+
+
+class RecurrentState:
+    """Per-sequence state slots of the linear-attention (Gated DeltaNet) layers.
+
+    conv: [L, slots, C, K-1] (the last K-1 conv inputs, model dtype) and
+    recurrent: [L, slots, Hv, Dk, Dv] (fp32) for the L linear-attention layers.
+    A sequence owns one slot index across all of them; `reset` zeroes it.
+    """
+
+    def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor, layers: tuple[int, ...]):
+        self.conv, self.recurrent = conv, recurrent
+        self._index = {layer: i for i, layer in enumerate(layers)}
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, slots: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        layers = cfg.linear_attention_layers
+        channels = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        conv = torch.zeros((len(layers), slots, channels, cfg.linear_conv_kernel_dim - 1), dtype=dtype, device=device)
+        recurrent = torch.zeros((len(layers), slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                 cfg.linear_value_head_dim), dtype=torch.float32, device=device)
+        return cls(conv, recurrent, layers)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i = self._index[layer]
+        return self.conv[i], self.recurrent[i]
+
+    def reset(self, slot: int) -> None:
+        self.conv[:, slot].zero_()
+        self.recurrent[:, slot].zero_()

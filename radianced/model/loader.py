@@ -11,6 +11,7 @@ from radianced.model.experts import ExpertSource, ResidentExperts
 from radianced.model.layers import CausalLM, Weights
 from radianced.model.llama import build_llama
 from radianced.model.qwen3_moe import build_qwen3_moe
+from radianced.model.qwen3_next import build_qwen3_next
 
 if TYPE_CHECKING:
     from radianced.model.rad import RadFile
@@ -22,7 +23,9 @@ def build_model(cfg: ModelConfig, weights: Weights, experts: ExpertSource | None
         return build_llama(cfg, weights)
     if cfg.family == "qwen3_moe":
         return build_qwen3_moe(cfg, weights, experts)
-    raise ValueError(f"family {cfg.family!r} has no model yet")
+    if cfg.family == "qwen3_next":
+        return build_qwen3_next(cfg, weights, experts)
+    raise ValueError(f"family {cfg.family!r} has no model")
 
 
 def load_model(rad: RadFile, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,

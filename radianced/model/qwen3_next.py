@@ -1,0 +1,82 @@
+"""Qwen3-Next (Qwen3-Next-80B-A3B): a hybrid of Gated DeltaNet linear attention
+and gated full attention (3:1 by default, any pattern via `layer_types`), every
+layer followed by routed experts plus a sigmoid-gated shared expert.
+
+Norms are zero-centred (x * (1 + w)) except the DeltaNet output norm, which is
+the ordinary kind, gated by silu(z). Full attention has per-head q/k norms,
+partial RoPE and an output gate. The `mtp.*` weights stay in the file for the
+speculative-decoding issue; this forward does not read them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from radianced.kernels import ops
+from radianced.model.batch import ForwardBatch, KVCache
+from radianced.model.config import ModelConfig
+from radianced.model.experts import ExpertSource
+from radianced.model.layers import MoE, Attention, CausalLM, DenseMLP, RMSNorm, Weights
+
+
+class GatedDeltaNet:
+    """Linear attention with a delta-rule state per value head, one state slot per sequence.
+
+    in_proj_qkvz is grouped per key head as [q | k | v (r heads) | z (r heads)] and
+    in_proj_ba as [b (r) | a (r)], r = value heads per key head. q, k, v pass a
+    depthwise causal conv1d + SiLU; beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias).
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int, w: Weights):
+        p = f"model.layers.{layer}.linear_attn."
+        self.layer = layer
+        self.nk, self.nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.r = self.nv // self.nk
+        self.w_qkvz, self.w_ba = w(p + "in_proj_qkvz.weight"), w(p + "in_proj_ba.weight")
+        self.conv_weight = w(p + "conv1d.weight").squeeze(1)  # [C, K]
+        self.dt_bias, self.a_log = w(p + "dt_bias"), w(p + "A_log")
+        self.norm_weight, self.eps = w(p + "norm.weight"), cfg.rms_norm_eps
+        self.w_out = w(p + "out_proj.weight")
+
+    def __call__(self, x, rope, batch: ForwardBatch, cache: KVCache):
+        t = x.shape[0]  # x: [T, hidden]
+        qkvz = F.linear(x, self.w_qkvz).view(t, self.nk, 2 * self.dk + 2 * self.r * self.dv)
+        q, k, v, z = qkvz.split([self.dk, self.dk, self.r * self.dv, self.r * self.dv], dim=-1)
+        b, a = F.linear(x, self.w_ba).view(t, self.nk, 2 * self.r).split([self.r, self.r], dim=-1)
+        mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)  # [T, C]
+        g, beta = ops.deltanet_gates(a.reshape(t, self.nv), b.reshape(t, self.nv), self.a_log, self.dt_bias)
+        conv_states, rec_states = cache.states.layer(self.layer)
+        out = torch.empty((t, self.nv, self.dv), dtype=x.dtype, device=x.device)
+        for s, slot in enumerate(batch.state_slots.tolist()):  # host list: the reference loops per sequence
+            lo, hi = batch.query_start[s], batch.query_start[s + 1]
+            y, conv_states[slot] = ops.causal_conv1d_prefill(mixed[lo:hi], self.conv_weight, conv_states[slot])
+            qs, ks, vs = y.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
+            o, rec_states[slot] = ops.gated_delta_rule_chunked(
+                qs.reshape(-1, self.nk, self.dk), ks.reshape(-1, self.nk, self.dk), vs.reshape(-1, self.nv, self.dv),
+                g[lo:hi], beta[lo:hi], rec_states[slot], use_qk_l2norm=True)  # q, k: raw key heads
+            out[lo:hi] = o
+        o = ops.gated_rms_norm(out, z.reshape(t, self.nv, self.dv), self.norm_weight, self.eps)
+        return F.linear(o.reshape(t, self.nv * self.dv), self.w_out)
+
+
+class Qwen3NextLayer:
+    def __init__(self, cfg: ModelConfig, i: int, w: Weights, experts: ExpertSource):
+        p, eps = f"model.layers.{i}.", cfg.rms_norm_eps
+        self.input_norm = RMSNorm(w(p + "input_layernorm.weight"), eps, zero_centred=True)
+        if cfg.layer_type(i) == "linear_attention":
+            self.mixer = GatedDeltaNet(cfg, i, w)
+        else:
+            self.mixer = Attention(cfg, i, w, qk_norm=True, output_gate=True, zero_centred=True)
+        self.post_norm = RMSNorm(w(p + "post_attention_layernorm.weight"), eps, zero_centred=True)
+        self.mlp = MoE(cfg, i, w, experts) if cfg.is_moe_layer(i) else DenseMLP(p + "mlp", w)
+
+    def __call__(self, x, rope, batch: ForwardBatch, cache: KVCache):
+        x = x + self.mixer(self.input_norm(x), rope, batch, cache)
+        return x + self.mlp(self.post_norm(x))
+
+
+def build_qwen3_next(cfg: ModelConfig, w: Weights, experts: ExpertSource) -> CausalLM:
+    return CausalLM(cfg, w, [Qwen3NextLayer(cfg, i, w, experts) for i in range(cfg.num_hidden_layers)],
+                    zero_centred=True)
