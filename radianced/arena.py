@@ -1,0 +1,292 @@
+"""The elastic region: one device allocation cut into equal pages, leased to tenants.
+
+Two tenants share it (DESIGN.md "Memory model"): KV blocks (`KV`) and expert
+slots (`EXPERTS`). A page belongs to at most one tenant. A `Policy` says who may
+take what:
+
+- `LendingPolicy`: a tenant takes free pages first (experts leave `kv_buffer`
+  free pages to KV), then takes pages back from tenants that can give them up,
+  cheapest to get back per byte first (one eviction order for the whole arena);
+  expert slots are taken back only down to `expert_floor`, and the KV tenant
+  only ever gives up pages no live request uses (its reclaimer's contract).
+- `FixedPolicy` (`--deterministic`): each tenant has a quota; no lending.
+
+Reuse after eviction: a released page may still be read by a step already
+queued, so `release` takes a `Fence` (on CUDA, an event recorded after that
+step); the page is handed out again only once the fence has passed. On the CPU
+the work is done when the call returns: `PASSED`.
+
+The arena knows pages only; what a page holds is the tenant's business
+(`page_view`, `paged_view` interpret the bytes).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from radianced.budget import Card, Receipt
+
+KV, EXPERTS = "kv", "experts"
+TENANTS = (KV, EXPERTS)  # tie-break of the eviction order
+
+
+class OutOfPages(RuntimeError):
+    """A lease could not be filled now; nothing was leased (pages taken back stay free)."""
+
+
+class Fence(Protocol):
+    def passed(self) -> bool:
+        """True once every step that may read the released pages has finished."""
+
+
+class _Passed:
+    def passed(self) -> bool:
+        return True
+
+
+PASSED: Fence = _Passed()
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Pages held by one tenant. Plain data: releasing any subset the tenant holds is fine."""
+
+    tenant: str
+    pages: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+
+class Reclaimer(Protocol):
+    """A tenant's side of eviction; the arena calls it while filling another lease
+    (or one of the tenant's own) and must not be re-entered from it."""
+
+    def reclaim_cost(self) -> float:
+        """Cost per byte of getting back the cheapest page it can give up now; math.inf if none."""
+
+    def surrender(self, n: int) -> tuple[Lease, Fence]:
+        """Give up to n pages (cheapest first), forgetting what they held; returns them
+        and the fence after which nothing reads them. May return fewer, even none."""
+
+
+class Policy(Protocol):
+    def quota(self, tenant: str) -> int | None:
+        """Most pages `tenant` may hold, or None for no cap."""
+
+    def free_allowance(self, tenant: str, free: int) -> int:
+        """How many of `free` free pages `tenant` may take."""
+
+    def reclaimable(self, requester: str, victim: str, held: int) -> int:
+        """How many of the `held` pages of `victim` `requester` may take back."""
+
+
+@dataclass(frozen=True)
+class LendingPolicy:
+    expert_floor: int = 0  # expert slots KV never takes back
+    kv_buffer: int = 0  # free pages experts leave for KV
+
+    def quota(self, tenant: str) -> int | None:
+        return None
+
+    def free_allowance(self, tenant: str, free: int) -> int:
+        return max(0, free - self.kv_buffer) if tenant == EXPERTS else free
+
+    def reclaimable(self, requester: str, victim: str, held: int) -> int:
+        if victim == EXPERTS:  # experts never evict each other here: the slab swaps its own slots
+            return 0 if requester == EXPERTS else max(0, held - self.expert_floor)
+        return held  # KV's reclaimer gives up only pages no live request uses
+
+
+@dataclass(frozen=True)
+class FixedPolicy:
+    quotas: tuple[tuple[str, int], ...]  # (tenant, pages)
+
+    def quota(self, tenant: str) -> int | None:
+        return dict(self.quotas).get(tenant, 0)
+
+    def free_allowance(self, tenant: str, free: int) -> int:
+        return free
+
+    def reclaimable(self, requester: str, victim: str, held: int) -> int:
+        return held if requester == victim else 0  # a tenant may recycle only its own pages
+
+
+def policy_for(receipt: Receipt) -> Policy:
+    """The policy a receipt's split implies."""
+    if receipt.mode == "lending":
+        return LendingPolicy(expert_floor=receipt.expert_floor, kv_buffer=receipt.kv_buffer_pages)
+    return FixedPolicy(((EXPERTS, receipt.expert_slots), (KV, receipt.kv_start_pages)))
+
+
+@dataclass(frozen=True)
+class ArenaStats:
+    held: tuple[tuple[str, int], ...]  # pages per tenant
+    free: int
+    pending: int  # released, waiting for their fence
+    moved: tuple[tuple[tuple[str, str], int], ...]  # ((from, to), pages taken back)
+
+
+class Arena:
+    def __init__(self, num_pages: int, page_bytes: int, device: torch.device | str = "cpu",
+                 policy: Policy | None = None):
+        if page_bytes <= 0 or page_bytes % 4096:
+            raise ValueError(f"page_bytes {page_bytes} must be a positive multiple of 4096")
+        self.num_pages, self.page_bytes = num_pages, page_bytes
+        self.policy = policy or LendingPolicy()
+        # storage: [num_pages * page_bytes] uint8, allocated once and never resized
+        self.storage = torch.empty(num_pages * page_bytes, dtype=torch.uint8, device=device)
+        self._owner: list[str | None] = [None] * num_pages
+        self._free = list(range(num_pages))  # a heap: the lowest page id goes out first
+        self._pending: list[tuple[Fence, list[int]]] = []
+        self._held = Counter({t: 0 for t in TENANTS})
+        self._moved: Counter = Counter()
+        self._reclaimers: dict[str, Reclaimer] = {}
+
+    @classmethod
+    def from_receipt(cls, receipt: Receipt, device: torch.device | str = "cpu") -> Arena:
+        """The arena a receipt's elastic line describes, with its policy."""
+        return cls(receipt.arena_pages, receipt.page_bytes, device, policy_for(receipt))
+
+    def register(self, tenant: str, reclaimer: Reclaimer) -> None:
+        """Let the arena take pages back from `tenant` through `reclaimer`."""
+        self._reclaimers[tenant] = reclaimer
+
+    # -- leasing -------------------------------------------------------------------
+
+    def held(self, tenant: str) -> int:
+        return self._held[tenant]
+
+    @property
+    def num_free(self) -> int:
+        self._settle()
+        return len(self._free)
+
+    def lease(self, tenant: str, n: int) -> Lease:
+        """n pages for `tenant`, all or nothing; the lowest free page ids first.
+
+        Takes free pages the policy allows; if short, takes pages back from
+        registered tenants, cheapest to get back per byte first, until the free
+        and fenced pages cover n. Raises OutOfPages when the quota forbids it or
+        the pages are not there now (pages taken back meanwhile stay free for the
+        next call; fenced ones become free when their fence passes).
+        """
+        quota = self.policy.quota(tenant)
+        if quota is not None and self._held[tenant] + n > quota:
+            raise OutOfPages(f"{tenant}: {self._held[tenant]} pages held + {n} asked is past its quota of {quota}")
+        self._settle()
+        exhausted: set[str] = set()
+        while self._usable(tenant) + self._pending_count() < n:
+            victim = self._cheapest_victim(tenant, exhausted)
+            if victim is None:
+                break
+            allowed = self.policy.reclaimable(tenant, victim, self._held[victim])
+            need = n - self._usable(tenant) - self._pending_count()
+            given, fence = self._reclaimers[victim].surrender(min(need, allowed))
+            if not given.pages:
+                exhausted.add(victim)
+                continue
+            if given.tenant != victim:
+                raise ValueError(f"{victim}'s reclaimer surrendered pages of {given.tenant}")
+            self.release(given, fence)
+            self._moved[(victim, tenant)] += len(given)
+        if self._usable(tenant) < n:
+            raise OutOfPages(f"{tenant}: asked for {n} pages, {self._usable(tenant)} usable now "
+                             f"({len(self._free)} free, {self._pending_count()} waiting for their fence)")
+        pages = tuple(heapq.heappop(self._free) for _ in range(n))
+        for p in pages:
+            self._owner[p] = tenant
+        self._held[tenant] += n
+        return Lease(tenant, pages)
+
+    def release(self, lease: Lease, fence: Fence = PASSED) -> None:
+        """Give back `lease`'s pages; they are leased again once `fence` has passed.
+
+        Raises ValueError, changing nothing, if any page is not held by lease.tenant.
+        """
+        for p in lease.pages:
+            if not 0 <= p < self.num_pages or self._owner[p] != lease.tenant:
+                raise ValueError(f"page {p} is not held by {lease.tenant}")
+        if len(set(lease.pages)) != len(lease.pages):
+            raise ValueError(f"lease lists a page twice: {lease.pages}")
+        for p in lease.pages:
+            self._owner[p] = None
+        self._held[lease.tenant] -= len(lease)
+        self._pending.append((fence, list(lease.pages)))
+        self._settle()
+
+    def stats(self) -> ArenaStats:
+        self._settle()
+        return ArenaStats(tuple((t, self._held[t]) for t in TENANTS), len(self._free), self._pending_count(),
+                          tuple(sorted(self._moved.items())))
+
+    def _usable(self, tenant: str) -> int:
+        return min(len(self._free), self.policy.free_allowance(tenant, len(self._free)))
+
+    def _pending_count(self) -> int:
+        return sum(len(pages) for _, pages in self._pending)
+
+    def _settle(self) -> None:
+        """Move pages whose fence has passed to the free heap."""
+        waiting = []
+        for fence, pages in self._pending:
+            if fence.passed():
+                for p in pages:
+                    heapq.heappush(self._free, p)
+            else:
+                waiting.append((fence, pages))
+        self._pending = waiting
+
+    def _cheapest_victim(self, requester: str, exhausted: set[str]) -> str | None:
+        best, best_cost = None, math.inf
+        for t in TENANTS:
+            r = self._reclaimers.get(t)
+            if r is None or t in exhausted or self.policy.reclaimable(requester, t, self._held[t]) <= 0:
+                continue
+            cost = r.reclaim_cost()
+            if cost < best_cost:
+                best, best_cost = t, cost
+        return best
+
+    # -- interpreting pages --------------------------------------------------------
+
+    def page_view(self, page: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """Page `page`'s first bytes as a [*shape] `dtype` tensor (a view, no copy)."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        self._check_fits(nbytes, shape, dtype)
+        start = page * self.page_bytes
+        return self.storage[start:start + nbytes].view(dtype).view(shape)
+
+    def paged_view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """Every page as [num_pages, *shape] `dtype` (a view): a tenant indexes it by its page ids.
+
+        Each page's bytes past the shape are left out (e.g. KV: [P, N, L, 2, S, Hkv, D]).
+        """
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        self._check_fits(nbytes, shape, dtype)
+        pages = self.storage.view(self.num_pages, self.page_bytes)[:, :nbytes]  # [P, nbytes], strides (page, 1)
+        return pages.view(dtype).view(self.num_pages, *shape)
+
+    def _check_fits(self, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        if nbytes > self.page_bytes:
+            raise ValueError(f"{list(shape)} {dtype} needs {nbytes} bytes; a page holds {self.page_bytes}")
+
+
+def detect_card(device: torch.device | str) -> Card:
+    """The card `plan` divides: CUDA's free and total memory, or on the CPU half of RAM
+    (free: the part of that half the OS reports available)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return Card(total, free)
+    import psutil
+
+    vm = psutil.virtual_memory()
+    total = vm.total // 2
+    return Card(total, min(total, vm.available))

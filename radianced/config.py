@@ -1,0 +1,288 @@
+"""The daemon's flags as one frozen, validated `Config`, built once at start-up.
+
+`add_flags(parser)` declares every flag of SPEC §2 and §9 on an argparse
+parser; `Config.from_args(ns)` (or `parse_config(argv)`) turns the parsed
+namespace into a `Config`. Nothing else reads flags.
+
+Two kinds of refusal, both a `ConfigError` whose message names the flag and
+what would work:
+
+- a bad value (negative, absurd, two flags that contradict each other) is
+  refused when the `Config` is built, however it is built;
+- a flag whose feature has not landed is parsed and then refused by
+  `from_args` with "<flag>: not yet supported". The list is `NOT_YET_SUPPORTED`
+  below; an issue that lands a feature deletes its line.
+
+Values that need the model or the card (`--max-model-len 0` = the trained
+context, the headroom implied by `--gpu-memory-mib`) are resolved by the
+budget, not here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections.abc import Sequence
+
+import msgspec
+
+MiB = 1 << 20
+
+DEFAULT_HEADROOM_MIB = 96
+PLACEMENTS = ("auto", "expert_tiered", "resident")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_v4", "k6_v4")
+TABLE_PLACEMENTS = ("vram", "ram")  # --embedding-placement, --vision-tower-placement
+NGRAM_PLACEMENT = re.compile(r"^(vram|ram|disk)$|^(ram|disk)=.+$")
+KV_RESIDENT_MIN_TOKENS = 32768  # SPEC §6: a smaller ring is raised to this
+
+# -- not yet landed ----------------------------------------------------------
+# flag -> (Config field, the value that means "feature off"). The parser accepts
+# these flags; `Config.from_args` refuses any other value. Delete a line when its
+# feature lands.
+NOT_YET_SUPPORTED: dict[str, tuple[str, object]] = {
+    "--speculative": ("speculative", 0),
+    "--kv-resident": ("kv_resident", 0),
+    "--tp": ("tp", 1),
+    "--ngram-placement": ("ngram_placement", None),
+    "--vision-tower-placement": ("vision_tower_placement", None),
+}
+# --kv-cache-dtype values that work; add a dtype when its issue lands.
+LANDED_KV_CACHE_DTYPES = ("auto",)
+
+
+class ConfigError(ValueError):
+    """A flag value the daemon cannot start with; the message names the flag and the fix."""
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True):
+    """Every flag, validated. Field names are the flags' argparse dests."""
+
+    # model and serving (SPEC §9)
+    model: str | None = None  # None = the bundled SmolLM2-135M-Instruct
+    served_model_name: str | None = None  # None = the model file's stem
+    host: str = "127.0.0.1"
+    port: int = 8000
+    http_socket: str | None = None
+    control_socket: str | None = None
+    api_key: str | None = None
+    max_queue: int = 128
+    drain_timeout: float = 30.0
+    # the card split (SPEC §2)
+    gpu_headroom_mib: int | None = None  # None = DEFAULT_HEADROOM_MIB unless --gpu-memory-mib
+    gpu_memory_mib: int | None = None
+    card_mib: int | None = None  # plan a card of this size instead of the detected one
+    max_model_len: int = 0  # 0 = the model's trained context
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 16
+    host_pool_mib: int = 0
+    placement: str = "auto"
+    deterministic: bool = False
+    weights_disk_tier: bool = False
+    expert_slots: int | None = None  # None = as many as the budget allows
+    kv_cache_dtype: str = "auto"
+    kv_resident: int = 0
+    embedding_placement: str = "ram"
+    ngram_placement: str | None = None
+    vision_tower_placement: str | None = None
+    speculative: int = 0
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+    # -- derived values ----------------------------------------------------
+
+    @property
+    def lending(self) -> bool:
+        """KV and experts lend each other pages (`auto`/`expert_tiered` without `--deterministic`)."""
+        return self.placement != "resident" and not self.deterministic
+
+    @property
+    def state_copies(self) -> int:
+        """Recurrent-state copies per live sequence: one, plus one per draft token."""
+        return self.speculative + 1
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens of a step where every live sequence decodes (with its drafts)."""
+        return self.max_num_seqs * (self.speculative + 1)
+
+    @property
+    def kv_resident_tokens(self) -> int:
+        """The KV streaming ring in tokens (0 = off), raised to the minimum."""
+        return max(self.kv_resident, KV_RESIDENT_MIN_TOKENS) if self.kv_resident else 0
+
+    @property
+    def embeddings_on_card(self) -> bool:
+        return self.embedding_placement == "vram"
+
+    def headroom_bytes(self, card_total_bytes: int) -> int:
+        """Bytes of the card left untouched: `--gpu-headroom-mib`, or card − `--gpu-memory-mib`.
+
+        May be negative when `--gpu-memory-mib` claims more than the card; the
+        budget refuses that with the card's size in the message.
+        """
+        if self.gpu_memory_mib is not None:
+            return card_total_bytes - self.gpu_memory_mib * MiB
+        return self.headroom_mib * MiB
+
+    @property
+    def headroom_mib(self) -> int:
+        """`--gpu-headroom-mib` as given or its default (meaningless with `--gpu-memory-mib`)."""
+        return DEFAULT_HEADROOM_MIB if self.gpu_headroom_mib is None else self.gpu_headroom_mib
+
+    # -- building ----------------------------------------------------------
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace) -> Config:
+        """The config of a namespace parsed with `add_flags`; refuses flags not yet supported.
+
+        Attributes of `ns` that are not Config fields (a CLI's own flags) are ignored.
+        Raises ConfigError.
+        """
+        cfg = cls(**{f: getattr(ns, f) for f in cls.__struct_fields__ if hasattr(ns, f)})
+        refuse_not_landed(cfg)
+        return cfg
+
+
+def refuse_not_landed(cfg: Config) -> None:
+    """Raise ConfigError for the first flag set whose feature has not landed."""
+    for flag, (field, off) in NOT_YET_SUPPORTED.items():
+        if getattr(cfg, field) != off:
+            shown = "unset" if off is None else off
+            raise ConfigError(f"{flag}: not yet supported (leave it out; default {shown})")
+    if cfg.kv_cache_dtype not in LANDED_KV_CACHE_DTYPES:
+        raise ConfigError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: not yet supported "
+                          f"(use {' or '.join(LANDED_KV_CACHE_DTYPES)})")
+
+
+# -- validation --------------------------------------------------------------
+
+_LIMITS: dict[str, tuple[str, int, int]] = {
+    # field: (flag, smallest, largest); the largest values are far past any real machine
+    "port": ("--port", 0, 65535),
+    "max_queue": ("--max-queue", 0, 1 << 20),
+    "gpu_headroom_mib": ("--gpu-headroom-mib", 0, 1 << 24),
+    "gpu_memory_mib": ("--gpu-memory-mib", 1, 1 << 24),
+    "card_mib": ("--card-mib", 1, 1 << 24),
+    "max_model_len": ("--max-model-len", 0, 1 << 24),
+    "max_num_batched_tokens": ("--max-num-batched-tokens", 1, 1 << 20),
+    "max_num_seqs": ("--max-num-seqs", 1, 1 << 16),
+    "host_pool_mib": ("--host-pool-mib", 0, 1 << 26),
+    "expert_slots": ("--expert-slots", 0, 1 << 24),
+    "kv_resident": ("--kv-resident", 0, 1 << 24),
+    "speculative": ("--speculative", 0, 16),
+    "tp": ("--tp", 1, 64),
+}
+
+_CHOICES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "placement": ("--placement", PLACEMENTS),
+    "kv_cache_dtype": ("--kv-cache-dtype", KV_CACHE_DTYPES),
+    "embedding_placement": ("--embedding-placement", TABLE_PLACEMENTS),
+}
+
+
+def _check(c: Config) -> None:
+    for field, (flag, lo, hi) in _LIMITS.items():
+        v = getattr(c, field)
+        if v is None and field in ("gpu_headroom_mib", "gpu_memory_mib", "card_mib", "expert_slots"):
+            continue
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ConfigError(f"{flag} {v!r}: must be a whole number")
+        if not lo <= v <= hi:
+            raise ConfigError(f"{flag} {v}: must be between {lo} and {hi}")
+    for field, (flag, choices) in _CHOICES.items():
+        if getattr(c, field) not in choices:
+            raise ConfigError(f"{flag} {getattr(c, field)!r}: choose one of {', '.join(choices)}")
+    if c.vision_tower_placement is not None and c.vision_tower_placement not in TABLE_PLACEMENTS:
+        raise ConfigError(f"--vision-tower-placement {c.vision_tower_placement!r}: "
+                          f"choose one of {', '.join(TABLE_PLACEMENTS)}")
+    if c.ngram_placement is not None and not NGRAM_PLACEMENT.match(c.ngram_placement):
+        raise ConfigError(f"--ngram-placement {c.ngram_placement!r}: choose vram, ram, disk, ram=DIR or disk=DIR")
+    if not isinstance(c.drain_timeout, (int, float)) or not math.isfinite(c.drain_timeout) \
+            or not 0 <= c.drain_timeout <= 86400:
+        raise ConfigError(f"--drain-timeout {c.drain_timeout}: must be between 0 and 86400 seconds")
+    if c.gpu_headroom_mib is not None and c.gpu_memory_mib is not None:
+        raise ConfigError("--gpu-headroom-mib and --gpu-memory-mib are mutually exclusive: give one")
+    if c.max_num_batched_tokens < c.decode_tokens:
+        what = "one token" if c.speculative == 0 else f"{c.speculative + 1} tokens (--speculative {c.speculative})"
+        raise ConfigError(f"--max-num-batched-tokens {c.max_num_batched_tokens}: a step must decode {what} "
+                          f"for each of --max-num-seqs {c.max_num_seqs}; give at least {c.decode_tokens}")
+    if c.placement == "resident" and c.weights_disk_tier:
+        raise ConfigError("--placement resident keeps every expert on the card; drop --weights-disk-tier "
+                          "or use --placement auto")
+    if c.placement == "resident" and c.expert_slots is not None:
+        raise ConfigError("--placement resident gives every expert a slot; drop --expert-slots "
+                          "or use --placement auto")
+    for flag, value in (("--api-key", c.api_key), ("--served-model-name", c.served_model_name),
+                        ("--model", c.model), ("--http-socket", c.http_socket),
+                        ("--control-socket", c.control_socket)):
+        if value is not None and not value.strip():
+            raise ConfigError(f"{flag}: empty; give a value or leave the flag out")
+    if not c.host.strip():
+        raise ConfigError("--host: empty; give an address such as 127.0.0.1")
+
+
+# -- argparse ----------------------------------------------------------------
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Declare every Config flag on `parser` (dests are the Config field names)."""
+    d = Config()
+    g = parser.add_argument_group("model and serving")
+    g.add_argument("--model", help="the .rad to serve (default: the bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--served-model-name", help="model name in the API (default: the model file's name)")
+    g.add_argument("--host", default=d.host, help=f"HTTP address (default {d.host})")
+    g.add_argument("--port", type=int, default=d.port, help=f"HTTP port (default {d.port})")
+    g.add_argument("--http-socket", help="serve HTTP on this Unix socket")
+    g.add_argument("--control-socket", help="control API Unix socket (owner-only permissions)")
+    g.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the API")
+    g.add_argument("--max-queue", type=int, default=d.max_queue,
+                   help=f"requests waiting for a sequence slot before 429 (default {d.max_queue})")
+    g.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
+                   help=f"seconds in-flight requests may finish after SIGTERM (default {d.drain_timeout:g})")
+
+    g = parser.add_argument_group("the card split (radiancectl plan prints it)")
+    g.add_argument("--gpu-headroom-mib", type=int,
+                   help=f"MiB of the card left untouched (default {DEFAULT_HEADROOM_MIB})")
+    g.add_argument("--gpu-memory-mib", type=int,
+                   help="MiB of the card to use: headroom = card - N (instead of --gpu-headroom-mib)")
+    g.add_argument("--card-mib", type=int, help="plan for an empty card of this many MiB")
+    g.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help="worst-case context the KV pool is sized against (default 0: the trained context)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="token budget of one step; sizes the activation workspace "
+                        f"(default {d.max_num_batched_tokens})")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help=f"live sequences at once (default {d.max_num_seqs})")
+    g.add_argument("--host-pool-mib", type=int, default=d.host_pool_mib,
+                   help="pinned host RAM for experts (default 0)")
+    g.add_argument("--placement", choices=PLACEMENTS, default=d.placement,
+                   help="auto/expert_tiered: experts and KV lend each other pages; resident: all on the card")
+    g.add_argument("--deterministic", action="store_true", help="experts first, fixed split, no lending")
+    g.add_argument("--weights-disk-tier", action="store_true",
+                   help="experts that fit neither card nor host pool stay in the model file")
+    g.add_argument("--expert-slots", type=int, help="cap on VRAM expert slots (default: what the budget allows)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+                   help="KV cache element type (default auto: the model's dtype)")
+    g.add_argument("--kv-resident", type=int, default=d.kv_resident,
+                   help="KV streaming ring in tokens (block-sparse attention models)")
+    g.add_argument("--embedding-placement", choices=TABLE_PLACEMENTS, default=d.embedding_placement,
+                   help="token embeddings on the card or pinned in host RAM (default ram)")
+    g.add_argument("--ngram-placement", help="n-gram table: vram, ram, disk, ram=DIR or disk=DIR")
+    g.add_argument("--vision-tower-placement", choices=TABLE_PLACEMENTS, help="vision encoder placement")
+    g.add_argument("--speculative", type=int, default=d.speculative, help="draft tokens per step (MTP or n-gram)")
+    g.add_argument("--tp", type=int, default=d.tp, help="tensor parallel over N GPUs")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print usage and exit(2)
+        raise ConfigError(message)
+
+
+def parse_config(argv: Sequence[str]) -> Config:
+    """Parse `argv` (flags only, no program name) into a Config; raises ConfigError."""
+    parser = _Parser(prog="radianced", add_help=False)
+    add_flags(parser)
+    return Config.from_args(parser.parse_args(list(argv)))

@@ -1,0 +1,454 @@
+"""The card split, checked by hand: every expected number below is written out as
+the arithmetic an operator would do with a calculator, not taken from budget.py."""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from radianced.budget import (
+    BLOCK_TOKENS, Card, ModelFacts, PagingGroup, PlanError, expert_slots, fmt_gib, kv_bytes,
+    kv_token_bytes, kv_tokens_by_hand, plan, recurrent_state_charge, slot_bytes,
+)
+from radianced.config import Config, parse_config
+from radianced.model.config import ModelConfig
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+# -- models: real shapes (REFERENCE.md) and the tiny test models ----------------
+
+SMOLLM2 = ModelConfig(
+    family="llama", vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5, max_position_embeddings=8192,
+    tie_word_embeddings=True, intermediate_size=1536)
+QWEN3_30B = ModelConfig(
+    family="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+    num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
+    intermediate_size=6144, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)
+QWEN3_NEXT = ModelConfig(
+    family="qwen3_next", vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=16,
+    num_key_value_heads=2, head_dim=256, rms_norm_eps=1e-6, rope_theta=1e7, max_position_embeddings=262144,
+    partial_rotary_factor=0.25, intermediate_size=5120, num_experts=512, num_experts_per_tok=10,
+    moe_intermediate_size=512, shared_expert_intermediate_size=512,
+    layer_types=tuple("full_attention" if i % 4 == 3 else "linear_attention" for i in range(48)),
+    linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+    linear_num_value_heads=32, num_mtp_layers=1)
+_TINY = dict(vocab_size=400, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=4096)
+TINY_LLAMA = ModelConfig(family="llama", num_hidden_layers=2, intermediate_size=128, tie_word_embeddings=True, **_TINY)
+TINY_MOE = ModelConfig(family="qwen3_moe", num_hidden_layers=3, intermediate_size=128, num_experts=8,
+                       num_experts_per_tok=2, moe_intermediate_size=32, **_TINY)
+TINY_NEXT = ModelConfig(
+    family="qwen3_next", num_hidden_layers=4, intermediate_size=128, num_experts=8, num_experts_per_tok=3,
+    moe_intermediate_size=32, shared_expert_intermediate_size=32, partial_rotary_factor=0.25,
+    layer_types=("linear_attention", "full_attention", "linear_attention", "full_attention"),
+    linear_conv_kernel_dim=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=32, **_TINY)
+
+
+def flags(text: str = "") -> Config:
+    return parse_config(text.split())
+
+
+# -- the issue's test vectors ---------------------------------------------------
+
+
+def test_two_paging_groups_cost_7_3125_kib_per_token_and_1_43_gib_for_200ki_tokens():
+    groups = [PagingGroup("kv_attn", 1, 4, 26 * KiB), PagingGroup("kv_idx", 1, 4, 13 * KiB // 4)]  # 3.25 KiB
+    assert kv_token_bytes(groups) == Fraction(7.3125 * KiB)
+    assert kv_bytes(groups, 204_800) == 204_800 // 4 * (26 * KiB + 3.25 * KiB)
+    assert fmt_gib(kv_bytes(groups, 204_800)) == "1.43 GiB"
+
+
+def test_prefix_cached_sessions_need_about_662_ki_pool_tokens():
+    tokens = kv_tokens_by_hand(sessions=2, context_tokens=184 * KiB, held_pct=180)
+    assert tokens == 678_298  # ceil(2 x 188,416 x 1.8)
+    assert round(tokens / KiB) == 662
+
+
+def test_expert_slots_are_the_floor_of_available_over_the_4_kib_aligned_slot():
+    extent = round(1.318 * MiB)  # 1,382,023 B, the reference's 1.318 MiB slot
+    assert slot_bytes(extent) == 338 * 4096  # our alignment: whole 4 KiB pages, 1.3203 MiB
+    # before alignment the reference counts hold: 5,785 and 19,537
+    assert (8509 - 884) * MiB // extent == 5785
+    assert (26634 - 884) * MiB // extent == 19537
+    # after our alignment (the reference engine reported 5,784 and 19,530 after its own)
+    assert expert_slots(8509 * MiB, 884 * MiB, extent) == (8509 - 884) * MiB // (338 * 4096) == 5775
+    assert expert_slots(26634 * MiB, 884 * MiB, extent) == 19502
+
+
+def test_recurrent_state_with_draft_decoding_charges_two_copies_3456_mib():
+    assert recurrent_state_charge(54 * MiB, seqs=32, speculative=1) == 3456 * MiB
+    assert recurrent_state_charge(54 * MiB, seqs=32, speculative=0) == 1728 * MiB
+
+
+# -- model facts ----------------------------------------------------------------
+
+
+def test_smollm2_kv_costs_22_5_kib_per_token_in_bf16_and_45_in_fp32():
+    for dtype_bytes, per_token in ((2, 22.5 * KiB), (4, 45 * KiB)):
+        r = plan(Card.from_mib(8192), ModelFacts.from_config(SMOLLM2, dtype_bytes), flags())
+        (g,) = r.groups
+        assert g.token_bytes == per_token == 30 * 2 * 3 * 64 * dtype_bytes
+        assert g.block_bytes == 16 * per_token
+
+
+def _tiny_next_rows() -> list[tuple[str, str, tuple[int, ...], int]]:
+    """The tensor index of tools/make_tiny's qwen3_next checkpoint (fp32), as written."""
+    shapes = {"model.embed_tokens.weight": (400, 64), "lm_head.weight": (400, 64), "model.norm.weight": (64,)}
+    for i, kind in enumerate(TINY_NEXT.layer_types):
+        p = f"model.layers.{i}."
+        if kind == "linear_attention":
+            shapes |= {p + "linear_attn.A_log": (4,), p + "linear_attn.conv1d.weight": (192, 1, 4),
+                       p + "linear_attn.dt_bias": (4,), p + "linear_attn.in_proj_ba.weight": (8, 64),
+                       p + "linear_attn.in_proj_qkvz.weight": (320, 64), p + "linear_attn.norm.weight": (32,),
+                       p + "linear_attn.out_proj.weight": (64, 128)}
+        else:
+            shapes |= {p + "self_attn.q_proj.weight": (128, 64), p + "self_attn.k_proj.weight": (32, 64),
+                       p + "self_attn.v_proj.weight": (32, 64), p + "self_attn.o_proj.weight": (64, 64),
+                       p + "self_attn.q_norm.weight": (16,), p + "self_attn.k_norm.weight": (16,)}
+        shapes |= {p + "input_layernorm.weight": (64,), p + "post_attention_layernorm.weight": (64,),
+                   p + "mlp.gate.weight": (8, 64), p + "mlp.shared_expert.gate_proj.weight": (32, 64),
+                   p + "mlp.shared_expert.up_proj.weight": (32, 64), p + "mlp.shared_expert.down_proj.weight": (64, 32),
+                   p + "mlp.shared_expert_gate.weight": (1, 64)}
+        for e in range(8):
+            for n, s in (("gate_proj", (32, 64)), ("up_proj", (32, 64)), ("down_proj", (64, 32))):
+                shapes[p + f"mlp.experts.{e}.{n}.weight"] = s
+    rows = []
+    for name, shape in shapes.items():
+        n = 1
+        for s in shape:
+            n *= s
+        rows.append((name, "f32", shape, 4 * n))
+    return rows
+
+
+def test_from_config_matches_the_tensor_index_of_a_real_checkpoint():
+    experts = [(layer, e, 3 * 32 * 64 * 4) for layer in range(4) for e in range(8)]
+    from_index = ModelFacts.from_rows(TINY_NEXT, _tiny_next_rows(), experts)
+    assert from_index == ModelFacts.from_config(TINY_NEXT, 4)
+    w = dict(from_index.weights)
+    assert w["attention"] == 4 * (2 * (4 + 192 * 4 + 4 + 8 * 64 + 320 * 64 + 64 * 128)  # two DeltaNet layers
+                                  + 2 * (128 * 64 + 2 * 32 * 64 + 64 * 64))  # two gated-attention layers
+    assert w["norms"] == 4 * (4 * 2 * 64 + 2 * 32 + 2 * 2 * 16 + 64)
+    assert w["router"] == 4 * 4 * 8 * 64
+    assert w["shared experts"] == 4 * 4 * (3 * 32 * 64 + 64)
+    assert (from_index.expert_count, from_index.expert_extent_bytes) == (32, 24 * KiB)
+
+
+def test_from_header_reads_a_rad_header_and_counts_mtp_experts_with_the_mtp_head():
+    rows = [("model.embed_tokens.weight", "bf16", (400, 64), 400 * 64 * 2),
+            ("model.layers.0.mlp.experts.0.gate_proj.weight", "bf16", (32, 64), 4096),  # counted by its extent
+            ("mtp.fc.weight", "bf16", (64, 128), 64 * 128 * 2)]
+    header = SimpleNamespace(
+        model=TINY_MOE,
+        tensors=[SimpleNamespace(name=n, dtype=d, shape=list(s), nbytes=b) for n, d, s, b in rows],
+        experts=[SimpleNamespace(layer=layer, expert=e, nbytes=12 * KiB) for layer in range(4) for e in range(8)])
+    facts = ModelFacts.from_header(header)
+    assert facts.act_bytes == 2
+    assert (facts.expert_count, facts.expert_extent_bytes, facts.expert_total_bytes) == (24, 12 * KiB, 24 * 12 * KiB)
+    assert facts.weight("mtp") == 64 * 128 * 2 + 8 * 12 * KiB  # layer 3 is past the 3 decoder layers
+
+
+# -- receipts computed by hand ------------------------------------------------
+
+
+def test_smollm2_bf16_receipt_by_hand():
+    # 4096 MiB card with 96 MiB used by another process; every flag at its default
+    r = plan(Card(4096 * MiB, 4000 * MiB), ModelFacts.from_config(SMOLLM2, 2), flags())
+    lm_head = 49152 * 576 * 2  # tied: the one copy of the embeddings lives on the card
+    attention = 30 * (576 * 576 + 2 * 576 * 192 + 576 * 576) * 2
+    norms = (30 * 2 * 576 + 576) * 2
+    mlp = 30 * 3 * 576 * 1536 * 2
+    assert [(p.name, p.bytes) for p in r.weights] == [
+        ("lm_head", lm_head), ("attention", attention), ("norms", norms), ("dense MLP", mlp)]
+    assert r.host_weights == ()  # tied embeddings need no host copy
+    rows = 16  # min(2048 batched tokens, 16 seqs x 1 token)
+    logits = rows * 49152 * (2 + 20)
+
+    def layer(t):  # 4 hidden buffers + q, k, v, attention out + gate, up, act
+        return 4 * t * 576 * 2 + t * (576 + 2 * 192 + 576) * 2 + t * 3 * 1536 * 2
+
+    assert [(p.name, p.bytes) for p in r.workspace] == [
+        ("logits", logits), ("activations", layer(2048)), ("graph pool", layer(16) + logits),
+        ("libraries", 32 * MiB)]
+    assert [(p.name, p.bytes) for p in r.state] == [("block tables", 16 * (8192 // 16) * 4)]
+    page = 5 * 16 * 23040  # five whole 360 KiB blocks (16 tokens x 22.5 KiB) fit in 2 MiB
+    assert r.page_bytes == page == 1_843_200
+    elastic = 4000 * MiB - 96 * MiB - (lm_head + attention + norms + mlp) \
+        - (logits + layer(2048) + layer(16) + logits + 32 * MiB) - 16 * 512 * 4
+    assert r.elastic == elastic
+    assert r.arena_pages == elastic // page == 2019
+    assert (r.expert_slots, r.kv_max_pages, r.kv_pool_tokens) == (0, 2019, 2019 * 5 * 16)
+    assert r.full_sessions == 2019 * 5 * 16 // 8192 == 19
+    assert r.worst_case_percent == 100 * 2019 * 80 // (16 * 8192) == 123
+    lines = r.lines()
+    assert "card: 4096.00 MiB total, 4000.00 MiB free, 96.00 MiB in use elsewhere" in lines
+    assert "kv_attn 360.00 KiB per 16-token block (22.50 KiB per token, 30 layers), 5 blocks per page" in lines
+    assert "expert cache: none (dense model: every page holds KV)" in lines
+    assert lines[-1] == "kv: the pool backs 123% of the worst case (16 seqs x 8192 tokens) = 19 full-length sessions"
+
+
+def test_smollm2_fp32_pages_hold_two_720_kib_blocks():
+    r = plan(Card.from_mib(4096), ModelFacts.from_config(SMOLLM2, 4), flags("--max-model-len 4096"))
+    assert r.page_bytes == 2 * 16 * 45 * KiB  # 1440 KiB: a third block would pass 2 MiB
+    assert r.weights[0].bytes == 49152 * 576 * 4
+
+
+def _tiny_moe_fixed(seqs=2, tokens=64, model_len=256) -> int:
+    """Everything but the elastic line for TINY_MOE (fp32), --gpu-headroom-mib 0."""
+    weights = 400 * 64 * 4 + 3 * (64 * 64 + 2 * 32 * 64 + 64 * 64) * 4 + (3 * (2 * 64 + 2 * 16) + 64) * 4 \
+        + 3 * 8 * 64 * 4  # lm_head, attention, norms, router (embeddings stay in host RAM)
+    rows = min(tokens, seqs)
+
+    def layer(t):  # hidden + q, k, v, out + router logits, top-k ids and weights, routed rows
+        return 4 * t * 64 * 4 + t * (64 + 64 + 64) * 4 + t * 8 * 4 + 2 * t * 12 + 2 * t * (2 * 64 + 3 * 32) * 4
+
+    logits = rows * 400 * (4 + 20)
+    workspace = logits + layer(tokens) + layer(rows) + logits + 32 * MiB
+    state = seqs * (model_len // 16) * 4 + 3 * 8 * 8  # block tables, expert pointers
+    return weights + workspace + state
+
+
+TINY_SLOT = 3 * 32 * 64 * 4  # 24 KiB: already a multiple of 4 KiB
+TINY_FLAGS = "--gpu-headroom-mib 0 --max-model-len 256 --max-num-seqs 2 --max-num-batched-tokens 64"
+
+
+def tiny_moe_plan(pages: int, extra: str = "", slack: int = 0):
+    free = _tiny_moe_fixed() + pages * TINY_SLOT + slack
+    return plan(Card(free, free), ModelFacts.from_config(TINY_MOE, 4), flags(f"{TINY_FLAGS} {extra}"))
+
+
+def test_tiny_moe_lending_pins_experts_the_host_pool_cannot_hold():
+    r = tiny_moe_plan(319, slack=11_728)
+    assert (r.arena_pages, r.page_bytes, r.elastic - r.arena_bytes) == (319, TINY_SLOT, 11_728)
+    # kv: 3 layers x 2 x 2 heads x 16 x 4 B = 768 B per token, 12 KiB blocks, two per page
+    assert r.groups == (PagingGroup("kv_attn", 3, 16, 16 * 768),)
+    # no host pool: all 3 x 8 experts pinned; one 256-token sequence = 16 blocks = 8 pages
+    assert (r.experts, r.experts_pinned, r.experts_host, r.experts_disk) == (24, 24, 0, 0)
+    assert (r.expert_slots, r.expert_floor) == (24, 24)
+    assert r.kv_buffer_pages == 3  # one step's growth: 64 + 2 x 16 tokens = 6 blocks
+    assert r.kv_max_pages == 319 - 24 == 295
+    assert r.kv_pool_tokens == 295 * 2 * 16
+    assert r.full_sessions == 36  # 36 x 8 pages = 288 <= 295 < 296
+    assert r.worst_case_percent == 100 * 9440 // (2 * 256) == 1843
+    # free: the elastic 7,851,472 B; reserved: 295 KV pages + 11,728 B unpaged = 7,261,648 B
+    assert "expert cache: 0.01 GiB free, 6.93 MiB reserved -> 24 slots" in r.lines()
+
+
+def test_tiny_moe_lending_with_a_host_pool_lends_all_but_the_floor():
+    r = tiny_moe_plan(319, "--host-pool-mib 1")  # 1 MiB holds 42 slots: every expert
+    assert (r.experts_pinned, r.experts_host) == (0, 24)
+    assert r.expert_floor == 2 * 3  # one token's top-2 in each of 3 MoE layers
+    assert r.expert_slots == 24 and r.kv_start_pages == 295
+    assert r.kv_max_pages == 319 - 6
+
+
+def test_expert_slots_cap_limits_the_cache_not_the_floor():
+    r = tiny_moe_plan(319, "--host-pool-mib 1 --expert-slots 10")
+    assert (r.expert_slots, r.expert_floor, r.kv_start_pages, r.kv_max_pages) == (10, 6, 309, 313)
+
+
+def test_deterministic_puts_experts_first_and_keeps_one_sequence_of_kv():
+    r = tiny_moe_plan(20, "--deterministic --host-pool-mib 1")
+    assert r.mode == "deterministic"
+    assert (r.expert_slots, r.experts_pinned, r.experts_host) == (12, 12, 12)  # 20 pages - 8 for one sequence
+    assert (r.kv_start_pages, r.kv_max_pages, r.full_sessions) == (8, 8, 1)
+
+
+def test_deterministic_refuses_experts_that_fit_neither_card_nor_host_pool():
+    with pytest.raises(PlanError) as e:
+        tiny_moe_plan(20, "--deterministic")
+    msg = str(e.value)
+    assert msg.startswith("the card is 0.28 MiB short: 12 experts fit neither the card")  # 12 x 24 KiB
+    assert "--host-pool-mib 1" in msg
+    assert "--weights-disk-tier" not in msg  # its two buffers (16 pages) would not leave room
+
+
+def test_resident_refuses_saying_how_many_mib_are_missing():
+    with pytest.raises(PlanError) as e:
+        tiny_moe_plan(31, "--placement resident")  # needs 24 slots + 8 pages of KV
+    assert str(e.value).startswith("the card is 0.02 MiB short: all 24 experts (24 slots) plus one full-length "
+                                   "sequence of KV (8 pages, --max-model-len 256)")
+    assert tiny_moe_plan(32, "--placement resident").kv_max_pages == 8
+
+
+def test_lending_refuses_pinned_experts_and_names_the_host_pool_that_would_work():
+    with pytest.raises(PlanError) as e:
+        tiny_moe_plan(31)  # 24 pinned + 8 pages of KV do not fit 31 pages
+    msg = str(e.value)
+    assert "24 experts pinned on the card (beyond the host pool, --host-pool-mib 0)" in msg
+    assert "--host-pool-mib 1" in msg and "--max-model-len 224" in msg  # 7 pages of KV = 224 tokens
+
+
+def test_disk_tier_leaves_what_the_host_pool_cannot_hold_in_the_file():
+    # 30 pages cannot pin 24 experts beside 8 pages of KV; the file keeps them, and
+    # two buffers of one layer's 8 experts (16 pages) leave 14 pages
+    r = tiny_moe_plan(30, "--weights-disk-tier")
+    assert (r.experts_pinned, r.experts_host, r.experts_disk) == (0, 0, 24)
+    assert r.state[-1].name == "disk-tier buffers" and r.state[-1].bytes == 2 * 8 * TINY_SLOT
+    assert r.arena_pages == 14 and r.expert_floor == 6 and r.kv_max_pages == 8
+
+
+def test_refusals_that_are_not_about_memory():
+    facts = ModelFacts.from_config(TINY_MOE, 4)
+    with pytest.raises(PlanError, match=r"--max-model-len 5000 is past the model's trained context \(4096\)"):
+        plan(Card.from_mib(1024), facts, flags("--max-model-len 5000"))
+    with pytest.raises(PlanError, match="--gpu-memory-mib 2000 is more than the card's 1024.00 MiB: give at most 1024"):
+        plan(Card.from_mib(1024), facts, flags("--gpu-memory-mib 2000"))
+    with pytest.raises(PlanError, match="--expert-slots 3 is below the 24 experts that must stay on the card"):
+        plan(Card.from_mib(1024), facts, flags("--expert-slots 3"))
+
+
+def test_gpu_memory_mib_is_headroom_written_as_a_claim():
+    facts = ModelFacts.from_config(SMOLLM2, 2)
+    a = plan(Card.from_mib(8192), facts, flags("--gpu-memory-mib 6000"))
+    b = plan(Card.from_mib(8192), facts, flags("--gpu-headroom-mib 2192"))
+    assert a.headroom == b.headroom == 2192 * MiB and a.elastic == b.elastic
+    assert a.lines()[2] == "headroom: 2192.00 MiB (--gpu-memory-mib 6000)"
+
+
+def test_qwen3_next_recurrent_state_is_about_74_mib_per_sequence():
+    r = plan(Card.from_mib(80_000), ModelFacts.from_config(QWEN3_NEXT, 2),
+             flags("--max-model-len 32768 --max-num-seqs 4 --host-pool-mib 200000"))
+    per_copy = 36 * (32 * 128 * 128 * 4 + (2 * 16 * 128 + 32 * 128) * 3 * 2)  # fp32 state + bf16 conv window
+    assert per_copy == 73.6875 * MiB
+    assert r.state[0].name == "recurrent" and r.state[0].bytes == 4 * per_copy
+    assert r.groups[0].token_bytes == 24 * KiB  # 12 layers x 2 x 2 heads x 256 x 2 B
+    assert r.idle_weights[0].name == "mtp"  # no --speculative: the MTP head stays in the file
+
+
+def test_speculative_doubles_recurrent_state_and_adds_the_mtp_paging_group():
+    cfg = Config(max_model_len=32768, max_num_seqs=4, host_pool_mib=200000, speculative=1)  # parser refuses it today
+    r = plan(Card.from_mib(80_000), ModelFacts.from_config(QWEN3_NEXT, 2), cfg)
+    assert r.state[0].bytes == 2 * 4 * 73.6875 * MiB
+    assert [g.name for g in r.groups] == ["kv_attn", "kv_mtp"]
+    assert r.groups[1].token_bytes == 2 * 2 * 256 * 2
+    assert "mtp" in [p.name for p in r.weights]
+
+
+# -- the guide's worked example ---------------------------------------------------
+
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "GUIDE.md"
+
+
+def test_the_guide_worked_example_is_what_plan_prints():
+    text = GUIDE.read_text()
+    block = re.search(r"```\n\$ radiancectl plan (?P<args>[^\n]+)\n(?P<out>.*?)```", text, re.S)
+    args = block["args"].split()
+    assert args[:2] == ["--model", "qwen3-30b-a3b.rad"]
+    cfg = parse_config(args[2:])
+    r = plan(Card.from_mib(cfg.card_mib), ModelFacts.from_config(QWEN3_30B, 2), cfg)
+    assert block["out"].splitlines() == r.lines()
+    # the hand arithmetic in the prose
+    assert "96 KiB per token" in text and r.groups[0].token_bytes == 96 * KiB
+    assert f"{r.kv_max_pages} pages" in text and f"{r.full_sessions} full-length sessions" in text
+    assert f"{kv_tokens_by_hand(4, 32768, 180)} tokens" in text
+    # the refusal shown for Qwen3-Next on the same card
+    shown = re.search(r"When plan refuses.*?\n\n((?:    [^\n]*\n)+)", text, re.S)[1]
+    with pytest.raises(PlanError) as e:
+        plan(Card.from_mib(cfg.card_mib), ModelFacts.from_config(QWEN3_NEXT, 2), cfg)
+    assert " ".join(shown.split()) == str(e.value)
+
+
+# -- properties ---------------------------------------------------------------------
+
+
+@st.composite
+def models(draw):
+    family = draw(st.sampled_from(["llama", "qwen3_moe", "qwen3_next"]))
+    layers = draw(st.integers(1, 6))
+    heads = draw(st.sampled_from([2, 4, 8]))
+    base = dict(family=family, vocab_size=draw(st.integers(16, 5000)), hidden_size=draw(st.sampled_from([32, 64, 96])),
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=draw(st.sampled_from([1, 2])),
+                head_dim=draw(st.sampled_from([8, 16, 64])), rms_norm_eps=1e-6, rope_theta=1e4,
+                max_position_embeddings=draw(st.sampled_from([256, 1000, 4096])),
+                tie_word_embeddings=draw(st.booleans()), intermediate_size=draw(st.integers(8, 256)))
+    if family != "llama":
+        base |= dict(num_experts=draw(st.integers(2, 16)), num_experts_per_tok=2,
+                     moe_intermediate_size=draw(st.integers(8, 128)))
+    if family == "qwen3_next":
+        base |= dict(shared_expert_intermediate_size=16, linear_conv_kernel_dim=4, linear_num_key_heads=1,
+                     linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                     layer_types=tuple(draw(st.sampled_from(["full_attention", "linear_attention"]))
+                                       for _ in range(layers - 1)) + ("full_attention",))
+    return ModelFacts.from_config(ModelConfig(**base), draw(st.sampled_from([2, 4])),
+                                  draw(st.sampled_from([1, 2, 4])))
+
+
+@st.composite
+def configs(draw):
+    seqs = draw(st.integers(1, 8))
+    kw = dict(max_num_seqs=seqs, max_num_batched_tokens=draw(st.integers(seqs, 512)),
+              max_model_len=draw(st.sampled_from([0, 1, 17, 200, 256])),
+              host_pool_mib=draw(st.sampled_from([0, 1, 2, 5, 100])),
+              placement=draw(st.sampled_from(["auto", "expert_tiered", "resident"])),
+              deterministic=draw(st.booleans()), embedding_placement=draw(st.sampled_from(["ram", "vram"])))
+    if kw["placement"] != "resident":
+        kw["weights_disk_tier"] = draw(st.booleans())
+        kw["expert_slots"] = draw(st.one_of(st.none(), st.integers(0, 40)))
+    if draw(st.booleans()):
+        kw["gpu_headroom_mib"] = draw(st.integers(0, 8))
+    else:
+        kw["gpu_memory_mib"] = draw(st.integers(1, 120))
+    return Config(**kw)
+
+
+def _fits_with(card, facts, cfg, fix: str) -> bool:
+    flag, _, value = fix.partition(" ")
+    field = flag[2:].replace("-", "_")
+    change = {field: True} if not value else {field: value if field in ("placement", "embedding_placement")
+                                                else int(value)}
+    try:
+        plan(card, facts, Config(**{f: getattr(cfg, f) for f in cfg.__struct_fields__} | change))
+        return True
+    except PlanError:
+        return False
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(facts=models(), cfg=configs(), total_mib=st.integers(1, 120), used_pct=st.integers(0, 60),
+       extra=st.integers(0, 1 << 20))
+def test_any_split_adds_up_to_the_card_or_is_refused(facts, cfg, total_mib, used_pct, extra):
+    total = total_mib * MiB + extra
+    card = Card(total, total - total * used_pct // 100)
+    try:
+        r = plan(card, facts, cfg)
+    except PlanError as e:
+        msg = str(e)
+        assert "MiB" in msg or "--" in msg
+        fixes = re.findall(r"(--[a-z-]+(?: [a-z_]+| \d+)?)(?:,|$)", msg.split("would work: ")[-1]) \
+            if "would work" in msg else []
+        for fix in fixes:  # every suggested value really fits
+            assert _fits_with(card, facts, cfg, fix), (fix, msg)
+        return
+    assert sum(b for _, b in r.parts()) == card.total_bytes
+    assert all(b >= 0 for _, b in r.parts())
+    assert all(p.bytes >= 0 for p in r.weights + r.workspace + r.state)
+    assert 0 <= r.elastic - r.arena_bytes < r.page_bytes and r.page_bytes % 4096 == 0
+    assert r.experts_pinned + r.experts_host + r.experts_disk == r.experts
+    assert r.experts_pinned <= r.expert_floor <= r.expert_slots <= max(r.experts, 0)
+    assert r.expert_slots <= r.arena_pages and r.kv_max_pages == r.arena_pages - r.expert_floor
+    assert 0 <= r.kv_start_pages <= r.kv_max_pages
+    one_seq = 0
+    for g in r.groups:
+        blocks = -(-r.max_model_len // g.block_tokens)
+        one_seq += -(-blocks // r.blocks_per_page(g))
+    assert r.kv_max_pages >= one_seq and r.full_sessions >= 1
+    if r.experts:
+        assert r.experts_host * r.page_bytes <= cfg.host_pool_mib * MiB
+        assert r.expert_extent <= r.page_bytes
+    if r.experts_disk:
+        assert cfg.weights_disk_tier
+    if cfg.placement == "resident":
+        assert r.expert_slots == r.experts_pinned == r.experts
+    elif cfg.deterministic:
+        assert r.kv_start_pages == r.kv_max_pages
+    for g in r.groups:
+        assert g.block_tokens == BLOCK_TOKENS and r.blocks_per_page(g) >= 1
