@@ -22,16 +22,17 @@ class OracleResult:
 
 
 def reference_greedy(hf_model, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    """The reference's greedy tokens and the logits [V] that chose each (full recompute per step)."""
-    ids = list(prompt)
+    """The reference's greedy tokens and the logits [V] that chose each (transformers' own KV cache)."""
     tokens, logits = [], []
+    ids, past = torch.tensor([prompt]), None
     with torch.inference_mode():
         for _ in range(steps):
-            out = hf_model(torch.tensor([ids])).logits[0, -1].float()
-            tok = int(out.argmax())
+            out = hf_model(ids, past_key_values=past, use_cache=True)
+            step_logits = out.logits[0, -1].float()
+            tok = int(step_logits.argmax())
             tokens.append(tok)
-            logits.append(out)
-            ids.append(tok)
+            logits.append(step_logits)
+            ids, past = torch.tensor([[tok]]), out.past_key_values
     return tokens, logits
 
 
@@ -61,13 +62,15 @@ def compare_prefill_rows(model, cache, hf_model, prompts: list[list[int]], tol: 
     from radianced.kv.blocks import BlockAllocator
     from radianced.model.batch import ForwardBatch
 
-    alloc = BlockAllocator(cache.num_blocks, cache.block_size)
-    tables = [alloc.allocate(alloc.blocks_for(len(p))) for p in prompts]
+    alloc = BlockAllocator.fixed(cache.num_blocks, cache.block_size)
+    tables = [alloc.new_table() for _ in prompts]
+    for table, p in zip(tables, prompts):
+        alloc.append(table, len(p))
     if cache.states is not None:
         for b in range(len(prompts)):
             cache.states.reset(b)
-    batch = ForwardBatch.build(prompts, [0] * len(prompts), tables, cache.block_size, logits="all",
-                               state_slots=list(range(len(prompts))))
+    batch = ForwardBatch.build(prompts, [0] * len(prompts), [t.ids() for t in tables], cache.block_size,
+                               logits="all", state_slots=list(range(len(prompts))))
     with torch.inference_mode():
         ours = model.forward(batch, cache)  # [sum(len), V]
         refs = torch.cat([hf_model(torch.tensor([p])).logits[0].float() for p in prompts])
