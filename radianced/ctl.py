@@ -66,6 +66,33 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- plan -----------------------------------------------------------------------
+
+
+def _plan_args(p: argparse.ArgumentParser) -> None:
+    from radianced.config import add_flags
+
+    add_flags(p)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """The start-up receipt for a model and a card, without loading weights."""
+    import torch
+
+    from radianced.arena import detect_card
+    from radianced.budget import Card, ModelFacts, plan
+    from radianced.config import Config
+    from radianced.model.default import ensure_default_model
+    from radianced.model.rad import RadFile
+
+    cfg = Config.from_args(args)
+    with RadFile.open(cfg.model or ensure_default_model()) as rad:
+        facts = ModelFacts.from_header(rad.header)
+    card = Card.from_mib(cfg.card_mib) if cfg.card_mib else detect_card("cuda" if torch.cuda.is_available() else "cpu")
+    print("\n".join(plan(card, facts, cfg).lines()))
+    return 0
+
+
 def _summary(rad) -> str:
     h = rad.header
     m = rad.model
@@ -78,15 +105,18 @@ def _summary(rad) -> str:
 COMMANDS: list[Command] = [
     Command("convert", "convert a Hugging Face folder or a .gguf file to .rad", _convert_args, _convert),
     Command("verify", "check a .rad file: header, extents and every checksum", _verify_args, _verify),
+    Command("plan", "print the start-up receipt (the card split) for a model and a card", _plan_args, _plan),
 ]
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input, reported as one line; anything else is a bug and keeps its traceback."""
+    from radianced.budget import PlanError
+    from radianced.config import ConfigError
     from radianced.model.convert import ConvertError
     from radianced.model.rad import RadError
 
-    return (RadError, ConvertError, UnsupportedModel, OSError)
+    return (RadError, ConvertError, UnsupportedModel, OSError, ConfigError, PlanError)
 
 
 def build_parser() -> argparse.ArgumentParser:
