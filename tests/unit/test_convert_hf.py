@@ -370,7 +370,7 @@ def test_ctl_convert_reports_errors_in_one_line(folder, tmp_path, capsys):
 # -- memory -------------------------------------------------------------------------
 
 
-def test_peak_memory_stays_near_one_tensor(tmp_path):
+def test_conversion_streams_so_peak_memory_stays_far_below_the_checkpoint(tmp_path):
     """Conversion streams: peak RSS grows by a few row blocks, far less than the checkpoint.
 
     ~490 MiB of weights in two shards of ~245 MiB (so neither loading the model nor
