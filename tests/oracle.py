@@ -27,12 +27,12 @@ def reference_greedy(hf_model, prompt: list[int], steps: int) -> tuple[list[int]
     ids, past = torch.tensor([prompt]), None
     with torch.inference_mode():
         for _ in range(steps):
-            out = hf_model(ids, past_key_values=past, use_cache=True)
+            out = hf_model(ids, cache=past, use_cache=True)
             step_logits = out.logits[0, -1].float()
             tok = int(step_logits.argmax())
             tokens.append(tok)
             logits.append(step_logits)
-            ids, past = torch.tensor([[tok]]), out.past_key_values
+            ids, past = torch.tensor([[tok]]), out.cache
     return tokens, logits
 
 

@@ -49,14 +49,15 @@ class ForwardBatch:
 
     @staticmethod
     def build(token_ids: list[list[int]], context_before: list[int], block_tables: list[list[int]],
-              block_size: int, logits: str = "last", state_slots: list[int] | None = None,
+              block_size: int, logits: str | list[bool] = "last", state_slots: list[int] | None = None,
               device: torch.device | str = "cpu") -> ForwardBatch:
         """Lay out B sequences' new tokens; sequence b already has context_before[b] tokens cached.
 
-        logits="last" asks for each sequence's last row, "all" for every row.
+        logits="last" asks for each sequence's last row, "all" for every row, and a
+        list of B flags for the last row of the sequences flagged True.
         """
         ids, pos, slots, rows, starts = [], [], [], [], [0]
-        for toks, before, table in zip(token_ids, context_before, block_tables):
+        for b, (toks, before, table) in enumerate(zip(token_ids, context_before, block_tables)):
             for i, t in enumerate(toks):
                 p = before + i
                 ids.append(t)
@@ -65,7 +66,7 @@ class ForwardBatch:
             starts.append(starts[-1] + len(toks))
             if logits == "all":
                 rows.extend(range(starts[-2], starts[-1]))
-            elif toks:
+            elif toks and (logits == "last" or logits[b]):
                 rows.append(starts[-1] - 1)
         width = max((len(t) for t in block_tables), default=0) or 1
         tables = torch.zeros((len(block_tables), width), dtype=torch.int32)
