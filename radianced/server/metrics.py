@@ -1,0 +1,96 @@
+"""Prometheus metrics of one daemon, in a registry of their own.
+
+The engine and the HTTP layer report through `Metrics`' methods; `/metrics`
+serves `render()`. A private `CollectorRegistry` (not prometheus_client's
+global one) keeps two daemons in one test process apart and leaves out the
+client library's process and GC collectors.
+
+Names follow Prometheus conventions: counters end in `_total`, durations are
+histograms in `_seconds`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Buckets reach down to a millisecond: a small model on a big card decodes a token in ~2 ms.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0)
+
+
+class Metrics:
+    """The daemon's counters, gauges and histograms.
+
+    Methods only add to or set metrics; none raises for a valid number. Not
+    thread-safe beyond what prometheus_client guarantees (each update is
+    atomic); call from the event loop.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self._requests = Counter("radiance_requests", "Requests answered, by HTTP status "
+                                 "(499: the client went away first).", ["status"], registry=r)
+        self._ttft = Histogram("radiance_time_to_first_token_seconds", "Arrival to the first generated token.",
+                               buckets=TTFT_BUCKETS, registry=r)
+        self._itl = Histogram("radiance_inter_token_latency_seconds", "Time between two tokens of one request.",
+                              buckets=TOKEN_BUCKETS, registry=r)
+        self._e2e = Histogram("radiance_e2e_request_latency_seconds", "Arrival to the last token of a request.",
+                              buckets=E2E_BUCKETS, registry=r)
+        self._prompt = Counter("radiance_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+        self._generated = Counter("radiance_generation_tokens", "Tokens generated.", registry=r)
+        self._prefix_hits = Counter("radiance_prefix_cache_hit_tokens",
+                                    "Prompt tokens whose KV the prefix cache supplied.", registry=r)
+        self._running = Gauge("radiance_sequences_running", "Sequences in the running batch.", registry=r)
+        self._waiting = Gauge("radiance_sequences_waiting", "Sequences waiting for a slot.", registry=r)
+        self._kv_util = Gauge("radiance_kv_util", "Share of KV blocks in use (0 to 1).", registry=r)
+        self._step = Histogram("radiance_step_duration_seconds", "Wall time of one engine step.",
+                               buckets=TOKEN_BUCKETS, registry=r)
+
+    # -- per request ----------------------------------------------------------
+
+    def on_request_done(self, status: int | str) -> None:
+        """A request was answered with HTTP `status` (use 499 for a client that disconnected)."""
+        self._requests.labels(status=str(status)).inc()
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def observe_e2e(self, seconds: float) -> None:
+        self._e2e.observe(seconds)
+
+    def add_prompt_tokens(self, n: int) -> None:
+        self._prompt.inc(n)
+
+    def add_generated_tokens(self, n: int) -> None:
+        self._generated.inc(n)
+
+    def add_prefix_hit_tokens(self, n: int) -> None:
+        self._prefix_hits.inc(n)
+
+    # -- per step -------------------------------------------------------------
+
+    def observe_step(self, seconds: float) -> None:
+        self._step.observe(seconds)
+
+    def set_running(self, n: int) -> None:
+        self._running.set(n)
+
+    def set_waiting(self, n: int) -> None:
+        self._waiting.set(n)
+
+    def set_kv_util(self, fraction: float) -> None:
+        self._kv_util.set(fraction)
+
+    # -- exposition -----------------------------------------------------------
+
+    def render(self) -> tuple[bytes, str]:
+        """The text exposition format and its Content-Type, for GET /metrics."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

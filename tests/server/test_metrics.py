@@ -1,0 +1,73 @@
+"""/metrics: a private registry whose exposition prometheus_client's parser reads, with values that move."""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
+
+from radianced.server.metrics import TTFT_BUCKETS, Metrics
+
+
+def samples(m: Metrics) -> dict[tuple[str, tuple], float]:
+    text, content_type = m.render()
+    assert content_type.startswith("text/plain; version=")  # the text exposition format
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text.decode()) for s in family.samples}
+
+
+def test_fresh_metrics_parse_and_start_at_zero():
+    s = samples(Metrics())
+    for name in ("radiance_prompt_tokens_total", "radiance_generation_tokens_total",
+                 "radiance_prefix_cache_hit_tokens_total", "radiance_sequences_running",
+                 "radiance_sequences_waiting", "radiance_kv_util", "radiance_time_to_first_token_seconds_count",
+                 "radiance_inter_token_latency_seconds_count", "radiance_e2e_request_latency_seconds_count",
+                 "radiance_step_duration_seconds_count"):
+        assert s[(name, ())] == 0.0, name
+    assert not any(name == "radiance_requests_total" for name, _ in s)  # no status seen yet
+    assert not any(name.startswith(("process_", "python_gc")) for name, _ in s)  # not the global registry
+
+
+def test_values_move_as_requests_complete():
+    m = Metrics()
+    m.on_request_done(200)
+    m.on_request_done(200)
+    m.on_request_done("429")
+    m.add_prompt_tokens(12)
+    m.add_prompt_tokens(3)
+    m.add_generated_tokens(7)
+    m.add_prefix_hit_tokens(16)
+    m.observe_ttft(0.03)
+    m.observe_ttft(3.0)
+    for dt in (0.002, 0.004, 0.004):
+        m.observe_inter_token(dt)
+    m.observe_e2e(1.25)
+    m.observe_step(0.0045)
+    m.set_running(2)
+    m.set_waiting(5)
+    m.set_kv_util(0.375)
+    m.set_waiting(4)
+    s = samples(m)
+    assert s[("radiance_requests_total", (("status", "200"),))] == 2.0
+    assert s[("radiance_requests_total", (("status", "429"),))] == 1.0
+    assert s[("radiance_prompt_tokens_total", ())] == 15.0
+    assert s[("radiance_generation_tokens_total", ())] == 7.0
+    assert s[("radiance_prefix_cache_hit_tokens_total", ())] == 16.0
+    assert (s[("radiance_sequences_running", ())], s[("radiance_sequences_waiting", ())]) == (2.0, 4.0)
+    assert s[("radiance_kv_util", ())] == 0.375
+    assert s[("radiance_time_to_first_token_seconds_count", ())] == 2.0
+    assert s[("radiance_time_to_first_token_seconds_sum", ())] == 3.03
+    assert s[("radiance_time_to_first_token_seconds_bucket", (("le", "0.04"),))] == 1.0
+    assert s[("radiance_time_to_first_token_seconds_bucket", (("le", "2.5"),))] == 1.0
+    assert s[("radiance_time_to_first_token_seconds_bucket", (("le", "5.0"),))] == 2.0
+    assert s[("radiance_inter_token_latency_seconds_bucket", (("le", "0.0025"),))] == 1.0
+    assert s[("radiance_inter_token_latency_seconds_bucket", (("le", "0.005"),))] == 3.0
+    assert s[("radiance_e2e_request_latency_seconds_sum", ())] == 1.25
+    assert s[("radiance_step_duration_seconds_bucket", (("le", "0.005"),))] == 1.0
+    assert len([k for k in s if k[0] == "radiance_time_to_first_token_seconds_bucket"]) == len(TTFT_BUCKETS) + 1
+
+
+def test_two_daemons_in_one_process_do_not_share_metrics():
+    a, b = Metrics(), Metrics()
+    a.add_generated_tokens(5)
+    assert samples(b)[("radiance_generation_tokens_total", ())] == 0.0
+    assert REGISTRY.get_sample_value("radiance_generation_tokens_total") is None
