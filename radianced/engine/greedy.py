@@ -29,8 +29,8 @@ def greedy_generate(model, cache: KVCache, prompts: list[list[int]], max_new_tok
     Sequence b uses recurrent-state slot b (the cache needs len(prompts) slots on
     hybrid models). Sequences stop early on any of `stop_ids` (the stop token is kept).
     """
-    alloc = BlockAllocator(cache.num_blocks, cache.block_size)
-    tables: list[list[int]] = [[] for _ in prompts]
+    alloc = BlockAllocator.fixed(cache.num_blocks, cache.block_size)
+    tables = [alloc.new_table() for _ in prompts]
     done = [0] * len(prompts)  # tokens already in the cache
     pending = [list(p) for p in prompts]
     trace = GreedyTrace(tokens=[[] for _ in prompts])
@@ -40,9 +40,9 @@ def greedy_generate(model, cache: KVCache, prompts: list[list[int]], max_new_tok
             cache.states.reset(b)
     for step in range(max_new_tokens):
         for b in live:
-            alloc.grow(tables[b], done[b] + len(pending[b]))
+            alloc.append(tables[b], done[b] + len(pending[b]))
         batch = ForwardBatch.build([pending[b] for b in live], [done[b] for b in live],
-                                   [tables[b] for b in live], cache.block_size, state_slots=live,
+                                   [tables[b].ids() for b in live], cache.block_size, state_slots=live,
                                    device=cache.storage.device)
         with torch.inference_mode():
             logits = model.forward(batch, cache)  # [B, V]

@@ -1,43 +1,364 @@
-"""KV block allocator: which block ids of the paged cache each sequence owns.
+"""KV blocks of the paged cache: ref-counted blocks per paging group, leased page by page.
 
-Minimal form (the engine issue adds ref counts, paging groups and the prefix
-cache): a free list and exact accounting. Pure Python, no torch.
+- A *paging group* is a set of layers with one KV layout; they share a token
+  axis and a block table ("kv_attn" = the full-attention layers today; "kv_mtp"
+  when drafting). Each group has its own `BlockPool`.
+- A *block* holds `block_size` consecutive tokens of one group.
+- A *page* is the arena's unit. Page p of a group holds that group's blocks
+  p*N .. p*N+N-1 (N = the group's blocks per page), which is how `KVCache`
+  storage [P, N, ...] is indexed. Pools lease pages from a `PageSource` (the
+  arena; `FixedPages` until it lands) and give back pages whose blocks are all free.
+- Groups move in lockstep: logical block i of a sequence is one physical block
+  in every group, a `KVBlock` = (id in group 0, id in group 1, ...). A
+  `BlockTable` lists a sequence's logical blocks.
+
+Holders: each table listing a block holds one reference, and so does the
+prefix cache for every block it keeps. A block nobody holds is free. The prefix
+cache registers itself as the allocator's `reclaimer`: blocks only it holds are
+*evictable*, counted as available by `can_allocate`, and evicted (LRU) by
+`allocate` when free blocks and pages run out.
+
+Pure Python, no torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+KVBlock = tuple[int, ...]  # one physical block id per paging group
+
 
 class OutOfBlocks(RuntimeError):
-    """The pool has fewer free blocks than asked for; nothing was allocated."""
+    """The pool cannot hand out that many blocks; nothing was allocated."""
 
 
-class BlockAllocator:
-    def __init__(self, num_blocks: int, block_size: int):
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+class PageSource(Protocol):
+    """Where block pools get their pages: the arena's KV tenant.
+
+    Shared by every group of one allocator; a page is leased to one group at a time.
+    """
+
+    def available(self) -> int:
+        """Pages `lease` would hand out now."""
+        ...
+
+    def lease(self, n: int) -> list[int]:
+        """Exactly n page ids (n <= available())."""
+        ...
+
+    def give_back(self, pages: Iterable[int]) -> None:
+        """Take back pages that hold no live or cached block."""
+        ...
+
+
+class FixedPages:
+    """A fixed set of pages 0..num_pages-1, leased lowest id first."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() gives 0, 1, 2, ...
+
+    def available(self) -> int:
+        return len(self._free)
+
+    def lease(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocks(f"asked for {n} pages, {len(self._free)} of {self.num_pages} left")
+        return [self._free.pop() for _ in range(n)]
+
+    def give_back(self, pages: Iterable[int]) -> None:
+        self._free.extend(pages)
+        self._free.sort(reverse=True)
+
+
+class Reclaimer(Protocol):
+    """What the allocator needs from the prefix cache."""
+
+    def evictable(self) -> int:
+        """Blocks only the cache holds."""
+        ...
+
+    def evict(self, n: int) -> int:
+        """Drop the cache's hold on n evictable blocks (LRU first); returns how many."""
+        ...
+
+    def released(self, blocks: Sequence[KVBlock]) -> None:
+        """A table let go of `blocks` (in this order: its tail first)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Copy the KV of block `src` into block `dst` (every group): a fork's partial tail."""
+
+    src: KVBlock
+    dst: KVBlock
+
+
+class BlockTable:
+    """One sequence's logical blocks; `ids(g)` is the table of paging group g."""
+
+    __slots__ = ("_ids",)
+
+    def __init__(self, num_groups: int = 1):
+        self._ids: tuple[list[int], ...] = tuple([] for _ in range(num_groups))
+
+    def __len__(self) -> int:
+        return len(self._ids[0])
+
+    def __getitem__(self, i: int) -> KVBlock:
+        return tuple(ids[i] for ids in self._ids)
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        return zip(*self._ids)
+
+    def ids(self, group: int = 0) -> tuple[int, ...]:
+        return tuple(self._ids[group])
+
+    def frozen(self) -> tuple[tuple[int, ...], ...]:
+        """Every group's table, for a `StepPlan`."""
+        return tuple(tuple(ids) for ids in self._ids)
+
+    def _extend(self, blocks: Iterable[KVBlock]) -> None:
+        for block in blocks:
+            for ids, b in zip(self._ids, block):
+                ids.append(b)
+
+    def _clear(self) -> None:
+        for ids in self._ids:
+            ids.clear()
+
+
+class BlockPool:
+    """One paging group's blocks: holder counts, the free list and the leased pages."""
+
+    def __init__(self, name: str, blocks_per_page: int, pages: PageSource):
+        if blocks_per_page < 1:
+            raise ValueError(f"group {name}: blocks_per_page {blocks_per_page} < 1")
+        self.name = name
+        self.blocks_per_page = blocks_per_page
+        self._source = pages
+        self._refs: dict[int, int] = {}  # every block of a leased page -> holders (0 = free)
+        self._free: list[int] = []  # a stack: freed blocks on top, fresh pages at the bottom
+        self._pages: set[int] = set()
+
+    @property
+    def num_leased(self) -> int:
+        return len(self._refs)
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def num_held(self) -> int:
+        return len(self._refs) - len(self._free)
+
+    @property
+    def pages(self) -> frozenset[int]:
+        return frozenset(self._pages)
+
+    def free_blocks(self) -> tuple[int, ...]:
+        return tuple(self._free)
+
+    def ref_count(self, block: int) -> int:
+        if block not in self._refs:
+            raise ValueError(f"{self.name}: block {block} is not on a leased page")
+        return self._refs[block]
+
+    def pages_needed(self, n: int, extra_free: int = 0) -> int:
+        """Pages to lease before `n` blocks can be taken, with `extra_free` more blocks freed first."""
+        short = n - len(self._free) - extra_free
+        return -(-short // self.blocks_per_page) if short > 0 else 0
+
+    def grow(self, num_pages: int) -> None:
+        n = self.blocks_per_page
+        fresh = []
+        for page in self._source.lease(num_pages):
+            self._pages.add(page)
+            fresh.extend(range(page * n, page * n + n))
+        for b in fresh:
+            self._refs[b] = 0
+        # under the blocks already free: fill pages in use before new ones, so pages drain and return
+        self._free[:0] = reversed(fresh)
+
+    def take(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocks(f"{self.name}: asked for {n} blocks, {len(self._free)} free")
+        out = [self._free.pop() for _ in range(n)]
+        for b in out:
+            self._refs[b] = 1
+        return out
+
+    def hold(self, blocks: Iterable[int]) -> None:
+        for b in blocks:
+            if self.ref_count(b) < 1:
+                raise ValueError(f"{self.name}: block {b} is free; only a held block gains holders")
+            self._refs[b] += 1
+
+    def drop(self, blocks: Iterable[int]) -> None:
+        for b in blocks:
+            if self.ref_count(b) < 1:
+                raise ValueError(f"{self.name}: block {b} freed twice")
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)
+
+    def shrink(self) -> int:
+        """Give back every page whose blocks are all free; returns how many."""
+        n = self.blocks_per_page
+        free_per_page: dict[int, int] = {}
+        for b in self._free:
+            free_per_page[b // n] = free_per_page.get(b // n, 0) + 1
+        empty = sorted(p for p, k in free_per_page.items() if k == n)
+        if empty:
+            gone = set(empty)
+            self._free = [b for b in self._free if b // n not in gone]
+            for p in empty:
+                for b in range(p * n, p * n + n):
+                    del self._refs[b]
+            self._pages -= gone
+            self._source.give_back(empty)
+        return len(empty)
+
+
+class BlockAllocator:
+    """Logical KV blocks over one `BlockPool` per paging group, all fed by one `PageSource`.
+
+    Paired verbs: `can_allocate`/`allocate`, `can_append`/`append`, `fork`, `free`.
+    Each either does all of its work or raises `OutOfBlocks` having changed nothing.
+    Allocation takes free blocks first, then leases pages, and only then evicts
+    cached blocks (through `reclaimer`) for the part the pages cannot cover.
+    """
+
+    def __init__(self, block_size: int, pages: PageSource, groups: Mapping[str, int] | None = None):
+        """`groups`: paging group name -> blocks per page (default: one group, "kv_attn", 1)."""
+        if block_size < 1:
+            raise ValueError(f"block_size {block_size} < 1")
+        groups = {"kv_attn": 1} if groups is None else groups
+        if not groups:
+            raise ValueError("at least one paging group")
+        self.block_size = block_size
+        self.pages = pages
+        self.pools = tuple(BlockPool(name, n, pages) for name, n in groups.items())
+        self.reclaimer: Reclaimer | None = None  # set by PrefixCache(allocator)
+
+    @classmethod
+    def fixed(cls, num_blocks: int, block_size: int) -> BlockAllocator:
+        """One group of `num_blocks` blocks, one block per page (the seam before the arena)."""
+        return cls(block_size, FixedPages(num_blocks))
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.pools)
+
+    def new_table(self) -> BlockTable:
+        return BlockTable(len(self.pools))
+
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+    # -- accounting -----------------------------------------------------------
 
-    def allocate(self, n: int) -> list[int]:
+    def evictable(self) -> int:
+        return self.reclaimer.evictable() if self.reclaimer is not None else 0
+
+    @property
+    def num_used(self) -> int:
+        """Logical blocks some table holds (cached blocks only the cache holds are not used)."""
+        return self.pools[0].num_held - self.evictable()
+
+    def ref_count(self, block: KVBlock) -> int:
+        return self.pools[0].ref_count(block[0])
+
+    def _pages_needed(self, n: int, evicted: int) -> int:
+        return sum(pool.pages_needed(n, evicted) for pool in self.pools)
+
+    def can_allocate(self, n: int, exclude: int = 0) -> bool:
+        """Could `allocate(n)` succeed, not counting `exclude` evictable blocks (a prefix
+        match about to be acquired)?"""
+        return self._pages_needed(n, self.evictable() - exclude) <= self.pages.available()
+
+    def num_allocatable(self, exclude: int = 0) -> int:
+        """The most blocks `allocate` could hand out now."""
+        lo = 0
+        hi = max(p.num_free + self.evictable() + self.pages.available() * p.blocks_per_page for p in self.pools)
+        while lo < hi:  # largest n with can_allocate(n)
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.can_allocate(mid, exclude) else (lo, mid - 1)
+        return lo
+
+    @property
+    def kv_util(self) -> float:
+        """Used blocks / pool blocks (used + what could still be handed out)."""
+        used = self.num_used
+        pool = used + self.num_allocatable()
+        return used / pool if pool else 0.0
+
+    # -- the verbs ------------------------------------------------------------
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """n fresh blocks, one holder each. Raises OutOfBlocks (nothing changed) if impossible."""
+        if n <= 0:
+            return []
         if not self.can_allocate(n):
-            raise OutOfBlocks(f"asked for {n} KV blocks, {len(self._free)} free of {self.num_blocks}")
-        return [self._free.pop() for _ in range(n)]
+            raise OutOfBlocks(f"asked for {n} KV blocks; {self.num_allocatable()} can be handed out "
+                              f"({self.num_used} in use)")
+        evict = 0
+        while self._pages_needed(n, evict) > self.pages.available():
+            evict += 1
+        if evict:
+            assert self.reclaimer is not None and self.reclaimer.evict(evict) == evict
+        for pool in self.pools:
+            pool.grow(pool.pages_needed(n))
+        return list(zip(*(pool.take(n) for pool in self.pools)))
 
-    def grow(self, table: list[int], tokens: int) -> None:
-        """Append blocks to `table` until it holds `tokens` tokens (all or nothing)."""
-        need = self.blocks_for(tokens) - len(table)
-        if need > 0:
-            table.extend(self.allocate(need))
+    def can_append(self, table: BlockTable, tokens: int) -> bool:
+        return self.can_allocate(self.blocks_for(tokens) - len(table))
 
-    def free(self, table: list[int]) -> None:
-        self._free.extend(reversed(table))
-        table.clear()
+    def append(self, table: BlockTable, tokens: int) -> None:
+        """Grow `table` until it holds `tokens` tokens (all or nothing)."""
+        table._extend(self.allocate(self.blocks_for(tokens) - len(table)))
+
+    def fork(self, table: BlockTable, tokens: int) -> tuple[BlockTable, list[BlockCopy]]:
+        """A second table over the first `tokens` tokens of `table`: full blocks are shared,
+        a partial last block is copied into a fresh one (the returned copy, for the runner)."""
+        full, partial = divmod(tokens, self.block_size)
+        if self.blocks_for(tokens) > len(table):
+            raise ValueError(f"fork of {tokens} tokens from a table of {len(table)} blocks")
+        tail = self.allocate(1) if partial else []  # first: it may raise
+        shared = [table[i] for i in range(full)]
+        self.hold(shared)
+        child = self.new_table()
+        child._extend(shared + tail)
+        return child, [BlockCopy(table[full], tail[0])] if partial else []
+
+    def free(self, table: BlockTable) -> None:
+        """Drop the table's hold on all its blocks (tail first, so the prefix cache evicts
+        tails before heads) and empty it."""
+        blocks = [table[i] for i in range(len(table) - 1, -1, -1)]
+        table._clear()
+        self.drop(blocks)
+        if self.reclaimer is not None:
+            self.reclaimer.released(blocks)
+
+    def share(self, table: BlockTable, blocks: Sequence[KVBlock]) -> None:
+        """Append already-held blocks (a prefix hit) to `table`, which becomes one more holder."""
+        self.hold(blocks)
+        table._extend(blocks)
+
+    def hold(self, blocks: Sequence[KVBlock]) -> None:
+        """One more holder on each of `blocks` (all already held)."""
+        for g, pool in enumerate(self.pools):
+            pool.hold(b[g] for b in blocks)
+
+    def drop(self, blocks: Sequence[KVBlock]) -> None:
+        """One holder less on each; a block left with none is free."""
+        for g, pool in enumerate(self.pools):
+            pool.drop(b[g] for b in blocks)
+
+    def release_pages(self) -> int:
+        """Give back to the page source every page with no held block; returns how many."""
+        return sum(pool.shrink() for pool in self.pools)

@@ -1,0 +1,81 @@
+"""The seam between planning and execution: `StepPlan` in, `StepOutput` back.
+
+Plain frozen data, no torch. The runner turns a plan into device tensors
+(`ForwardBatch.build(token_ids, context_before, block_table[g], ...)` per
+paging group g), runs `before` state copies, the forward and sampling, then
+`after` copies, and returns one `StepOutput`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from radianced.kv.state import StateCopy
+
+__all__ = ["ScheduledSeq", "StateCopy", "StepPlan", "StepOutput"]
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step.
+
+    token_ids: the new tokens, at positions context_before .. context_before+len-1.
+    block_table: the sequence's table in each paging group, covering every position
+        up to the chunk's end (KV of the new tokens is written there).
+    state_slot: recurrent-state slot (hybrid models), else None.
+    sample: this chunk ends at the sequence's last token: sample one from its logits.
+    prompt_token_ids: the request's prompt (the request's own tuple, not a copy).
+    output_token_ids: where it samples, the output so far (the next token is output
+        number len(output_token_ids): penalties, per-request seeds); else ().
+    params: the request's sampling params (opaque here).
+    """
+
+    seq_id: int
+    token_ids: tuple[int, ...]
+    context_before: int
+    block_table: tuple[tuple[int, ...], ...]
+    state_slot: int | None
+    sample: bool
+    prompt_token_ids: tuple[int, ...] = ()
+    output_token_ids: tuple[int, ...] = ()
+    params: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What one step computes.
+
+    before: state resets and checkpoint restores, run before the forward.
+    after: checkpoint saves, run after the forward (state slots then hold the
+        state after each sequence's chunk).
+    preempted_seq_ids: sequences preempted (recompute) while planning this step.
+    finished_seq_ids: sequences finished or cancelled since the previous plan with
+        work in it; the runner drops whatever it keeps per sequence.
+    """
+
+    seqs: tuple[ScheduledSeq, ...] = ()
+    before: tuple[StateCopy, ...] = ()
+    after: tuple[StateCopy, ...] = ()
+    preempted_seq_ids: tuple[int, ...] = ()
+    finished_seq_ids: tuple[int, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What a step produced, aligned with `plan.seqs`.
+
+    token_ids[i]: the token(s) sampled for plan.seqs[i]; () where it does not sample.
+    logprobs[i]: the sampler's logprobs payload for that row (opaque here), or None.
+    """
+
+    token_ids: tuple[tuple[int, ...], ...]
+    logprobs: tuple[Any, ...] | None = None

@@ -1,0 +1,96 @@
+"""A request as the engine receives it, and the scheduler's state of its sequence."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from radianced.kv.blocks import BlockTable
+
+
+class SamplingParamsLike(Protocol):
+    """What the scheduler reads from sampling params (the rest is the sampler's)."""
+
+    max_tokens: int | None  # None: up to the context (the scheduler's max_model_len)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation: prompt ids, sampling params, and the token ids that end it
+    (the engine merges the params' stop ids with the model's end-of-sequence ids)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParamsLike | Any
+    stop_token_ids: frozenset[int] = frozenset()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # a stop token id was sampled (it is kept in the output)
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # cancelled
+
+
+class Sequence:
+    """The scheduler's state of one request. The engine may read it; only the scheduler writes it.
+
+    token_ids is the prompt followed by the output so far. num_computed_tokens of
+    them have KV (and, on hybrid models, are folded into the state slot); after a
+    preemption it drops to 0 and the whole of token_ids is computed again.
+    """
+
+    def __init__(self, seq_id: int, request: Request, num_groups: int = 1):
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {request.request_id}: empty prompt")
+        self.seq_id = seq_id  # arrival order: older sequences have smaller ids
+        self.request = request
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.status = SeqStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.block_table = BlockTable(num_groups)
+        self.block_hashes: list[bytes] = []  # prefix-cache keys of token_ids' full blocks
+        self.num_cached_blocks = 0  # leading blocks of block_table already offered to the prefix cache
+        self.num_computed_tokens = 0
+        self.num_reused_tokens: int | None = None  # prompt tokens a prefix hit skipped (first admission)
+        self.num_preemptions = 0
+        self.state_slot: int | None = None  # hybrid: recurrent-state slot while running
+        self.checkpoint: int | None = None  # hybrid: checkpoint slot this sequence owns
+        self.checkpoint_tokens = 0  # tokens the owned checkpoint holds the state after (0: none yet)
+        self.checkpoint_at = 0  # hybrid: block boundary where this admission's prompt checkpoint is taken
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def params(self) -> Any:
+        return self.request.params
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than the last sampled token is left to compute."""
+        return self.num_computed_tokens < len(self.token_ids) - 1
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id}, {self.request_id!r}, {self.status.value}, "
+                f"computed {self.num_computed_tokens}/{self.num_tokens})")

@@ -1,0 +1,360 @@
+"""Which sequences compute which tokens each step: admission, chunked prefill,
+decode, preemption. Produces a `StepPlan`; consumes the `StepOutput`.
+
+Rules of a step (`schedule`):
+1. Running sequences, decodes first, then unfinished prefills, oldest first in
+   each, take tokens from the step's budget (`max_num_batched_tokens`): a decode
+   one, a prefill the rest of its tokens or what the budget leaves.
+2. A sequence whose new tokens need blocks the pool cannot give: a prefill
+   shrinks its chunk to what fits; otherwise the youngest running sequence is
+   preempted (its blocks freed, recomputed later from the front of the waiting
+   queue, its output so far included), until it fits or it was the youngest.
+3. If nobody was preempted, waiting sequences are admitted in arrival order while
+   budget, `max_num_seqs` and blocks allow; each starts after its longest prefix
+   hit. The first that does not fit stops admission (FCFS: nobody overtakes).
+4. Hybrid models with a prefix cache end a prefill chunk at the prompt's last
+   block boundary and save a checkpoint there; a chunk that samples at a block
+   boundary saves one too (kept by the sequence, cached when it ends).
+
+Contract: `schedule()` and `update()` alternate. `add`, `cancel` and `abort_all`
+may come at any time; blocks of a cancelled sequence are freed at once (nothing
+reuses them before the next `schedule()`, which waits for the in-flight
+`update()`). No torch, no CUDA.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from radianced.engine.plan import ScheduledSeq, StepOutput, StepPlan
+from radianced.engine.request import FinishReason, Request, Sequence, SeqStatus
+from radianced.kv.blocks import BlockAllocator
+from radianced.kv.prefix import PrefixCache, PrefixMatch, extend_block_hashes
+from radianced.kv.state import StateCopy, StateSlots
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue holds --max-queue requests (the server answers 429)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SeqEvent:
+    """What a step did for one request: new tokens, and why it ended if it did."""
+
+    request_id: str
+    seq_id: int
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    logprobs: Any = None
+
+
+@dataclass(slots=True)
+class _Chunk:
+    seq: Sequence
+    n: int
+    before: list[StateCopy] = field(default_factory=list)
+    after: list[StateCopy] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, *, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_queue: int, prefix: PrefixCache | None = None, hybrid: bool = False,
+                 max_model_len: int | None = None):
+        """max_model_len: a sequence ends ("length") when it holds this many tokens,
+        whatever its max_tokens (which may be None: up to the context)."""
+        if min(max_num_seqs, max_num_batched_tokens, max_queue) < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and max_queue must be at least 1")
+        if prefix is not None and prefix.hybrid != hybrid:
+            raise ValueError(f"prefix cache built for hybrid={prefix.hybrid}, scheduler for hybrid={hybrid}")
+        self.allocator = allocator
+        self.block_size = allocator.block_size
+        self.prefix = prefix
+        self.hybrid = hybrid
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_queue = max_queue
+        self.max_model_len = max_model_len
+        self.state_slots = StateSlots(max_num_seqs) if hybrid else None
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest first
+        self._by_request: dict[str, Sequence] = {}
+        self._by_seq: dict[int, Sequence] = {}
+        self._next_seq_id = 0
+        self._finished: list[int] = []  # since the last plan with work
+        self._preempted: list[int] = []
+        self._in_flight: StepPlan | None = None
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._by_request)
+
+    @property
+    def kv_util(self) -> float:
+        return self.allocator.kv_util
+
+    # -- requests in and out --------------------------------------------------
+
+    def add(self, request: Request) -> Sequence:
+        """Queue a request. Raises QueueFull when --max-queue requests already wait."""
+        if request.request_id in self._by_request:
+            raise ValueError(f"request id {request.request_id!r} is already live")
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFull(f"{len(self.waiting)} requests are waiting (--max-queue {self.max_queue}); retry later")
+        seq = Sequence(self._next_seq_id, request, self.allocator.num_groups)
+        self._next_seq_id += 1
+        self.waiting.append(seq)
+        self._by_request[request.request_id] = seq
+        self._by_seq[seq.seq_id] = seq
+        return seq
+
+    def cancel(self, request_id: str) -> bool:
+        """End a request now and free its blocks and slots. False if it is not live."""
+        seq = self._by_request.get(request_id)
+        if seq is None:
+            return False
+        if seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+            self._forget(seq, FinishReason.ABORT)
+        else:
+            self._finish(seq, FinishReason.ABORT)
+        return True
+
+    def abort_all(self) -> list[str]:
+        """Cancel every live request; returns their ids."""
+        ids = list(self._by_request)
+        for request_id in ids:
+            self.cancel(request_id)
+        return ids
+
+    # -- a step -----------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        if self._in_flight is not None:
+            raise RuntimeError("schedule() called before update() of the previous plan")
+        budget = self.max_num_batched_tokens
+        chunks: dict[int, _Chunk] = {}  # seq_id -> chunk, in plan order
+        preempted: list[int] = []
+        for seq in [s for s in self.running if not s.is_prefilling] + [s for s in self.running if s.is_prefilling]:
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted for an older sequence
+            n = self._chunk_len(seq, seq.num_computed_tokens, budget)
+            while not self.allocator.can_append(seq.block_table, seq.num_computed_tokens + n):
+                fit = (len(seq.block_table) + self.allocator.num_allocatable()) * self.block_size \
+                    - seq.num_computed_tokens
+                if seq.is_prefilling and fit > 0:
+                    n = min(n, fit)
+                    break
+                victim = self.running[-1]
+                budget += self._preempt(victim, chunks)
+                preempted.append(victim.seq_id)
+                if victim is seq:
+                    break
+            if seq.status is SeqStatus.RUNNING:
+                self.allocator.append(seq.block_table, seq.num_computed_tokens + n)
+                chunks[seq.seq_id] = self._plan_chunk(seq, n)
+                budget -= n
+        while not preempted and self.waiting and budget and len(self.running) < self.max_num_seqs:
+            chunk = self._admit(self.waiting[0], budget)
+            if chunk is None:
+                break
+            chunks[chunk.seq.seq_id] = chunk
+            budget -= chunk.n
+        return self._emit(chunks.values(), preempted)
+
+    def update(self, plan: StepPlan, output: StepOutput) -> list[SeqEvent]:
+        """Apply a step's results: advance computed tokens, cache full blocks, append
+        sampled tokens, finish sequences on a stop token or max_tokens."""
+        if plan is not self._in_flight:
+            raise RuntimeError("update() of a plan that is not the one in flight")
+        if len(output.token_ids) != len(plan.seqs):
+            raise ValueError(f"{len(output.token_ids)} outputs for {len(plan.seqs)} scheduled sequences")
+        self._in_flight = None
+        saved = {c.slot: c.checkpoint for c in plan.after}
+        events: list[SeqEvent] = []
+        for i, s in enumerate(plan.seqs):
+            seq = self._by_seq.get(s.seq_id)
+            if seq is None or seq.status is not SeqStatus.RUNNING:
+                continue  # cancelled while the step ran
+            seq.num_computed_tokens = s.context_before + len(s.token_ids)
+            self._cache_blocks(seq)
+            if seq.checkpoint is not None and saved.get(seq.state_slot) == seq.checkpoint:
+                seq.checkpoint_tokens = seq.num_computed_tokens
+                if not s.sample:
+                    self._hand_over_checkpoint(seq)  # the prompt's: others may use it now
+            if s.sample:
+                events.append(self._append_tokens(seq, output.token_ids[i],
+                                                  None if output.logprobs is None else output.logprobs[i]))
+        return events
+
+    # -- pieces of a step ---------------------------------------------------------
+
+    def _chunk_len(self, seq: Sequence, start: int, budget: int) -> int:
+        n = min(seq.num_tokens - start, budget)
+        if start < seq.checkpoint_at < start + n:
+            n = seq.checkpoint_at - start  # end the chunk where the prompt checkpoint is taken
+        return n
+
+    def _admit(self, seq: Sequence, budget: int) -> _Chunk | None:
+        """Start the head of the waiting queue after its longest prefix hit, or None if
+        its first chunk does not fit."""
+        match = self.prefix.match(seq.token_ids, seq.block_hashes) if self.prefix else PrefixMatch()
+        start = match.num_tokens
+        seq.checkpoint_at = self._prompt_checkpoint_at(seq, start)
+        n = self._chunk_len(seq, start, budget)
+        need = self.allocator.blocks_for(start + n) - len(match.blocks)
+        if not self.allocator.can_allocate(need, exclude=match.num_evictable):
+            return None
+        self.waiting.popleft()
+        if self.prefix is not None:
+            self.prefix.acquire(match, seq.block_table)
+        self.allocator.append(seq.block_table, start + n)
+        seq.num_computed_tokens = start
+        seq.num_cached_blocks = len(match.blocks)
+        if seq.num_reused_tokens is None:
+            seq.num_reused_tokens = start
+        seq.status = SeqStatus.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.seq_id)
+        before = []
+        if self.state_slots is not None:
+            seq.state_slot = self.state_slots.allocate()
+            before.append(StateCopy.reset(seq.state_slot) if match.checkpoint is None
+                          else StateCopy.restore(match.checkpoint, seq.state_slot))
+        return self._plan_chunk(seq, n, before)
+
+    def _prompt_checkpoint_at(self, seq: Sequence, start: int) -> int:
+        """The last block boundary a later request could resume from (it must compute
+        at least one token), if a checkpoint there is worth taking; else 0."""
+        if not self.hybrid or self.prefix is None:
+            return 0
+        at = (seq.num_tokens - 1) // self.block_size * self.block_size
+        return at if at > start else 0
+
+    def _plan_chunk(self, seq: Sequence, n: int, before: list[StateCopy] | None = None) -> _Chunk:
+        chunk = _Chunk(seq, n, before or [])
+        end = seq.num_computed_tokens + n
+        sample = end == seq.num_tokens
+        if self.hybrid and self.prefix is not None and end % self.block_size == 0 \
+                and (end == seq.checkpoint_at or sample):
+            if seq.checkpoint is None:
+                seq.checkpoint = self.prefix.take_checkpoint()
+            if seq.checkpoint is not None:
+                chunk.after.append(StateCopy.save(seq.state_slot, seq.checkpoint))
+        return chunk
+
+    def _emit(self, chunks, preempted: list[int]) -> StepPlan:
+        self._preempted += preempted
+        seqs = tuple(self._scheduled(c.seq, c.n) for c in chunks)
+        if not seqs:
+            return StepPlan()
+        plan = StepPlan(
+            seqs=seqs,
+            before=tuple(x for c in chunks for x in c.before),
+            after=tuple(x for c in chunks for x in c.after),
+            preempted_seq_ids=tuple(self._preempted),
+            finished_seq_ids=tuple(self._finished),
+        )
+        self._preempted, self._finished = [], []
+        self._in_flight = plan
+        return plan
+
+    @staticmethod
+    def _scheduled(seq: Sequence, n: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        sample = start + n == seq.num_tokens
+        return ScheduledSeq(
+            seq_id=seq.seq_id,
+            token_ids=tuple(seq.token_ids[start:start + n]),
+            context_before=start,
+            block_table=seq.block_table.frozen(),
+            state_slot=seq.state_slot,
+            sample=sample,
+            prompt_token_ids=seq.request.prompt_token_ids,
+            output_token_ids=tuple(seq.token_ids[seq.num_prompt_tokens:]) if sample else (),
+            params=seq.params,
+        )
+
+    def _preempt(self, seq: Sequence, chunks: dict[int, _Chunk]) -> int:
+        """Send a running sequence back to the front of the waiting queue, to be
+        recomputed; returns the budget its chunk in this plan held."""
+        chunk = chunks.pop(seq.seq_id, None)
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_blocks = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        return chunk.n if chunk else 0
+
+    def _append_tokens(self, seq: Sequence, tokens: tuple[int, ...], logprobs: Any) -> SeqEvent:
+        if not tokens:
+            raise ValueError(f"sequence {seq.seq_id} was to sample but got no token")
+        reason = None
+        taken = 0
+        for t in tokens:
+            seq.token_ids.append(t)
+            taken += 1
+            max_tokens = seq.params.max_tokens
+            if t in seq.request.stop_token_ids:
+                reason = FinishReason.STOP
+            elif max_tokens is not None and seq.num_output_tokens >= max_tokens \
+                    or self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                self._finish(seq, reason)
+                break
+        return SeqEvent(seq.request_id, seq.seq_id, tuple(tokens[:taken]), reason, logprobs)
+
+    def _cache_blocks(self, seq: Sequence) -> None:
+        if self.prefix is None:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        if full > seq.num_cached_blocks:
+            extend_block_hashes(seq.block_hashes, seq.token_ids[:full * self.block_size], self.block_size)
+            self.prefix.insert(seq.block_table, seq.block_hashes, seq.num_cached_blocks, full)
+            seq.num_cached_blocks = full
+
+    def _hand_over_checkpoint(self, seq: Sequence) -> None:
+        """Give the sequence's checkpoint to the prefix cache if it holds a state the
+        sequence has reached (and no save into it is in flight); else free it."""
+        slot, tokens = seq.checkpoint, seq.checkpoint_tokens
+        seq.checkpoint, seq.checkpoint_tokens = None, 0
+        if slot is None:
+            return
+        in_flight = self._in_flight is not None and any(c.checkpoint == slot for c in self._in_flight.after)
+        if tokens and not in_flight and tokens <= seq.num_computed_tokens \
+                and self.prefix.attach_checkpoint(seq.block_hashes[tokens // self.block_size - 1], slot):
+            return
+        self.prefix.checkpoints.free(slot)
+
+    def _release(self, seq: Sequence) -> None:
+        self._hand_over_checkpoint(seq)
+        self.allocator.free(seq.block_table)
+        if seq.state_slot is not None:
+            self.state_slots.free(seq.state_slot)
+            seq.state_slot = None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        self._finished.append(seq.seq_id)
+        self._forget(seq, reason)
+
+    def _forget(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        del self._by_request[seq.request_id]
+        del self._by_seq[seq.seq_id]
