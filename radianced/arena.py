@@ -168,6 +168,11 @@ class Arena:
         self._settle()
         return len(self._free)
 
+    def available(self, tenant: str) -> int:
+        """Free pages `tenant` may lease now without taking any back."""
+        self._settle()
+        return self._usable(tenant)
+
     def lease(self, tenant: str, n: int) -> Lease:
         """n pages for `tenant`, all or nothing; the lowest free page ids first.
 
@@ -276,6 +281,22 @@ class Arena:
     def _check_fits(self, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         if nbytes > self.page_bytes:
             raise ValueError(f"{list(shape)} {dtype} needs {nbytes} bytes; a page holds {self.page_bytes}")
+
+
+class TenantPages:
+    """One tenant's side of the arena as a block pool's page source (`kv.blocks.PageSource`)."""
+
+    def __init__(self, arena: Arena, tenant: str):
+        self.arena, self.tenant = arena, tenant
+
+    def available(self) -> int:
+        return self.arena.available(self.tenant)
+
+    def lease(self, n: int) -> list[int]:
+        return list(self.arena.lease(self.tenant, n).pages)
+
+    def give_back(self, pages) -> None:
+        self.arena.release(Lease(self.tenant, tuple(pages)))
 
 
 def detect_card(device: torch.device | str) -> Card:

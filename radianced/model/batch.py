@@ -147,6 +147,11 @@ class RecurrentState:
         i = self._index[layer]
         return self.conv[i], self.recurrent[i]
 
+    def copy_slot(self, slot: int, dst: RecurrentState, dst_slot: int) -> None:
+        """Copy this pool's `slot` into `dst`'s `dst_slot` (same model, e.g. state slot <-> checkpoint)."""
+        dst.conv[:, dst_slot].copy_(self.conv[:, slot])
+        dst.recurrent[:, dst_slot].copy_(self.recurrent[:, slot])
+
     def reset(self, slot: int) -> None:
         self.conv[:, slot].zero_()
         self.recurrent[:, slot].zero_()

@@ -38,11 +38,17 @@ class ResidentExperts:
         self._tables = tables
 
     @classmethod
-    def from_rad(cls, rad, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> ResidentExperts:
-        """Copy every expert extent of a `.rad` (checksums verified) into one slab, layer-major."""
+    def from_rad(cls, rad, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+                 slab: torch.Tensor | None = None, rows: list[int] | None = None) -> ResidentExperts:
+        """Copy every expert extent of a `.rad` (checksums verified) into a slab, layer-major.
+
+        With `slab` and `rows` (e.g. an arena's pages as [P, 3 * I * H] and the pages
+        leased for experts), expert i of the file order goes to slab row rows[i];
+        otherwise a slab of exactly the experts is allocated.
+        """
         entries = sorted(rad.header.experts, key=lambda e: (e.layer, e.expert))
         return cls._build([(e.layer, e.expert, rad.expert(e.layer, e.expert, verify=True)) for e in entries],
-                          device, dtype)
+                          device, dtype, slab, rows)
 
     @classmethod
     def from_weights(cls, layers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
@@ -53,19 +59,20 @@ class ResidentExperts:
                           device, dtype)
 
     @classmethod
-    def _build(cls, experts, device, dtype) -> ResidentExperts:
-        """experts: iterable of (layer, expert, (gate, up, down)) in layer-major order; read lazily, once."""
+    def _build(cls, experts, device, dtype, slab=None, rows=None) -> ResidentExperts:
+        """experts: (layer, expert, (gate, up, down)) in layer-major order."""
         experts = list(experts)
-        gate0 = experts[0][2][0]
-        slab = torch.empty((len(experts), 3 * gate0.numel()), dtype=dtype or gate0.dtype, device=device)
-        rows: dict[int, list[int]] = {}
-        for row, (layer, expert, (gate, up, down)) in enumerate(experts):
+        if slab is None:
+            gate0 = experts[0][2][0]
+            slab = torch.empty((len(experts), 3 * gate0.numel()), dtype=dtype or gate0.dtype, device=device)
+            rows = list(range(len(experts)))
+        tables: dict[int, list[int]] = {}
+        for row, (layer, expert, (gate, up, down)) in zip(rows, experts):
             slab[row] = torch.cat((gate.flatten(), up.flatten(), down.flatten()))
-            table = rows.setdefault(layer, [])
+            table = tables.setdefault(layer, [])
             assert expert == len(table), "experts must come in order within a layer"
             table.append(row)
-        tables = {layer: torch.tensor(r, dtype=torch.int64, device=device) for layer, r in rows.items()}
-        return cls(slab, tables)
+        return cls(slab, {layer: torch.tensor(r, dtype=torch.int64, device=slab.device) for layer, r in tables.items()})
 
     def table(self, layer: int) -> torch.Tensor:
         return self._tables[layer]

@@ -1,0 +1,75 @@
+"""Execution: `StepPlan` -> device tensors -> model -> sampler -> `StepOutput`.
+
+The runner owns the device state of the engine: the paged KV cache, the
+recurrent-state slots and checkpoints (hybrid models) and the sampler's
+generators. It is called from one worker thread only; nothing above it touches
+a tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radianced.engine.plan import ScheduledSeq, StepOutput, StepPlan
+from radianced.engine.sampler import Sampler, SampleResult, SamplingRow, SamplingTensors
+from radianced.kv.state import StateCopy
+from radianced.model.batch import ForwardBatch, KVCache, RecurrentState
+from radianced.model.layers import CausalLM
+
+
+class Runner:
+    def __init__(self, model: CausalLM, cache: KVCache, checkpoints: RecurrentState | None, sampler: Sampler,
+                 eos_token_ids: tuple[int, ...] = ()):
+        self.model, self.cache, self.checkpoints, self.sampler = model, cache, checkpoints, sampler
+        self.vocab_size = model.cfg.vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.device = cache.storage.device
+
+    def run(self, plan: StepPlan) -> StepOutput:
+        """Execute one step. Mutates the KV cache, state slots and checkpoints as the plan says."""
+        self._copy_states(plan.before)
+        seqs = plan.seqs
+        batch = ForwardBatch.build(
+            [list(s.token_ids) for s in seqs], [s.context_before for s in seqs],
+            [list(s.block_table[0]) for s in seqs], self.cache.block_size, logits=[s.sample for s in seqs],
+            state_slots=[s.state_slot for s in seqs] if self.cache.states is not None else None,
+            device=self.device)
+        with torch.inference_mode():
+            logits = self.model.forward(batch, self.cache)  # [R, V]: one row per sampling sequence
+        self._copy_states(plan.after)
+        rows = [SamplingRow(s.params, s.output_token_ids, s.prompt_token_ids) for s in seqs if s.sample]
+        if not rows:
+            return StepOutput(tuple(() for _ in seqs))
+        picked = self.sampler.sample(logits, SamplingTensors.build(rows, self.vocab_size, self.eos_token_ids,
+                                                                   self.device))
+        return self._output(seqs, picked)
+
+    def _output(self, seqs: tuple[ScheduledSeq, ...], picked: SampleResult) -> StepOutput:
+        """Per scheduled sequence: its sampled token (or none) and logprobs payload
+        (chosen token's logprob, [(id, logprob)] of its top-N)."""
+        tokens = iter(picked.tokens.tolist())  # the step's one host sync: tokens go back to the scheduler
+        want = picked.logprobs is not None
+        if want:
+            lp = iter(zip(picked.logprobs.tolist(), picked.top_ids.tolist(), picked.top_logprobs.tolist()))
+        out_tokens, out_lp = [], []
+        for s in seqs:
+            if not s.sample:
+                out_tokens.append(())
+                out_lp.append(None)
+                continue
+            out_tokens.append((next(tokens),))
+            if want:
+                chosen, ids, values = next(lp)
+                n = s.params.logprobs
+                out_lp.append(None if n is None else (chosen, list(zip(ids[:n], values[:n]))))
+        return StepOutput(tuple(out_tokens), tuple(out_lp) if want else None)
+
+    def _copy_states(self, copies: tuple[StateCopy, ...]) -> None:
+        states = self.cache.states
+        for c in copies:
+            if c.op == "reset":
+                states.reset(c.slot)
+            elif c.op == "restore":
+                self.checkpoints.copy_slot(c.checkpoint, states, c.slot)
+            else:
+                states.copy_slot(c.slot, self.checkpoints, c.checkpoint)
