@@ -1,0 +1,1 @@
+"""GPU tests (marker `gpu`); see conftest.py."""

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Download, here, the wheels tools/gpu_check installs on the device machine, which
+# has no package index. Run from anywhere; writes <repo>/.whl/ (git-ignored; carry it).
+#
+# The device image (Python 3.12.3, x86-64) already holds torch, numpy, xxhash,
+# safetensors, tokenizers, jinja2, tqdm, psutil, pytest and an older transformers
+# (/work/.library/device/KINDS.md). What it lacks or holds at another version:
+#   msgspec       not in the image; radianced imports it everywhere (config, .rad header)
+#   transformers  the image has 5.17.0; make_tiny and the CPU tests use the pinned 5.24.0
+#   regex         transformers checks regex>=2025.10.22 at import; the image's version is unknown
+# Versions follow this checkout's .venv, so the device runs what the CPU tests run.
+# gguf is not needed: the device run converts no GGUF (SmolLM2 cannot travel, see bench/README.md).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi; fi
+version() { $PY -c "import importlib.metadata as m; print(m.version('$1'))"; }
+WANT=("msgspec==$(version msgspec)" "transformers==$(version transformers)" "regex==$(version regex)")
+rm -rf .whl
+mkdir -p .whl
+for spec in "${WANT[@]}"; do
+  $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "$spec"
+done
+ls -l .whl
+du -sh .whl
