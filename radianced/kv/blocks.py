@@ -7,7 +7,9 @@
 - A *page* is the arena's unit. Page p of a group holds that group's blocks
   p*N .. p*N+N-1 (N = the group's blocks per page), which is how `KVCache`
   storage [P, N, ...] is indexed. Pools lease pages from a `PageSource` (the
-  arena; `FixedPages` until it lands) and give back pages whose blocks are all free.
+  arena; `FixedPages` until it lands), give back pages whose blocks are all free
+  (`release_pages`), and surrender pages to the arena when it takes them back for
+  expert slots (`surrender_pages`: empty pages, then evicting idle cached blocks).
 - Groups move in lockstep: logical block i of a sequence is one physical block
   in every group, a `KVBlock` = (id in group 0, id in group 1, ...). A
   `BlockTable` lists a sequence's logical blocks.
@@ -206,22 +208,29 @@ class BlockPool:
             if self._refs[b] == 0:
                 self._free.append(b)
 
-    def shrink(self) -> int:
-        """Give back every page whose blocks are all free; returns how many."""
+    def empty_pages(self) -> list[int]:
+        """Leased pages whose blocks are all free, lowest first."""
         n = self.blocks_per_page
         free_per_page: dict[int, int] = {}
         for b in self._free:
             free_per_page[b // n] = free_per_page.get(b // n, 0) + 1
-        empty = sorted(p for p, k in free_per_page.items() if k == n)
+        return sorted(p for p, k in free_per_page.items() if k == n)
+
+    def shrink(self, limit: int | None = None, give_back: bool = True) -> list[int]:
+        """Drop up to `limit` (default all) empty pages from the pool, giving them back to
+        the page source unless `give_back` is False (the caller returns them); returns them."""
+        empty = self.empty_pages()[:limit]
         if empty:
+            n = self.blocks_per_page
             gone = set(empty)
             self._free = [b for b in self._free if b // n not in gone]
             for p in empty:
                 for b in range(p * n, p * n + n):
                     del self._refs[b]
             self._pages -= gone
-            self._source.give_back(empty)
-        return len(empty)
+            if give_back:
+                self._source.give_back(empty)
+        return empty
 
 
 class BlockAllocator:
@@ -361,4 +370,17 @@ class BlockAllocator:
 
     def release_pages(self) -> int:
         """Give back to the page source every page with no held block; returns how many."""
-        return sum(pool.shrink() for pool in self.pools)
+        return sum(len(pool.shrink()) for pool in self.pools)
+
+    def surrender_pages(self, n: int) -> list[int]:
+        """Up to n pages taken out of the pools for the arena to hand to another tenant
+        (it releases them itself, with a fence: this does not call `give_back`). Empty
+        pages go first; then idle cached blocks are evicted, least recently released
+        first, until enough pages empty or nothing is left to evict. Live blocks are
+        never touched."""
+        while sum(len(p.empty_pages()) for p in self.pools) < n and self.evictable():
+            self.reclaimer.evict(1)
+        out: list[int] = []
+        for pool in self.pools:
+            out += pool.shrink(n - len(out), give_back=False)
+        return out

@@ -70,6 +70,19 @@ def test_pages_return_only_when_every_block_is_free():
     assert pages.available() == 3
 
 
+def test_surrender_takes_empty_pages_out_without_giving_them_back():
+    pages = FixedPages(4)
+    alloc = BlockAllocator(4, pages, {"kv_attn": 2})
+    t1, t2 = alloc.new_table(), alloc.new_table()
+    alloc.append(t1, 16)  # blocks 0-3: pages 0, 1
+    alloc.append(t2, 4)  # block 4: page 2 (block 5 free)
+    alloc.free(t1)
+    assert alloc.surrender_pages(5) == [0, 1]  # page 2 holds a live block
+    assert pages.available() == 1  # the arena releases surrendered pages itself
+    assert alloc.pools[0].pages == {2}
+    assert alloc.num_allocatable() == 1 + 2  # block 5, and page 3 from the source
+
+
 def test_fork_shares_full_blocks_and_copies_the_partial_tail():
     alloc = BlockAllocator.fixed(num_blocks=8, block_size=4)
     t = alloc.new_table()
@@ -162,6 +175,12 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule()
     def release_pages(self):
         self.alloc.release_pages()
+
+    @rule(n=st.integers(0, 3))
+    def surrender_pages(self, n):
+        taken = self.alloc.surrender_pages(n)
+        assert len(taken) <= n
+        self.pages.give_back(taken)  # as the arena would, once their fence passed
 
     @invariant()
     def holders_are_exact(self):

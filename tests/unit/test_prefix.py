@@ -235,6 +235,16 @@ class PrefixMachine(RuleBasedStateMachine):
     def release_pages(self):
         self.alloc.release_pages()
 
+    @rule(n=st.integers(0, 3))
+    def surrender_pages(self, n):
+        taken = self.alloc.surrender_pages(n)
+        assert len(taken) <= n
+        for seq in self.seqs:  # every live block's page stays with its group
+            for block in seq["table"]:
+                for b, pool in zip(block, self.alloc.pools):
+                    assert b // pool.blocks_per_page in pool.pages
+        self.pages.give_back(taken)
+
     @invariant()
     def holders_are_exact(self):
         holders: dict[tuple, int] = {}
