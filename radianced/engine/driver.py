@@ -34,6 +34,7 @@ class Chunk:
     text: str
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: object = None
+    reused_tokens: int | None = None  # on the last chunk: prompt tokens the prefix cache served
 
 
 @dataclass
@@ -134,7 +135,8 @@ class AsyncEngine:
             if reason is not None:
                 del self._streams[ev.request_id]
                 self._log_done(stream, reason)
-            stream.queue.put_nowait(Chunk(ev.token_ids, text, reason, ev.logprobs))
+            reused = (stream.seq.num_reused_tokens or 0) if reason is not None else None
+            stream.queue.put_nowait(Chunk(ev.token_ids, text, reason, ev.logprobs, reused))
 
     def _log_done(self, s: _Stream, reason: str) -> None:
         now = time.perf_counter()
