@@ -93,6 +93,149 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- status, drain, cancel (the control socket) -----------------------------------
+
+
+def _control_args(p: argparse.ArgumentParser) -> None:
+    from radianced.server.control import default_socket_path
+
+    p.add_argument("--control-socket", metavar="PATH", default=None,
+                   help=f"the daemon's control socket (default: the daemon's default, now {default_socket_path()})")
+
+
+def _status_args(p: argparse.ArgumentParser) -> None:
+    _control_args(p)
+    p.add_argument("--json", action="store_true", help="print the daemon's reply as JSON instead of tables")
+
+
+def _cancel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("id", help="the request id (as returned in the API response and its log lines)")
+    _control_args(p)
+
+
+def _control(args: argparse.Namespace, cmd: str, ctl_args: dict | None = None):
+    """(exit status, result): 0 and the result, 1 on a daemon error reply, 2 when it cannot be reached."""
+    from radianced.server.control import ControlError, DaemonUnreachable, call, default_socket_path
+
+    path = args.control_socket or default_socket_path()
+    try:
+        return 0, call(path, cmd, ctl_args)
+    except DaemonUnreachable as e:
+        where = "--control-socket" if args.control_socket else "the default path (no --control-socket given)"
+        print(f"radiancectl {args.command}: {e}\n  tried {where}; the daemon may not be running, "
+              "or it listens elsewhere: pass --control-socket PATH", file=sys.stderr)
+        return 2, None
+    except ControlError as e:
+        print(f"radiancectl {args.command}: the daemon refused: {e}", file=sys.stderr)
+        return 1, None
+
+
+def _status(args: argparse.Namespace) -> int:
+    """The daemon's state, queue, requests and receipt, as tables (or the raw reply with --json)."""
+    import msgspec
+
+    from radianced.server.control import StatusResult
+
+    code, result = _control(args, "status")
+    if code:
+        return code
+    if args.json:
+        print(msgspec.json.format(msgspec.json.encode(result)).decode())
+        return 0
+    status = _shaped(args, result, StatusResult)
+    if status is None:
+        return 1
+    _render_status(status)
+    return 0
+
+
+def _shaped(args: argparse.Namespace, result, type_):
+    """`result` as `type_`, or None after saying on stderr that the daemon's reply has another shape."""
+    import msgspec
+
+    try:
+        return msgspec.convert(result, type_)
+    except msgspec.ValidationError as e:
+        print(f"radiancectl {args.command}: the daemon's reply does not fit this radiancectl ({e})",
+              file=sys.stderr)
+        return None
+
+
+def _render_status(s) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    console = Console(highlight=False)
+    summary = Table(show_header=False, box=None, pad_edge=False)
+    summary.add_column(style="bold")
+    summary.add_column()
+    summary.add_row("state", s.state)
+    summary.add_row("uptime", _duration(s.uptime_s))
+    summary.add_row("model", Text(s.model))
+    summary.add_row("kv util", f"{s.kv_util:.1%}")
+    summary.add_row("requests", f"{s.running} running, {s.waiting} waiting")
+    summary.add_row("steps", str(s.steps))
+    console.print(summary)
+
+    if s.requests:
+        requests = Table(title="requests", title_justify="left")
+        requests.add_column("id", overflow="fold")
+        requests.add_column("state")
+        requests.add_column("prompt", justify="right")
+        requests.add_column("generated", justify="right")
+        requests.add_column("age", justify="right")
+        for r in s.requests:
+            requests.add_row(Text(r.id), r.state, str(r.prompt_tokens), str(r.generated), _duration(r.age_s))
+        console.print(requests)
+    else:
+        console.print("requests: none in flight")
+
+    if s.receipt:
+        console.print(Text("receipt", style="bold"))
+        for line in s.receipt:
+            console.print(Text("  " + line), soft_wrap=True)
+
+
+def _duration(seconds: float) -> str:
+    """45.2 s, 12m 05s, 3h 02m 09s, 2d 03h 00m."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    s = int(seconds)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    if d:
+        return f"{d}d {h:02d}h {m:02d}m"
+    if h:
+        return f"{h}h {m:02d}m {s:02d}s"
+    return f"{m}m {s:02d}s"
+
+
+def _drain(args: argparse.Namespace) -> int:
+    code, _ = _control(args, "drain")
+    if not code:
+        print("draining: new requests get 503; requests in flight finish")
+    return code
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    from radianced.server.control import CancelResult
+
+    code, result = _control(args, "cancel", {"id": args.id})
+    if code:
+        return code
+    reply = _shaped(args, result, CancelResult)
+    if reply is None:
+        return 1
+    if not reply.cancelled:
+        print(f"radiancectl cancel: no request {args.id!r} in flight (finished already, or a wrong id)",
+              file=sys.stderr)
+        return 1
+    print(f"cancelled {args.id}")
+    return 0
+
+
 def _summary(rad) -> str:
     h = rad.header
     m = rad.model
@@ -106,6 +249,9 @@ COMMANDS: list[Command] = [
     Command("convert", "convert a Hugging Face folder or a .gguf file to .rad", _convert_args, _convert),
     Command("verify", "check a .rad file: header, extents and every checksum", _verify_args, _verify),
     Command("plan", "print the start-up receipt (the card split) for a model and a card", _plan_args, _plan),
+    Command("status", "the running daemon's state, queue, requests and receipt", _status_args, _status),
+    Command("drain", "stop admitting requests, finish those in flight, then exit", _control_args, _drain),
+    Command("cancel", "cancel one request of the running daemon by its id", _cancel_args, _cancel),
 ]
 
 
