@@ -88,8 +88,10 @@ class Engine:
         hybrid = bool(m.linear_attention_layers)
         dtype = kv_storage.dtype
         states = RecurrentState.allocate(m, cfg.max_num_seqs, dtype, device) if hybrid else None
-        checkpoints = RecurrentState.allocate(m, cfg.max_num_seqs, dtype, device) if hybrid else None
-        prefix = PrefixCache(allocator, hybrid, CheckpointSlots(cfg.max_num_seqs) if hybrid else None)
+        # each decoding sequence keeps one checkpoint of its own; as many again stay cached for prefix hits
+        n_checkpoints = 2 * cfg.max_num_seqs
+        checkpoints = RecurrentState.allocate(m, n_checkpoints, dtype, device) if hybrid else None
+        prefix = PrefixCache(allocator, hybrid, CheckpointSlots(n_checkpoints) if hybrid else None)
         scheduler = Scheduler(allocator=allocator, max_num_seqs=cfg.max_num_seqs,
                               max_num_batched_tokens=cfg.max_num_batched_tokens, max_queue=cfg.max_queue,
                               prefix=prefix, hybrid=hybrid, max_model_len=max_model_len)
