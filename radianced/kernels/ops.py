@@ -1,11 +1,17 @@
 """The one switch between Triton kernels (CUDA) and the torch reference (CPU).
 
 Model code calls `ops.<name>` (looked up at call time), so binding these names
-once at model load switches every layer; no layer branches on the backend. Until
-the GPU kernels land, every name is the reference op.
+once at model load switches every layer; no layer branches on the backend.
+`select(device)` does that binding; until it is called every name is the
+reference op (the CPU backend, and the tests). Ops without a Triton kernel yet
+stay the reference on every device.
 """
 
 from __future__ import annotations
+
+import functools
+
+import torch
 
 from radianced.kernels import reference
 
@@ -21,3 +27,28 @@ moe = reference.moe
 deltanet_gates = reference.deltanet_gates
 causal_conv1d_prefill = reference.causal_conv1d_prefill
 gated_delta_rule_chunked = reference.gated_delta_rule_chunked
+
+_SWITCHED = ("write_kv", "paged_attention", "moe")
+
+
+def select(device: torch.device | str, deterministic: bool = False) -> str:
+    """Bind the op names for `device`'s backend: Triton kernels on CUDA, the reference elsewhere.
+
+    Call once at model load, before the first forward (and before any CUDA graph
+    capture), from the thread that will run the model. `deterministic` (the
+    `--deterministic` flag) makes the MoE scatter a fixed-order sum instead of
+    atomics. Rebinding is global to the process: one backend per process.
+    Returns "triton" or "reference".
+    """
+    g = globals()
+    if torch.device(device).type != "cuda":
+        for name in _SWITCHED:
+            g[name] = getattr(reference, name)
+        return "reference"
+    # Imported here so the CPU path (and the CPU oracle tests) never import triton.
+    from radianced.kernels import attention, moe as moe_kernels
+
+    g["write_kv"] = attention.write_kv
+    g["paged_attention"] = attention.paged_attention
+    g["moe"] = functools.partial(moe_kernels.moe, deterministic=True) if deterministic else moe_kernels.moe
+    return "triton"

@@ -1,0 +1,372 @@
+"""Paged attention over radianced's block layout (decode and chunked prefill), and the K/V scatter.
+
+A cache view for one layer is [P, N, S, Hkv, D]: P arena pages of N blocks of S
+tokens; block id b lives at page b // N, position b % N inside the page (see
+`reference.write_kv`). Views may be strided (the KV storage interleaves layers
+and K/V), only the head dim must be contiguous.
+
+One kernel serves decode and chunked prefill over a varlen batch. Its grid is
+(query tiles, Hkv, splits):
+
+- a query tile is BLOCK_Q query tokens of one sequence times the G = Hq / Hkv
+  query heads that share a KV head (GQA packed into the tile's rows, the group
+  padded to a power of two), so every K/V tile is loaded once per group;
+- the number of query tiles is bounded on the host by T // BLOCK_Q + B, and
+  each program finds its sequence by a binary search over `query_start` on the
+  device (no host sync, so the launch can be captured in a CUDA graph);
+- splits divide each sequence's keys (flash-decoding) when a decode batch has
+  too few (sequence, KV head) pairs to fill the GPU; a second kernel merges the
+  partial results by their log-sum-exp.
+
+Softmax runs in fp32 with exp2 (the scale is folded with log2 e); products
+accumulate in fp32; fp32 inputs use IEEE products (no tf32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# Bounds on the split-KV (flash-decoding) heuristic.
+MAX_SPLITS = 16
+MIN_KEYS_PER_SPLIT = 128
+
+
+# -- heuristics ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    block_m: int  # rows of a query tile: block_q tokens x group_pad heads
+    block_q: int
+    block_n: int  # keys per inner step
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def attention_config(num_tokens: int, num_seqs: int, q_heads: int, kv_heads: int, head_dim: int,
+                     device: torch.device, max_seq_len: int | None = None,
+                     num_splits: int | None = None) -> AttentionConfig:
+    """Tile sizes from the step's shape alone (T, B, heads), so one decode bucket gets one config.
+
+    A decode-like step (T <= B) packs the GQA group into a 16-row tile and splits
+    the keys until about two programs run per SM; prefill uses 64-row tiles and no
+    split. `max_seq_len` (when the host knows it) caps the split count so each
+    split keeps at least MIN_KEYS_PER_SPLIT keys.
+    """
+    group_pad = triton.next_power_of_2(q_heads // kv_heads)
+    decode = num_tokens <= num_seqs
+    block_m = max(16 if decode else (64 if head_dim <= 128 else 32), group_pad)
+    block_q = block_m // group_pad
+    block_n = 64 if head_dim <= 128 else 32
+    if num_splits is None:
+        num_splits = 1
+        if decode and device.type == "cuda":
+            programs = max(1, num_seqs * kv_heads)
+            num_splits = max(1, min(MAX_SPLITS, (2 * _sm_count(device)) // programs))
+            if max_seq_len is not None:
+                num_splits = max(1, min(num_splits, triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)))
+    num_warps = 4 if block_m * head_dim <= 64 * 128 else 8
+    return AttentionConfig(block_m, block_q, block_n, num_splits, num_warps, num_stages=2)
+
+
+# -- kernels ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _find_seq(query_start_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """The sequence b whose query tiles hold `tile`: largest b with query_start[b] // BLOCK_Q + b <= tile."""
+    lo = tl.zeros([], tl.int32)
+    hi = tl.zeros([], tl.int32) + num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_ptr + mid) // BLOCK_Q + mid
+        if first <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    block_tables_ptr, query_start_ptr, seq_lens_ptr,
+    scale_log2, num_seqs, num_tokens, blocks_per_page,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kp, stride_kn, stride_ks, stride_kh,
+    stride_vp, stride_vn, stride_vs, stride_vh,
+    stride_bt,
+    Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    b = _find_seq(query_start_ptr, num_seqs, tile, BLOCK_Q)
+    q_lo = tl.load(query_start_ptr + b)
+    q_len = tl.load(query_start_ptr + b + 1) - q_lo
+    q_first = (tile - (q_lo // BLOCK_Q + b)) * BLOCK_Q  # first query of this tile, within the sequence
+    if q_first >= q_len:
+        return
+    ctx = tl.load(seq_lens_ptr + b)
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_first + rows // GROUP_PAD  # query index within the sequence
+    head = kvh * GROUP + rows % GROUP_PAD
+    row_ok = (tok < q_len) & (rows % GROUP_PAD < GROUP)
+    q_pos = ctx - q_len + tok  # causal: row sees keys 0 .. q_pos
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q_rows = (q_lo + tok).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+
+    kv_end = ctx - q_len + tl.minimum(q_first + BLOCK_Q, q_len)  # keys any row of the tile may see
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        k_lo = split * per_split
+        k_hi = tl.minimum(kv_end, k_lo + per_split)
+    else:
+        k_lo = 0
+        k_hi = kv_end
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked row gives p = 0, not NaN
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(k_lo, k_hi, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        k_ok = keys < k_hi
+        block = tl.load(block_tables_ptr + b * stride_bt + keys // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        page = block // blocks_per_page
+        in_page = block % blocks_per_page
+        slot = keys % BLOCK_SIZE
+        k_off = page * stride_kp + in_page * stride_kn + slot * stride_ks + kvh * stride_kh
+        v_off = page * stride_vp + in_page * stride_vn + slot * stride_vs + kvh * stride_vh
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        visible = k_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        # partials: o [S, T, Hq, D] fp32 normalized within the split, lse [S, T, Hq] (log2 domain)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), -1.0e30)
+        part = (split * num_tokens + q_rows) * Q_HEADS + head  # [BLOCK_M]
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_tokens, stride_ot, stride_oh,
+                         Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < NUM_SPLITS
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    part = (s.to(tl.int64) * num_tokens + t) * Q_HEADS + h  # [BLOCK_S]
+    lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))  # padded splits: exp2(-inf) = 0
+    o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, blocks_per_page,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_kp, stride_kn, stride_ks, stride_kch,
+                     stride_vp, stride_vn, stride_vs, stride_vch,
+                     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    page = block // blocks_per_page
+    in_page = block % blocks_per_page
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h < KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    k_dst = page * stride_kp + in_page * stride_kn + off * stride_ks
+    v_dst = page * stride_vp + in_page * stride_vn + off * stride_vs
+    tl.store(k_cache_ptr + k_dst + h[:, None] * stride_kch + d[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + v_dst + h[:, None] * stride_vch + d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+# -- launchers -------------------------------------------------------------------------------------
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is the default and means nothing for bf16
+
+
+def _launch_paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, out,
+                            cfg: AttentionConfig) -> None:
+    t, hq, d = q.shape
+    hkv, block_size = k_cache.shape[3], k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    group = hq // hkv
+    block_d = triton.next_power_of_2(d)
+    splits = cfg.num_splits
+    if splits > 1:
+        part_o = torch.empty((splits, t, hq, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((splits, t, hq), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    grid = (t // cfg.block_q + num_seqs, hkv, splits)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, part_o, part_lse,
+        block_tables, query_start, seq_lens,
+        scale * LOG2E, num_seqs, t, k_cache.shape[1],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *k_cache.stride()[:4], *v_cache.stride()[:4],
+        block_tables.stride(0),
+        Q_HEADS=hq, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=block_size,
+        BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
+        NUM_SPLITS=splits, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(t, hq)](part_o, part_lse, out, t, out.stride(0), out.stride(1),
+                                      Q_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=splits,
+                                      BLOCK_S=triton.next_power_of_2(splits),
+                                      num_warps=4 if block_d >= 128 else 2)
+
+
+# -- public ops ------------------------------------------------------------------------------------
+
+
+def _as_device_ints(x: Sequence[int] | torch.Tensor, device: torch.device, name: str) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device}, expected {device} (the device of q)")
+        if x.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be an integer tensor, got {x.dtype}")
+        return x.contiguous()
+    # One small host -> device copy per call until ForwardBatch carries these as device tensors.
+    return torch.tensor(list(x), dtype=torch.int32, device=device)
+
+
+def _check_cache(name: str, cache: torch.Tensor, q: torch.Tensor) -> None:
+    if cache.dim() != 5:
+        raise ValueError(f"{name} must be [P, N, S, Hkv, D], got shape {tuple(cache.shape)}")
+    if cache.device != q.device:
+        raise ValueError(f"{name} is on {cache.device}, q on {q.device}")
+    if cache.stride(4) != 1:
+        raise ValueError(f"{name} must be contiguous in its head dim (stride {cache.stride(4)})")
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    query_start: Sequence[int] | torch.Tensor, seq_lens: Sequence[int] | torch.Tensor,
+                    scale: float, *, num_splits: int | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its paged context (Triton).
+
+    Same contract as `reference.paged_attention`:
+    q: [T, Hq, D] (bf16, fp16 or fp32; head dim contiguous); k_cache, v_cache:
+    [P, N, S, Hkv, D] views in q's dtype, already holding every context token;
+    block_tables: [B, max_blocks] int32/int64 on q's device; query_start: [B+1]
+    and seq_lens: [B], host sequences or integer tensors on q's device (tensors
+    avoid the small host -> device copy this makes otherwise, and let the call be
+    captured in a CUDA graph). Sequence b owns q rows query_start[b]:query_start[b+1],
+    the last tokens of its seq_lens[b] context tokens; a sequence may own no rows.
+    Hq must be a multiple of Hkv (GQA). Returns a new [T, Hq, D] tensor in q's dtype.
+    `num_splits` overrides the split-KV heuristic (tests, benchmarks).
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
+    _check_cache("k_cache", k_cache, q)
+    _check_cache("v_cache", v_cache, q)
+    t, hq, d = q.shape
+    hkv = k_cache.shape[3]
+    if k_cache.shape != v_cache.shape or k_cache.shape[4] != d:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must match, "
+                         f"with head dim {d} (q)")
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"cache dtype {k_cache.dtype}/{v_cache.dtype} differs from q's {q.dtype}")
+    if block_tables.device != q.device or block_tables.dim() != 2:
+        raise ValueError(f"block_tables must be [B, max_blocks] on {q.device}")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    max_seq_len = None if isinstance(seq_lens, torch.Tensor) else max(seq_lens, default=0)
+    qs = _as_device_ints(query_start, q.device, "query_start")
+    sl = _as_device_ints(seq_lens, q.device, "seq_lens")
+    num_seqs = sl.shape[0]
+    if qs.shape[0] != num_seqs + 1 or block_tables.shape[0] < num_seqs:
+        raise ValueError(f"query_start has {qs.shape[0]} entries and block_tables {block_tables.shape[0]} rows "
+                         f"for {num_seqs} sequences (need B+1 and at least B)")
+    out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    if t == 0 or num_seqs == 0:
+        return out
+    cfg = attention_config(t, num_seqs, hq, hkv, d, q.device, max_seq_len, num_splits)
+    _launch_paged_attention(q, k_cache, v_cache, block_tables, qs, sl, scale, out, cfg)
+    return out
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store k, v: [T, Hkv, D] at flat slots [T] of the [P, N, S, Hkv, D] caches (Triton).
+
+    Same contract as `reference.write_kv`: slot = block * S + offset, block b at
+    page b // N, position b % N; a slot < 0 is skipped. Values are cast to the
+    cache's dtype. Slots must be distinct (two tokens writing one slot race).
+    """
+    _check_cache("k_cache", k_cache, k)
+    _check_cache("v_cache", v_cache, k)
+    t, hkv, d = k.shape
+    if v.shape != k.shape or k_cache.shape[3:] != (hkv, d) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)} do not fit caches {tuple(k_cache.shape)}")
+    if slot_mapping.shape != (t,) or slot_mapping.device != k.device:
+        raise ValueError(f"slot_mapping must be [{t}] on {k.device}, got {tuple(slot_mapping.shape)} "
+                         f"on {slot_mapping.device}")
+    if t == 0:
+        return
+    k = k if k.stride(2) == 1 else k.contiguous()
+    v = v if v.stride(2) == 1 else v.contiguous()
+    _write_kv_kernel[(t,)](
+        k, v, k_cache, v_cache, slot_mapping, k_cache.shape[1],
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        *k_cache.stride()[:4], *v_cache.stride()[:4],
+        KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_SIZE=k_cache.shape[2], num_warps=1 if hkv * d <= 512 else 4,
+    )
+
+
+__all__ = ["AttentionConfig", "attention_config", "paged_attention", "write_kv"]

@@ -1,0 +1,343 @@
+"""Fused routed-expert MLP through the expert table (the pointer-table MoE).
+
+Each (token, k) routing choice is an *assignment*; A = T * k of them per step.
+The step runs without a host sync:
+
+1. group: `torch.sort` of the A expert ids on the device, then one program
+   (`_moe_align_kernel`) turns the sorted ids into per-expert row ranges and a
+   tile map: tile i -> (expert, first sorted row, end row). The number of tiles
+   is bounded on the host by A // BLOCK_M + min(E, A), so the grid is fixed by
+   the shapes (graph-capturable); tiles past the real count exit at once.
+2. gate/up: per (tile, column block of I), `silu(x @ gate^T) * (x @ up^T)` for
+   the tile's tokens, stored in sorted order [A, I].
+3. down: per (tile, column block of H), `h @ down^T`, scaled by the routing
+   weight and added into the token's output row: fp32 atomics by default, or,
+   `deterministic=True`, stored per assignment and summed over k in order.
+
+Weights are read through a per-expert base address, the only way the kernels
+reach them: `slab + table[e] * row_stride` (`moe`: slab rows, the CPU-shaped
+table) or the raw address `expert_ptr[e]` (`moe_ptr`: VRAM slots or pinned host
+memory mapped into the device's address space). A row is gate [I, H] | up [I, H]
+| down [H, I] in the activation dtype.
+
+BLOCK_M is next_pow2(T) up to 64. An expert serves at most T tokens (one per
+token), so for T <= 64 each expert is one tile and every weight byte is read
+exactly once per step; over PCIe this is DESIGN.md's "weights cross the link once
+per step". Above 64 tokens (prefill) an expert's weights are read once per
+64-token tile, from VRAM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# -- heuristics ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    block_m: int  # assignments per tile (rows)
+    block_n_up: int  # columns of I per gate/up program
+    block_k_up: int  # reduction step over H
+    block_n_down: int  # columns of H per down program
+    block_k_down: int  # reduction step over I
+    num_warps: int
+    num_stages: int
+
+
+def moe_config(num_tokens: int, dtype: torch.dtype) -> MoEConfig:
+    """Small T (decode) is a weight stream: narrow column blocks give enough programs to fill the
+    GPU with loads in flight; large T (prefill) uses square-ish tiles for the tensor cores."""
+    block_m = min(64, max(16, triton.next_power_of_2(max(num_tokens, 1))))
+    wide = dtype == torch.float32  # fp32 tiles take twice the shared memory
+    if block_m <= 32:
+        return MoEConfig(block_m, 32, 128, 64, 128, num_warps=4, num_stages=3 if wide else 4)
+    return MoEConfig(block_m, 64, 64, 64, 64, num_warps=4, num_stages=2 if wide else 3)
+
+
+def max_tiles(num_assignments: int, num_experts: int, block_m: int) -> int:
+    """Upper bound of sum_e ceil(count_e / BLOCK_M) over any routing of A assignments."""
+    return num_assignments // block_m + min(num_experts, num_assignments)
+
+
+# -- kernels ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _lower_bound(sorted_ptr, n, target, steps):
+    """For each lane, the first index i in [0, n) with sorted[i] >= target (n if none)."""
+    lo = tl.zeros(target.shape, tl.int32)
+    hi = tl.zeros(target.shape, tl.int32) + n
+    for _ in range(steps):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        val = tl.load(sorted_ptr + mid, mask=active, other=0)
+        right = active & (val < target)
+        left = active & (val >= target)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(left, mid, hi)
+    return lo
+
+
+@triton.jit
+def _moe_align_kernel(sorted_ids_ptr, tile_info_ptr, num_assignments, num_experts, num_tiles, search_steps,
+                      BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One program: sorted expert ids [A] -> tile_info [num_tiles, 3] = (expert or -1, row lo, row hi)."""
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < num_experts
+    start = _lower_bound(sorted_ids_ptr, num_assignments, e.to(tl.int64), search_steps)  # [BLOCK_E]
+    end = _lower_bound(sorted_ids_ptr, num_assignments, (e + 1).to(tl.int64), search_steps)
+    tiles = tl.where(e_ok, (end - start + BLOCK_M - 1) // BLOCK_M, 0)
+    tile_end = tl.cumsum(tiles, 0)
+    tile_start = tile_end - tiles
+    for t0 in range(0, num_tiles, BLOCK_T):
+        i = t0 + tl.arange(0, BLOCK_T)
+        # tile i belongs to the first expert whose tiles end after it
+        owner = tl.sum((e_ok[None, :] & (tile_end[None, :] <= i[:, None])).to(tl.int32), 1)  # [BLOCK_T]
+        pick = e[None, :] == owner[:, None]
+        first_tile = tl.sum(tl.where(pick, tile_start[None, :], 0), 1)
+        row_lo = tl.sum(tl.where(pick, start[None, :], 0), 1) + (i - first_tile) * BLOCK_M
+        row_hi = tl.sum(tl.where(pick, end[None, :], 0), 1)
+        valid = owner < num_experts
+        i_ok = i < num_tiles
+        tl.store(tile_info_ptr + i * 3, tl.where(valid, owner, -1), mask=i_ok)
+        tl.store(tile_info_ptr + i * 3 + 1, tl.where(valid, row_lo, 0), mask=i_ok)
+        tl.store(tile_info_ptr + i * 3 + 2, tl.where(valid, tl.minimum(row_hi, row_lo + BLOCK_M), 0), mask=i_ok)
+
+
+@triton.jit
+def _expert_base(w_ptr, table_ptr, expert, stride_row, TABLE_IS_PTR: tl.constexpr):
+    """Pointer to expert `expert`'s row: a raw address from the table, or a slab row it names."""
+    entry = tl.load(table_ptr + expert)
+    if TABLE_IS_PTR:
+        # the caller promises 16-byte aligned rows; the hint lets loads vectorize and pipeline
+        return tl.multiple_of(entry.to(tl.pointer_type(w_ptr.dtype.element_ty)), 16)
+    return w_ptr + entry * stride_row
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr, w_ptr, table_ptr, order_ptr, tile_info_ptr, h_ptr,
+    hidden, inter, top_k, stride_x, stride_row,
+    TABLE_IS_PTR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """h[row, n] = silu(x[tok] . gate[n]) * (x[tok] . up[n]) for the tile's sorted rows; h: [A, I]."""
+    tile = tl.program_id(0)
+    expert = tl.load(tile_info_ptr + tile * 3)
+    if expert < 0:
+        return
+    row_lo = tl.load(tile_info_ptr + tile * 3 + 1)
+    row_hi = tl.load(tile_info_ptr + tile * 3 + 2)
+    rows = row_lo + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_hi
+    tok = tl.load(order_ptr + rows, mask=row_ok, other=0) // top_k
+    base = _expert_base(w_ptr, table_ptr, expert, stride_row, TABLE_IS_PTR)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < inter
+    gate_ptr = base + n[:, None] * hidden  # gate [I, H]
+    up_ptr = base + (inter + n[:, None]) * hidden  # up [I, H], after gate
+    x_row = x_ptr + tok[:, None].to(tl.int64) * stride_x
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < hidden
+        x = tl.load(x_row + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        wg = tl.load(gate_ptr + k[None, :], mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K]
+        wu = tl.load(up_ptr + k[None, :], mask=w_mask, other=0.0)
+        acc_gate = tl.dot(x, tl.trans(wg), acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision=DOT_PRECISION)
+    h = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * inter + n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    h_ptr, w_ptr, table_ptr, order_ptr, tile_info_ptr, topk_weights_ptr, out_ptr,
+    hidden, inter, top_k,
+    stride_row,
+    TABLE_IS_PTR: tl.constexpr, DETERMINISTIC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """y = weight * (h[row] . down[n]); atomically added to out[tok] (fp32 [T, H]), or, DETERMINISTIC,
+    stored to out[assignment] (fp32 [A, H]) for an ordered sum over k afterwards."""
+    tile = tl.program_id(0)
+    expert = tl.load(tile_info_ptr + tile * 3)
+    if expert < 0:
+        return
+    row_lo = tl.load(tile_info_ptr + tile * 3 + 1)
+    row_hi = tl.load(tile_info_ptr + tile * 3 + 2)
+    rows = row_lo + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_hi
+    base = _expert_base(w_ptr, table_ptr, expert, stride_row, TABLE_IS_PTR)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < hidden
+    down_ptr = base + 2 * inter * hidden + n[:, None] * inter  # down [H, I], after gate and up
+    h_row = h_ptr + rows[:, None].to(tl.int64) * inter
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < inter
+        h = tl.load(h_row + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        w = tl.load(down_ptr + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    assignment = tl.load(order_ptr + rows, mask=row_ok, other=0)
+    weight = tl.load(topk_weights_ptr + assignment, mask=row_ok, other=0.0).to(tl.float32)
+    y = acc * weight[:, None]
+    mask = row_ok[:, None] & n_ok[None, :]
+    if DETERMINISTIC:
+        tl.store(out_ptr + assignment[:, None] * hidden + n[None, :], y, mask=mask)
+    else:
+        tok = assignment // top_k
+        tl.atomic_add(out_ptr + tok[:, None] * hidden + n[None, :], y, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _moe_sum_kernel(y_ptr, out_ptr, hidden, top_k, BLOCK_H: tl.constexpr):
+    """out[t] = sum_j y[t * k + j] for j = 0 .. k-1, in that order (fp32 accumulate)."""
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    n_ok = n < hidden
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for j in range(top_k):
+        acc += tl.load(y_ptr + (t * top_k + j) * hidden + n, mask=n_ok, other=0.0)
+    tl.store(out_ptr + t * hidden + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+# -- launchers -------------------------------------------------------------------------------------
+
+
+def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the T * k assignments by expert on the device (no host sync).
+
+    topk_ids: [T, k], ids in [0, E). Returns order: [A] int64, the assignments
+    (t * k + j) sorted by expert, stable; and tile_info: [max_tiles(A, E, block_m), 3]
+    int32, one row per tile of at most block_m sorted rows of one expert:
+    (expert, first row, end row), then rows (-1, 0, 0) past the last real tile.
+    """
+    a = topk_ids.numel()
+    sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)
+    tiles = max_tiles(a, num_experts, block_m)
+    tile_info = torch.empty((tiles, 3), dtype=torch.int32, device=topk_ids.device)
+    _moe_align_kernel[(1,)](sorted_ids, tile_info, a, num_experts, tiles, max(1, a.bit_length()),
+                            BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_T=64, BLOCK_M=block_m,
+                            num_warps=4)
+    return order, tile_info
+
+
+def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
+                w_ref: torch.Tensor, stride_row: int, table_is_ptr: bool, inter: int, deterministic: bool,
+                cfg: MoEConfig | None = None) -> torch.Tensor:
+    t, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts = table.shape[0]
+    a = t * top_k
+    cfg = cfg or moe_config(t, x.dtype)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    dev = x.device
+
+    order, tile_info = group_by_expert(topk_ids, num_experts, cfg.block_m)
+    tiles = tile_info.shape[0]
+    h = torch.empty((a, inter), dtype=x.dtype, device=dev)  # sorted rows
+    _moe_gate_up_kernel[(tiles, triton.cdiv(inter, cfg.block_n_up))](
+        x, w_ref, table, order, tile_info, h, hidden, inter, top_k, x.stride(0), stride_row,
+        TABLE_IS_PTR=table_is_ptr, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k_up,
+        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    weights = topk_weights.reshape(-1)
+    if deterministic:
+        y = torch.empty((a, hidden), dtype=torch.float32, device=dev)  # every row written: one per assignment
+    else:
+        y = torch.zeros((t, hidden), dtype=torch.float32, device=dev)
+    _moe_down_kernel[(tiles, triton.cdiv(hidden, cfg.block_n_down))](
+        h, w_ref, table, order, tile_info, weights, y, hidden, inter, top_k, stride_row,
+        TABLE_IS_PTR=table_is_ptr, DETERMINISTIC=deterministic,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down,
+        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if not deterministic:
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+    out = torch.empty_like(x)
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _moe_sum_kernel[(t, triton.cdiv(hidden, block_h))](y, out, hidden, top_k, BLOCK_H=block_h, num_warps=4)
+    return out
+
+
+# -- public ops ------------------------------------------------------------------------------------
+
+
+def _check_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
+                   table_name: str) -> None:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be [T, H] with contiguous rows, got shape {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x dtype {x.dtype} is not supported (bf16, fp16, fp32)")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+                         f"must both be [T={x.shape[0]}, k]")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if table.dim() != 1 or table.dtype != torch.int64:
+        raise ValueError(f"{table_name} must be [E] int64, got shape {tuple(table.shape)} dtype {table.dtype}")
+    for name, tensor in (("topk_ids", topk_ids), ("topk_weights", topk_weights), (table_name, table)):
+        if tensor.device != x.device:
+            raise ValueError(f"{name} is on {tensor.device}, x on {x.device}")
+
+
+def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
+        slab: torch.Tensor, inter: int, *, deterministic: bool = False) -> torch.Tensor:
+    """Routed SiLU experts read through the expert table (Triton); contract of `reference.moe`.
+
+    x: [T, H] (bf16, fp16 or fp32); topk_ids: [T, k] int, every id in [0, E);
+    topk_weights: [T, k]; table: [E] int64, the slab row of each expert;
+    slab: [R, 3 * I * H] in x's dtype, a row = gate [I, H] | up [I, H] | down [H, I]
+    (rows contiguous). Returns [T, H] in x's dtype:
+    sum_j topk_weights[t, j] * down(silu(gate(x[t])) * up(x[t])) of expert topk_ids[t, j].
+    `deterministic` replaces the atomic scatter-add with a per-assignment buffer
+    summed over k in order (bitwise reproducible; [T * k, H] fp32 of workspace).
+    No host sync; the table may change between calls.
+    """
+    _check_routing(x, topk_ids, topk_weights, table, "table")
+    hidden = x.shape[1]
+    if slab.dim() != 2 or slab.shape[1] != 3 * inter * hidden or slab.stride(1) != 1:
+        raise ValueError(f"slab must be [R, 3 * I * H] = [R, {3 * inter * hidden}] with contiguous rows, "
+                         f"got {tuple(slab.shape)} strides {slab.stride()}")
+    if slab.dtype != x.dtype or slab.device != x.device:
+        raise ValueError(f"slab is {slab.dtype} on {slab.device}; x is {x.dtype} on {x.device}")
+    if 3 * inter * hidden >= 2 ** 31:
+        raise ValueError(f"an expert row of {3 * inter * hidden} elements is over the kernels' 2^31 offset limit")
+    if x.shape[0] == 0:
+        return torch.zeros_like(x)
+    return _launch_moe(x, topk_ids, topk_weights.contiguous(), table, slab, slab.stride(0), False, inter,
+                       deterministic)
+
+
+def moe_ptr(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_ptr: torch.Tensor,
+            inter: int, *, deterministic: bool = False) -> torch.Tensor:
+    """`moe` with the table holding raw addresses (DESIGN.md idea 3: `expert_ptr[layer, expert]`).
+
+    expert_ptr: [E] int64 on x's device; entry e is the device address of expert
+    e's weights, a row gate [I, H] | up [I, H] | down [H, I] in x's dtype, 16-byte
+    aligned: a VRAM slot or pinned host memory mapped into the device's address
+    space (with unified addressing, a pinned tensor's `data_ptr()`). The kernels
+    cannot check these addresses: a wrong one faults or reads garbage.
+    Other arguments and the result as in `moe`.
+    """
+    _check_routing(x, topk_ids, topk_weights, expert_ptr, "expert_ptr")
+    hidden = x.shape[1]
+    if 3 * inter * hidden >= 2 ** 31:
+        raise ValueError(f"an expert row of {3 * inter * hidden} elements is over the kernels' 2^31 offset limit")
+    if x.shape[0] == 0:
+        return torch.zeros_like(x)
+    return _launch_moe(x, topk_ids, topk_weights.contiguous(), expert_ptr, x, 0, True, inter, deterministic)
+
+
+__all__ = ["MoEConfig", "moe_config", "max_tiles", "group_by_expert", "moe", "moe_ptr"]

@@ -1,0 +1,153 @@
+"""The Triton pointer-table MoE against `reference.moe`, and its on-device grouping.
+
+Without CUDA the kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1
+is set here, before triton is imported), so shapes stay small and odd: H = 72,
+I = 40 (neither a multiple of the column blocks), E = 10 experts in a slab with
+spare rows, the table a permutation. fp32 within 1e-4 of max|ref| (IEEE
+products), bf16 within 1e-2 of the fp32 reference on the same bf16 values.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton's import: kernels decorate as interpreted
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+pytest.importorskip("triton")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from radianced.kernels import moe as moe_kernels  # noqa: E402
+from radianced.kernels import reference  # noqa: E402
+
+if isinstance(moe_kernels._moe_gate_up_kernel, InterpretedFunction) != INTERPRET:
+    pytest.skip("radianced.kernels.moe was imported before TRITON_INTERPRET was set; "
+                "run tests/kernels in its own pytest process", allow_module_level=True)
+
+
+def _interpreter_multiplies_bf16() -> None:
+    """Triton 3.7's interpreter feeds bf16 `tl.dot` operands to numpy as their raw uint16 bits
+    (garbage products); upcast them to fp32 first, as the GPU's bf16 MMA does exactly."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    dot = interpreter.InterpreterBuilder.create_dot
+    if getattr(dot, "bf16_upcast", False):
+        return
+
+    def create_dot(self, a, b, d, *args):
+        def up(x):
+            if x.dtype.scalar != tl.bfloat16:
+                return x
+            data = interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
+            return interpreter.TensorHandle(data, tl.float32)
+        return dot(self, up(a), up(b), d, *args)
+
+    create_dot.bf16_upcast = True
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+if INTERPRET:
+    _interpreter_multiplies_bf16()
+
+E, H, I = 10, 72, 40
+SPARE = 3  # slab rows no expert uses
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+class Experts:
+    """x, routing and a slab whose table is a permutation with spare rows, as the slot manager leaves it."""
+
+    def __init__(self, t: int, k: int, dtype: torch.dtype = torch.float32, seed: int = 0,
+                 ids: torch.Tensor | None = None):
+        g = torch.Generator().manual_seed(seed)
+        self.slab = (torch.randn((E + SPARE, 3 * I * H), generator=g) * H ** -0.5).to(dtype).to(DEVICE)
+        self.table = torch.randperm(E + SPARE, generator=g)[:E].to(DEVICE)
+        self.x = torch.randn((t, H), generator=g).to(dtype).to(DEVICE)
+        probs = torch.randn((t, E), generator=g).softmax(-1)
+        weights, top = probs.topk(k, dim=-1)
+        self.ids = (top if ids is None else ids).to(DEVICE)
+        self.weights = (weights / weights.sum(-1, keepdim=True)).to(dtype).to(DEVICE)
+
+    def reference(self) -> torch.Tensor:
+        return reference.moe(self.x.float().cpu(), self.ids.cpu(), self.weights.float().cpu(), self.table.cpu(),
+                             self.slab.float().cpu(), I)
+
+    def kernel(self, **kw) -> torch.Tensor:
+        return moe_kernels.moe(self.x, self.ids, self.weights, self.table, self.slab, I, **kw).cpu()
+
+
+@pytest.mark.parametrize("t", [1, 15, 63, 300])
+def test_matches_reference_at_odd_token_counts(t):
+    """T = 1 (decode: one tile per expert), 15, 63 (one tile per expert), 300 (several tiles per expert)."""
+    experts = Experts(t, k=4 if t < 300 else 2)
+    assert rel_err(experts.kernel(), experts.reference()) < 1e-4
+
+
+@pytest.mark.parametrize("t", [1, 33])
+def test_bf16_within_1e_2_of_fp32(t):
+    experts = Experts(t, k=3, dtype=torch.bfloat16, seed=1)
+    assert rel_err(experts.kernel(), experts.reference()) < 1e-2
+    assert experts.kernel().dtype == torch.bfloat16
+
+
+def test_one_expert_serving_every_token_spans_several_tiles():
+    """Skewed routing: expert 7 in every token's top-2 (100 rows: two 64-row tiles), expert 2 in half."""
+    t = 100
+    ids = torch.stack([torch.full((t,), 7), torch.where(torch.arange(t) % 2 == 0, 2, 4)], dim=1)
+    experts = Experts(t, k=2, seed=2, ids=ids)
+    assert rel_err(experts.kernel(), experts.reference()) < 1e-4
+
+
+def test_deterministic_sum_matches_and_repeats_bitwise():
+    experts = Experts(20, k=3, seed=3)
+    first = experts.kernel(deterministic=True)
+    assert rel_err(first, experts.reference()) < 1e-4
+    assert torch.equal(first, experts.kernel(deterministic=True))
+    assert rel_err(first, experts.kernel()) < 1e-5
+
+
+def test_weights_are_read_through_the_table():
+    """Moving an expert to a spare slab row and repointing its table entry changes nothing."""
+    experts = Experts(9, k=2, seed=4)
+    before = experts.kernel()
+    e = int(experts.ids[0, 0])
+    spare = next(r for r in range(E + SPARE) if r not in experts.table.tolist())
+    experts.slab[spare] = experts.slab[experts.table[e]]
+    experts.slab[experts.table[e]] = float("nan")  # the old row must not be read
+    experts.table[e] = spare
+    assert torch.equal(experts.kernel(), before)
+
+
+def test_raw_address_table_gives_the_same_result():
+    """`moe_ptr`: the table holds each expert's address (here CPU memory under the interpreter)."""
+    experts = Experts(12, k=3, seed=5)
+    row_bytes = experts.slab.stride(0) * experts.slab.element_size()
+    addresses = experts.slab.data_ptr() + experts.table * row_bytes
+    got = moe_kernels.moe_ptr(experts.x, experts.ids, experts.weights, addresses, I).cpu()
+    assert torch.equal(got, experts.kernel())
+
+
+def test_grouping_by_expert_on_the_device():
+    """Sorted assignment order and the tile map, exactly: tiles of 2 rows, experts 0, 1, 3 routed."""
+    ids = torch.tensor([[3, 1], [3, 0], [1, 3]], device=DEVICE)
+    order, tile_info = moe_kernels.group_by_expert(ids, num_experts=5, block_m=2)
+    # assignments t * k + j sorted by expert, stable: 0 <- 3; 1 <- 1, 4; 3 <- 0, 2, 5
+    assert order.tolist() == [3, 1, 4, 0, 2, 5]
+    assert tile_info.shape == (6 // 2 + 5, 3)  # the host's bound: A // BLOCK_M + min(E, A)
+    assert tile_info.tolist() == [[0, 0, 1], [1, 1, 3], [3, 3, 5], [3, 5, 6]] + [[-1, 0, 0]] * 4
+
+
+def test_slab_of_the_wrong_width_is_refused_with_the_numbers():
+    experts = Experts(2, k=2)
+    with pytest.raises(ValueError, match=rf"slab must be \[R, 3 \* I \* H\] = \[R, {3 * 41 * H}\]"):
+        moe_kernels.moe(experts.x, experts.ids, experts.weights, experts.table, experts.slab, 41)
