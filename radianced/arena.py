@@ -71,6 +71,9 @@ class Reclaimer(Protocol):
     def reclaim_cost(self) -> float:
         """Cost per byte of getting back the cheapest page it can give up now; math.inf if none."""
 
+    def surrenderable(self) -> int:
+        """Pages `surrender` could give up now."""
+
     def surrender(self, n: int) -> tuple[Lease, Fence]:
         """Give up to n pages (cheapest first), forgetting what they held; returns them
         and the fence after which nothing reads them. May return fewer, even none."""
@@ -169,9 +172,14 @@ class Arena:
         return len(self._free)
 
     def available(self, tenant: str) -> int:
-        """Free pages `tenant` may lease now without taking any back."""
+        """Pages `tenant` may lease now: free ones it may use, plus what the policy lets it
+        take back from the other tenants' reclaimers."""
         self._settle()
-        return self._usable(tenant)
+        n = self._usable(tenant)
+        for victim, r in self._reclaimers.items():
+            if victim != tenant:
+                n += min(self.policy.reclaimable(tenant, victim, self._held[victim]), r.surrenderable())
+        return n
 
     def lease(self, tenant: str, n: int) -> Lease:
         """n pages for `tenant`, all or nothing; the lowest free page ids first.

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from radianced.arena import EXPERTS, KV, Arena, TenantPages, detect_card
-from radianced.budget import BLOCK_TOKENS, Card, ModelFacts, PlanError, Receipt, plan
+from radianced.arena import KV, PASSED, Arena, Fence, Lease, TenantPages, detect_card
+from radianced.budget import BLOCK_TOKENS, Card, ModelFacts, Receipt, plan
 from radianced.config import Config
 from radianced.engine.request import Request
 from radianced.engine.runner import Runner
@@ -24,10 +24,11 @@ from radianced.kv.blocks import BlockAllocator
 from radianced.kv.prefix import PrefixCache
 from radianced.kv.state import CheckpointSlots
 from radianced.model.batch import KVCache, RecurrentState
-from radianced.model.experts import ResidentExperts
 from radianced.model.loader import load_model
 from radianced.model.rad import RadFile
 from radianced.model.tokenizer import Tokenizer
+from radianced.tiers.placement import place_receipt, routed_experts
+from radianced.tiers.slab import ExpertSlab
 
 log = logging.getLogger("radianced.engine")
 
@@ -39,12 +40,22 @@ class Engine:
     tokenizer: Tokenizer
     receipt: Receipt | None = None
     arena: Arena | None = None
+    experts: ExpertSlab | None = None
 
     def step(self) -> list[SeqEvent]:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        return self.scheduler.update(plan, self.runner.run(plan))
+        events = self.scheduler.update(plan, self.runner.run(plan))
+        self.settle()
+        return events
+
+    def settle(self) -> None:
+        """Between steps: KV pages that hold nothing go back to the arena, hot experts take slots."""
+        if self.arena is not None:
+            self.scheduler.allocator.release_pages()
+        if self.experts is not None:
+            self.experts.rebalance()
 
     def add(self, request: Request):
         """Queue a request (raises QueueFull); returns its scheduler sequence (read-only for callers)."""
@@ -56,9 +67,9 @@ class Engine:
         """Plan the card, log the receipt, allocate the arena it describes and load the model.
 
         The KV cache is a view over the arena's pages (the KV tenant leases them
-        block by block). Routed experts are copied into arena pages leased to the
-        expert tenant, which holds as many slots as there are experts until the
-        expert tiers land: a plan that does not give every expert a slot is refused.
+        block by block). Routed experts live where the receipt's placement puts
+        them: pinned and cached ones in arena pages (the expert slab), the rest in
+        the host pool; in lending mode KV and experts take pages from each other.
         """
         m = rad.model
         receipt = plan(card or detect_card(device), ModelFacts.from_header(rad.header), cfg)
@@ -66,15 +77,15 @@ class Engine:
             log.info(line)
         arena = Arena.from_receipt(receipt, device)
         dtype = rad.tensor("model.embed_tokens.weight", verify=False).dtype
-        experts = None
-        if rad.header.experts:
-            experts = _experts_in_arena(rad, arena, receipt, dtype)
+        experts = _expert_slab(rad, arena, receipt, dtype, cfg.expert_slots) if rad.header.experts else None
         group = receipt.groups[0]
         bpp = receipt.blocks_per_page(group)
         storage = arena.paged_view(dtype, (bpp, group.layers, 2, BLOCK_TOKENS, m.num_key_value_heads, m.head_dim))
         allocator = BlockAllocator(BLOCK_TOKENS, TenantPages(arena, KV), {group.name: bpp})
+        if receipt.mode == "lending":
+            arena.register(KV, _KVReclaimer(allocator))
         engine = cls.assemble(rad, cfg, storage, allocator, device, experts, receipt.max_model_len, sampler_seed)
-        engine.receipt, engine.arena = receipt, arena
+        engine.receipt, engine.arena, engine.experts = receipt, arena, experts
         return engine
 
     @classmethod
@@ -100,13 +111,39 @@ class Engine:
                         Sampler(device, sampler_seed), tokenizer.eos_token_ids)
         return cls(scheduler, runner, tokenizer)
 
-def _experts_in_arena(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch.dtype) -> ResidentExperts:
-    """Every routed expert in its own arena page (one slot each); the table holds page ids."""
-    count = receipt.experts
-    if receipt.expert_slots < count:
-        raise PlanError(f"the plan gives {receipt.expert_slots} expert slots for {count} experts; until the "
-                        f"expert tiers (host pool, disk) land every expert needs a slot: give a larger card "
-                        f"(--card-mib / --gpu-headroom-mib) or a smaller --max-model-len")
-    pages = arena.lease(EXPERTS, count).pages
+def _expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch.dtype,
+                 max_slots: int | None) -> ExpertSlab:
+    """The placement the receipt implies: pinned experts and a pre-filled cache in arena
+    slots, the rest in a host pool read over the link (every extent checksum-verified)."""
+    placement = place_receipt(receipt, routed_experts(rad.header))
     width = receipt.expert_extent // dtype.itemsize
-    return ResidentExperts.from_rad(rad, slab=arena.paged_view(dtype, (width,)), rows=list(pages))
+
+    def extent(key) -> torch.Tensor:  # [width]: gate | up | down, as stored
+        return torch.cat([t.flatten() for t in rad.expert(*key, verify=True)]).to(dtype)
+
+    host = None
+    if placement.host:
+        host = torch.empty((len(placement.host), width), dtype=dtype, pin_memory=torch.cuda.is_available())
+        for row, key in enumerate(placement.host):
+            host[row] = extent(key)
+    log.info("experts: %s", placement.line())
+    return ExpertSlab(arena, width, dtype, placement, host, extent, rad.model.num_experts, max_slots)
+
+
+class _KVReclaimer:
+    """The arena's view of the KV tenant: pages no live request uses (empty ones, then
+    idle prefix-cached blocks, least recently used first) can be handed to the experts."""
+
+    def __init__(self, allocator: BlockAllocator):
+        self.allocator = allocator
+
+    def surrenderable(self) -> int:
+        pools = self.allocator.pools
+        return sum(len(p.empty_pages()) for p in pools) + self.allocator.evictable() // max(
+            p.blocks_per_page for p in pools)
+
+    def reclaim_cost(self) -> float:
+        return 1.0  # recompute of cached prefixes: dearer than a re-read only when the expert is cold
+
+    def surrender(self, n: int) -> tuple[Lease, Fence]:
+        return Lease(KV, tuple(self.allocator.surrender_pages(n))), PASSED

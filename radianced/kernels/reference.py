@@ -116,18 +116,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
-        slab: torch.Tensor, inter: int) -> torch.Tensor:
-    """Routed SiLU experts, tokens grouped by expert.
+        slab: torch.Tensor, inter: int, host: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed SiLU experts, tokens grouped by expert, weights found through the table.
 
-    x: [T, H]; topk_ids, topk_weights: [T, k]; table: [E] slab row of each expert;
-    slab: [R, 3 * I * H], a row = gate [I, H] | up [I, H] | down [H, I].
-    Each distinct routed expert's row is read once (one index_select) and applied
-    to all of its tokens; outputs are weighted and summed per token. Returns [T, H].
+    x: [T, H]; topk_ids, topk_weights: [T, k]; table: [E]: entry >= 0 is a row of
+    slab [R, 3 * I * H] (a VRAM slot), entry < 0 is row -1 - entry of host
+    [R', 3 * I * H] (the host pool: an overflow read). A row = gate [I, H] | up [I, H] | down [H, I].
+    Each distinct routed expert's row is read once and applied to all of its
+    tokens; outputs are weighted and summed per token. Returns [T, H].
     """
     t, k = topk_ids.shape
     hidden = x.shape[1]
     experts, inverse = torch.unique(topk_ids.flatten(), return_inverse=True)  # sorted distinct experts
-    rows = slab.index_select(0, table[experts])  # [n, 3IH]: one read per expert per step
+    where = table[experts]
+    if host is None:
+        rows = slab.index_select(0, where)  # [n, 3IH]: one read per expert per step
+    else:
+        in_slot = where >= 0
+        rows = torch.empty((len(experts), slab.shape[1]), dtype=slab.dtype, device=slab.device)
+        rows[in_slot] = slab.index_select(0, where[in_slot])
+        rows[~in_slot] = host.index_select(0, -1 - where[~in_slot]).to(slab.device)
     gate, up, down = rows.split(inter * hidden, dim=1)
     order = torch.argsort(inverse, stable=True)  # assignments grouped by expert
     token = order // k

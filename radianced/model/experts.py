@@ -16,10 +16,12 @@ import torch
 
 
 class ExpertSource(Protocol):
-    slab: torch.Tensor  # [rows, 3 * I * H]
+    slab: torch.Tensor  # [rows, 3 * I * H]: VRAM slots
+    host: torch.Tensor | None  # [rows, 3 * I * H]: the host pool, read over the link (negative table entries)
 
     def table(self, layer: int) -> torch.Tensor:
-        """[E] int64: the slab row holding each expert of `layer`. Contents may change between steps."""
+        """[E] int64: where each expert of `layer` is: slab row (>= 0) or host row -1 - entry (< 0).
+        Contents may change between steps."""
         ...
 
     def prepare(self, layer: int, expert_ids: torch.Tensor) -> None:
@@ -32,6 +34,8 @@ class ExpertSource(Protocol):
 
 class ResidentExperts:
     """Every routed expert in one slab; the table maps (layer, expert) to its fixed row."""
+
+    host = None  # every expert has a slot
 
     def __init__(self, slab: torch.Tensor, tables: dict[int, torch.Tensor]):
         self.slab = slab

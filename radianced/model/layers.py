@@ -143,7 +143,8 @@ class MoE:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.router(x)
         self.experts.prepare(self.layer, ids)
-        out = ops.moe(x, ids, weights, self.experts.table(self.layer), self.experts.slab, self.inter)
+        out = ops.moe(x, ids, weights, self.experts.table(self.layer), self.experts.slab, self.inter,
+                      self.experts.host)
         if self.shared is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
         return out
