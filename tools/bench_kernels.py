@@ -21,6 +21,7 @@ logits. Sections:
   host-to-device copy; beside it, the alternative of copying the routed experts
   into VRAM first (copy engine, needs the host to know the routing) then running
   the VRAM kernel;
+- profile: per-kernel device time of one eager call of each op (CUDA profiler);
 - moe_sweep: a few tile configurations at batch 1 and 32 (stops early past the
   time guard), to tune `moe_config`.
 
@@ -325,6 +326,50 @@ def moe_sweep_section(hbm: float, deadline: float, layers: int = 4) -> dict:
     return out
 
 
+def profile_section() -> dict:
+    """Per-kernel device time (CUDA profiler) of one eager call each: where a layer's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from radianced.kernels import attention, moe
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    slab = torch.empty((E, ROW_ELEMS), dtype=torch.bfloat16, device="cuda").normal_(0, 0.02, generator=gen)
+    table = torch.arange(E, device="cuda")
+    cases = {}
+    for batch in (1, 32):
+        xs, ids, ws, _ = _routing(batch, 1, gen)
+        cases[f"moe_b{batch}"] = lambda x=xs[0], i=ids[0], w=ws[0]: moe.moe(x, i, w, table, slab, INTER)
+        caches, tables, q, qs, sl = _decode_batch(batch, 1024, 1, gen)
+        kc, vc = caches[0]
+        cases[f"attention_b{batch}_ctx1024"] = (
+            lambda q=q, kc=kc, vc=vc, t=tables, qs=qs, sl=sl: attention.paged_attention(q, kc, vc, t, qs, sl, 0.1))
+    for batch in (32, 64):  # the grouping alone (fused counting sort); chunk sizes and warps did not matter
+        ids = _routing(batch, 1, gen)[1][0]
+        cases[f"group_b{batch}"] = (
+            lambda ids=ids, bm=moe.moe_config(batch, torch.bfloat16).block_m: moe.group_by_expert(ids, E, bm))
+    out = {}
+    for name, fn in cases.items():
+        fn()
+        _sync()
+        reps = 5
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            _sync()
+        kernels = []
+        for ev in prof.key_averages():
+            total = getattr(ev, "device_time_total", None)
+            if total is None:
+                total = getattr(ev, "cuda_time_total", 0.0)
+            if total:
+                kernels.append({"kernel": ev.key[:90], "us_per_call": total / reps, "launches_per_call": ev.count / reps})
+        kernels.sort(key=lambda k: -k["us_per_call"])
+        out[name] = kernels
+        print(f"profile {name}: " + "; ".join(f"{k['kernel'][:40]} {k['us_per_call']:.1f} us" for k in kernels[:8]),
+              flush=True)
+    return out
+
+
 # -- driver ------------------------------------------------------------------------------------------
 
 
@@ -366,6 +411,7 @@ def main(argv=None) -> int:
     section("attention", attention_section, hbm, deadline)
     section("moe_vram", moe_vram_section, hbm)
     section("moe_pinned", moe_pinned_section, h2d)
+    section("profile", profile_section)
     section("moe_sweep", moe_sweep_section, hbm, deadline)
     results["seconds"] = time.monotonic() - start
     path.write_text(json.dumps(results, indent=1, default=str))

@@ -34,7 +34,7 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 # Bounds on the split-KV (flash-decoding) heuristic.
 MAX_SPLITS = 16
-MIN_KEYS_PER_SPLIT = 128
+MIN_KEYS_PER_SPLIT = 64  # H200, batch 1, 1K context: 16 splits 6.7 us/layer, 8 splits 8.3, 1 split 30
 
 
 # -- heuristics ------------------------------------------------------------------------------------

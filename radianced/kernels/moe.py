@@ -3,16 +3,22 @@
 Each (token, k) routing choice is an *assignment*; A = T * k of them per step.
 The step runs without a host sync:
 
-1. group: `torch.sort` of the A expert ids on the device, then one program
-   (`_moe_align_kernel`) turns the sorted ids into per-expert row ranges and a
-   tile map: tile i -> (expert, first sorted row, end row). The number of tiles
-   is bounded on the host by A // BLOCK_M + min(E, A), so the grid is fixed by
-   the shapes (graph-capturable); tiles past the real count exit at once.
+1. group: the A assignments sorted by expert (stable) and a tile map: tile
+   i -> (expert, first sorted row, end row). Up to GROUP_FUSED_MAX assignments
+   (decode batches) one program does it all by counting (`_moe_group_kernel`);
+   above, `torch.sort` of the ids and one program (`_moe_align_kernel`) that
+   turns the sorted ids into the tile map. The number of tiles is bounded on the
+   host by A // BLOCK_M + min(E, A), so the grid is fixed by the shapes
+   (graph-capturable); tiles past the real count exit at once.
 2. gate/up: per (tile, column block of I), `silu(x @ gate^T) * (x @ up^T)` for
    the tile's tokens, stored in sorted order [A, I].
 3. down: per (tile, column block of H), `h @ down^T`, scaled by the routing
    weight and added into the token's output row: fp32 atomics by default, or,
    `deterministic=True`, stored per assignment and summed over k in order.
+
+At T == 1 (decode at batch 1) step 1 is skipped: the k experts are distinct, so
+tile i is simply assignment i, and the ordered sum (3 launches in all) replaces
+the atomics, whichever was asked for.
 
 Weights are read through a per-expert base address, the only way the kernels
 reach them: `slab + table[e] * row_stride` (`moe`: slab rows, the CPU-shaped
@@ -35,6 +41,12 @@ import torch
 import triton
 import triton.language as tl
 
+# Assignments (T * k) up to which one counting-sort program groups them; above, torch.sort.
+GROUP_FUSED_MAX = 1024
+# (assignments per chunk, tiles per chunk, warps) of the grouping programs. On the H200 the counting
+# sort took 25-28 us at T = 32 (k = 8) for chunks of 32 to 128 and 4 or 8 warps (tools/bench_kernels.py).
+GROUP_LAUNCH = (64, 64, 4)
+
 # -- heuristics ------------------------------------------------------------------------------------
 
 
@@ -55,7 +67,7 @@ def moe_config(num_tokens: int, dtype: torch.dtype) -> MoEConfig:
     block_m = min(64, max(16, triton.next_power_of_2(max(num_tokens, 1))))
     wide = dtype == torch.float32  # fp32 tiles take twice the shared memory
     if block_m <= 32:
-        return MoEConfig(block_m, 32, 128, 64, 128, num_warps=4, num_stages=3 if wide else 4)
+        return MoEConfig(block_m, 64, 128, 64, 128, num_warps=4, num_stages=3 if wide else 4)
     return MoEConfig(block_m, 64, 64, 64, 64, num_warps=4, num_stages=2 if wide else 3)
 
 
@@ -84,13 +96,11 @@ def _lower_bound(sorted_ptr, n, target, steps):
 
 
 @triton.jit
-def _moe_align_kernel(sorted_ids_ptr, tile_info_ptr, num_assignments, num_experts, num_tiles, search_steps,
-                      BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr):
-    """One program: sorted expert ids [A] -> tile_info [num_tiles, 3] = (expert or -1, row lo, row hi)."""
+def _write_tile_info(tile_info_ptr, start, end, num_experts, num_tiles,
+                     BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Per-expert sorted row ranges [start, end) ([BLOCK_E] each) -> tile_info [num_tiles, 3]."""
     e = tl.arange(0, BLOCK_E)
     e_ok = e < num_experts
-    start = _lower_bound(sorted_ids_ptr, num_assignments, e.to(tl.int64), search_steps)  # [BLOCK_E]
-    end = _lower_bound(sorted_ids_ptr, num_assignments, (e + 1).to(tl.int64), search_steps)
     tiles = tl.where(e_ok, (end - start + BLOCK_M - 1) // BLOCK_M, 0)
     tile_end = tl.cumsum(tiles, 0)
     tile_start = tile_end - tiles
@@ -110,6 +120,44 @@ def _moe_align_kernel(sorted_ids_ptr, tile_info_ptr, num_assignments, num_expert
 
 
 @triton.jit
+def _moe_group_kernel(ids_ptr, order_ptr, tile_info_ptr, num_assignments, num_experts, num_tiles,
+                      BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One program, a stable counting sort: ids [A] -> order [A] (sorted row -> assignment), tile_info.
+
+    Two passes over the ids in chunks of BLOCK_A (count, then place); no dependent
+    loads, so a decode batch's grouping costs a few microseconds.
+    """
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for a0 in range(0, num_assignments, BLOCK_A):
+        a = a0 + tl.arange(0, BLOCK_A)
+        ids = tl.load(ids_ptr + a, mask=a < num_assignments, other=-1)
+        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)
+    start = tl.cumsum(counts, 0) - counts
+    next_row = start  # [BLOCK_E] the next free sorted row of each expert
+    for a0 in range(0, num_assignments, BLOCK_A):
+        a = a0 + tl.arange(0, BLOCK_A)
+        a_ok = a < num_assignments
+        ids = tl.load(ids_ptr + a, mask=a_ok, other=-1)
+        hit = (ids[:, None] == e[None, :]).to(tl.int32)  # [BLOCK_A, BLOCK_E]
+        earlier = tl.cumsum(hit, 0) - hit  # same-expert assignments earlier in this chunk
+        row = tl.sum(hit * (next_row[None, :] + earlier), 1)  # [BLOCK_A]
+        tl.store(order_ptr + row, a.to(tl.int64), mask=a_ok)
+        next_row += tl.sum(hit, 0)
+    _write_tile_info(tile_info_ptr, start, start + counts, num_experts, num_tiles, BLOCK_E, BLOCK_T, BLOCK_M)
+
+
+@triton.jit
+def _moe_align_kernel(sorted_ids_ptr, tile_info_ptr, num_assignments, num_experts, num_tiles, search_steps,
+                      BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One program: sorted expert ids [A] -> tile_info [num_tiles, 3] = (expert or -1, row lo, row hi)."""
+    e = tl.arange(0, BLOCK_E)
+    start = _lower_bound(sorted_ids_ptr, num_assignments, e.to(tl.int64), search_steps)  # [BLOCK_E]
+    end = _lower_bound(sorted_ids_ptr, num_assignments, (e + 1).to(tl.int64), search_steps)
+    _write_tile_info(tile_info_ptr, start, end, num_experts, num_tiles, BLOCK_E, BLOCK_T, BLOCK_M)
+
+
+@triton.jit
 def _expert_base(w_ptr, table_ptr, expert, stride_row, TABLE_IS_PTR: tl.constexpr):
     """Pointer to expert `expert`'s row: a raw address from the table, or a slab row it names."""
     entry = tl.load(table_ptr + expert)
@@ -120,22 +168,40 @@ def _expert_base(w_ptr, table_ptr, expert, stride_row, TABLE_IS_PTR: tl.constexp
 
 
 @triton.jit
+def _tile_rows(tile_info_ptr, order_ptr, tile, BLOCK_M: tl.constexpr, PER_ASSIGNMENT: tl.constexpr):
+    """(expert or -1, sorted rows [BLOCK_M], their mask, their assignments t * k + j) of one tile.
+
+    PER_ASSIGNMENT (T == 1, where no expert repeats): tile i is assignment i and
+    tile_info_ptr points at the flat expert ids [k]; nothing was sorted.
+    """
+    if PER_ASSIGNMENT:
+        expert = tl.load(tile_info_ptr + tile).to(tl.int32)
+        rows = tile + tl.arange(0, BLOCK_M)
+        row_ok = rows < tile + 1
+        assignment = rows.to(tl.int64)
+    else:
+        expert = tl.load(tile_info_ptr + tile * 3)
+        row_lo = tl.load(tile_info_ptr + tile * 3 + 1)
+        row_hi = tl.load(tile_info_ptr + tile * 3 + 2)
+        rows = row_lo + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_hi
+        assignment = tl.load(order_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    return expert, rows, row_ok, assignment
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, table_ptr, order_ptr, tile_info_ptr, h_ptr,
     hidden, inter, top_k, stride_x, stride_row,
-    TABLE_IS_PTR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    TABLE_IS_PTR: tl.constexpr, PER_ASSIGNMENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """h[row, n] = silu(x[tok] . gate[n]) * (x[tok] . up[n]) for the tile's sorted rows; h: [A, I]."""
-    tile = tl.program_id(0)
-    expert = tl.load(tile_info_ptr + tile * 3)
+    expert, rows, row_ok, assignment = _tile_rows(tile_info_ptr, order_ptr, tl.program_id(0), BLOCK_M,
+                                                  PER_ASSIGNMENT)
     if expert < 0:
         return
-    row_lo = tl.load(tile_info_ptr + tile * 3 + 1)
-    row_hi = tl.load(tile_info_ptr + tile * 3 + 2)
-    rows = row_lo + tl.arange(0, BLOCK_M)
-    row_ok = rows < row_hi
-    tok = tl.load(order_ptr + rows, mask=row_ok, other=0) // top_k
+    tok = assignment // top_k
     base = _expert_base(w_ptr, table_ptr, expert, stride_row, TABLE_IS_PTR)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter
@@ -163,19 +229,15 @@ def _moe_down_kernel(
     h_ptr, w_ptr, table_ptr, order_ptr, tile_info_ptr, topk_weights_ptr, out_ptr,
     hidden, inter, top_k,
     stride_row,
-    TABLE_IS_PTR: tl.constexpr, DETERMINISTIC: tl.constexpr,
+    TABLE_IS_PTR: tl.constexpr, PER_ASSIGNMENT: tl.constexpr, DETERMINISTIC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """y = weight * (h[row] . down[n]); atomically added to out[tok] (fp32 [T, H]), or, DETERMINISTIC,
     stored to out[assignment] (fp32 [A, H]) for an ordered sum over k afterwards."""
-    tile = tl.program_id(0)
-    expert = tl.load(tile_info_ptr + tile * 3)
+    expert, rows, row_ok, assignment = _tile_rows(tile_info_ptr, order_ptr, tl.program_id(0), BLOCK_M,
+                                                  PER_ASSIGNMENT)
     if expert < 0:
         return
-    row_lo = tl.load(tile_info_ptr + tile * 3 + 1)
-    row_hi = tl.load(tile_info_ptr + tile * 3 + 2)
-    rows = row_lo + tl.arange(0, BLOCK_M)
-    row_ok = rows < row_hi
     base = _expert_base(w_ptr, table_ptr, expert, stride_row, TABLE_IS_PTR)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
@@ -188,7 +250,6 @@ def _moe_down_kernel(
         h = tl.load(h_row + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         w = tl.load(down_ptr + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    assignment = tl.load(order_ptr + rows, mask=row_ok, other=0)
     weight = tl.load(topk_weights_ptr + assignment, mask=row_ok, other=0.0).to(tl.float32)
     y = acc * weight[:, None]
     mask = row_ok[:, None] & n_ok[None, :]
@@ -214,21 +275,30 @@ def _moe_sum_kernel(y_ptr, out_ptr, hidden, top_k, BLOCK_H: tl.constexpr):
 # -- launchers -------------------------------------------------------------------------------------
 
 
-def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                    fused_max: int = GROUP_FUSED_MAX) -> tuple[torch.Tensor, torch.Tensor]:
     """Group the T * k assignments by expert on the device (no host sync).
 
     topk_ids: [T, k], ids in [0, E). Returns order: [A] int64, the assignments
     (t * k + j) sorted by expert, stable; and tile_info: [max_tiles(A, E, block_m), 3]
     int32, one row per tile of at most block_m sorted rows of one expert:
     (expert, first row, end row), then rows (-1, 0, 0) past the last real tile.
+    Up to `fused_max` assignments one counting-sort program does it; above, torch.sort.
     """
+    block_a, block_t, warps = GROUP_LAUNCH
     a = topk_ids.numel()
-    sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)
+    ids = topk_ids.reshape(-1)
     tiles = max_tiles(a, num_experts, block_m)
     tile_info = torch.empty((tiles, 3), dtype=torch.int32, device=topk_ids.device)
+    block_e = triton.next_power_of_2(num_experts)
+    if a <= fused_max:
+        order = torch.empty(a, dtype=torch.int64, device=topk_ids.device)
+        _moe_group_kernel[(1,)](ids, order, tile_info, a, num_experts, tiles, BLOCK_A=block_a, BLOCK_E=block_e,
+                                BLOCK_T=block_t, BLOCK_M=block_m, num_warps=warps)
+        return order, tile_info
+    sorted_ids, order = torch.sort(ids, stable=True)
     _moe_align_kernel[(1,)](sorted_ids, tile_info, a, num_experts, tiles, max(1, a.bit_length()),
-                            BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_T=64, BLOCK_M=block_m,
-                            num_warps=4)
+                            BLOCK_E=block_e, BLOCK_T=block_t, BLOCK_M=block_m, num_warps=warps)
     return order, tile_info
 
 
@@ -243,12 +313,19 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     dev = x.device
 
-    order, tile_info = group_by_expert(topk_ids, num_experts, cfg.block_m)
-    tiles = tile_info.shape[0]
+    per_assignment = t == 1  # decode at batch 1: k distinct experts, one tile each, nothing to sort
+    if per_assignment:
+        tile_info = order = topk_ids.reshape(-1)
+        tiles = top_k
+        deterministic = True  # the ordered sum is also the cheaper reduction here (no memset, no cast)
+    else:
+        order, tile_info = group_by_expert(topk_ids, num_experts, cfg.block_m)
+        tiles = tile_info.shape[0]
     h = torch.empty((a, inter), dtype=x.dtype, device=dev)  # sorted rows
     _moe_gate_up_kernel[(tiles, triton.cdiv(inter, cfg.block_n_up))](
         x, w_ref, table, order, tile_info, h, hidden, inter, top_k, x.stride(0), stride_row,
-        TABLE_IS_PTR=table_is_ptr, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k_up,
+        TABLE_IS_PTR=table_is_ptr, PER_ASSIGNMENT=per_assignment,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k_up,
         DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     weights = topk_weights.reshape(-1)
@@ -258,7 +335,7 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         y = torch.zeros((t, hidden), dtype=torch.float32, device=dev)
     _moe_down_kernel[(tiles, triton.cdiv(hidden, cfg.block_n_down))](
         h, w_ref, table, order, tile_info, weights, y, hidden, inter, top_k, stride_row,
-        TABLE_IS_PTR=table_is_ptr, DETERMINISTIC=deterministic,
+        TABLE_IS_PTR=table_is_ptr, PER_ASSIGNMENT=per_assignment, DETERMINISTIC=deterministic,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down,
         DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
