@@ -24,8 +24,13 @@ install: $(STAMP)
 model: $(STAMP)
 	$(VPY) -m radianced.model.default --prepare
 
+# The daemon on the default model; RUN_ARGS adds flags (`make run RUN_ARGS="--max-num-seqs 4"`).
+PORT    ?= 8000
+RUN_ARGS ?=
 run: model
-	$(VENV)/bin/radianced
+	@echo "radianced on http://127.0.0.1:$(PORT)/v1 (Ctrl-C drains and stops). Ask it, from another shell:"
+	@echo "  curl -s http://127.0.0.1:$(PORT)/v1/chat/completions -H 'Content-Type: application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"max_tokens\": 64}'"
+	$(VENV)/bin/radianced --port $(PORT) $(RUN_ARGS)
 
 # tests/server/test_systemd_unit.py runs `systemd-analyze verify` (skipped without it):
 # install it where we are root and have apt; anything else leaves the test to skip.

@@ -3,7 +3,13 @@
 DESIGN.md "Threads and I/O": the event loop owns the scheduler, the request
 streams and the telemetry and never calls into torch; one worker thread runs
 `runner.run(plan)`. Adds and cancels arriving while a step runs are applied by
-the loop before the next plan. `generate()` is the API the server uses.
+the loop before the next plan.
+
+The server's API: `submit()` queues a request at once (or raises `QueueFull`)
+and returns its `RequestStream`; `generate()` is the same as one async iterator
+that queues on its first `__anext__`. Either way, leaving the stream before its
+last chunk cancels the request and frees its blocks before the next step. If the
+engine task dies, every live stream raises `EngineFailed`.
 """
 
 from __future__ import annotations
@@ -15,14 +21,19 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from radianced.engine.detokenizer import IncrementalDetokenizer
 from radianced.engine.engine import Engine
-from radianced.engine.request import FinishReason, Request
+from radianced.engine.request import FinishReason, Request, SeqStatus
 from radianced.engine.sampling_params import SamplingParams
 from radianced.engine.scheduler import SeqEvent
 
 log = logging.getLogger("radianced.requests")
+
+
+class EngineFailed(RuntimeError):
+    """The engine task died; no live request will get another token."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +48,39 @@ class Chunk:
     reused_tokens: int | None = None  # on the last chunk: prompt tokens the prefix cache served
 
 
+@dataclass(frozen=True)
+class LiveRequest:
+    """One live request as `radiancectl status` lists it."""
+
+    request_id: str
+    state: str  # "waiting" | "running"
+    prompt_tokens: int
+    generated: int
+    age_s: float
+
+
+class EngineMetrics(Protocol):
+    """What the driver reports (server/metrics.py's `Metrics` has these methods)."""
+
+    def observe_step(self, seconds: float) -> None: ...
+    def observe_ttft(self, seconds: float) -> None: ...
+    def observe_inter_token(self, seconds: float) -> None: ...
+    def observe_e2e(self, seconds: float) -> None: ...
+    def add_prompt_tokens(self, n: int) -> None: ...
+    def add_generated_tokens(self, n: int) -> None: ...
+    def add_prefix_hit_tokens(self, n: int) -> None: ...
+
+
+class _NoMetrics:
+    def observe_step(self, seconds: float) -> None: pass
+    def observe_ttft(self, seconds: float) -> None: pass
+    def observe_inter_token(self, seconds: float) -> None: pass
+    def observe_e2e(self, seconds: float) -> None: pass
+    def add_prompt_tokens(self, n: int) -> None: pass
+    def add_generated_tokens(self, n: int) -> None: pass
+    def add_prefix_hit_tokens(self, n: int) -> None: pass
+
+
 @dataclass
 class _Stream:
     """The loop's view of one live request."""
@@ -46,26 +90,85 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
+    last_token: float | None = None
     generated: int = 0
     seq: object = None  # the scheduler's Sequence (read for reuse counts)
 
 
+class RequestStream:
+    """One submitted request's chunks, in order; the last has a finish_reason.
+
+    `close()` (or `aclose()`) before the last chunk cancels the request; after
+    it, or twice, it does nothing. Raises EngineFailed if the engine task dies.
+    """
+
+    def __init__(self, engine: AsyncEngine, stream: _Stream):
+        self._engine = engine
+        self._stream = stream
+        self.done = False
+
+    @property
+    def request_id(self) -> str:
+        return self._stream.request.request_id
+
+    @property
+    def num_reused_tokens(self) -> int:
+        """Prompt tokens the prefix cache served (0 until the request is admitted)."""
+        return self._stream.seq.num_reused_tokens or 0
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self.done:
+            raise StopAsyncIteration
+        chunk = await self._stream.queue.get()
+        if isinstance(chunk, BaseException):
+            self.done = True
+            raise EngineFailed(f"the engine failed: {chunk!r}") from chunk
+        self.done = chunk.finish_reason is not None
+        return chunk
+
+    def close(self) -> None:
+        if not self.done:
+            self.done = True
+            self._engine.cancel(self.request_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+
 class AsyncEngine:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, metrics: EngineMetrics | None = None):
         self.engine = engine
         self.scheduler = engine.scheduler
+        self.metrics = metrics or _NoMetrics()
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radianced-step")
         self._ids = itertools.count()
+        self._failed: BaseException | None = None
         self.steps = 0  # completed steps: the watchdog's sign of progress
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def num_live(self) -> int:
+        """Requests submitted and not yet ended (waiting or running)."""
+        return len(self._streams)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to compute: no live request."""
+        return not self.scheduler.has_unfinished
+
     async def run(self) -> None:
-        """The engine task: plan, execute on the worker, apply, until cancelled."""
+        """The engine task: plan, execute on the worker, apply, until cancelled.
+
+        If a step raises, every live stream raises EngineFailed and so does this task.
+        """
         loop = asyncio.get_running_loop()
         try:
             while True:
@@ -74,11 +177,41 @@ class AsyncEngine:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
+                start = time.perf_counter()
                 output = await loop.run_in_executor(self._worker, self.engine.runner.run, plan)
+                self.metrics.observe_step(time.perf_counter() - start)
                 self._dispatch(self.scheduler.update(plan, output))
+                # as Engine.step: idle KV pages back to the arena, hot experts into slots. On the
+                # loop because it moves pages the scheduler owns; on CUDA its expert copies are
+                # the loop's only device calls.
+                self.engine.settle()
                 self.steps += 1
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self._fail(e)
+            raise
         finally:
             self._worker.shutdown(wait=True)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
+        """Queue a request now and return its stream. Raises QueueFull when --max-queue
+        requests wait, EngineFailed when the engine task has died.
+
+        The caller must iterate the stream to its last chunk or close it.
+        """
+        if self._failed is not None:
+            raise EngineFailed(f"the engine failed: {self._failed!r}")
+        request_id = request_id or f"req-{next(self._ids)}"
+        request = Request(request_id, tuple(prompt_ids), params,
+                          frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
+                                                              else frozenset(self.tokenizer.eos_token_ids)))
+        stream = _Stream(request, IncrementalDetokenizer.for_request(self.tokenizer, params, prompt_ids))
+        stream.seq = self.scheduler.add(request)
+        self._streams[request_id] = stream
+        self.metrics.add_prompt_tokens(len(prompt_ids))
+        self._wake.set()
+        return RequestStream(self, stream)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[Chunk]:
@@ -87,23 +220,12 @@ class AsyncEngine:
         Closing the iterator early (client gone) cancels the request and frees its
         blocks before the next step.
         """
-        request_id = request_id or f"req-{next(self._ids)}"
-        request = Request(request_id, tuple(prompt_ids), params,
-                          frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
-                                                              else frozenset(self.tokenizer.eos_token_ids)))
-        stream = _Stream(request, IncrementalDetokenizer.for_request(self.tokenizer, params, prompt_ids))
-        stream.seq = self.scheduler.add(request)
-        self._streams[request_id] = stream
-        self._wake.set()
-        done = False
+        stream = self.submit(prompt_ids, params, request_id)
         try:
-            while not done:
-                chunk = await stream.queue.get()
-                done = chunk.finish_reason is not None
+            async for chunk in stream:
                 yield chunk
         finally:
-            if not done:
-                self.cancel(request_id)
+            stream.close()
 
     def cancel(self, request_id: str) -> bool:
         """End a live request now (its blocks return at once). False if it is not live."""
@@ -112,18 +234,44 @@ class AsyncEngine:
             return False
         self.scheduler.cancel(request_id)
         self._log_done(stream, FinishReason.ABORT.value)
-        stream.queue.put_nowait(Chunk((), stream.detok.finish().text, FinishReason.ABORT.value))
+        reused = stream.seq.num_reused_tokens or 0
+        stream.queue.put_nowait(Chunk((), stream.detok.finish().text, FinishReason.ABORT.value, None, reused))
         return True
+
+    def cancel_all(self) -> int:
+        """Cancel every live request (the end of a drain); returns how many."""
+        return sum(self.cancel(request_id) for request_id in list(self._streams))
+
+    def live(self) -> list[LiveRequest]:
+        """The live requests, oldest first."""
+        now = time.perf_counter()
+        return [LiveRequest(s.request.request_id,
+                            "waiting" if s.seq.status is SeqStatus.WAITING else "running",
+                            len(s.request.prompt_token_ids), s.generated, now - s.arrived)
+                for s in self._streams.values()]
+
+    def _fail(self, error: BaseException) -> None:
+        self._failed = error
+        for stream in self._streams.values():
+            stream.queue.put_nowait(error)
+        self._streams.clear()
 
     def _dispatch(self, events: list[SeqEvent]) -> None:
         now = time.perf_counter()
+        m = self.metrics
         for ev in events:
             stream = self._streams.get(ev.request_id)
             if stream is None:
                 continue
             if stream.first_token is None:
                 stream.first_token = now
+                m.observe_ttft(now - stream.arrived)
+                m.add_prefix_hit_tokens(stream.seq.num_reused_tokens or 0)
+            else:
+                m.observe_inter_token(now - stream.last_token)
+            stream.last_token = now
             stream.generated += len(ev.token_ids)
+            m.add_generated_tokens(len(ev.token_ids))
             delta = stream.detok.add(ev.token_ids)
             reason = ev.finish_reason.value if ev.finish_reason is not None else None
             text = delta.text
@@ -134,6 +282,7 @@ class AsyncEngine:
                 text += stream.detok.finish().text
             if reason is not None:
                 del self._streams[ev.request_id]
+                m.observe_e2e(now - stream.arrived)
                 self._log_done(stream, reason)
             reused = (stream.seq.num_reused_tokens or 0) if reason is not None else None
             stream.queue.put_nowait(Chunk(ev.token_ids, text, reason, ev.logprobs, reused))

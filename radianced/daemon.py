@@ -1,0 +1,357 @@
+"""The daemon: one uvloop process serving HTTP, the control socket and the engine.
+
+Start-up, in order: bind the HTTP socket (a taken port fails at once, before
+any loading), serve it with /health answering 503 "loading", open the control
+socket, load the model on a thread while telling systemd EXTEND_TIMEOUT_USEC,
+start the engine task, then READY=1. A watchdog task sends WATCHDOG=1 (when
+systemd set WATCHDOG_USEC for this process) only while the engine makes
+progress or has nothing to do.
+
+Stop: SIGTERM, SIGINT or `radiancectl drain` stops admitting (new requests and
+/health get 503), lets in-flight requests finish for up to --drain-timeout,
+cancels what is left (those streams still end with `[DONE]`, finish_reason
+"abort"), closes the sockets and exits 0. A second SIGINT skips the wait. A
+fatal engine error fails the live requests (500) and exits 1, so systemd
+restarts the unit; so does any start-up failure, with one line saying why.
+
+Environment: RADIANCED_CPU_THREADS=N sets torch's CPU threads (default on the CPU
+backend: the usable cores less one, for the event loop; tests use 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import uvicorn
+import uvloop
+
+from radianced.budget import Card, PlanError
+from radianced.config import Config, ConfigError
+from radianced.engine.driver import AsyncEngine
+from radianced.model.config import UnsupportedModel
+from radianced.model.rad import RadError, RadFile
+from radianced.server import control, notify
+from radianced.server.http import Phase, Served, ServerState, build_app
+from radianced.server.metrics import Metrics
+from radianced.server.protocol import generation_defaults
+
+log = logging.getLogger("radianced")
+
+EXTEND_EVERY_S = 5.0  # while loading, ask systemd for EXTEND_S more seconds this often
+EXTEND_S = 20.0
+SHUTDOWN_GRACE_S = 5.0  # after the drain: cancelled responses write their last bytes
+STOP_EXTRA_S = 15.0  # asked for beyond --drain-timeout when the stop begins
+_LOAD_ERRORS = (RadError, FileNotFoundError, PlanError, ConfigError, UnsupportedModel, OSError)
+
+
+def main(cfg: Config) -> int:
+    """Run the daemon until it is stopped; the process exit status."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return uvloop.run(Daemon(cfg).run())
+
+
+def cpu_threads() -> int:
+    """torch's CPU threads: $RADIANCED_CPU_THREADS, else one less than the cores this process
+    may use. The event loop needs a core of its own: with as many torch threads as cores,
+    OpenMP's spinning threads crowd it out (SmolLM2 on 2 cores: 1.0 tok/s with 2 threads,
+    6.9 tok/s with 1)."""
+    given = os.environ.get("RADIANCED_CPU_THREADS")
+    if given:
+        return max(1, int(given))
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+class Daemon:
+    """The process's state; the control socket's handlers are its methods."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.metrics = Metrics()
+        self.http = ServerState(self.metrics, cfg.api_key)
+        self.model_path = cfg.model
+        self.model_name = cfg.served_model_name or ""
+        self.receipt: list[str] = []
+        self._defaults: dict = {}  # sampling defaults from the model's generation config
+        self._vocab_size = 0
+        self.engine: AsyncEngine | None = None
+        self.started = time.monotonic()
+        self._engine_task: asyncio.Task | None = None
+        self._stop = asyncio.Event()
+        self._hurry = asyncio.Event()
+
+    # -- life ---------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.request_stop, "SIGTERM")
+        loop.add_signal_handler(signal.SIGINT, self.request_stop, "SIGINT", True)
+        try:
+            sock = _listen(self.cfg)
+        except OSError as e:
+            log.error("cannot serve HTTP: %s", e)
+            return 1
+        server = _Uvicorn(uvicorn.Config(build_app(self.http), loop="none", lifespan="off", http="h11", ws="none",
+                                         log_config=None, access_log=False, server_header=False,
+                                         timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+        http_task = asyncio.create_task(server.serve(sockets=[sock]))
+        watchdog = asyncio.create_task(self._watchdog())
+        control_server = None
+        control_path = self.cfg.control_socket or control.default_socket_path()
+        try:
+            control_server = await control.serve(control_path, self.handlers())
+            code = await self._serve()
+        except control.ControlSocketError as e:
+            log.error("%s", e)
+            code = 1
+        finally:
+            self.http.phase = Phase.DRAINING
+            server.should_exit = True
+            await http_task
+            if control_server is not None:
+                control_server.close()
+                _unlink(control_path)
+            if self.cfg.http_socket:
+                _unlink(self.cfg.http_socket)
+            watchdog.cancel()
+            if self._engine_task is not None:
+                self._engine_task.cancel()
+                await asyncio.gather(self._engine_task, return_exceptions=True)
+        log.info("exiting with status %d", code)
+        return code
+
+    async def _serve(self) -> int:
+        try:
+            engine = await self._load()
+        except _StartFailed:
+            return 1
+        if engine is None:
+            return 0  # stopped while loading: nothing to drain
+        self.engine = engine
+        self._engine_task = asyncio.create_task(engine.run())
+        self.http.served = Served(engine, self.model_name, engine.engine.receipt.max_model_len,
+                                  self._defaults, self._vocab_size)
+        self.http.phase = Phase.READY
+        notify.ready(f"serving {self.model_name}")
+        log.info("ready: serving %s", self.model_name)
+        stop = asyncio.create_task(self._stop.wait())
+        await asyncio.wait((stop, self._engine_task), return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not self._engine_task.done():
+            await self._drain()
+        if self._engine_task.done():  # it failed (while serving or while draining)
+            error = self._engine_task.exception()
+            log.critical("the engine failed; exiting so the service manager restarts it",
+                         exc_info=(type(error), error, error.__traceback__) if error else None)
+            return 1
+        return 0
+
+    async def _load(self) -> AsyncEngine | None:
+        """Build the engine on a thread (torch stays off the loop); None when a stop
+        came first (the thread is a daemon thread: exiting does not wait for it).
+        Raises _StartFailed, logged, when loading fails."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def build() -> None:
+            try:
+                result, error = self._build(), None
+            except BaseException as e:  # handed to the loop, which reports it
+                result, error = None, e
+            loop.call_soon_threadsafe(_settle, done, result, error)
+
+        threading.Thread(target=build, name="radianced-load", daemon=True).start()
+        stop = asyncio.create_task(self._stop.wait())
+        while not done.done() and not stop.done():
+            notify.extend_timeout(int(EXTEND_S * 1e6))
+            await asyncio.wait((done, stop), timeout=EXTEND_EVERY_S, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not done.done():
+            log.info("stopped while loading")
+            return None
+        try:
+            engine = done.result()
+        except _LOAD_ERRORS as e:
+            log.error("cannot start: %s", e)
+            raise _StartFailed from None
+        except Exception:
+            log.exception("cannot start: loading the model failed")
+            raise _StartFailed from None
+        return AsyncEngine(engine, self.metrics)
+
+    def _build(self):
+        """Open the model, plan the card, allocate and load (on the loader thread)."""
+        import torch
+
+        from radianced.engine.engine import Engine
+        from radianced.model.default import ensure_default_model
+
+        path = Path(self.model_path) if self.model_path else ensure_default_model()
+        self.model_path = str(path)
+        self.model_name = self.cfg.served_model_name or path.stem
+        log.info("loading %s", path)
+        rad = RadFile.open(path)
+        self._defaults = generation_defaults(rad.header.generation or {})
+        self._vocab_size = rad.model.vocab_size
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cpu" or "RADIANCED_CPU_THREADS" in os.environ:
+            torch.set_num_threads(cpu_threads())
+            log.info("torch CPU threads: %d", torch.get_num_threads())
+        card = Card.from_mib(self.cfg.card_mib) if self.cfg.card_mib else None
+        start = time.monotonic()
+        engine = Engine.build(rad, self.cfg, card, device)
+        self.receipt = engine.receipt.lines()
+        log.info("loaded %s on %s in %.1f s", self.model_name, device, time.monotonic() - start)
+        return engine
+
+    def request_stop(self, why: str = "stop", again_hurries: bool = False) -> None:
+        """Begin the drain. Once begun, a call with `again_hurries` (a second Ctrl-C) cuts it
+        short; others are ignored: a shell's process-group kill and `make` forwarding it
+        deliver SIGTERM twice at once."""
+        if not self._stop.is_set():
+            log.info("%s: draining", why)
+            self._stop.set()
+        elif again_hurries:
+            log.warning("%s again: cancelling what is still running", why)
+            self._hurry.set()
+        else:
+            log.info("%s: already draining", why)
+
+    async def _drain(self) -> None:
+        self.http.phase = Phase.DRAINING
+        timeout = self.cfg.drain_timeout
+        notify.stopping(f"draining {self.engine.num_live} requests")
+        notify.extend_timeout(int((timeout + STOP_EXTRA_S) * 1e6))
+        log.info("draining %d requests (%d HTTP requests in flight) for up to %g s",
+                 self.engine.num_live, self.http.in_flight, timeout)
+        idle = asyncio.create_task(self.http.wait_idle())
+        hurry = asyncio.create_task(self._hurry.wait())
+        await asyncio.wait((idle, hurry), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        hurry.cancel()
+        if not idle.done():
+            n = self.engine.cancel_all()
+            log.warning("drain ended with %d requests still running: cancelled", n)
+            try:
+                await asyncio.wait_for(idle, SHUTDOWN_GRACE_S)
+            except asyncio.TimeoutError:
+                log.warning("%d HTTP requests still open after the drain", self.http.in_flight)
+        log.info("drained")
+
+    async def _watchdog(self) -> None:
+        """WATCHDOG=1 at half the interval while loading, or while the engine task lives
+        and has either finished a step since the last ping or has nothing to do."""
+        interval = notify.watchdog_interval()
+        if interval is None:
+            return
+        last = -1
+        while True:
+            engine, task = self.engine, self._engine_task
+            if engine is None and task is None:
+                notify.watchdog()  # loading (a hung load is TimeoutStartSec's to catch)
+            elif task is not None and not task.done() and (engine.idle or engine.steps != last):
+                notify.watchdog()
+            last = engine.steps if engine is not None else -1
+            await asyncio.sleep(interval / 2)
+
+    # -- control socket -----------------------------------------------------------------
+
+    def handlers(self) -> dict:
+        return {"status": self.status, "receipt": self.receipt_result, "drain": self.drain, "cancel": self.cancel}
+
+    def status(self, args: dict) -> control.StatusResult:
+        engine = self.engine
+        sched = engine.scheduler if engine is not None else None
+        return control.StatusResult(
+            uptime_s=time.monotonic() - self.started,
+            state=self.http.phase.value,
+            model=self.model_name or (self.model_path or "the default model"),
+            receipt=list(self.receipt),
+            kv_util=sched.kv_util if sched else 0.0,
+            running=sched.num_running if sched else 0,
+            waiting=sched.num_waiting if sched else 0,
+            requests=[control.RequestSummary(id=r.request_id, state=r.state, prompt_tokens=r.prompt_tokens,
+                                             generated=r.generated, age_s=r.age_s)
+                      for r in (engine.live() if engine else ())],
+            steps=engine.steps if engine else 0,
+        )
+
+    def receipt_result(self, args: dict) -> control.ReceiptResult:
+        return control.ReceiptResult(lines=list(self.receipt))
+
+    def drain(self, args: dict) -> control.DrainResult:
+        self.request_stop("radiancectl drain")
+        return control.DrainResult(draining=True)
+
+    def cancel(self, args: dict) -> control.CancelResult:
+        """Cancel by the X-Request-Id, or the body's id (cmpl-ID, chatcmpl-ID)."""
+        request_id = msgspec.convert(args, control.CancelArgs).id
+        for prefix in ("chatcmpl-", "cmpl-"):
+            request_id = request_id.removeprefix(prefix)
+        return control.CancelResult(cancelled=self.engine is not None and self.engine.cancel(request_id))
+
+
+class _StartFailed(Exception):
+    """Start-up failed; the reason is logged."""
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn inside our loop: the daemon, not uvicorn, owns SIGTERM and SIGINT (the drain)."""
+
+    def capture_signals(self):
+        return contextlib.nullcontext()
+
+
+def _listen(cfg: Config) -> socket.socket:
+    """The bound, listening HTTP socket: --http-socket PATH (instead of TCP), else --host/--port.
+    Logs where it listens (port 0 picks a free port)."""
+    if cfg.http_socket:
+        path = cfg.http_socket
+        _remove_stale_socket(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
+        os.chmod(path, 0o660)  # the runtime directory (0750) decides who reaches it
+        sock.listen(2048)
+        log.info("serving HTTP on unix:%s", path)
+        return sock
+    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+    sock = socket.create_server((cfg.host, cfg.port), family=family, backlog=2048)
+    host, port = sock.getsockname()[:2]
+    log.info("serving HTTP on http://%s:%d", f"[{host}]" if family == socket.AF_INET6 else host, port)
+    return sock
+
+
+def _remove_stale_socket(path: str) -> None:
+    """Unlink a socket file nobody listens on (left by a daemon that died); refuse a live one."""
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise OSError(f"--http-socket {path}: exists and is not a socket; remove it or choose another path")
+    except FileNotFoundError:
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            os.unlink(path)
+            return
+    raise OSError(f"--http-socket {path}: another process is listening there")
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if not future.done():
+        future.set_result(result) if error is None else future.set_exception(error)
