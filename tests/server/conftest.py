@@ -8,6 +8,7 @@ that stop a daemon start their own.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import shutil
@@ -32,7 +33,6 @@ MAX_MODEL_LEN = 256
 CARD_MIB = 256  # 120 MiB of KV pages after the 96 MiB headroom and workspaces: plenty for the tiny llama
 STARTUP_TIMEOUT_S = 60.0
 _LISTENING = re.compile(r"serving HTTP on (http://\S+|unix:\S+)")
-_WORKDIRS: list[Path] = []  # each daemon's log and control socket, removed when the session ends
 
 
 @dataclass
@@ -64,13 +64,6 @@ class Daemon:
             pytest.fail(f"the daemon did not exit within {timeout} s of signal {sig}:\n{self.log()[-3000:]}")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _remove_daemon_workdirs():
-    yield
-    for d in _WORKDIRS:
-        shutil.rmtree(d, ignore_errors=True)
-
-
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     src = make_tiny("llama", tmp_path_factory.mktemp("tiny-llama"))
@@ -95,7 +88,7 @@ def start_daemon(model: Path | None, *flags: str, env: dict[str, str] | None = N
     python_code, when given, runs in the child before the CLI (to patch a fault in).
     """
     workdir = Path(tempfile.mkdtemp(prefix="rd-"))
-    _WORKDIRS.append(workdir)
+    atexit.register(shutil.rmtree, workdir, True)  # the log outlives stop(): tests read it after
     log_path = workdir / "daemon.log"
     control_socket = str(workdir / "control.sock")
     args = ["--control-socket", control_socket, *flags]
