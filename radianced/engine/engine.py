@@ -27,6 +27,8 @@ from radianced.model.batch import KVCache, RecurrentState
 from radianced.model.loader import load_model
 from radianced.model.rad import RadFile
 from radianced.model.tokenizer import Tokenizer
+from radianced.tiers.host import HostPool
+from radianced.tiers.link import probe_pcie
 from radianced.tiers.placement import place_receipt, routed_experts
 from radianced.tiers.slab import ExpertSlab
 
@@ -114,20 +116,21 @@ class Engine:
 def _expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch.dtype,
                  max_slots: int | None) -> ExpertSlab:
     """The placement the receipt implies: pinned experts and a pre-filled cache in arena
-    slots, the rest in a host pool read over the link (every extent checksum-verified)."""
+    slots, the rest in the host pool (O_DIRECT-filled, checksums verified) read over the link."""
     placement = place_receipt(receipt, routed_experts(rad.header))
-    width = receipt.expert_extent // dtype.itemsize
-
-    def extent(key) -> torch.Tensor:  # [width]: gate | up | down, as stored
-        return torch.cat([t.flatten() for t in rad.expert(*key, verify=True)]).to(dtype)
-
+    log.info("experts: %s", placement.line())
     host = None
     if placement.host:
-        host = torch.empty((len(placement.host), width), dtype=dtype, pin_memory=torch.cuda.is_available())
-        for row, key in enumerate(placement.host):
-            host[row] = extent(key)
-    log.info("experts: %s", placement.line())
-    return ExpertSlab(arena, width, dtype, placement, host, extent, rad.model.num_experts, max_slots)
+        pool = HostPool.create(rad, placement.host, row_bytes=receipt.page_bytes, capacity_bytes=receipt.host_pool)
+        log.info(pool.line())
+        log.info(probe_pcie().line())
+        host = pool.tensor[:, :pool.elems]  # a view: keeps the pool's memory alive
+
+    def extent(key) -> torch.Tensor:  # [3*I*H]: gate | up | down, as stored
+        return torch.cat([t.flatten() for t in rad.expert(*key, verify=True)])
+
+    return ExpertSlab(arena, receipt.expert_extent // dtype.itemsize, dtype, placement, host, extent,
+                      rad.model.num_experts, max_slots)
 
 
 class _KVReclaimer:
