@@ -362,7 +362,8 @@ def profile_section() -> dict:
             if total is None:
                 total = getattr(ev, "cuda_time_total", 0.0)
             if total:
-                kernels.append({"kernel": ev.key[:90], "us_per_call": total / reps, "launches_per_call": ev.count / reps})
+                kernels.append({"kernel": ev.key[:90], "us_per_call": total / reps,
+                                "launches_per_call": ev.count / reps})
         kernels.sort(key=lambda k: -k["us_per_call"])
         out[name] = kernels
         print(f"profile {name}: " + "; ".join(f"{k['kernel'][:40]} {k['us_per_call']:.1f} us" for k in kernels[:8]),

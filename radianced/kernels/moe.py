@@ -21,10 +21,11 @@ tile i is simply assignment i, and the ordered sum (3 launches in all) replaces
 the atomics, whichever was asked for.
 
 Weights are read through a per-expert base address, the only way the kernels
-reach them: `slab + table[e] * row_stride` (`moe`: slab rows, the CPU-shaped
-table) or the raw address `expert_ptr[e]` (`moe_ptr`: VRAM slots or pinned host
-memory mapped into the device's address space). A row is gate [I, H] | up [I, H]
-| down [H, I] in the activation dtype.
+reach them: `slab + table[e] * row_stride` for table[e] >= 0 and
+`host + (-1 - table[e]) * row_stride` for table[e] < 0 (`moe`: the table of
+`tiers/slab.py`, VRAM slots and the pinned host pool), or the raw address
+`expert_ptr[e]` (`moe_ptr`: DESIGN.md's pointer table). A row is gate [I, H] |
+up [I, H] | down [H, I] in the activation dtype.
 
 BLOCK_M is next_pow2(T) up to 64. An expert serves at most T tokens (one per
 token), so for T <= 64 each expert is one tile and every weight byte is read
@@ -158,12 +159,16 @@ def _moe_align_kernel(sorted_ids_ptr, tile_info_ptr, num_assignments, num_expert
 
 
 @triton.jit
-def _expert_base(w_ptr, table_ptr, expert, stride_row, TABLE_IS_PTR: tl.constexpr):
-    """Pointer to expert `expert`'s row: a raw address from the table, or a slab row it names."""
+def _expert_base(w_ptr, table_ptr, expert, stride_row, host_ptr, stride_host_row,
+                 TABLE_IS_PTR: tl.constexpr, HAS_HOST: tl.constexpr):
+    """Pointer to expert `expert`'s row: a raw address from the table, or the slab row it names
+    (entry >= 0), or, HAS_HOST, host pool row -1 - entry (entry < 0: read over the link)."""
     entry = tl.load(table_ptr + expert)
     if TABLE_IS_PTR:
         # the caller promises 16-byte aligned rows; the hint lets loads vectorize and pipeline
         return tl.multiple_of(entry.to(tl.pointer_type(w_ptr.dtype.element_ty)), 16)
+    if HAS_HOST:
+        return tl.where(entry >= 0, w_ptr + entry * stride_row, host_ptr + (-1 - entry) * stride_host_row)
     return w_ptr + entry * stride_row
 
 
@@ -191,10 +196,10 @@ def _tile_rows(tile_info_ptr, order_ptr, tile, BLOCK_M: tl.constexpr, PER_ASSIGN
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w_ptr, table_ptr, order_ptr, tile_info_ptr, h_ptr,
-    hidden, inter, top_k, stride_x, stride_row,
-    TABLE_IS_PTR: tl.constexpr, PER_ASSIGNMENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    x_ptr, w_ptr, table_ptr, order_ptr, tile_info_ptr, h_ptr, host_ptr,
+    hidden, inter, top_k, stride_x, stride_row, stride_host_row,
+    TABLE_IS_PTR: tl.constexpr, HAS_HOST: tl.constexpr, PER_ASSIGNMENT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """h[row, n] = silu(x[tok] . gate[n]) * (x[tok] . up[n]) for the tile's sorted rows; h: [A, I]."""
     expert, rows, row_ok, assignment = _tile_rows(tile_info_ptr, order_ptr, tl.program_id(0), BLOCK_M,
@@ -202,7 +207,8 @@ def _moe_gate_up_kernel(
     if expert < 0:
         return
     tok = assignment // top_k
-    base = _expert_base(w_ptr, table_ptr, expert, stride_row, TABLE_IS_PTR)
+    base = _expert_base(w_ptr, table_ptr, expert, stride_row, host_ptr, stride_host_row,
+                        TABLE_IS_PTR, HAS_HOST)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter
     gate_ptr = base + n[:, None] * hidden  # gate [I, H]
@@ -226,10 +232,10 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    h_ptr, w_ptr, table_ptr, order_ptr, tile_info_ptr, topk_weights_ptr, out_ptr,
+    h_ptr, w_ptr, table_ptr, order_ptr, tile_info_ptr, topk_weights_ptr, out_ptr, host_ptr,
     hidden, inter, top_k,
-    stride_row,
-    TABLE_IS_PTR: tl.constexpr, PER_ASSIGNMENT: tl.constexpr, DETERMINISTIC: tl.constexpr,
+    stride_row, stride_host_row,
+    TABLE_IS_PTR: tl.constexpr, HAS_HOST: tl.constexpr, PER_ASSIGNMENT: tl.constexpr, DETERMINISTIC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """y = weight * (h[row] . down[n]); atomically added to out[tok] (fp32 [T, H]), or, DETERMINISTIC,
@@ -238,7 +244,8 @@ def _moe_down_kernel(
                                                   PER_ASSIGNMENT)
     if expert < 0:
         return
-    base = _expert_base(w_ptr, table_ptr, expert, stride_row, TABLE_IS_PTR)
+    base = _expert_base(w_ptr, table_ptr, expert, stride_row, host_ptr, stride_host_row,
+                        TABLE_IS_PTR, HAS_HOST)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
     down_ptr = base + 2 * inter * hidden + n[:, None] * inter  # down [H, I], after gate and up
@@ -304,7 +311,7 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int,
 
 def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
                 w_ref: torch.Tensor, stride_row: int, table_is_ptr: bool, inter: int, deterministic: bool,
-                cfg: MoEConfig | None = None) -> torch.Tensor:
+                cfg: MoEConfig | None = None, host: torch.Tensor | None = None) -> torch.Tensor:
     t, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts = table.shape[0]
@@ -323,8 +330,9 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         tiles = tile_info.shape[0]
     h = torch.empty((a, inter), dtype=x.dtype, device=dev)  # sorted rows
     _moe_gate_up_kernel[(tiles, triton.cdiv(inter, cfg.block_n_up))](
-        x, w_ref, table, order, tile_info, h, hidden, inter, top_k, x.stride(0), stride_row,
-        TABLE_IS_PTR=table_is_ptr, PER_ASSIGNMENT=per_assignment,
+        x, w_ref, table, order, tile_info, h, w_ref if host is None else host,
+        hidden, inter, top_k, x.stride(0), stride_row, 0 if host is None else host.stride(0),
+        TABLE_IS_PTR=table_is_ptr, HAS_HOST=host is not None, PER_ASSIGNMENT=per_assignment,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k_up,
         DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -334,8 +342,10 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     else:
         y = torch.zeros((t, hidden), dtype=torch.float32, device=dev)
     _moe_down_kernel[(tiles, triton.cdiv(hidden, cfg.block_n_down))](
-        h, w_ref, table, order, tile_info, weights, y, hidden, inter, top_k, stride_row,
-        TABLE_IS_PTR=table_is_ptr, PER_ASSIGNMENT=per_assignment, DETERMINISTIC=deterministic,
+        h, w_ref, table, order, tile_info, weights, y, w_ref if host is None else host,
+        hidden, inter, top_k, stride_row, 0 if host is None else host.stride(0),
+        TABLE_IS_PTR=table_is_ptr, HAS_HOST=host is not None, PER_ASSIGNMENT=per_assignment,
+        DETERMINISTIC=deterministic,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down,
         DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -370,13 +380,16 @@ def _check_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
 
 
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
-        slab: torch.Tensor, inter: int, *, deterministic: bool = False) -> torch.Tensor:
+        slab: torch.Tensor, inter: int, host: torch.Tensor | None = None, *,
+        deterministic: bool = False) -> torch.Tensor:
     """Routed SiLU experts read through the expert table (Triton); contract of `reference.moe`.
 
     x: [T, H] (bf16, fp16 or fp32); topk_ids: [T, k] int, every id in [0, E);
-    topk_weights: [T, k]; table: [E] int64, the slab row of each expert;
-    slab: [R, 3 * I * H] in x's dtype, a row = gate [I, H] | up [I, H] | down [H, I]
-    (rows contiguous). Returns [T, H] in x's dtype:
+    topk_weights: [T, k]; table: [E] int64: entry >= 0 is a row of slab (a VRAM
+    slot), entry < 0 is row -1 - entry of host (the host pool, read by the kernels
+    over the link: pinned host memory, or any memory the device can address);
+    slab, host: [R, 3 * I * H] in x's dtype, a row = gate [I, H] | up [I, H] |
+    down [H, I] (rows contiguous). Returns [T, H] in x's dtype:
     sum_j topk_weights[t, j] * down(silu(gate(x[t])) * up(x[t])) of expert topk_ids[t, j].
     `deterministic` replaces the atomic scatter-add with a per-assignment buffer
     summed over k in order (bitwise reproducible; [T * k, H] fp32 of workspace).
@@ -389,12 +402,19 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tab
                          f"got {tuple(slab.shape)} strides {slab.stride()}")
     if slab.dtype != x.dtype or slab.device != x.device:
         raise ValueError(f"slab is {slab.dtype} on {slab.device}; x is {x.dtype} on {x.device}")
+    if host is not None:
+        if host.dim() != 2 or host.shape[1] != slab.shape[1] or host.stride(1) != 1 or host.dtype != slab.dtype:
+            raise ValueError(f"host must be [R', {slab.shape[1]}] {slab.dtype} with contiguous rows like slab, "
+                             f"got {tuple(host.shape)} {host.dtype} strides {host.stride()}")
+        if x.device.type == "cuda" and host.device.type == "cpu" and not host.is_pinned():
+            raise ValueError("host is pageable CPU memory; the kernels read it over the link only when it is "
+                             "pinned (allocate the host pool with pin_memory=True)")
     if 3 * inter * hidden >= 2 ** 31:
         raise ValueError(f"an expert row of {3 * inter * hidden} elements is over the kernels' 2^31 offset limit")
     if x.shape[0] == 0:
         return torch.zeros_like(x)
     return _launch_moe(x, topk_ids, topk_weights.contiguous(), table, slab, slab.stride(0), False, inter,
-                       deterministic)
+                       deterministic, host=host)
 
 
 def moe_ptr(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_ptr: torch.Tensor,

@@ -153,6 +153,27 @@ def test_moe_reads_experts_from_pinned_host_memory(kernels, experts, t):
     assert torch.equal(from_host, from_vram)
 
 
+@pytest.mark.parametrize("t", [1, 32, 300])
+def test_moe_with_part_of_the_experts_in_the_pinned_host_pool(kernels, experts, t):
+    """tiers/slab.py's table: a third of the experts at negative entries (pinned host rows)."""
+    _, moe = kernels
+    slab, table, slab32 = experts
+    host = torch.empty((E, slab.shape[1]), dtype=slab.dtype, pin_memory=True)
+    host.copy_(slab[:E])
+    mixed = table.clone()
+    overflow = torch.arange(0, E, 3, device="cuda")
+    mixed[overflow] = -1 - torch.randperm(E, device="cuda")[: overflow.numel()]
+    host_rows = -1 - mixed[overflow]
+    host[host_rows.cpu()] = slab[table[overflow]].cpu()  # the same weights, now only in host memory
+    x, ids, w = _routing(t, seed=13, dtype=torch.bfloat16)
+    got = moe.moe(x, ids, w, mixed, slab, INTER, host, deterministic=True)
+    want = moe.moe(x, ids, w, table, slab, INTER, deterministic=True)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    ref = reference.moe(x.float(), ids, w.float(), table, slab32, INTER)
+    assert rel_err(got, ref) < 1e-2
+
+
 def test_ops_select_binds_triton_on_cuda_and_reference_elsewhere(kernels):
     from radianced.kernels import ops
     try:

@@ -128,6 +128,22 @@ def test_weights_are_read_through_the_table():
     assert torch.equal(experts.kernel(deterministic=True), before)
 
 
+@pytest.mark.parametrize("t", [1, 15])
+def test_negative_entries_read_the_host_pool(t):
+    """tiers/slab.py's table: entry >= 0 a slab row (VRAM slot), entry < 0 host row -1 - entry."""
+    experts = Experts(t, k=3, seed=8)
+    g = torch.Generator().manual_seed(9)
+    host = (torch.randn((6, 3 * I * H), generator=g) * H ** -0.5).to(DEVICE)
+    if DEVICE == "cuda":
+        host = host.cpu().pin_memory()  # the kernels read it over the link
+    table = experts.table.clone()
+    table[torch.tensor([0, 3, 4, 9])] = torch.tensor([-1, -6, -3, -2], device=DEVICE)
+    got = moe_kernels.moe(experts.x, experts.ids, experts.weights, table, experts.slab, I, host).cpu()
+    want = reference.moe(experts.x.cpu(), experts.ids.cpu(), experts.weights.cpu(), table.cpu(),
+                         experts.slab.cpu(), I, host.cpu())
+    assert rel_err(got, want) < 1e-4
+
+
 def test_raw_address_table_gives_the_same_result():
     """`moe_ptr`: the table holds each expert's address (here CPU memory under the interpreter)."""
     experts = Experts(12, k=3, seed=5)
