@@ -144,6 +144,10 @@ class _RoutingLog:
     def slab(self) -> torch.Tensor:
         return self.inner.slab
 
+    @property
+    def host(self) -> torch.Tensor | None:
+        return self.inner.host
+
     def table(self, layer: int) -> torch.Tensor:
         return self.inner.table(layer)
 
