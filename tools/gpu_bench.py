@@ -376,6 +376,7 @@ def section_budget(device, quick: bool, tmp: Path) -> dict:
     """Plan a scaled-up tiny qwen3_moe on this card, allocate what the receipt says, and measure."""
     from radianced.arena import EXPERTS, KV, Arena, detect_card
     from radianced.budget import Card, ModelFacts, plan
+    from radianced.kernels import ops
     from radianced.config import Config
     from radianced.model.batch import ForwardBatch, KVCache
     from radianced.model.convert import convert
@@ -384,6 +385,7 @@ def section_budget(device, quick: bool, tmp: Path) -> dict:
     from radianced.model.rad import RadFile
     from radianced.model.tiny import make_tiny
 
+    ops.select(device)  # the product path: Triton attention/MoE on CUDA, the reference elsewhere
     if quick:
         shape = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=16,
                      num_experts_per_tok=4, moe_intermediate_size=128, num_hidden_layers=2)

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from radianced.arena import KV, PASSED, Arena, Fence, Lease, TenantPages, detect_card
-from radianced.budget import BLOCK_TOKENS, Card, ModelFacts, Receipt, plan
+from radianced.budget import BLOCK_TOKENS, Card, ModelFacts, PlanError, Receipt, plan
 from radianced.config import Config
 from radianced.engine.request import Request
 from radianced.engine.runner import Runner
 from radianced.engine.sampler import Sampler
 from radianced.engine.scheduler import Scheduler, SeqEvent
+from radianced.kernels import ops
 from radianced.kv.blocks import BlockAllocator
 from radianced.kv.prefix import PrefixCache
 from radianced.kv.state import CheckpointSlots
@@ -74,6 +75,7 @@ class Engine:
         the host pool; in lending mode KV and experts take pages from each other.
         """
         m = rad.model
+        ops.select(device, deterministic=cfg.deterministic)  # once, before the model loads
         receipt = plan(card or detect_card(device), ModelFacts.from_header(rad.header), cfg)
         for line in receipt.lines():
             log.info(line)
@@ -119,6 +121,9 @@ def _expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch.dtyp
     slots, the rest in the host pool (O_DIRECT-filled, checksums verified) read over the link."""
     placement = place_receipt(receipt, routed_experts(rad.header))
     log.info("experts: %s", placement.line())
+    if placement.disk:
+        raise PlanError(f"{len(placement.disk)} experts would stay on disk, and the disk tier is not wired into "
+                        f"the engine yet: give --host-pool-mib room for them (or a larger card)")
     host = None
     if placement.host:
         pool = HostPool.create(rad, placement.host, row_bytes=receipt.page_bytes, capacity_bytes=receipt.host_pool)

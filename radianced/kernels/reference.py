@@ -87,13 +87,16 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    query_start: list[int], seq_lens: list[int], scale: float) -> torch.Tensor:
+                    query_start, seq_lens, scale: float) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged context.
 
     q: [T, Hq, D]; sequence b owns q rows query_start[b]:query_start[b+1], which are
-    the last tokens of its seq_lens[b] context tokens (already written to the cache).
+    the last tokens of its seq_lens[b] context tokens (already written to the cache);
+    query_start [B+1] and seq_lens [B] are host sequences or integer tensors.
     block_tables: [B, max_blocks]. GQA: Hq is a multiple of Hkv. Returns [T, Hq, D].
     """
+    if isinstance(query_start, torch.Tensor):
+        query_start, seq_lens = query_start.tolist(), seq_lens.tolist()  # the reference loops on the host
     out = torch.empty_like(q)
     hq, hkv = q.shape[1], k_cache.shape[3]
     for b, n_ctx in enumerate(seq_lens):

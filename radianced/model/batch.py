@@ -24,7 +24,9 @@ class ForwardBatch:
     layers). state_slots: [B] recurrent-state slot of each sequence (hybrid
     models; a fresh sequence's slot is zeroed by its allocator).
     logits_rows: [R] token rows whose logits the caller wants.
-    The host lists mirror the tensors for ops that loop per sequence on the CPU.
+    query_start_t [B+1], seq_lens_t [B]: int32 device copies of the host tuples,
+    for kernels (no per-layer host -> device copy; capturable in a CUDA graph).
+    The host tuples serve ops that loop per sequence on the CPU.
     """
 
     input_ids: torch.Tensor
@@ -34,6 +36,8 @@ class ForwardBatch:
     logits_rows: torch.Tensor
     query_start: tuple[int, ...]
     seq_lens: tuple[int, ...]
+    query_start_t: torch.Tensor
+    seq_lens_t: torch.Tensor
     state_slots: torch.Tensor | None = None
 
     @property
@@ -81,6 +85,8 @@ class ForwardBatch:
             input_ids=as_long(ids), positions=as_long(pos), slot_mapping=as_long(slots),
             block_tables=tables.to(device), logits_rows=as_long(rows),
             query_start=tuple(starts), seq_lens=lens,
+            query_start_t=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens_t=torch.tensor(lens, dtype=torch.int32, device=device),
             state_slots=None if state_slots is None else as_long(state_slots),
         )
 

@@ -79,7 +79,7 @@ class Attention:
         q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
         k_cache, v_cache = cache.layer(self.layer)
         ops.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-        o = ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start, batch.seq_lens,
+        o = ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_t, batch.seq_lens_t,
                                 self.scale).reshape(t, self.heads * self.head_dim)
         if gate is not None:
             o = o * torch.sigmoid(gate)
