@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from radianced.cli import answer
+from radianced.budget import Card
+from radianced.config import Config
+from radianced.engine.engine import Engine
 from radianced.engine.greedy import greedy_generate
 from radianced.model.batch import KVCache
 from radianced.model.loader import load_model
 from radianced.model.rad import RadFile
 from radianced.model.tokenizer import Tokenizer
+from tests.engine.conftest import request, run_all
 from tests.oracle import reference_greedy
 
 QUESTIONS = (
@@ -32,8 +35,12 @@ def test_greedy_64_tokens_identical_to_transformers_on_three_chat_prompts(smollm
         assert got == want, f"first difference at token {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
 
 
-def test_one_shot_answer_names_paris(smollm2_rad):
+def test_the_engine_answers_paris(smollm2_rad):
+    """The serving path (receipt, arena, scheduler, sampler) on the real model."""
     with RadFile.open(smollm2_rad) as rad:
-        text, n = answer(rad, "What is the capital of France?", 32)
-    assert text == "The capital of France is Paris."
-    assert n == 8  # seven text tokens and <|im_end|>
+        engine = Engine.build(rad, Config(max_model_len=512, max_num_seqs=2), Card.from_mib(1024))
+        tok = engine.tokenizer
+        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+        out = run_all(engine, [request(engine, "paris", prompt, max_tokens=32)])["paris"]
+    assert tok.decode(out) == "The capital of France is Paris."
+    assert len(out) == 8  # seven text tokens and <|im_end|>
