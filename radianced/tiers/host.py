@@ -290,7 +290,7 @@ def _allocate(fd: int, folder: Path, path: Path, size: int) -> None:
     """Reserve every page of the file now (posix_fallocate), so a full tmpfs fails here, not with SIGBUS."""
     vfs = os.statvfs(folder)
     free = vfs.f_bavail * vfs.f_frsize
-    advice = (f"grow the tmpfs (mount -o remount,size=...), free space in it, or lower --host-pool-mib")
+    advice = "grow the tmpfs (mount -o remount,size=...), free space in it, or lower --host-pool-mib"
     if size > free:
         path.unlink(missing_ok=True)
         raise HostPoolError(f"ram={folder}: the tmpfs has {free / MiB:.2f} MiB free but the host expert pool needs "

@@ -1,7 +1,7 @@
 """The Triton paged attention and K/V scatter against `kernels/reference.py`.
 
-Without CUDA the kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1
-is set here, before triton is imported), so shapes stay small. Layouts are the
+Without CUDA the kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1,
+set by tests/kernels/interpreter.py before triton is imported), so shapes stay small. Layouts are the
 product's: caches are strided [P, N, S, Hkv, D] views of an interleaved
 [P, N, L, 2, S, Hkv, D] storage with two blocks per page, block tables shuffled
 across pages. fp32 must match within 1e-4 of max|ref| (IEEE products); bf16
@@ -10,51 +10,14 @@ within 1e-2 of the fp32 reference on the same (bf16-rounded) inputs.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton's import: kernels decorate as interpreted
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRET else "cuda"
+from tests.kernels.interpreter import DEVICE, require_interpreted  # before triton loads
 
-pytest.importorskip("triton")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from radianced.kernels import attention, reference
 
-from radianced.kernels import attention, reference  # noqa: E402
-
-if isinstance(attention._paged_attention_kernel, InterpretedFunction) != INTERPRET:
-    pytest.skip("radianced.kernels.attention was imported before TRITON_INTERPRET was set; "
-                "run tests/kernels in its own pytest process", allow_module_level=True)
-
-
-def _interpreter_multiplies_bf16() -> None:
-    """Triton 3.7's interpreter feeds bf16 `tl.dot` operands to numpy as their raw uint16 bits
-    (garbage products); upcast them to fp32 first, as the GPU's bf16 MMA does exactly."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    dot = interpreter.InterpreterBuilder.create_dot
-    if getattr(dot, "bf16_upcast", False):
-        return
-
-    def create_dot(self, a, b, d, *args):
-        def up(x):
-            if x.dtype.scalar != tl.bfloat16:
-                return x
-            data = interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
-            return interpreter.TensorHandle(data, tl.float32)
-        return dot(self, up(a), up(b), d, *args)
-
-    create_dot.bf16_upcast = True
-    interpreter.InterpreterBuilder.create_dot = create_dot
-
-
-if INTERPRET:
-    _interpreter_multiplies_bf16()
+require_interpreted(attention._paged_attention_kernel, "attention")
 
 BLOCK = 16  # tokens per block
 PER_PAGE = 2  # blocks per page

@@ -1,7 +1,7 @@
 """The Triton pointer-table MoE against `reference.moe`, and its on-device grouping.
 
-Without CUDA the kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1
-is set here, before triton is imported), so shapes stay small and odd: H = 72,
+Without CUDA the kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1,
+set by tests/kernels/interpreter.py before triton is imported), so shapes stay small and odd: H = 72,
 I = 40 (neither a multiple of the column blocks), E = 10 experts in a slab with
 spare rows, the table a permutation. fp32 within 1e-4 of max|ref| (IEEE
 products), bf16 within 1e-2 of the fp32 reference on the same bf16 values.
@@ -9,52 +9,15 @@ products), bf16 within 1e-2 of the fp32 reference on the same bf16 values.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton's import: kernels decorate as interpreted
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRET else "cuda"
+from tests.kernels.interpreter import DEVICE, require_interpreted  # before triton loads
 
-pytest.importorskip("triton")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from radianced.kernels import moe as moe_kernels
+from radianced.kernels import reference
 
-from radianced.kernels import moe as moe_kernels  # noqa: E402
-from radianced.kernels import reference  # noqa: E402
-
-if isinstance(moe_kernels._moe_gate_up_kernel, InterpretedFunction) != INTERPRET:
-    pytest.skip("radianced.kernels.moe was imported before TRITON_INTERPRET was set; "
-                "run tests/kernels in its own pytest process", allow_module_level=True)
-
-
-def _interpreter_multiplies_bf16() -> None:
-    """Triton 3.7's interpreter feeds bf16 `tl.dot` operands to numpy as their raw uint16 bits
-    (garbage products); upcast them to fp32 first, as the GPU's bf16 MMA does exactly."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    dot = interpreter.InterpreterBuilder.create_dot
-    if getattr(dot, "bf16_upcast", False):
-        return
-
-    def create_dot(self, a, b, d, *args):
-        def up(x):
-            if x.dtype.scalar != tl.bfloat16:
-                return x
-            data = interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
-            return interpreter.TensorHandle(data, tl.float32)
-        return dot(self, up(a), up(b), d, *args)
-
-    create_dot.bf16_upcast = True
-    interpreter.InterpreterBuilder.create_dot = create_dot
-
-
-if INTERPRET:
-    _interpreter_multiplies_bf16()
+require_interpreted(moe_kernels._moe_gate_up_kernel, "moe")
 
 E, H, I = 10, 72, 40
 SPARE = 3  # slab rows no expert uses

@@ -1,0 +1,55 @@
+"""Run the Triton kernels on the CPU: import this before anything imports triton.
+
+Without CUDA, TRITON_INTERPRET=1 makes `@triton.jit` kernels run in Triton's
+interpreter on CPU tensors (it must be set before triton's import: kernels are
+decorated at import). Also patches the interpreter's bf16 dot (below).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+pytest.importorskip("triton")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+
+def require_interpreted(kernel, module: str) -> None:
+    """Skip the calling module if `kernel` was decorated before TRITON_INTERPRET was set."""
+    if isinstance(kernel, InterpretedFunction) != INTERPRET:
+        pytest.skip(f"radianced.kernels.{module} was imported before TRITON_INTERPRET was set; "
+                    "run tests/kernels in its own pytest process", allow_module_level=True)
+
+
+def _interpreter_multiplies_bf16() -> None:
+    """Triton 3.7's interpreter feeds bf16 `tl.dot` operands to numpy as their raw uint16 bits
+    (garbage products); upcast them to fp32 first, as the GPU's bf16 MMA does exactly."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    dot = interpreter.InterpreterBuilder.create_dot
+    if getattr(dot, "bf16_upcast", False):
+        return
+
+    def create_dot(self, a, b, d, *args):
+        def up(x):
+            if x.dtype.scalar != tl.bfloat16:
+                return x
+            data = interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
+            return interpreter.TensorHandle(data, tl.float32)
+        return dot(self, up(a), up(b), d, *args)
+
+    create_dot.bf16_upcast = True
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+if INTERPRET:
+    _interpreter_multiplies_bf16()
