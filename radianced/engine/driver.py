@@ -69,6 +69,7 @@ class EngineMetrics(Protocol):
     def add_prompt_tokens(self, n: int) -> None: ...
     def add_generated_tokens(self, n: int) -> None: ...
     def add_prefix_hit_tokens(self, n: int) -> None: ...
+    def add_expert_lookups(self, lookups: int, hits: int, overflow_bytes: int) -> None: ...
 
 
 class _NoMetrics:
@@ -79,6 +80,7 @@ class _NoMetrics:
     def add_prompt_tokens(self, n: int) -> None: pass
     def add_generated_tokens(self, n: int) -> None: pass
     def add_prefix_hit_tokens(self, n: int) -> None: pass
+    def add_expert_lookups(self, lookups: int, hits: int, overflow_bytes: int) -> None: pass
 
 
 @dataclass
@@ -93,6 +95,7 @@ class _Stream:
     last_token: float | None = None
     generated: int = 0
     seq: object = None  # the scheduler's Sequence (read for reuse counts)
+    experts: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # decode (lookups, hits, routed, missed routed)
 
 
 class RequestStream:
@@ -149,6 +152,8 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._failed: BaseException | None = None
         self.steps = 0  # completed steps: the watchdog's sign of progress
+        slab = engine.experts
+        self._slab_seen = (slab.stats.total_lookups, slab.stats.total_hits) if slab is not None else None
 
     @property
     def tokenizer(self):
@@ -180,6 +185,7 @@ class AsyncEngine:
                 start = time.perf_counter()
                 output = await loop.run_in_executor(self._worker, self.engine.runner.run, plan)
                 self.metrics.observe_step(time.perf_counter() - start)
+                self._count_experts(plan, output)
                 self._dispatch(self.scheduler.update(plan, output))
                 # as Engine.step: idle KV pages back to the arena, hot experts into slots. On the
                 # loop because it moves pages the scheduler owns; on CUDA its expert copies are
@@ -256,6 +262,22 @@ class AsyncEngine:
             stream.queue.put_nowait(error)
         self._streams.clear()
 
+    def _count_experts(self, plan, output) -> None:
+        """Add the step's per-sequence expert counts to their requests; the slab's step totals
+        (distinct experts of the whole step: what actually moved) to the metrics."""
+        if output.expert_counts is not None:
+            by_seq = {s.seq.seq_id: s for s in self._streams.values()}
+            for s, counts in zip(plan.seqs, output.expert_counts):
+                stream = by_seq.get(s.seq_id)
+                if counts is not None and stream is not None:
+                    stream.experts = [a + b for a, b in zip(stream.experts, counts)]
+        slab = self.engine.experts
+        if slab is not None:
+            lookups, hits = slab.stats.total_lookups, slab.stats.total_hits
+            dl, dh = lookups - self._slab_seen[0], hits - self._slab_seen[1]
+            self._slab_seen = (lookups, hits)
+            self.metrics.add_expert_lookups(dl, dh, (dl - dh) * slab.extent_bytes)
+
     def _dispatch(self, events: list[SeqEvent]) -> None:
         now = time.perf_counter()
         m = self.metrics
@@ -297,3 +319,14 @@ class AsyncEngine:
         log.info("%s: prompt %d tokens = %d reused + %d read in %.0f ms, %d generated in %.0f ms (%.1f tok/s), "
                  "drafts accepted 0/0 (0%%) [%s]", s.request.request_id, prompt, reused, prompt - reused,
                  (first - s.arrived) * 1e3, s.generated, decode_s * 1e3, rate, reason)
+        if self.engine.experts is not None:
+            log.info("%s: %s", s.request.request_id, expert_line(*s.experts))
+
+
+def expert_line(lookups: int, hits: int, routed: int, routed_from_misses: int) -> str:
+    """SPEC §9's second per-request line, over the request's decode steps."""
+    def pct(a: int, b: int) -> float:
+        return 100.0 * a / b if b else 0.0
+    return (f"decode expert cache hit rate: {pct(hits, lookups):.1f}% ({hits} hits / {lookups} lookups); "
+            f"{lookups - hits} more read over PCIe or from disk "
+            f"({pct(routed_from_misses, routed):.1f}% of all {routed} routed)")

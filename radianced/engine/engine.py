@@ -112,7 +112,8 @@ class Engine:
                               prefix=prefix, hybrid=hybrid, max_model_len=max_model_len)
         tokenizer = Tokenizer.from_header(rad.header)
         runner = Runner(model, KVCache(kv_storage, m.full_attention_layers, states), checkpoints,
-                        Sampler(device, sampler_seed), tokenizer.eos_token_ids)
+                        Sampler(device, sampler_seed), tokenizer.eos_token_ids,
+                        experts if isinstance(experts, ExpertSlab) else None)
         return cls(scheduler, runner, tokenizer)
 
 def _expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch.dtype,

@@ -75,7 +75,11 @@ class StepOutput:
 
     token_ids[i]: the token(s) sampled for plan.seqs[i]; () where it does not sample.
     logprobs[i]: the sampler's logprobs payload for that row (opaque here), or None.
+    expert_counts[i]: (lookups, hits, routed, routed_from_misses) of plan.seqs[i]'s routed
+        experts in this step where it is a decode step (one token after the first sampled);
+        None for other sequences. The whole field is None without an expert slab.
     """
 
     token_ids: tuple[tuple[int, ...], ...]
     logprobs: tuple[Any, ...] | None = None
+    expert_counts: tuple[tuple[int, int, int, int] | None, ...] | None = None

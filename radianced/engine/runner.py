@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import replace
+
 from radianced.engine.plan import ScheduledSeq, StepOutput, StepPlan
 from radianced.engine.sampler import Sampler, SampleResult, SamplingRow, SamplingTensors
 from radianced.kv.state import StateCopy
@@ -19,8 +21,11 @@ from radianced.model.layers import CausalLM
 
 class Runner:
     def __init__(self, model: CausalLM, cache: KVCache, checkpoints: RecurrentState | None, sampler: Sampler,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), experts=None):
+        """experts: the expert slab (tiers/slab.py) when the model has one: the runner tells it
+        which rows are which decode sequence, and returns its counts in StepOutput.expert_counts."""
         self.model, self.cache, self.checkpoints, self.sampler = model, cache, checkpoints, sampler
+        self.experts = experts
         self.vocab_size = model.cfg.vocab_size
         self.eos_token_ids = eos_token_ids
         self.device = cache.storage.device
@@ -34,15 +39,29 @@ class Runner:
             [list(s.block_table[0]) for s in seqs], self.cache.block_size, logits=[s.sample for s in seqs],
             state_slots=[s.state_slot for s in seqs] if self.cache.states is not None else None,
             device=self.device)
-        with torch.inference_mode():
-            logits = self.model.forward(batch, self.cache)  # [R, V]: one row per sampling sequence
+        decode = [i for i, s in enumerate(seqs) if _is_decode(s)]
+        if self.experts is not None:
+            qs = batch.query_start
+            self.experts.begin_step([(qs[i], qs[i + 1]) for i in decode], batch.num_tokens)
+        try:
+            with torch.inference_mode():
+                logits = self.model.forward(batch, self.cache)  # [R, V]: one row per sampling sequence
+        finally:
+            counts = self.experts.end_step() if self.experts is not None else None
         self._copy_states(plan.after)
         rows = [SamplingRow(s.params, s.output_token_ids, s.prompt_token_ids) for s in seqs if s.sample]
         if not rows:
-            return StepOutput(tuple(() for _ in seqs))
-        picked = self.sampler.sample(logits, SamplingTensors.build(rows, self.vocab_size, self.eos_token_ids,
-                                                                   self.device))
-        return self._output(seqs, picked)
+            out = StepOutput(tuple(() for _ in seqs))
+        else:
+            picked = self.sampler.sample(logits, SamplingTensors.build(rows, self.vocab_size, self.eos_token_ids,
+                                                                       self.device))
+            out = self._output(seqs, picked)
+        if counts is None:
+            return out
+        per_seq: list = [None] * len(seqs)
+        for i, c in zip(decode, counts):
+            per_seq[i] = c
+        return replace(out, expert_counts=tuple(per_seq))
 
     def _output(self, seqs: tuple[ScheduledSeq, ...], picked: SampleResult) -> StepOutput:
         """Per scheduled sequence: its sampled token (or none) and logprobs payload
@@ -73,3 +92,8 @@ class Runner:
                 self.checkpoints.copy_slot(c.checkpoint, states, c.slot)
             else:
                 states.copy_slot(c.slot, self.checkpoints, c.checkpoint)
+
+
+def _is_decode(s: ScheduledSeq) -> bool:
+    """A decode step of a sequence: one token, the last one sampled, fed back to sample the next."""
+    return s.sample and len(s.token_ids) == 1 and len(s.output_token_ids) > 0

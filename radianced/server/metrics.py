@@ -48,6 +48,12 @@ class Metrics:
         self._running = Gauge("radiance_sequences_running", "Sequences in the running batch.", registry=r)
         self._waiting = Gauge("radiance_sequences_waiting", "Sequences waiting for a slot.", registry=r)
         self._kv_util = Gauge("radiance_kv_util", "Share of KV blocks in use (0 to 1).", registry=r)
+        self._expert_lookups = Counter("radiance_expert_lookups", "Routed-expert lookups: one per (step, layer, "
+                                       "distinct expert the step routed).", registry=r)
+        self._expert_hits = Counter("radiance_expert_hits", "Expert lookups that found the expert in a VRAM slot.",
+                                    registry=r)
+        self._expert_overflow = Counter("radiance_expert_overflow_bytes", "Expert bytes read over the link "
+                                        "(missed lookups x expert extent bytes).", registry=r)
         self._step = Histogram("radiance_step_duration_seconds", "Wall time of one engine step.",
                                buckets=TOKEN_BUCKETS, registry=r)
 
@@ -79,6 +85,12 @@ class Metrics:
 
     def observe_step(self, seconds: float) -> None:
         self._step.observe(seconds)
+
+    def add_expert_lookups(self, lookups: int, hits: int, overflow_bytes: int) -> None:
+        """A step's expert lookups, hits among them, and bytes the misses read over the link."""
+        self._expert_lookups.inc(lookups)
+        self._expert_hits.inc(hits)
+        self._expert_overflow.inc(overflow_bytes)
 
     def set_running(self, n: int) -> None:
         self._running.set(n)

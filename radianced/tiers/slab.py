@@ -57,6 +57,9 @@ class SlabStats:
         return sum(self.hits.values())
 
 
+ExpertCounts = tuple[int, int, int, int]  # (lookups, hits, routed, routed_from_misses) of one sequence
+
+
 class ExpertSlab:
     def __init__(self, arena: Arena, width: int, dtype: torch.dtype, placement: Placement,
                  host: torch.Tensor | None, load: Callable[[Key], torch.Tensor], num_experts: int,
@@ -81,6 +84,10 @@ class ExpertSlab:
         self._slot_of: dict[Key, int] = {}
         self._score: dict[Key, float] = {}
         self.stats = SlabStats({l: 0 for l in layers}, {l: 0 for l in layers}, {l: 0 for l in layers})
+        self.num_experts = num_experts
+        self.extent_bytes = width * dtype.itemsize  # what one overflow read moves over the link
+        self._row_seq: torch.Tensor | None = None  # [T]: the step's counted segment of each row, -1 if none
+        self._seq_counts: torch.Tensor | None = None  # [segments, 4]: ExpertCounts being summed over layers
         start = placement.pinned + placement.prefill
         pages = arena.lease(EXPERTS, len(start)).pages
         for key, page in zip(start, pages):
@@ -103,6 +110,44 @@ class ExpertSlab:
         self.stats.routed[layer] += int(counts.sum())
         for e, c in zip(experts.tolist(), counts.tolist()):
             self._score[(layer, e)] = self._score.get((layer, e), 0.0) + c
+        if self._row_seq is not None:
+            self._count_segments(table, expert_ids)
+
+    # -- per-sequence accounting (SPEC §9: the per-request line) -------------------
+
+    def begin_step(self, segments: Sequence[tuple[int, int]], num_rows: int) -> None:
+        """Before a forward of `num_rows` token rows: count the routing of each segment
+        (start, end) of rows apart (one segment per counted sequence) until `end_step`.
+        A lookup is one (layer, expert) a segment's rows needed this step, a hit found it
+        in a slot at that time; two segments needing one expert each count it."""
+        if not segments:
+            self._row_seq = self._seq_counts = None
+            return
+        row_seq = torch.full((num_rows,), -1, dtype=torch.int64)
+        for i, (start, end) in enumerate(segments):
+            row_seq[start:end] = i
+        self._row_seq = row_seq.to(self.slab.device)
+        self._seq_counts = torch.zeros((len(segments), 4), dtype=torch.int64, device=self.slab.device)
+
+    def end_step(self) -> tuple[ExpertCounts, ...]:
+        """The counts of each segment given to `begin_step` (summed over layers); stops counting."""
+        counts = self._seq_counts
+        self._row_seq = self._seq_counts = None
+        return () if counts is None else tuple(tuple(row) for row in counts.tolist())
+
+    def _count_segments(self, table: torch.Tensor, expert_ids: torch.Tensor) -> None:
+        """Add this layer's (lookups, hits, routed, routed_from_misses) of each segment."""
+        k = expert_ids.shape[1]
+        seg = self._row_seq.unsqueeze(1).expand(-1, k).reshape(-1)
+        ids = expert_ids.reshape(-1).to(torch.int64)
+        keep = seg >= 0
+        pairs, routed = torch.unique(seg[keep] * self.num_experts + ids[keep], return_counts=True)
+        seq, hit = pairs // self.num_experts, table[pairs % self.num_experts] >= 0
+        counts = self._seq_counts
+        counts[:, 0].index_add_(0, seq, torch.ones_like(seq))
+        counts[:, 1].index_add_(0, seq, hit.to(torch.int64))
+        counts[:, 2].index_add_(0, seq, routed)
+        counts[:, 3].index_add_(0, seq, routed * ~hit)
 
     # -- the arena's reclaimer -----------------------------------------------------
 

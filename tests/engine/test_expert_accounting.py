@@ -1,0 +1,110 @@
+"""The per-request expert line (SPEC §9) and the expert metrics, through the async driver.
+
+Tiny Qwen3-MoE with 6 expert slots and the rest in the host pool. Both prompts
+prefill in the first step; every later step decodes one token of each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+
+from radianced.budget import Card
+from radianced.config import Config
+from radianced.engine.driver import AsyncEngine, _NoMetrics
+from radianced.engine.engine import Engine
+from radianced.engine.sampling_params import SamplingParams
+from tests.engine.conftest import prompts
+
+LINE = re.compile(r"(\S+): decode expert cache hit rate: ([\d.]+)% \((\d+) hits / (\d+) lookups\); (\d+) more read "
+                  r"over PCIe or from disk \(([\d.]+)% of all (\d+) routed\)")
+MAX_TOKENS = 8
+
+
+class StepLog(_NoMetrics):
+    def __init__(self):
+        self.steps: list[tuple[int, int, int]] = []
+
+    def add_expert_lookups(self, lookups: int, hits: int, overflow_bytes: int) -> None:
+        self.steps.append((lookups, hits, overflow_bytes))
+
+
+async def _serve(engine: Engine, ps: list[list[int]]) -> StepLog:
+    metrics = StepLog()
+    ae = AsyncEngine(engine, metrics)
+    task = asyncio.create_task(ae.run())
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    async def one(i, p):
+        return [c async for c in ae.generate(p, params, request_id=f"r{i}")]
+
+    await asyncio.gather(*(one(i, p) for i, p in enumerate(ps)))
+    task.cancel()
+    return metrics
+
+
+def _lines(caplog) -> dict[str, tuple]:
+    out = {}
+    for rec in caplog.records:
+        m = LINE.fullmatch(rec.getMessage())
+        if m:
+            rid, rate, h, l, o, opct, r = m.groups()
+            out[rid] = (float(rate), int(h), int(l), int(o), float(opct), int(r))
+    return out
+
+
+def moe_engine(rad) -> Engine:
+    cfg = Config(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, host_pool_mib=1, expert_slots=6)
+    return Engine.build(rad, cfg, Card.from_mib(256))
+
+
+async def test_one_request_line_equals_the_slab_over_its_decode_steps(tiny_rads, caplog):
+    caplog.set_level(logging.INFO, logger="radianced.requests")
+    rad = tiny_rads["qwen3_moe"]
+    engine = moe_engine(rad)
+    slab = engine.experts
+    metrics = await _serve(engine, prompts(rad.model.vocab_size, (20,), seed=41))
+    lines = _lines(caplog)
+    assert set(lines) == {"r0"}
+    rate, h, l, o, opct, r = lines["r0"]
+    decode = metrics.steps[1:]  # step 0 prefilled the prompt and sampled the first token
+    assert len(decode) == MAX_TOKENS - 1
+    assert l == sum(s[0] for s in decode) and h == sum(s[1] for s in decode)
+    assert o == l - h > 0
+    # one token per decode step: each of its k experts is one lookup and one assignment
+    moe_layers, k = len(slab.stats.lookups), rad.model.num_experts_per_tok
+    assert r == l == (MAX_TOKENS - 1) * moe_layers * k
+    assert rate == round(100 * h / l, 1) and opct == round(100 * o / r, 1)
+    assert sum(s[2] for s in metrics.steps) == (slab.stats.total_lookups - slab.stats.total_hits) * slab.extent_bytes
+    assert sum(s[0] for s in metrics.steps) == slab.stats.total_lookups
+
+
+async def test_two_requests_each_count_an_expert_they_share_in_a_step(tiny_rads, caplog):
+    caplog.set_level(logging.INFO, logger="radianced.requests")
+    rad = tiny_rads["qwen3_moe"]
+    engine = moe_engine(rad)
+    slab = engine.experts
+    metrics = await _serve(engine, prompts(rad.model.vocab_size, (9, 20), seed=42))
+    lines = _lines(caplog)
+    assert set(lines) == {"r0", "r1"}
+    moe_layers, k = len(slab.stats.lookups), rad.model.num_experts_per_tok
+    for rate, h, l, o, opct, r in lines.values():
+        assert r == l == (MAX_TOKENS - 1) * moe_layers * k and o == l - h
+    decode = metrics.steps[1:]
+    assert len(decode) == MAX_TOKENS - 1
+    step_lookups = sum(s[0] for s in decode)
+    step_misses = sum(s[0] - s[1] for s in decode)
+    # per request, an expert both needed in one step counts twice; the slab moved it once
+    assert sum(v[2] for v in lines.values()) > step_lookups
+    assert sum(v[3] for v in lines.values()) >= step_misses
+
+
+async def test_a_dense_model_prints_no_expert_line(tiny_rads, caplog):
+    caplog.set_level(logging.INFO, logger="radianced.requests")
+    rad = tiny_rads["llama"]
+    engine = Engine.build(rad, Config(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64),
+                          Card.from_mib(256))
+    metrics = await _serve(engine, prompts(rad.model.vocab_size, (9,), seed=43))
+    assert _lines(caplog) == {} and metrics.steps == []
+    assert any("prompt 9 tokens" in rec.getMessage() for rec in caplog.records)

@@ -1,0 +1,55 @@
+"""Exact expert accounting of the slab on a scripted routing sequence (SPEC §9).
+
+Two routed layers of four experts; slots hold (0, 1) and (1, 3), the rest live in
+the host pool. A lookup is one (step, layer, expert) a sequence's rows needed, a
+hit found it in a slot at that time; routed counts token-to-expert assignments.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radianced.arena import EXPERTS, Arena
+from radianced.tiers.placement import place
+from radianced.tiers.slab import ExpertSlab
+
+WIDTH = 1024  # fp32: one 4 KiB page per expert
+EXPERTS_ = [(layer, e) for layer in (0, 1) for e in range(4)]
+
+
+def scripted_slab() -> ExpertSlab:
+    placement = place(EXPERTS_, pinned=0, host=8, disk=0, slots=2, ranking=[(0, 1), (1, 3)])
+    host = torch.arange(8, dtype=torch.float32).repeat_interleave(WIDTH).reshape(8, WIDTH)
+    return ExpertSlab(Arena(4, WIDTH * 4), WIDTH, torch.float32, placement, host,
+                      lambda key: None, num_experts=4)
+
+
+def test_lookups_hits_and_routed_per_layer_and_per_sequence():
+    slab = scripted_slab()
+    assert slab.slotted() == {(0, 1), (1, 3)} and slab.arena.held(EXPERTS) == 2
+    assert slab.extent_bytes == WIDTH * 4
+    # rows 0: sequence A; rows 1-2: sequence B; row 3: a prefill row nobody counts per sequence
+    slab.begin_step([(0, 1), (1, 3)], 4)
+    slab.prepare(0, torch.tensor([[1, 2], [1, 0], [2, 1], [1, 3]]))
+    slab.prepare(1, torch.tensor([[3, 0], [3, 2], [3, 2], [0, 1]]))
+    per_seq = slab.end_step()
+    # A: layer 0 {1 hit, 2 miss}, layer 1 {3 hit, 0 miss}; one assignment each
+    # B: layer 0 {1 hit x2, 0 miss, 2 miss}, layer 1 {3 hit x2, 2 miss x2}
+    assert per_seq == ((4, 2, 4, 2), (5, 2, 8, 4))
+    # the step as a whole: each layer needed all four experts once, one of them in a slot
+    assert slab.stats.lookups == {0: 4, 1: 4}
+    assert slab.stats.hits == {0: 1, 1: 1}
+    assert slab.stats.routed == {0: 8, 1: 8}
+
+    # a step without begin_step counts only the layer totals
+    slab.prepare(0, torch.tensor([[1, 2]]))
+    assert slab.end_step() == ()
+    assert (slab.stats.lookups[0], slab.stats.hits[0], slab.stats.routed[0]) == (6, 2, 10)
+
+    # a hit is judged by the table at that time: once the slots are given up, (0, 1) misses
+    slab.surrender(2)
+    assert slab.slotted() == frozenset()
+    slab.begin_step([(0, 1)], 1)
+    slab.prepare(0, torch.tensor([[2, 1]]))
+    assert slab.end_step() == ((2, 0, 2, 2),)
+    assert (slab.stats.lookups[0], slab.stats.hits[0]) == (8, 2)
