@@ -93,6 +93,39 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- profile --------------------------------------------------------------------
+
+
+def _profile_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="the .rad file of a MoE model")
+    p.add_argument("--prompts", required=True, help="a text file with one prompt per line (blank lines skipped)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
+    p.add_argument("--out", default=None, help="where to write the profile (default: MODEL.expert-profile.bin, "
+                                               "which start-up reads to pre-fill the expert slots)")
+
+
+def _profile(args: argparse.Namespace) -> int:
+    """Run prompts through the model, count routing per (layer, expert), write the expert profile."""
+    from radianced.engine.profiling import profile_prompts
+    from radianced.model.rad import RadFile
+    from radianced.tiers.profile import profile_path
+
+    from radianced.config import ConfigError
+
+    if args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens {args.max_tokens}: generate at least one token")
+    with open(args.prompts, encoding="utf-8") as f:
+        prompts = [line.rstrip("\n") for line in f if line.strip()]
+    out = args.out or profile_path(args.model)
+    start = time.monotonic()
+    with RadFile.open(args.model) as rad:
+        profile = profile_prompts(rad, prompts, args.max_tokens)
+    profile.save(out)
+    print(f"{out}: {len(profile)} ranked pairs from {len(prompts)} prompts, {profile.steps} steps, "
+          f"in {time.monotonic() - start:.1f} s")
+    return 0
+
+
 # -- status, drain, cancel (the control socket) -----------------------------------
 
 
@@ -249,6 +282,8 @@ COMMANDS: list[Command] = [
     Command("convert", "convert a Hugging Face folder or a .gguf file to .rad", _convert_args, _convert),
     Command("verify", "check a .rad file: header, extents and every checksum", _verify_args, _verify),
     Command("plan", "print the start-up receipt (the card split) for a model and a card", _plan_args, _plan),
+    Command("profile", "run prompts through a MoE model and write its expert profile (slot pre-fill order)",
+            _profile_args, _profile),
     Command("status", "the running daemon's state, queue, requests and receipt", _status_args, _status),
     Command("drain", "stop admitting requests, finish those in flight, then exit", _control_args, _drain),
     Command("cancel", "cancel one request of the running daemon by its id", _cancel_args, _cancel),
@@ -261,8 +296,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from radianced.config import ConfigError
     from radianced.model.convert import ConvertError
     from radianced.model.rad import RadError
+    from radianced.tiers.profile import ProfileError
 
-    return (RadError, ConvertError, UnsupportedModel, OSError, ConfigError, PlanError)
+    return (RadError, ConvertError, UnsupportedModel, OSError, ConfigError, PlanError, ProfileError)
 
 
 def build_parser() -> argparse.ArgumentParser:

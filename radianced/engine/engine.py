@@ -31,6 +31,7 @@ from radianced.model.tokenizer import Tokenizer
 from radianced.tiers.host import HostPool
 from radianced.tiers.link import probe_pcie
 from radianced.tiers.placement import place_receipt, routed_experts
+from radianced.tiers.profile import Profile, ProfileError, profile_path
 from radianced.tiers.slab import ExpertSlab
 
 log = logging.getLogger("radianced.engine")
@@ -119,8 +120,9 @@ class Engine:
 def _expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch.dtype,
                  max_slots: int | None) -> ExpertSlab:
     """The placement the receipt implies: pinned experts and a pre-filled cache in arena
-    slots, the rest in the host pool (O_DIRECT-filled, checksums verified) read over the link."""
-    placement = place_receipt(receipt, routed_experts(rad.header))
+    slots, the rest in the host pool (O_DIRECT-filled, checksums verified) read over the link.
+    With `<model>.expert-profile.bin` beside the model, slots are filled in its rank order."""
+    placement = place_receipt(receipt, routed_experts(rad.header), ranking=_profile_ranking(rad))
     log.info("experts: %s", placement.line())
     if placement.disk:
         raise PlanError(f"{len(placement.disk)} experts would stay on disk, and the disk tier is not wired into "
@@ -137,6 +139,21 @@ def _expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch.dtyp
 
     return ExpertSlab(arena, receipt.expert_extent // dtype.itemsize, dtype, placement, host, extent,
                       rad.model.num_experts, max_slots)
+
+
+def _profile_ranking(rad: RadFile) -> list | None:
+    """The (layer, expert) ranking of the model's expert profile, or None without a usable one
+    (a stale or corrupt profile is logged with what to do, and start-up goes on in file order)."""
+    path = profile_path(rad.path)
+    if not path.exists():
+        return None
+    try:
+        profile = Profile.load_for(rad, path)
+    except ProfileError as e:
+        log.warning("%s; slots are filled in file order", e)
+        return None
+    log.info(profile.line(path))
+    return profile.rank()
 
 
 class _KVReclaimer:

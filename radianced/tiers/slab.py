@@ -83,6 +83,8 @@ class ExpertSlab:
         self._pinned = frozenset(placement.pinned)
         self._slot_of: dict[Key, int] = {}
         self._score: dict[Key, float] = {}
+        # exact token-to-expert assignments since start: what a profile counts (`_score` decays)
+        self.routing: dict[Key, int] = {}
         self.stats = SlabStats({l: 0 for l in layers}, {l: 0 for l in layers}, {l: 0 for l in layers})
         self.num_experts = num_experts
         self.extent_bytes = width * dtype.itemsize  # what one overflow read moves over the link
@@ -110,6 +112,7 @@ class ExpertSlab:
         self.stats.routed[layer] += int(counts.sum())
         for e, c in zip(experts.tolist(), counts.tolist()):
             self._score[(layer, e)] = self._score.get((layer, e), 0.0) + c
+            self.routing[(layer, e)] = self.routing.get((layer, e), 0) + c
         if self._row_seq is not None:
             self._count_segments(table, expert_ids)
 
