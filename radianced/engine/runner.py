@@ -8,9 +8,9 @@ a tensor.
 
 from __future__ import annotations
 
-import torch
-
 from dataclasses import replace
+
+import torch
 
 from radianced.engine.plan import ScheduledSeq, StepOutput, StepPlan
 from radianced.engine.sampler import Sampler, SampleResult, SamplingRow, SamplingTensors
