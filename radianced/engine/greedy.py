@@ -1,9 +1,9 @@
 """Batched greedy decoding without a scheduler.
 
 All sequences are prefilled in one step, then decoded in lockstep, one token
-each per step. This is the model oracle's driver (tests compare it with
-transformers) and the one-shot `radianced --prompt` path; the engine's
-scheduler replaces it for serving.
+each per step. This is the model oracle's driver: the tests compare it with
+transformers on the CPU and the GPU. Serving goes through the engine's
+scheduler instead.
 """
 
 from __future__ import annotations

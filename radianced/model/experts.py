@@ -42,17 +42,11 @@ class ResidentExperts:
         self._tables = tables
 
     @classmethod
-    def from_rad(cls, rad, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                 slab: torch.Tensor | None = None, rows: list[int] | None = None) -> ResidentExperts:
-        """Copy every expert extent of a `.rad` (checksums verified) into a slab, layer-major.
-
-        With `slab` and `rows` (e.g. an arena's pages as [P, 3 * I * H] and the pages
-        leased for experts), expert i of the file order goes to slab row rows[i];
-        otherwise a slab of exactly the experts is allocated.
-        """
+    def from_rad(cls, rad, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> ResidentExperts:
+        """Copy every expert extent of a `.rad` (checksums verified) into one slab, layer-major."""
         entries = sorted(rad.header.experts, key=lambda e: (e.layer, e.expert))
         return cls._build([(e.layer, e.expert, rad.expert(e.layer, e.expert, verify=True)) for e in entries],
-                          device, dtype, slab, rows)
+                          device, dtype)
 
     @classmethod
     def from_weights(cls, layers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
@@ -63,15 +57,13 @@ class ResidentExperts:
                           device, dtype)
 
     @classmethod
-    def _build(cls, experts, device, dtype, slab=None, rows=None) -> ResidentExperts:
+    def _build(cls, experts, device, dtype) -> ResidentExperts:
         """experts: (layer, expert, (gate, up, down)) in layer-major order."""
         experts = list(experts)
-        if slab is None:
-            gate0 = experts[0][2][0]
-            slab = torch.empty((len(experts), 3 * gate0.numel()), dtype=dtype or gate0.dtype, device=device)
-            rows = list(range(len(experts)))
+        gate0 = experts[0][2][0]
+        slab = torch.empty((len(experts), 3 * gate0.numel()), dtype=dtype or gate0.dtype, device=device)
         tables: dict[int, list[int]] = {}
-        for row, (layer, expert, (gate, up, down)) in zip(rows, experts):
+        for row, (layer, expert, (gate, up, down)) in enumerate(experts):
             slab[row] = torch.cat((gate.flatten(), up.flatten(), down.flatten()))
             table = tables.setdefault(layer, [])
             assert expert == len(table), "experts must come in order within a layer"
