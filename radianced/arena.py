@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from radianced.budget import Card, Receipt
+from radianced.budget import ALLOC_GRANULE, Card, Receipt
 
 KV, EXPERTS = "kv", "experts"
 TENANTS = (KV, EXPERTS)  # tie-break of the eviction order
@@ -138,13 +138,19 @@ class ArenaStats:
 
 class Arena:
     def __init__(self, num_pages: int, page_bytes: int, device: torch.device | str = "cpu",
-                 policy: Policy | None = None):
+                 policy: Policy | None = None, reserved_pages: int = 0, alloc_bytes: int | None = None):
+        """num_pages leasable pages, then `reserved_pages` pages no tenant leases (the disk tier's
+        buffers, `reserved`); alloc_bytes: the allocation (default: exactly the pages), at least them."""
         if page_bytes <= 0 or page_bytes % 4096:
             raise ValueError(f"page_bytes {page_bytes} must be a positive multiple of 4096")
         self.num_pages, self.page_bytes = num_pages, page_bytes
+        self.reserved = range(num_pages, num_pages + reserved_pages)
         self.policy = policy or LendingPolicy()
-        # storage: [num_pages * page_bytes] uint8, allocated once and never resized
-        self.storage = torch.empty(num_pages * page_bytes, dtype=torch.uint8, device=device)
+        total = (num_pages + reserved_pages) * page_bytes
+        if alloc_bytes is not None and alloc_bytes < total:
+            raise ValueError(f"alloc_bytes {alloc_bytes} is less than the {total} bytes of the pages")
+        # storage: uint8, allocated once and never resized; pages first, any allocator rounding after them
+        self.storage = torch.empty(alloc_bytes or total, dtype=torch.uint8, device=device)
         self._owner: list[str | None] = [None] * num_pages
         self._free = list(range(num_pages))  # a heap: the lowest page id goes out first
         self._pending: list[tuple[Fence, list[int]]] = []
@@ -155,7 +161,8 @@ class Arena:
     @classmethod
     def from_receipt(cls, receipt: Receipt, device: torch.device | str = "cpu") -> Arena:
         """The arena a receipt's elastic line describes, with its policy."""
-        return cls(receipt.arena_pages, receipt.page_bytes, device, policy_for(receipt))
+        return cls(receipt.arena_pages, receipt.page_bytes, device, policy_for(receipt),
+                   reserved_pages=receipt.disk_buffer_pages, alloc_bytes=receipt.arena_alloc_bytes)
 
     def register(self, tenant: str, reclaimer: Reclaimer) -> None:
         """Let the arena take pages back from `tenant` through `reclaimer`."""
@@ -277,14 +284,16 @@ class Arena:
         return self.storage[start:start + nbytes].view(dtype).view(shape)
 
     def paged_view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """Every page as [num_pages, *shape] `dtype` (a view): a tenant indexes it by its page ids.
+        """Every page, the reserved ones last, as [num_pages + len(reserved), *shape] `dtype` (a view):
+        a tenant indexes it by its page ids.
 
         Each page's bytes past the shape are left out (e.g. KV: [P, N, L, 2, S, Hkv, D]).
         """
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         self._check_fits(nbytes, shape, dtype)
-        pages = self.storage.view(self.num_pages, self.page_bytes)[:, :nbytes]  # [P, nbytes], strides (page, 1)
-        return pages.view(dtype).view(self.num_pages, *shape)
+        n = self.num_pages + len(self.reserved)
+        pages = self.storage[:n * self.page_bytes].view(n, self.page_bytes)[:, :nbytes]  # [P, nbytes], strides (page, 1)
+        return pages.view(dtype).view(n, *shape)
 
     def _check_fits(self, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         if nbytes > self.page_bytes:
@@ -313,7 +322,7 @@ def detect_card(device: torch.device | str) -> Card:
     device = torch.device(device)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return Card(total, free)
+        return Card(total, free, ALLOC_GRANULE)
     import psutil
 
     vm = psutil.virtual_memory()

@@ -73,6 +73,9 @@ from radianced.model.config import ModelConfig
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 PAGE_ALIGN = 4096  # expert slots and pages are whole 4 KiB pieces (O_DIRECT, any dtype view)
+# The CUDA caching allocator hands out a large block in whole 2 MiB units and keeps a tail of 1 MiB or
+# less inside the block (counted as allocated): on CUDA the arena asks for whole units (`Card.alloc_granule`).
+ALLOC_GRANULE = 2 * MiB
 BLOCK_TOKENS = 16  # tokens per KV block, every paging group
 DENSE_PAGE_BYTES = 2 * MiB  # a dense model's page: whole KV blocks up to this size
 LIBRARY_BYTES = 32 * MiB  # cuBLAS/cuBLASLt workspaces and Triton scratch
@@ -102,6 +105,17 @@ class _Short(Exception):
 
 def align_up(n: int, a: int = PAGE_ALIGN) -> int:
     return -(-n // a) * a
+
+
+def arena_pages_in(room: int, page: int, granule: int, reserved: int = 0) -> int:
+    """The most pages n whose allocation, with `reserved` pages beside them (charged outside `room`),
+    is whole `granule` units within room + reserved pages."""
+    if room < 0:
+        return 0
+    n = room // page
+    while n > 0 and align_up((n + reserved) * page, granule) > room + reserved * page:
+        n -= 1
+    return n
 
 
 def slot_bytes(extent_bytes: int) -> int:
@@ -161,6 +175,11 @@ def fmt_gib(n: int | Fraction) -> str:
     return f"{float(n) / GiB:.2f} GiB"
 
 
+def fmt_unit(n: int) -> str:
+    """A power-of-two size as the unit it is: "2 MiB", "4 KiB"."""
+    return f"{n // MiB} MiB" if n % MiB == 0 else f"{n // KiB} KiB"
+
+
 def fmt_kib(n: int | Fraction) -> str:
     return f"{float(n) / KiB:.2f} KiB"
 
@@ -175,14 +194,15 @@ class Card:
 
     total_bytes: int
     free_bytes: int
+    alloc_granule: int = PAGE_ALIGN  # the allocator's unit for the arena: ALLOC_GRANULE on CUDA
 
     def __post_init__(self):
         if not 0 <= self.free_bytes <= self.total_bytes:
             raise ValueError(f"card free bytes {self.free_bytes} must be between 0 and total {self.total_bytes}")
 
     @classmethod
-    def from_mib(cls, total_mib: int, free_mib: int | None = None) -> Card:
-        return cls(total_mib * MiB, (total_mib if free_mib is None else free_mib) * MiB)
+    def from_mib(cls, total_mib: int, free_mib: int | None = None, alloc_granule: int = PAGE_ALIGN) -> Card:
+        return cls(total_mib * MiB, (total_mib if free_mib is None else free_mib) * MiB, alloc_granule)
 
 
 # -- the model ---------------------------------------------------------------
@@ -429,6 +449,8 @@ class Receipt:
     elastic: int
     page_bytes: int
     arena_pages: int
+    disk_buffer_pages: int  # the disk tier's two VRAM buffers, allocated with the arena, charged in `state`
+    alloc_granule: int  # the card's allocation unit (`Card.alloc_granule`)
     experts: int
     expert_extent: int
     experts_pinned: int
@@ -469,6 +491,11 @@ class Receipt:
         return self.arena_pages * self.page_bytes
 
     @property
+    def arena_alloc_bytes(self) -> int:
+        """What the arena allocates: its pages and the disk-tier buffers, in whole allocator units."""
+        return align_up((self.arena_pages + self.disk_buffer_pages) * self.page_bytes, self.alloc_granule)
+
+    @property
     def kv_start_pages(self) -> int:
         return self.arena_pages - self.expert_slots
 
@@ -506,6 +533,9 @@ class Receipt:
         out += [f"state {p.name}: {fmt_mib(p.bytes)} ({p.detail})" for p in self.state]
         out.append(f"elastic: {fmt_mib(self.elastic)} = {self.arena_pages} pages of {fmt_mib(self.page_bytes)}"
                    f" + {fmt_mib(self.elastic - self.arena_bytes)} unpaged")
+        buffers = " and the disk-tier buffers" if self.disk_buffer_pages else ""
+        out.append(f"arena allocation: {fmt_mib(self.arena_alloc_bytes)} (the pages{buffers} "
+                   f"in whole {fmt_unit(self.alloc_granule)} allocator units)")
         if self.experts:
             out += [f"expert slot: {fmt_mib(self.expert_extent)} extent -> {fmt_mib(self.expert_slot)} slot "
                     f"(rounded up to {PAGE_ALIGN // KiB} KiB)",
@@ -602,15 +632,17 @@ def _plan(card: Card, facts: ModelFacts, cfg: Config) -> Receipt:
         if elastic < pages * page:
             raise _Short(pages * page - elastic, what)
 
-    def add_disk_buffers() -> int:
-        nonlocal elastic
-        per_layer = min(m.num_experts, m.num_experts_per_tok * T)
-        buffers = 2 * per_layer * page
-        state.append(Part("disk-tier buffers", buffers, f"2 x {per_layer} experts x {fmt_mib(page)}"))
-        elastic -= buffers
-        return max(0, elastic) // page
+    buffer_pages = 0
 
-    arena = max(0, elastic) // page
+    def add_disk_buffers() -> int:
+        nonlocal elastic, buffer_pages
+        per_layer = min(m.num_experts, m.num_experts_per_tok * T)
+        buffer_pages = 2 * per_layer
+        state.append(Part("disk-tier buffers", buffer_pages * page, f"2 x {per_layer} experts x {fmt_mib(page)}"))
+        elastic -= buffer_pages * page
+        return arena_pages_in(elastic, page, card.alloc_granule, buffer_pages)
+
+    arena = arena_pages_in(elastic, page, card.alloc_granule)
     pinned = host = disk = 0
     if cfg.placement == "resident":
         mode = "resident"
@@ -664,7 +696,7 @@ def _plan(card: Card, facts: ModelFacts, cfg: Config) -> Receipt:
         placement=cfg.placement, mode=mode, card_total=card.total_bytes, card_free=card.free_bytes,
         headroom=headroom, headroom_flag=flag, weights=weights, host_weights=host_weights,
         idle_weights=idle, workspace=workspace, state=tuple(state), elastic=elastic, page_bytes=page,
-        arena_pages=arena, experts=E, expert_extent=facts.expert_extent_bytes, experts_pinned=pinned,
+        arena_pages=arena, disk_buffer_pages=buffer_pages, alloc_granule=card.alloc_granule, experts=E, expert_extent=facts.expert_extent_bytes, experts_pinned=pinned,
         experts_host=host, experts_disk=disk, host_pool=cfg.host_pool_mib * MiB if E else 0,
         expert_slots=slots, expert_floor=floor, kv_buffer_pages=buffer, groups=groups,
         kv_max_pages=kv_max, kv_pool_tokens=pool_tokens, max_model_len=L, max_num_seqs=S,

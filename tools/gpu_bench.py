@@ -375,7 +375,7 @@ def _disk_run(fd: int, path: Path, nbytes: int, chunk: int, threads, np) -> dict
 def section_budget(device, quick: bool, tmp: Path) -> dict:
     """Plan a scaled-up tiny qwen3_moe on this card, allocate what the receipt says, and measure."""
     from radianced.arena import EXPERTS, KV, Arena, detect_card
-    from radianced.budget import Card, ModelFacts, plan
+    from radianced.budget import ALLOC_GRANULE, Card, ModelFacts, plan
     from radianced.kernels import ops
     from radianced.config import Config
     from radianced.model.batch import ForwardBatch, KVCache
@@ -409,7 +409,7 @@ def section_budget(device, quick: bool, tmp: Path) -> dict:
     if torch.device(device).type == "cuda":
         torch.zeros(1, device=device)  # the context exists before the card is read
         free, total = torch.cuda.mem_get_info()
-        card = Card(total, free)
+        card = Card(total, free, ALLOC_GRANULE)
     else:
         card = detect_card("cpu")
     in_use_mib = -(-(card.total_bytes - card.free_bytes) // MiB)
@@ -426,14 +426,15 @@ def section_budget(device, quick: bool, tmp: Path) -> dict:
     out["receipt_bytes"] = {"card_total": receipt.card_total, "card_free": receipt.card_free,
                             "headroom": receipt.headroom, "weights": receipt.weights_bytes,
                             "workspace": receipt.workspace_bytes, "state": receipt.state_bytes,
-                            "elastic": receipt.elastic, "arena": receipt.arena_bytes, "page": receipt.page_bytes,
+                            "elastic": receipt.elastic, "arena": receipt.arena_bytes,
+                            "arena_alloc": receipt.arena_alloc_bytes, "page": receipt.page_bytes,
                             "budget_total": budget_total}
 
     base = _allocated(device)
     arena = Arena.from_receipt(receipt, device)
     _sync(device)
     arena_alloc = (_allocated(device) - base) if base is not None else arena.storage.untyped_storage().nbytes()
-    assert arena.storage.numel() == receipt.arena_bytes
+    assert arena.storage.numel() == receipt.arena_alloc_bytes
     within = 0 <= receipt.elastic - arena_alloc < receipt.page_bytes
     out["arena"] = {"allocated_bytes": arena_alloc, "elastic_bytes": receipt.elastic,
                     "elastic_minus_allocated": receipt.elastic - arena_alloc, "within_one_page": within}
@@ -457,7 +458,7 @@ def section_budget(device, quick: bool, tmp: Path) -> dict:
                                      for layer, p in pages.items()})
     model = load_model(rad, device=device, dtype=dtype, experts=experts)
     _sync(device)
-    expected = receipt.weights_bytes + receipt.arena_bytes
+    expected = receipt.weights_bytes + receipt.arena_alloc_bytes
     if base is not None:
         startup = _allocated(device) - base
         out["startup"] = {"allocated_bytes": startup, "receipt_weights_plus_arena": expected,

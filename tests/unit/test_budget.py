@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radianced.budget import (
-    BLOCK_TOKENS, Card, ModelFacts, PagingGroup, PlanError, expert_slots, fmt_gib, kv_bytes,
+    ALLOC_GRANULE, BLOCK_TOKENS, Card, ModelFacts, PagingGroup, PlanError, expert_slots, fmt_gib, kv_bytes,
     kv_token_bytes, kv_tokens_by_hand, plan, recurrent_state_charge, slot_bytes,
 )
 from radianced.config import Config, parse_config
@@ -344,7 +344,7 @@ def test_the_guide_worked_example_is_what_plan_prints():
     args = block["args"].split()
     assert args[:2] == ["--model", "qwen3-30b-a3b.rad"]
     cfg = parse_config(args[2:])
-    r = plan(Card.from_mib(cfg.card_mib), ModelFacts.from_config(QWEN3_30B, 2), cfg)
+    r = plan(Card.from_mib(cfg.card_mib, alloc_granule=ALLOC_GRANULE), ModelFacts.from_config(QWEN3_30B, 2), cfg)
     assert block["out"].splitlines() == r.lines()
     # the hand arithmetic in the prose
     assert "96 KiB per token" in text and r.groups[0].token_bytes == 96 * KiB
