@@ -83,6 +83,9 @@ SAMPLER_BYTES = 20  # per (sampled row, vocab entry): fp32 logits, probs, sorted
 DELTANET_CHUNK = 64  # chunk length of the chunked gated delta rule
 BLOCK_TABLE_ENTRY = 4  # int32
 EXPERT_POINTER = 8  # int64 address (or index on the CPU)
+# Pinned host rows that O_DIRECT expert reads land in on their way to the card: reads in flight at a
+# time for the disk tier, fewer when the file is read only to fill the slots at start.
+DISK_STAGING_ROWS, FILL_STAGING_ROWS = 16, 4
 FP32 = 4
 
 WEIGHT_CLASSES = ("embeddings", "lm_head", "attention", "norms", "router", "shared experts",
@@ -450,6 +453,7 @@ class Receipt:
     page_bytes: int
     arena_pages: int
     disk_buffer_pages: int  # the disk tier's two VRAM buffers, allocated with the arena, charged in `state`
+    staging_rows: int  # pinned host rows for expert reads from the file (charged in `host_weights`)
     alloc_granule: int  # the card's allocation unit (`Card.alloc_granule`)
     experts: int
     expert_extent: int
@@ -690,13 +694,18 @@ def _plan(card: Card, facts: ModelFacts, cfg: Config) -> Receipt:
         slots = min(cap, arena - buffer)
 
     kv_max = arena - floor
+    staging = 0
+    if E:
+        staging = DISK_STAGING_ROWS if disk else FILL_STAGING_ROWS
+        host_weights += (Part("expert read staging", staging * page,
+                              f"{staging} experts x {fmt_mib(page)}: O_DIRECT reads on their way to the card"),)
     pool_tokens = _largest(0, kv_max * max(bpp, default=0) * BLOCK_TOKENS, lambda n: kv_pages(n, 1) <= kv_max)
     sessions = _largest(1, kv_max * max(bpp, default=1), lambda s: kv_pages(L, s) <= kv_max)
     return Receipt(
         placement=cfg.placement, mode=mode, card_total=card.total_bytes, card_free=card.free_bytes,
         headroom=headroom, headroom_flag=flag, weights=weights, host_weights=host_weights,
         idle_weights=idle, workspace=workspace, state=tuple(state), elastic=elastic, page_bytes=page,
-        arena_pages=arena, disk_buffer_pages=buffer_pages, alloc_granule=card.alloc_granule, experts=E, expert_extent=facts.expert_extent_bytes, experts_pinned=pinned,
+        arena_pages=arena, disk_buffer_pages=buffer_pages, staging_rows=staging, alloc_granule=card.alloc_granule, experts=E, expert_extent=facts.expert_extent_bytes, experts_pinned=pinned,
         experts_host=host, experts_disk=disk, host_pool=cfg.host_pool_mib * MiB if E else 0,
         expert_slots=slots, expert_floor=floor, kv_buffer_pages=buffer, groups=groups,
         kv_max_pages=kv_max, kv_pool_tokens=pool_tokens, max_model_len=L, max_num_seqs=S,

@@ -28,6 +28,8 @@ from radianced.model.batch import KVCache, RecurrentState
 from radianced.model.loader import load_model
 from radianced.model.rad import RadFile
 from radianced.model.tokenizer import Tokenizer
+from radianced.tiers.disk import DiskReader
+from radianced.tiers.expert_loader import ExpertLoader
 from radianced.tiers.host import HostPool
 from radianced.tiers.link import probe_pcie
 from radianced.tiers.placement import place_receipt, routed_experts
@@ -120,25 +122,27 @@ class Engine:
 def _expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch.dtype,
                  max_slots: int | None) -> ExpertSlab:
     """The placement the receipt implies: pinned experts and a pre-filled cache in arena
-    slots, the rest in the host pool (O_DIRECT-filled, checksums verified) read over the link.
-    With `<model>.expert-profile.bin` beside the model, slots are filled in its rank order."""
-    placement = place_receipt(receipt, routed_experts(rad.header), ranking=_profile_ranking(rad))
+    slots, the rest in the host pool (O_DIRECT-filled, checksums verified) read over the link,
+    or with the disk tier in the file, read when a step routes them. With
+    `<model>.expert-profile.bin` beside the model, slots are filled in its rank order."""
+    ranking = _profile_ranking(rad)
+    placement = place_receipt(receipt, routed_experts(rad.header), ranking=ranking)
     log.info("experts: %s", placement.line())
-    if placement.disk:
-        raise PlanError(f"{len(placement.disk)} experts would stay on disk, and the disk tier is not wired into "
-                        f"the engine yet: give --host-pool-mib room for them (or a larger card)")
     host = None
     if placement.host:
         pool = HostPool.create(rad, placement.host, row_bytes=receipt.page_bytes, capacity_bytes=receipt.host_pool)
         log.info(pool.line())
         log.info(probe_pcie().line())
         host = pool.tensor[:, :pool.elems]  # a view: keeps the pool's memory alive
-
-    def extent(key) -> torch.Tensor:  # [3*I*H]: gate | up | down, as stored
-        return torch.cat([t.flatten() for t in rad.expert(*key, verify=True)])
-
-    return ExpertSlab(arena, receipt.expert_extent // dtype.itemsize, dtype, placement, host, extent,
-                      rad.model.num_experts, max_slots)
+    width = receipt.expert_extent // dtype.itemsize
+    loader = ExpertLoader(DiskReader.from_rad(rad), arena.paged_view(dtype, (width,)), receipt.expert_extent,
+                          receipt.staging_rows)
+    if placement.disk:
+        log.info("disk tier: %d experts stay in %s, read with O_DIRECT when a step routes them "
+                 "(buffers: 2 x %d slots)", len(placement.disk), rad.path, len(arena.reserved) // 2)
+    slab = ExpertSlab(arena, width, dtype, placement, host, loader, rad.model.num_experts, max_slots)
+    log.info(slab.fill_line(ranked=ranking is not None))
+    return slab
 
 
 def _profile_ranking(rad: RadFile) -> list | None:

@@ -3,8 +3,10 @@
 Implements the model's `ExpertSource`. For every routed layer `table(layer)[e]`
 says where expert e's weights are right now:
 
-    entry >= 0   slot `entry`: row `entry` of `slab` (the arena's pages as [P, 3*I*H])
+    entry >= 0   slot `entry`: row `entry` of `slab` (the arena's pages as [P, 3*I*H]), or
+                 during a step a row of the disk tier's buffers (the arena's reserved pages)
     entry <  0   host row `-1 - entry` of `host` (the pinned host pool: an overflow read)
+    MISSING      a disk-homed expert without a slot: nothing may read it until a step routes it
 
 On CUDA these become raw addresses the fused MoE kernel loads through; on the
 CPU they are row indices the reference MoE reads with `index_select`. The
@@ -18,6 +20,15 @@ the coldest cached slots (their home is the host pool, so eviction costs a
 re-read, never data), down to the policy's floor. Between steps `rebalance`
 admits hot host experts into free pages, or in place of a colder slot.
 
+Disk tier (`--weights-disk-tier`): experts whose home is the model file have
+no host row. When a step's router sends tokens to one without a slot,
+`prepare` reads it (ExpertLoader: io_uring, O_DIRECT, checksum) into the
+layer's disk buffer (two halves of the arena's reserved pages, alternating by
+routed layer) and points the table there until the step ends. A failed read
+points the expert at a zeroed row, so only the tokens routed to it compute
+garbage; `take_failures` names their rows and the error, and the runner fails
+exactly the requests those rows belong to.
+
 Policy: frequency with exponential decay over steps (`DECAY` per step). Pure
 LRU thrashes when a step routes more distinct experts than there are slots;
 profile-static never adapts to the traffic; decayed counts keep the experts
@@ -26,16 +37,27 @@ that keep being routed and forget a burst within a few dozen steps.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import logging
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from radianced.arena import EXPERTS, PASSED, Arena, Fence, Lease, OutOfPages
-from radianced.tiers.placement import Key, Placement
+from radianced.tiers.expert_loader import ExpertLoader
+from radianced.tiers.placement import CARD, DISK, HOST, Key, Placement
+
+log = logging.getLogger("radianced.experts")
 
 DECAY = 0.9  # per step: a count halves in about 7 steps
 MAX_REFILLS = 8  # slots refilled per rebalance: bounds the copy work between steps
+MISSING = -(1 << 62)  # table entry of a disk-homed expert without a slot (out of every tensor's range)
+
+
+class SlabError(RuntimeError):
+    """The slots cannot be filled at start (a pinned or pre-filled expert failed to read)."""
 
 
 @dataclass
@@ -47,6 +69,8 @@ class SlabStats:
     routed: dict[int, int]  # token-to-expert assignments
     refills: int = 0
     evictions: int = 0
+    disk_reads: int = 0  # experts the disk tier read for steps and admissions
+    disk_bytes: int = 0  # their bytes (verified)
 
     @property
     def total_lookups(self) -> int:
@@ -62,24 +86,29 @@ ExpertCounts = tuple[int, int, int, int]  # (lookups, hits, routed, routed_from_
 
 class ExpertSlab:
     def __init__(self, arena: Arena, width: int, dtype: torch.dtype, placement: Placement,
-                 host: torch.Tensor | None, load: Callable[[Key], torch.Tensor], num_experts: int,
+                 host: torch.Tensor | None, loader: ExpertLoader | None, num_experts: int,
                  max_slots: int | None = None):
         """width: elements of one expert extent; host: [placement.count(HOST), width] rows in
-        placement.host_row order; load((layer, expert)) -> the extent [width] from its home
-        (file or host row), used to fill pinned slots; max_slots: --expert-slots (None: as many
-        as the arena lends). Leases and fills every start slot."""
-        if placement.disk:
-            raise ValueError(f"{len(placement.disk)} experts have their home on disk: the disk tier "
-                             f"is not wired into the slab yet; give a larger --host-pool-mib")
-        self.arena, self.placement, self.host = arena, placement, host
-        self.slab = arena.paged_view(dtype, (width,))  # [P, width]
-        self._load = load
+        placement.host_row order; loader: reads extents from the model file into slab rows (the
+        pinned experts, disk-homed ones; needed when the placement has any); max_slots:
+        --expert-slots (None: as many as the arena lends). Leases and fills every start slot."""
+        if (placement.pinned or placement.disk) and loader is None:
+            raise ValueError("experts pinned on the card or homed on disk are read from the file: give a loader")
+        if placement.disk and len(arena.reserved) < 2:
+            raise ValueError(f"{len(placement.disk)} experts have their home on disk, and the arena has no "
+                             f"reserved pages for the disk tier's buffers (a receipt with --weights-disk-tier)")
+        self.arena, self.placement, self.host, self.loader = arena, placement, host, loader
+        self.slab = arena.paged_view(dtype, (width,))  # [P + reserved, width]
         self.max_slots = max_slots
-        layers = sorted({layer for layer, _ in placement.pinned + placement.host})
+        half = len(arena.reserved) // 2
+        self._buffers = (arena.reserved[:half], arena.reserved[half:2 * half])
+        layers = sorted({layer for layer, _ in placement.pinned + placement.host + placement.disk})
+        self._layer_pos = {layer: i for i, layer in enumerate(layers)}
         self._tables = {layer: torch.empty(num_experts, dtype=torch.int64, device=self.slab.device)
                         for layer in layers}
-        for key in placement.host:
-            self._point(key, -1 - placement.host_row(*key))
+        self._entry: dict[Key, int] = {}  # the tables' contents, readable without a device sync
+        for key in placement.host + placement.disk:
+            self._point(key, self._home_entry(key))
         self._pinned = frozenset(placement.pinned)
         self._slot_of: dict[Key, int] = {}
         self._score: dict[Key, float] = {}
@@ -90,10 +119,19 @@ class ExpertSlab:
         self.extent_bytes = width * dtype.itemsize  # what one overflow read moves over the link
         self._row_seq: torch.Tensor | None = None  # [T]: the step's counted segment of each row, -1 if none
         self._seq_counts: torch.Tensor | None = None  # [segments, 4]: ExpertCounts being summed over layers
+        self._staged: list[Key] = []  # disk experts pointed at a buffer row for this step
+        self._failed_rows: torch.Tensor | None = None  # [T] bool: rows routed to an expert that failed to read
+        self._failures: list[str] = []
         start = placement.pinned + placement.prefill
+        t0 = time.perf_counter()
         pages = arena.lease(EXPERTS, len(start)).pages
-        for key, page in zip(start, pages):
-            self._fill(key, page)
+        failed = self._fill_many(list(zip(start, pages)))
+        if failed:
+            raise SlabError(f"cannot fill the expert slots at start: {failed[0]}"
+                            + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""))
+        self.fill_seconds = time.perf_counter() - t0
+        if loader is not None:
+            loader.drain_latencies()  # the start fill is not the disk tier's traffic
         arena.register(EXPERTS, self)
 
     # -- ExpertSource ------------------------------------------------------------
@@ -102,19 +140,54 @@ class ExpertSlab:
         return self._tables[layer]
 
     def prepare(self, layer: int, expert_ids: torch.Tensor) -> None:
-        """Count the step's routing of `layer` (lookups, hits, scores). Host-resident experts
-        are read in place by the MoE (overflow), so nothing has to move before it runs."""
+        """Count the step's routing of `layer` (lookups, hits, scores); read the routed disk experts
+        without a slot into the layer's disk buffer. Host-resident experts are read in place by the
+        MoE (overflow), so nothing else has to move before it runs."""
         experts, counts = torch.unique(expert_ids, return_counts=True)
-        table = self._tables[layer]
-        hits = int((table[experts] >= 0).sum())  # deliberate host sync: the CPU path's accounting
-        self.stats.lookups[layer] += len(experts)
-        self.stats.hits[layer] += hits
-        self.stats.routed[layer] += int(counts.sum())
-        for e, c in zip(experts.tolist(), counts.tolist()):
+        ids, counts = experts.tolist(), counts.tolist()  # the host sync of the step's routing
+        entries = [self._entry[(layer, e)] for e in ids]
+        self.stats.lookups[layer] += len(ids)
+        self.stats.hits[layer] += sum(x >= 0 for x in entries)
+        self.stats.routed[layer] += sum(counts)
+        for e, c in zip(ids, counts):
             self._score[(layer, e)] = self._score.get((layer, e), 0.0) + c
             self.routing[(layer, e)] = self.routing.get((layer, e), 0) + c
         if self._row_seq is not None:
-            self._count_segments(table, expert_ids)
+            self._count_segments(self._tables[layer], expert_ids)  # before staging: a disk read is a miss
+        missing = [e for e, x in zip(ids, entries) if x == MISSING]
+        if missing:
+            self._stage(layer, missing, expert_ids)
+
+    def _stage(self, layer: int, missing: list[int], expert_ids: torch.Tensor) -> None:
+        """Read `missing` experts of `layer` into its disk buffer and point the table at them."""
+        buffer = self._buffers[self._layer_pos[layer] % 2]
+        if len(missing) > len(buffer):
+            raise RuntimeError(f"layer {layer} routed {len(missing)} disk experts in one step; its buffer holds "
+                               f"{len(buffer)} (the receipt sizes it for --max-num-batched-tokens)")
+        keys = [(layer, e) for e in missing]
+        results = self.loader.load(keys, buffer[:len(keys)])
+        for key, row, r in zip(keys, buffer, results):
+            self._point(key, row)
+            self._staged.append(key)
+            if r.ok:
+                self.stats.disk_reads += 1
+                self.stats.disk_bytes += r.nbytes
+                continue
+            self.slab[row].zero_()  # its tokens get no contribution from it; their requests fail
+            rows = (expert_ids == key[1]).any(dim=-1)
+            self._failed_rows = rows if self._failed_rows is None else self._failed_rows | rows
+            self._failures.append(r.error)
+
+    def take_failures(self) -> tuple[list[int], list[str]]:
+        """The rows of the last step whose routed experts failed to read, and the errors (once)."""
+        rows = [] if self._failed_rows is None else self._failed_rows.nonzero().flatten().tolist()
+        errors = self._failures
+        self._failed_rows, self._failures = None, []
+        return rows, errors
+
+    def drain_disk_latencies(self) -> list[float]:
+        """Seconds per disk-tier expert read since the last call."""
+        return self.loader.drain_latencies() if self.loader is not None else []
 
     # -- per-sequence accounting (SPEC §9: the per-request line) -------------------
 
@@ -123,6 +196,7 @@ class ExpertSlab:
         (start, end) of rows apart (one segment per counted sequence) until `end_step`.
         A lookup is one (layer, expert) a segment's rows needed this step, a hit found it
         in a slot at that time; two segments needing one expert each count it."""
+        self._failed_rows, self._failures = None, []
         if not segments:
             self._row_seq = self._seq_counts = None
             return
@@ -133,7 +207,11 @@ class ExpertSlab:
         self._seq_counts = torch.zeros((len(segments), 4), dtype=torch.int64, device=self.slab.device)
 
     def end_step(self) -> tuple[ExpertCounts, ...]:
-        """The counts of each segment given to `begin_step` (summed over layers); stops counting."""
+        """The counts of each segment given to `begin_step` (summed over layers); stops counting.
+        Disk experts read for the step stop being addressable (their buffer rows are reused)."""
+        for key in self._staged:
+            self._point(key, MISSING)
+        self._staged = []
         counts = self._seq_counts
         self._row_seq = self._seq_counts = None
         return () if counts is None else tuple(tuple(row) for row in counts.tolist())
@@ -180,16 +258,19 @@ class ExpertSlab:
             self._score[key] *= DECAY
         candidates = sorted((k for k in self._score if k not in self._slot_of and self._score[k] > 0.5),
                             key=lambda k: -self._score[k])
-        refills = 0
+        admitted: list[tuple[Key, int]] = []
         for key in candidates[:max_refills]:
-            page = self._lease_one()
+            page = self._lease_one(pending=len(admitted))
             if page is None:
                 cold = self._coldest(1)
                 if not cold or self._score.get(cold[0], 0.0) >= self._score[key]:
                     break
                 page = self._evict(cold[0])  # the page stays ours: refilled in place (CPU: nothing queued reads it)
-            self._fill(key, page)
-            refills += 1
+            admitted.append((key, page))
+        failed = self._fill_many(admitted)
+        for error in failed:
+            log.warning("expert not admitted to a slot: %s", error)
+        refills = len(admitted) - len(failed)
         self.stats.refills += refills
         return refills
 
@@ -202,26 +283,78 @@ class ExpertSlab:
 
     # -- internals -----------------------------------------------------------------
 
-    def _lease_one(self) -> int | None:
-        """A page from the arena (free, or taken back from idle KV), or None if the policy says no."""
-        if self.arena.available(EXPERTS) == 0 or self.max_slots is not None and self.num_slots >= self.max_slots:
+    def _lease_one(self, pending: int = 0) -> int | None:
+        """A page from the arena (free, or taken back from idle KV), or None if the policy or
+        --expert-slots says no (`pending`: pages leased for slots not filled yet)."""
+        if self.arena.available(EXPERTS) == 0 or \
+                self.max_slots is not None and self.num_slots + pending >= self.max_slots:
             return None
         try:
             return self.arena.lease(EXPERTS, 1).pages[0]
         except OutOfPages:  # what KV gave back stays in its buffer of free pages
             return None
 
-    def _fill(self, key: Key, page: int) -> None:
-        src = self._load(key) if key in self._pinned else self.host[self.placement.host_row(*key)]
-        self.slab[page].copy_(src)
+    def _fill_many(self, pairs: list[tuple[Key, int]]) -> list[str]:
+        """Fill page p with expert k for each (k, p): host experts from their pool row, the others
+        from the file through the loader. A failed read gives its page back; returns the errors."""
+        from_file = [(k, p) for k, p in pairs if self.placement.home(*k) != HOST]
+        for key, page in pairs:
+            if self.placement.home(*key) == HOST:
+                self.slab[page].copy_(self.host[self.placement.host_row(*key)])
+                self._take_slot(key, page)
+        errors = []
+        if from_file:
+            results = self.loader.load([k for k, _ in from_file], [p for _, p in from_file])
+            for (key, page), r in zip(from_file, results):
+                if r.ok:
+                    if self.placement.home(*key) == DISK:
+                        self.stats.disk_reads += 1
+                        self.stats.disk_bytes += r.nbytes
+                    self._take_slot(key, page)
+                else:
+                    errors.append(r.error)
+                    self.arena.release(Lease(EXPERTS, (page,)))
+        return errors
+
+    def _take_slot(self, key: Key, page: int) -> None:
         self._slot_of[key] = page
         self._point(key, page)
 
+    def verify_slot(self, slot: int) -> Key:
+        """Check slot `slot`'s bytes against the file's checksum of the expert it holds (a copy to
+        the host); returns that expert. Raises SlabError on a mismatch."""
+        key = next(k for k, p in self._slot_of.items() if p == slot)
+        extent = self.loader.reader.extents[key]
+        data = self.slab[slot].view(torch.uint8).cpu().numpy()
+        if xxhash.xxh3_64_intdigest(data) != extent.checksum:
+            raise SlabError(f"slot {slot} (layer {key[0]}, expert {key[1]}) does not match the model file's "
+                            f"checksum after the start fill: the card's memory or the copy is faulty")
+        return key
+
+    def fill_line(self, ranked: bool) -> str:
+        """The start-up line: slots pre-filled, how fast, and one slot checked against the file."""
+        n = len(self._slot_of)
+        mb = n * self.extent_bytes / 1e6
+        rate = mb / self.fill_seconds if self.fill_seconds > 0 else float("inf")
+        order = "from the profile" if ranked else "in file order"
+        checked = ""
+        if n and self.loader is not None:
+            self.verify_slot(min(self._slot_of.values()))
+            checked = f"; slot {min(self._slot_of.values())} verified"
+        return f"pre-filled {n} slots {order} in {self.fill_seconds:.2f} s ({rate:.0f} MB/s){checked}"
+
     def _evict(self, key: Key) -> int:
         page = self._slot_of.pop(key)
-        self._point(key, -1 - self.placement.host_row(*key))
+        self._point(key, self._home_entry(key))
         self.stats.evictions += 1
         return page
+
+    def _home_entry(self, key: Key) -> int:
+        """The table entry of an expert without a slot: its host row, or MISSING (disk home)."""
+        home = self.placement.home(*key)
+        if home == CARD:
+            raise ValueError(f"expert (layer {key[0]}, expert {key[1]}) is pinned on the card: it always has a slot")
+        return -1 - self.placement.host_row(*key) if home == HOST else MISSING
 
     def _coldest(self, n: int) -> list[Key]:
         cached = [k for k in self._slot_of if k not in self._pinned]
@@ -230,3 +363,4 @@ class ExpertSlab:
     def _point(self, key: Key, entry: int) -> None:
         layer, expert = key
         self._tables[layer][expert] = entry
+        self._entry[key] = entry

@@ -21,7 +21,7 @@ def scripted_slab() -> ExpertSlab:
     placement = place(EXPERTS_, pinned=0, host=8, disk=0, slots=2, ranking=[(0, 1), (1, 3)])
     host = torch.arange(8, dtype=torch.float32).repeat_interleave(WIDTH).reshape(8, WIDTH)
     return ExpertSlab(Arena(4, WIDTH * 4), WIDTH, torch.float32, placement, host,
-                      lambda key: None, num_experts=4)
+                      None, num_experts=4)
 
 
 def test_lookups_hits_and_routed_per_layer_and_per_sequence():
