@@ -674,8 +674,9 @@ def _plan(card: Card, facts: ModelFacts, cfg: Config) -> Receipt:
         mode = "lending"
         host = min(E, host_cap)
         rest = E - host
-        if rest and cfg.weights_disk_tier and arena < rest + kv_seq:
-            # their home is the file: slots cache them like host experts, none pinned
+        if rest and cfg.weights_disk_tier and (arena < rest + kv_seq or cap < rest):
+            # their home is the file (the card or --expert-slots cannot keep them all): slots cache
+            # them like host experts, none pinned
             arena = add_disk_buffers()
             disk = rest
         else:

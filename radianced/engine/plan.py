@@ -78,8 +78,12 @@ class StepOutput:
     expert_counts[i]: (lookups, hits, routed, routed_from_misses) of plan.seqs[i]'s routed
         experts in this step where it is a decode step (one token after the first sampled);
         None for other sequences. The whole field is None without an expert slab.
+    errors[i]: why plan.seqs[i]'s results are void (an expert it routed to could not be read
+        from disk), or None; the whole field is None when nothing failed. Such a sequence's
+        sampled token and the KV of this step's tokens must not be used.
     """
 
     token_ids: tuple[tuple[int, ...], ...]
     logprobs: tuple[Any, ...] | None = None
     expert_counts: tuple[tuple[int, int, int, int] | None, ...] | None = None
+    errors: tuple[str | None, ...] | None = None

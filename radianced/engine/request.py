@@ -36,6 +36,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # a stop token id was sampled (it is kept in the output)
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"  # cancelled
+    ERROR = "error"  # the step could not compute it (an expert read failed); SeqEvent.error says why
 
 
 class Sequence:

@@ -8,6 +8,8 @@ a tensor.
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -48,6 +50,7 @@ class Runner:
                 logits = self.model.forward(batch, self.cache)  # [R, V]: one row per sampling sequence
         finally:
             counts = self.experts.end_step() if self.experts is not None else None
+        errors = self._failed_seqs(batch.query_start) if self.experts is not None else None
         self._copy_states(plan.after)
         rows = [SamplingRow(s.params, s.output_token_ids, s.prompt_token_ids) for s in seqs if s.sample]
         if not rows:
@@ -61,7 +64,18 @@ class Runner:
         per_seq: list = [None] * len(seqs)
         for i, c in zip(decode, counts):
             per_seq[i] = c
-        return replace(out, expert_counts=tuple(per_seq))
+        return replace(out, expert_counts=tuple(per_seq), errors=errors)
+
+    def _failed_seqs(self, query_start: Sequence[int]) -> tuple[str | None, ...] | None:
+        """Per scheduled sequence, the error of an expert read that its rows depended on, or None
+        (None overall when every read of the step succeeded). Other sequences' rows never
+        read a failed expert, so their results stand."""
+        rows, errors = self.experts.take_failures()
+        if not rows:
+            return None
+        failed = {bisect.bisect_right(query_start, r) - 1 for r in rows}
+        message = "; ".join(errors)
+        return tuple(message if i in failed else None for i in range(len(query_start) - 1))
 
     def _output(self, seqs: tuple[ScheduledSeq, ...], picked: SampleResult) -> StepOutput:
         """Per scheduled sequence: its sampled token (or none) and logprobs payload

@@ -49,6 +49,7 @@ class SeqEvent:
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     logprobs: Any = None
+    error: str | None = None  # with FinishReason.ERROR
 
 
 @dataclass(slots=True)
@@ -188,6 +189,13 @@ class Scheduler:
             seq = self._by_seq.get(s.seq_id)
             if seq is None or seq.status is not SeqStatus.RUNNING:
                 continue  # cancelled while the step ran
+            if output.errors is not None and output.errors[i] is not None:
+                if seq.checkpoint is not None and saved.get(seq.state_slot) == seq.checkpoint:
+                    seq.checkpoint_tokens = 0  # saved from this step's void state: freed, not cached
+                self._finish(seq, FinishReason.ERROR)  # this step's KV is void: never cached
+                events.append(SeqEvent(seq.request_id, seq.seq_id, (), FinishReason.ERROR,
+                                       error=output.errors[i]))
+                continue
             seq.num_computed_tokens = s.context_before + len(s.token_ids)
             self._cache_blocks(seq)
             if seq.checkpoint is not None and saved.get(seq.state_slot) == seq.checkpoint:
