@@ -10,6 +10,7 @@ stay the reference on every device.
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 
@@ -19,6 +20,7 @@ rms_norm = reference.rms_norm
 gated_rms_norm = reference.gated_rms_norm
 rotary_cos_sin = reference.rotary_cos_sin
 apply_rotary = reference.apply_rotary
+rotary_qk = reference.rotary_qk
 silu_mlp = reference.silu_mlp
 write_kv = reference.write_kv
 paged_attention = reference.paged_attention
@@ -26,9 +28,18 @@ moe = reference.moe
 
 deltanet_gates = reference.deltanet_gates
 causal_conv1d_prefill = reference.causal_conv1d_prefill
+causal_conv1d_update = reference.causal_conv1d_update
 gated_delta_rule_chunked = reference.gated_delta_rule_chunked
+gated_delta_rule_decode = reference.gated_delta_rule_decode
 
-_SWITCHED = ("write_kv", "paged_attention", "moe")
+# Bound to Triton on CUDA: (module under radianced.kernels, op name). The others stay torch everywhere.
+_TRITON = (
+    ("attention", "write_kv"), ("attention", "paged_attention"), ("moe", "moe"),
+    ("norm", "rms_norm"), ("norm", "gated_rms_norm"), ("rope", "apply_rotary"), ("rope", "rotary_qk"),
+    ("deltanet", "deltanet_gates"), ("deltanet", "causal_conv1d_prefill"), ("deltanet", "causal_conv1d_update"),
+    ("deltanet", "gated_delta_rule_chunked"), ("deltanet", "gated_delta_rule_decode"),
+)
+_SWITCHED = tuple(name for _, name in _TRITON)
 
 
 def select(device: torch.device | str, deterministic: bool = False) -> str:
@@ -45,10 +56,9 @@ def select(device: torch.device | str, deterministic: bool = False) -> str:
         for name in _SWITCHED:
             g[name] = getattr(reference, name)
         return "reference"
-    # Imported here so the CPU path (and the CPU oracle tests) never import triton.
-    from radianced.kernels import attention, moe as moe_kernels
-
-    g["write_kv"] = attention.write_kv
-    g["paged_attention"] = attention.paged_attention
-    g["moe"] = functools.partial(moe_kernels.moe, deterministic=True) if deterministic else moe_kernels.moe
+    # Imported here so the CPU path (and the CPU oracle tests) never import triton (nor fla).
+    for module, name in _TRITON:
+        g[name] = getattr(importlib.import_module(f"radianced.kernels.{module}"), name)
+    if deterministic:
+        g["moe"] = functools.partial(g["moe"], deterministic=True)
     return "triton"

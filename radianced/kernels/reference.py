@@ -55,6 +55,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x_rot * c + rotated * s, x_pass), dim=-1)
 
 
+def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 1e-6,
+              zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention prologue: per-head RMSNorm of q: [T, Hq, D] and k: [T, Hk, D] when
+    q_weight, k_weight ([D]) are given (Qwen3's qk-norm), then `apply_rotary` on both."""
+    if q_weight is not None:
+        q, k = rms_norm(q, q_weight, eps, zero_centred), rms_norm(k, k_weight, eps, zero_centred)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
 # -- MLP --------------------------------------------------------------------
 
 

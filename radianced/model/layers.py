@@ -73,10 +73,10 @@ class Attention:
         q = q.reshape(t, self.heads, self.head_dim)
         k = F.linear(x, self.wk, self.bk).view(t, self.kv_heads, self.head_dim)
         v = F.linear(x, self.wv, self.bv).view(t, self.kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
-        q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
+        norms = {} if self.q_norm is None else dict(q_weight=self.q_norm.weight, k_weight=self.k_norm.weight,
+                                                     eps=self.q_norm.eps, zero_centred=self.q_norm.zero_centred)
+        q, k = ops.rotary_qk(q, k, cos, sin, **norms)  # qk-norm and RoPE: one launch on CUDA
         k_cache, v_cache = cache.layer(self.layer)
         ops.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         o = ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_t, batch.seq_lens_t,

@@ -48,6 +48,14 @@ class GatedDeltaNet:
         mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)  # [T, C]
         g, beta = ops.deltanet_gates(a.reshape(t, self.nv), b.reshape(t, self.nv), self.a_log, self.dt_bias)
         conv_states, rec_states = cache.states.layer(self.layer)
+        if t == batch.num_seqs and all(n == 1 for n in batch.query_lens()):
+            # decode: one token per sequence, all states updated in place by slot (no host sync)
+            y = ops.causal_conv1d_update(mixed, self.conv_weight, conv_states, batch.state_slots)
+            qs, ks, vs = y.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
+            out = ops.gated_delta_rule_decode(
+                qs.view(t, self.nk, self.dk), ks.view(t, self.nk, self.dk), vs.view(t, self.nv, self.dv),
+                g, beta, rec_states, batch.state_slots, use_qk_l2norm=True)
+            return self._output(out, z, t)
         out = torch.empty((t, self.nv, self.dv), dtype=x.dtype, device=x.device)
         for s, slot in enumerate(batch.state_slots.tolist()):  # host list: the reference loops per sequence
             lo, hi = batch.query_start[s], batch.query_start[s + 1]
@@ -57,6 +65,10 @@ class GatedDeltaNet:
                 qs.reshape(-1, self.nk, self.dk), ks.reshape(-1, self.nk, self.dk), vs.reshape(-1, self.nv, self.dv),
                 g[lo:hi], beta[lo:hi], rec_states[slot], use_qk_l2norm=True)  # q, k: raw key heads
             out[lo:hi] = o
+        return self._output(out, z, t)
+
+    def _output(self, out: torch.Tensor, z: torch.Tensor, t: int) -> torch.Tensor:
+        """out: [T, Hv, V] -> gated norm by silu(z) -> out_proj: [T, hidden]."""
         o = ops.gated_rms_norm(out, z.reshape(t, self.nv, self.dv), self.norm_weight, self.eps)
         return F.linear(o.reshape(t, self.nv * self.dv), self.w_out)
 

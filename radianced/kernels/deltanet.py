@@ -1,0 +1,345 @@
+"""Gated DeltaNet (Qwen3-Next's linear attention) on CUDA.
+
+Own Triton kernels for the per-token work, which is memory-bound and simple:
+
+- `deltanet_gates`: g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b)
+  in one elementwise pass (the reference takes seven torch ops);
+- `causal_conv1d_prefill`: depthwise causal conv + SiLU over one sequence's new
+  tokens, reading the W-1 earlier inputs from its conv state; a second output
+  is the new conv state;
+- `causal_conv1d_update`: one decode token per sequence, conv states updated in
+  place in their pool rows (state slots; slot < 0 is a padding row);
+- `gated_delta_rule_decode`: the recurrence for one token per sequence over the
+  pool of fp32 states [N, Hv, K, V], updated in place. A program owns one
+  (sequence, value head, BLOCK_V columns) piece of S: [K, BLOCK_V] in
+  registers, read once and written once, so a decode step moves the state
+  bytes twice and nothing else of size;
+- `gated_delta_rule_chunked` (prefill, chunk 64): fla-core's
+  `chunk_gated_delta_rule` (flash-linear-attention's Triton kernels: WY
+  representation, chunk-parallel intra-chunk work, one sequential pass over
+  chunks for the state). Writing that well is a project of its own and fla is
+  well kept; it is imported lazily, so the CPU path never imports it. fp32
+  inputs take the reference's chunked form instead: fla's triangular solve
+  multiplies in TF32 on Hopper, which is not fp32.
+
+Every op keeps the contract of its `reference` twin (shapes in the docstrings),
+including which inputs it modifies. No op here syncs with the host.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from radianced.kernels import reference
+
+# -- heuristics ------------------------------------------------------------------------------------
+
+
+def _decode_block_v(v: int, programs_per_column_block: int) -> int:
+    """Columns of S per decode program: 32, or 16 when the batch is too small to fill an H200 (132 SMs)."""
+    block_v = 32 if programs_per_column_block * triton.cdiv(v, 32) >= 256 else 16
+    return min(block_v, triton.next_power_of_2(v))
+
+
+# -- kernels ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gates_kernel(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, n, H: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    h = i % H
+    a = tl.load(a_ptr + i, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + i, mask=ok, other=0.0).to(tl.float32)
+    x = a + tl.load(dt_bias_ptr + h, mask=ok, other=0.0).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's threshold 20
+    g = -tl.exp(tl.load(a_log_ptr + h, mask=ok, other=0.0).to(tl.float32)) * softplus
+    tl.store(g_ptr + i, g, mask=ok)
+    tl.store(beta_ptr + i, tl.sigmoid(b).to(beta_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _conv_prefill_kernel(x_ptr, w_ptr, state_ptr, y_ptr, new_state_ptr, T, C,
+                         stride_xt, stride_wc, stride_sc, stride_yt,
+                         HAS_STATE: tl.constexpr, W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                         BLOCK_W: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    t_ok = t < T
+    c_ok = c < C
+    acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+    for j in tl.static_range(W):
+        src = t - (W - 1) + j  # input row of tap j; < 0: state column W - 1 + src
+        w = tl.load(w_ptr + c * stride_wc + j, mask=c_ok, other=0.0).to(tl.float32)
+        val = tl.load(x_ptr + src[:, None].to(tl.int64) * stride_xt + c[None, :],
+                      mask=((src >= 0) & t_ok)[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+        if HAS_STATE:
+            val += tl.load(state_ptr + c[None, :] * stride_sc + (W - 1 + src)[:, None],
+                           mask=((src < 0) & t_ok)[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+        acc += val * w[None, :]
+    y = acc * tl.sigmoid(acc)
+    tl.store(y_ptr + t[:, None].to(tl.int64) * stride_yt + c[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=t_ok[:, None] & c_ok[None, :])
+    if tl.program_id(0) == 0:  # the new state: the last W-1 inputs of state ++ x
+        i = tl.arange(0, BLOCK_W)
+        i_ok = i < W - 1
+        src = T - (W - 1) + i
+        keep = tl.load(x_ptr + src[None, :].to(tl.int64) * stride_xt + c[:, None],
+                       mask=((src >= 0) & i_ok)[None, :] & c_ok[:, None], other=0.0).to(tl.float32)
+        if HAS_STATE:
+            keep += tl.load(state_ptr + c[:, None] * stride_sc + (W - 1 + src)[None, :],
+                            mask=((src < 0) & i_ok)[None, :] & c_ok[:, None], other=0.0).to(tl.float32)
+        tl.store(new_state_ptr + c[:, None] * (W - 1) + i[None, :], keep.to(new_state_ptr.dtype.element_ty),
+                 mask=c_ok[:, None] & i_ok[None, :])
+
+
+@triton.jit
+def _conv_update_kernel(x_ptr, w_ptr, state_ptr, slots_ptr, y_ptr, C,
+                        stride_xb, stride_wc, stride_sn, stride_sc, stride_yb,
+                        USE_SLOTS: tl.constexpr, W: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
+    b = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    slot = b.to(tl.int64)
+    if USE_SLOTS:
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+    if slot < 0:  # padding row: zero output, no state touched
+        tl.store(y_ptr + b.to(tl.int64) * stride_yb + c, tl.zeros([BLOCK_C], tl.float32).to(y_ptr.dtype.element_ty),
+                 mask=c_ok)
+        return
+    i = tl.arange(0, BLOCK_W)  # window position; W - 1 is the new token
+    rows = state_ptr + slot * stride_sn + c[:, None] * stride_sc
+    win = tl.load(rows + i[None, :], mask=c_ok[:, None] & (i < W - 1)[None, :], other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + b.to(tl.int64) * stride_xb + c, mask=c_ok, other=0.0).to(tl.float32)
+    win = tl.where((i == W - 1)[None, :], x[:, None], win)
+    w = tl.load(w_ptr + c[:, None] * stride_wc + i[None, :], mask=c_ok[:, None] & (i < W)[None, :], other=0.0)
+    acc = tl.sum(win * w.to(tl.float32), 1)
+    tl.store(y_ptr + b.to(tl.int64) * stride_yb + c, (acc * tl.sigmoid(acc)).to(y_ptr.dtype.element_ty), mask=c_ok)
+    # shift: state column i - 1 <- window position i
+    tl.store(rows + (i - 1)[None, :], win.to(state_ptr.dtype.element_ty),
+             mask=c_ok[:, None] & ((i >= 1) & (i < W))[None, :])
+
+
+@triton.jit
+def _delta_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, o_ptr, scale,
+                         stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_gb, stride_bb,
+                         stride_sn, stride_sh, stride_sk, stride_ob, stride_oh,
+                         GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, USE_SLOTS: tl.constexpr,
+                         L2NORM: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = dv < V
+    b64 = b.to(tl.int64)
+    o_dst = o_ptr + b64 * stride_ob + h * stride_oh + dv
+    slot = b64
+    if USE_SLOTS:
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+    if slot < 0:  # padding row: zero output, no state touched
+        tl.store(o_dst, tl.zeros([BLOCK_V], tl.float32).to(o_ptr.dtype.element_ty), mask=v_ok)
+        return
+    hk = h // GROUP  # the key head this value head reads (repeat_interleave)
+    dk = tl.arange(0, BLOCK_K)
+    k_ok = dk < K
+    q = tl.load(q_ptr + b64 * stride_qb + hk * stride_qh + dk, mask=k_ok, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + b64 * stride_kb + hk * stride_kh + dk, mask=k_ok, other=0.0).to(tl.float32)
+    if L2NORM:
+        q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6)
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+    q = q * scale
+    v = tl.load(v_ptr + b64 * stride_vb + h * stride_vh + dv, mask=v_ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + b64 * stride_gb + h).to(tl.float32)
+    beta = tl.load(beta_ptr + b64 * stride_bb + h).to(tl.float32)
+    s_ptrs = state_ptr + slot * stride_sn + h * stride_sh + dk[:, None] * stride_sk + dv[None, :]
+    s_mask = k_ok[:, None] & v_ok[None, :]
+    s = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32) * tl.exp(g)
+    delta = beta * (v - tl.sum(s * k[:, None], 0))
+    s += k[:, None] * delta[None, :]
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask)
+    tl.store(o_dst, tl.sum(s * q[:, None], 0).to(o_ptr.dtype.element_ty), mask=v_ok)
+
+
+# -- checks ----------------------------------------------------------------------------------------
+
+
+def _slots(slots: torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor | None:
+    if slots is None:
+        return None
+    if slots.shape != (batch,) or slots.device != device or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slots must be an integer [{batch}] tensor on {device}, got {slots.dtype} "
+                         f"{tuple(slots.shape)} on {slots.device}")
+    return slots.contiguous()
+
+
+def _last_dim_contiguous(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
+# -- public ops ------------------------------------------------------------------------------------
+
+
+def deltanet_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                   dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-decay and write strength (Triton). a, b: [..., Hv]; A_log, dt_bias: [Hv].
+
+    Same contract as `reference.deltanet_gates`: g = -exp(A_log) * softplus(a + dt_bias)
+    in fp32 (new tensor, a's shape) and beta = sigmoid(b) in b's dtype.
+    """
+    hv = A_log.shape[0]
+    if a.shape != b.shape or a.shape[-1] != hv or dt_bias.shape != (hv,):
+        raise ValueError(f"a {tuple(a.shape)} and b {tuple(b.shape)} must be [..., {hv}] (A_log's heads), "
+                         f"dt_bias [{hv}], got dt_bias {tuple(dt_bias.shape)}")
+    a, b, A_log, dt_bias = (x.contiguous() for x in (a, b, A_log, dt_bias))
+    g = torch.empty(a.shape, dtype=torch.float32, device=a.device)
+    beta = torch.empty_like(b)
+    n = a.numel()
+    if n:
+        block = 1024
+        _gates_kernel[(triton.cdiv(n, block),)](a, b, A_log, dt_bias, g, beta, n, H=hv, BLOCK=block, num_warps=4)
+    return g, beta
+
+
+def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor,
+                          conv_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU over one sequence's new tokens (Triton).
+
+    Same contract as `reference.causal_conv1d_prefill`: x: [T, C]; weight: [C, W];
+    conv_state: [C, W-1] (oldest input first) or None (zeros). Returns y: [T, C]
+    in x's dtype and a new conv state [C, W-1] in conv_state's dtype (x's when
+    None). Nothing is modified in place.
+    """
+    c, w = weight.shape
+    if x.dim() != 2 or x.shape[1] != c:
+        raise ValueError(f"x must be [T, {c}] (the conv weight's channels), got {tuple(x.shape)}")
+    if conv_state is not None and conv_state.shape != (c, w - 1):
+        raise ValueError(f"conv_state must be [{c}, {w - 1}], got {tuple(conv_state.shape)}")
+    x, weight = _last_dim_contiguous(x, weight)
+    state = None if conv_state is None else conv_state.contiguous()
+    t = x.shape[0]
+    y = torch.empty((t, c), dtype=x.dtype, device=x.device)
+    new_state = torch.empty((c, w - 1), dtype=x.dtype if state is None else state.dtype, device=x.device)
+    block_t, block_c = 16, 128
+    grid = (max(1, triton.cdiv(t, block_t)), triton.cdiv(c, block_c))
+    _conv_prefill_kernel[grid](
+        x, weight, x if state is None else state, y, new_state, t, c,
+        x.stride(0), weight.stride(0), 0 if state is None else state.stride(0), y.stride(0),
+        HAS_STATE=state is not None, W=w, BLOCK_T=block_t, BLOCK_C=block_c,
+        BLOCK_W=triton.next_power_of_2(max(w - 1, 1)), num_warps=4,
+    )
+    return y, new_state
+
+
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                         slots: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode token per sequence: depthwise causal conv + SiLU, state updated in place (Triton).
+
+    Same contract as `reference.causal_conv1d_update`: x: [B, C]; weight: [C, W];
+    conv_state [B, C, W-1] (row b is sequence b's), or with `slots` [B] (int, on
+    x's device) a pool [N, C, W-1] where sequence b owns row slots[b]; slots
+    distinct, slot < 0 a padding row (zero output, no state touched). conv_state
+    needs a contiguous last dim. Returns y: [B, C] in x's dtype.
+    """
+    c, w = weight.shape
+    batch = x.shape[0]
+    if x.dim() != 2 or x.shape[1] != c:
+        raise ValueError(f"x must be [B, {c}] (the conv weight's channels), got {tuple(x.shape)}")
+    if conv_state.dim() != 3 or conv_state.shape[1:] != (c, w - 1) or conv_state.stride(2) != 1:
+        raise ValueError(f"conv_state must be [N, {c}, {w - 1}] with a contiguous last dim, "
+                         f"got {tuple(conv_state.shape)}")
+    if slots is None and conv_state.shape[0] != batch:
+        raise ValueError(f"without slots conv_state needs one row per sequence ({batch}), has {conv_state.shape[0]}")
+    slots = _slots(slots, batch, x.device)
+    x, weight = _last_dim_contiguous(x, weight)
+    y = torch.empty((batch, c), dtype=x.dtype, device=x.device)
+    if batch == 0:
+        return y
+    block_c = 256
+    _conv_update_kernel[(batch, triton.cdiv(c, block_c))](
+        x, weight, conv_state, x if slots is None else slots, y, c,
+        x.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), y.stride(0),
+        USE_SLOTS=slots is not None, W=w, BLOCK_C=block_c, BLOCK_W=triton.next_power_of_2(w), num_warps=4,
+    )
+    return y
+
+
+def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                            beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor | None = None, *,
+                            use_qk_l2norm: bool = False, scale: float | None = None) -> torch.Tensor:
+    """One decode token for each of B sequences; their recurrent states updated in place (Triton).
+
+    Same contract as `reference.gated_delta_rule_decode`: q, k: [B, Hk, K];
+    v: [B, Hv, V] (Hv a multiple of Hk; each last dim contiguous, other strides
+    free); g, beta: [B, Hv]; state [B, Hv, K, V], or with `slots` [B] (int, on
+    q's device) a pool [N, Hv, K, V] where sequence b owns state[slots[b]]; slots
+    distinct, slot < 0 a padding row (zero output, no state touched). state
+    (fp32 in the product) needs a contiguous last dim. Returns o: [B, Hv, V] in
+    q's dtype.
+    """
+    batch, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    if k.shape != q.shape or v.shape[0] != batch or hv % hk:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: q and k must match and "
+                         f"value heads ({hv}) be a multiple of key heads ({hk})")
+    if g.shape != (batch, hv) or beta.shape != (batch, hv):
+        raise ValueError(f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must be [{batch}, {hv}]")
+    if state.dim() != 4 or state.shape[1:] != (hv, dk, dv) or state.stride(3) != 1:
+        raise ValueError(f"state must be [N, {hv}, {dk}, {dv}] with a contiguous last dim, got {tuple(state.shape)}")
+    if slots is None and state.shape[0] != batch:
+        raise ValueError(f"without slots state needs one row per sequence ({batch}), has {state.shape[0]}")
+    slots = _slots(slots, batch, q.device)
+    q, k, v, g, beta = _last_dim_contiguous(q, k, v, g, beta)
+    o = torch.empty((batch, hv, dv), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return o
+    block_v = _decode_block_v(dv, batch * hv)
+    _delta_decode_kernel[(batch, hv, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, state, q if slots is None else slots, o, dk ** -0.5 if scale is None else scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1),
+        GROUP=hv // hk, K=dk, V=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
+        USE_SLOTS=slots is not None, L2NORM=use_qk_l2norm, num_warps=4,
+    )
+    return o
+
+
+@functools.cache
+def _fla_chunk():
+    """fla-core's chunk_gated_delta_rule, imported on first use (never on the CPU path)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError as e:
+        raise ImportError(f"the Gated DeltaNet prefill on CUDA needs fla-core ({e}): install radianced[gpu] "
+                          "(pip install 'fla-core==0.6.0'), or on the device carry the wheel that "
+                          "tools/fetch_wheels.sh downloads") from e
+    return chunk_gated_delta_rule
+
+
+def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                             beta: torch.Tensor, state: torch.Tensor | None = None, *,
+                             use_qk_l2norm: bool = False, scale: float | None = None,
+                             chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over one sequence in chunks (prefill): fla-core's kernels for bf16/fp16.
+
+    Same contract as `reference.gated_delta_rule_chunked`: q, k: [T, Hk, K];
+    v: [T, Hv, V]; g (fp32 log-decay), beta: [T, Hv]; state: [Hv, K, V] or None.
+    Returns o: [T, Hv, V] in q's dtype and the final state [Hv, K, V] fp32;
+    `state` is not modified. fp32 inputs run the reference (IEEE products).
+    """
+    if q.dtype == torch.float32 or q.shape[0] == 0:
+        return reference.gated_delta_rule_chunked(q, k, v, g, beta, state, use_qk_l2norm=use_qk_l2norm,
+                                                  scale=scale, chunk_size=chunk_size)
+    h0 = None if state is None else state.float().contiguous()[None]
+    o, final = _fla_chunk()(q[None], k[None], v[None], g.float()[None], beta[None], scale=scale,
+                            initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
+                            chunk_size=chunk_size)
+    return o[0].to(q.dtype), final[0].float()
+
+
+__all__ = ["causal_conv1d_prefill", "causal_conv1d_update", "deltanet_gates", "gated_delta_rule_chunked",
+           "gated_delta_rule_decode"]

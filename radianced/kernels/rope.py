@@ -1,0 +1,156 @@
+"""Rotary position embedding on CUDA (rotate-half, full or partial), optionally fused with the qk-norm.
+
+One kernel, grid (T, tensors): a program takes one token of q (or of k) with all
+its heads ([H, D] padded to powers of two) and, in one pass over memory,
+
+- optionally RMS-normalizes each head (Qwen3's per-head q/k norm; plain or
+  zero-centred), keeping `reference.rms_norm`'s rounding to the output dtype;
+- rotates the first R = cos.shape[-1] dims by rotate-half (the partner of dim d
+  < R/2 is d + R/2, and back), cos/sin rounded to the output dtype first as
+  `reference.apply_rotary` does; dims R.. D-1 pass through (partial rotary).
+
+`rotary_qk` does q and k in one launch instead of the reference's two norms and
+two rotations; `apply_rotary` is the same kernel on one tensor. Heads may be
+strided views of a projection (only the last dim must be contiguous); outputs
+are new contiguous tensors. No host sync (graph-capturable).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# -- kernel ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotate_token(x_ptr, out_ptr, w_ptr, t, n_heads, stride_xt, stride_xh, c, s, eps,
+                  D: tl.constexpr, ROT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                  NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr):
+    """Normalize (optionally) and rotate the n_heads heads of token t; out is contiguous [T, n_heads, D]."""
+    HALF: tl.constexpr = ROT // 2
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    rot = d < ROT
+    partner = tl.where(d < HALF, d + HALF, d - HALF)
+    mask = (h < n_heads)[:, None] & (d < D)[None, :]
+    base = x_ptr + t.to(tl.int64) * stride_xt + h[:, None] * stride_xh
+    x = tl.load(base + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(base + partner[None, :], mask=mask & rot[None, :], other=0.0).to(tl.float32)
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
+        w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)[None, :]
+        wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)[None, :]
+        if ZERO_CENTRED:
+            x = (x * rstd * (1.0 + w)).to(out_ptr.dtype.element_ty).to(tl.float32)
+            xp = (xp * rstd * (1.0 + wp)).to(out_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            x = ((x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * w).to(out_ptr.dtype.element_ty)
+            xp = ((xp * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * wp).to(out_ptr.dtype.element_ty)
+            x, xp = x.to(tl.float32), xp.to(tl.float32)
+    sign = tl.where(d < HALF, -1.0, 1.0)
+    y = tl.where(rot[None, :], x * c[None, :] + sign[None, :] * xp * s[None, :], x)
+    dst = out_ptr + (t.to(tl.int64) * n_heads + h[:, None]) * D + d[None, :]
+    tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_heads, k_heads, eps,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
+                   D: tl.constexpr, ROT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                   NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr):
+    t = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    rot = d < ROT
+    c = tl.load(cos_ptr + t.to(tl.int64) * stride_ct + d, mask=rot, other=0.0)
+    s = tl.load(sin_ptr + t.to(tl.int64) * stride_st + d, mask=rot, other=0.0)
+    c = c.to(q_out_ptr.dtype.element_ty).to(tl.float32)  # as the reference: cos.to(x.dtype)
+    s = s.to(q_out_ptr.dtype.element_ty).to(tl.float32)
+    if tl.program_id(1) == 0:
+        _rotate_token(q_ptr, q_out_ptr, qw_ptr, t, q_heads, stride_qt, stride_qh, c, s, eps,
+                      D, ROT, BLOCK_H, BLOCK_D, NORM, ZERO_CENTRED)
+    else:
+        _rotate_token(k_ptr, k_out_ptr, kw_ptr, t, k_heads, stride_kt, stride_kh, c, s, eps,
+                      D, ROT, BLOCK_H, BLOCK_D, NORM, ZERO_CENTRED)
+
+
+# -- launcher --------------------------------------------------------------------------------------
+
+
+def _check_heads(name: str, x: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 3:
+        raise ValueError(f"{name} must be [T, H, D], got shape {tuple(x.shape)}")
+    if x.shape[0] != cos.shape[0]:
+        raise ValueError(f"{name} has {x.shape[0]} tokens, cos/sin have {cos.shape[0]}")
+    if x.device != cos.device:
+        raise ValueError(f"{name} is on {x.device}, cos/sin on {cos.device}")
+    return x if x.stride(2) == 1 else x.contiguous()
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+            weights: tuple[torch.Tensor, torch.Tensor] | None, eps: float, zero_centred: bool):
+    rot = cos.shape[-1]
+    if cos.dim() != 2 or sin.shape != cos.shape:
+        raise ValueError(f"cos and sin must both be [T, R], got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    q = _check_heads("q", q, cos)
+    k = q if k is None else _check_heads("k", k, cos)
+    d = q.shape[2]
+    if k.shape[2] != d or rot % 2 or rot > d:
+        raise ValueError(f"rotary dim {rot} must be even and at most the head dim of q ({d}) and k ({k.shape[2]})")
+    out_dtype = q.dtype
+    if weights is not None:
+        for name, w in zip(("q", "k"), weights):
+            if w.shape != (d,) or w.device != q.device:
+                raise ValueError(f"the {name} norm weight must be [{d}] on {q.device}, got {tuple(w.shape)} "
+                                 f"on {w.device}")
+        if not zero_centred:
+            out_dtype = torch.promote_types(q.dtype, weights[0].dtype)
+    q_out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    k_out = q_out if k is q else torch.empty(k.shape, dtype=out_dtype, device=q.device)
+    if q.shape[0] == 0:
+        return q_out, k_out
+    cos, sin = (c if c.stride(1) == 1 else c.contiguous() for c in (cos, sin))
+    qw, kw = weights if weights is not None else (cos, cos)  # unused without NORM
+    block_h = triton.next_power_of_2(max(q.shape[1], k.shape[1]))
+    block_d = triton.next_power_of_2(d)
+    _rotary_kernel[(q.shape[0], 1 if k is q else 2)](
+        q, k, q_out, k_out, qw.contiguous(), kw.contiguous(), cos, sin, q.shape[1], k.shape[1], eps,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
+        D=d, ROT=rot, BLOCK_H=block_h, BLOCK_D=block_d, NORM=weights is not None, ZERO_CENTRED=zero_centred,
+        num_warps=4 if block_h * block_d <= 4096 else 8,
+    )
+    return q_out, k_out
+
+
+# -- public ops ------------------------------------------------------------------------------------
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first R = cos.shape[-1] dims of x: [T, H, D]; the rest passes (Triton).
+
+    Same contract as `reference.apply_rotary`: cos, sin: [T, R] (R even, <= D,
+    any float dtype; rounded to x's dtype before use). Returns a new [T, H, D]
+    tensor in x's dtype.
+    """
+    return _launch(x, None, cos, sin, None, 0.0, False)[0]
+
+
+def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 1e-6,
+              zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention prologue in one launch (Triton): per-head RMSNorm of q and k, then RoPE on both.
+
+    Same contract as `reference.rotary_qk`: q: [T, Hq, D], k: [T, Hk, D] (last
+    dim contiguous); cos, sin: [T, R]. With `q_weight`, `k_weight` ([D] each)
+    each head is first RMS-normalized (`zero_centred`: times 1 + weight) as
+    `reference.rms_norm` does; without them only the rotation runs. Returns new
+    (q, k) tensors in the normalized dtype (q's dtype without norm).
+    """
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("rotary_qk needs both q_weight and k_weight, or neither")
+    weights = None if q_weight is None else (q_weight, k_weight)
+    return _launch(q, k, cos, sin, weights, eps, zero_centred)
+
+
+__all__ = ["apply_rotary", "rotary_qk"]
