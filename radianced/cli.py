@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from radianced.config import Config, ConfigError, add_flags
+from radianced.config import Config, ConfigError, add_flags, check_host
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="radianced", description=__doc__.splitlines()[0])
@@ -18,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = Config.from_args(args)
+        check_host(cfg)
     except ConfigError as e:
         parser.error(str(e))  # exits 2 with the usage line
     from radianced.daemon import main as run_daemon  # after parsing: --help needs no torch

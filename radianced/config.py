@@ -34,6 +34,7 @@ PLACEMENTS = ("auto", "expert_tiered", "resident")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_v4", "k6_v4")
 TABLE_PLACEMENTS = ("vram", "ram")  # --embedding-placement, --vision-tower-placement
 NGRAM_PLACEMENT = re.compile(r"^(vram|ram|disk)$|^(ram|disk)=.+$")
+HOST_POOL_PLACEMENT = re.compile(r"^ram$|^ram=(\S.*)$")  # --host-pool-placement
 KV_RESIDENT_MIN_TOKENS = 32768  # SPEC §6: a smaller ring is raised to this
 
 # -- not yet landed ----------------------------------------------------------
@@ -46,6 +47,8 @@ NOT_YET_SUPPORTED: dict[str, tuple[str, object]] = {
     "--tp": ("tp", 1),
     "--ngram-placement": ("ngram_placement", None),
     "--vision-tower-placement": ("vision_tower_placement", None),
+    # the engine does not pass ram=DIR to HostPool.create yet (Engine.build's _expert_slab)
+    "--host-pool-placement": ("host_pool_placement", "ram"),
 }
 # --kv-cache-dtype values that work; add a dtype when its issue lands.
 LANDED_KV_CACHE_DTYPES = ("auto",)
@@ -76,6 +79,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 16
     host_pool_mib: int = 0
+    host_pool_placement: str = "ram"  # "ram": anonymous memory; "ram=DIR": a file in the tmpfs DIR, shared
     placement: str = "auto"
     deterministic: bool = False
     weights_disk_tier: bool = False
@@ -112,6 +116,12 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     def kv_resident_tokens(self) -> int:
         """The KV streaming ring in tokens (0 = off), raised to the minimum."""
         return max(self.kv_resident, KV_RESIDENT_MIN_TOKENS) if self.kv_resident else 0
+
+    @property
+    def host_pool_ram_dir(self) -> str | None:
+        """The tmpfs folder of `--host-pool-placement ram=DIR` (`HostPool.create`'s ram_dir), else None."""
+        m = HOST_POOL_PLACEMENT.match(self.host_pool_placement)
+        return m[1] if m else None
 
     @property
     def embeddings_on_card(self) -> bool:
@@ -198,6 +208,7 @@ def _check(c: Config) -> None:
     if c.vision_tower_placement is not None and c.vision_tower_placement not in TABLE_PLACEMENTS:
         raise ConfigError(f"--vision-tower-placement {c.vision_tower_placement!r}: "
                           f"choose one of {', '.join(TABLE_PLACEMENTS)}")
+    _check_host_pool_placement(c)
     if c.ngram_placement is not None and not NGRAM_PLACEMENT.match(c.ngram_placement):
         raise ConfigError(f"--ngram-placement {c.ngram_placement!r}: choose vram, ram, disk, ram=DIR or disk=DIR")
     if not isinstance(c.drain_timeout, (int, float)) or not math.isfinite(c.drain_timeout) \
@@ -222,6 +233,32 @@ def _check(c: Config) -> None:
             raise ConfigError(f"{flag}: empty; give a value or leave the flag out")
     if not c.host.strip():
         raise ConfigError("--host: empty; give an address such as 127.0.0.1")
+
+
+def _check_host_pool_placement(c: Config) -> None:
+    flag = f"--host-pool-placement {c.host_pool_placement!r}"
+    if not HOST_POOL_PLACEMENT.match(c.host_pool_placement):
+        raise ConfigError(f"{flag}: choose ram (the daemon's own memory) or ram=DIR (a file in the tmpfs DIR, "
+                          f"shared by daemons on this host)")
+    if c.host_pool_ram_dir is None:
+        return
+    if c.placement == "resident":
+        raise ConfigError(f"{flag}: --placement resident keeps every expert on the card, so there is no host "
+                          f"pool to share; drop --host-pool-placement or use --placement auto")
+    if c.host_pool_mib == 0:
+        raise ConfigError(f"{flag}: the host pool is empty (--host-pool-mib 0); give --host-pool-mib N")
+
+
+def check_host(cfg: Config) -> None:
+    """The checks that need this host's file systems, for the daemon's start: the folder of
+    `--host-pool-placement ram=DIR` exists and is a tmpfs. Raises ConfigError. (Not in
+    `Config` itself: `radiancectl plan` may plan for another machine.)"""
+    from radianced.tiers.tmpfs import tmpfs_refusal
+
+    folder = cfg.host_pool_ram_dir
+    why = tmpfs_refusal(folder) if folder is not None else None
+    if why is not None:
+        raise ConfigError(f"--host-pool-placement {why}")
 
 
 # -- argparse ----------------------------------------------------------------
@@ -258,6 +295,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                    help=f"live sequences at once (default {d.max_num_seqs})")
     g.add_argument("--host-pool-mib", type=int, default=d.host_pool_mib,
                    help="pinned host RAM for experts (default 0)")
+    g.add_argument("--host-pool-placement", default=d.host_pool_placement, metavar="ram|ram=DIR",
+                   help="host pool backing: ram (the daemon's own memory, default) or ram=DIR (a file in the "
+                        "tmpfs DIR, e.g. /dev/shm/radianced: daemons on this host serving one model share one copy)")
     g.add_argument("--placement", choices=PLACEMENTS, default=d.placement,
                    help="auto/expert_tiered: experts and KV lend each other pages; resident: all on the card")
     g.add_argument("--deterministic", action="store_true", help="experts first, fixed split, no lending")

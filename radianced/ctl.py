@@ -97,20 +97,41 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _profile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="the .rad file of a MoE model")
-    p.add_argument("--prompts", required=True, help="a text file with one prompt per line (blank lines skipped)")
+    p.add_argument("model", nargs="?", help="the .rad file of a MoE model (not with --save)")
+    p.add_argument("--prompts", help="a text file with one prompt per line (blank lines skipped)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
     p.add_argument("--out", default=None, help="where to write the profile (default: MODEL.expert-profile.bin, "
                                                "which start-up reads to pre-fill the expert slots)")
+    p.add_argument("--save", action="store_true",
+                   help="instead of running prompts: have the running daemon add the routing it has counted "
+                        "since start to its model's profile (the next start-up ranks the slots by it)")
+    p.add_argument("--replace", action="store_true",
+                   help="with --save: write only the daemon's counts, dropping those already in the file")
+    _control_args(p)
 
 
 def _profile(args: argparse.Namespace) -> int:
-    """Run prompts through the model, count routing per (layer, expert), write the expert profile."""
+    """Run prompts through the model, count routing per (layer, expert), write the expert profile;
+    with --save, have the running daemon write its live counts instead."""
+    from radianced.config import ConfigError
+
+    if args.save:
+        if args.model or args.prompts:
+            raise ConfigError("--save writes the running daemon's counts for the model it serves: "
+                              "drop MODEL and --prompts (or drop --save to profile prompts offline)")
+        return _profile_save(args)
+    if args.replace:
+        raise ConfigError("--replace goes with --save (an offline run always writes a new profile)")
+    if not args.model or not args.prompts:
+        raise ConfigError("give MODEL and --prompts FILE (or --save to save a running daemon's counts)")
+    return _profile_prompts(args)
+
+
+def _profile_prompts(args: argparse.Namespace) -> int:
+    from radianced.config import ConfigError
     from radianced.engine.profiling import profile_prompts
     from radianced.model.rad import RadFile
     from radianced.tiers.profile import profile_path
-
-    from radianced.config import ConfigError
 
     if args.max_tokens < 1:
         raise ConfigError(f"--max-tokens {args.max_tokens}: generate at least one token")
@@ -123,6 +144,27 @@ def _profile(args: argparse.Namespace) -> int:
     profile.save(out)
     print(f"{out}: {len(profile)} ranked pairs from {len(prompts)} prompts, {profile.steps} steps, "
           f"in {time.monotonic() - start:.1f} s")
+    return 0
+
+
+def _profile_save(args: argparse.Namespace) -> int:
+    """The daemon writes the file (as its user, on its host); --out is made absolute here."""
+    import os
+
+    from radianced.server.control import ProfileSaveResult
+
+    ctl_args = {"replace": args.replace, "out": os.path.abspath(args.out) if args.out else None}
+    code, result = _control(args, "profile_save", ctl_args)
+    if code:
+        return code
+    saved = _shaped(args, result, ProfileSaveResult)
+    if saved is None:
+        return 1
+    how = "added to the counts already there" if saved.merged else "written fresh"
+    print(f"{saved.path}: {saved.pairs} ranked pairs ({saved.added} routed assignments {how}; "
+          f"{saved.steps} steps); the next start-up fills the expert slots in this order")
+    if saved.note:
+        print(f"replaced a profile that could not be merged: {saved.note}")
     return 0
 
 
@@ -224,10 +266,35 @@ def _render_status(s) -> None:
     else:
         console.print("requests: none in flight")
 
+    if s.experts is not None:
+        _render_experts(console, s.experts)
+
     if s.receipt:
         console.print(Text("receipt", style="bold"))
         for line in s.receipt:
             console.print(Text("  " + line), soft_wrap=True)
+
+
+def _render_experts(console, e) -> None:
+    """The slots and homes on one line, then one line per MoE layer and the total:
+    hit rate = hits / lookups since start (SPEC §9's counters)."""
+    from rich.table import Table
+
+    console.print(f"experts: {e.slots} slots in use ({e.pinned} pinned), {e.host} in host pool, {e.disk} on disk; "
+                  f"{e.refills} refills, {e.evictions} evictions since start")
+    table = Table(title="expert hits by layer", title_justify="left")
+    for name in ("layer", "hit rate", "hits", "lookups", "routed"):
+        table.add_column(name, justify="right")
+
+    def row(name: str, hits: int, lookups: int, routed: int) -> None:
+        rate = f"{hits / lookups:.1%}" if lookups else "-"
+        table.add_row(name, rate, str(hits), str(lookups), str(routed))
+
+    for layer in e.layers:
+        row(str(layer.layer), layer.hits, layer.lookups, layer.routed)
+    table.add_section()
+    row("all", sum(x.hits for x in e.layers), sum(x.lookups for x in e.layers), sum(x.routed for x in e.layers))
+    console.print(table)
 
 
 def _duration(seconds: float) -> str:
@@ -282,9 +349,10 @@ COMMANDS: list[Command] = [
     Command("convert", "convert a Hugging Face folder or a .gguf file to .rad", _convert_args, _convert),
     Command("verify", "check a .rad file: header, extents and every checksum", _verify_args, _verify),
     Command("plan", "print the start-up receipt (the card split) for a model and a card", _plan_args, _plan),
-    Command("profile", "run prompts through a MoE model and write its expert profile (slot pre-fill order)",
-            _profile_args, _profile),
-    Command("status", "the running daemon's state, queue, requests and receipt", _status_args, _status),
+    Command("profile", "run prompts through a MoE model and write its expert profile (slot pre-fill order); "
+            "--save: the running daemon's live counts", _profile_args, _profile),
+    Command("status", "the running daemon's state, queue, requests, expert hit rates and receipt", _status_args,
+            _status),
     Command("drain", "stop admitting requests, finish those in flight, then exit", _control_args, _drain),
     Command("cancel", "cancel one request of the running daemon by its id", _cancel_args, _cancel),
 ]

@@ -45,6 +45,9 @@ from radianced.server import control, notify
 from radianced.server.http import Phase, Served, ServerState, build_app
 from radianced.server.metrics import Metrics
 from radianced.server.protocol import generation_defaults
+from radianced.tiers.host import HostPoolError
+from radianced.tiers.live_profile import LiveProfile
+from radianced.tiers.profile import ProfileError
 
 log = logging.getLogger("radianced")
 
@@ -52,7 +55,8 @@ EXTEND_EVERY_S = 5.0  # while loading, ask systemd for EXTEND_S more seconds thi
 EXTEND_S = 20.0
 SHUTDOWN_GRACE_S = 5.0  # after the drain: cancelled responses write their last bytes
 STOP_EXTRA_S = 15.0  # asked for beyond --drain-timeout when the stop begins
-_LOAD_ERRORS = (RadError, FileNotFoundError, PlanError, ConfigError, UnsupportedModel, OSError)
+_LOAD_ERRORS = (RadError, FileNotFoundError, PlanError, ConfigError, UnsupportedModel, OSError, HostPoolError,
+                ProfileError)
 
 
 def main(cfg: Config) -> int:
@@ -86,6 +90,7 @@ class Daemon:
         self._defaults: dict = {}  # sampling defaults from the model's generation config
         self._vocab_size = 0
         self.engine: AsyncEngine | None = None
+        self.live_profile: LiveProfile | None = None  # a MoE model's, once loaded
         self.started = time.monotonic()
         self._engine_task: asyncio.Task | None = None
         self._stop = asyncio.Event()
@@ -204,6 +209,7 @@ class Daemon:
         rad = RadFile.open(path)
         self._defaults = generation_defaults(rad.header.generation or {})
         self._vocab_size = rad.model.vocab_size
+        self.live_profile = LiveProfile.for_model(rad) if rad.header.experts else None
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cpu" or "RADIANCED_CPU_THREADS" in os.environ:
             torch.set_num_threads(cpu_threads())
@@ -267,7 +273,8 @@ class Daemon:
     # -- control socket -----------------------------------------------------------------
 
     def handlers(self) -> dict:
-        return {"status": self.status, "receipt": self.receipt_result, "drain": self.drain, "cancel": self.cancel}
+        return {"status": self.status, "receipt": self.receipt_result, "drain": self.drain, "cancel": self.cancel,
+                "profile_save": self.profile_save}
 
     def status(self, args: dict) -> control.StatusResult:
         engine = self.engine
@@ -284,6 +291,7 @@ class Daemon:
                                              generated=r.generated, age_s=r.age_s)
                       for r in (engine.live() if engine else ())],
             steps=engine.steps if engine else 0,
+            experts=_expert_status(engine.engine.experts) if engine else None,
         )
 
     def receipt_result(self, args: dict) -> control.ReceiptResult:
@@ -299,6 +307,45 @@ class Daemon:
         for prefix in ("chatcmpl-", "cmpl-"):
             request_id = request_id.removeprefix(prefix)
         return control.CancelResult(cancelled=self.engine is not None and self.engine.cancel(request_id))
+
+
+    async def profile_save(self, args: dict) -> control.ProfileSaveResult:
+        """Write the routing counted since start into the expert profile (tiers/live_profile.py
+        says why it merges); the file write runs on a thread."""
+        a = msgspec.convert(args, control.ProfileSaveArgs)
+        engine = self.engine
+        if engine is None:
+            raise control.ControlError("the model is still loading; save the profile once /health answers 200")
+        if self.live_profile is None:
+            raise control.ControlError(f"{self.model_name} is a dense model: it routes no experts, so it has no "
+                                       f"expert profile to save")
+        if a.out is not None and not os.path.isabs(a.out):
+            raise control.ControlError(f"out {a.out!r}: give an absolute path (the daemon's working directory is "
+                                       f"not the caller's)")
+        # a dict copy runs without giving up the GIL, so the step thread cannot change it mid-copy
+        routing, steps = dict(engine.engine.experts.routing), engine.steps
+        try:
+            saved = await asyncio.to_thread(self.live_profile.save, routing, steps, a.out, a.replace)
+        except ProfileError as e:
+            raise control.ControlError(str(e)) from None
+        log.info("expert profile saved: %s: %d ranked pairs, %d assignments added%s", saved.path, saved.pairs,
+                 saved.added, "" if saved.note is None else f" (replaced: {saved.note})")
+        return control.ProfileSaveResult(path=str(saved.path), pairs=saved.pairs, added=saved.added,
+                                         steps=saved.steps, merged=saved.merged, note=saved.note)
+
+
+def _expert_status(slab) -> control.ExpertStatus | None:
+    """The slab's slots, homes and per-layer counts; None for a dense model. Read on the loop while
+    a step may count: each number is whole, a layer's may be one layer-step apart."""
+    if slab is None:
+        return None
+    s, p = slab.stats, slab.placement
+    lookups, hits, routed = dict(s.lookups), dict(s.hits), dict(s.routed)
+    return control.ExpertStatus(
+        slots=slab.num_slots, pinned=len(p.pinned), host=len(p.host), disk=len(p.disk), refills=s.refills,
+        evictions=s.evictions,
+        layers=[control.LayerExperts(layer=layer, lookups=lookups[layer], hits=hits[layer], routed=routed[layer])
+                for layer in sorted(lookups)])
 
 
 class _StartFailed(Exception):

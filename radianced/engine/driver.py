@@ -18,7 +18,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -33,7 +33,13 @@ log = logging.getLogger("radianced.requests")
 
 
 class EngineFailed(RuntimeError):
-    """The engine task died; no live request will get another token."""
+    """The request cannot go on: the engine task died (no live request will get another
+    token), or, as `RequestFailed`, a step could not compute this request."""
+
+
+class RequestFailed(EngineFailed):
+    """This request failed (an expert it routed to could not be read); the engine and the
+    other requests go on. The message says what failed and what to do."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,9 @@ class EngineMetrics(Protocol):
     def add_generated_tokens(self, n: int) -> None: ...
     def add_prefix_hit_tokens(self, n: int) -> None: ...
     def add_expert_lookups(self, lookups: int, hits: int, overflow_bytes: int) -> None: ...
+    def add_expert_disk_reads(self, nbytes: int, seconds: Sequence[float]) -> None: ...
+    def set_arena_pages(self, tenant: str, pages: int) -> None: ...
+    def add_pages_moved(self, src: str, dst: str, pages: int) -> None: ...
 
 
 class _NoMetrics:
@@ -81,6 +90,9 @@ class _NoMetrics:
     def add_generated_tokens(self, n: int) -> None: pass
     def add_prefix_hit_tokens(self, n: int) -> None: pass
     def add_expert_lookups(self, lookups: int, hits: int, overflow_bytes: int) -> None: pass
+    def add_expert_disk_reads(self, nbytes: int, seconds: Sequence[float]) -> None: pass
+    def set_arena_pages(self, tenant: str, pages: int) -> None: pass
+    def add_pages_moved(self, src: str, dst: str, pages: int) -> None: pass
 
 
 @dataclass
@@ -126,6 +138,9 @@ class RequestStream:
         if self.done:
             raise StopAsyncIteration
         chunk = await self._stream.queue.get()
+        if isinstance(chunk, RequestFailed):
+            self.done = True
+            raise chunk
         if isinstance(chunk, BaseException):
             self.done = True
             raise EngineFailed(f"the engine failed: {chunk!r}") from chunk
@@ -153,7 +168,11 @@ class AsyncEngine:
         self._failed: BaseException | None = None
         self.steps = 0  # completed steps: the watchdog's sign of progress
         slab = engine.experts
+        # the slab's and the arena's cumulative counts already reported (the start fill's reads are not traffic)
         self._slab_seen = (slab.stats.total_lookups, slab.stats.total_hits) if slab is not None else None
+        self._disk_seen = slab.stats.disk_bytes if slab is not None else 0
+        self._moved_seen: dict[tuple[str, str], int] = {}
+        self._count_tiers()  # the gauges from the start, not from the first step
 
     @property
     def tokenizer(self):
@@ -191,6 +210,7 @@ class AsyncEngine:
                 # loop because it moves pages the scheduler owns; on CUDA its expert copies are
                 # the loop's only device calls.
                 self.engine.settle()
+                self._count_tiers()
                 self.steps += 1
         except asyncio.CancelledError:
             raise
@@ -278,12 +298,35 @@ class AsyncEngine:
             self._slab_seen = (lookups, hits)
             self.metrics.add_expert_lookups(dl, dh, (dl - dh) * slab.extent_bytes)
 
+    def _count_tiers(self) -> None:
+        """Since the last call: the disk tier's bytes and per-expert read times, arena pages
+        moved between tenants; and the pages each tenant holds now. After `settle`: its expert
+        admissions read from disk and lease pages too."""
+        slab, arena = self.engine.experts, self.engine.arena
+        if slab is not None:
+            self.metrics.add_expert_disk_reads(slab.stats.disk_bytes - self._disk_seen, slab.drain_disk_latencies())
+            self._disk_seen = slab.stats.disk_bytes
+        if arena is None:
+            return
+        stats = arena.stats()
+        for tenant, pages in stats.held:
+            self.metrics.set_arena_pages(tenant, pages)
+        for (src, dst), n in stats.moved:
+            if n > self._moved_seen.get((src, dst), 0):
+                self.metrics.add_pages_moved(src, dst, n - self._moved_seen.get((src, dst), 0))
+        self._moved_seen = dict(stats.moved)
+
     def _dispatch(self, events: list[SeqEvent]) -> None:
         now = time.perf_counter()
         m = self.metrics
         for ev in events:
             stream = self._streams.get(ev.request_id)
             if stream is None:
+                continue
+            if ev.error is not None:
+                del self._streams[ev.request_id]
+                log.error("%s: failed: %s", ev.request_id, ev.error)
+                stream.queue.put_nowait(RequestFailed(f"request {ev.request_id} failed: {ev.error}"))
                 continue
             if stream.first_token is None:
                 stream.first_token = now

@@ -46,6 +46,29 @@ class RequestSummary(msgspec.Struct, kw_only=True):
     age_s: float
 
 
+class LayerExperts(msgspec.Struct, kw_only=True):
+    """One MoE layer's routed-expert counts since start (SPEC §9): a lookup is one
+    (step, layer, distinct expert), a hit found it in a VRAM slot; routed counts
+    token-to-expert assignments."""
+
+    layer: int
+    lookups: int
+    hits: int
+    routed: int
+
+
+class ExpertStatus(msgspec.Struct, kw_only=True):
+    """The expert tiers of a MoE model: the slots now, the homes, and the counts per layer."""
+
+    slots: int  # VRAM expert slots in use, pinned ones included
+    pinned: int  # experts whose home is the card (a slot each, never evicted)
+    host: int  # experts whose home is the host pool
+    disk: int  # experts whose home is the model file (--weights-disk-tier)
+    refills: int  # slots filled since start after the pre-fill
+    evictions: int  # cached experts that gave up their slot since start
+    layers: list[LayerExperts]  # MoE layers in order
+
+
 class StatusResult(msgspec.Struct, kw_only=True):
     uptime_s: float
     state: Literal["loading", "ready", "draining"]
@@ -56,6 +79,7 @@ class StatusResult(msgspec.Struct, kw_only=True):
     waiting: int
     requests: list[RequestSummary]
     steps: int
+    experts: ExpertStatus | None = None  # None: a dense model, or still loading
 
 
 class ReceiptResult(msgspec.Struct, kw_only=True):
@@ -72,6 +96,20 @@ class CancelArgs(msgspec.Struct, kw_only=True):
 
 class CancelResult(msgspec.Struct, kw_only=True):
     cancelled: bool  # False: no such request (finished already, or never existed)
+
+
+class ProfileSaveArgs(msgspec.Struct, kw_only=True):
+    out: str | None = None  # absolute path on the daemon's host; None: <model>.expert-profile.bin
+    replace: bool = False  # drop the counts already in the file instead of adding to them
+
+
+class ProfileSaveResult(msgspec.Struct, kw_only=True):
+    path: str  # the profile written (absolute)
+    pairs: int  # ranked (layer, expert) pairs in it
+    added: int  # token-to-expert assignments this save added
+    steps: int  # routing steps the file has counted, all saves together
+    merged: bool  # the counts already in the file were kept and added to
+    note: str | None = None  # why an existing file was replaced instead of merged (another model's, corrupt)
 
 
 # -- messages --------------------------------------------------------------------

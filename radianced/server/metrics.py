@@ -11,6 +11,8 @@ histograms in `_seconds`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # Buckets reach down to a millisecond: a small model on a big card decodes a token in ~2 ms.
@@ -18,6 +20,9 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                  1.0, 2.5, 5.0, 10.0)
+# One expert read with O_DIRECT: ~0.1 ms for a small extent from NVMe, up to seconds on a slow or busy disk.
+DISK_READ_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                     2.5, 5.0)
 E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0)
 
@@ -54,6 +59,14 @@ class Metrics:
                                     registry=r)
         self._expert_overflow = Counter("radiance_expert_overflow_bytes", "Expert bytes read over the link "
                                         "(missed lookups x expert extent bytes).", registry=r)
+        self._disk_bytes = Counter("radiance_expert_disk_bytes", "Expert bytes the disk tier read from the model "
+                                   "file (O_DIRECT).", registry=r)
+        self._disk_read = Histogram("radiance_expert_disk_read_seconds", "Wall time of one expert read by the "
+                                    "disk tier.", buckets=DISK_READ_BUCKETS, registry=r)
+        self._arena_pages = Gauge("radiance_arena_pages", "Arena pages held, by tenant (kv, experts).", ["tenant"],
+                                  registry=r)
+        self._pages_moved = Counter("radiance_arena_pages_moved", "Arena pages one tenant took back from another "
+                                    "(lending), by from and to tenant.", ["from", "to"], registry=r)
         self._step = Histogram("radiance_step_duration_seconds", "Wall time of one engine step.",
                                buckets=TOKEN_BUCKETS, registry=r)
 
@@ -91,6 +104,19 @@ class Metrics:
         self._expert_lookups.inc(lookups)
         self._expert_hits.inc(hits)
         self._expert_overflow.inc(overflow_bytes)
+
+    def add_expert_disk_reads(self, nbytes: int, seconds: Sequence[float]) -> None:
+        """Bytes the disk tier read since the last call, and the time of each expert read."""
+        self._disk_bytes.inc(nbytes)
+        for t in seconds:
+            self._disk_read.observe(t)
+
+    def set_arena_pages(self, tenant: str, pages: int) -> None:
+        self._arena_pages.labels(tenant=tenant).set(pages)
+
+    def add_pages_moved(self, src: str, dst: str, pages: int) -> None:
+        """`pages` more pages of tenant `src` were taken back for tenant `dst`."""
+        self._pages_moved.labels(**{"from": src, "to": dst}).inc(pages)
 
     def set_running(self, n: int) -> None:
         self._running.set(n)

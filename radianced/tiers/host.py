@@ -24,11 +24,9 @@ Backing:
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import mmap
 import os
-import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,9 +38,9 @@ import xxhash
 from radianced.model.rad import DTYPES
 from radianced.tiers.disk import ALIGN, DEPTH, DiskError, DiskReader, Faults, align_up
 from radianced.tiers.profile import model_checksum
+from radianced.tiers.tmpfs import tmpfs_refusal
 
 MiB = 1 << 20
-TMPFS_MAGIC = 0x01021994
 CUDA_HOST_REGISTER_PORTABLE, CUDA_HOST_REGISTER_MAPPED = 1, 2
 
 Key = tuple[int, int]
@@ -234,12 +232,9 @@ def _fill(rad, keys: tuple[Key, ...], mm: mmap.mmap, row_bytes: int, depth: int,
 def _open_shared(folder: Path, name: str, size: int, ready: _Ready, fill) -> tuple[mmap.mmap, Path, FillStats | None]:
     """Map folder/name (size bytes) MAP_SHARED, filling it first unless a matching ready marker says
     another process has. Returns (mapping, path, fill stats or None when it was already filled)."""
-    if not folder.is_dir():
-        raise HostPoolError(f"ram={folder}: no such folder; create it on a tmpfs (e.g. under /dev/shm)")
-    fs = _fs_type(folder)
-    if fs != TMPFS_MAGIC:
-        raise HostPoolError(f"ram={folder}: not a tmpfs (file system type {fs:#x}); the shared pool must live in "
-                            f"RAM: use a folder under /dev/shm or mount a tmpfs")
+    why = tmpfs_refusal(folder)
+    if why is not None:
+        raise HostPoolError(why)
     path, marker, lock = folder / name, folder / (name + ".ready"), folder / (name + ".lock")
     lock_fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
@@ -301,13 +296,3 @@ def _allocate(fd: int, folder: Path, path: Path, size: int) -> None:
         path.unlink(missing_ok=True)
         raise HostPoolError(f"ram={folder}: cannot reserve {size / MiB:.2f} MiB for the host expert pool: "
                             f"{e.strerror}; {advice}") from None
-
-
-def _fs_type(path: Path) -> int:
-    """statfs(2)'s f_type (the first field of struct statfs on 64-bit Linux)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on x86-64 and arm64
-    if libc.statfs(os.fsencode(path), buf) != 0:
-        err = ctypes.get_errno()
-        raise HostPoolError(f"ram={path}: statfs failed: {os.strerror(err)}")
-    return struct.unpack_from("l", buf)[0] & 0xFFFFFFFF

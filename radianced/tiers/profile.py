@@ -20,6 +20,8 @@ naming the file and saying what to do.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import struct
 from collections.abc import Iterable, Sequence
@@ -145,18 +147,25 @@ class Profile:
         return pre + _SUM.pack(xxhash.xxh3_64_intdigest(pre)) + body
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write atomically (a temp file renamed over `path`)."""
+        """Write atomically: a temp file of this process beside `path`, synced, renamed over it.
+        Raises ProfileError naming the path (and, when refused, the folder that needs write access)."""
         path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         try:
             with open(tmp, "wb") as f:
                 f.write(self.to_bytes())
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+            _sync_folder(path.parent)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise ProfileError(f"{path}: cannot write the profile: {e.strerror or e}") from None
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            why = e.strerror or str(e)
+            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                why += (f": this user (uid {os.geteuid()}) cannot write in {path.parent}; give it write access "
+                        f"there or choose another path with --out")
+            raise ProfileError(f"{path}: cannot write the profile: {why}") from None
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str = "profile") -> Profile:
@@ -217,6 +226,15 @@ class Profile:
             raise ValueError(f"(layer {layer}, expert {expert}) is not a routed expert of this model "
                              f"(MoE layers {list(self.moe_layers)}, {self.num_experts} experts each)")
         return i * self.num_experts + expert
+
+
+def _sync_folder(folder: Path) -> None:
+    """fsync a folder, so a rename in it survives a crash."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _check_model(what: str, p: Profile, checksum: int, moe_layers: tuple[int, ...], num_experts: int) -> None:

@@ -76,3 +76,25 @@ def test_two_daemons_in_one_process_do_not_share_metrics():
     a.add_generated_tokens(5)
     assert samples(b)[("radiance_generation_tokens_total", ())] == 0.0
     assert REGISTRY.get_sample_value("radiance_generation_tokens_total") is None
+
+
+def test_tier_metrics_disk_reads_arena_pages_and_moves():
+    m = Metrics()
+    m.add_expert_disk_reads(3 * 4096, [0.0004, 0.002, 0.03])
+    m.add_expert_disk_reads(0, [])
+    m.set_arena_pages("kv", 12)
+    m.set_arena_pages("experts", 20)
+    m.set_arena_pages("kv", 10)
+    m.add_pages_moved("experts", "kv", 3)
+    m.add_pages_moved("experts", "kv", 2)
+    m.add_pages_moved("kv", "experts", 1)
+    s = samples(m)
+    assert s[("radiance_expert_disk_bytes_total", ())] == 12288.0
+    assert s[("radiance_expert_disk_read_seconds_count", ())] == 3.0
+    assert s[("radiance_expert_disk_read_seconds_bucket", (("le", "0.0005"),))] == 1.0
+    assert s[("radiance_expert_disk_read_seconds_bucket", (("le", "0.0025"),))] == 2.0
+    assert s[("radiance_expert_disk_read_seconds_bucket", (("le", "0.05"),))] == 3.0
+    assert s[("radiance_arena_pages", (("tenant", "kv"),))] == 10.0
+    assert s[("radiance_arena_pages", (("tenant", "experts"),))] == 20.0
+    assert s[("radiance_arena_pages_moved_total", (("from", "experts"), ("to", "kv")))] == 5.0
+    assert s[("radiance_arena_pages_moved_total", (("from", "kv"), ("to", "experts")))] == 1.0
