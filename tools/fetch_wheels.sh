@@ -8,14 +8,18 @@
 #   msgspec       not in the image; radianced imports it everywhere (config, .rad header)
 #   transformers  the image has 5.17.0; make_tiny and the CPU tests use the pinned 5.24.0
 #   regex         transformers checks regex>=2025.10.22 at import; the image's version is unknown
-# Versions follow this checkout's .venv, so the device runs what the CPU tests run.
+#   fla-core      the Gated DeltaNet chunked prefill (kernels/deltanet.py; the `gpu` extra, not in .venv).
+#                 Pinned: 0.6.0 has grouped value heads (Hv > Hk) and chunk_size, knows triton 3.6 to 3.8,
+#                 needs torch>=2.7 and einops (in the image); pure Python
+# Versions follow this checkout's .venv, so the device runs what the CPU tests run (fla-core: pinned here).
 # gguf is not needed: the device run converts no GGUF (SmolLM2 cannot travel, see bench/README.md).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-}
 if [ -z "$PY" ]; then if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi; fi
 version() { $PY -c "import importlib.metadata as m; print(m.version('$1'))"; }
-WANT=("msgspec==$(version msgspec)" "transformers==$(version transformers)" "regex==$(version regex)")
+WANT=("msgspec==$(version msgspec)" "transformers==$(version transformers)" "regex==$(version regex)"
+      "fla-core==0.6.0")
 rm -rf .whl
 mkdir -p .whl
 for spec in "${WANT[@]}"; do

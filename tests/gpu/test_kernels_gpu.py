@@ -183,3 +183,188 @@ def test_ops_select_binds_triton_on_cuda_and_reference_elsewhere(kernels):
     finally:
         assert ops.select("cpu") == "reference"
     assert ops.moe is reference.moe and ops.paged_attention is reference.paged_attention
+
+
+# == norms, RoPE and Gated DeltaNet (radianced/kernels/norm.py, rope.py, deltanet.py) ==================
+# Shapes: Qwen3-30B-A3B (hidden 2048; 32 / 4 heads x 128, full rotary, plain qk-norm), Qwen3-Next-80B
+# (16 / 2 heads x 256, rotary 64, zero-centred norms, the q view strided by the output gate; DeltaNet
+# 16 key / 32 value heads x 128, 8192 conv channels, W = 4), SmolLM2 (9 / 3 x 64, no qk-norm).
+
+
+@pytest.fixture(scope="module")
+def layer_kernels():
+    """(norm, rope, deltanet) modules; deltanet's chunked prefill imports fla-core on first use."""
+    if gpu_device() != "cuda":
+        pytest.skip("the Triton kernels need CUDA; on the CPU tests/kernels runs them in the interpreter")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    from radianced.kernels import deltanet, norm, rope
+    return norm, rope, deltanet
+
+
+def _rand(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(shape, generator=g, device="cuda") * scale).to(dtype)
+
+
+def _check(test: str, case: str, dtype: torch.dtype, got: torch.Tensor, want: torch.Tensor, **extra) -> None:
+    err = rel_err(got, want)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    record({"test": test, "case": case, "dtype": str(dtype).removeprefix("torch."), "rel_err": err,
+            "tolerance": tol, **extra})
+    assert err < tol, f"{test} {case}: rel err {err:.2e} over {tol}"
+
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+
+
+@DTYPES
+@pytest.mark.parametrize("t", [1, 63, 4096])
+@pytest.mark.parametrize("zero_centred", [False, True], ids=["plain", "zero_centred"])
+def test_rms_norm_real_shapes(layer_kernels, t, zero_centred, dtype):
+    norm = layer_kernels[0]
+    x, w = _rand(t, 2048, dtype=dtype, seed=t, scale=4.0), _rand(2048, dtype=dtype, seed=1, scale=0.2)
+    got = norm.rms_norm(x, w, 1e-6, zero_centred)
+    assert got.dtype == dtype
+    _check("kernel_rms_norm", f"t{t}_{'zc' if zero_centred else 'plain'}", dtype, got,
+           reference.rms_norm(x.float(), w.float(), 1e-6, zero_centred))
+
+
+@DTYPES
+@pytest.mark.parametrize("t", [1, 300])
+def test_gated_rms_norm_real_shapes(layer_kernels, t, dtype):
+    norm = layer_kernels[0]
+    x, w = _rand(t, 32, 128, dtype=dtype, seed=t, scale=2.0), _rand(128, dtype=dtype, seed=2)
+    z = _rand(t, 32, 256, dtype=dtype, seed=3)[:, :, 128:]
+    _check("kernel_gated_rms_norm", f"t{t}", dtype, norm.gated_rms_norm(x, z, w, 1e-6),
+           reference.gated_rms_norm(x.float(), z.float(), w.float(), 1e-6))
+
+
+ROTARY_CASES = {
+    # name: (Hq, Hk, D, rotary dim, qk-norm, zero-centred)
+    "qwen3_moe": (32, 4, 128, 128, True, False),
+    "qwen3_next": (16, 2, 256, 64, True, True),
+    "smollm2": (9, 3, 64, 64, False, False),
+}
+
+
+@DTYPES
+@pytest.mark.parametrize("t", [1, 300])
+@pytest.mark.parametrize("case", list(ROTARY_CASES))
+def test_rotary_qk_real_shapes(layer_kernels, case, t, dtype):
+    rope = layer_kernels[1]
+    hq, hk, d, rd, qk_norm, zc = ROTARY_CASES[case]
+    q = _rand(t, hq, 2 * d, dtype=dtype, seed=4)[:, :, :d]  # strided, as the output-gated q_proj leaves it
+    k = _rand(t, hk, d, dtype=dtype, seed=5)
+    positions = torch.randint(0, 32768, (t,), device="cuda")
+    cos, sin = reference.rotary_cos_sin(positions, rd, 1e6)
+    weights = (_rand(d, dtype=dtype, seed=6, scale=0.2), _rand(d, dtype=dtype, seed=7, scale=0.2)) if qk_norm else ()
+    got = rope.rotary_qk(q, k, cos, sin, *weights, 1e-6, zc)
+    want = reference.rotary_qk(q.float(), k.float(), cos, sin, *(w.float() for w in weights), 1e-6, zc)
+    _check("kernel_rotary_qk", f"{case}_t{t}_q", dtype, got[0], want[0])
+    _check("kernel_rotary_qk", f"{case}_t{t}_k", dtype, got[1], want[1])
+
+
+HK_DN, HV_DN, K_DN, V_DN, W_DN = 16, 32, 128, 128, 4  # Qwen3-Next-80B's Gated DeltaNet
+C_DN = 2 * HK_DN * K_DN + HV_DN * V_DN
+
+
+def _deltanet_tokens(t: int, dtype: torch.dtype, seed: int):
+    """One sequence's inputs to the layer's ops: x [T, C], a, b [T, Hv], as the projections give them."""
+    return (_rand(t, C_DN, dtype=dtype, seed=seed), _rand(t, HV_DN, dtype=dtype, seed=seed + 1, scale=2.0),
+            _rand(t, HV_DN, dtype=dtype, seed=seed + 2, scale=2.0))
+
+
+def _deltanet_layer(ops_mod, params, x, a, b, conv_pool, rec_pool, slot_or_slots, decode: bool):
+    """The GatedDeltaNet op sequence of radianced/model/qwen3_next.py for one sequence (prefill) or a batch
+    (decode), through `ops_mod` (the reference module or the Triton modules, by name)."""
+    conv_w, a_log, dt_bias = params
+    t = x.shape[0]
+    g, beta = ops_mod.deltanet_gates(a, b, a_log, dt_bias)
+    if decode:
+        y = ops_mod.causal_conv1d_update(x, conv_w, conv_pool, slot_or_slots)
+    else:
+        y, conv_pool[slot_or_slots] = ops_mod.causal_conv1d_prefill(x, conv_w, conv_pool[slot_or_slots])
+    q, k, v = y.split([HK_DN * K_DN, HK_DN * K_DN, HV_DN * V_DN], dim=-1)
+    q, k, v = q.view(t, HK_DN, K_DN), k.view(t, HK_DN, K_DN), v.view(t, HV_DN, V_DN)
+    if decode:
+        return ops_mod.gated_delta_rule_decode(q, k, v, g, beta, rec_pool, slot_or_slots, use_qk_l2norm=True)
+    o, rec_pool[slot_or_slots] = ops_mod.gated_delta_rule_chunked(q, k, v, g, beta, rec_pool[slot_or_slots],
+                                                                  use_qk_l2norm=True)
+    return o
+
+
+class _TritonOps:
+    """The deltanet module's ops under the names the layer uses."""
+
+    def __init__(self, deltanet):
+        for name in ("deltanet_gates", "causal_conv1d_prefill", "causal_conv1d_update",
+                     "gated_delta_rule_chunked", "gated_delta_rule_decode"):
+            setattr(self, name, getattr(deltanet, name))
+
+
+@DTYPES
+def test_deltanet_prefill_mixed_lengths_then_decode_over_slots(layer_kernels, dtype):
+    """Prompts of 1, 15, 63, 300 and 1000 tokens prefilled into shuffled pool slots (the last one from a
+    carried-over state), then 3 decode steps of all five plus a padding row, all against the fp32 reference
+    on the same values. bf16 runs fla-core's chunked kernels; fp32 the reference chunked form."""
+    deltanet = layer_kernels[2]
+    ours = _TritonOps(deltanet)
+    params = (_rand(C_DN, W_DN, dtype=dtype, seed=10, scale=0.5), _rand(HV_DN, seed=11, scale=0.5),
+              _rand(HV_DN, dtype=dtype, seed=12))
+    params32 = tuple(p.float() for p in params)
+    pools = 9
+    conv = _rand(pools, C_DN, W_DN - 1, dtype=dtype, seed=13)
+    rec = _rand(pools, HV_DN, K_DN, V_DN, seed=14, scale=0.1)
+    conv[[2, 0, 7, 5]] = 0  # fresh sequences start from zeroed slots; slot 4 keeps its state
+    rec[[2, 0, 7, 5]] = 0
+    conv32, rec32 = conv.float().clone(), rec.clone()
+    lengths, slots = (1, 15, 63, 300, 1000), (2, 0, 7, 5, 4)
+    for i, (t, slot) in enumerate(zip(lengths, slots)):
+        x, a, b = _deltanet_tokens(t, dtype, seed=20 + 3 * i)
+        got = _deltanet_layer(ours, params, x, a, b, conv, rec, slot, decode=False)
+        want = _deltanet_layer(reference, params32, x.float(), a.float(), b.float(), conv32, rec32, slot, decode=False)
+        _check("kernel_deltanet_prefill", f"t{t}", dtype, got, want, slot=slot)
+        _check("kernel_deltanet_prefill_state", f"t{t}", dtype, rec[slot], rec32[slot])
+    batch_slots = torch.tensor([4, -1, 0, 7, 2, 5], device="cuda")
+    for step in range(3):
+        x, a, b = _deltanet_tokens(len(batch_slots), dtype, seed=50 + 3 * step)
+        got = _deltanet_layer(ours, params, x, a, b, conv, rec, batch_slots, decode=True)
+        want = _deltanet_layer(reference, params32, x.float(), a.float(), b.float(), conv32, rec32, batch_slots,
+                               decode=True)
+        _check("kernel_deltanet_decode", f"b6_step{step}", dtype, got, want)
+        assert torch.equal(got[1], torch.zeros_like(got[1]))  # the padding row
+    _check("kernel_deltanet_decode_state", "after_3_steps", dtype, rec, rec32)
+    _check("kernel_deltanet_conv_state", "after_3_steps", dtype, conv, conv32)
+    assert torch.equal(rec[[1, 3, 6, 8]], rec32[[1, 3, 6, 8]])  # nobody's slots untouched
+
+
+def test_deltanet_decode_batch_32_in_place_over_a_pool(layer_kernels):
+    """Decode at batch 32 over a 64-slot fp32 pool (the product's layout), bf16 activations."""
+    deltanet = layer_kernels[2]
+    b = 32
+    q, k = _rand(b, HK_DN, K_DN, dtype=torch.bfloat16, seed=60), _rand(b, HK_DN, K_DN, dtype=torch.bfloat16, seed=61)
+    v = _rand(b, HV_DN, V_DN, dtype=torch.bfloat16, seed=62)
+    g = -torch.rand((b, HV_DN), device="cuda")
+    beta = torch.rand((b, HV_DN), device="cuda").bfloat16()
+    pool = _rand(64, HV_DN, K_DN, V_DN, seed=63, scale=0.1)
+    slots = torch.randperm(64, device="cuda")[:b]
+    want_pool = pool.clone()
+    want = reference.gated_delta_rule_decode(q.float(), k.float(), v.float(), g, beta.float(), want_pool, slots,
+                                             use_qk_l2norm=True)
+    got = deltanet.gated_delta_rule_decode(q, k, v, g, beta, pool, slots, use_qk_l2norm=True)
+    _check("kernel_deltanet_decode", "b32_pool64", torch.bfloat16, got, want)
+    _check("kernel_deltanet_decode_state", "b32_pool64", torch.float32, pool, want_pool)
+
+
+def test_ops_select_binds_the_layer_kernels(layer_kernels):
+    from radianced.kernels import ops
+    norm, rope, deltanet = layer_kernels
+    try:
+        assert ops.select("cuda") == "triton"
+        assert ops.rms_norm is norm.rms_norm and ops.gated_rms_norm is norm.gated_rms_norm
+        assert ops.rotary_qk is rope.rotary_qk and ops.apply_rotary is rope.apply_rotary
+        assert ops.gated_delta_rule_decode is deltanet.gated_delta_rule_decode
+        assert ops.gated_delta_rule_chunked is deltanet.gated_delta_rule_chunked
+    finally:
+        assert ops.select("cpu") == "reference"
+    assert ops.rotary_qk is reference.rotary_qk and ops.causal_conv1d_update is reference.causal_conv1d_update

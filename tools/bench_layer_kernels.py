@@ -1,0 +1,201 @@
+"""The norm, RoPE and Gated DeltaNet kernels on CUDA: each Triton op against its torch reference op,
+and as a ratio to the device-copy bandwidth measured in the same run.
+
+    python tools/bench_layer_kernels.py [--out DIR]      # DIR defaults to $OUT, else ./out
+
+Writes DIR/bench_layer_kernels.json (rewritten after every case, so a run cut
+short keeps what it measured) and prints one line per case. Shapes are the
+products': Qwen3-30B-A3B (hidden 2048; 32 / 4 heads x 128, plain qk-norm, full
+rotary) and Qwen3-Next-80B (16 / 2 heads x 256, zero-centred qk-norm, rotary 64;
+DeltaNet 16 key / 32 value heads x 128, 8192 conv channels, W = 4, fp32 states),
+bf16 activations, at decode batch 1 and 32 and a 4096-token prefill.
+
+Each op is timed as CALLS calls captured in one CUDA graph (the decode runner's
+mode), per call; the floor is the op's unavoidable bytes (inputs read, outputs
+and states written) over the copy bandwidth (bytes read + written / time of a
+2 GiB device-to-device copy), and ratio = floor / time. The chunked prefill
+(fla-core) and its reference run eagerly (fla autotunes on first use) and have
+no byte floor: they are compute-bound. `rotary_qk` is also timed unfused (two
+Triton norms and two Triton rotations) to show what the fusion buys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+sys.path.insert(0, str(ROOT / "tools"))
+
+import torch  # noqa: E402
+
+from bench_kernels import time_events, time_graph  # noqa: E402
+
+CALLS = 10  # op calls per captured graph
+HIDDEN = 2048
+QWEN3 = (32, 4, 128, 128, False)  # Hq, Hk, D, rotary dim, zero-centred
+NEXT = (16, 2, 256, 64, True)
+HK, HV, DK, DV, C, W = 16, 32, 128, 128, 2 * 16 * 128 + 32 * 128, 4
+
+
+def _rand(*shape, dtype=torch.bfloat16, scale=1.0):
+    return (torch.randn(shape, device="cuda") * scale).to(dtype)
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def copy_bandwidth() -> float:
+    n = 2 << 30
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = time_events(lambda: dst.copy_(src), reps=20, warmup=3)
+    return 2 * n / t["median_s"]
+
+
+def _per_call(fn) -> float:
+    def many():
+        for _ in range(CALLS):
+            fn()
+    return time_graph(many)["median_s"] / CALLS
+
+
+# -- cases: name -> (triton fn, reference fn, floor bytes, extra timings) ---------------------------
+
+
+def norm_cases(norm, reference):
+    for t in (1, 32, 4096):
+        x, w = _rand(t, HIDDEN), _rand(HIDDEN)
+        yield (f"rms_norm zc t{t} h{HIDDEN}", lambda x=x, w=w: norm.rms_norm(x, w, 1e-6, True),
+               lambda x=x, w=w: reference.rms_norm(x, w, 1e-6, True), 2 * _nbytes(x) + _nbytes(w), {})
+        x, z, w = _rand(t, HV, DV), _rand(t, HV, DV), _rand(DV)
+        yield (f"gated_rms_norm t{t} {HV}x{DV}", lambda x=x, z=z, w=w: norm.gated_rms_norm(x, z, w, 1e-6),
+               lambda x=x, z=z, w=w: reference.gated_rms_norm(x, z, w, 1e-6), 3 * _nbytes(x) + _nbytes(w), {})
+
+
+def rotary_cases(norm, rope, reference):
+    for name, (hq, hk, d, rd, zc) in (("qwen3_moe", QWEN3), ("qwen3_next", NEXT)):
+        for t in (1, 32, 4096):
+            q, k, qw, kw = _rand(t, hq, d), _rand(t, hk, d), _rand(d, scale=0.1), _rand(d, scale=0.1)
+            cos, sin = reference.rotary_cos_sin(torch.arange(t, device="cuda"), rd, 1e6)
+
+            def unfused(q=q, k=k, qw=qw, kw=kw, cos=cos, sin=sin, zc=zc):
+                qn, kn = norm.rms_norm(q, qw, 1e-6, zc), norm.rms_norm(k, kw, 1e-6, zc)
+                return rope.apply_rotary(qn, cos, sin), rope.apply_rotary(kn, cos, sin)
+
+            yield (f"rotary_qk+norm {name} t{t}",
+                   lambda q=q, k=k, qw=qw, kw=kw, cos=cos, sin=sin, zc=zc: rope.rotary_qk(q, k, cos, sin, qw, kw,
+                                                                                         1e-6, zc),
+                   lambda q=q, k=k, qw=qw, kw=kw, cos=cos, sin=sin, zc=zc: reference.rotary_qk(q, k, cos, sin, qw,
+                                                                                              kw, 1e-6, zc),
+                   2 * _nbytes(q, k) + _nbytes(cos, sin), {"unfused_triton": unfused})
+
+
+def deltanet_cases(deltanet, reference):
+    a_log, dt_bias, conv_w = _rand(HV, dtype=torch.float32), _rand(HV), _rand(C, W)
+    for b in (1, 32):
+        a, bb = _rand(b, HV), _rand(b, HV)
+        yield (f"deltanet_gates b{b}", lambda a=a, bb=bb: deltanet.deltanet_gates(a, bb, a_log, dt_bias),
+               lambda a=a, bb=bb: reference.deltanet_gates(a, bb, a_log, dt_bias), _nbytes(a, bb) * 3, {})
+        x, conv = _rand(b, C), _rand(b, C, W - 1)
+        yield (f"causal_conv1d_update b{b} c{C}", lambda x=x, conv=conv: deltanet.causal_conv1d_update(x, conv_w, conv),
+               lambda x=x, conv=conv: reference.causal_conv1d_update(x, conv_w, conv),
+               2 * _nbytes(x) + 2 * _nbytes(conv) + _nbytes(conv_w), {})
+        q, k, v = _rand(b, HK, DK), _rand(b, HK, DK), _rand(b, HV, DV)
+        g, beta = -torch.rand((b, HV), device="cuda"), _rand(b, HV).sigmoid()
+        state = _rand(b, HV, DK, DV, dtype=torch.float32, scale=0.1)
+        yield (f"gated_delta_rule_decode b{b} fp32 state",
+               lambda q=q, k=k, v=v, g=g, beta=beta, s=state: deltanet.gated_delta_rule_decode(
+                   q, k, v, g, beta, s, use_qk_l2norm=True),
+               lambda q=q, k=k, v=v, g=g, beta=beta, s=state: reference.gated_delta_rule_decode(
+                   q, k, v, g, beta, s, use_qk_l2norm=True),
+               2 * _nbytes(state) + _nbytes(q, k, v) + _nbytes(v), {})
+    t = 4096
+    x, state = _rand(t, C), _rand(C, W - 1)
+    yield (f"causal_conv1d_prefill t{t} c{C}", lambda x=x, s=state: deltanet.causal_conv1d_prefill(x, conv_w, s),
+           lambda x=x, s=state: reference.causal_conv1d_prefill(x, conv_w, s), 2 * _nbytes(x), {})
+
+
+def chunked_case(deltanet, reference, t: int = 4096) -> dict:
+    q, k, v = _rand(t, HK, DK), _rand(t, HK, DK), _rand(t, HV, DV)
+    g, beta = -torch.rand((t, HV), device="cuda") * 0.1, _rand(t, HV).sigmoid()
+    state = _rand(HV, DK, DV, dtype=torch.float32, scale=0.1)
+    start = time.monotonic()
+    deltanet.gated_delta_rule_chunked(q, k, v, g, beta, state, use_qk_l2norm=True)  # fla autotunes here
+    torch.cuda.synchronize()
+    first = time.monotonic() - start
+    ours = time_events(lambda: deltanet.gated_delta_rule_chunked(q, k, v, g, beta, state, use_qk_l2norm=True),
+                       reps=10, warmup=2)
+    ref = time_events(lambda: reference.gated_delta_rule_chunked(q, k, v, g, beta, state, use_qk_l2norm=True),
+                      reps=3, warmup=1)
+    return {"case": f"gated_delta_rule_chunked t{t} (fla-core, eager)", "first_call_s": first,
+            "triton_s": ours["median_s"], "reference_s": ref["median_s"],
+            "speedup": ref["median_s"] / ours["median_s"], "tokens_per_s": t / ours["median_s"]}
+
+
+# -- driver ----------------------------------------------------------------------------------------
+
+
+def measure(case, hbm: float) -> dict:
+    name, ours, ref, floor_bytes, extra = case
+    t_ours, t_ref = _per_call(ours), _per_call(ref)
+    floor = floor_bytes / hbm
+    row = {"case": name, "triton_s": t_ours, "reference_s": t_ref, "speedup": t_ref / t_ours,
+           "floor_bytes": floor_bytes, "floor_s": floor, "ratio": floor / t_ours}
+    for label, fn in extra.items():
+        row[f"{label}_s"] = _per_call(fn)
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_layer_kernels: needs CUDA")
+        return 2
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from radianced.kernels import deltanet, norm, reference, rope
+
+    hbm = copy_bandwidth()
+    result = {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": hbm, "calls_per_graph": CALLS,
+              "cases": []}
+    print(f"device copy: {hbm / 1e12:.2f} TB/s (read + written)", flush=True)
+    path = out_dir / "bench_layer_kernels.json"
+    cases = [*norm_cases(norm, reference), *rotary_cases(norm, rope, reference), *deltanet_cases(deltanet, reference)]
+    for case in cases:
+        try:
+            row = measure(case, hbm)
+        except Exception:  # one broken case must not hide the others' numbers
+            row = {"case": case[0], "error": traceback.format_exc(limit=3)}
+            print(f"{case[0]}: FAILED\n{row['error']}", flush=True)
+        else:
+            unfused = f", unfused {row['unfused_triton_s'] * 1e6:.1f} us" if "unfused_triton_s" in row else ""
+            print(f"{row['case']}: {row['triton_s'] * 1e6:.1f} us (reference {row['reference_s'] * 1e6:.1f} us, "
+                  f"x{row['speedup']:.1f}{unfused}), floor {row['floor_s'] * 1e6:.2f} us, "
+                  f"{row['ratio']:.0%} of copy bandwidth", flush=True)
+        result["cases"].append(row)
+        path.write_text(json.dumps(result, indent=1))
+    try:
+        row = chunked_case(deltanet, reference)
+        print(f"{row['case']}: {row['triton_s'] * 1e3:.2f} ms (reference {row['reference_s'] * 1e3:.1f} ms, "
+              f"x{row['speedup']:.1f}), {row['tokens_per_s'] / 1e6:.2f} M tokens/s per layer; "
+              f"first call {row['first_call_s']:.1f} s", flush=True)
+    except Exception:
+        row = {"case": "gated_delta_rule_chunked", "error": traceback.format_exc(limit=3)}
+        print(f"chunked: FAILED\n{row['error']}", flush=True)
+    result["cases"].append(row)
+    path.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
