@@ -48,7 +48,6 @@ NOT_YET_SUPPORTED: dict[str, tuple[str, object]] = {
     "--ngram-placement": ("ngram_placement", None),
     "--vision-tower-placement": ("vision_tower_placement", None),
     # the engine does not pass ram=DIR to HostPool.create yet (Engine.build's _expert_slab)
-    "--host-pool-placement": ("host_pool_placement", "ram"),
 }
 # --kv-cache-dtype values that work; add a dtype when its issue lands.
 LANDED_KV_CACHE_DTYPES = ("auto",)

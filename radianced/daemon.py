@@ -36,6 +36,7 @@ import msgspec
 import uvicorn
 import uvloop
 
+from radianced.arena import detect_card
 from radianced.budget import Card, PlanError
 from radianced.config import Config, ConfigError
 from radianced.engine.driver import AsyncEngine
@@ -214,7 +215,9 @@ class Daemon:
         if device == "cpu" or "RADIANCED_CPU_THREADS" in os.environ:
             torch.set_num_threads(cpu_threads())
             log.info("torch CPU threads: %d", torch.get_num_threads())
-        card = Card.from_mib(self.cfg.card_mib) if self.cfg.card_mib else None
+        card = None
+        if self.cfg.card_mib:  # the arena's allocation unit is the device's, whatever size is claimed
+            card = Card.from_mib(self.cfg.card_mib, alloc_granule=detect_card(device).alloc_granule)
         start = time.monotonic()
         engine = Engine.build(rad, self.cfg, card, device)
         self.receipt = engine.receipt.lines()

@@ -84,7 +84,7 @@ class Engine:
             log.info(line)
         arena = Arena.from_receipt(receipt, device)
         dtype = rad.tensor("model.embed_tokens.weight", verify=False).dtype
-        experts = _expert_slab(rad, arena, receipt, dtype, cfg.expert_slots) if rad.header.experts else None
+        experts = _expert_slab(rad, arena, receipt, dtype, cfg) if rad.header.experts else None
         group = receipt.groups[0]
         bpp = receipt.blocks_per_page(group)
         storage = arena.paged_view(dtype, (bpp, group.layers, 2, BLOCK_TOKENS, m.num_key_value_heads, m.head_dim))
@@ -119,18 +119,19 @@ class Engine:
                         experts if isinstance(experts, ExpertSlab) else None)
         return cls(scheduler, runner, tokenizer)
 
-def _expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch.dtype,
-                 max_slots: int | None) -> ExpertSlab:
+def _expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch.dtype, cfg: Config) -> ExpertSlab:
     """The placement the receipt implies: pinned experts and a pre-filled cache in arena
     slots, the rest in the host pool (O_DIRECT-filled, checksums verified) read over the link,
     or with the disk tier in the file, read when a step routes them. With
-    `<model>.expert-profile.bin` beside the model, slots are filled in its rank order."""
+    `<model>.expert-profile.bin` beside the model, slots are filled in its rank order.
+    With `--host-pool-placement ram=DIR` the pool is a file in that tmpfs, shared by daemons."""
     ranking = _profile_ranking(rad)
     placement = place_receipt(receipt, routed_experts(rad.header), ranking=ranking)
     log.info("experts: %s", placement.line())
     host = None
     if placement.host:
-        pool = HostPool.create(rad, placement.host, row_bytes=receipt.page_bytes, capacity_bytes=receipt.host_pool)
+        pool = HostPool.create(rad, placement.host, row_bytes=receipt.page_bytes, capacity_bytes=receipt.host_pool,
+                               ram_dir=cfg.host_pool_ram_dir)
         log.info(pool.line())
         log.info(probe_pcie().line())
         host = pool.tensor[:, :pool.elems]  # a view: keeps the pool's memory alive
@@ -140,7 +141,7 @@ def _expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch.dtyp
     if placement.disk:
         log.info("disk tier: %d experts stay in %s, read with O_DIRECT when a step routes them "
                  "(buffers: 2 x %d slots)", len(placement.disk), rad.path, len(arena.reserved) // 2)
-    slab = ExpertSlab(arena, width, dtype, placement, host, loader, rad.model.num_experts, max_slots)
+    slab = ExpertSlab(arena, width, dtype, placement, host, loader, rad.model.num_experts, cfg.expert_slots)
     log.info(slab.fill_line(ranked=ranking is not None))
     return slab
 

@@ -33,9 +33,9 @@ def test_ram_dir_carries_the_folder(shm_dir):
     check_host(c)
 
 
-def test_ram_dir_is_refused_until_the_engine_maps_it(shm_dir):
-    with pytest.raises(ConfigError, match="^--host-pool-placement: not yet supported"):
-        parse_config(["--host-pool-mib", "512", "--host-pool-placement", f"ram={shm_dir}"])
+def test_ram_dir_names_the_folder_the_pool_file_goes_in(shm_dir):
+    cfg = parse_config(["--host-pool-mib", "512", "--host-pool-placement", f"ram={shm_dir}"])
+    assert cfg.host_pool_ram_dir == str(shm_dir)
     assert parse_config(["--host-pool-placement", "ram"]).host_pool_ram_dir is None
 
 
