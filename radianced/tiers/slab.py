@@ -42,6 +42,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import xxhash
 
@@ -82,6 +83,9 @@ class SlabStats:
 
 
 ExpertCounts = tuple[int, int, int, int]  # (lookups, hits, routed, routed_from_misses) of one sequence
+# one routed layer's call of a step: (layer, ids [T, k], the table entries the hits are judged by, or
+# None: the table as it is at end_step, unchanged during the step without a disk tier)
+Recorded = tuple[int, torch.Tensor, "np.ndarray | None"]
 
 
 class ExpertSlab:
@@ -106,7 +110,8 @@ class ExpertSlab:
         self._layer_pos = {layer: i for i, layer in enumerate(layers)}
         self._tables = {layer: torch.empty(num_experts, dtype=torch.int64, device=self.slab.device)
                         for layer in layers}
-        self._entry: dict[Key, int] = {}  # the tables' contents, readable without a device sync
+        # the tables' contents, readable without a device sync
+        self._entries = {layer: np.full(num_experts, MISSING, dtype=np.int64) for layer in layers}
         for key in placement.host + placement.disk:
             self._point(key, self._home_entry(key))
         self._pinned = frozenset(placement.pinned)
@@ -117,8 +122,9 @@ class ExpertSlab:
         self.stats = SlabStats({l: 0 for l in layers}, {l: 0 for l in layers}, {l: 0 for l in layers})
         self.num_experts = num_experts
         self.extent_bytes = width * dtype.itemsize  # what one overflow read moves over the link
-        self._row_seq: torch.Tensor | None = None  # [T]: the step's counted segment of each row, -1 if none
-        self._seq_counts: torch.Tensor | None = None  # [segments, 4]: ExpertCounts being summed over layers
+        self._recorded: list[Recorded] = []  # this step's routing, counted by end_step
+        self._segments: list[tuple[int, int]] = []  # row ranges counted apart (begin_step)
+        self._num_rows = 0
         self._staged: list[Key] = []  # disk experts pointed at a buffer row for this step
         self._failed_rows: torch.Tensor | None = None  # [T] bool: rows routed to an expert that failed to read
         self._failures: list[str] = []
@@ -140,23 +146,27 @@ class ExpertSlab:
         return self._tables[layer]
 
     def prepare(self, layer: int, expert_ids: torch.Tensor) -> None:
-        """Count the step's routing of `layer` (lookups, hits, scores); read the routed disk experts
-        without a slot into the layer's disk buffer. Host-resident experts are read in place by the
-        MoE (overflow), so nothing else has to move before it runs."""
-        experts, counts = torch.unique(expert_ids, return_counts=True)
-        ids, counts = experts.tolist(), counts.tolist()  # the host sync of the step's routing
-        entries = [self._entry[(layer, e)] for e in ids]
-        self.stats.lookups[layer] += len(ids)
-        self.stats.hits[layer] += sum(x >= 0 for x in entries)
-        self.stats.routed[layer] += sum(counts)
-        for e, c in zip(ids, counts):
-            self._score[(layer, e)] = self._score.get((layer, e), 0.0) + c
-            self.routing[(layer, e)] = self.routing.get((layer, e), 0) + c
-        if self._row_seq is not None:
-            self._count_segments(self._tables[layer], expert_ids)  # before staging: a disk read is a miss
-        missing = [e for e, x in zip(ids, entries) if x == MISSING]
+        """Record the step's routing of `layer` ([T, k] ids) for `end_step` to count. Without disk
+        homes this is all: no host sync, so a CUDA graph can capture it (host-resident experts are
+        read in place by the MoE). With disk homes, the routed ones without a slot are read into
+        the layer's disk buffer first (a host sync), and the hits are judged before that."""
+        if not self.placement.disk:
+            self._recorded.append((layer, expert_ids, None))
+            return
+        entries = self._entries[layer].copy()  # the table as the router found it
+        self._recorded.append((layer, expert_ids, entries))
+        routed = torch.unique(expert_ids).tolist()
+        missing = [e for e in routed if entries[e] == MISSING]
         if missing:
             self._stage(layer, missing, expert_ids)
+
+    def record(self) -> list[Recorded]:
+        """What `prepare` recorded since `begin_step` (the ids tensors a graph capture writes)."""
+        return list(self._recorded)
+
+    def replay(self, recorded: list[Recorded]) -> None:
+        """After a graph replay: count `recorded` (from `record` at capture) as this step's routing."""
+        self._recorded = list(recorded)
 
     def _stage(self, layer: int, missing: list[int], expert_ids: torch.Tensor) -> None:
         """Read `missing` experts of `layer` into its disk buffer and point the table at them."""
@@ -192,43 +202,54 @@ class ExpertSlab:
     # -- per-sequence accounting (SPEC §9: the per-request line) -------------------
 
     def begin_step(self, segments: Sequence[tuple[int, int]], num_rows: int) -> None:
-        """Before a forward of `num_rows` token rows: count the routing of each segment
-        (start, end) of rows apart (one segment per counted sequence) until `end_step`.
-        A lookup is one (layer, expert) a segment's rows needed this step, a hit found it
-        in a slot at that time; two segments needing one expert each count it."""
+        """Before a forward of `num_rows` token rows (a CUDA graph may run more: padding, not
+        counted): count the routing of each segment (start, end) of rows apart (one segment per
+        counted sequence) until `end_step`. A lookup is one (layer, expert) a segment's rows
+        needed this step, a hit found it in a slot at that time; two segments needing one
+        expert each count it."""
         self._failed_rows, self._failures = None, []
-        if not segments:
-            self._row_seq = self._seq_counts = None
-            return
-        row_seq = torch.full((num_rows,), -1, dtype=torch.int64)
-        for i, (start, end) in enumerate(segments):
-            row_seq[start:end] = i
-        self._row_seq = row_seq.to(self.slab.device)
-        self._seq_counts = torch.zeros((len(segments), 4), dtype=torch.int64, device=self.slab.device)
+        self._recorded = []
+        self._segments, self._num_rows = list(segments), num_rows
 
     def end_step(self) -> tuple[ExpertCounts, ...]:
-        """The counts of each segment given to `begin_step` (summed over layers); stops counting.
-        Disk experts read for the step stop being addressable (their buffer rows are reused)."""
+        """Count the step (per layer; scores; the segments of `begin_step`, summed over layers)
+        and return the segments' counts. Disk experts read for the step stop being addressable
+        (their buffer rows are reused). Call once after each forward."""
         for key in self._staged:
             self._point(key, MISSING)
         self._staged = []
-        counts = self._seq_counts
-        self._row_seq = self._seq_counts = None
-        return () if counts is None else tuple(tuple(row) for row in counts.tolist())
+        recorded, self._recorded = self._recorded, []
+        counts = np.zeros((len(self._segments), 4), dtype=np.int64)
+        if recorded:
+            n = self._num_rows
+            ids = torch.stack([r[1][:n] for r in recorded]).cpu().numpy()  # [layers, n, k]: one copy
+            for (layer, _, entries), layer_ids in zip(recorded, ids):
+                self._count_layer(layer, layer_ids, self._entries[layer] if entries is None else entries, counts)
+        self._segments = []
+        return tuple(tuple(int(x) for x in row) for row in counts)
 
-    def _count_segments(self, table: torch.Tensor, expert_ids: torch.Tensor) -> None:
-        """Add this layer's (lookups, hits, routed, routed_from_misses) of each segment."""
-        k = expert_ids.shape[1]
-        seg = self._row_seq.unsqueeze(1).expand(-1, k).reshape(-1)
-        ids = expert_ids.reshape(-1).to(torch.int64)
+    def _count_layer(self, layer: int, ids: np.ndarray, entries: np.ndarray, counts: np.ndarray) -> None:
+        """Add one layer's routing ([n, k] ids) to the stats, the scores and each segment's counts."""
+        experts, routed = np.unique(ids, return_counts=True)
+        self.stats.lookups[layer] += len(experts)
+        self.stats.hits[layer] += int((entries[experts] >= 0).sum())
+        self.stats.routed[layer] += int(routed.sum())
+        for e, c in zip(experts.tolist(), routed.tolist()):
+            self._score[(layer, e)] = self._score.get((layer, e), 0.0) + c
+            self.routing[(layer, e)] = self.routing.get((layer, e), 0) + c
+        if not self._segments:
+            return
+        seg = np.full(len(ids), -1, dtype=np.int64)
+        for i, (start, end) in enumerate(self._segments):
+            seg[start:end] = i
+        seg = np.repeat(seg, ids.shape[1])
         keep = seg >= 0
-        pairs, routed = torch.unique(seg[keep] * self.num_experts + ids[keep], return_counts=True)
-        seq, hit = pairs // self.num_experts, table[pairs % self.num_experts] >= 0
-        counts = self._seq_counts
-        counts[:, 0].index_add_(0, seq, torch.ones_like(seq))
-        counts[:, 1].index_add_(0, seq, hit.to(torch.int64))
-        counts[:, 2].index_add_(0, seq, routed)
-        counts[:, 3].index_add_(0, seq, routed * ~hit)
+        pairs, n = np.unique(seg[keep] * self.num_experts + ids.reshape(-1)[keep], return_counts=True)
+        seq, hit = pairs // self.num_experts, entries[pairs % self.num_experts] >= 0
+        np.add.at(counts[:, 0], seq, 1)
+        np.add.at(counts[:, 1], seq, hit)
+        np.add.at(counts[:, 2], seq, n)
+        np.add.at(counts[:, 3], seq, n * ~hit)
 
     # -- the arena's reclaimer -----------------------------------------------------
 
@@ -363,4 +384,4 @@ class ExpertSlab:
     def _point(self, key: Key, entry: int) -> None:
         layer, expert = key
         self._tables[layer][expert] = entry
-        self._entry[key] = entry
+        self._entries[layer][expert] = entry
