@@ -10,8 +10,8 @@ rotary) and Qwen3-Next-80B (16 / 2 heads x 256, zero-centred qk-norm, rotary 64;
 DeltaNet 16 key / 32 value heads x 128, 8192 conv channels, W = 4, fp32 states),
 bf16 activations, at decode batch 1 and 32 and a 4096-token prefill.
 
-Each op is timed as CALLS calls captured in one CUDA graph (the decode runner's
-mode), per call; the floor is the op's unavoidable bytes (inputs read, outputs
+Each op is timed as CALLS calls on distinct buffers (no call finds its data in
+the 60 MB L2) captured in one CUDA graph (the decode runner's mode), per call; the floor is the op's unavoidable bytes (inputs read, outputs
 and states written) over the copy bandwidth (bytes read + written / time of a
 2 GiB device-to-device copy), and ratio = floor / time. The chunked prefill
 (fla-core) and its reference run eagerly (fla autotunes on first use) and have
@@ -48,10 +48,6 @@ def _rand(*shape, dtype=torch.bfloat16, scale=1.0):
     return (torch.randn(shape, device="cuda") * scale).to(dtype)
 
 
-def _nbytes(*tensors: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def copy_bandwidth() -> float:
     n = 2 << 30
     src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
@@ -60,67 +56,74 @@ def copy_bandwidth() -> float:
     return 2 * n / t["median_s"]
 
 
-def _per_call(fn) -> float:
+def _per_call(make, fn) -> float:
+    """Seconds per call of fn(*make()), CALLS calls on distinct buffers (so no call finds its data in L2)."""
+    args = [make() for _ in range(CALLS)]
+
     def many():
-        for _ in range(CALLS):
-            fn()
+        for a in args:
+            fn(*a)
     return time_graph(many)["median_s"] / CALLS
 
 
-# -- cases: name -> (triton fn, reference fn, floor bytes, extra timings) ---------------------------
+# -- cases: (name, make() -> args, {label: fn(*args)} with "triton" and "reference", floor bytes) -------
 
 
 def norm_cases(norm, reference):
+    w = _rand(HIDDEN)
     for t in (1, 32, 4096):
-        x, w = _rand(t, HIDDEN), _rand(HIDDEN)
-        yield (f"rms_norm zc t{t} h{HIDDEN}", lambda x=x, w=w: norm.rms_norm(x, w, 1e-6, True),
-               lambda x=x, w=w: reference.rms_norm(x, w, 1e-6, True), 2 * _nbytes(x) + _nbytes(w), {})
-        x, z, w = _rand(t, HV, DV), _rand(t, HV, DV), _rand(DV)
-        yield (f"gated_rms_norm t{t} {HV}x{DV}", lambda x=x, z=z, w=w: norm.gated_rms_norm(x, z, w, 1e-6),
-               lambda x=x, z=z, w=w: reference.gated_rms_norm(x, z, w, 1e-6), 3 * _nbytes(x) + _nbytes(w), {})
+        yield (f"rms_norm zc t{t} h{HIDDEN}", lambda t=t: (_rand(t, HIDDEN),),
+               {"triton": lambda x: norm.rms_norm(x, w, 1e-6, True),
+                "reference": lambda x: reference.rms_norm(x, w, 1e-6, True)}, 2 * t * HIDDEN * 2)
+    wv = _rand(DV)
+    for t in (1, 32, 4096):
+        yield (f"gated_rms_norm t{t} {HV}x{DV}", lambda t=t: (_rand(t, HV, DV), _rand(t, HV, DV)),
+               {"triton": lambda x, z: norm.gated_rms_norm(x, z, wv, 1e-6),
+                "reference": lambda x, z: reference.gated_rms_norm(x, z, wv, 1e-6)}, 3 * t * HV * DV * 2)
 
 
 def rotary_cases(norm, rope, reference):
     for name, (hq, hk, d, rd, zc) in (("qwen3_moe", QWEN3), ("qwen3_next", NEXT)):
+        qw, kw = _rand(d, scale=0.1), _rand(d, scale=0.1)
         for t in (1, 32, 4096):
-            q, k, qw, kw = _rand(t, hq, d), _rand(t, hk, d), _rand(d, scale=0.1), _rand(d, scale=0.1)
             cos, sin = reference.rotary_cos_sin(torch.arange(t, device="cuda"), rd, 1e6)
 
-            def unfused(q=q, k=k, qw=qw, kw=kw, cos=cos, sin=sin, zc=zc):
+            def unfused(q, k, qw=qw, kw=kw, cos=cos, sin=sin, zc=zc):
                 qn, kn = norm.rms_norm(q, qw, 1e-6, zc), norm.rms_norm(k, kw, 1e-6, zc)
                 return rope.apply_rotary(qn, cos, sin), rope.apply_rotary(kn, cos, sin)
 
-            yield (f"rotary_qk+norm {name} t{t}",
-                   lambda q=q, k=k, qw=qw, kw=kw, cos=cos, sin=sin, zc=zc: rope.rotary_qk(q, k, cos, sin, qw, kw,
-                                                                                         1e-6, zc),
-                   lambda q=q, k=k, qw=qw, kw=kw, cos=cos, sin=sin, zc=zc: reference.rotary_qk(q, k, cos, sin, qw,
-                                                                                              kw, 1e-6, zc),
-                   2 * _nbytes(q, k) + _nbytes(cos, sin), {"unfused_triton": unfused})
+            yield (f"rotary_qk+norm {name} t{t}", lambda t=t, hq=hq, hk=hk, d=d: (_rand(t, hq, d), _rand(t, hk, d)),
+                   {"triton": lambda q, k, qw=qw, kw=kw, cos=cos, sin=sin, zc=zc: rope.rotary_qk(
+                       q, k, cos, sin, qw, kw, 1e-6, zc),
+                    "reference": lambda q, k, qw=qw, kw=kw, cos=cos, sin=sin, zc=zc: reference.rotary_qk(
+                        q, k, cos, sin, qw, kw, 1e-6, zc),
+                    "unfused_triton": unfused},
+                   2 * t * (hq + hk) * d * 2 + 2 * t * rd * 4)
 
 
 def deltanet_cases(deltanet, reference):
     a_log, dt_bias, conv_w = _rand(HV, dtype=torch.float32), _rand(HV), _rand(C, W)
     for b in (1, 32):
-        a, bb = _rand(b, HV), _rand(b, HV)
-        yield (f"deltanet_gates b{b}", lambda a=a, bb=bb: deltanet.deltanet_gates(a, bb, a_log, dt_bias),
-               lambda a=a, bb=bb: reference.deltanet_gates(a, bb, a_log, dt_bias), _nbytes(a, bb) * 3, {})
-        x, conv = _rand(b, C), _rand(b, C, W - 1)
-        yield (f"causal_conv1d_update b{b} c{C}", lambda x=x, conv=conv: deltanet.causal_conv1d_update(x, conv_w, conv),
-               lambda x=x, conv=conv: reference.causal_conv1d_update(x, conv_w, conv),
-               2 * _nbytes(x) + 2 * _nbytes(conv) + _nbytes(conv_w), {})
-        q, k, v = _rand(b, HK, DK), _rand(b, HK, DK), _rand(b, HV, DV)
-        g, beta = -torch.rand((b, HV), device="cuda"), _rand(b, HV).sigmoid()
-        state = _rand(b, HV, DK, DV, dtype=torch.float32, scale=0.1)
-        yield (f"gated_delta_rule_decode b{b} fp32 state",
-               lambda q=q, k=k, v=v, g=g, beta=beta, s=state: deltanet.gated_delta_rule_decode(
-                   q, k, v, g, beta, s, use_qk_l2norm=True),
-               lambda q=q, k=k, v=v, g=g, beta=beta, s=state: reference.gated_delta_rule_decode(
-                   q, k, v, g, beta, s, use_qk_l2norm=True),
-               2 * _nbytes(state) + _nbytes(q, k, v) + _nbytes(v), {})
+        yield (f"deltanet_gates b{b}", lambda b=b: (_rand(b, HV), _rand(b, HV)),
+               {"triton": lambda a, bb: deltanet.deltanet_gates(a, bb, a_log, dt_bias),
+                "reference": lambda a, bb: reference.deltanet_gates(a, bb, a_log, dt_bias)}, b * HV * 2 * 4)
+        yield (f"causal_conv1d_update b{b} c{C}", lambda b=b: (_rand(b, C), _rand(b, C, W - 1)),
+               {"triton": lambda x, conv: deltanet.causal_conv1d_update(x, conv_w, conv),
+                "reference": lambda x, conv: reference.causal_conv1d_update(x, conv_w, conv)},
+               b * C * 2 * (2 + 2 * (W - 1)) + C * W * 2)
+
+        def decode_inputs(b=b):
+            return (_rand(b, HK, DK), _rand(b, HK, DK), _rand(b, HV, DV), -torch.rand((b, HV), device="cuda"),
+                    _rand(b, HV).sigmoid(), _rand(b, HV, DK, DV, dtype=torch.float32, scale=0.1))
+
+        yield (f"gated_delta_rule_decode b{b} fp32 state", decode_inputs,
+               {"triton": lambda *a: deltanet.gated_delta_rule_decode(*a, use_qk_l2norm=True),
+                "reference": lambda *a: reference.gated_delta_rule_decode(*a, use_qk_l2norm=True)},
+               b * HV * DK * DV * 4 * 2 + b * (2 * HK * DK + 2 * HV * DV) * 2)
     t = 4096
-    x, state = _rand(t, C), _rand(C, W - 1)
-    yield (f"causal_conv1d_prefill t{t} c{C}", lambda x=x, s=state: deltanet.causal_conv1d_prefill(x, conv_w, s),
-           lambda x=x, s=state: reference.causal_conv1d_prefill(x, conv_w, s), 2 * _nbytes(x), {})
+    yield (f"causal_conv1d_prefill t{t} c{C}", lambda: (_rand(t, C), _rand(C, W - 1)),
+           {"triton": lambda x, s: deltanet.causal_conv1d_prefill(x, conv_w, s),
+            "reference": lambda x, s: reference.causal_conv1d_prefill(x, conv_w, s)}, 2 * t * C * 2)
 
 
 def chunked_case(deltanet, reference, t: int = 4096) -> dict:
@@ -144,13 +147,11 @@ def chunked_case(deltanet, reference, t: int = 4096) -> dict:
 
 
 def measure(case, hbm: float) -> dict:
-    name, ours, ref, floor_bytes, extra = case
-    t_ours, t_ref = _per_call(ours), _per_call(ref)
+    name, make, fns, floor_bytes = case
+    row = {"case": name, **{f"{label}_s": _per_call(make, fn) for label, fn in fns.items()}}
     floor = floor_bytes / hbm
-    row = {"case": name, "triton_s": t_ours, "reference_s": t_ref, "speedup": t_ref / t_ours,
-           "floor_bytes": floor_bytes, "floor_s": floor, "ratio": floor / t_ours}
-    for label, fn in extra.items():
-        row[f"{label}_s"] = _per_call(fn)
+    row.update(speedup=row["reference_s"] / row["triton_s"], floor_bytes=floor_bytes, floor_s=floor,
+               ratio=floor / row["triton_s"])
     return row
 
 

@@ -88,12 +88,12 @@ def _conv_prefill_kernel(x_ptr, w_ptr, state_ptr, y_ptr, new_state_ptr, T, C,
     if tl.program_id(0) == 0:  # the new state: the last W-1 inputs of state ++ x
         i = tl.arange(0, BLOCK_W)
         i_ok = i < W - 1
-        src = T - (W - 1) + i
-        keep = tl.load(x_ptr + src[None, :].to(tl.int64) * stride_xt + c[:, None],
-                       mask=((src >= 0) & i_ok)[None, :] & c_ok[:, None], other=0.0).to(tl.float32)
+        last = T - (W - 1) + i  # input row of state column i; < 0: old state column W - 1 + last
+        keep = tl.load(x_ptr + last[None, :].to(tl.int64) * stride_xt + c[:, None],
+                       mask=((last >= 0) & i_ok)[None, :] & c_ok[:, None], other=0.0).to(tl.float32)
         if HAS_STATE:
-            keep += tl.load(state_ptr + c[:, None] * stride_sc + (W - 1 + src)[None, :],
-                            mask=((src < 0) & i_ok)[None, :] & c_ok[:, None], other=0.0).to(tl.float32)
+            keep += tl.load(state_ptr + c[:, None] * stride_sc + (W - 1 + last)[None, :],
+                            mask=((last < 0) & i_ok)[None, :] & c_ok[:, None], other=0.0).to(tl.float32)
         tl.store(new_state_ptr + c[:, None] * (W - 1) + i[None, :], keep.to(new_state_ptr.dtype.element_ty),
                  mask=c_ok[:, None] & i_ok[None, :])
 

@@ -1,13 +1,17 @@
 """Rotary position embedding on CUDA (rotate-half, full or partial), optionally fused with the qk-norm.
 
 One kernel, grid (T, tensors): a program takes one token of q (or of k) with all
-its heads ([H, D] padded to powers of two) and, in one pass over memory,
+its heads, read once in three parts per head (dims [0, R/2), [R/2, R) and the
+pass-through [R, D), R = cos.shape[-1], each padded to a power of two), and
 
 - optionally RMS-normalizes each head (Qwen3's per-head q/k norm; plain or
-  zero-centred), keeping `reference.rms_norm`'s rounding to the output dtype;
-- rotates the first R = cos.shape[-1] dims by rotate-half (the partner of dim d
-  < R/2 is d + R/2, and back), cos/sin rounded to the output dtype first as
-  `reference.apply_rotary` does; dims R.. D-1 pass through (partial rotary).
+  zero-centred);
+- rotates the first R dims by rotate-half: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s);
+  dims R .. D-1 pass through (partial rotary).
+
+All of it runs in fp32 and is rounded once, at the store: closer to the fp32
+truth than the reference's bf16 chain (which rounds after the norm, the weight,
+cos/sin and each product), by design.
 
 `rotary_qk` does q and k in one launch instead of the reference's two norms and
 two rotations; `apply_rotary` is the same kernel on one tensor. Heads may be
@@ -25,54 +29,65 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_token(x_ptr, out_ptr, w_ptr, t, n_heads, stride_xt, stride_xh, c, s, eps,
-                  D: tl.constexpr, ROT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                  NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr):
-    """Normalize (optionally) and rotate the n_heads heads of token t; out is contiguous [T, n_heads, D]."""
+def _normed(x, w_ptr, cols, ok, sum_sq, eps, D: tl.constexpr, NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr):
+    """x [BLOCK_H, n] times rsqrt(mean square + eps) and the weight at `cols` (x itself without NORM), fp32."""
+    if NORM:
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)[None, :]
+        if ZERO_CENTRED:
+            w = 1.0 + w
+        x = x * tl.rsqrt(sum_sq / D + eps) * w
+    return x
+
+
+@triton.jit
+def _rotate_token(x_ptr, out_ptr, w_ptr, t, n_heads, stride_xt, stride_xh, c1, s1, c2, s2, eps,
+                  D: tl.constexpr, ROT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                  BLOCK_PASS: tl.constexpr, NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr):
+    """Normalize (optionally) and rotate the n_heads heads of token t; out is contiguous [T, n_heads, D].
+
+    Each head is read in three parts: x1 = dims [0, R/2), x2 = [R/2, R), the pass-through [R, D)."""
     HALF: tl.constexpr = ROT // 2
     h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    rot = d < ROT
-    partner = tl.where(d < HALF, d + HALF, d - HALF)
-    mask = (h < n_heads)[:, None] & (d < D)[None, :]
-    base = x_ptr + t.to(tl.int64) * stride_xt + h[:, None] * stride_xh
-    x = tl.load(base + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(base + partner[None, :], mask=mask & rot[None, :], other=0.0).to(tl.float32)
-    if NORM:
-        rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
-        w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)[None, :]
-        wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)[None, :]
-        if ZERO_CENTRED:
-            x = (x * rstd * (1.0 + w)).to(out_ptr.dtype.element_ty).to(tl.float32)
-            xp = (xp * rstd * (1.0 + wp)).to(out_ptr.dtype.element_ty).to(tl.float32)
-        else:
-            x = ((x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * w).to(out_ptr.dtype.element_ty)
-            xp = ((xp * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * wp).to(out_ptr.dtype.element_ty)
-            x, xp = x.to(tl.float32), xp.to(tl.float32)
-    sign = tl.where(d < HALF, -1.0, 1.0)
-    y = tl.where(rot[None, :], x * c[None, :] + sign[None, :] * xp * s[None, :], x)
-    dst = out_ptr + (t.to(tl.int64) * n_heads + h[:, None]) * D + d[None, :]
-    tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=mask)
+    h_ok = (h < n_heads)[:, None]
+    j = tl.arange(0, BLOCK_HALF)
+    j_ok = j < HALF
+    p = ROT + tl.arange(0, BLOCK_PASS)
+    p_ok = p < D
+    src = x_ptr + t.to(tl.int64) * stride_xt + h[:, None] * stride_xh
+    dst = out_ptr + (t.to(tl.int64) * n_heads + h[:, None]) * D
+    x1 = tl.load(src + j[None, :], mask=h_ok & j_ok[None, :], other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + j[None, :], mask=h_ok & j_ok[None, :], other=0.0).to(tl.float32)
+    xp = tl.load(src + p[None, :], mask=h_ok & p_ok[None, :], other=0.0).to(tl.float32)
+    sum_sq = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1) + tl.sum(xp * xp, 1))[:, None]
+    x1 = _normed(x1, w_ptr, j, j_ok, sum_sq, eps, D, NORM, ZERO_CENTRED)
+    x2 = _normed(x2, w_ptr, HALF + j, j_ok, sum_sq, eps, D, NORM, ZERO_CENTRED)
+    xp = _normed(xp, w_ptr, p, p_ok, sum_sq, eps, D, NORM, ZERO_CENTRED)
+    ty = out_ptr.dtype.element_ty
+    tl.store(dst + j[None, :], (x1 * c1[None, :] - x2 * s1[None, :]).to(ty), mask=h_ok & j_ok[None, :])
+    tl.store(dst + HALF + j[None, :], (x2 * c2[None, :] + x1 * s2[None, :]).to(ty), mask=h_ok & j_ok[None, :])
+    tl.store(dst + p[None, :], xp.to(ty), mask=h_ok & p_ok[None, :])
 
 
 @triton.jit
 def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_heads, k_heads, eps,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
-                   D: tl.constexpr, ROT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                   NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr):
+                   D: tl.constexpr, ROT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                   BLOCK_PASS: tl.constexpr, NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr):
     t = tl.program_id(0)
-    d = tl.arange(0, BLOCK_D)
-    rot = d < ROT
-    c = tl.load(cos_ptr + t.to(tl.int64) * stride_ct + d, mask=rot, other=0.0)
-    s = tl.load(sin_ptr + t.to(tl.int64) * stride_st + d, mask=rot, other=0.0)
-    c = c.to(q_out_ptr.dtype.element_ty).to(tl.float32)  # as the reference: cos.to(x.dtype)
-    s = s.to(q_out_ptr.dtype.element_ty).to(tl.float32)
+    j = tl.arange(0, BLOCK_HALF)
+    j_ok = j < ROT // 2
+    cs = cos_ptr + t.to(tl.int64) * stride_ct
+    sn = sin_ptr + t.to(tl.int64) * stride_st
+    c1 = tl.load(cs + j, mask=j_ok, other=0.0).to(tl.float32)
+    c2 = tl.load(cs + ROT // 2 + j, mask=j_ok, other=0.0).to(tl.float32)
+    s1 = tl.load(sn + j, mask=j_ok, other=0.0).to(tl.float32)
+    s2 = tl.load(sn + ROT // 2 + j, mask=j_ok, other=0.0).to(tl.float32)
     if tl.program_id(1) == 0:
-        _rotate_token(q_ptr, q_out_ptr, qw_ptr, t, q_heads, stride_qt, stride_qh, c, s, eps,
-                      D, ROT, BLOCK_H, BLOCK_D, NORM, ZERO_CENTRED)
+        _rotate_token(q_ptr, q_out_ptr, qw_ptr, t, q_heads, stride_qt, stride_qh, c1, s1, c2, s2, eps,
+                      D, ROT, BLOCK_H, BLOCK_HALF, BLOCK_PASS, NORM, ZERO_CENTRED)
     else:
-        _rotate_token(k_ptr, k_out_ptr, kw_ptr, t, k_heads, stride_kt, stride_kh, c, s, eps,
-                      D, ROT, BLOCK_H, BLOCK_D, NORM, ZERO_CENTRED)
+        _rotate_token(k_ptr, k_out_ptr, kw_ptr, t, k_heads, stride_kt, stride_kh, c1, s1, c2, s2, eps,
+                      D, ROT, BLOCK_H, BLOCK_HALF, BLOCK_PASS, NORM, ZERO_CENTRED)
 
 
 # -- launcher --------------------------------------------------------------------------------------
@@ -113,12 +128,14 @@ def _launch(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: tor
     cos, sin = (c if c.stride(1) == 1 else c.contiguous() for c in (cos, sin))
     qw, kw = weights if weights is not None else (cos, cos)  # unused without NORM
     block_h = triton.next_power_of_2(max(q.shape[1], k.shape[1]))
-    block_d = triton.next_power_of_2(d)
+    block_half = triton.next_power_of_2(max(rot // 2, 1))
+    block_pass = triton.next_power_of_2(max(d - rot, 1))
+    elems = block_h * (2 * block_half + block_pass)
     _rotary_kernel[(q.shape[0], 1 if k is q else 2)](
         q, k, q_out, k_out, qw.contiguous(), kw.contiguous(), cos, sin, q.shape[1], k.shape[1], eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
-        D=d, ROT=rot, BLOCK_H=block_h, BLOCK_D=block_d, NORM=weights is not None, ZERO_CENTRED=zero_centred,
-        num_warps=4 if block_h * block_d <= 4096 else 8,
+        D=d, ROT=rot, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
+        NORM=weights is not None, ZERO_CENTRED=zero_centred, num_warps=4 if elems <= 2048 else 8,
     )
     return q_out, k_out
 
@@ -130,8 +147,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate-half RoPE on the first R = cos.shape[-1] dims of x: [T, H, D]; the rest passes (Triton).
 
     Same contract as `reference.apply_rotary`: cos, sin: [T, R] (R even, <= D,
-    any float dtype; rounded to x's dtype before use). Returns a new [T, H, D]
-    tensor in x's dtype.
+    any float dtype). Returns a new [T, H, D] tensor in x's dtype.
     """
     return _launch(x, None, cos, sin, None, 0.0, False)[0]
 

@@ -260,8 +260,9 @@ def test_rotary_qk_real_shapes(layer_kernels, case, t, dtype):
     positions = torch.randint(0, 32768, (t,), device="cuda")
     cos, sin = reference.rotary_cos_sin(positions, rd, 1e6)
     weights = (_rand(d, dtype=dtype, seed=6, scale=0.2), _rand(d, dtype=dtype, seed=7, scale=0.2)) if qk_norm else ()
-    got = rope.rotary_qk(q, k, cos, sin, *weights, 1e-6, zc)
-    want = reference.rotary_qk(q.float(), k.float(), cos, sin, *(w.float() for w in weights), 1e-6, zc)
+    got = rope.rotary_qk(q, k, cos, sin, *weights, eps=1e-6, zero_centred=zc)
+    want = reference.rotary_qk(q.float(), k.float(), cos, sin, *(w.float() for w in weights), eps=1e-6,
+                               zero_centred=zc)
     _check("kernel_rotary_qk", f"{case}_t{t}_q", dtype, got[0], want[0])
     _check("kernel_rotary_qk", f"{case}_t{t}_k", dtype, got[1], want[1])
 

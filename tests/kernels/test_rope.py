@@ -71,7 +71,7 @@ def test_rotary_qk_without_norm_is_two_rotations(dtype):
     assert rel_err(got_q.cpu(), want_q) < tol and rel_err(got_k.cpu(), want_k) < tol
 
 
-@pytest.mark.parametrize("t", [1, 63])
+@pytest.mark.parametrize("t", [1, 15])
 @pytest.mark.parametrize("zero_centred", [False, True], ids=["qwen3_plain", "next_zero_centred"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_qk_fused_with_the_qk_norm(t, zero_centred, dtype):
