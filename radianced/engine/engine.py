@@ -16,6 +16,7 @@ import torch
 from radianced.arena import KV, PASSED, Arena, Fence, Lease, TenantPages, detect_card
 from radianced.budget import BLOCK_TOKENS, Card, ModelFacts, PlanError, Receipt, plan
 from radianced.config import Config
+from radianced.engine.graphs import DecodeGraphs
 from radianced.engine.request import Request
 from radianced.engine.runner import Runner
 from radianced.engine.sampler import Sampler
@@ -93,6 +94,8 @@ class Engine:
             arena.register(KV, _KVReclaimer(allocator))
         engine = cls.assemble(rad, cfg, storage, allocator, device, experts, receipt.max_model_len, sampler_seed)
         engine.receipt, engine.arena, engine.experts = receipt, arena, experts
+        if torch.device(device).type == "cuda" and not cfg.enforce_eager:
+            engine.runner.graphs = _decode_graphs(engine, cfg, receipt)
         return engine
 
     @classmethod
@@ -144,6 +147,21 @@ def _expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch.dtyp
     slab = ExpertSlab(arena, width, dtype, placement, host, loader, rad.model.num_experts, cfg.expert_slots)
     log.info(slab.fill_line(ranked=ranking is not None))
     return slab
+
+
+def _decode_graphs(engine: Engine, cfg: Config, receipt: Receipt) -> DecodeGraphs | None:
+    """Capture the decode graphs, or None where decode runs eagerly (said in the log)."""
+    runner, m = engine.runner, engine.runner.model.cfg
+    why = None
+    if m.linear_attention_layers:
+        why = "hybrid model (recurrent-state slots have no padding slot yet)"
+    elif engine.experts is not None and engine.experts.placement.disk:
+        why = "the disk tier reads experts with a host sync in every routed layer"
+    if why:
+        log.info("decode graphs: none, decode runs eagerly: %s", why)
+        return None
+    max_blocks = -(-receipt.max_model_len // BLOCK_TOKENS)
+    return DecodeGraphs(runner.model, runner.cache, cfg.max_num_seqs, max_blocks, engine.experts)
 
 
 def _profile_ranking(rad: RadFile) -> list | None:

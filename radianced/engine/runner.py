@@ -31,26 +31,35 @@ class Runner:
         self.vocab_size = model.cfg.vocab_size
         self.eos_token_ids = eos_token_ids
         self.device = cache.storage.device
+        self.graphs = None  # DecodeGraphs (engine/graphs.py) once captured: decode steps replay them
 
     def run(self, plan: StepPlan) -> StepOutput:
         """Execute one step. Mutates the KV cache, state slots and checkpoints as the plan says."""
         self._copy_states(plan.before)
         seqs = plan.seqs
-        batch = ForwardBatch.build(
-            [list(s.token_ids) for s in seqs], [s.context_before for s in seqs],
-            [list(s.block_table[0]) for s in seqs], self.cache.block_size, logits=[s.sample for s in seqs],
-            state_slots=[s.state_slot for s in seqs] if self.cache.states is not None else None,
-            device=self.device)
         decode = [i for i, s in enumerate(seqs) if _is_decode(s)]
+        graph = self.graphs is not None and len(decode) == len(seqs) and self.graphs.bucket(len(seqs)) is not None
+        if graph:  # every sequence feeds one token and samples: query_start is 0, 1, ..., B
+            query_start = tuple(range(len(seqs) + 1))
+        else:
+            batch = ForwardBatch.build(
+                [list(s.token_ids) for s in seqs], [s.context_before for s in seqs],
+                [list(s.block_table[0]) for s in seqs], self.cache.block_size, logits=[s.sample for s in seqs],
+                state_slots=[s.state_slot for s in seqs] if self.cache.states is not None else None,
+                device=self.device)
+            query_start = batch.query_start
         if self.experts is not None:
-            qs = batch.query_start
-            self.experts.begin_step([(qs[i], qs[i + 1]) for i in decode], batch.num_tokens)
+            self.experts.begin_step([(query_start[i], query_start[i + 1]) for i in decode], query_start[-1])
         try:
-            with torch.inference_mode():
-                logits = self.model.forward(batch, self.cache)  # [R, V]: one row per sampling sequence
+            if graph:
+                logits = self.graphs.run([s.token_ids[0] for s in seqs], [s.context_before for s in seqs],
+                                         [s.block_table[0] for s in seqs])
+            else:
+                with torch.inference_mode():
+                    logits = self.model.forward(batch, self.cache)  # [R, V]: one row per sampling sequence
         finally:
             counts = self.experts.end_step() if self.experts is not None else None
-        errors = self._failed_seqs(batch.query_start) if self.experts is not None else None
+        errors = self._failed_seqs(query_start) if self.experts is not None else None
         self._copy_states(plan.after)
         rows = [SamplingRow(s.params, s.output_token_ids, s.prompt_token_ids) for s in seqs if s.sample]
         if not rows:

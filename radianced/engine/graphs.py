@@ -1,0 +1,166 @@
+"""Decode steps as CUDA graphs: one graph per batch-size bucket, replayed with new inputs.
+
+A decode step (every sequence feeds one token and samples) of n sequences runs
+the graph of the smallest bucket b >= n. The graph was captured over static
+input tensors; a step copies its inputs into them (one pinned host buffer, one
+copy per tensor, queued on the stream) and replays. Rows n..b-1 are padding:
+token 0 at position 0, KV slot -1 (the write is skipped), context length 1 over
+whatever block row b holds (read, never written), logits dropped. Their
+tokens are routed like any token, so a padded row may read an expert no real
+row needed; the expert accounting counts only the n real rows.
+
+What the graph sees change between replays is data, not addresses: the inputs,
+the KV pages, the expert tables (patched in place between steps, in stream
+order). The slab's routing record of a step is the ids tensors the capture
+wrote (`ExpertSlab.record`/`replay`). Prefill, mixed steps, hybrid models
+(recurrent-state slots have no spare slot for padding rows) and the disk tier
+(a host sync per layer) run eagerly.
+
+Memory: all buckets share one graph pool, captured largest first, charged by
+the receipt's "graph pool" workspace line.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from radianced.model.batch import ForwardBatch, KVCache
+from radianced.model.layers import CausalLM
+
+log = logging.getLogger("radianced.engine")
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def buckets_for(max_num_seqs: int) -> tuple[int, ...]:
+    """The batch sizes to capture: the standard buckets below max_num_seqs, and max_num_seqs."""
+    return tuple(b for b in BUCKETS if b < max_num_seqs) + (max_num_seqs,)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # [b, V]: the replay's output
+    recorded: list  # the slab's routing record of the capture (ExpertSlab.record)
+
+
+class DecodeGraphs:
+    """Captured decode graphs of one model over one KV cache; `run` replays the right one."""
+
+    def __init__(self, model: CausalLM, cache: KVCache, max_num_seqs: int, max_blocks: int, experts=None,
+                 capture: bool = True):
+        """max_blocks: block-table width (blocks of the longest sequence); experts: the model's
+        ExpertSlab, if any. capture=False runs the padded static batch eagerly instead of
+        replaying (the CPU checks the layout with it)."""
+        self.model, self.cache, self.experts = model, cache, experts
+        self.buckets = buckets_for(max_num_seqs)
+        self.device = cache.storage.device
+        b = self.buckets[-1]
+        dev = self.device
+
+        def zeros(*shape, dtype=torch.int64):
+            return torch.zeros(shape, dtype=dtype, device=dev)
+
+        self._ids, self._pos, self._slots = zeros(b), zeros(b), zeros(b)
+        self._tables = zeros(b, max_blocks, dtype=torch.int32)
+        self._lens = torch.ones(b, dtype=torch.int32, device=dev)
+        self._query_start = torch.arange(b + 1, dtype=torch.int32, device=dev)
+        self._rows = torch.arange(b, dtype=torch.int64, device=dev)
+        pin = dev.type == "cuda"
+        self._host = torch.zeros((4, b), dtype=torch.int64, pin_memory=pin)  # ids, positions, slots, lens
+        self._host_tables = torch.zeros((b, max_blocks), dtype=torch.int32, pin_memory=pin)
+        self._graphs: dict[int, _Graph] = {}
+        self._copied: torch.cuda.Event | None = None  # after the last step's input copies (CUDA)
+        self.capture = capture
+        if capture:
+            self._capture_all()
+
+    def bucket(self, n: int) -> int | None:
+        """The bucket a decode step of n sequences runs in, or None (too many)."""
+        return next((b for b in self.buckets if b >= n), None)
+
+    def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+        """One decode step of n = len(token_ids) sequences (sequence i feeds token_ids[i] at
+        positions[i]); returns logits [n, V] (fp32). The caller wraps it in the slab's
+        begin_step/end_step like an eager forward."""
+        n = len(token_ids)
+        b = self.bucket(n)
+        bs = self.cache.block_size
+        host = self._host
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copies have left the pinned buffers
+        host[:, n:b] = torch.tensor([0, 0, -1, 1]).unsqueeze(1)  # padding rows
+        host[0, :n] = torch.tensor(token_ids)
+        host[1, :n] = torch.tensor(positions)
+        host[2, :n] = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions)])
+        host[3, :n] = host[1, :n] + 1
+        width = max(p // bs for p in positions) + 1
+        for i, t in enumerate(block_tables):  # a table covers its own positions; the rest stays stale, unread
+            w = min(len(t), width)
+            self._host_tables[i, :w] = torch.tensor(t[:w], dtype=torch.int32)
+        nb = self.device.type == "cuda"
+        self._ids[:b].copy_(host[0, :b], non_blocking=nb)
+        self._pos[:b].copy_(host[1, :b], non_blocking=nb)
+        self._slots[:b].copy_(host[2, :b], non_blocking=nb)
+        self._lens[:b].copy_(host[3, :b], non_blocking=nb)
+        self._tables[:n, :width].copy_(self._host_tables[:n, :width], non_blocking=nb)
+        if nb:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        if not self.capture:
+            with torch.inference_mode():
+                return self.model.forward(self._batch(b), self.cache)[:n]
+        g = self._graphs[b]
+        g.graph.replay()
+        if self.experts is not None:
+            self.experts.replay(g.recorded)
+        return g.logits[:n]
+
+    def _batch(self, b: int) -> ForwardBatch:
+        """The static batch of bucket b: views of the input tensors."""
+        return ForwardBatch(
+            input_ids=self._ids[:b], positions=self._pos[:b], slot_mapping=self._slots[:b],
+            block_tables=self._tables[:b], logits_rows=self._rows[:b],
+            query_start=tuple(range(b + 1)), seq_lens=(1,) * b,
+            query_start_t=self._query_start[:b + 1], seq_lens_t=self._lens[:b])
+
+    def _capture_all(self) -> None:
+        """Warm up and capture every bucket, largest first, into one pool (padding rows only:
+        no KV is written)."""
+        t0 = time.perf_counter()
+        self._slots.fill_(-1)
+        pool = torch.cuda.graph_pool_handle()
+        before = torch.cuda.memory_allocated(self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for b in sorted(self.buckets, reverse=True):
+                batch = self._batch(b)
+                self._forward(batch, b)  # warm-up: Triton compiles, allocator settles
+                graph = torch.cuda.CUDAGraph()
+                self._begin(b)
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits = self.model.forward(batch, self.cache)
+                recorded = self.experts.record() if self.experts is not None else []
+                if self.experts is not None:
+                    self.experts.end_step()  # nothing ran yet: the capture recorded, it did not count
+                self._graphs[b] = _Graph(graph, logits, recorded)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        log.info("decode graphs: %d buckets (%s) captured in %.1f s, %.2f MiB held", len(self.buckets),
+                 ", ".join(map(str, self.buckets)), time.perf_counter() - t0,
+                 (torch.cuda.memory_allocated(self.device) - before) / 2**20)
+
+    def _begin(self, b: int) -> None:
+        if self.experts is not None:
+            self.experts.begin_step([], 0)  # a capture's routing is not a step's: nothing counted
+
+    def _forward(self, batch: ForwardBatch, b: int) -> None:
+        self._begin(b)
+        self.model.forward(batch, self.cache)
+        if self.experts is not None:
+            self.experts.end_step()
