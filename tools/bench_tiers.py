@@ -374,15 +374,17 @@ def rows(results: dict) -> list[tuple[str, str, str, str, str]]:
     ceil = results.get("ceilings", {})
     h2d = gpu_bench._g(ceil, "host_links", "pinned_h2d", "bytes_per_s")
     disk = gpu_bench._g(ceil, "disk_odirect", "best_read_bytes_per_s")
+    reads = gpu_bench._g(ceil, "disk_odirect", "reads") or {}
+    threads = " / ".join(f"{_gbs(r['bytes_per_s'])} x{k}" for k, r in reads.items())
     out = [("pinned H2D", _gbs(h2d), "", "", "ceiling (tools/gpu_bench.py ceiling_host_links)"),
-           ("O_DIRECT read", _gbs(disk), "", "", "ceiling; " + _f(gpu_bench._g(ceil, "disk_odirect", "fstype"),
-                                                                    "{}") + " at " + _f(gpu_bench._g(
-                                                                        ceil, "disk_odirect", "dir"), "{}"))]
+           ("O_DIRECT read", _gbs(disk), "", "", f"ceiling, the best of {threads or '-'} threads; "
+            f"{gpu_bench._g(ceil, 'disk_odirect', 'fstype')} at {gpu_bench._g(ceil, 'disk_odirect', 'dir')}")]
     model = results.get("model", {})
     if model.get("status") == "ok":
         out.append(("model", f"{model['layers']} of {model['of_layers']} layers, {model['routed_experts']} experts of "
                     f"{model['extent_bytes'] / MiB:.2f} MiB", "", "",
-                    f"synthetic Qwen3-30B-A3B shapes (width / {model['narrow']}), zipf {model['zipf']}, "
+                    f"synthetic Qwen3-30B-A3B shapes"
+                    + (f" (width / {model['narrow']})" if model["narrow"] != 1 else "") + f", zipf {model['zipf']}, "
                     f"{model['bytes'] / GiB:.2f} GiB file"))
     resident = {c: run_totals(r, results["slots_100"]["extent_bytes"]) for c in CONCURRENCY
                 if (r := _run_at(results.get("slots_100"), c))}
@@ -404,9 +406,10 @@ def _coverage_row(results: dict, share: float, h2d, resident1: dict | None, mode
     t = run_totals(run, sec["extent_bytes"])
     ideal = ideal_hit_rate(model, share) if model.get("status") == "ok" else None
     rate = t["overflow_bytes_per_s"]
-    extra = None
+    extra = linked = None
     if resident1 and t["step_s"] and t["step_s"] > resident1["step_s"]:
-        extra = t["miss_bytes"] / (t["seconds"] - t["steps"] * resident1["step_s"])  # past the resident step
+        beyond = t["seconds"] - t["steps"] * resident1["step_s"]  # the step time past the all-resident step
+        extra, linked = t["miss_bytes"] / beyond, (t["miss_bytes"] + t["refill_bytes"]) / beyond
     name = f"decode c=1, slots {round(share * 100)}% ({sec['expert_slots']}/{sec['experts']})"
     return [(name, f"{_f(t['tok_s'])} tok/s, hit {_pct(t['hit_rate'])}", f"ideal hit {_pct(ideal)}", "",
              f"{_f(t['step_s'] and t['step_s'] * 1e3, '{:.2f}')} ms/step, {t['steps']} steps after "
@@ -414,8 +417,9 @@ def _coverage_row(results: dict, share: float, h2d, resident1: dict | None, mode
              f"{_f(t['refills_per_step'])} refills per step"),
             (f"  overflow read rate, slots {round(share * 100)}%", _gbs(rate), f"pinned H2D {_gbs(h2d)}",
              _pct(rate / h2d) if rate is not None and h2d else "",
-             f"beyond the all-resident step time: {_gbs(extra)} = {_pct(extra / h2d) if extra and h2d else '-'}"
-             f" of H2D")]
+             f"over the step time beyond the all-resident step: {_gbs(extra)} = "
+             f"{_pct(extra / h2d) if extra and h2d else '-'} of H2D; misses and refill copies together: "
+             f"{_gbs(linked)} = {_pct(linked / h2d) if linked and h2d else '-'}")]
 
 
 def _concurrency_rows(results: dict, h2d, resident: dict) -> list:
