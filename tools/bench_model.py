@@ -389,14 +389,15 @@ def report_rows(res: dict) -> list[tuple[str, str, str, str, str]]:
     c = res.get("ceilings", {})
     cp, mm = c.get("hbm_copy", {}), c.get("matmul_bf16", {})
     hbm, flops = cp.get("bytes_per_s"), mm.get("flop_per_s")
-    rows.append((f"device copy {_mib(cp.get('bytes'))} (read+write)", _rate(hbm), "", "", "ceiling" + _why(cp)))
-    rows.append((f"bf16 matmul {mm.get('n', '?')}^3", _rate(flops, "FLOP/s"), "", "", "ceiling" + _why(mm)))
+    rows.append((f"device copy {_mib(cp.get('bytes'))} (read+write)", _rate(hbm), "", "", ("ceiling " + _why(cp)).strip()))
+    rows.append((f"bf16 matmul {mm.get('n', '?')}^3", _rate(flops, "FLOP/s"), "", "", ("ceiling " + _why(mm)).strip()))
     md = res.get("model", {})
     layers = f"{md.get('layers', '?')} of {REAL_LAYERS} layers"
-    for key in sorted(k for k in res if k.startswith("decode_b")):
-        d = res[key]
+    batches = res.get("sizes", {}).get("batches", ())
+    for b in batches:
+        d = res.get(f"decode_b{b}", {})
         if d.get("status") != "ok":
-            rows.append((f"decode {key[7:]}", "-", "", "", _why(d)))
+            rows.append((f"decode b{b}: Engine.step", "-", "", "", _why(d)))
             continue
         kern = d.get("forward_kernel_s")
         rows.append((
@@ -421,11 +422,10 @@ def report_rows(res: dict) -> list[tuple[str, str, str, str, str]]:
     else:
         rows.append(("prefill", "-", "", "", _why(p)))
     hb = res.get("hf_build", {})
-    for key in sorted(k for k in res if k.startswith("hf_decode_b")):
-        h = res[key]
-        ours = res.get(f"decode_b{key[11:]}", {})
+    for b in batches:
+        h, ours = res.get(f"hf_decode_b{b}", {}), res.get(f"decode_b{b}", {})
         if h.get("status") != "ok":
-            rows.append((f"transformers decode {key[10:]}", "-", "", "", _why(h)))
+            rows.append((f"transformers decode b{b}", "-", "", "", _why(h)))
             continue
         ratio = ours["tokens_per_s"] / h["tokens_per_s"] if ours.get("status") == "ok" else None
         rows.append((
@@ -439,9 +439,12 @@ def report_rows(res: dict) -> list[tuple[str, str, str, str, str]]:
 
 
 def _why(sec: dict) -> str:
-    if sec.get("status") in (None, "ok"):
+    """Why a section has no numbers ("" when it has them)."""
+    if sec.get("status") == "ok":
         return ""
-    return f" {sec.get('status')}: {(sec.get('error') or sec.get('why') or '')[:150]}"
+    if "status" not in sec:
+        return "not run (a section it needs failed)"
+    return f"{sec['status']}: {(sec.get('error') or sec.get('why') or '')[:150]}"
 
 
 def _pct(x: float | None) -> str:
