@@ -29,14 +29,23 @@ points the expert at a zeroed row, so only the tokens routed to it compute
 garbage; `take_failures` names their rows and the error, and the runner fails
 exactly the requests those rows belong to.
 
-Policy: frequency with exponential decay over steps (`DECAY` per step). Pure
-LRU thrashes when a step routes more distinct experts than there are slots;
-profile-static never adapts to the traffic; decayed counts keep the experts
-that keep being routed and forget a burst within a few dozen steps.
+Policy: frequency with exponential decay over steps (`DECAY` per step), with
+admission control. Pure LRU thrashes when a step routes more distinct experts
+than there are slots; profile-static never adapts to the traffic. Decayed
+counts keep the experts that keep being routed, but admitting every miss (as a
+first version did) churned: on the H200 at 25% coverage under a Zipf router it
+refilled 8 slots every step, each refill a copy as dear as the miss it saves,
+and decoded slower than at 10% coverage. So a missed expert takes a slot only
+when it was routed more than once lately (`ADMIT_MIN`) and is clearly hotter
+than the slot's coldest expert (`ADMIT_MARGIN`), and the half-life is a few
+dozen steps, not a few. Decay is lazy (a growing gain scales new counts) and
+the coldest slot comes off a heap, so a step costs O(routed experts), not
+O(all experts).
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from collections.abc import Sequence
@@ -52,7 +61,9 @@ from radianced.tiers.placement import CARD, DISK, HOST, Key, Placement
 
 log = logging.getLogger("radianced.experts")
 
-DECAY = 0.9  # per step: a count halves in about 7 steps
+DECAY = 0.98  # per step: a count halves in about 34 steps
+ADMIT_MIN = 1.5  # decayed routings a missed expert needs before it may take a slot
+ADMIT_MARGIN = 1.5  # ... and how much hotter than the slot's coldest expert, which it replaces
 MAX_REFILLS = 8  # slots refilled per rebalance: bounds the copy work between steps
 MISSING = -(1 << 62)  # table entry of a disk-homed expert without a slot (out of every tensor's range)
 
@@ -116,8 +127,12 @@ class ExpertSlab:
             self._point(key, self._home_entry(key))
         self._pinned = frozenset(placement.pinned)
         self._slot_of: dict[Key, int] = {}
-        self._score: dict[Key, float] = {}
-        # exact token-to-expert assignments since start: what a profile counts (`_score` decays)
+        # decayed routing counts, lazily: score = raw / gain, and the gain grows 1/DECAY a step
+        self._raw: dict[Key, float] = {}
+        self._gain = 1.0
+        self._cold: list[tuple[float, Key]] = []  # heap of (raw, cached key); stale entries skipped
+        self._missed: set[Key] = set()  # routed this step without a slot: the admission candidates
+        # exact token-to-expert assignments since start: what a profile counts (the scores decay)
         self.routing: dict[Key, int] = {}
         self.stats = SlabStats({l: 0 for l in layers}, {l: 0 for l in layers}, {l: 0 for l in layers})
         self.num_experts = num_experts
@@ -234,9 +249,14 @@ class ExpertSlab:
         self.stats.lookups[layer] += len(experts)
         self.stats.hits[layer] += int((entries[experts] >= 0).sum())
         self.stats.routed[layer] += int(routed.sum())
-        for e, c in zip(experts.tolist(), routed.tolist()):
-            self._score[(layer, e)] = self._score.get((layer, e), 0.0) + c
-            self.routing[(layer, e)] = self.routing.get((layer, e), 0) + c
+        for e, c, hit in zip(experts.tolist(), routed.tolist(), (entries[experts] >= 0).tolist()):
+            key = (layer, e)
+            raw = self._raw[key] = self._raw.get(key, 0.0) + c * self._gain
+            self.routing[key] = self.routing.get(key, 0) + c
+            if not hit:
+                self._missed.add(key)
+            elif key in self._slot_of and key not in self._pinned:
+                heapq.heappush(self._cold, (raw, key))
         if not self._segments:
             return
         seg = np.full(len(ids), -1, dtype=np.int64)
@@ -260,33 +280,40 @@ class ExpertSlab:
     def reclaim_cost(self) -> float:
         """Cost per byte of giving up a slot: re-reading the coldest expert over the link,
         weighted by how hot it still is (KV blocks are compared with recompute cost)."""
-        cold = self._coldest(1)
-        return self._score.get(cold[0], 0.0) + 1.0 if cold else float("inf")
+        cold = self._coldest()
+        return self._score(cold) + 1.0 if cold else float("inf")
 
     def surrender(self, n: int) -> tuple[Lease, Fence]:
         """Give up to n cached (non-pinned) slots, coldest first; their table entries point
         back at the host pool before the pages leave."""
-        victims = self._coldest(n)
-        pages = tuple(self._evict(key) for key in victims)
+        pages = []
+        while len(pages) < n and (cold := self._coldest()) is not None:
+            pages.append(self._evict(cold))
+        pages = tuple(pages)
         return Lease(EXPERTS, pages), PASSED  # CPU: no queued step reads the old rows
 
     # -- between steps -------------------------------------------------------------
 
     def rebalance(self, max_refills: int = MAX_REFILLS) -> int:
-        """Decay scores, then admit the hottest host experts without a slot: into free
-        pages the arena lends, else in place of a colder cached slot. Returns refills."""
-        for key in self._score:
-            self._score[key] *= DECAY
-        candidates = sorted((k for k in self._score if k not in self._slot_of and self._score[k] > 0.5),
-                            key=lambda k: -self._score[k])
+        """Decay scores, then admit the hottest experts the last step missed (routed at least
+        `ADMIT_MIN` lately): into free pages the arena lends, else in place of the coldest
+        cached slot if `ADMIT_MARGIN` times hotter. Returns refills."""
+        self._gain /= DECAY
+        if self._gain > 1e100:
+            self._renormalize()
+        candidates = sorted((k for k in self._missed if k not in self._slot_of),
+                            key=lambda k: -self._raw.get(k, 0.0))
+        self._missed.clear()
         admitted: list[tuple[Key, int]] = []
         for key in candidates[:max_refills]:
+            if self._score(key) < ADMIT_MIN:
+                break
             page = self._lease_one(pending=len(admitted))
             if page is None:
-                cold = self._coldest(1)
-                if not cold or self._score.get(cold[0], 0.0) >= self._score[key]:
+                cold = self._coldest()
+                if cold is None or ADMIT_MARGIN * self._raw.get(cold, 0.0) >= self._raw[key]:
                     break
-                page = self._evict(cold[0])  # the page stays ours: refilled in place (CPU: nothing queued reads it)
+                page = self._evict(cold)  # the page stays ours: refilled in place, in stream order
             admitted.append((key, page))
         failed = self._fill_many(admitted)
         for error in failed:
@@ -340,6 +367,8 @@ class ExpertSlab:
     def _take_slot(self, key: Key, page: int) -> None:
         self._slot_of[key] = page
         self._point(key, page)
+        if key not in self._pinned:
+            heapq.heappush(self._cold, (self._raw.get(key, 0.0), key))
 
     def verify_slot(self, slot: int) -> Key:
         """Check slot `slot`'s bytes against the file's checksum of the expert it holds (a copy to
@@ -377,9 +406,26 @@ class ExpertSlab:
             raise ValueError(f"expert (layer {key[0]}, expert {key[1]}) is pinned on the card: it always has a slot")
         return -1 - self.placement.host_row(*key) if home == HOST else MISSING
 
-    def _coldest(self, n: int) -> list[Key]:
-        cached = [k for k in self._slot_of if k not in self._pinned]
-        return sorted(cached, key=lambda k: self._score.get(k, 0.0))[:n]
+    def _score(self, key: Key) -> float:
+        """The decayed routing count of `key` now."""
+        return self._raw.get(key, 0.0) / self._gain
+
+    def _coldest(self) -> Key | None:
+        """The cached (not pinned) slot with the lowest score, or None; stale heap entries go."""
+        heap = self._cold
+        while heap:
+            raw, key = heap[0]
+            if key in self._slot_of and key not in self._pinned and raw == self._raw.get(key, 0.0):
+                return key
+            heapq.heappop(heap)
+        return None
+
+    def _renormalize(self) -> None:
+        """Fold the gain into the raw counts (before it overflows); rebuild the heap."""
+        self._raw = {k: v / self._gain for k, v in self._raw.items()}
+        self._gain = 1.0
+        self._cold = [(self._raw.get(k, 0.0), k) for k in self._slot_of if k not in self._pinned]
+        heapq.heapify(self._cold)
 
     def _point(self, key: Key, entry: int) -> None:
         layer, expert = key
