@@ -11,6 +11,9 @@
 #   fla-core      the Gated DeltaNet chunked prefill (kernels/deltanet.py; the `gpu` extra, not in .venv).
 #                 Pinned: 0.6.0 has grouped value heads (Hv > Hk) and chunk_size, knows triton 3.6 to 3.8,
 #                 needs torch>=2.7 and einops (in the image); pure Python
+#   liburing      the disk reader (tiers/disk.py, imported by the engine). Pinned 2024.5.3 (the newer wheels need
+#                 AVX-512); PyPI has no cp312 wheel of it, so it is built here from its sdist by a Python 3.12
+#                 (PY312; default python3.12, else pyenv's), with dynamic_import, its pure-Python dependency
 # Versions follow this checkout's .venv, so the device runs what the CPU tests run (fla-core: pinned here).
 # gguf is not needed: the device run converts no GGUF (SmolLM2 cannot travel, see bench/README.md).
 set -euo pipefail
@@ -27,5 +30,14 @@ for spec in "${WANT[@]}"; do
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "$spec"
 done
+if [ -z "${PY312:-}" ]; then  # python3.12 on PATH, else a pyenv 3.12 (its shim fails when 3.12 is not selected)
+  PY312=python3.12
+  if ! python3.12 -c '' 2>/dev/null; then PY312=$(ls -d "$HOME"/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1); fi
+fi
+if [ -z "$PY312" ] || ! "$PY312" -c '' 2>/dev/null; then
+  echo "fetch_wheels: no Python 3.12 ($PY312) to build the liburing wheel the device needs; set PY312" >&2
+  exit 1
+fi
+$PY312 -m pip wheel -q --no-binary liburing -w .whl "liburing==$(version liburing)"
 ls -l .whl
 du -sh .whl
