@@ -62,7 +62,6 @@ GRACE_S = 20  # past a section's budget before its alarm fires
 COVERAGE = (1.0, 0.25, 0.10, 0.50)  # slot coverage points, in the order they run (most needed first)
 CONCURRENCY = (1, 2, 4, 8)  # at 100% (the all-resident step time) and 25% coverage
 DISK_CONCURRENCY = (1, 4)
-_KEEP: list = []  # host pools of engines already torn down (see `teardown`)
 
 
 @dataclass(frozen=True)
@@ -167,12 +166,8 @@ def decode(engine: Engine, device: str, c: int, warm: int, steps: int, deadline:
 
 def teardown(engine: Engine) -> None:
     """Before an engine goes (its device memory is freed once the section returns): close its expert
-    loader. The engine drops its HostPool object without `close()`, so the pool's cudaHostRegister
-    would outlive its mapping, and a later pool mapped at the same address would fail to register:
-    its rows are kept mapped instead."""
-    if engine.experts.host is not None:
-        _KEEP.append(engine.experts.host)
-    engine.experts.loader.close()
+    loader and host pool (the pool's CUDA registration must go before its mapping does)."""
+    engine.close()
 
 
 def section_slots(rad: RadFile, p: Preset, device: str, share: float, deadline: float) -> dict:

@@ -9,7 +9,7 @@ receipt's elastic line, and the KV cache is a view over its pages.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +48,13 @@ class Engine:
     receipt: Receipt | None = None
     arena: Arena | None = None
     experts: ExpertSlab | None = None
+    resources: list = field(default_factory=list)  # closed by close(): host pool, expert loader
+
+    def close(self) -> None:
+        """Give back what lives outside torch's allocator: the expert loader's ring, fd and pinned
+        staging, the host pool's CUDA registration (before its memory is unmapped)."""
+        while self.resources:
+            self.resources.pop().close()
 
     def step(self) -> list[SeqEvent]:
         plan = self.scheduler.schedule()
@@ -85,7 +92,8 @@ class Engine:
             log.info(line)
         arena = Arena.from_receipt(receipt, device)
         dtype = rad.tensor("model.embed_tokens.weight", verify=False).dtype
-        experts = _expert_slab(rad, arena, receipt, dtype, cfg) if rad.header.experts else None
+        resources: list = []
+        experts = _expert_slab(rad, arena, receipt, dtype, cfg, resources) if rad.header.experts else None
         group = receipt.groups[0]
         bpp = receipt.blocks_per_page(group)
         storage = arena.paged_view(dtype, (bpp, group.layers, 2, BLOCK_TOKENS, m.num_key_value_heads, m.head_dim))
@@ -93,7 +101,7 @@ class Engine:
         if receipt.mode == "lending":
             arena.register(KV, _KVReclaimer(allocator))
         engine = cls.assemble(rad, cfg, storage, allocator, device, experts, receipt.max_model_len, sampler_seed)
-        engine.receipt, engine.arena, engine.experts = receipt, arena, experts
+        engine.receipt, engine.arena, engine.experts, engine.resources = receipt, arena, experts, resources
         if torch.device(device).type == "cuda" and not cfg.enforce_eager:
             engine.runner.graphs = _decode_graphs(engine, cfg, receipt)
         return engine
@@ -122,12 +130,14 @@ class Engine:
                         experts if isinstance(experts, ExpertSlab) else None)
         return cls(scheduler, runner, tokenizer)
 
-def _expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch.dtype, cfg: Config) -> ExpertSlab:
+def _expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch.dtype, cfg: Config,
+                 resources: list) -> ExpertSlab:
     """The placement the receipt implies: pinned experts and a pre-filled cache in arena
     slots, the rest in the host pool (O_DIRECT-filled, checksums verified) read over the link,
     or with the disk tier in the file, read when a step routes them. With
     `<model>.expert-profile.bin` beside the model, slots are filled in its rank order.
-    With `--host-pool-placement ram=DIR` the pool is a file in that tmpfs, shared by daemons."""
+    With `--host-pool-placement ram=DIR` the pool is a file in that tmpfs, shared by daemons.
+    Appends the host pool and the expert loader to `resources` (the engine closes them)."""
     ranking = _profile_ranking(rad)
     placement = place_receipt(receipt, routed_experts(rad.header), ranking=ranking)
     log.info("experts: %s", placement.line())
@@ -135,12 +145,14 @@ def _expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch.dtyp
     if placement.host:
         pool = HostPool.create(rad, placement.host, row_bytes=receipt.page_bytes, capacity_bytes=receipt.host_pool,
                                ram_dir=cfg.host_pool_ram_dir)
+        resources.append(pool)
         log.info(pool.line())
         log.info(probe_pcie().line())
         host = pool.tensor[:, :pool.elems]  # a view: keeps the pool's memory alive
     width = receipt.expert_extent // dtype.itemsize
     loader = ExpertLoader(DiskReader.from_rad(rad), arena.paged_view(dtype, (width,)), receipt.expert_extent,
                           receipt.staging_rows)
+    resources.append(loader)
     if placement.disk:
         log.info("disk tier: %d experts stay in %s, read with O_DIRECT when a step routes them "
                  "(buffers: 2 x %d slots)", len(placement.disk), rad.path, len(arena.reserved) // 2)
