@@ -143,8 +143,10 @@ def section_engine(st: State) -> dict:
     t0 = time.perf_counter()
     st.engine = Engine.build(st.rad, Config(**flags), card, device=st.device, sampler_seed=0)
     r = st.engine.receipt
+    graphs = st.engine.runner.graphs
     return {"flags": flags, "seconds": time.perf_counter() - t0, "receipt": r.lines(),
-            "expert_slots": st.engine.experts.num_slots, "experts": len(st.rad.header.experts)}
+            "expert_slots": st.engine.experts.num_slots, "experts": len(st.rad.header.experts),
+            "decode_graph_buckets": list(graphs.buckets) if graphs is not None else None}
 
 
 # -- our rows ---------------------------------------------------------------------------------
@@ -189,12 +191,20 @@ def _kernel_seconds(fn, device: str, reps: int = 3) -> float | str | None:
     return total_us / 1e6 / reps
 
 
-def _isolated(st: State) -> dict:
-    """One scheduled step, executed again and again by the runner alone and by the model alone."""
+def _isolated(st: State, decode: bool) -> dict:
+    """One scheduled step, executed again and again by the runner alone, by the decode graph
+    replay alone (decode steps, when the engine captured graphs) and by the eager model alone."""
     eng, device, reps = st.engine, st.device, st.sizes.reps
     plan = eng.scheduler.schedule()
     last = []
-    t_run = timeit(lambda: last.append(eng.runner.run(plan)), device, warmup=2, reps=reps)
+    out = {"plan_tokens": plan.num_tokens,
+           "runner_run": timeit(lambda: last.append(eng.runner.run(plan)), device, warmup=2, reps=reps)}
+    graphs = eng.runner.graphs
+    if decode and graphs is not None and graphs.bucket(len(plan.seqs)) is not None:
+        seqs = plan.seqs
+        args = ([q.token_ids[0] for q in seqs], [q.context_before for q in seqs], [q.block_table[0] for q in seqs])
+        out["graph_replay"] = timeit(lambda: graphs.run(*args), device, warmup=2, reps=reps)
+        out["graph_replay_kernel_s"] = _kernel_seconds(lambda: graphs.run(*args), device)
     model, cache = eng.runner.model, eng.runner.cache
     batch = _forward_batch(eng.runner, plan)
 
@@ -202,10 +212,10 @@ def _isolated(st: State) -> dict:
         with torch.inference_mode():
             return model.forward(batch, cache)
 
-    t_fwd = timeit(forward, device, warmup=2, reps=reps)
-    kernels = _kernel_seconds(forward, device)
+    out["model_forward"] = timeit(forward, device, warmup=2, reps=reps)  # eager: op by op
+    out["forward_kernel_s"] = _kernel_seconds(forward, device)
     eng.scheduler.update(plan, last[-1])
-    return {"runner_run": t_run, "model_forward": t_fwd, "forward_kernel_s": kernels, "plan_tokens": plan.num_tokens}
+    return out
 
 
 def section_decode(st: State, batch: int, hbm: float | None, matmul: float | None) -> dict:
@@ -221,7 +231,7 @@ def section_decode(st: State, batch: int, hbm: float | None, matmul: float | Non
     t_step = timeit(eng.step, st.device, warmup=warm, reps=s.reps)
     distinct = (stats.total_lookups - lookups) / (warm + s.reps)  # (layer, expert) pairs read per step
     context = s.context + 1 + (warm + s.reps) / 2  # mean tokens before a timed step's new one
-    iso = _isolated(st)
+    iso = _isolated(st, decode=True)
     eng.scheduler.abort_all()
     eng.settle()
     floor = decode_floor(st.rad, batch, context, distinct, hbm, matmul)
@@ -229,7 +239,7 @@ def section_decode(st: State, batch: int, hbm: float | None, matmul: float | Non
     return {"batch": batch, "prompt_tokens": s.context, "mean_context": context, "prefill_steps": prefill_steps,
             "engine_step": t_step, **iso, "distinct_experts_per_step": distinct, **floor,
             "ratio_floor_over_step": f / t_step["median_s"] if f else None,
-            "ratio_floor_over_forward": f / iso["model_forward"]["median_s"] if f else None,
+            "ratio_floor_over_graph": f / iso["graph_replay"]["median_s"] if f and "graph_replay" in iso else None,
             "tokens_per_s": batch / t_step["median_s"]}
 
 
@@ -254,7 +264,7 @@ def section_prefill(st: State, matmul: float | None) -> dict:
         if steps != 1:
             raise AssertionError(f"the {n}-token prompt took {steps} steps; raise --max-num-batched-tokens")
     eng.add(_request(st, "p-iso", n, 9))
-    iso = _isolated(st)
+    iso = _isolated(st, decode=False)
     eng.scheduler.abort_all()
     eng.settle()
     flop = prefill_flop(st.rad.model, n, _layer_matmul_params(st.rad))
@@ -389,8 +399,10 @@ def report_rows(res: dict) -> list[tuple[str, str, str, str, str]]:
     c = res.get("ceilings", {})
     cp, mm = c.get("hbm_copy", {}), c.get("matmul_bf16", {})
     hbm, flops = cp.get("bytes_per_s"), mm.get("flop_per_s")
-    rows.append((f"device copy {_mib(cp.get('bytes'))} (read+write)", _rate(hbm), "", "", ("ceiling " + _why(cp)).strip()))
-    rows.append((f"bf16 matmul {mm.get('n', '?')}^3", _rate(flops, "FLOP/s"), "", "", ("ceiling " + _why(mm)).strip()))
+    rows.append((f"device copy {_mib(cp.get('bytes'))} (read+write)", _rate(hbm), "", "",
+                 ("ceiling " + _why(cp)).strip()))
+    rows.append((f"bf16 matmul {mm.get('n', '?')}^3", _rate(flops, "FLOP/s"), "", "",
+                 ("ceiling " + _why(mm)).strip()))
     md = res.get("model", {})
     layers = f"{md.get('layers', '?')} of {REAL_LAYERS} layers"
     batches = res.get("sizes", {}).get("batches", ())
@@ -399,24 +411,19 @@ def report_rows(res: dict) -> list[tuple[str, str, str, str, str]]:
         if d.get("status") != "ok":
             rows.append((f"decode b{b}: Engine.step", "-", "", "", _why(d)))
             continue
-        kern = d.get("forward_kernel_s")
         rows.append((
             f"decode b{d['batch']}, Qwen3-30B-A3B shapes ({layers} + lm_head), ctx {d['prompt_tokens']:,}, "
             f"all experts resident: Engine.step",
             f"{_ms(d['engine_step']['median_s'])} ({d['tokens_per_s']:,.0f} tok/s)",
             f"{_ms(d['floor_s'])} ({d['floor_kind']})", _pct(d["ratio_floor_over_step"]),
-            f"runner.run {_ms(d['runner_run']['median_s'])}, model.forward {_ms(d['model_forward']['median_s'])} "
-            f"({_pct(d['ratio_floor_over_forward'])} of floor)"
-            + (f", its kernels {_ms(kern)}" if isinstance(kern, float) else "")
-            + f"; {_mib(d['min_bytes'])} moved at least, {d['distinct_experts_per_step']:.0f} distinct experts/step"
-            + (" (target >= 60% at b1)" if d["batch"] == 1 else "")))
+            _decode_note(d) + (" (target >= 60% at b1)" if d["batch"] == 1 else "")))
     p = res.get("prefill", {})
     if p.get("status") == "ok":
         kern = p.get("forward_kernel_s")
         rows.append((f"prefill {p['tokens']:,} tokens, one sequence ({layers} + lm_head): Engine.step",
                      f"{_ms(p['median_s'])} ({_rate(p['flop_per_s'], 'FLOP/s')})",
                      f"matmul {_rate(p['matmul_flop_per_s'], 'FLOP/s')}", _pct(p["ratio"]),
-                     f"{p['flop'] / 1e9:,.1f} GFLOP; model.forward {_ms(p['model_forward']['median_s'])} "
+                     f"{p['flop'] / 1e9:,.1f} GFLOP; eager model.forward {_ms(p['model_forward']['median_s'])} "
                      f"({_rate(p['forward_flop_per_s'], 'FLOP/s')})"
                      + (f", its kernels {_ms(kern)}" if isinstance(kern, float) else "")))
     else:
@@ -436,6 +443,21 @@ def report_rows(res: dict) -> list[tuple[str, str, str, str, str]]:
             f"attn {hb.get('attn_implementation')}, experts {hb.get('experts_implementation')}"
             + ("; target >= 20x at b1" if h["batch"] == 1 else "")))
     return rows
+
+
+def _decode_note(d: dict) -> str:
+    """The same step's parts: runner alone, graph replay alone, eager forward; bytes and experts."""
+    parts = [f"runner.run {_ms(d['runner_run']['median_s'])}"]
+    if "graph_replay" in d:
+        kern = d.get("graph_replay_kernel_s")
+        parts.append(f"decode graph replay {_ms(d['graph_replay']['median_s'])} "
+                     f"({_pct(d['ratio_floor_over_graph'])} of floor"
+                     + (f"; kernels {_ms(kern)})" if isinstance(kern, float) else ")"))
+    kern = d.get("forward_kernel_s")
+    parts.append(f"eager model.forward {_ms(d['model_forward']['median_s'])}"
+                 + (f" (kernels {_ms(kern)})" if isinstance(kern, float) else ""))
+    return (", ".join(parts) + f"; {_mib(d['min_bytes'])} moved at least, "
+            f"{d['distinct_experts_per_step']:.0f} distinct experts/step")
 
 
 def _why(sec: dict) -> str:
