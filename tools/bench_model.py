@@ -188,7 +188,7 @@ def _kernel_seconds(fn, device: str, reps: int = 3) -> float | str | None:
         return f"profiler failed: {e}"[:200]
     total_us = sum(getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
                    for ev in prof.key_averages())
-    return total_us / 1e6 / reps
+    return total_us / 1e6 / reps if total_us > 0 else "the profiler saw no kernels"
 
 
 def _isolated(st: State, decode: bool) -> dict:
