@@ -39,13 +39,12 @@ and decoded slower than at 10% coverage. So a missed expert takes a slot only
 when it was routed more than once lately (`ADMIT_MIN`) and is clearly hotter
 than the slot's coldest expert (`ADMIT_MARGIN`), and the half-life is a few
 dozen steps, not a few. Decay is lazy (a growing gain scales new counts) and
-the coldest slot comes off a heap, so a step costs O(routed experts), not
-O(all experts).
+the per-expert state is dense numpy ([layer, expert]), so counting a step
+and choosing victims are a few vectorized calls, not Python per expert.
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 from collections.abc import Sequence
@@ -118,22 +117,26 @@ class ExpertSlab:
         half = len(arena.reserved) // 2
         self._buffers = (arena.reserved[:half], arena.reserved[half:2 * half])
         layers = sorted({layer for layer, _ in placement.pinned + placement.host + placement.disk})
+        self._layers = layers
         self._layer_pos = {layer: i for i, layer in enumerate(layers)}
         self._tables = {layer: torch.empty(num_experts, dtype=torch.int64, device=self.slab.device)
                         for layer in layers}
-        # the tables' contents, readable without a device sync
-        self._entries = {layer: np.full(num_experts, MISSING, dtype=np.int64) for layer in layers}
+        # Dense [routed layer position, expert] state on the host, so a step is counted in a few
+        # numpy calls: the tables' contents (readable without a device sync), decayed routing counts
+        # (lazily: score = raw / gain, and the gain grows 1/DECAY a step), exact routing counts since
+        # start (what a profile counts), the last step's misses (admission candidates), and which
+        # experts sit in a cache slot (pinned ones excluded: never evicted).
+        shape = (len(layers), num_experts)
+        self._entries = np.full(shape, MISSING, dtype=np.int64)
+        self._raw = np.zeros(shape)
+        self._gain = 1.0
+        self._routing = np.zeros(shape, dtype=np.int64)
+        self._missed = np.zeros(shape, dtype=bool)
+        self._cached = np.zeros(shape, dtype=bool)
         for key in placement.host + placement.disk:
             self._point(key, self._home_entry(key))
         self._pinned = frozenset(placement.pinned)
         self._slot_of: dict[Key, int] = {}
-        # decayed routing counts, lazily: score = raw / gain, and the gain grows 1/DECAY a step
-        self._raw: dict[Key, float] = {}
-        self._gain = 1.0
-        self._cold: list[tuple[float, Key]] = []  # heap of (raw, cached key); stale entries skipped
-        self._missed: set[Key] = set()  # routed this step without a slot: the admission candidates
-        # exact token-to-expert assignments since start: what a profile counts (the scores decay)
-        self.routing: dict[Key, int] = {}
         self.stats = SlabStats({l: 0 for l in layers}, {l: 0 for l in layers}, {l: 0 for l in layers})
         self.num_experts = num_experts
         self.extent_bytes = width * dtype.itemsize  # what one overflow read moves over the link
@@ -168,7 +171,7 @@ class ExpertSlab:
         if not self.placement.disk:
             self._recorded.append((layer, expert_ids, None))
             return
-        entries = self._entries[layer].copy()  # the table as the router found it
+        entries = self._entries[self._layer_pos[layer]].copy()  # the table as the router found it
         self._recorded.append((layer, expert_ids, entries))
         routed = torch.unique(expert_ids).tolist()
         missing = [e for e in routed if entries[e] == MISSING]
@@ -236,40 +239,50 @@ class ExpertSlab:
         recorded, self._recorded = self._recorded, []
         counts = np.zeros((len(self._segments), 4), dtype=np.int64)
         if recorded:
-            n = self._num_rows
-            ids = torch.stack([r[1][:n] for r in recorded]).cpu().numpy()  # [layers, n, k]: one copy
-            for (layer, _, entries), layer_ids in zip(recorded, ids):
-                self._count_layer(layer, layer_ids, self._entries[layer] if entries is None else entries, counts)
+            ids = torch.stack([r[1][:self._num_rows] for r in recorded]).cpu().numpy()  # [R, n, k]: one copy
+            self._count(recorded, ids, counts)
         self._segments = []
         return tuple(tuple(int(x) for x in row) for row in counts)
 
-    def _count_layer(self, layer: int, ids: np.ndarray, entries: np.ndarray, counts: np.ndarray) -> None:
-        """Add one layer's routing ([n, k] ids) to the stats, the scores and each segment's counts."""
-        experts, routed = np.unique(ids, return_counts=True)
-        self.stats.lookups[layer] += len(experts)
-        self.stats.hits[layer] += int((entries[experts] >= 0).sum())
-        self.stats.routed[layer] += int(routed.sum())
-        for e, c, hit in zip(experts.tolist(), routed.tolist(), (entries[experts] >= 0).tolist()):
-            key = (layer, e)
-            raw = self._raw[key] = self._raw.get(key, 0.0) + c * self._gain
-            self.routing[key] = self.routing.get(key, 0) + c
-            if not hit:
-                self._missed.add(key)
-            elif key in self._slot_of and key not in self._pinned:
-                heapq.heappush(self._cold, (raw, key))
+    def _count(self, recorded: list[Recorded], ids: np.ndarray, counts: np.ndarray) -> None:
+        """Add a step's routing (ids [R, n, k] of the R recorded layer calls) to the per-layer stats,
+        the scores, the routing counts, the misses, and each segment's counts ([S, 4])."""
+        r_layers = [r[0] for r in recorded]
+        pos = np.array([self._layer_pos[layer] for layer in r_layers])
+        entries = np.stack([self._entries[p] if r[2] is None else r[2] for p, r in zip(pos, recorded)])  # [R, E]
+        E, R = self.num_experts, len(recorded)
+        flat = (np.arange(R)[:, None, None] * E + ids).reshape(-1)  # (call, expert) of every assignment
+        pairs, routed = np.unique(flat, return_counts=True)
+        call, expert = pairs // E, pairs % E
+        hit = entries[call, expert] >= 0
+        per = [np.bincount(call, weights=w, minlength=R) for w in (None, hit, routed)]
+        for j, layer in enumerate(r_layers):
+            self.stats.lookups[layer] += int(per[0][j])
+            self.stats.hits[layer] += int(per[1][j])
+            self.stats.routed[layer] += int(per[2][j])
+        cell = pos[call] * E + expert  # into the dense [layer position, expert] state
+        size = self._raw.size
+        self._raw += np.bincount(cell, weights=routed * self._gain, minlength=size).reshape(self._raw.shape)
+        self._routing += np.bincount(cell, weights=routed, minlength=size).astype(np.int64).reshape(self._raw.shape)
+        self._missed.flat[cell[~hit]] = True
         if not self._segments:
             return
-        seg = np.full(len(ids), -1, dtype=np.int64)
+        seg = np.full(ids.shape[1], -1, dtype=np.int64)
         for i, (start, end) in enumerate(self._segments):
             seg[start:end] = i
-        seg = np.repeat(seg, ids.shape[1])
+        seg = np.broadcast_to(seg[None, :, None], ids.shape).reshape(-1)
         keep = seg >= 0
-        pairs, n = np.unique(seg[keep] * self.num_experts + ids.reshape(-1)[keep], return_counts=True)
-        seq, hit = pairs // self.num_experts, entries[pairs % self.num_experts] >= 0
-        np.add.at(counts[:, 0], seq, 1)
-        np.add.at(counts[:, 1], seq, hit)
-        np.add.at(counts[:, 2], seq, n)
-        np.add.at(counts[:, 3], seq, n * ~hit)
+        seg_pairs, n = np.unique(seg[keep] * (R * E) + flat[keep], return_counts=True)
+        seq, hit = seg_pairs // (R * E), entries.reshape(-1)[seg_pairs % (R * E)] >= 0
+        S = len(self._segments)
+        for col, w in enumerate((None, hit, n, n * ~hit)):
+            counts[:, col] += np.bincount(seq, weights=w, minlength=S).astype(np.int64)
+
+    @property
+    def routing(self) -> dict[Key, int]:
+        """Token-to-expert assignments since start, per (layer, expert) routed at least once."""
+        pos, expert = np.nonzero(self._routing)
+        return {(self._layers[p], int(e)): int(self._routing[p, e]) for p, e in zip(pos.tolist(), expert.tolist())}
 
     # -- the arena's reclaimer -----------------------------------------------------
 
@@ -301,17 +314,19 @@ class ExpertSlab:
         self._gain /= DECAY
         if self._gain > 1e100:
             self._renormalize()
-        candidates = sorted((k for k in self._missed if k not in self._slot_of),
-                            key=lambda k: -self._raw.get(k, 0.0))
-        self._missed.clear()
+        candidates = np.flatnonzero(self._missed & (self._entries < 0))  # missed, still without a slot
+        self._missed[:] = False
+        candidates = candidates[np.argsort(-self._raw.flat[candidates], kind="stable")][:max_refills]
+        E = self.num_experts
         admitted: list[tuple[Key, int]] = []
-        for key in candidates[:max_refills]:
-            if self._score(key) < ADMIT_MIN:
+        for cell in candidates.tolist():
+            key = (self._layers[cell // E], cell % E)
+            if self._raw.flat[cell] / self._gain < ADMIT_MIN:
                 break
             page = self._lease_one(pending=len(admitted))
             if page is None:
                 cold = self._coldest()
-                if cold is None or ADMIT_MARGIN * self._raw.get(cold, 0.0) >= self._raw[key]:
+                if cold is None or ADMIT_MARGIN * self._raw[self._cell(cold)] >= self._raw.flat[cell]:
                     break
                 page = self._evict(cold)  # the page stays ours: refilled in place, in stream order
             admitted.append((key, page))
@@ -367,8 +382,7 @@ class ExpertSlab:
     def _take_slot(self, key: Key, page: int) -> None:
         self._slot_of[key] = page
         self._point(key, page)
-        if key not in self._pinned:
-            heapq.heappush(self._cold, (self._raw.get(key, 0.0), key))
+        self._cached[self._cell(key)] = key not in self._pinned
 
     def verify_slot(self, slot: int) -> Key:
         """Check slot `slot`'s bytes against the file's checksum of the expert it holds (a copy to
@@ -396,6 +410,7 @@ class ExpertSlab:
     def _evict(self, key: Key) -> int:
         page = self._slot_of.pop(key)
         self._point(key, self._home_entry(key))
+        self._cached[self._cell(key)] = False
         self.stats.evictions += 1
         return page
 
@@ -406,28 +421,27 @@ class ExpertSlab:
             raise ValueError(f"expert (layer {key[0]}, expert {key[1]}) is pinned on the card: it always has a slot")
         return -1 - self.placement.host_row(*key) if home == HOST else MISSING
 
+    def _cell(self, key: Key) -> tuple[int, int]:
+        """The (layer position, expert) index of the dense state."""
+        return self._layer_pos[key[0]], key[1]
+
     def _score(self, key: Key) -> float:
         """The decayed routing count of `key` now."""
-        return self._raw.get(key, 0.0) / self._gain
+        return float(self._raw[self._cell(key)]) / self._gain
 
     def _coldest(self) -> Key | None:
-        """The cached (not pinned) slot with the lowest score, or None; stale heap entries go."""
-        heap = self._cold
-        while heap:
-            raw, key = heap[0]
-            if key in self._slot_of and key not in self._pinned and raw == self._raw.get(key, 0.0):
-                return key
-            heapq.heappop(heap)
-        return None
+        """The cached (not pinned) slot with the lowest score, or None."""
+        if not self._cached.any():
+            return None
+        cell = int(np.where(self._cached, self._raw, np.inf).argmin())
+        return self._layers[cell // self.num_experts], cell % self.num_experts
 
     def _renormalize(self) -> None:
-        """Fold the gain into the raw counts (before it overflows); rebuild the heap."""
-        self._raw = {k: v / self._gain for k, v in self._raw.items()}
+        """Fold the gain into the raw counts (before it overflows)."""
+        self._raw /= self._gain
         self._gain = 1.0
-        self._cold = [(self._raw.get(k, 0.0), k) for k in self._slot_of if k not in self._pinned]
-        heapq.heapify(self._cold)
 
     def _point(self, key: Key, entry: int) -> None:
         layer, expert = key
         self._tables[layer][expert] = entry
-        self._entries[layer][expert] = entry
+        self._entries[self._layer_pos[layer], expert] = entry

@@ -1,0 +1,120 @@
+"""Where a decode step's time goes, by phase, on the device (host wall time per call).
+
+    python tools/profile_step.py --out OUT [--layers 2] [--batch 1] [--steps 40]
+
+Builds a synthetic Qwen3-30B-A3B-shaped model (tools/make_synthetic.py) with
+`--layers` layers, serves `--batch` requests of a 1K-token prompt through
+`Engine.build` (resident placement; decode CUDA graphs on CUDA), and after a
+warm-up times each phase of `Engine.step` by wrapping the engine's own methods
+(scheduler.schedule / update, graph or eager forward, the slab's end_step,
+sampling-tensor build, sampler, settle). No synchronisation is added: a phase
+that waits for the device (the slab's copy of the routing ids, the sampler's
+token copy) absorbs the device time queued before it. Writes OUT/profile_step.json
+and prints a table, ms per step, with the whole step and its sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from radianced.budget import Card  # noqa: E402
+from radianced.config import Config  # noqa: E402
+from radianced.engine import runner as runner_module  # noqa: E402
+from radianced.engine.engine import Engine  # noqa: E402
+from radianced.engine.request import Request  # noqa: E402
+from radianced.engine.sampling_params import SamplingParams  # noqa: E402
+from radianced.model.rad import RadFile  # noqa: E402
+from tools.make_synthetic import make_synthetic  # noqa: E402
+
+PROMPT = 1024
+
+
+def timed(totals: dict, name: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            totals[name] += time.perf_counter() - t0
+    return wrapper
+
+
+def instrument(engine: Engine, totals: dict) -> None:
+    """Wrap the phases of a step (instance attributes shadow the methods; nothing else changes)."""
+    sched, runner = engine.scheduler, engine.runner
+    sched.schedule = timed(totals, "scheduler.schedule", sched.schedule)
+    sched.update = timed(totals, "scheduler.update", sched.update)
+    runner.run = timed(totals, "runner.run (all of it)", runner.run)
+    if runner.graphs is not None:
+        runner.graphs.run = timed(totals, "  graphs.run (inputs + replay)", runner.graphs.run)
+    runner.model.forward = timed(totals, "  model.forward (eager)", runner.model.forward)
+    if engine.experts is not None:
+        engine.experts.end_step = timed(totals, "  slab.end_step (waits for the device)", engine.experts.end_step)
+        engine.experts.begin_step = timed(totals, "  slab.begin_step", engine.experts.begin_step)
+    runner.sampler.sample = timed(totals, "  sampler.sample", runner.sampler.sample)
+    runner._output = timed(totals, "  runner._output (token copy: waits)", runner._output)
+    tensors = runner_module.SamplingTensors
+    tensors.build = staticmethod(timed(totals, "  SamplingTensors.build", tensors.build))
+    engine.settle = timed(totals, "engine.settle", engine.settle)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--narrow", type=int, default=1, help="width divisor (CPU checks)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=40)
+    args = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir="/var/tmp" if Path("/var/tmp").is_dir() else None) as tmp:
+        path = make_synthetic(Path(tmp) / "m.rad", layers=args.layers, narrow=args.narrow, device=device,
+                              vocab=None if args.narrow == 1 else 4096, progress=False)
+        rad = RadFile.open(path)
+        cfg = Config(placement="resident", max_model_len=PROMPT + 2 * args.steps + 64,
+                     max_num_seqs=max(args.batch, 1), max_num_batched_tokens=PROMPT * args.batch)
+        card = Card.from_mib(2048) if device == "cpu" else None
+        engine = Engine.build(rad, cfg, card, device)
+        g = torch.Generator().manual_seed(0)
+        params = SamplingParams(temperature=0.0, max_tokens=3 * args.steps, ignore_eos=True)
+        for i in range(args.batch):
+            prompt = tuple(torch.randint(0, rad.model.vocab_size - 3, (PROMPT,), generator=g).tolist())
+            engine.add(Request(f"r{i}", prompt, params, frozenset()))
+        for _ in range(args.steps // 2 + 1):  # prefill and warm-up decode
+            engine.step()
+        totals: dict = defaultdict(float)
+        instrument(engine, totals)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        whole = time.perf_counter() - t0
+    per_step = {k: 1e3 * v / args.steps for k, v in totals.items()}
+    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "layers": args.layers,
+              "batch": args.batch, "steps": args.steps, "graphs": engine.runner.graphs is not None,
+              "step_ms": 1e3 * whole / args.steps, "phases_ms": per_step}
+    (out / "profile_step.json").write_text(json.dumps(result, indent=2))
+    print(f"decode step, {args.layers} layers, batch {args.batch}, graphs {result['graphs']}: "
+          f"{result['step_ms']:.3f} ms per step")
+    for k, v in sorted(per_step.items(), key=lambda kv: -kv[1]):
+        print(f"  {v:8.3f} ms  {k}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
