@@ -843,7 +843,12 @@ def report_rows(bench: dict, junit: dict, tests: list[dict], rcs: dict) -> list[
         free = by.get("fp32_free_running", {})
         rows.append(("fp32 greedy tokens = CPU, 3 seqs x 32 steps",
                      " / ".join(f"{f}: {'yes' if free.get(f, {}).get('tokens_equal') else ('no' if f in free else '-')}"
-                                for f in fams), "CPU fp32", "", "device: " + ",".join(sorted({r['device'] for r in tests}))))
+                                for f in fams), "CPU fp32", "", "device: " + ",".join(sorted({r['device'] for r in tests if 'device' in r}))))
+        graphs = by.get("decode_graphs", {})
+        if graphs:
+            rows.append(("decode CUDA graphs (tokens = eager, checked): step time eager -> graph",
+                         " / ".join(f"{f}: {_ms(r['eager_step_s'])} -> {_ms(r['graph_step_s'])}"
+                                    for f, r in sorted(graphs.items())), "", "", "tiny models, batch 3 in bucket 4"))
         tf = by.get("fp32_teacher_forced", {})
         rows.append(("fp32 logits vs CPU (teacher-forced), worst rel err",
                      " / ".join(f"{f}: {tf[f]['worst_rel_err']:.1e}" if f in tf else f"{f}: -" for f in fams),
