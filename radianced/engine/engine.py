@@ -32,7 +32,7 @@ from radianced.model.tokenizer import Tokenizer
 from radianced.tiers.disk import DiskReader
 from radianced.tiers.expert_loader import ExpertLoader
 from radianced.tiers.host import HostPool
-from radianced.tiers.link import probe_pcie
+from radianced.tiers.link import probe_disk, probe_pcie
 from radianced.tiers.placement import place_receipt, routed_experts
 from radianced.tiers.profile import Profile, ProfileError, profile_path
 from radianced.tiers.slab import ExpertSlab
@@ -147,8 +147,11 @@ def _expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch.dtyp
                                ram_dir=cfg.host_pool_ram_dir)
         resources.append(pool)
         log.info(pool.line())
-        log.info(probe_pcie().line())
         host = pool.tensor[:, :pool.elems]  # a view: keeps the pool's memory alive
+    if placement.host or placement.disk:  # what overflow and disk reads will cost: measured, not assumed
+        log.info(probe_pcie().line())
+    if placement.disk:
+        log.info(probe_disk(rad.path).line())
     width = receipt.expert_extent // dtype.itemsize
     loader = ExpertLoader(DiskReader.from_rad(rad), arena.paged_view(dtype, (width,)), receipt.expert_extent,
                           receipt.staging_rows)

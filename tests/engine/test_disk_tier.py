@@ -10,6 +10,7 @@ a known step.
 
 from __future__ import annotations
 
+import logging
 import shutil
 
 import torch
@@ -41,13 +42,19 @@ def run_events(engine: Engine, requests) -> dict[str, list]:
     return out
 
 
-def test_most_experts_on_disk_give_the_resident_tokens(tiny_rads):
+def test_most_experts_on_disk_give_the_resident_tokens(tiny_rads, caplog):
     rad = tiny_rads["qwen3_moe"]
     ps = prompts(rad.model.vocab_size, (9, 33, 50), seed=33)
     resident = Engine.build(rad, Config(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64),
                             Card.from_mib(256))
     want = run_all(resident, [request(resident, f"p{i}", p, max_tokens=16) for i, p in enumerate(ps)])
-    engine = disk_engine(rad, slots=4)
+    with caplog.at_level(logging.INFO, logger="radianced.engine"):
+        engine = disk_engine(rad, slots=4)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("disk probe: ") and "GB/s O_DIRECT read of" in line for line in lines)
+    assert any(line.startswith("disk tier: 24 experts stay in ") for line in lines)
+    assert any(line.startswith("pre-filled 4 slots in file order in ") and "; slot " in line and "verified" in line
+               for line in lines)
     slab = engine.experts
     assert engine.receipt.experts_disk == 24 and slab.placement.count("disk") == 24
     assert len(engine.arena.reserved) == 2 * rad.model.num_experts  # two layer buffers of min(E, k x 64 tokens)
