@@ -73,6 +73,7 @@ class DecodeGraphs:
         pin = dev.type == "cuda"
         self._host = torch.zeros((4, b), dtype=torch.int64, pin_memory=pin)  # ids, positions, slots, lens
         self._host_tables = torch.zeros((b, max_blocks), dtype=torch.int32, pin_memory=pin)
+        self._host_np, self._host_tables_np = self._host.numpy(), self._host_tables.numpy()
         self._graphs: dict[int, _Graph] = {}
         self._copied: torch.cuda.Event | None = None  # after the last step's input copies (CUDA)
         self.capture = capture
@@ -90,23 +91,24 @@ class DecodeGraphs:
         n = len(token_ids)
         b = self.bucket(n)
         bs = self.cache.block_size
-        host = self._host
+        host, tables = self._host_np, self._host_tables_np  # numpy views of the pinned buffers
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copies have left the pinned buffers
-        host[:, n:b] = torch.tensor([0, 0, -1, 1]).unsqueeze(1)  # padding rows
-        host[0, :n] = torch.tensor(token_ids)
-        host[1, :n] = torch.tensor(positions)
-        host[2, :n] = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions)])
+        host[:, n:b] = ((0,), (0,), (-1,), (1,))  # padding rows: token 0, position 0, no KV write, 1 key
+        host[0, :n] = token_ids
+        host[1, :n] = positions
+        host[2, :n] = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions)]
         host[3, :n] = host[1, :n] + 1
         width = max(p // bs for p in positions) + 1
         for i, t in enumerate(block_tables):  # a table covers its own positions; the rest stays stale, unread
             w = min(len(t), width)
-            self._host_tables[i, :w] = torch.tensor(t[:w], dtype=torch.int32)
+            tables[i, :w] = t[:w]
         nb = self.device.type == "cuda"
-        self._ids[:b].copy_(host[0, :b], non_blocking=nb)
-        self._pos[:b].copy_(host[1, :b], non_blocking=nb)
-        self._slots[:b].copy_(host[2, :b], non_blocking=nb)
-        self._lens[:b].copy_(host[3, :b], non_blocking=nb)
+        pinned = self._host
+        self._ids[:b].copy_(pinned[0, :b], non_blocking=nb)
+        self._pos[:b].copy_(pinned[1, :b], non_blocking=nb)
+        self._slots[:b].copy_(pinned[2, :b], non_blocking=nb)
+        self._lens[:b].copy_(pinned[3, :b], non_blocking=nb)
         self._tables[:n, :width].copy_(self._host_tables[:n, :width], non_blocking=nb)
         if nb:
             self._copied = torch.cuda.Event()

@@ -48,8 +48,14 @@ class Runner:
                 state_slots=[s.state_slot for s in seqs] if self.cache.states is not None else None,
                 device=self.device)
             query_start = batch.query_start
+        rows = [SamplingRow(s.params, s.output_token_ids, s.prompt_token_ids) for s in seqs if s.sample]
+        # Host work first, device work queued back to back, then the waits: the sampling tensors are
+        # built before the forward is launched, the sampler is queued behind it, and only then does the
+        # host wait (the slab's copy of the step's routing, the sampled tokens).
+        sampling = SamplingTensors.build(rows, self.vocab_size, self.eos_token_ids, self.device) if rows else None
         if self.experts is not None:
             self.experts.begin_step([(query_start[i], query_start[i + 1]) for i in decode], query_start[-1])
+        picked = None
         try:
             if graph:
                 logits = self.graphs.run([s.token_ids[0] for s in seqs], [s.context_before for s in seqs],
@@ -57,17 +63,13 @@ class Runner:
             else:
                 with torch.inference_mode():
                     logits = self.model.forward(batch, self.cache)  # [R, V]: one row per sampling sequence
+            if sampling is not None:
+                picked = self.sampler.sample(logits, sampling)
         finally:
             counts = self.experts.end_step() if self.experts is not None else None
         errors = self._failed_seqs(query_start) if self.experts is not None else None
         self._copy_states(plan.after)
-        rows = [SamplingRow(s.params, s.output_token_ids, s.prompt_token_ids) for s in seqs if s.sample]
-        if not rows:
-            out = StepOutput(tuple(() for _ in seqs))
-        else:
-            picked = self.sampler.sample(logits, SamplingTensors.build(rows, self.vocab_size, self.eos_token_ids,
-                                                                       self.device))
-            out = self._output(seqs, picked)
+        out = StepOutput(tuple(() for _ in seqs)) if picked is None else self._output(seqs, picked)
         if counts is None:
             return out
         per_seq: list = [None] * len(seqs)
