@@ -31,7 +31,6 @@ re-rendered, after every section, so a run cut short keeps what it measured. Wit
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import math
 import signal
@@ -378,7 +377,7 @@ def rows(results: dict) -> list[tuple[str, str, str, str, str]]:
     if model.get("status") == "ok":
         out.append(("model", f"{model['layers']} of {model['of_layers']} layers, {model['routed_experts']} experts of "
                     f"{model['extent_bytes'] / MiB:.2f} MiB", "", "",
-                    f"synthetic Qwen3-30B-A3B shapes"
+                    "synthetic Qwen3-30B-A3B shapes"
                     + (f" (width / {model['narrow']})" if model["narrow"] != 1 else "") + f", zipf {model['zipf']}, "
                     f"{model['bytes'] / GiB:.2f} GiB file"))
     resident = {c: run_totals(r, results["slots_100"]["extent_bytes"]) for c in CONCURRENCY

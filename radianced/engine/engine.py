@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from radianced.arena import KV, PASSED, Arena, Fence, Lease, TenantPages, detect_card
-from radianced.budget import BLOCK_TOKENS, Card, ModelFacts, PlanError, Receipt, plan
+from radianced.budget import BLOCK_TOKENS, Card, ModelFacts, Receipt, plan
 from radianced.config import Config
 from radianced.engine.graphs import DecodeGraphs
 from radianced.engine.request import Request

@@ -9,25 +9,15 @@ greedy tokens. A folder that is not a tmpfs stops the daemon before it loads.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import httpx
-import pytest
 
 from tests.server.conftest import start_daemon
 from tests.server.test_daemon_experts import FLAGS, PROMPT, moe_model  # noqa: F401  (a fixture)
 
-
-@pytest.fixture
-def shm_dir():
-    d = Path("/dev/shm") / f"radianced-test-{uuid.uuid4().hex[:12]}"
-    d.mkdir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def greedy_text(d) -> str:

@@ -6,7 +6,6 @@ import multiprocessing
 import os
 import shutil
 import subprocess
-import uuid
 from pathlib import Path
 
 import pytest
@@ -26,14 +25,6 @@ def rad(tier_rad):
     with RadFile.open(tier_rad) as r:
         yield r
 
-
-@pytest.fixture
-def shm_dir():
-    """A fresh folder on /dev/shm (tmpfs), removed afterwards."""
-    d = Path("/dev/shm") / f"radianced-test-{uuid.uuid4().hex[:12]}"
-    d.mkdir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def as_bytes(t: torch.Tensor) -> bytes:

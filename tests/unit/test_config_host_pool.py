@@ -4,21 +4,11 @@ daemon's start-up check that DIR is a tmpfs folder."""
 from __future__ import annotations
 
 import re
-import shutil
-import uuid
-from pathlib import Path
 
 import pytest
 
 from radianced.config import Config, ConfigError, check_host, parse_config
 
-
-@pytest.fixture
-def shm_dir():
-    d = Path("/dev/shm") / f"radianced-test-{uuid.uuid4().hex[:12]}"
-    d.mkdir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def test_default_is_the_daemons_own_memory():
