@@ -130,6 +130,7 @@ class Engine:
                         experts if isinstance(experts, ExpertSlab) else None)
         return cls(scheduler, runner, tokenizer)
 
+
 def _expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch.dtype, cfg: Config,
                  resources: list) -> ExpertSlab:
     """The placement the receipt implies: pinned experts and a pre-filled cache in arena
