@@ -142,9 +142,9 @@ class DecodeGraphs:
         with torch.inference_mode(), torch.cuda.stream(stream):
             for b in sorted(self.buckets, reverse=True):
                 batch = self._batch(b)
-                self._forward(batch, b)  # warm-up: Triton compiles, allocator settles
+                self._forward(batch)  # warm-up: Triton compiles, allocator settles
                 graph = torch.cuda.CUDAGraph()
-                self._begin(b)
+                self._begin()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     logits = self.model.forward(batch, self.cache)
                 recorded = self.experts.record() if self.experts is not None else []
@@ -157,12 +157,12 @@ class DecodeGraphs:
                  ", ".join(map(str, self.buckets)), time.perf_counter() - t0,
                  (torch.cuda.memory_allocated(self.device) - before) / 2**20)
 
-    def _begin(self, b: int) -> None:
+    def _begin(self) -> None:
         if self.experts is not None:
             self.experts.begin_step([], 0)  # a capture's routing is not a step's: nothing counted
 
-    def _forward(self, batch: ForwardBatch, b: int) -> None:
-        self._begin(b)
+    def _forward(self, batch: ForwardBatch) -> None:
+        self._begin()
         self.model.forward(batch, self.cache)
         if self.experts is not None:
             self.experts.end_step()
