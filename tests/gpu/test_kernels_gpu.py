@@ -16,6 +16,7 @@ import torch
 
 from radianced.kernels import reference
 from tests.gpu.conftest import gpu_device, record
+from tests.kernels.compare import rel_err
 from tests.gpu.test_cuda_families import BF16_FLOOR, BF16_TARGET, STEPS, family  # noqa: F401 (a fixture)
 from tests.gpu.test_cuda_families import _run as _run_family
 
@@ -30,10 +31,6 @@ def kernels():
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference is fp32, not tf32
     from radianced.kernels import attention, moe
     return attention, moe
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
 
 def _paged(q_lens, ctx_lens, hq, hkv, d, dtype, seed=0):

@@ -21,6 +21,12 @@ pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 
+def rand(*shape, dtype=torch.float32, seed=0, scale=1.0) -> torch.Tensor:
+    """Seeded normal values on DEVICE (drawn on the CPU: every device gets the same ones), times `scale`."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+
 def require_interpreted(kernel, module: str) -> None:
     """Skip the calling module if `kernel` was decorated before TRITON_INTERPRET was set."""
     if isinstance(kernel, InterpretedFunction) != INTERPRET:

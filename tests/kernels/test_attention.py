@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.kernels.interpreter import DEVICE, require_interpreted  # before triton loads
+from tests.kernels.compare import rel_err
 
 from radianced.kernels import attention, reference
 
@@ -21,10 +22,6 @@ require_interpreted(attention._paged_attention_kernel, "attention")
 
 BLOCK = 16  # tokens per block
 PER_PAGE = 2  # blocks per page
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
 
 class Paged:

@@ -21,7 +21,8 @@ import importlib.util
 import pytest
 import torch
 
-from tests.kernels.interpreter import DEVICE, require_interpreted  # before triton loads
+from tests.kernels.interpreter import DEVICE, rand, require_interpreted  # before triton loads
+from tests.kernels.compare import f32, rel_err
 
 from radianced.kernels import deltanet, reference
 
@@ -30,19 +31,6 @@ require_interpreted(deltanet._delta_decode_kernel, "deltanet")
 HK, HV, K, V = 3, 6, 24, 20
 C, W = 60, 4
 POOL = 7  # state slots in the pool
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
-
-
-def rand(*shape, dtype=torch.float32, seed=0, scale=1.0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g) * scale).to(dtype).to(DEVICE)
-
-
-def f32(x: torch.Tensor) -> torch.Tensor:
-    return x.float().cpu()
 
 
 def tol(dtype: torch.dtype) -> float:

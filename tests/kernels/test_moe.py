@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.kernels.interpreter import DEVICE, require_interpreted  # before triton loads
+from tests.kernels.compare import rel_err
 
 from radianced.kernels import moe as moe_kernels
 from radianced.kernels import reference
@@ -21,10 +22,6 @@ require_interpreted(moe_kernels._moe_gate_up_kernel, "moe")
 
 E, H, I = 10, 72, 40
 SPARE = 3  # slab rows no expert uses
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
 
 class Experts:

@@ -11,26 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.interpreter import DEVICE, require_interpreted  # before triton loads
+from tests.kernels.interpreter import rand, require_interpreted  # before triton loads
+from tests.kernels.compare import f32, rel_err
 
 from radianced.kernels import norm, reference
 
 require_interpreted(norm._rms_norm_kernel, "norm")
 
 EPS = 1e-6
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
-
-
-def rand(*shape, dtype=torch.float32, seed=0, scale=1.0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g) * scale).to(dtype).to(DEVICE)
-
-
-def f32(x: torch.Tensor) -> torch.Tensor:
-    return x.float().cpu()
 
 
 @pytest.mark.parametrize("t", [1, 15, 63, 300])

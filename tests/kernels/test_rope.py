@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.interpreter import DEVICE, require_interpreted  # before triton loads
+from tests.kernels.interpreter import DEVICE, rand, require_interpreted  # before triton loads
+from tests.kernels.compare import f32, rel_err
 
 from radianced.kernels import reference, rope
 
@@ -22,23 +23,10 @@ require_interpreted(rope._rotary_kernel, "rope")
 THETA = 10000.0
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
-
-
-def rand(*shape, dtype=torch.float32, seed=0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g).to(dtype).to(DEVICE)
-
-
 def cos_sin(t: int, rotary_dim: int, seed: int = 0):
     positions = torch.randperm(4000, generator=torch.Generator().manual_seed(seed))[:t]
     cos, sin = reference.rotary_cos_sin(positions, rotary_dim, THETA)
     return cos.to(DEVICE), sin.to(DEVICE)
-
-
-def f32(x: torch.Tensor) -> torch.Tensor:
-    return x.float().cpu()
 
 
 @pytest.mark.parametrize("t", [1, 15, 63, 300])
