@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -44,6 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 import torch  # noqa: E402
+
+from tools.gpu_bench import timeit  # noqa: E402  (one timer for every device benchmark)
 
 GB = 1e9
 BLOCK = 16
@@ -55,21 +56,6 @@ TIME_GUARD_S = 95.0  # optional sections stop past this
 
 def _sync() -> None:
     torch.cuda.synchronize()
-
-
-def time_events(fn, reps: int = 10, warmup: int = 2) -> dict:
-    for _ in range(warmup):
-        fn()
-    _sync()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return {"median_s": statistics.median(times), "min_s": min(times), "reps": reps}
 
 
 def time_graph(fn, reps: int = 20) -> dict:
@@ -84,7 +70,7 @@ def time_graph(fn, reps: int = 20) -> dict:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    out = time_events(graph.replay, reps=reps, warmup=2)
+    out = timeit(graph.replay, "cuda", warmup=2, reps=reps)
     del graph
     return out
 
@@ -96,13 +82,13 @@ def ceilings() -> dict:
     n = 2 << 30
     src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    t = time_events(lambda: dst.copy_(src), reps=20, warmup=3)
+    t = timeit(lambda: dst.copy_(src), "cuda", warmup=3, reps=20)
     copy = {"bytes": n, "moved_bytes": 2 * n, **t, "bytes_per_s": 2 * n / t["median_s"]}
     del src, dst
     n = 1 << 30
     host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-    t = time_events(lambda: dev.copy_(host, non_blocking=True), reps=10, warmup=2)
+    t = timeit(lambda: dev.copy_(host, non_blocking=True), "cuda", warmup=2, reps=10)
     h2d = {"bytes": n, **t, "bytes_per_s": n / t["median_s"]}
     del host, dev
     return {"device_copy": copy, "pinned_h2d": h2d}
@@ -252,7 +238,7 @@ def moe_pinned_section(pinned_bw: float, layers: int = 2) -> dict:
                     table[e] = slot
                 moe.moe(xs[l], ids[l], ws[l], table.to("cuda", non_blocking=True), staging, INTER)
 
-        tc = time_events(copy_then_vram, reps=3, warmup=1)
+        tc = timeit(copy_then_vram, "cuda", warmup=1, reps=3)
         check_a = moe.moe_ptr(xs[0], ids[0], ws[0], ptrs[0], INTER, deterministic=True)
         table0 = torch.zeros(E, dtype=torch.int64)
         for slot, e in enumerate(rows[0]):
