@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from radianced.tiers.disk import DiskReader, ReadResult, align_up
-from radianced.tiers.host import CUDA_HOST_REGISTER_MAPPED, CUDA_HOST_REGISTER_PORTABLE
+from radianced.tiers.host import register_pinned
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -47,10 +47,8 @@ class ExpertLoader:
         self._cuda = slab.device.type == "cuda"
         self._pinned = False
         if self._cuda:
-            rt = torch.cuda.cudart()
-            err = rt.cudaHostRegister(self._staging.data_ptr(), self._staging.numel(),
-                                      CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
-            if err != rt.cudaError.success:
+            err = register_pinned(self._staging)
+            if err is not None:
                 raise RuntimeError(f"cudaHostRegister of the expert read staging ({self._staging.numel()} B) "
                                    f"failed: {err}; raise the locked-memory limit (ulimit -l)")
             self._pinned = True

@@ -199,14 +199,22 @@ class HostPool:
     # -- internals ---------------------------------------------------------------
 
     def _pin(self) -> None:
-        rt = torch.cuda.cudart()
-        err = rt.cudaHostRegister(self._bytes.data_ptr(), self.nbytes,
-                                  CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
-        if err != rt.cudaError.success:
+        err = register_pinned(self._bytes)  # [rows, row_bytes]: all nbytes of the pool
+        if err is not None:
             raise HostPoolError(f"cudaHostRegister of the host pool ({self.nbytes / MiB:.2f} MiB) failed: {err}; "
                                 f"raise the locked-memory limit (LimitMEMLOCK=infinity, ulimit -l) or lower "
                                 f"--host-pool-mib")
         self.pinned = True
+
+
+def register_pinned(t: torch.Tensor):
+    """Pin host memory in place for CUDA (page-locked, mapped into the device's address space:
+    kernels read it over the link, copies from it run asynchronously). None on success, else the
+    CUDA error, for the caller's message. Undo with `torch.cuda.cudart().cudaHostUnregister(ptr)`."""
+    rt = torch.cuda.cudart()
+    err = rt.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(),
+                              CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
+    return None if err == rt.cudaError.success else err
 
 
 def _fill(rad, keys: tuple[Key, ...], mm: mmap.mmap, row_bytes: int, depth: int, verify: bool,
