@@ -1,6 +1,6 @@
-"""Where a decode step's time goes, by phase, on the device (host wall time per call).
+"""Where a decode step's time goes, by phase, on the device (host wall time per call), and by kernel.
 
-    python tools/profile_step.py --out OUT [--layers 2] [--batch 1] [--steps 40]
+    python tools/profile_step.py --out OUT [--layers 2] [--batch 1] [--steps 40] [--kernels]
 
 Builds a synthetic Qwen3-30B-A3B-shaped model (tools/make_synthetic.py) with
 `--layers` layers, serves `--batch` requests of a 1K-token prompt through
@@ -11,6 +11,11 @@ sampling-tensor build, sampler, settle). No synchronisation is added: a phase
 that waits for the device (the slab's copy of the routing ids, the sampler's
 token copy) absorbs the device time queued before it. Writes OUT/profile_step.json
 and prints a table, ms per step, with the whole step and its sum.
+
+On CUDA it also measures the decode graphs' memory against the receipt's "graph pool"
+line (the engine is built eager, then the graphs are captured here between two
+readings of the allocator), and with `--kernels` the device time of each kernel
+per step from the CUDA profiler (graph replays included), biggest first.
 """
 
 from __future__ import annotations
@@ -24,12 +29,14 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import msgspec
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from radianced.budget import Card  # noqa: E402
 from radianced.config import Config  # noqa: E402
+from radianced.engine import engine as engine_module  # noqa: E402
 from radianced.engine import runner as runner_module  # noqa: E402
 from radianced.engine.engine import Engine  # noqa: E402
 from radianced.engine.request import Request  # noqa: E402
@@ -70,6 +77,44 @@ def instrument(engine: Engine, totals: dict) -> None:
     engine.settle = timed(totals, "engine.settle", engine.settle)
 
 
+def capture_graphs(engine: Engine, cfg: Config) -> dict | None:
+    """Capture the decode graphs into the eager-built engine, as Engine.build does; returns what
+    they hold (allocated after, peak reserved during, both over the readings before) beside the
+    receipt's "graph pool" line, or None where the engine decodes eagerly."""
+    dev = torch.device("cuda")
+    torch.cuda.synchronize()
+    before, reserved = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    graphs = engine_module._decode_graphs(engine, cfg, engine.receipt)
+    if graphs is None:
+        return None
+    engine.runner.graphs = graphs
+    pool = next(p.bytes for p in engine.receipt.workspace if p.name == "graph pool")
+    return {"held": torch.cuda.memory_allocated(dev) - before,
+            "peak_reserved": torch.cuda.max_memory_reserved(dev) - reserved, "receipt_graph_pool": pool}
+
+
+def kernel_table(engine: Engine, steps: int) -> dict:
+    """Device time of each kernel (and copy) per engine step over `steps` steps, by name."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    us: dict = defaultdict(float)
+    calls: dict = defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type == DeviceType.CUDA:
+            us[ev.name] += ev.time_range.elapsed_us()
+            calls[ev.name] += 1
+    rows = [{"name": n, "us": t / steps, "calls": calls[n] / steps} for n, t in us.items()]
+    rows.sort(key=lambda r: -r["us"])
+    return {"total": sum(r["us"] for r in rows), "launches": sum(r["calls"] for r in rows), "rows": rows}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -77,6 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("--narrow", type=int, default=1, help="width divisor (CPU checks)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--kernels", action="store_true", help="per-kernel device time per step (CUDA profiler)")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = Path(args.out)
@@ -88,7 +134,8 @@ def main(argv=None) -> int:
         cfg = Config(placement="resident", max_model_len=PROMPT + 2 * args.steps + 64,
                      max_num_seqs=max(args.batch, 1), max_num_batched_tokens=PROMPT * args.batch)
         card = Card.from_mib(2048) if device == "cpu" else None
-        engine = Engine.build(rad, cfg, card, device)
+        engine = Engine.build(rad, msgspec.structs.replace(cfg, enforce_eager=True), card, device)
+        graph_memory = capture_graphs(engine, cfg) if device == "cuda" else None
         g = torch.Generator().manual_seed(0)
         params = SamplingParams(temperature=0.0, max_tokens=3 * args.steps, ignore_eos=True)
         for i in range(args.batch):
@@ -104,15 +151,23 @@ def main(argv=None) -> int:
         for _ in range(args.steps):
             engine.step()
         whole = time.perf_counter() - t0
+        kernels = kernel_table(engine, args.steps) if args.kernels and device == "cuda" else None
     per_step = {k: 1e3 * v / args.steps for k, v in totals.items()}
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "layers": args.layers,
               "batch": args.batch, "steps": args.steps, "graphs": engine.runner.graphs is not None,
-              "step_ms": 1e3 * whole / args.steps, "phases_ms": per_step}
+              "step_ms": 1e3 * whole / args.steps, "phases_ms": per_step, "graph_memory": graph_memory,
+              "kernels_us_per_step": kernels}
     (out / "profile_step.json").write_text(json.dumps(result, indent=2))
     print(f"decode step, {args.layers} layers, batch {args.batch}, graphs {result['graphs']}: "
           f"{result['step_ms']:.3f} ms per step")
     for k, v in sorted(per_step.items(), key=lambda kv: -kv[1]):
         print(f"  {v:8.3f} ms  {k}")
+    if graph_memory:
+        print("decode graphs: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in graph_memory.items()))
+    if kernels:
+        print(f"kernels: {kernels['total']:.1f} us of device time per step in {kernels['launches']:.0f} launches")
+        for row in kernels["rows"][:40]:
+            print(f"  {row['us']:8.1f} us  {row['calls']:5.1f}x  {row['name'][:110]}")
     return 0
 
 
