@@ -25,6 +25,7 @@ silu_mlp = reference.silu_mlp
 write_kv = reference.write_kv
 paged_attention = reference.paged_attention
 moe = reference.moe
+route = reference.route
 
 deltanet_gates = reference.deltanet_gates
 causal_conv1d_prefill = reference.causal_conv1d_prefill
@@ -34,7 +35,7 @@ gated_delta_rule_decode = reference.gated_delta_rule_decode
 
 # Bound to Triton on CUDA: (module under radianced.kernels, op name). The others stay torch everywhere.
 _TRITON = (
-    ("attention", "write_kv"), ("attention", "paged_attention"), ("moe", "moe"),
+    ("attention", "write_kv"), ("attention", "paged_attention"), ("moe", "moe"), ("router", "route"),
     ("norm", "rms_norm"), ("norm", "gated_rms_norm"), ("rope", "apply_rotary"), ("rope", "rotary_qk"),
     ("deltanet", "deltanet_gates"), ("deltanet", "causal_conv1d_prefill"), ("deltanet", "causal_conv1d_update"),
     ("deltanet", "gated_delta_rule_chunked"), ("deltanet", "gated_delta_rule_decode"),

@@ -128,6 +128,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 # -- routed experts ---------------------------------------------------------
 
 
+def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router after its matmul: softmax over all E experts in fp32, the top k, optionally
+    renormalized to sum to 1. logits: [T, E]. Returns (ids [T, k] int64, weights [T, k] in
+    `dtype`), the k in descending order of weight."""
+    probs = logits.softmax(dim=-1, dtype=torch.float32)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights.to(dtype)
+
+
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
         slab: torch.Tensor, inter: int, host: torch.Tensor | None = None) -> torch.Tensor:
     """Routed SiLU experts, tokens grouped by expert, weights found through the table.

@@ -51,10 +51,13 @@ class Attention:
         p = f"model.layers.{layer}.self_attn."
         self.layer = layer
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.wq, self.wk, self.wv, self.wo = (w(p + n + ".weight") for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-        self.bq = self.bk = self.bv = None
-        if cfg.attention_bias:
-            self.bq, self.bk, self.bv = (w(p + n + ".bias") for n in ("q_proj", "k_proj", "v_proj"))
+        # q, k and v in one matmul: [q | k | v] rows, split after (one launch, one weight stream)
+        projections = ("q_proj", "k_proj", "v_proj")
+        self.wqkv = torch.cat([w(p + n + ".weight") for n in projections])
+        self.bqkv = torch.cat([w(p + n + ".bias") for n in projections]) if cfg.attention_bias else None
+        kv = self.kv_heads * self.head_dim
+        self.split = (self.wqkv.shape[0] - 2 * kv, kv, kv)
+        self.wo = w(p + "o_proj.weight")
         self.q_norm = self.k_norm = None
         if qk_norm:
             self.q_norm = RMSNorm(w(p + "q_norm.weight"), cfg.rms_norm_eps, zero_centred)
@@ -65,14 +68,14 @@ class Attention:
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
                  cache: KVCache) -> torch.Tensor:
         t = x.shape[0]  # x: [T, hidden]
-        q = F.linear(x, self.wq, self.bq)
+        q, k, v = F.linear(x, self.wqkv, self.bqkv).split(self.split, dim=-1)  # views of one [T, q+2kv]
         gate = None
         if self.output_gate:
-            q, gate = q.view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, Hq, D] each
+            q, gate = q.reshape(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, Hq, D] each
             gate = gate.reshape(t, self.heads * self.head_dim)
         q = q.reshape(t, self.heads, self.head_dim)
-        k = F.linear(x, self.wk, self.bk).view(t, self.kv_heads, self.head_dim)
-        v = F.linear(x, self.wv, self.bv).view(t, self.kv_heads, self.head_dim)
+        k = k.reshape(t, self.kv_heads, self.head_dim)
+        v = v.reshape(t, self.kv_heads, self.head_dim)
         cos, sin = rope
         norms = {} if self.q_norm is None else dict(q_weight=self.q_norm.weight, k_weight=self.k_norm.weight,
                                                      eps=self.q_norm.eps, zero_centred=self.q_norm.zero_centred)
@@ -120,11 +123,7 @@ class Router:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (ids [T, k] int64, weights [T, k] in x's dtype)."""
-        probs = F.linear(x, self.weight).softmax(dim=-1, dtype=torch.float32)
-        weights, ids = probs.topk(self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights.to(x.dtype)
+        return ops.route(F.linear(x, self.weight), self.top_k, self.renormalize, x.dtype)
 
 
 class MoE:
