@@ -356,6 +356,19 @@ def test_deltanet_decode_batch_32_in_place_over_a_pool(layer_kernels):
     _check("kernel_deltanet_decode_state", "b32_pool64", torch.float32, pool, want_pool)
 
 
+@pytest.mark.parametrize("t", [1, 32, 4096])
+@pytest.mark.parametrize("experts,top_k", [(128, 8), (512, 10)], ids=["qwen3_moe", "qwen3_next"])
+def test_route_real_shapes(layer_kernels, t, experts, top_k):
+    """The fused router on fp32 logits: the reference's ids exactly, weights within 1e-4 (bf16
+    logits tie, and ties are broken differently: tests/kernels/test_router.py covers them)."""
+    from radianced.kernels import router
+    logits = _rand(t, experts, seed=t, scale=2.0)
+    ids, weights = router.route(logits, top_k, True, torch.float32)
+    want_ids, want_weights = reference.route(logits, top_k, True, torch.float32)
+    assert torch.equal(ids, want_ids)
+    _check("route", f"{experts}e top{top_k} t{t}", torch.float32, weights, want_weights)
+
+
 def test_ops_select_binds_the_layer_kernels(layer_kernels):
     from radianced.kernels import ops
     norm, rope, deltanet = layer_kernels
