@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from radianced.budget import ALLOC_GRANULE, Card, Receipt
+from radianced.budget import Card, Receipt
 
 KV, EXPERTS = "kv", "experts"
 TENANTS = (KV, EXPERTS)  # tie-break of the eviction order
@@ -322,7 +322,7 @@ def detect_card(device: torch.device | str) -> Card:
     device = torch.device(device)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return Card(total, free, ALLOC_GRANULE)
+        return Card(total, free, cuda=True)
     import psutil
 
     vm = psutil.virtual_memory()

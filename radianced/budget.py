@@ -27,7 +27,10 @@ The split, top to bottom (SPEC §2):
                 gate, up, act and output, plus the shared expert). Attention
                 kernels are flash-style: no [T, context] scores.
     graph pool  the same two terms at R tokens: decode CUDA graphs capture into
-                a private pool of their own.
+                a private pool of their own (the fp32 logits of every bucket
+                stay in it: at most 3.4 x R rows x 4 bytes, inside the logits
+                term), plus CAPTURE_WORKSPACE_BYTES for the capture stream's
+                cuBLAS workspace on a CUDA card; none with --enforce-eager.
     libraries   LIBRARY_BYTES (cuBLAS/cuBLASLt workspaces, Triton scratch).
 - **Fixed state** per live sequence: recurrent state of every DeltaNet layer
   (Hv x Dk x Dv fp32 + conv channels x (kernel - 1) in the model dtype) times
@@ -79,6 +82,9 @@ ALLOC_GRANULE = 2 * MiB
 BLOCK_TOKENS = 16  # tokens per KV block, every paging group
 DENSE_PAGE_BYTES = 2 * MiB  # a dense model's page: whole KV blocks up to this size
 LIBRARY_BYTES = 32 * MiB  # cuBLAS/cuBLASLt workspaces and Triton scratch
+# torch gives each (cuBLAS handle, stream) its own workspace (32 MiB on Hopper): the decode graphs are
+# captured on a stream of their own, which gets a second one (measured on the H200: 32.0 MiB).
+CAPTURE_WORKSPACE_BYTES = 32 * MiB
 SAMPLER_BYTES = 20  # per (sampled row, vocab entry): fp32 logits, probs, sorted copy + int64 index
 DELTANET_CHUNK = 64  # chunk length of the chunked gated delta rule
 BLOCK_TABLE_ENTRY = 4  # int32
@@ -197,15 +203,20 @@ class Card:
 
     total_bytes: int
     free_bytes: int
-    alloc_granule: int = PAGE_ALIGN  # the allocator's unit for the arena: ALLOC_GRANULE on CUDA
+    cuda: bool = False  # a GPU: the caching allocator's 2 MiB units, decode graphs on their own stream
 
     def __post_init__(self):
         if not 0 <= self.free_bytes <= self.total_bytes:
             raise ValueError(f"card free bytes {self.free_bytes} must be between 0 and total {self.total_bytes}")
 
+    @property
+    def alloc_granule(self) -> int:
+        """The allocator's unit for the arena: ALLOC_GRANULE on CUDA, a page of RAM otherwise."""
+        return ALLOC_GRANULE if self.cuda else PAGE_ALIGN
+
     @classmethod
-    def from_mib(cls, total_mib: int, free_mib: int | None = None, alloc_granule: int = PAGE_ALIGN) -> Card:
-        return cls(total_mib * MiB, (total_mib if free_mib is None else free_mib) * MiB, alloc_granule)
+    def from_mib(cls, total_mib: int, free_mib: int | None = None, cuda: bool = False) -> Card:
+        return cls(total_mib * MiB, (total_mib if free_mib is None else free_mib) * MiB, cuda)
 
 
 # -- the model ---------------------------------------------------------------
@@ -379,6 +390,17 @@ def activation_bytes(m: ModelConfig, act: int, tokens: int) -> int:
                     + routed * (2 * H + 3 * m.moe_intermediate_size) * act
                     + tokens * 3 * m.shared_expert_intermediate_size * act)
     return 4 * tokens * H * act + max(mixers) + max(mlps)
+
+
+def _graph_pool(m: ModelConfig, act: int, rows: int, card: Card, cfg: Config) -> Part:
+    if cfg.enforce_eager:
+        return Part("graph pool", 0, "none: --enforce-eager")
+    pool = activation_bytes(m, act, rows) + logits_bytes(m, act, rows)
+    if not card.cuda:
+        return Part("graph pool", pool, f"one layer and logits at {rows} tokens, for decode graphs")
+    return Part("graph pool", pool + CAPTURE_WORKSPACE_BYTES,
+                f"one layer and logits at {rows} tokens, and the capture stream's cuBLAS workspace, "
+                f"for decode graphs")
 
 
 def logits_bytes(m: ModelConfig, act: int, rows: int) -> int:
@@ -612,8 +634,7 @@ def _plan(card: Card, facts: ModelFacts, cfg: Config) -> Receipt:
         Part("logits", logits_bytes(m, act, rows),
              f"{rows} rows x {m.vocab_size} vocab x {act + SAMPLER_BYTES} B: lm_head output and sampler buffers"),
         Part("activations", activation_bytes(m, act, T), f"one layer at {T} tokens"),
-        Part("graph pool", activation_bytes(m, act, rows) + logits_bytes(m, act, rows),
-             f"one layer and logits at {rows} tokens, for decode graphs"),
+        _graph_pool(m, act, rows, card, cfg),
         Part("libraries", LIBRARY_BYTES, "cuBLAS workspaces, Triton scratch"),
     )
     groups = paging_groups(facts, cfg)

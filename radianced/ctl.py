@@ -80,7 +80,7 @@ def _plan(args: argparse.Namespace) -> int:
     import torch
 
     from radianced.arena import detect_card
-    from radianced.budget import ALLOC_GRANULE, Card, ModelFacts, plan
+    from radianced.budget import Card, ModelFacts, plan
     from radianced.config import Config
     from radianced.model.default import ensure_default_model
     from radianced.model.rad import RadFile
@@ -89,7 +89,7 @@ def _plan(args: argparse.Namespace) -> int:
     with RadFile.open(cfg.model or ensure_default_model()) as rad:
         facts = ModelFacts.from_header(rad.header)
     # --card-mib describes a GPU: its arena is allocated in the CUDA allocator's units
-    card = Card.from_mib(cfg.card_mib, alloc_granule=ALLOC_GRANULE) if cfg.card_mib \
+    card = Card.from_mib(cfg.card_mib, cuda=True) if cfg.card_mib \
         else detect_card("cuda" if torch.cuda.is_available() else "cpu")
     print("\n".join(plan(card, facts, cfg).lines()))
     return 0

@@ -217,7 +217,7 @@ class Daemon:
             log.info("torch CPU threads: %d", torch.get_num_threads())
         card = None
         if self.cfg.card_mib:  # the arena's allocation unit is the device's, whatever size is claimed
-            card = Card.from_mib(self.cfg.card_mib, alloc_granule=detect_card(device).alloc_granule)
+            card = Card.from_mib(self.cfg.card_mib, cuda=detect_card(device).cuda)
         start = time.monotonic()
         engine = Engine.build(rad, self.cfg, card, device)
         self.receipt = engine.receipt.lines()

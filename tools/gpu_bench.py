@@ -375,7 +375,7 @@ def _disk_run(fd: int, path: Path, nbytes: int, chunk: int, threads, np) -> dict
 def section_budget(device, quick: bool, tmp: Path) -> dict:
     """Plan a scaled-up tiny qwen3_moe on this card, allocate what the receipt says, and measure."""
     from radianced.arena import EXPERTS, KV, Arena, detect_card
-    from radianced.budget import ALLOC_GRANULE, Card, ModelFacts, plan
+    from radianced.budget import Card, ModelFacts, plan
     from radianced.kernels import ops
     from radianced.config import Config
     from radianced.model.batch import ForwardBatch, KVCache
@@ -409,7 +409,7 @@ def section_budget(device, quick: bool, tmp: Path) -> dict:
     if torch.device(device).type == "cuda":
         torch.zeros(1, device=device)  # the context exists before the card is read
         free, total = torch.cuda.mem_get_info()
-        card = Card(total, free, ALLOC_GRANULE)
+        card = Card(total, free, cuda=True)
     else:
         card = detect_card("cpu")
     in_use_mib = -(-(card.total_bytes - card.free_bytes) // MiB)

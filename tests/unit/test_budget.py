@@ -344,7 +344,7 @@ def test_the_guide_worked_example_is_what_plan_prints():
     args = block["args"].split()
     assert args[:2] == ["--model", "qwen3-30b-a3b.rad"]
     cfg = parse_config(args[2:])
-    r = plan(Card.from_mib(cfg.card_mib, alloc_granule=ALLOC_GRANULE), ModelFacts.from_config(QWEN3_30B, 2), cfg)
+    r = plan(Card.from_mib(cfg.card_mib, cuda=True), ModelFacts.from_config(QWEN3_30B, 2), cfg)
     assert block["out"].splitlines() == r.lines()
     # the hand arithmetic in the prose
     assert "96 KiB per token" in text and r.groups[0].token_bytes == 96 * KiB
