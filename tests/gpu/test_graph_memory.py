@@ -1,0 +1,43 @@
+"""The decode graphs hold no more device memory than the receipt's "graph pool" line says.
+
+SPEC: peak reserved after graph capture stays within the workspace the receipt
+charged for it. The engine is built with `--enforce-eager` (its receipt still
+charges the graph pool: the card is a CUDA card and the flag is read from the
+config planned), then the graphs are captured as `Engine.build` does, between two
+readings of the caching allocator: what stays allocated, and the peak reserved.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+from radianced.budget import Card
+from radianced.config import Config
+from radianced.engine import engine as engine_module
+from radianced.engine.engine import Engine
+from tests.engine.conftest import tiny_rads  # noqa: F401 (fixture)
+from tests.gpu.conftest import gpu_device, record
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("max_num_seqs", [1, 32])
+def test_captured_graphs_fit_the_receipts_graph_pool(tiny_rads, family, max_num_seqs):  # noqa: F811
+    device = gpu_device()
+    if device != "cuda":
+        pytest.skip("CUDA graphs need CUDA")
+    cfg = Config(max_model_len=256, max_num_seqs=max_num_seqs, max_num_batched_tokens=256)
+    engine = Engine.build(tiny_rads[family], msgspec.structs.replace(cfg, enforce_eager=True),
+                          Card.from_mib(2048, cuda=True), device)
+    pool = next(p.bytes for p in engine.receipt.workspace if p.name == "graph pool")
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    graphs = engine_module._decode_graphs(engine, cfg, engine.receipt)
+    assert graphs is not None
+    held = torch.cuda.memory_allocated() - allocated
+    peak = torch.cuda.max_memory_reserved() - reserved
+    record({"test": "graph_memory", "family": family, "max_num_seqs": max_num_seqs, "held_bytes": held,
+            "peak_reserved_bytes": peak, "receipt_bytes": pool})
+    assert held <= pool and peak <= pool, f"graphs hold {held} B (peak reserved {peak} B), receipt {pool} B"
