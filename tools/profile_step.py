@@ -13,8 +13,8 @@ token copy) absorbs the device time queued before it. Writes OUT/profile_step.js
 and prints a table, ms per step, with the whole step and its sum.
 
 On CUDA it also measures the decode graphs' memory against the receipt's "graph pool"
-line (the engine is built eager, then the graphs are captured here between two
-readings of the allocator), and with `--kernels` the device time of each kernel
+line of the receipt planned with graphs (the engine is built eager, then the
+graphs are captured here between two readings of the allocator), and with `--kernels` the device time of each kernel
 per step from the CUDA profiler (graph replays included), biggest first.
 """
 
@@ -34,7 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from radianced.budget import Card  # noqa: E402
+from radianced.arena import detect_card  # noqa: E402
+from radianced.budget import Card, ModelFacts, plan  # noqa: E402
 from radianced.config import Config  # noqa: E402
 from radianced.engine import engine as engine_module  # noqa: E402
 from radianced.engine import runner as runner_module  # noqa: E402
@@ -77,7 +78,7 @@ def instrument(engine: Engine, totals: dict) -> None:
     engine.settle = timed(totals, "engine.settle", engine.settle)
 
 
-def capture_graphs(engine: Engine, cfg: Config) -> dict | None:
+def capture_graphs(engine: Engine, rad: RadFile, cfg: Config) -> dict | None:
     """Capture the decode graphs into the eager-built engine, as Engine.build does; returns what
     they hold (allocated after, peak reserved during, both over the readings before) beside the
     receipt's "graph pool" line, or None where the engine decodes eagerly."""
@@ -89,7 +90,8 @@ def capture_graphs(engine: Engine, cfg: Config) -> dict | None:
     if graphs is None:
         return None
     engine.runner.graphs = graphs
-    pool = next(p.bytes for p in engine.receipt.workspace if p.name == "graph pool")
+    receipt = plan(detect_card(dev), ModelFacts.from_header(rad.header), cfg)  # as planned with graphs
+    pool = next(p.bytes for p in receipt.workspace if p.name == "graph pool")
     return {"held": torch.cuda.memory_allocated(dev) - before,
             "peak_reserved": torch.cuda.max_memory_reserved(dev) - reserved, "receipt_graph_pool": pool}
 
@@ -135,7 +137,7 @@ def main(argv=None) -> int:
                      max_num_seqs=max(args.batch, 1), max_num_batched_tokens=PROMPT * args.batch)
         card = Card.from_mib(2048) if device == "cpu" else None
         engine = Engine.build(rad, msgspec.structs.replace(cfg, enforce_eager=True), card, device)
-        graph_memory = capture_graphs(engine, cfg) if device == "cuda" else None
+        graph_memory = capture_graphs(engine, rad, cfg) if device == "cuda" else None
         g = torch.Generator().manual_seed(0)
         params = SamplingParams(temperature=0.0, max_tokens=3 * args.steps, ignore_eos=True)
         for i in range(args.batch):

@@ -1,10 +1,10 @@
 """The decode graphs hold no more device memory than the receipt's "graph pool" line says.
 
 SPEC: peak reserved after graph capture stays within the workspace the receipt
-charged for it. The engine is built with `--enforce-eager` (its receipt still
-charges the graph pool: the card is a CUDA card and the flag is read from the
-config planned), then the graphs are captured as `Engine.build` does, between two
-readings of the caching allocator: what stays allocated, and the peak reserved.
+charged for it. The engine is built with `--enforce-eager`, then the graphs are
+captured as `Engine.build` does, between two readings of the caching allocator
+(what stays allocated, and the peak reserved), against the graph pool line of the
+receipt planned for the same flags without `--enforce-eager` on a CUDA card.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import torch
 
-from radianced.budget import Card
+from radianced.budget import Card, ModelFacts, plan
 from radianced.config import Config
 from radianced.engine import engine as engine_module
 from radianced.engine.engine import Engine
@@ -30,7 +30,8 @@ def test_captured_graphs_fit_the_receipts_graph_pool(tiny_rads, family, max_num_
     cfg = Config(max_model_len=256, max_num_seqs=max_num_seqs, max_num_batched_tokens=256)
     engine = Engine.build(tiny_rads[family], msgspec.structs.replace(cfg, enforce_eager=True),
                           Card.from_mib(2048, cuda=True), device)
-    pool = next(p.bytes for p in engine.receipt.workspace if p.name == "graph pool")
+    receipt = plan(Card.from_mib(2048, cuda=True), ModelFacts.from_header(tiny_rads[family].header), cfg)
+    pool = next(p.bytes for p in receipt.workspace if p.name == "graph pool")
     torch.cuda.synchronize()
     allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
