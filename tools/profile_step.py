@@ -34,7 +34,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from radianced.arena import detect_card  # noqa: E402
 from radianced.budget import Card, ModelFacts, plan  # noqa: E402
 from radianced.config import Config  # noqa: E402
 from radianced.engine import engine as engine_module  # noqa: E402
@@ -90,7 +89,8 @@ def capture_graphs(engine: Engine, rad: RadFile, cfg: Config) -> dict | None:
     if graphs is None:
         return None
     engine.runner.graphs = graphs
-    receipt = plan(detect_card(dev), ModelFacts.from_header(rad.header), cfg)  # as planned with graphs
+    total = torch.cuda.mem_get_info(dev)[1]
+    receipt = plan(Card(total, total, cuda=True), ModelFacts.from_header(rad.header), cfg)  # as with graphs
     pool = next(p.bytes for p in receipt.workspace if p.name == "graph pool")
     return {"held": torch.cuda.memory_allocated(dev) - before,
             "peak_reserved": torch.cuda.max_memory_reserved(dev) - reserved, "receipt_graph_pool": pool}
