@@ -1,13 +1,13 @@
 """The decode graphs hold no more device memory than the receipt's "graph pool" line says.
 
-DESIGN: peak reserved after graph capture stays within the receipt (the whole
-receipt: tools/gpu_bench.py's budget rows); here the line itself is held to
-what the graphs keep allocated. Reserved memory comes in the caching
-allocator's segments (2 MiB, or 20 MiB for blocks of 1 to 10 MiB), so the
-peak reserved during capture is recorded beside it, not held to the line. The engine is built with `--enforce-eager`, then the graphs are
-captured as `Engine.build` does, between two readings of the caching allocator
-(what stays allocated, and the peak reserved), against the graph pool line of the
-receipt planned for the same flags without `--enforce-eager` on a CUDA card.
+The engine is built with `--enforce-eager`, then the graphs are captured as
+`Engine.build` does, between two readings of the caching allocator, against the
+graph pool line of the receipt planned for the same flags without
+`--enforce-eager` on a CUDA card. The line is held to what the graphs keep
+allocated. DESIGN's check of peak reserved memory is on the whole receipt
+(tools/gpu_bench.py's budget rows): reserved memory comes in the allocator's
+segments (2 MiB, or 20 MiB for blocks of 1 to 10 MiB), so the peak reserved
+during capture is recorded here, not held to the line.
 """
 
 from __future__ import annotations
