@@ -17,9 +17,8 @@ The step runs without a host sync:
    `deterministic=True`, stored per assignment and summed over k in order.
 
 At T == 1 (decode at batch 1) step 1 is skipped: the k experts are distinct, so
-tile i is simply assignment i; step 3 is one launch over output columns that
-sums the k experts' down projections in order (deterministic whichever was
-asked for): 2 launches in all.
+tile i is simply assignment i, and the ordered sum (3 launches in all) replaces
+the atomics, whichever was asked for.
 
 Weights are read through a per-expert base address, the only way the kernels
 reach them: `slab + table[e] * row_stride` for table[e] >= 0 and
@@ -45,8 +44,6 @@ import triton.language as tl
 
 # Assignments (T * k) up to which one counting-sort program groups them; above, torch.sort.
 GROUP_FUSED_MAX = 1024
-# T == 1: output columns per program and reduction step of the fused down + sum (k experts each).
-DOWN_SUM_BLOCK_N, DOWN_SUM_BLOCK_K = 16, 256
 # (assignments per chunk, tiles per chunk, warps) of the grouping programs. On the H200 the counting
 # sort took 25-28 us at T = 32 (k = 8) for chunks of 32 to 128 and 4 or 8 warps (tools/bench_kernels.py).
 GROUP_LAUNCH = (64, 64, 4)
@@ -271,34 +268,6 @@ def _moe_down_kernel(
 
 
 @triton.jit
-def _moe_down_sum_kernel(
-    h_ptr, w_ptr, table_ptr, ids_ptr, topk_weights_ptr, out_ptr, host_ptr,
-    hidden, inter, stride_row, stride_host_row,
-    TOP_K: tl.constexpr, TABLE_IS_PTR: tl.constexpr, HAS_HOST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """One token (T == 1): out[n] = sum_j weight_j * (h[j] . down_j[n]), j = 0 .. k-1 in order,
-    for a block of BLOCK_N output columns; a weight stream (no tensor cores: one row)."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < hidden
-    out = tl.zeros([BLOCK_N], tl.float32)
-    for j in range(TOP_K):
-        expert = tl.load(ids_ptr + j).to(tl.int32)
-        base = _expert_base(w_ptr, table_ptr, expert, stride_row, host_ptr, stride_host_row,
-                            TABLE_IS_PTR, HAS_HOST)
-        down_ptr = base + 2 * inter * hidden + n[:, None] * inter  # down [H, I], after gate and up
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < inter
-            h = tl.load(h_ptr + j * inter + k, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
-            w = tl.load(down_ptr + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-            acc += tl.sum(w.to(tl.float32) * h[None, :], 1)
-        out += tl.load(topk_weights_ptr + j).to(tl.float32) * acc
-    tl.store(out_ptr + n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
 def _moe_sum_kernel(y_ptr, out_ptr, hidden, top_k, BLOCK_H: tl.constexpr):
     """out[t] = sum_j y[t * k + j] for j = 0 .. k-1, in that order (fp32 accumulate)."""
     t = tl.program_id(0).to(tl.int64)
@@ -355,6 +324,7 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if per_assignment:
         tile_info = order = topk_ids.reshape(-1)
         tiles = top_k
+        deterministic = True  # the ordered sum is also the cheaper reduction here (no memset, no cast)
     else:
         order, tile_info = group_by_expert(topk_ids, num_experts, cfg.block_m)
         tiles = tile_info.shape[0]
@@ -367,15 +337,6 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     weights = topk_weights.reshape(-1)
-    if per_assignment:  # down and the ordered sum over k in one launch, straight into the output
-        out = torch.empty_like(x)
-        _moe_down_sum_kernel[(triton.cdiv(hidden, DOWN_SUM_BLOCK_N),)](
-            h, w_ref, table, order, weights, out, w_ref if host is None else host,
-            hidden, inter, stride_row, 0 if host is None else host.stride(0),
-            TOP_K=top_k, TABLE_IS_PTR=table_is_ptr, HAS_HOST=host is not None,
-            BLOCK_N=DOWN_SUM_BLOCK_N, BLOCK_K=DOWN_SUM_BLOCK_K, num_warps=4,
-        )
-        return out
     if deterministic:
         y = torch.empty((a, hidden), dtype=torch.float32, device=dev)  # every row written: one per assignment
     else:
