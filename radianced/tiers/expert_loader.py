@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from radianced.tiers.disk import DiskReader, ReadResult, align_up
-from radianced.tiers.host import register_pinned
+from radianced.tiers.host import PinError, register_pinned
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -45,13 +45,13 @@ class ExpertLoader:
         self._mm = mmap.mmap(-1, staging_rows * self.row_bytes)  # page-aligned: O_DIRECT destinations
         self._staging = torch.frombuffer(self._mm, dtype=torch.uint8).view(staging_rows, self.row_bytes)
         self._cuda = slab.device.type == "cuda"
-        self._pinned = False
+        self._unpin = None
         if self._cuda:
-            err = register_pinned(self._staging)
-            if err is not None:
+            try:
+                self._unpin = register_pinned(self, self._staging, self._mm)
+            except PinError as e:
                 raise RuntimeError(f"cudaHostRegister of the expert read staging ({self._staging.numel()} B) "
-                                   f"failed: {err}; raise the locked-memory limit (ulimit -l)")
-            self._pinned = True
+                                   f"failed: {e}; raise the locked-memory limit (ulimit -l)") from None
         self._copied: torch.cuda.Event | None = None  # after the last round's copies (CUDA)
         self.bytes_read = 0
         self._latencies: list[float] = []
@@ -72,9 +72,9 @@ class ExpertLoader:
         return out
 
     def close(self) -> None:
-        if self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(self._staging.data_ptr())
-            self._pinned = False
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
         self.reader.close()
 
     def _round(self, keys: Sequence[Key], rows: Sequence[int]) -> list[ReadResult]:

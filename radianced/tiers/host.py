@@ -28,6 +28,7 @@ import fcntl
 import mmap
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,6 +91,7 @@ class HostPool:
         self.fill = fill
         self._rows = {k: i for i, k in enumerate(keys)}
         self._mm = mm
+        self._unpin: weakref.finalize | None = None
         itemsize = torch.empty((), dtype=dtype).element_size()
         if mm is None:
             self._bytes = torch.empty((0, row_bytes), dtype=torch.uint8)
@@ -192,29 +194,45 @@ class HostPool:
 
     def close(self) -> None:
         """Unregister from CUDA; the memory goes when the last view of it does."""
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self._bytes.data_ptr())
-            self.pinned = False
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin, self.pinned = None, False
 
     # -- internals ---------------------------------------------------------------
 
     def _pin(self) -> None:
-        err = register_pinned(self._bytes)  # [rows, row_bytes]: all nbytes of the pool
-        if err is not None:
-            raise HostPoolError(f"cudaHostRegister of the host pool ({self.nbytes / MiB:.2f} MiB) failed: {err}; "
+        try:
+            self._unpin = register_pinned(self, self._bytes, self._mm)  # [rows, row_bytes]: all of the pool
+        except PinError as e:
+            raise HostPoolError(f"cudaHostRegister of the host pool ({self.nbytes / MiB:.2f} MiB) failed: {e}; "
                                 f"raise the locked-memory limit (LimitMEMLOCK=infinity, ulimit -l) or lower "
-                                f"--host-pool-mib")
+                                f"--host-pool-mib") from None
         self.pinned = True
 
 
-def register_pinned(t: torch.Tensor):
-    """Pin host memory in place for CUDA (page-locked, mapped into the device's address space:
-    kernels read it over the link, copies from it run asynchronously). None on success, else the
-    CUDA error, for the caller's message. Undo with `torch.cuda.cudart().cudaHostUnregister(ptr)`."""
+class PinError(RuntimeError):
+    """cudaHostRegister refused the memory; the message is CUDA's error."""
+
+
+def register_pinned(owner: object, t: torch.Tensor, memory: object) -> weakref.finalize:
+    """Pin `t`'s host memory in place for CUDA (page-locked, mapped into the device's address space:
+    kernels read it over the link, copies from it run asynchronously) for as long as `owner` lives.
+
+    Returns the finalizer that unpins it: call it to unpin early (`close`); it also runs when
+    `owner` is collected unclosed. It holds `memory` (the mapping under t) until then, so pages are
+    never unmapped while registered: CUDA would refuse a later registration of those addresses.
+    Raises PinError with CUDA's error.
+    """
     rt = torch.cuda.cudart()
     err = rt.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(),
                               CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
-    return None if err == rt.cudaError.success else err
+    if err != rt.cudaError.success:
+        raise PinError(str(err))
+    return weakref.finalize(owner, _unregister, t.data_ptr(), memory)
+
+
+def _unregister(ptr: int, memory: object) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)  # `memory` was held alive until now
 
 
 def _fill(rad, keys: tuple[Key, ...], mm: mmap.mmap, row_bytes: int, depth: int, verify: bool,

@@ -18,8 +18,8 @@ lockstep for 32 steps, on the CPU in fp32 (the truth) and on the device.
   (qwen3_next), with logit errors of 2-3% of max|logit| between flips. A broken
   bf16 path (wrong cast, lost state) agrees far less than 90%.
 
-Until the Triton kernels land, the device runs the reference ops: this proves
-the model code is device-clean and numerically sound there, not fast.
+Each run binds the ops of its device first (`ops.select`, process-global): the
+Triton kernels on CUDA, the reference on the CPU, whatever an earlier test bound.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from radianced.engine.greedy import GreedyTrace, greedy_generate
+from radianced.kernels import ops
 from radianced.model.batch import KVCache
 from radianced.model.convert import convert
 from radianced.model.loader import load_model
@@ -50,6 +51,7 @@ def _prompts(vocab: int, seed: int = 1) -> list[list[int]]:
 
 
 def _run(rad: RadFile, device: str, dtype: torch.dtype, prompts, forced=None) -> GreedyTrace:
+    ops.select(device)
     model = load_model(rad, device=device, dtype=dtype)
     cache = KVCache.allocate(rad.model, num_blocks=64, block_size=16, num_state_slots=len(prompts),
                              dtype=dtype, device=device)
