@@ -90,7 +90,12 @@ class SamplingTensors:
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in ps]
         stops = [tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(eos_token_ids)) for p in ps]
         width = max((len(s) for s in stops), default=0) or 1
-        stop_ids = torch.tensor([list(s) + [-1] * (width - len(s)) for s in stops], dtype=torch.int64).view(b, width)
+        # the [B] parameters in two host-to-device copies (each copy costs the host ~20 us): fp32
+        # rows temperature | top_p | min_p, int64 columns top_k | greedy | stop ids padded with -1
+        real = floats([[1.0 if p.greedy else p.temperature for p in ps], [p.top_p for p in ps],
+                       [p.min_p for p in ps]]).view(3, b)
+        ints = torch.tensor([[k, p.greedy, *s, *[-1] * (width - len(s))] for k, p, s in zip(top_k, ps, stops)],
+                            dtype=torch.int64).view(b, 2 + width).to(device)
 
         penalties = {}
         if any(p.has_penalties for p in ps):
@@ -102,12 +107,12 @@ class SamplingTensors:
             )
         wanted = [p.logprobs for p in ps if p.logprobs is not None]
         return cls(
-            temperature=floats([1.0 if p.greedy else p.temperature for p in ps]),
-            greedy=torch.tensor([p.greedy for p in ps], dtype=torch.bool, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=floats([p.top_p for p in ps]),
-            min_p=floats([p.min_p for p in ps]),
-            stop_ids=stop_ids.to(device),
+            temperature=real[0],
+            greedy=ints[:, 1] != 0,
+            top_k=ints[:, 0],
+            top_p=real[1],
+            min_p=real[2],
+            stop_ids=ints[:, 2:],
             repetition_penalty=penalties.get("repetition_penalty"),
             frequency_penalty=penalties.get("frequency_penalty"),
             presence_penalty=penalties.get("presence_penalty"),
