@@ -82,6 +82,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     placement: str = "auto"
     deterministic: bool = False
     enforce_eager: bool = False  # no CUDA graphs: every step runs op by op
+    sequential_steps: bool = False  # plan a step only after the previous one finished (no pipelining)
     weights_disk_tier: bool = False
     expert_slots: int | None = None  # None = as many as the budget allows
     kv_cache_dtype: str = "auto"
@@ -303,6 +304,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--deterministic", action="store_true", help="experts first, fixed split, no lending")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (slower; for debugging and measuring)")
+    g.add_argument("--sequential-steps", action="store_true",
+                   help="plan each step after the previous one finished, instead of while it runs "
+                        "(slower; for debugging and measuring)")
     g.add_argument("--weights-disk-tier", action="store_true",
                    help="experts that fit neither card nor host pool stay in the model file")
     g.add_argument("--expert-slots", type=int, help="cap on VRAM expert slots (default: what the budget allows)")

@@ -1,9 +1,11 @@
-"""The async driver: `Engine.step()` on a worker thread, bookkeeping on the event loop.
+"""The async driver: the engine's steps on a worker thread, bookkeeping on the event loop.
 
 DESIGN.md "Threads and I/O": the event loop owns the scheduler, the request
 streams and the telemetry and never calls into torch; one worker thread runs
-`runner.run(plan)`. Adds and cancels arriving while a step runs are applied by
-the loop before the next plan.
+the runner. Steps are pipelined (`Engine.pipeline`): the loop plans step N+1
+while step N is in flight, the worker launches N+1 and then collects N, and the
+loop applies N. Adds and cancels arriving while a step runs are applied by the
+loop before the next plan.
 
 The server's API: `submit()` queues a request at once (or raises `QueueFull`)
 and returns its `RequestStream`; `generate()` is the same as one async iterator
@@ -191,24 +193,37 @@ class AsyncEngine:
     async def run(self) -> None:
         """The engine task: plan, execute on the worker, apply, until cancelled.
 
-        If a step raises, every live stream raises EngineFailed and so does this task.
+        Each round plans the next step (ahead of the one in flight where the scheduler
+        can), has the worker launch it and then collect the step in flight, and applies
+        that one. If a step raises, every live stream raises EngineFailed and so does this task.
         """
         loop = asyncio.get_running_loop()
+        runner = self.engine.runner
+        in_flight = None
         try:
             while True:
-                plan = self.scheduler.schedule() if self.scheduler.has_unfinished else None
-                if plan is None or plan.is_empty:  # idle, or nothing fits until a request ends
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                start = time.perf_counter()
-                output = await loop.run_in_executor(self._worker, self.engine.runner.run, plan)
+                if in_flight is None:
+                    plan = self.scheduler.schedule() if self.scheduler.has_unfinished else None
+                    if plan is None or plan.is_empty:  # idle, or nothing fits until a request ends
+                        self._wake.clear()
+                        await self._wake.wait()
+                        continue
+                    start = time.perf_counter()
+                    in_flight = await loop.run_in_executor(self._worker, runner.launch, plan)
+                else:
+                    start = time.perf_counter()
+                ahead = self.scheduler.schedule_ahead() if self.engine.pipelined else None
+                ahead = None if ahead is None or ahead.is_empty else ahead
+                step = in_flight
+                in_flight, output = await loop.run_in_executor(self._worker, _launch_then_collect, runner, ahead,
+                                                               step)
                 self.metrics.observe_step(time.perf_counter() - start)
-                self._count_experts(plan, output)
-                self._dispatch(self.scheduler.update(plan, output))
+                self._count_experts(step.plan, output)
+                self._dispatch(self.scheduler.update(step.plan, output))
                 # as Engine.step: idle KV pages back to the arena, hot experts into slots. On the
                 # loop because it moves pages the scheduler owns; on CUDA its expert copies are
-                # the loop's only device calls.
+                # the loop's only device calls, made while the worker is idle (queued behind the
+                # step in flight, they reach the step after it).
                 self.engine.settle()
                 self._count_tiers()
                 self.steps += 1
@@ -364,6 +379,12 @@ class AsyncEngine:
                  (first - s.arrived) * 1e3, s.generated, decode_s * 1e3, rate, reason)
         if self.engine.experts is not None:
             log.info("%s: %s", s.request.request_id, expert_line(*s.experts))
+
+
+def _launch_then_collect(runner, plan, step):
+    """On the worker: launch `plan` (if any), then collect `step`; (the launched step or None, output)."""
+    launched = runner.launch(plan) if plan is not None else None
+    return launched, runner.collect(step)
 
 
 def expert_line(lookups: int, hits: int, routed: int, routed_from_misses: int) -> str:

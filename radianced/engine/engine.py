@@ -1,7 +1,10 @@
 """One served model: the scheduler plans a step, the runner executes it.
 
-`Engine.step()` is the whole loop body; `AsyncEngine` (engine/driver.py) runs
-it with the runner on a worker thread and the bookkeeping on the event loop.
+`Engine.step()` is the whole loop body, one step at a time; `Engine.pipeline()`
+steps with the next plan launched before the previous step is collected (the
+host plans step N+1 while the device runs step N). `AsyncEngine`
+(engine/driver.py) runs the pipeline with the runner on a worker thread and the
+bookkeeping on the event loop.
 `Engine.build` derives every pool from the budget receipt: the arena is the
 receipt's elastic line, and the KV cache is a view over its pages.
 """
@@ -18,7 +21,7 @@ from radianced.budget import BLOCK_TOKENS, Card, ModelFacts, Receipt, plan
 from radianced.config import Config
 from radianced.engine.graphs import DecodeGraphs
 from radianced.engine.request import Request
-from radianced.engine.runner import Runner
+from radianced.engine.runner import InFlight, Runner
 from radianced.engine.sampler import Sampler
 from radianced.engine.scheduler import Scheduler, SeqEvent
 from radianced.kernels import ops
@@ -49,6 +52,7 @@ class Engine:
     arena: Arena | None = None
     experts: ExpertSlab | None = None
     resources: list = field(default_factory=list)  # closed by close(): host pool, expert loader
+    pipelined: bool = True  # plan ahead of the step in flight (off: --sequential-steps, the disk tier)
 
     def close(self) -> None:
         """Give back what lives outside torch's allocator: the expert loader's ring, fd and pinned
@@ -61,6 +65,17 @@ class Engine:
         if plan.is_empty:
             return []
         events = self.scheduler.update(plan, self.runner.run(plan))
+        self.settle()
+        return events
+
+    def pipeline(self) -> Pipeline:
+        """Pipelined stepping (sequential where `pipelined` is off); don't mix with `step()`
+        while its step is in flight."""
+        return Pipeline(self)
+
+    def finish(self, step: InFlight) -> list[SeqEvent]:
+        """Collect a launched step, apply it, settle: the second half of a step."""
+        events = self.scheduler.update(step.plan, self.runner.collect(step))
         self.settle()
         return events
 
@@ -102,6 +117,9 @@ class Engine:
             arena.register(KV, _KVReclaimer(allocator))
         engine = cls.assemble(rad, cfg, storage, allocator, device, experts, receipt.max_model_len, sampler_seed)
         engine.receipt, engine.arena, engine.experts, engine.resources = receipt, arena, experts, resources
+        if experts is not None and experts.placement.disk and engine.pipelined:
+            engine.pipelined = False  # its host sync per routed layer leaves nothing to overlap
+            log.info("steps run one after the other: the disk tier reads experts with a host sync per layer")
         if torch.device(device).type == "cuda" and not cfg.enforce_eager:
             engine.runner.graphs = _decode_graphs(engine, cfg, receipt)
         return engine
@@ -128,7 +146,47 @@ class Engine:
         runner = Runner(model, KVCache(kv_storage, m.full_attention_layers, states), checkpoints,
                         Sampler(device, sampler_seed), tokenizer.eos_token_ids,
                         experts if isinstance(experts, ExpertSlab) else None)
-        return cls(scheduler, runner, tokenizer)
+        return cls(scheduler, runner, tokenizer, pipelined=not cfg.sequential_steps)
+
+
+class Pipeline:
+    """Steps an engine with at most one step in flight ahead of the one being finished.
+
+    `step()` launches the next plan (made with `Scheduler.schedule_ahead` while the
+    previous step still runs), then collects and applies the previous step, and
+    returns its events: on a GPU the host's collect, update and settle of step N run
+    while step N+1 runs on the device. Where the next plan needs step N's results
+    (the scheduler says so) or the engine is not `pipelined`, the step in flight is
+    finished first. `drain()` finishes the step in flight.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.in_flight: InFlight | None = None
+
+    def launch_next(self) -> InFlight | None:
+        """Plan and launch the next step: ahead of the one in flight if it can be (else
+        None: the caller finishes that first), or with none in flight. None if nothing to do."""
+        engine, scheduler = self.engine, self.engine.scheduler
+        if self.in_flight is None:
+            plan = scheduler.schedule() if scheduler.has_unfinished else None
+        else:
+            plan = scheduler.schedule_ahead() if engine.pipelined else None
+        return None if plan is None or plan.is_empty else engine.runner.launch(plan)
+
+    def step(self) -> list[SeqEvent]:
+        """Finish one step (launching the next first where it can); its events ([] when idle)."""
+        if self.in_flight is None:
+            self.in_flight = self.launch_next()
+            if self.in_flight is None:
+                return []
+        step, self.in_flight = self.in_flight, self.launch_next()
+        return self.engine.finish(step)
+
+    def drain(self) -> list[SeqEvent]:
+        """Finish the step in flight, if any; its events."""
+        step, self.in_flight = self.in_flight, None
+        return self.engine.finish(step) if step is not None else []
 
 
 def _expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch.dtype, cfg: Config,

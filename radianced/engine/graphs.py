@@ -84,10 +84,13 @@ class DecodeGraphs:
         """The bucket a decode step of n sequences runs in, or None (too many)."""
         return next((b for b in self.buckets if b >= n), None)
 
-    def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+    def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
+            pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One decode step of n = len(token_ids) sequences (sequence i feeds token_ids[i] at
-        positions[i]); returns logits [n, V] (fp32). The caller wraps it in the slab's
-        begin_step/end_step like an eager forward."""
+        positions[i]); returns logits [n, V] (fp32). pending: (rows [P], ids [P]) on the device,
+        input ids that replace token_ids[rows] (the previous step's samples: a device copy queued
+        before the replay). The caller wraps it in the slab's begin_step/end_launch like an
+        eager forward."""
         n = len(token_ids)
         b = self.bucket(n)
         bs = self.cache.block_size
@@ -110,6 +113,8 @@ class DecodeGraphs:
         self._slots[:b].copy_(pinned[2, :b], non_blocking=nb)
         self._lens[:b].copy_(pinned[3, :b], non_blocking=nb)
         self._tables[:n, :width].copy_(self._host_tables[:n, :width], non_blocking=nb)
+        if pending is not None:
+            self._ids.index_copy_(0, *pending)
         if nb:
             self._copied = torch.cuda.Event()
             self._copied.record()

@@ -13,7 +13,9 @@ from typing import Any
 
 from radianced.kv.state import StateCopy
 
-__all__ = ["ScheduledSeq", "StateCopy", "StepPlan", "StepOutput"]
+__all__ = ["PENDING", "ScheduledSeq", "StateCopy", "StepPlan", "StepOutput"]
+
+PENDING = -1  # a token id not known yet: what a step in flight samples (never a real id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +31,10 @@ class ScheduledSeq:
     output_token_ids: where it samples, the output so far (the next token is output
         number len(output_token_ids): penalties, per-request seeds); else ().
     params: the request's sampling params (opaque here).
+    input_from: None, or the plan was made while the previous plan was in flight and this is
+        a decode of the token that plan samples for the sequence: token_ids is (PENDING,), the
+        runner takes the id on the device from row `input_from` of the previous plan's sampled
+        tokens (its sampling sequences in plan order), and output_token_ids ends with PENDING.
     """
 
     seq_id: int
@@ -40,6 +46,7 @@ class ScheduledSeq:
     prompt_token_ids: tuple[int, ...] = ()
     output_token_ids: tuple[int, ...] = ()
     params: Any = None
+    input_from: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,9 +42,11 @@ class FinishReason(str, enum.Enum):
 class Sequence:
     """The scheduler's state of one request. The engine may read it; only the scheduler writes it.
 
-    token_ids is the prompt followed by the output so far. num_computed_tokens of
-    them have KV (and, on hybrid models, are folded into the state slot); after a
-    preemption it drops to 0 and the whole of token_ids is computed again.
+    token_ids is the prompt followed by the output so far; its last entry is
+    `plan.PENDING` while a planned step has yet to sample it. num_computed_tokens
+    of them have KV (and, on hybrid models, are folded into the state slot) once
+    the steps planned so far ran; after a preemption it drops to 0 and the whole
+    of token_ids is computed again.
     """
 
     def __init__(self, seq_id: int, request: Request, num_groups: int = 1):

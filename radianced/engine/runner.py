@@ -4,21 +4,42 @@ The runner owns the device state of the engine: the paged KV cache, the
 recurrent-state slots and checkpoints (hybrid models) and the sampler's
 generators. It is called from one worker thread only; nothing above it touches
 a tensor.
+
+A step is `launch(plan)` (queue the device work, no wait) then `collect(step)`
+(wait for it, build the `StepOutput`); with pipelining the next plan is launched
+before the previous step is collected, so its host work overlaps the device.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from radianced.engine.plan import ScheduledSeq, StepOutput, StepPlan
-from radianced.engine.sampler import Sampler, SampleResult, SamplingRow, SamplingTensors
+from radianced.engine.sampler import Sampler, SamplingRow, SamplingTensors
 from radianced.kv.state import StateCopy
-from radianced.model.batch import ForwardBatch, KVCache, RecurrentState
+from radianced.model.batch import ForwardBatch, KVCache, RecurrentState, to_device_no_sync
 from radianced.model.layers import CausalLM
+
+if TYPE_CHECKING:
+    from radianced.tiers.slab import StepRecord
+
+
+@dataclass
+class InFlight:
+    """A launched step: its device work is queued; `Runner.collect` waits for it."""
+
+    plan: StepPlan
+    query_start: tuple[int, ...]
+    decode: list[int]  # indices of plan.seqs that are decode steps (their expert counts)
+    host: tuple | None  # (tokens [R], logprobs [R], top ids [R, N], top logprobs [R, N]) on the host
+    done: torch.cuda.Event | None  # after the copies to `host` (CUDA)
+    routing: StepRecord | None  # the slab's record of the step
 
 
 class Runner:
@@ -32,69 +53,117 @@ class Runner:
         self.eos_token_ids = eos_token_ids
         self.device = cache.storage.device
         self.graphs = None  # DecodeGraphs (engine/graphs.py) once captured: decode steps replay them
+        self._last_tokens: torch.Tensor | None = None  # [R] the last launched step's sampled ids (device)
 
     def run(self, plan: StepPlan) -> StepOutput:
-        """Execute one step. Mutates the KV cache, state slots and checkpoints as the plan says."""
+        """Execute one step: `collect(launch(plan))`."""
+        return self.collect(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> InFlight:
+        """Queue all device work of a step and return without waiting for it: state copies, the
+        forward (graph replay or eager), the sampler, and copies of the sampled tokens and the
+        slab's routing to the host. Mutates the KV cache, state slots and checkpoints as the plan
+        says, in stream order after every step launched before. A sequence with `input_from`
+        reads its input token from the previous launched step's sampled tokens, on the device."""
         self._copy_states(plan.before)
         seqs = plan.seqs
         decode = [i for i, s in enumerate(seqs) if _is_decode(s)]
         graph = self.graphs is not None and len(decode) == len(seqs) and self.graphs.bucket(len(seqs)) is not None
-        if graph:  # every sequence feeds one token and samples: query_start is 0, 1, ..., B
-            query_start = tuple(range(len(seqs) + 1))
-        else:
-            batch = ForwardBatch.build(
-                [list(s.token_ids) for s in seqs], [s.context_before for s in seqs],
-                [list(s.block_table[0]) for s in seqs], self.cache.block_size, logits=[s.sample for s in seqs],
-                state_slots=[s.state_slot for s in seqs] if self.cache.states is not None else None,
-                device=self.device)
-            query_start = batch.query_start
-        rows = [SamplingRow(s.params, s.output_token_ids, s.prompt_token_ids) for s in seqs if s.sample]
-        # Host work first, device work queued back to back, then the waits: the sampling tensors are
-        # built before the forward is launched, the sampler is queued behind it, and only then does the
-        # host wait (the slab's copy of the step's routing, the sampled tokens).
-        sampling = SamplingTensors.build(rows, self.vocab_size, self.eos_token_ids, self.device) if rows else None
+        query_start = tuple(range(len(seqs) + 1)) if graph else \
+            tuple(itertools.accumulate((len(s.token_ids) for s in seqs), initial=0))
+        pending = self._pending_inputs(seqs, query_start)
         if self.experts is not None:
             self.experts.begin_step([(query_start[i], query_start[i + 1]) for i in decode], query_start[-1])
-        picked = None
+        picked, routing = None, None
         try:
-            if graph:
+            if graph:  # every sequence feeds one token and samples: query_start is 0, 1, ..., B
                 logits = self.graphs.run([s.token_ids[0] for s in seqs], [s.context_before for s in seqs],
-                                         [s.block_table[0] for s in seqs])
+                                         [s.block_table[0] for s in seqs], pending)
             else:
+                batch = ForwardBatch.build(
+                    [list(s.token_ids) for s in seqs], [s.context_before for s in seqs],
+                    [list(s.block_table[0]) for s in seqs], self.cache.block_size, logits=[s.sample for s in seqs],
+                    state_slots=[s.state_slot for s in seqs] if self.cache.states is not None else None,
+                    device=self.device)
+                if pending is not None:
+                    batch.input_ids.index_copy_(0, *pending)
                 with torch.inference_mode():
                     logits = self.model.forward(batch, self.cache)  # [R, V]: one row per sampling sequence
-            if sampling is not None:
-                picked = self.sampler.sample(logits, sampling)
+            # Queued behind the forward: the sampling tensors are built (host work, copied without a
+            # sync) while the device runs it.
+            rows = [SamplingRow(s.params, s.output_token_ids, s.prompt_token_ids) for s in seqs if s.sample]
+            if rows:
+                picked = self.sampler.sample(logits, self._sampling_tensors(rows))
         finally:
-            counts = self.experts.end_step() if self.experts is not None else None
-        errors = self._failed_seqs(query_start) if self.experts is not None else None
+            if self.experts is not None:
+                routing = self.experts.end_launch()
         self._copy_states(plan.after)
-        out = StepOutput(tuple(() for _ in seqs)) if picked is None else self._output(seqs, picked)
+        self._last_tokens = None if picked is None else picked.tokens
+        host, done = None, None
+        if picked is not None:
+            host = tuple(None if t is None else _to_host_no_wait(t)
+                         for t in (picked.tokens, picked.logprobs, picked.top_ids, picked.top_logprobs))
+            if self.device.type == "cuda":
+                done = torch.cuda.Event()
+                done.record()
+        return InFlight(plan, query_start, decode, host, done, routing)
+
+    def collect(self, step: InFlight) -> StepOutput:
+        """Wait for a launched step (steps are collected in launch order) and return its output."""
+        if step.done is not None:
+            step.done.synchronize()  # deliberate: the step's tokens go back to the scheduler
+        seqs = step.plan.seqs
+        counts = self.experts.count(step.routing) if step.routing is not None else None
+        errors = self._failed_seqs(step.routing, step.query_start) if step.routing is not None else None
+        out = StepOutput(tuple(() for _ in seqs)) if step.host is None else self._output(seqs, step.host)
         if counts is None:
             return out
         per_seq: list = [None] * len(seqs)
-        for i, c in zip(decode, counts):
+        for i, c in zip(step.decode, counts):
             per_seq[i] = c
         return replace(out, expert_counts=tuple(per_seq), errors=errors)
 
-    def _failed_seqs(self, query_start: Sequence[int]) -> tuple[str | None, ...] | None:
+    def _pending_inputs(self, seqs: tuple[ScheduledSeq, ...],
+                        query_start: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(token rows [P], their ids [P] on the device) of the sequences whose input is the previous
+        step's sampled token (`input_from`), or None. A gather queued on the stream: stream order
+        puts it after the previous step's sampler, so nothing waits for it."""
+        rows = [(query_start[i], s.input_from) for i, s in enumerate(seqs) if s.input_from is not None]
+        if not rows:
+            return None
+        if self._last_tokens is None:
+            raise RuntimeError("a plan made ahead reads the previous step's tokens, and no step that sampled "
+                               "was launched before it")
+        dst, src = (to_device_no_sync(torch.tensor(x, dtype=torch.int64), self.device) for x in zip(*rows))
+        return dst, self._last_tokens.index_select(0, src)
+
+    def _sampling_tensors(self, rows: list[SamplingRow]) -> SamplingTensors:
+        """The step's SamplingTensors, built on the host and copied without a stream sync."""
+        t = SamplingTensors.build(rows, self.vocab_size, self.eos_token_ids, "cpu")
+        if self.device.type == "cpu":
+            return t
+        return replace(t, **{f.name: to_device_no_sync(getattr(t, f.name), self.device) for f in fields(t)
+                             if isinstance(getattr(t, f.name), torch.Tensor)})
+
+    def _failed_seqs(self, routing: StepRecord, query_start: Sequence[int]) -> tuple[str | None, ...] | None:
         """Per scheduled sequence, the error of an expert read that its rows depended on, or None
         (None overall when every read of the step succeeded). Other sequences' rows never
         read a failed expert, so their results stand."""
-        rows, errors = self.experts.take_failures()
+        rows, errors = routing.failures()
         if not rows:
             return None
         failed = {bisect.bisect_right(query_start, r) - 1 for r in rows}
         message = "; ".join(errors)
         return tuple(message if i in failed else None for i in range(len(query_start) - 1))
 
-    def _output(self, seqs: tuple[ScheduledSeq, ...], picked: SampleResult) -> StepOutput:
+    def _output(self, seqs: tuple[ScheduledSeq, ...], host: tuple) -> StepOutput:
         """Per scheduled sequence: its sampled token (or none) and logprobs payload
         (chosen token's logprob, [(id, logprob)] of its top-N)."""
-        tokens = iter(picked.tokens.tolist())  # the step's one host sync: tokens go back to the scheduler
-        want = picked.logprobs is not None
+        tokens, logprobs, top_ids, top_logprobs = host
+        tokens = iter(tokens.tolist())
+        want = logprobs is not None
         if want:
-            lp = iter(zip(picked.logprobs.tolist(), picked.top_ids.tolist(), picked.top_logprobs.tolist()))
+            lp = iter(zip(logprobs.tolist(), top_ids.tolist(), top_logprobs.tolist()))
         out_tokens, out_lp = [], []
         for s in seqs:
             if not s.sample:
@@ -122,3 +191,11 @@ class Runner:
 def _is_decode(s: ScheduledSeq) -> bool:
     """A decode step of a sequence: one token, the last one sampled, fed back to sample the next."""
     return s.sample and len(s.token_ids) == 1 and len(s.output_token_ids) > 0
+
+
+def _to_host_no_wait(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the host: from a GPU, a pinned buffer of its own filled by a queued copy (read it
+    after the step's event)."""
+    if t.device.type != "cuda":
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)

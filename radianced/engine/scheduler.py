@@ -16,10 +16,31 @@ Rules of a step (`schedule`):
    block boundary and save a checkpoint there; a chunk that samples at a block
    boundary saves one too (kept by the sequence, cached when it ends).
 
-Contract: `schedule()` and `update()` alternate. `add`, `cancel` and `abort_all`
-may come at any time; blocks of a cancelled sequence are freed at once (nothing
-reuses them before the next `schedule()`, which waits for the in-flight
-`update()`). No torch, no CUDA.
+Planning a step advances each scheduled sequence at once: its computed tokens
+count the chunk, and a chunk that samples appends a PENDING token, which
+`update()` replaces with the sampled one (or the sequence ends and it is dropped).
+
+Pipelining (`schedule_ahead`): one plan may be made while the previous one is in
+flight, before its `update()`. A running sequence that the in-flight plan samples
+for is then scheduled optimistically on its PENDING token (`ScheduledSeq.input_from`:
+the runner takes it from the previous step's sampled tokens on the device); if
+that step ends it (stop token, stop string, error, cancel), its result in the
+plan ahead is discarded by that plan's `update()`. A sequence the pending token
+certainly ends (max_tokens, max_model_len) is not scheduled again. Where the
+next plan needs the in-flight results, `schedule_ahead` returns None and the
+caller drains (updates the in-flight plan, then `schedule()`): a preemption
+would be needed, a pending sequence uses penalties (they read the pending
+token's value), or the in-flight plan saves recurrent-state checkpoints (their
+hand-over to the prefix cache happens in its update).
+
+Device writes of a plan ahead land in stream order after the in-flight plan's
+and before any later plan's, so blocks and slots that `update()` or `cancel()`
+free while a plan is in flight are safe to hand out to the next `schedule()`;
+the prefix cache is only given blocks whose tokens `update()` confirmed.
+
+Contract: `schedule()` needs no plan in flight, `schedule_ahead()` exactly one;
+`update()` takes the oldest plan in flight. `add`, `cancel` and `abort_all` may
+come at any time; blocks of a cancelled sequence are freed at once. No torch, no CUDA.
 """
 
 from __future__ import annotations
@@ -29,7 +50,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from radianced.engine.plan import ScheduledSeq, StepOutput, StepPlan
+from radianced.engine.plan import PENDING, ScheduledSeq, StepOutput, StepPlan
 from radianced.engine.request import FinishReason, Request, Sequence, SeqStatus
 from radianced.kv.blocks import BlockAllocator
 from radianced.kv.prefix import PrefixCache, PrefixMatch, extend_block_hashes
@@ -86,7 +107,8 @@ class Scheduler:
         self._next_seq_id = 0
         self._finished: list[int] = []  # since the last plan with work
         self._preempted: list[int] = []
-        self._in_flight: StepPlan | None = None
+        self._in_flight: list[StepPlan] = []  # oldest first; at most two (one ahead)
+        self._sample_rows: dict[int, int] = {}  # seq_id -> sampled-token row of the newest plan
 
     @property
     def num_waiting(self) -> int:
@@ -141,12 +163,52 @@ class Scheduler:
     # -- a step -----------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        if self._in_flight is not None:
+        """The next step, with no plan in flight (`update()` of the last one came first)."""
+        if self._in_flight:
             raise RuntimeError("schedule() called before update() of the previous plan")
+        return self._schedule()
+
+    def schedule_ahead(self) -> StepPlan | None:
+        """The step after the one in flight, before its `update()`; None where it needs that
+        step's results (the caller updates it, then calls `schedule()`). Changes nothing then."""
+        if len(self._in_flight) != 1:
+            raise RuntimeError(f"schedule_ahead() needs exactly one plan in flight, not {len(self._in_flight)}")
+        if self._in_flight[0].after:
+            return None  # checkpoint saves in flight: update() decides whether the prefix cache takes them
+        order = self._running_order()
+        if any(self._pending(s) and getattr(s.params, "has_penalties", False) for s in order):
+            return None  # penalties read the pending token's value
+        budget, need = self.max_num_batched_tokens, 0
+        for seq in order:  # the blocks the plan will take: without preemption or it is not made
+            if budget == 0:
+                break
+            n = self._chunk_len(seq, seq.num_computed_tokens, budget)
+            need += max(0, self.allocator.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table))
+            budget -= n
+        if not self.allocator.can_allocate(need):
+            return None
+        return self._schedule()
+
+    def _pending(self, seq: Sequence) -> bool:
+        """The sequence's last token is what a plan in flight samples."""
+        return seq.token_ids[-1] == PENDING
+
+    def _done_when_pending_lands(self, seq: Sequence) -> bool:
+        """Its pending token reaches max_tokens or max_model_len: it ends whatever the token."""
+        max_tokens = seq.params.max_tokens
+        return self._pending(seq) and (max_tokens is not None and seq.num_output_tokens >= max_tokens
+                                       or self.max_model_len is not None and seq.num_tokens >= self.max_model_len)
+
+    def _running_order(self) -> list[Sequence]:
+        """Running sequences in the order they take budget: decodes, then prefills, oldest first."""
+        live = [s for s in self.running if not self._done_when_pending_lands(s)]
+        return [s for s in live if not s.is_prefilling] + [s for s in live if s.is_prefilling]
+
+    def _schedule(self) -> StepPlan:
         budget = self.max_num_batched_tokens
         chunks: dict[int, _Chunk] = {}  # seq_id -> chunk, in plan order
         preempted: list[int] = []
-        for seq in [s for s in self.running if not s.is_prefilling] + [s for s in self.running if s.is_prefilling]:
+        for seq in self._running_order():
             if budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING:
@@ -176,19 +238,21 @@ class Scheduler:
         return self._emit(chunks.values(), preempted)
 
     def update(self, plan: StepPlan, output: StepOutput) -> list[SeqEvent]:
-        """Apply a step's results: advance computed tokens, cache full blocks, append
-        sampled tokens, finish sequences on a stop token or max_tokens."""
-        if plan is not self._in_flight:
-            raise RuntimeError("update() of a plan that is not the one in flight")
+        """Apply a step's results: cache the full blocks it completed, put sampled tokens in
+        place of their PENDING ones, finish sequences on a stop token or max_tokens. Results of
+        sequences that ended since the plan was made (cancelled, or ended by the step before a
+        plan ahead) are dropped."""
+        if not self._in_flight or plan is not self._in_flight[0]:
+            raise RuntimeError("update() of a plan that is not the oldest in flight")
         if len(output.token_ids) != len(plan.seqs):
             raise ValueError(f"{len(output.token_ids)} outputs for {len(plan.seqs)} scheduled sequences")
-        self._in_flight = None
+        self._in_flight.pop(0)
         saved = {c.slot: c.checkpoint for c in plan.after}
         events: list[SeqEvent] = []
         for i, s in enumerate(plan.seqs):
             seq = self._by_seq.get(s.seq_id)
             if seq is None or seq.status is not SeqStatus.RUNNING:
-                continue  # cancelled while the step ran
+                continue  # ended while the step ran: cancelled, or by the step before it
             if output.errors is not None and output.errors[i] is not None:
                 if seq.checkpoint is not None and saved.get(seq.state_slot) == seq.checkpoint:
                     seq.checkpoint_tokens = 0  # saved from this step's void state: freed, not cached
@@ -196,15 +260,15 @@ class Scheduler:
                 events.append(SeqEvent(seq.request_id, seq.seq_id, (), FinishReason.ERROR,
                                        error=output.errors[i]))
                 continue
-            seq.num_computed_tokens = s.context_before + len(s.token_ids)
-            self._cache_blocks(seq)
+            end = s.context_before + len(s.token_ids)
+            self._cache_blocks(seq, end)
             if seq.checkpoint is not None and saved.get(seq.state_slot) == seq.checkpoint:
-                seq.checkpoint_tokens = seq.num_computed_tokens
+                seq.checkpoint_tokens = end
                 if not s.sample:
                     self._hand_over_checkpoint(seq)  # the prompt's: others may use it now
             if s.sample:
-                events.append(self._append_tokens(seq, output.token_ids[i],
-                                                  None if output.logprobs is None else output.logprobs[i]))
+                events.append(self._land_token(seq, end, output.token_ids[i],
+                                               None if output.logprobs is None else output.logprobs[i]))
         return events
 
     # -- pieces of a step ---------------------------------------------------------
@@ -264,9 +328,14 @@ class Scheduler:
 
     def _emit(self, chunks, preempted: list[int]) -> StepPlan:
         self._preempted += preempted
-        seqs = tuple(self._scheduled(c.seq, c.n) for c in chunks)
+        seqs = tuple(self._scheduled(c.seq, c.n, self._sample_rows) for c in chunks)
         if not seqs:
             return StepPlan()
+        for c in chunks:  # the plan's tokens count as computed (queued), a sampled one is PENDING
+            c.seq.num_computed_tokens += c.n
+            if c.seq.num_computed_tokens == c.seq.num_tokens:
+                c.seq.token_ids.append(PENDING)
+        self._sample_rows = {s.seq_id: r for r, s in enumerate(s for s in seqs if s.sample)}
         plan = StepPlan(
             seqs=seqs,
             before=tuple(x for c in chunks for x in c.before),
@@ -275,13 +344,15 @@ class Scheduler:
             finished_seq_ids=tuple(self._finished),
         )
         self._preempted, self._finished = [], []
-        self._in_flight = plan
+        self._in_flight.append(plan)
         return plan
 
     @staticmethod
-    def _scheduled(seq: Sequence, n: int) -> ScheduledSeq:
+    def _scheduled(seq: Sequence, n: int, sample_rows: dict[int, int]) -> ScheduledSeq:
+        """sample_rows: the previous plan's sampled-token rows (where a PENDING input comes from)."""
         start = seq.num_computed_tokens
         sample = start + n == seq.num_tokens
+        pending = seq.token_ids[start] == PENDING  # then n == 1: the pending token is the last
         return ScheduledSeq(
             seq_id=seq.seq_id,
             token_ids=tuple(seq.token_ids[start:start + n]),
@@ -292,6 +363,7 @@ class Scheduler:
             prompt_token_ids=seq.request.prompt_token_ids,
             output_token_ids=tuple(seq.token_ids[seq.num_prompt_tokens:]) if sample else (),
             params=seq.params,
+            input_from=sample_rows[seq.seq_id] if pending else None,
         )
 
     def _preempt(self, seq: Sequence, chunks: dict[int, _Chunk]) -> int:
@@ -307,29 +379,29 @@ class Scheduler:
         self.waiting.appendleft(seq)
         return chunk.n if chunk else 0
 
-    def _append_tokens(self, seq: Sequence, tokens: tuple[int, ...], logprobs: Any) -> SeqEvent:
-        if not tokens:
-            raise ValueError(f"sequence {seq.seq_id} was to sample but got no token")
+    def _land_token(self, seq: Sequence, at: int, tokens: tuple[int, ...], logprobs: Any) -> SeqEvent:
+        """Put the token sampled for position `at` in place of its PENDING one; finish the
+        sequence if it stops it or reaches max_tokens / max_model_len."""
+        if len(tokens) != 1 or seq.token_ids[at] != PENDING:
+            raise ValueError(f"sequence {seq.seq_id} was to sample one token at {at}, got {tokens}")
+        t = seq.token_ids[at] = tokens[0]
+        max_tokens = seq.params.max_tokens
         reason = None
-        taken = 0
-        for t in tokens:
-            seq.token_ids.append(t)
-            taken += 1
-            max_tokens = seq.params.max_tokens
-            if t in seq.request.stop_token_ids:
-                reason = FinishReason.STOP
-            elif max_tokens is not None and seq.num_output_tokens >= max_tokens \
-                    or self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
-                reason = FinishReason.LENGTH
-            if reason is not None:
-                self._finish(seq, reason)
-                break
-        return SeqEvent(seq.request_id, seq.seq_id, tuple(tokens[:taken]), reason, logprobs)
+        if t in seq.request.stop_token_ids:
+            reason = FinishReason.STOP
+        elif max_tokens is not None and at + 1 - seq.num_prompt_tokens >= max_tokens \
+                or self.max_model_len is not None and at + 1 >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self._finish(seq, reason)
+        return SeqEvent(seq.request_id, seq.seq_id, tokens, reason, logprobs)
 
-    def _cache_blocks(self, seq: Sequence) -> None:
+    def _cache_blocks(self, seq: Sequence, computed: int) -> None:
+        """Offer the prefix cache the full blocks of the first `computed` tokens (all confirmed:
+        a plan ahead's PENDING token and the KV after it are never in them)."""
         if self.prefix is None:
             return
-        full = seq.num_computed_tokens // self.block_size
+        full = computed // self.block_size
         if full > seq.num_cached_blocks:
             extend_block_hashes(seq.block_hashes, seq.token_ids[:full * self.block_size], self.block_size)
             self.prefix.insert(seq.block_table, seq.block_hashes, seq.num_cached_blocks, full)
@@ -342,7 +414,7 @@ class Scheduler:
         seq.checkpoint, seq.checkpoint_tokens = None, 0
         if slot is None:
             return
-        in_flight = self._in_flight is not None and any(c.checkpoint == slot for c in self._in_flight.after)
+        in_flight = any(c.checkpoint == slot for plan in self._in_flight for c in plan.after)
         if tokens and not in_flight and tokens <= seq.num_computed_tokens \
                 and self.prefix.attach_checkpoint(seq.block_hashes[tokens // self.block_size - 1], slot):
             return
@@ -356,6 +428,10 @@ class Scheduler:
             seq.state_slot = None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        # Its blocks may still be written by a plan in flight (its discarded result, or a
+        # cancelled step): they go to plans queued after it, in stream order.
+        while seq.token_ids[-1] == PENDING:
+            seq.token_ids.pop()
         self.running.remove(seq)
         self._release(seq)
         self._finished.append(seq.seq_id)

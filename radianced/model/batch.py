@@ -79,16 +79,25 @@ class ForwardBatch:
         lens = tuple(before + len(toks) for toks, before in zip(token_ids, context_before))
 
         def as_long(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int64, device=device)
+            return to_device_no_sync(torch.tensor(x, dtype=torch.int64), device)
 
         return ForwardBatch(
             input_ids=as_long(ids), positions=as_long(pos), slot_mapping=as_long(slots),
-            block_tables=tables.to(device), logits_rows=as_long(rows),
+            block_tables=to_device_no_sync(tables, device), logits_rows=as_long(rows),
             query_start=tuple(starts), seq_lens=lens,
-            query_start_t=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_lens_t=torch.tensor(lens, dtype=torch.int32, device=device),
+            query_start_t=to_device_no_sync(torch.tensor(starts, dtype=torch.int32), device),
+            seq_lens_t=to_device_no_sync(torch.tensor(lens, dtype=torch.int32), device),
             state_slots=None if state_slots is None else as_long(state_slots),
         )
+
+
+def to_device_no_sync(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`x` (a host tensor) on `device`. To a GPU through pinned memory with a non-blocking copy:
+    a plain `.to(device)` waits for the whole stream, which would wait for a step in flight.
+    (torch's pinned-memory cache keeps the staging block until the copy has run.)"""
+    if torch.device(device).type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
 
 
 class KVCache:

@@ -26,8 +26,16 @@ no host row. When a step's router sends tokens to one without a slot,
 layer's disk buffer (two halves of the arena's reserved pages, alternating by
 routed layer) and points the table there until the step ends. A failed read
 points the expert at a zeroed row, so only the tokens routed to it compute
-garbage; `take_failures` names their rows and the error, and the runner fails
+garbage; the step's `StepRecord.failures()` names their rows and the error, and the runner fails
 exactly the requests those rows belong to.
+
+A step in three calls: `begin_step` before its forward, `end_launch` after it is
+queued (the routing ids go to a pinned host buffer of that step's own with a
+non-blocking copy: no wait), `count(record)` once the step is done. With a step
+in flight ahead of the one being counted, each step's copy lands in its own
+buffer, and hits are judged by the table the step's router saw (a snapshot at
+`end_launch`), not by the table `rebalance` patched since: its patches are
+stream-ordered behind every step already queued.
 
 Policy: frequency with exponential decay over steps (`DECAY` per step), with
 admission control. Pure LRU thrashes when a step routes more distinct experts
@@ -96,6 +104,24 @@ ExpertCounts = tuple[int, int, int, int]  # (lookups, hits, routed, routed_from_
 # one routed layer's call of a step: (layer, ids [T, k], the table entries the hits are judged by, or
 # None: the table as it is at end_step, unchanged during the step without a disk tier)
 Recorded = tuple[int, torch.Tensor, "np.ndarray | None"]
+
+
+@dataclass
+class StepRecord:
+    """One launched step's routing, on its way to the host (`ExpertSlab.end_launch` -> `count`)."""
+
+    layers: list[int]  # the recorded layer calls, in order
+    entries: np.ndarray  # [R, E]: the table entries each call's hits are judged by
+    ids: torch.Tensor | None  # [R, n, k] on the host (pinned, filled by a queued copy); None: no routing
+    copied: torch.cuda.Event | None  # after that copy (CUDA)
+    segments: list[tuple[int, int]]
+    failed_rows: torch.Tensor | None  # [T] bool: rows routed to an expert that failed to read
+    errors: list[str]
+
+    def failures(self) -> tuple[list[int], list[str]]:
+        """The step's rows whose routed experts failed to read, and the errors."""
+        rows = [] if self.failed_rows is None else self.failed_rows.nonzero().flatten().tolist()
+        return rows, self.errors
 
 
 class ExpertSlab:
@@ -206,13 +232,6 @@ class ExpertSlab:
             self._failed_rows = rows if self._failed_rows is None else self._failed_rows | rows
             self._failures.append(r.error)
 
-    def take_failures(self) -> tuple[list[int], list[str]]:
-        """The rows of the last step whose routed experts failed to read, and the errors (once)."""
-        rows = [] if self._failed_rows is None else self._failed_rows.nonzero().flatten().tolist()
-        errors = self._failures
-        self._failed_rows, self._failures = None, []
-        return rows, errors
-
     def drain_disk_latencies(self) -> list[float]:
         """Seconds per disk-tier expert read since the last call."""
         return self.loader.drain_latencies() if self.loader is not None else []
@@ -230,27 +249,51 @@ class ExpertSlab:
         self._segments, self._num_rows = list(segments), num_rows
 
     def end_step(self) -> tuple[ExpertCounts, ...]:
-        """Count the step (per layer; scores; the segments of `begin_step`, summed over layers)
-        and return the segments' counts. Disk experts read for the step stop being addressable
-        (their buffer rows are reused). Call once after each forward."""
+        """`count(end_launch())`: the step's counts, waiting for its routing."""
+        return self.count(self.end_launch())
+
+    def end_launch(self) -> StepRecord:
+        """After a forward is queued: take its routing record (the ids go to the host with a queued
+        copy, not waited for) and end the step's recording. Disk experts read for the step stop
+        being addressable (their buffer rows are reused). Call once after each forward."""
         for key in self._staged:
             self._point(key, MISSING)
         self._staged = []
         recorded, self._recorded = self._recorded, []
-        counts = np.zeros((len(self._segments), 4), dtype=np.int64)
+        pos = [self._layer_pos[r[0]] for r in recorded]
+        entries = np.stack([self._entries[p] if r[2] is None else r[2] for p, r in zip(pos, recorded)]) \
+            if recorded else np.zeros((0, self.num_experts), dtype=np.int64)  # [R, E]: as the router saw it
+        ids, copied = None, None
         if recorded:
-            ids = torch.stack([r[1][:self._num_rows] for r in recorded]).cpu().numpy()  # [R, n, k]: one copy
-            self._count(recorded, ids, counts)
-        self._segments = []
+            ids = torch.stack([r[1][:self._num_rows] for r in recorded])  # [R, n, k]: one copy for the step
+            if ids.device.type == "cuda":
+                host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)  # this step's own buffer
+                ids = host.copy_(ids, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record()
+        record = StepRecord([r[0] for r in recorded], entries, ids, copied, self._segments, self._failed_rows,
+                            self._failures)
+        self._segments, self._failed_rows, self._failures = [], None, []
+        return record
+
+    def count(self, record: StepRecord) -> tuple[ExpertCounts, ...]:
+        """Count a launched step (per layer; scores; its segments, summed over layers) once its
+        routing copy is done (waits for it); returns the segments' counts. Steps are counted in
+        launch order."""
+        counts = np.zeros((len(record.segments), 4), dtype=np.int64)
+        if record.ids is not None:
+            if record.copied is not None:
+                record.copied.synchronize()  # deliberate: this step's routing is on the host
+            self._count(record, record.ids.numpy(), counts)
         return tuple(tuple(int(x) for x in row) for row in counts)
 
-    def _count(self, recorded: list[Recorded], ids: np.ndarray, counts: np.ndarray) -> None:
+    def _count(self, record: StepRecord, ids: np.ndarray, counts: np.ndarray) -> None:
         """Add a step's routing (ids [R, n, k] of the R recorded layer calls) to the per-layer stats,
         the scores, the routing counts, the misses, and each segment's counts ([S, 4])."""
-        r_layers = [r[0] for r in recorded]
+        r_layers = record.layers
         pos = np.array([self._layer_pos[layer] for layer in r_layers])
-        entries = np.stack([self._entries[p] if r[2] is None else r[2] for p, r in zip(pos, recorded)])  # [R, E]
-        E, R = self.num_experts, len(recorded)
+        entries = record.entries
+        E, R = self.num_experts, len(r_layers)
         flat = (np.arange(R)[:, None, None] * E + ids).reshape(-1)  # (call, expert) of every assignment
         pairs, routed = np.unique(flat, return_counts=True)
         call, expert = pairs // E, pairs % E
@@ -265,16 +308,16 @@ class ExpertSlab:
         self._raw += np.bincount(cell, weights=routed * self._gain, minlength=size).reshape(self._raw.shape)
         self._routing += np.bincount(cell, weights=routed, minlength=size).astype(np.int64).reshape(self._raw.shape)
         self._missed.flat[cell[~hit]] = True
-        if not self._segments:
+        if not record.segments:
             return
         seg = np.full(ids.shape[1], -1, dtype=np.int64)
-        for i, (start, end) in enumerate(self._segments):
+        for i, (start, end) in enumerate(record.segments):
             seg[start:end] = i
         seg = np.broadcast_to(seg[None, :, None], ids.shape).reshape(-1)
         keep = seg >= 0
         seg_pairs, n = np.unique(seg[keep] * (R * E) + flat[keep], return_counts=True)
         seq, hit = seg_pairs // (R * E), entries.reshape(-1)[seg_pairs % (R * E)] >= 0
-        S = len(self._segments)
+        S = len(record.segments)
         for col, w in enumerate((None, hit, n, n * ~hit)):
             counts[:, col] += np.bincount(seq, weights=w, minlength=S).astype(np.int64)
 
@@ -362,8 +405,8 @@ class ExpertSlab:
         from the file through the loader. A failed read gives its page back; returns the errors."""
         from_file = [(k, p) for k, p in pairs if self.placement.home(*k) != HOST]
         for key, page in pairs:
-            if self.placement.home(*key) == HOST:
-                self.slab[page].copy_(self.host[self.placement.host_row(*key)])
+            if self.placement.home(*key) == HOST:  # from the pinned pool, queued behind the steps in flight
+                self.slab[page].copy_(self.host[self.placement.host_row(*key)], non_blocking=True)
                 self._take_slot(key, page)
         errors = []
         if from_file:

@@ -158,13 +158,13 @@ async def test_control_socket_reports_and_cancels_a_live_request(daemon):
 
 FAULT = """
 import radianced.engine.runner as runner
-_run, _calls = runner.Runner.run, [0]
-def run(self, plan):
+_launch, _calls = runner.Runner.launch, [0]
+def launch(self, plan):
     _calls[0] += 1
     if _calls[0] > 3:
         raise RuntimeError("injected step fault")
-    return _run(self, plan)
-runner.Runner.run = run
+    return _launch(self, plan)
+runner.Runner.launch = launch
 """
 
 

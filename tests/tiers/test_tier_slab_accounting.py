@@ -53,3 +53,21 @@ def test_lookups_hits_and_routed_per_layer_and_per_sequence():
     slab.prepare(0, torch.tensor([[2, 1]]))
     assert slab.end_step() == ((2, 0, 2, 2),)
     assert (slab.stats.lookups[0], slab.stats.hits[0]) == (8, 2)
+
+
+def test_two_steps_in_flight_are_counted_apart_and_by_the_table_each_router_saw():
+    """Step 1 is launched, the slots are given up, step 2 is launched, then both are counted:
+    step 1's routing stays its own and its hits are judged by the table it ran with."""
+    slab = scripted_slab()
+    slab.begin_step([(0, 1)], 1)
+    slab.prepare(0, torch.tensor([[1, 2]]))
+    first = slab.end_launch()
+    slab.surrender(2)  # between the steps: (0, 1) leaves its slot
+    slab.begin_step([(0, 1)], 1)
+    routed = torch.tensor([[1, 3]])
+    slab.prepare(0, routed)
+    second = slab.end_launch()
+    routed.fill_(0)  # the step's ids tensor is reused (a graph's static output): the record kept its own
+    assert slab.count(first) == ((2, 1, 2, 1),)
+    assert slab.count(second) == ((2, 0, 2, 2),)
+    assert (slab.stats.lookups[0], slab.stats.hits[0], slab.stats.routed[0]) == (4, 1, 4)

@@ -4,13 +4,13 @@ and a shadow execution of random workloads checking every plan against the token
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radianced.engine.plan import ScheduledSeq, StateCopy, StepOutput, StepPlan
+from radianced.engine.plan import PENDING, ScheduledSeq, StateCopy, StepOutput, StepPlan
 from radianced.engine.request import FinishReason, Request, SeqStatus
 from radianced.engine.scheduler import QueueFull, Scheduler, SeqEvent
 from radianced.kv.blocks import BlockAllocator
@@ -384,18 +384,50 @@ def workloads(draw):
     return reqs
 
 
+class PipelinedShadow(ShadowRunner):
+    """The shadow runner of plans made ahead: a PENDING input is the token the previous plan
+    sampled in row `input_from` (as the runner gathers it on the device), and each plan is
+    checked against what the device knows, every sampled token included."""
+
+    def __init__(self, sched: Scheduler):
+        super().__init__(sched)
+        self.known: dict[int, list[int]] = {}  # seq_id -> prompt and every token sampled for it
+        self.last: list[int] = []  # the previous plan's sampled tokens, in row order
+
+    def run(self, plan: StepPlan, history: dict[int, list[int]]) -> StepOutput:
+        seqs = []
+        for s in plan.seqs:
+            self.known.setdefault(s.seq_id, list(history[s.seq_id]))
+            if s.input_from is None:
+                assert PENDING not in s.token_ids + s.output_token_ids
+            else:
+                assert s.token_ids == (PENDING,) and s.output_token_ids[-1] == PENDING
+                token = self.last[s.input_from]
+                s = replace(s, token_ids=(token,), output_token_ids=s.output_token_ids[:-1] + (token,))
+            seqs.append(s)
+        out = super().run(replace(plan, seqs=tuple(seqs)), self.known)
+        self.last = [t[0] for t in out.token_ids if t]
+        for s, t in zip(plan.seqs, out.token_ids):
+            self.known[s.seq_id].extend(t)
+        return out
+
+
 @settings(max_examples=200, deadline=None)
 @given(work=workloads(), hybrid=st.booleans(), prefix=st.booleans(), spare=st.integers(0, 4),
-       max_num_seqs=st.integers(1, 4), budget=st.integers(1, 24), checkpoints=st.integers(1, 4))
+       max_num_seqs=st.integers(1, 4), budget=st.integers(1, 24), checkpoints=st.integers(1, 4),
+       pipelined=st.booleans())
 def test_any_workload_runs_as_if_each_request_ran_alone(work, hybrid, prefix, spare, max_num_seqs, budget,
-                                                        checkpoints):
+                                                        checkpoints, pipelined):
+    """Pipelined: each step's plan is made ahead of the previous step's update where the
+    scheduler can (and the previous step is updated first where it cannot)."""
     longest = []  # an upper bound on each request's length: its pool must hold the longest
     for r in work:
         prompt = max(longest[r["parent"]] if r["parent"] >= 0 else 0, len(r["system"])) + len(r["fresh"])
         longest.append(prompt + r["max_tokens"])
     sched = make(blocks=-(-max(longest) // BS) + spare, max_num_seqs=max_num_seqs, budget=budget,
                  max_queue=64, prefix=prefix, hybrid=hybrid, checkpoints=checkpoints)
-    runner = ShadowRunner(sched)
+    runner = PipelinedShadow(sched) if pipelined else ShadowRunner(sched)
+    in_flight = None  # pipelined: (plan, output) of the step launched ahead
     history: dict[int, list[int]] = {}
     seqs: dict[int, object] = {}  # arrival index -> Sequence
     cancel_at: dict[int, int] = {}
@@ -422,14 +454,19 @@ def test_any_workload_runs_as_if_each_request_ran_alone(work, hybrid, prefix, sp
         for i in due:
             if work[i]["cancel"] == "between steps":
                 sched.cancel(str(i))
-        plan = sched.schedule()
+        if in_flight is None:
+            plan = sched.schedule()
+            in_flight = None if plan.is_empty else (plan, runner.run(plan, history))
         for i in due:
             if work[i]["cancel"] == "in flight":
                 sched.cancel(str(i))
-        if not plan.is_empty:
-            for event in sched.update(plan, runner.run(plan, history)):
+        ahead = sched.schedule_ahead() if pipelined and in_flight is not None else None
+        launched = None if ahead is None or ahead.is_empty else (ahead, runner.run(ahead, history))
+        if in_flight is not None:
+            for event in sched.update(*in_flight):
                 history[event.seq_id].extend(event.token_ids)
-        if not pending and not sched.has_unfinished:
+        in_flight = launched
+        if not pending and not sched.has_unfinished and in_flight is None:
             break
     assert not pending and not sched.has_unfinished, "the workload did not finish in 600 steps"
     for seq in seqs.values():
