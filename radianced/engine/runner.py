@@ -59,7 +59,7 @@ class Runner:
         try:
             if graph:
                 logits = self.graphs.run([s.token_ids[0] for s in seqs], [s.context_before for s in seqs],
-                                         [s.block_table[0] for s in seqs])
+                                         [s.block_table[0] for s in seqs], [s.state_slot for s in seqs])
             else:
                 with torch.inference_mode():
                     logits = self.model.forward(batch, self.cache)  # [R, V]: one row per sampling sequence
