@@ -202,7 +202,8 @@ def _isolated(st: State, decode: bool) -> dict:
     graphs = eng.runner.graphs
     if decode and graphs is not None and graphs.bucket(len(plan.seqs)) is not None:
         seqs = plan.seqs
-        args = ([q.token_ids[0] for q in seqs], [q.context_before for q in seqs], [q.block_table[0] for q in seqs])
+        args = ([q.token_ids[0] for q in seqs], [q.context_before for q in seqs], [q.block_table[0] for q in seqs],
+                [q.state_slot for q in seqs])
         out["graph_replay"] = timeit(lambda: graphs.run(*args), device, warmup=2, reps=reps)
         out["graph_replay_kernel_s"] = _kernel_seconds(lambda: graphs.run(*args), device)
     model, cache = eng.runner.model, eng.runner.cache

@@ -225,14 +225,10 @@ def _expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch.dtyp
 
 def _decode_graphs(engine: Engine, cfg: Config, receipt: Receipt) -> DecodeGraphs | None:
     """Capture the decode graphs, or None where decode runs eagerly (said in the log)."""
-    runner, m = engine.runner, engine.runner.model.cfg
-    why = None
-    if m.linear_attention_layers:
-        why = "hybrid model (recurrent-state slots have no padding slot yet)"
-    elif engine.experts is not None and engine.experts.placement.disk:
-        why = "the disk tier reads experts with a host sync in every routed layer"
-    if why:
-        log.info("decode graphs: none, decode runs eagerly: %s", why)
+    runner = engine.runner
+    if engine.experts is not None and engine.experts.placement.disk:
+        log.info("decode graphs: none, decode runs eagerly: the disk tier reads experts with a host sync "
+                 "in every routed layer")
         return None
     max_blocks = -(-receipt.max_model_len // BLOCK_TOKENS)
     return DecodeGraphs(runner.model, runner.cache, cfg.max_num_seqs, max_blocks, engine.experts)

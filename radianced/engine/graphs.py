@@ -5,19 +5,22 @@ the graph of the smallest bucket b >= n. The graph was captured over static
 input tensors; a step copies its inputs into them (one pinned host buffer, one
 copy per tensor, queued on the stream) and replays. Rows n..b-1 are padding:
 token 0 at position 0, KV slot -1 (the write is skipped), context length 1 over
-whatever block row b holds (read, never written), logits dropped. Their
-tokens are routed like any token, so a padded row may read an expert no real
-row needed; the expert accounting counts only the n real rows.
+whatever block row b holds (read, never written), recurrent-state slot -1 on
+hybrid models (the DeltaNet ops give the row zeros and touch no state, so no
+spare state slot exists), logits dropped. Their tokens are routed like any
+token, so a padded row may read an expert no real row needed; the expert
+accounting counts only the n real rows.
 
 What the graph sees change between replays is data, not addresses: the inputs,
-the KV pages, the expert tables (patched in place between steps, in stream
-order). The slab's routing record of a step is the ids tensors the capture
-wrote (`ExpertSlab.record`/`replay`). Prefill, mixed steps, hybrid models
-(recurrent-state slots have no spare slot for padding rows) and the disk tier
-(a host sync per layer) run eagerly.
+the KV pages, the state slots' contents, the expert tables (patched in place
+between steps, in stream order). State resets, restores and checkpoint saves
+(`StepPlan.before`/`after`) are copies the runner queues on the same stream
+before and after the replay. The slab's routing record of a step is the ids
+tensors the capture wrote (`ExpertSlab.record`/`replay`). Prefill, mixed steps
+and the disk tier (a host sync per layer) run eagerly.
 
 Memory: all buckets share one graph pool, captured largest first, charged by
-the receipt's "graph pool" workspace line.
+the receipt's "graph pool" workspace line; padding needs nothing beyond it.
 """
 
 from __future__ import annotations
@@ -70,8 +73,11 @@ class DecodeGraphs:
         self._lens = torch.ones(b, dtype=torch.int32, device=dev)
         self._query_start = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self._rows = torch.arange(b, dtype=torch.int64, device=dev)
+        # hybrid models: each row's recurrent-state slot; -1 (padding) until a step fills it, so the
+        # warm-up and the capture touch no state
+        self._states = torch.full((b,), -1, dtype=torch.int64, device=dev) if cache.states is not None else None
         pin = dev.type == "cuda"
-        self._host = torch.zeros((4, b), dtype=torch.int64, pin_memory=pin)  # ids, positions, slots, lens
+        self._host = torch.zeros((5, b), dtype=torch.int64, pin_memory=pin)  # ids, positions, slots, lens, states
         self._host_tables = torch.zeros((b, max_blocks), dtype=torch.int32, pin_memory=pin)
         self._host_np, self._host_tables_np = self._host.numpy(), self._host_tables.numpy()
         self._graphs: dict[int, _Graph] = {}
@@ -85,23 +91,26 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= n), None)
 
     def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
-            pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            state_slots: list[int | None], pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One decode step of n = len(token_ids) sequences (sequence i feeds token_ids[i] at
-        positions[i]); returns logits [n, V] (fp32). pending: (rows [P], ids [P]) on the device,
-        input ids that replace token_ids[rows] (the previous step's samples: a device copy queued
-        before the replay). The caller wraps it in the slab's begin_step/end_launch like an
-        eager forward."""
+        positions[i] and, on a hybrid model, owns recurrent-state slot state_slots[i]; other
+        models pass None slots, unread); returns logits [n, V] (fp32). pending: (rows [P], ids [P])
+        on the device, input ids that replace token_ids[rows] (the previous step's samples: a
+        device copy queued before the replay). The caller wraps it in the slab's
+        begin_step/end_launch like an eager forward."""
         n = len(token_ids)
         b = self.bucket(n)
         bs = self.cache.block_size
         host, tables = self._host_np, self._host_tables_np  # numpy views of the pinned buffers
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copies have left the pinned buffers
-        host[:, n:b] = ((0,), (0,), (-1,), (1,))  # padding rows: token 0, position 0, no KV write, 1 key
+        host[:, n:b] = ((0,), (0,), (-1,), (1,), (-1,))  # padding: token 0, position 0, no KV write, 1 key, no state
         host[0, :n] = token_ids
         host[1, :n] = positions
         host[2, :n] = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions)]
         host[3, :n] = host[1, :n] + 1
+        if self._states is not None:
+            host[4, :n] = state_slots
         width = max(p // bs for p in positions) + 1
         for i, t in enumerate(block_tables):  # a table covers its own positions; the rest stays stale, unread
             w = min(len(t), width)
@@ -112,6 +121,8 @@ class DecodeGraphs:
         self._pos[:b].copy_(pinned[1, :b], non_blocking=nb)
         self._slots[:b].copy_(pinned[2, :b], non_blocking=nb)
         self._lens[:b].copy_(pinned[3, :b], non_blocking=nb)
+        if self._states is not None:
+            self._states[:b].copy_(pinned[4, :b], non_blocking=nb)
         self._tables[:n, :width].copy_(self._host_tables[:n, :width], non_blocking=nb)
         if pending is not None:
             self._ids.index_copy_(0, *pending)
@@ -133,11 +144,12 @@ class DecodeGraphs:
             input_ids=self._ids[:b], positions=self._pos[:b], slot_mapping=self._slots[:b],
             block_tables=self._tables[:b], logits_rows=self._rows[:b],
             query_start=tuple(range(b + 1)), seq_lens=(1,) * b,
-            query_start_t=self._query_start[:b + 1], seq_lens_t=self._lens[:b])
+            query_start_t=self._query_start[:b + 1], seq_lens_t=self._lens[:b],
+            state_slots=None if self._states is None else self._states[:b])
 
     def _capture_all(self) -> None:
         """Warm up and capture every bucket, largest first, into one pool (padding rows only:
-        no KV is written)."""
+        no KV and no recurrent state is written)."""
         t0 = time.perf_counter()
         self._slots.fill_(-1)
         pool = torch.cuda.graph_pool_handle()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -78,7 +78,7 @@ class Runner:
         try:
             if graph:  # every sequence feeds one token and samples: query_start is 0, 1, ..., B
                 logits = self.graphs.run([s.token_ids[0] for s in seqs], [s.context_before for s in seqs],
-                                         [s.block_table[0] for s in seqs], pending)
+                                         [s.block_table[0] for s in seqs], [s.state_slot for s in seqs], pending)
             else:
                 batch = ForwardBatch.build(
                     [list(s.token_ids) for s in seqs], [s.context_before for s in seqs],
@@ -93,7 +93,8 @@ class Runner:
             # sync) while the device runs it.
             rows = [SamplingRow(s.params, s.output_token_ids, s.prompt_token_ids) for s in seqs if s.sample]
             if rows:
-                picked = self.sampler.sample(logits, self._sampling_tensors(rows))
+                tensors = SamplingTensors.build(rows, self.vocab_size, self.eos_token_ids, self.device)
+                picked = self.sampler.sample(logits, tensors)
         finally:
             if self.experts is not None:
                 routing = self.experts.end_launch()
@@ -136,14 +137,6 @@ class Runner:
                                "was launched before it")
         dst, src = (to_device_no_sync(torch.tensor(x, dtype=torch.int64), self.device) for x in zip(*rows))
         return dst, self._last_tokens.index_select(0, src)
-
-    def _sampling_tensors(self, rows: list[SamplingRow]) -> SamplingTensors:
-        """The step's SamplingTensors, built on the host and copied without a stream sync."""
-        t = SamplingTensors.build(rows, self.vocab_size, self.eos_token_ids, "cpu")
-        if self.device.type == "cpu":
-            return t
-        return replace(t, **{f.name: to_device_no_sync(getattr(t, f.name), self.device) for f in fields(t)
-                             if isinstance(getattr(t, f.name), torch.Tensor)})
 
     def _failed_seqs(self, routing: StepRecord, query_start: Sequence[int]) -> tuple[str | None, ...] | None:
         """Per scheduled sequence, the error of an expert read that its rows depended on, or None

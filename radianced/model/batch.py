@@ -22,7 +22,8 @@ class ForwardBatch:
     query_start[b]:query_start[b+1], the last tokens of its seq_lens[b] context
     tokens. block_tables: [B, max_blocks] (one paging group: the full-attention
     layers). state_slots: [B] recurrent-state slot of each sequence (hybrid
-    models; a fresh sequence's slot is zeroed by its allocator).
+    models; a fresh sequence's slot is zeroed by its allocator; in a decode
+    batch, slot < 0 is a padding row: zero output, no state touched).
     logits_rows: [R] token rows whose logits the caller wants.
     query_start_t [B+1], seq_lens_t [B]: int32 device copies of the host tuples,
     for kernels (no per-layer host -> device copy; capturable in a CUDA graph).

@@ -49,7 +49,8 @@ class GatedDeltaNet:
         g, beta = ops.deltanet_gates(a.reshape(t, self.nv), b.reshape(t, self.nv), self.a_log, self.dt_bias)
         conv_states, rec_states = cache.states.layer(self.layer)
         if t == batch.num_seqs and all(n == 1 for n in batch.query_lens()):
-            # decode: one token per sequence, all states updated in place by slot (no host sync)
+            # decode: one token per sequence, all states updated in place by slot (no host sync, so a
+            # CUDA graph can capture it); a slot < 0 is a graph's padding row: zero output, no state touched
             y = ops.causal_conv1d_update(mixed, self.conv_weight, conv_states, batch.state_slots)
             qs, ks, vs = y.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
             out = ops.gated_delta_rule_decode(

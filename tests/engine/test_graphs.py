@@ -7,14 +7,17 @@ tests/gpu/test_decode_graphs.py.)
 from __future__ import annotations
 
 import pytest
+import torch
 
 from radianced.budget import BLOCK_TOKENS, Card
 from radianced.config import Config
 from radianced.engine.engine import Engine
 from radianced.engine.graphs import DecodeGraphs, buckets_for
 from tests.engine.conftest import prompts, request, run_all
+from tests.kernels.compare import rel_err
 
 CFG = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
+EXPERTS = dict(host_pool_mib=1, expert_slots=6)  # experts split between slots and the host pool
 
 
 def test_buckets_end_at_max_num_seqs():
@@ -23,7 +26,7 @@ def test_buckets_end_at_max_num_seqs():
     assert buckets_for(40) == (1, 2, 4, 8, 16, 24, 32, 40)
 
 
-@pytest.mark.parametrize("family, flags", [("llama", {}), ("qwen3_moe", dict(host_pool_mib=1, expert_slots=6))])
+@pytest.mark.parametrize("family, flags", [("llama", {}), ("qwen3_moe", EXPERTS), ("qwen3_next", EXPERTS)])
 def test_padded_static_decode_batches_give_the_eager_tokens_and_counts(tiny_rads, family, flags):
     rad = tiny_rads[family]
     ps = prompts(rad.model.vocab_size, (9, 33, 50), seed=51)  # 3 sequences: bucket 4, one padding row
@@ -38,3 +41,46 @@ def test_padded_static_decode_batches_give_the_eager_tokens_and_counts(tiny_rads
         stats = engine.experts.stats if engine.experts is not None else None
         runs.append((tokens, stats and (stats.lookups, stats.hits, stats.routed)))
     assert runs[0] == runs[1]
+
+
+def test_hybrid_decode_graphs_give_the_eager_tokens_and_states_as_slots_are_reused(tiny_rads):
+    """qwen3_next: padding rows carry state slot -1 and touch no recurrent state. Three sequences
+    decode in bucket 4; the first finishes and a fourth joins into its freed state slot (restoring
+    the first prompt's checkpoint) and decodes beside the others, padded again. Tokens, state
+    slots and checkpoints end as the eager engine leaves them (up to rounding)."""
+    rad = tiny_rads["qwen3_next"]
+    ps = prompts(rad.model.vocab_size, (33, 21, 40, 7), seed=52)
+    joiner = ps[0][:32] + ps[3]  # shares the first prompt's two blocks: restores its checkpoint
+    runs = []
+    for graphs in (False, True):
+        engine = Engine.build(rad, Config(**CFG, **EXPERTS), Card.from_mib(256))
+        runner = engine.runner
+        calls = []
+        if graphs:
+            runner.graphs = DecodeGraphs(runner.model, runner.cache, 4, 256 // BLOCK_TOKENS, engine.experts,
+                                         capture=False)
+            def recorded(ids, pos, tables, slots, pending=None, replay=runner.graphs.run):
+                calls.append(tuple(slots))  # the state slots of every step that ran the static batch
+                return replay(ids, pos, tables, slots, pending)
+
+            runner.graphs.run = recorded
+        out = {}
+        first = [engine.add(request(engine, f"p{i}", p, max_tokens=n, ignore_eos=True))
+                 for i, (p, n) in enumerate(zip(ps[:3], (4, 12, 20)))]
+        late = None
+        while engine.scheduler.has_unfinished:
+            for ev in engine.step():
+                out.setdefault(ev.request_id, []).extend(ev.token_ids)
+            if late is None and first[0].finish_reason is not None:
+                late = engine.add(request(engine, "p3", joiner, max_tokens=12, ignore_eos=True))
+        assert late.num_reused_tokens == 32
+        runs.append((out, runner.cache.states, runner.checkpoints, calls))
+    (eager, states, checkpoints, _), (graphed, g_states, g_checkpoints, calls) = runs
+    assert graphed == eager
+    # the same values up to rounding (the eager matmuls see 3 rows, the static batch's 4)
+    for a, b in ((states, g_states), (checkpoints, g_checkpoints)):
+        assert rel_err(b.conv, a.conv) < 1e-5 and rel_err(b.recurrent, a.recurrent) < 1e-5
+    # slot 3 (the pool's last row, where an index of -1 would land) was never anyone's: still zeros
+    assert not g_states.conv[:, 3].any() and not g_states.recurrent[:, 3].any()
+    # seq 0..2 hold slots 0..2 (bucket 4, one padding row); then the joiner decodes in slot 0 beside 1 and 2
+    assert (0, 1, 2) in calls and (1, 2, 0) in calls

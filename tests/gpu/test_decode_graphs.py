@@ -1,7 +1,8 @@
 """Decode steps replayed from CUDA graphs give the eager path's tokens and expert counts.
 
-Tiny llama and qwen3_moe (fp32, experts split between slots and the host pool),
-built by `Engine.build` on the device twice: with the decode graphs it captures,
+Tiny llama, qwen3_moe and qwen3_next (fp32; experts split between slots and the
+host pool; qwen3_next's padding rows carry recurrent-state slot -1), built by
+`Engine.build` on the device twice: with the decode graphs it captures,
 and with `--enforce-eager`. `--deterministic` makes the MoE scatter a fixed-order
 sum, so both paths compute the same bits and greedy decoding cannot part on a
 rounding difference. The mean decode step time of both paths is recorded.
@@ -20,7 +21,8 @@ from radianced.engine.engine import Engine
 from tests.engine.conftest import prompts, request, tiny_rads  # noqa: F401 (fixture)
 from tests.gpu.conftest import gpu_device, record
 
-FLAGS = {"llama": {}, "qwen3_moe": dict(host_pool_mib=1, expert_slots=6)}
+EXPERTS = dict(host_pool_mib=1, expert_slots=6)
+FLAGS = {"llama": {}, "qwen3_moe": EXPERTS, "qwen3_next": EXPERTS}
 
 
 def serve(engine: Engine, ps) -> tuple[dict, float]:
@@ -39,7 +41,7 @@ def serve(engine: Engine, ps) -> tuple[dict, float]:
     return out, sum(times) / max(1, len(times))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "qwen3_next"])
 def test_graph_replay_gives_the_eager_tokens(tiny_rads, family):  # noqa: F811
     device = gpu_device()
     if device != "cuda":
