@@ -32,6 +32,7 @@ from typing import NamedTuple
 import torch
 
 from radianced.engine.sampling_params import SamplingParams
+from radianced.model.batch import to_device_no_sync
 
 _MASK64 = (1 << 64) - 1
 
@@ -78,24 +79,27 @@ class SamplingTensors:
         """The batched form of `rows` (one per sequence, in logits row order).
 
         A row's stop ids are its `stop_token_ids` plus `eos_token_ids` unless it
-        sets `ignore_eos`. Host work is O(B + tokens of rows with penalties).
+        sets `ignore_eos`. Host work is O(B + tokens of rows with penalties); the copies
+        to `device` do not wait for work queued on its stream.
         """
         rows = [SamplingRow(*r) for r in rows]
         ps = [r.params for r in rows]
         b = len(ps)
 
         def floats(values) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return to_device_no_sync(torch.tensor(values, dtype=torch.float32), device)
 
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in ps]
         stops = [tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(eos_token_ids)) for p in ps]
         width = max((len(s) for s in stops), default=0) or 1
-        # the [B] parameters in two host-to-device copies (each copy costs the host ~20 us): fp32
-        # rows temperature | top_p | min_p, int64 columns top_k | greedy | stop ids padded with -1
+        # the [B] parameters in two host-to-device copies (each costs the host ~20 us), neither waiting
+        # for the stream (a step may be in flight): fp32 rows temperature | top_p | min_p, int64
+        # columns top_k | greedy | stop ids padded with -1
         real = floats([[1.0 if p.greedy else p.temperature for p in ps], [p.top_p for p in ps],
                        [p.min_p for p in ps]]).view(3, b)
-        ints = torch.tensor([[k, p.greedy, *s, *[-1] * (width - len(s))] for k, p, s in zip(top_k, ps, stops)],
-                            dtype=torch.int64).view(b, 2 + width).to(device)
+        ints = to_device_no_sync(torch.tensor([[k, p.greedy, *s, *[-1] * (width - len(s))]
+                                               for k, p, s in zip(top_k, ps, stops)],
+                                              dtype=torch.int64).view(b, 2 + width), device)
 
         penalties = {}
         if any(p.has_penalties for p in ps):
@@ -143,7 +147,7 @@ def _histories(rows: list[SamplingRow], vocab_size: int, device) -> dict[str, to
                       torch.ones(len(out_ids)), accumulate=True)
     seen = counts > 0
     seen[torch.tensor(seen_rows, dtype=torch.int64), torch.tensor(seen_ids, dtype=torch.int64)] = True
-    return {"seen": seen.to(device), "output_counts": counts.to(device)}
+    return {"seen": to_device_no_sync(seen, device), "output_counts": to_device_no_sync(counts, device)}
 
 
 def _splitmix64(x: int) -> int:
