@@ -1,21 +1,23 @@
 """Where a decode step's time goes, by phase, on the device (host wall time per call), and by kernel.
 
-    python tools/profile_step.py --out OUT [--layers 2] [--batch 1] [--steps 40] [--kernels]
+    python tools/profile_step.py --out OUT [--layers 2] [--batch 1] [--steps 40] [--kernels] [--sequential]
 
 Builds a synthetic Qwen3-30B-A3B-shaped model (tools/make_synthetic.py) with
 `--layers` layers, serves `--batch` requests of a 1K-token prompt through
 `Engine.build` (resident placement; decode CUDA graphs on CUDA), and after a
-warm-up times each phase of `Engine.step` by wrapping the engine's own methods
-(scheduler.schedule / update, graph or eager forward, the slab's end_step,
-sampling-tensor build, sampler, settle). No synchronisation is added: a phase
-that waits for the device (the slab's copy of the routing ids, the sampler's
-token copy) absorbs the device time queued before it. Writes OUT/profile_step.json
-and prints a table, ms per step, with the whole step and its sum.
+warm-up steps it as the daemon does (`Engine.pipeline()`: step N+1 launched
+before step N is collected; `--sequential`: `Engine.step()`), timing each phase
+by wrapping the engine's own methods (schedule / schedule_ahead / update, the
+runner's launch and collect, graph or eager forward, the slab's calls, sampling
+tensors, sampler, settle). No synchronisation is added: a phase that waits for
+the device (collect) absorbs the device time queued before it. Writes
+OUT/profile_step.json and prints a table, ms per step, with the whole step.
 
-On CUDA it also measures the decode graphs' memory against the receipt's "graph pool"
-line of the receipt planned with graphs (the engine is built eager, then the
-graphs are captured here between two readings of the allocator), and with `--kernels` the device time of each kernel
-per step from the CUDA profiler (graph replays included), biggest first.
+On CUDA it also measures the decode graphs' memory against the "graph pool" line
+of the receipt planned with graphs (the engine is built eager, then the graphs
+are captured here between two readings of the allocator), and with `--kernels`
+the device time of each kernel per step from the CUDA profiler (graph replays
+included), biggest first.
 """
 
 from __future__ import annotations
@@ -62,16 +64,20 @@ def instrument(engine: Engine, totals: dict) -> None:
     """Wrap the phases of a step (instance attributes shadow the methods; nothing else changes)."""
     sched, runner = engine.scheduler, engine.runner
     sched.schedule = timed(totals, "scheduler.schedule", sched.schedule)
+    sched.schedule_ahead = timed(totals, "scheduler.schedule_ahead", sched.schedule_ahead)
     sched.update = timed(totals, "scheduler.update", sched.update)
-    runner.run = timed(totals, "runner.run (all of it)", runner.run)
+    runner.launch = timed(totals, "runner.launch (all of it)", runner.launch)
+    runner.collect = timed(totals, "runner.collect (all of it: waits for the step)", runner.collect)
     if runner.graphs is not None:
         runner.graphs.run = timed(totals, "  graphs.run (inputs + replay)", runner.graphs.run)
     runner.model.forward = timed(totals, "  model.forward (eager)", runner.model.forward)
     if engine.experts is not None:
-        engine.experts.end_step = timed(totals, "  slab.end_step (waits for the device)", engine.experts.end_step)
-        engine.experts.begin_step = timed(totals, "  slab.begin_step", engine.experts.begin_step)
+        slab = engine.experts
+        slab.begin_step = timed(totals, "  slab.begin_step", slab.begin_step)
+        slab.end_launch = timed(totals, "  slab.end_launch", slab.end_launch)
+        slab.count = timed(totals, "  slab.count", slab.count)
     runner.sampler.sample = timed(totals, "  sampler.sample", runner.sampler.sample)
-    runner._output = timed(totals, "  runner._output (token copy: waits)", runner._output)
+    runner._output = timed(totals, "  runner._output", runner._output)
     tensors = runner_module.SamplingTensors
     tensors.build = staticmethod(timed(totals, "  SamplingTensors.build", tensors.build))
     engine.settle = timed(totals, "engine.settle", engine.settle)
@@ -96,15 +102,15 @@ def capture_graphs(engine: Engine, rad: RadFile, cfg: Config) -> dict | None:
             "peak_reserved": torch.cuda.max_memory_reserved(dev) - reserved, "receipt_graph_pool": pool}
 
 
-def kernel_table(engine: Engine, steps: int) -> dict:
-    """Device time of each kernel (and copy) per engine step over `steps` steps, by name."""
+def kernel_table(step, steps: int) -> dict:
+    """Device time of each kernel (and copy) per step over `steps` calls of `step`, by name."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            engine.step()
+            step()
         torch.cuda.synchronize()
     us: dict = defaultdict(float)
     calls: dict = defaultdict(int)
@@ -125,6 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--kernels", action="store_true", help="per-kernel device time per step (CUDA profiler)")
+    ap.add_argument("--sequential", action="store_true", help="Engine.step() instead of Engine.pipeline()")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = Path(args.out)
@@ -143,24 +150,24 @@ def main(argv=None) -> int:
         for i in range(args.batch):
             prompt = tuple(torch.randint(0, rad.model.vocab_size - 3, (PROMPT,), generator=g).tolist())
             engine.add(Request(f"r{i}", prompt, params, frozenset()))
+        step = engine.step if args.sequential else engine.pipeline().step
         for _ in range(args.steps // 2 + 1):  # prefill and warm-up decode
-            engine.step()
+            step()
         totals: dict = defaultdict(float)
         instrument(engine, totals)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # between returns of step(): each return follows one finished step
         for _ in range(args.steps):
-            engine.step()
+            step()
         whole = time.perf_counter() - t0
         per_step = {k: 1e3 * v / args.steps for k, v in totals.items()}  # before the profiled steps add to it
-        kernels = kernel_table(engine, args.steps) if args.kernels and device == "cuda" else None
+        kernels = kernel_table(step, args.steps) if args.kernels and device == "cuda" else None
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "layers": args.layers,
               "batch": args.batch, "steps": args.steps, "graphs": engine.runner.graphs is not None,
+              "loop": "Engine.step (sequential)" if args.sequential else "Engine.pipeline().step",
               "step_ms": 1e3 * whole / args.steps, "phases_ms": per_step, "graph_memory": graph_memory,
               "kernels_us_per_step": kernels}
     (out / "profile_step.json").write_text(json.dumps(result, indent=2))
-    print(f"decode step, {args.layers} layers, batch {args.batch}, graphs {result['graphs']}: "
+    print(f"decode step, {args.layers} layers, batch {args.batch}, graphs {result['graphs']}, {result['loop']}: "
           f"{result['step_ms']:.3f} ms per step")
     for k, v in sorted(per_step.items(), key=lambda kv: -kv[1]):
         print(f"  {v:8.3f} ms  {k}")
