@@ -2,8 +2,9 @@
 
 A decode step (every sequence feeds one token and samples) of n sequences runs
 the graph of the smallest bucket b >= n. The graph was captured over static
-input tensors; a step copies its inputs into them (one pinned host buffer, one
-copy per tensor, queued on the stream) and replays. Rows n..b-1 are padding:
+input tensors; a step copies its inputs into them (two copies queued on the
+stream from pinned host buffers: the per-row int64 inputs as one tensor, and the
+block tables) and replays. Rows n..b-1 are padding:
 token 0 at position 0, KV slot -1 (the write is skipped), context length 1 over
 whatever block row b holds (read, never written), recurrent-state slot -1 on
 hybrid models (the DeltaNet ops give the row zeros and touch no state, so no
@@ -68,16 +69,19 @@ class DecodeGraphs:
         def zeros(*shape, dtype=torch.int64):
             return torch.zeros(shape, dtype=dtype, device=dev)
 
-        self._ids, self._pos, self._slots = zeros(b), zeros(b), zeros(b)
+        # the per-row inputs in one int64 tensor, one copy a step: ids, positions, KV slots, context
+        # lengths and (hybrid models) recurrent-state slots, -1 (padding) until a step fills them, so
+        # the warm-up and the capture touch no state
+        self._inputs = zeros(5, b)
+        self._inputs[3:].fill_(1)
+        self._inputs[4].fill_(-1)
+        self._ids, self._pos, self._slots, self._lens = self._inputs[:4]
+        self._states = self._inputs[4] if cache.states is not None else None
         self._tables = zeros(b, max_blocks, dtype=torch.int32)
-        self._lens = torch.ones(b, dtype=torch.int32, device=dev)
         self._query_start = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self._rows = torch.arange(b, dtype=torch.int64, device=dev)
-        # hybrid models: each row's recurrent-state slot; -1 (padding) until a step fills it, so the
-        # warm-up and the capture touch no state
-        self._states = torch.full((b,), -1, dtype=torch.int64, device=dev) if cache.states is not None else None
         pin = dev.type == "cuda"
-        self._host = torch.zeros((5, b), dtype=torch.int64, pin_memory=pin)  # ids, positions, slots, lens, states
+        self._host = torch.zeros((5, b), dtype=torch.int64, pin_memory=pin)  # the rows of _inputs
         self._host_tables = torch.zeros((b, max_blocks), dtype=torch.int32, pin_memory=pin)
         self._host_np, self._host_tables_np = self._host.numpy(), self._host_tables.numpy()
         self._graphs: dict[int, _Graph] = {}
@@ -116,13 +120,8 @@ class DecodeGraphs:
             w = min(len(t), width)
             tables[i, :w] = t[:w]
         nb = self.device.type == "cuda"
-        pinned = self._host
-        self._ids[:b].copy_(pinned[0, :b], non_blocking=nb)
-        self._pos[:b].copy_(pinned[1, :b], non_blocking=nb)
-        self._slots[:b].copy_(pinned[2, :b], non_blocking=nb)
-        self._lens[:b].copy_(pinned[3, :b], non_blocking=nb)
-        if self._states is not None:
-            self._states[:b].copy_(pinned[4, :b], non_blocking=nb)
+        rows = 5 if self._states is not None else 4
+        self._inputs[:rows, :b].copy_(self._host[:rows, :b], non_blocking=nb)  # two copies in all
         self._tables[:n, :width].copy_(self._host_tables[:n, :width], non_blocking=nb)
         if pending is not None:
             self._ids.index_copy_(0, *pending)

@@ -25,8 +25,9 @@ class ForwardBatch:
     models; a fresh sequence's slot is zeroed by its allocator; in a decode
     batch, slot < 0 is a padding row: zero output, no state touched).
     logits_rows: [R] token rows whose logits the caller wants.
-    query_start_t [B+1], seq_lens_t [B]: int32 device copies of the host tuples,
-    for kernels (no per-layer host -> device copy; capturable in a CUDA graph).
+    query_start_t [B+1], seq_lens_t [B]: int32 device copies of the host tuples
+    (seq_lens_t int64 in the decode graphs' static batch), for kernels (no
+    per-layer host -> device copy; capturable in a CUDA graph).
     The host tuples serve ops that loop per sequence on the CPU.
     """
 
