@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radianced.engine.plan import ScheduledSeq, StepOutput, StepPlan
-from radianced.engine.sampler import Sampler, SamplingRow, SamplingTensors
+from radianced.engine.sampler import Sampler, SamplingRow, SamplingTensors, seeded_rows
 from radianced.kv.state import StateCopy
 from radianced.model.batch import ForwardBatch, KVCache, RecurrentState, to_device_no_sync
 from radianced.model.layers import CausalLM
@@ -54,6 +54,7 @@ class Runner:
         self.device = cache.storage.device
         self.graphs = None  # DecodeGraphs (engine/graphs.py) once captured: decode steps replay them
         self._last_tokens: torch.Tensor | None = None  # [R] the last launched step's sampled ids (device)
+        self._sampling: tuple[list, SamplingTensors] | None = None  # (rows' params, their tensors): last step's
 
     def run(self, plan: StepPlan) -> StepOutput:
         """Execute one step: `collect(launch(plan))`."""
@@ -93,8 +94,7 @@ class Runner:
             # sync) while the device runs it.
             rows = [SamplingRow(s.params, s.output_token_ids, s.prompt_token_ids) for s in seqs if s.sample]
             if rows:
-                tensors = SamplingTensors.build(rows, self.vocab_size, self.eos_token_ids, self.device)
-                picked = self.sampler.sample(logits, tensors)
+                picked = self.sampler.sample(logits, self._sampling_tensors(rows))
         finally:
             if self.experts is not None:
                 routing = self.experts.end_launch()
@@ -137,6 +137,19 @@ class Runner:
                                "was launched before it")
         dst, src = (to_device_no_sync(torch.tensor(x, dtype=torch.int64), self.device) for x in zip(*rows))
         return dst, self._last_tokens.index_select(0, src)
+
+    def _sampling_tensors(self, rows: list[SamplingRow]) -> SamplingTensors:
+        """The step's SamplingTensors. Decode steps of one batch repeat the same rows' params: their
+        tensors are the last step's (only the per-step seeds change), unless penalties read the
+        histories. The cache holds the params objects themselves, compared by identity."""
+        params = [r.params for r in rows]
+        last = self._sampling
+        if last is not None and not last[1].do_penalties and len(last[0]) == len(params) \
+                and all(a is b for a, b in zip(last[0], params)):
+            return replace(last[1], seeded=seeded_rows(rows))
+        tensors = SamplingTensors.build(rows, self.vocab_size, self.eos_token_ids, self.device)
+        self._sampling = (params, tensors)
+        return tensors
 
     def _failed_seqs(self, routing: StepRecord, query_start: Sequence[int]) -> tuple[str | None, ...] | None:
         """Per scheduled sequence, the error of an expert read that its rows depended on, or None

@@ -122,14 +122,20 @@ class SamplingTensors:
             presence_penalty=penalties.get("presence_penalty"),
             seen=penalties.get("seen"),
             output_counts=penalties.get("output_counts"),
-            seeded=tuple((i, _stream_seed(r.params.seed, len(r.output_ids)))
-                         for i, r in enumerate(rows) if r.params.seed is not None and not r.params.greedy),
+            seeded=seeded_rows(rows),
             num_logprobs=max(wanted) if wanted else None,
             all_greedy=all(p.greedy for p in ps),
             max_top_k=max((k for k, p in zip(top_k, ps) if k < vocab_size and not p.greedy), default=0),
             do_top_p=any(p.top_p < 1 and not p.greedy for p in ps),
             do_min_p=any(p.min_p > 0 and not p.greedy for p in ps),
         )
+
+
+def seeded_rows(rows: Sequence[SamplingRow]) -> tuple[tuple[int, int], ...]:
+    """(row, generator seed for this step's token) of the seeded sampling rows: host data that
+    changes every step (the seed follows the output length), unlike the tensors."""
+    return tuple((i, _stream_seed(r.params.seed, len(r.output_ids)))
+                 for i, r in enumerate(rows) if r.params.seed is not None and not r.params.greedy)
 
 
 def _histories(rows: list[SamplingRow], vocab_size: int, device) -> dict[str, torch.Tensor]:
