@@ -295,7 +295,9 @@ class ExpertSlab:
         entries = record.entries
         E, R = self.num_experts, len(r_layers)
         flat = (np.arange(R)[:, None, None] * E + ids).reshape(-1)  # (call, expert) of every assignment
-        pairs, routed = np.unique(flat, return_counts=True)
+        by_pair = np.bincount(flat, minlength=R * E)  # counted, not sorted: a prefill routes T x k a layer
+        pairs = np.flatnonzero(by_pair)
+        routed = by_pair[pairs]
         call, expert = pairs // E, pairs % E
         hit = entries[call, expert] >= 0
         per = [np.bincount(call, weights=w, minlength=R) for w in (None, hit, routed)]
