@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radianced.budget import (
-    ALLOC_GRANULE, BLOCK_TOKENS, Card, ModelFacts, PagingGroup, PlanError, expert_slots, fmt_gib, kv_bytes,
+    ALLOC_GRANULE, BLOCK_TOKENS, CAPTURE_WORKSPACE_BYTES, Card, ModelFacts, PagingGroup, PlanError, expert_slots, fmt_gib, kv_bytes,
     kv_token_bytes, kv_tokens_by_hand, plan, recurrent_state_charge, slot_bytes,
 )
 from radianced.config import Config, parse_config
@@ -193,6 +193,19 @@ def test_smollm2_bf16_receipt_by_hand():
     assert "kv_attn 360.00 KiB per 16-token block (22.50 KiB per token, 30 layers), 5 blocks per page" in lines
     assert "expert cache: none (dense model: every page holds KV)" in lines
     assert lines[-1] == "kv: the pool backs 123% of the worst case (16 seqs x 8192 tokens) = 19 full-length sessions"
+
+
+def test_graph_pool_charges_the_capture_workspace_on_a_gpu_and_nothing_when_eager():
+    facts, cfg = ModelFacts.from_config(SMOLLM2, 2), flags("--max-model-len 4096")
+
+    def pool(card, cfg=cfg):
+        return next(p for p in plan(card, facts, cfg).workspace if p.name == "graph pool")
+
+    cpu, gpu = pool(Card.from_mib(4096)), pool(Card.from_mib(4096, cuda=True))
+    assert gpu.bytes - cpu.bytes == CAPTURE_WORKSPACE_BYTES == 32 * MiB
+    assert "capture stream's cuBLAS workspace" in gpu.detail and "cuBLAS" not in cpu.detail
+    eager = pool(Card.from_mib(4096, cuda=True), flags("--max-model-len 4096 --enforce-eager"))
+    assert (eager.bytes, eager.detail) == (0, "none: --enforce-eager")
 
 
 def test_smollm2_fp32_pages_hold_two_720_kib_blocks():
