@@ -6,6 +6,8 @@ host pool; qwen3_next's padding rows carry recurrent-state slot -1), built by
 and with `--enforce-eager`. `--deterministic` makes the MoE scatter a fixed-order
 sum, so both paths compute the same bits and greedy decoding cannot part on a
 rounding difference. The mean decode step time of both paths is recorded.
+The same engines with graphs, stepped by the daemon's pipelined loop, give the
+sequential loop's tokens.
 """
 
 from __future__ import annotations
@@ -61,3 +63,29 @@ def test_graph_replay_gives_the_eager_tokens(tiny_rads, family):  # noqa: F811
     assert runs[False][:2] == runs[True][:2]
     record({"test": "decode_graphs", "family": family, "eager_step_s": runs[True][2],
             "graph_step_s": runs[False][2]})
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "qwen3_next"])
+def test_pipelined_graph_steps_give_the_sequential_tokens(tiny_rads, family):  # noqa: F811
+    """The daemon's loop on the device: plans made ahead feed each decode its input token from
+    the previous step's sampled tokens on the device (a gather into the graph's inputs before
+    the replay); greedy tokens must be the sequential engine's."""
+    device = gpu_device()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rad = tiny_rads[family]
+    ps = prompts(rad.model.vocab_size, (5, 17, 40), seed=62)
+    runs = {}
+    for pipelined in (False, True):
+        cfg = Config(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, deterministic=True,
+                     **FLAGS[family])
+        engine = Engine.build(rad, cfg, Card.from_mib(1024), device)
+        assert (engine.runner.graphs is not None) == (device == "cuda")
+        for i, p in enumerate(ps):
+            engine.add(request(engine, f"p{i}", p, max_tokens=24, ignore_eos=True))
+        step = engine.pipeline().step if pipelined else engine.step
+        out: dict = {}
+        while engine.scheduler.has_unfinished:
+            for ev in step():
+                out.setdefault(ev.request_id, []).extend(ev.token_ids)
+        runs[pipelined] = out
+    assert runs[True] == runs[False]
