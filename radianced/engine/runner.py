@@ -94,7 +94,7 @@ class Runner:
             # sync) while the device runs it.
             rows = [SamplingRow(s.params, s.output_token_ids, s.prompt_token_ids) for s in seqs if s.sample]
             if rows:
-                picked = self.sampler.sample(logits, self._sampling_tensors(rows))
+                picked = self.sampler.sample(logits, self._sampling_tensors(rows, self._pending_outputs(seqs, pending)))
         finally:
             if self.experts is not None:
                 routing = self.experts.end_launch()
@@ -138,16 +138,30 @@ class Runner:
         dst, src = (to_device_no_sync(torch.tensor(x, dtype=torch.int64), self.device) for x in zip(*rows))
         return dst, self._last_tokens.index_select(0, src)
 
-    def _sampling_tensors(self, rows: list[SamplingRow]) -> SamplingTensors:
+    def _pending_outputs(self, seqs: tuple[ScheduledSeq, ...], pending: tuple[torch.Tensor, torch.Tensor] | None,
+                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(sampling rows [P], ids [P] on the device) of the sequences whose last output is PENDING
+        (their input this step: the ids `_pending_inputs` gathered), for the penalties' counts;
+        None when no such sequence has penalties."""
+        if pending is None or not any(s.input_from is not None and getattr(s.params, "has_penalties", False)
+                                      for s in seqs):
+            return None
+        sample_row = {i: r for r, i in enumerate(i for i, s in enumerate(seqs) if s.sample)}
+        rows = [sample_row[i] for i, s in enumerate(seqs) if s.input_from is not None]
+        return to_device_no_sync(torch.tensor(rows, dtype=torch.int64), self.device), pending[1]
+
+    def _sampling_tensors(self, rows: list[SamplingRow],
+                          pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplingTensors:
         """The step's SamplingTensors. Decode steps of one batch repeat the same rows' params: their
         tensors are the last step's (only the per-step seeds change), unless penalties read the
-        histories. The cache holds the params objects themselves, compared by identity."""
+        histories (then `pending` gives the rows' PENDING output ids on the device). The cache holds
+        the params objects themselves, compared by identity."""
         params = [r.params for r in rows]
         last = self._sampling
         if last is not None and not last[1].do_penalties and len(last[0]) == len(params) \
                 and all(a is b for a, b in zip(last[0], params)):
             return replace(last[1], seeded=seeded_rows(rows))
-        tensors = SamplingTensors.build(rows, self.vocab_size, self.eos_token_ids, self.device)
+        tensors = SamplingTensors.build(rows, self.vocab_size, self.eos_token_ids, self.device, pending)
         self._sampling = (params, tensors)
         return tensors
 

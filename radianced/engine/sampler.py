@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import torch
 
+from radianced.engine.plan import PENDING
 from radianced.engine.sampling_params import SamplingParams
 from radianced.model.batch import to_device_no_sync
 
@@ -75,12 +76,15 @@ class SamplingTensors:
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow | tuple], vocab_size: int, eos_token_ids: Sequence[int] = (),
-              device: torch.device | str = "cpu") -> SamplingTensors:
+              device: torch.device | str = "cpu",
+              pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplingTensors:
         """The batched form of `rows` (one per sequence, in logits row order).
 
         A row's stop ids are its `stop_token_ids` plus `eos_token_ids` unless it
         sets `ignore_eos`. Host work is O(B + tokens of rows with penalties); the copies
-        to `device` do not wait for work queued on its stream.
+        to `device` do not wait for work queued on its stream. A row whose last output id
+        is PENDING (a step in flight samples it) has it in `pending`: (rows [P], ids [P])
+        on the device, for the penalties' counts.
         """
         rows = [SamplingRow(*r) for r in rows]
         ps = [r.params for r in rows]
@@ -107,7 +111,7 @@ class SamplingTensors:
                 repetition_penalty=floats([p.repetition_penalty for p in ps]),
                 frequency_penalty=floats([p.frequency_penalty for p in ps]),
                 presence_penalty=floats([p.presence_penalty for p in ps]),
-                **_histories(rows, vocab_size, device),
+                **_histories(rows, vocab_size, device, pending),
             )
         wanted = [p.logprobs for p in ps if p.logprobs is not None]
         return cls(
@@ -138,22 +142,26 @@ def seeded_rows(rows: Sequence[SamplingRow]) -> tuple[tuple[int, int], ...]:
                  for i, r in enumerate(rows) if r.params.seed is not None and not r.params.greedy)
 
 
-def _histories(rows: list[SamplingRow], vocab_size: int, device) -> dict[str, torch.Tensor]:
-    """seen [B, V] (prompt or output) and output_counts [B, V], each from one scatter over all rows."""
-    out_rows, out_ids, seen_rows, seen_ids = [], [], [], []
+def _histories(rows: list[SamplingRow], vocab_size: int, device,
+               pending: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """seen [B, V] (prompt or output) and output_counts [B, V], scattered on `device` from the
+    rows' token ids (one copy of the ids; no [B, V] tensor on the host). An output id that is
+    PENDING (a step in flight samples it) is counted from `pending`: (rows [P], ids [P]) on the
+    device."""
+    out, prompt = [], []  # (row, id) pairs
     for i, r in enumerate(rows):
-        if not r.params.has_penalties:
-            continue
-        out_rows += [i] * len(r.output_ids)
-        out_ids += r.output_ids
-        seen_rows += [i] * len(r.prompt_ids)
-        seen_ids += r.prompt_ids
-    counts = torch.zeros((len(rows), vocab_size), dtype=torch.float32)
-    counts.index_put_((torch.tensor(out_rows, dtype=torch.int64), torch.tensor(out_ids, dtype=torch.int64)),
-                      torch.ones(len(out_ids)), accumulate=True)
+        if r.params.has_penalties:
+            out += [(i, t) for t in r.output_ids if t != PENDING]
+            prompt += [(i, t) for t in r.prompt_ids]
+    pairs = to_device_no_sync(torch.tensor(out + prompt, dtype=torch.int64).view(-1, 2), device)
+    counts = torch.zeros((len(rows), vocab_size), dtype=torch.float32, device=device)
+    counts.index_put_((pairs[:len(out), 0], pairs[:len(out), 1]), torch.ones((), device=device).expand(len(out)),
+                      accumulate=True)
+    if pending is not None:
+        counts.index_put_(pending, torch.ones((), device=device).expand(len(pending[0])), accumulate=True)
     seen = counts > 0
-    seen[torch.tensor(seen_rows, dtype=torch.int64), torch.tensor(seen_ids, dtype=torch.int64)] = True
-    return {"seen": to_device_no_sync(seen, device), "output_counts": to_device_no_sync(counts, device)}
+    seen[pairs[len(out):, 0], pairs[len(out):, 1]] = True
+    return {"seen": seen, "output_counts": counts}
 
 
 def _splitmix64(x: int) -> int:

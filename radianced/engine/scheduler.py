@@ -29,9 +29,9 @@ plan ahead is discarded by that plan's `update()`. A sequence the pending token
 certainly ends (max_tokens, max_model_len) is not scheduled again. Where the
 next plan needs the in-flight results, `schedule_ahead` returns None and the
 caller drains (updates the in-flight plan, then `schedule()`): a preemption
-would be needed, a pending sequence uses penalties (they read the pending
-token's value), or the in-flight plan saves recurrent-state checkpoints (their
-hand-over to the prefix cache happens in its update).
+would be needed, or the in-flight plan saves recurrent-state checkpoints (their
+hand-over to the prefix cache happens in its update). Penalties pipeline: the
+runner counts a PENDING output from the previous step's tokens on the device.
 
 Device writes of a plan ahead land in stream order after the in-flight plan's
 and before any later plan's, so blocks and slots that `update()` or `cancel()`
@@ -176,8 +176,6 @@ class Scheduler:
         if self._in_flight[0].after:
             return None  # checkpoint saves in flight: update() decides whether the prefix cache takes them
         order = self._running_order()
-        if any(self._pending(s) and getattr(s.params, "has_penalties", False) for s in order):
-            return None  # penalties read the pending token's value
         budget, need = self.max_num_batched_tokens, 0
         for seq in order:  # the blocks the plan will take: without preemption or it is not made
             if budget == 0:

@@ -1,6 +1,7 @@
 """Pipelined stepping (`Engine.pipeline`: step N+1 planned and launched before step N is
 collected) gives exactly the sequential engine's tokens and logprobs, whatever ends a request;
-its fallbacks (preemption, penalties, checkpoint hand-over) drain and stay exact; the prefix
+its fallbacks (preemption, checkpoint hand-over) drain and stay exact; penalties pipeline,
+counting the pending token on the device, and stay exact; the prefix
 cache only ever holds confirmed blocks; the expert slab's counts are the sequential ones.
 
 Every comparison also asserts that plans were made ahead (`input_from`) or drained, so no test
@@ -183,20 +184,28 @@ def test_blocks_cached_by_a_pipelined_request_are_exact(tiny_rads, family):
     assert reused == drive(fresh, {0: [request(fresh, "b", turn, max_tokens=10)]}, False)["b"]
 
 
-def test_penalties_drain_and_give_the_sequential_tokens(tiny_rads):
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+def test_penalties_pipeline_and_give_the_sequential_tokens(tiny_rads, greedy):
+    """A plan made ahead samples a penalized sequence whose last output is still PENDING: the
+    runner counts that token from the previous step's samples on the device. Greedy decoding with
+    a strong repetition penalty makes the penalty decide tokens, so a miscounted token shows."""
     rad = tiny_rads["llama"]
     ps = prompts(rad.model.vocab_size, (6, 19), seed=25)
+    sampling = dict(temperature=0.0) if greedy else dict(temperature=0.8, seed=3)
 
     def arrivals(e):
-        return {0: [request(e, "pen", ps[0], max_tokens=12, repetition_penalty=1.3, frequency_penalty=0.5,
-                            presence_penalty=0.2, temperature=0.8, seed=3),
+        return {0: [request(e, "pen", ps[0], max_tokens=24, repetition_penalty=3.0, frequency_penalty=0.5,
+                            presence_penalty=0.2, **sampling),
                     request(e, "plain", ps[1], max_tokens=8)]}
 
     seq, pipe, trace = both(lambda: small_engine(rad), arrivals)
     assert same(pipe, seq)
     pen = [s for p in trace.plans for s in p.seqs if s.seq_id == 0]
-    assert all(s.input_from is None and PENDING not in s.output_token_ids for s in pen)
-    assert len(pen) == 12
+    ahead = [s for s in pen if s.input_from is not None]
+    assert len(ahead) > 10 and all(s.output_token_ids[-1] == PENDING for s in ahead)
+    unpenalized = drive(small_engine(rad), {0: [request(small_engine(rad), "pen", ps[0], max_tokens=24,
+                                                         **sampling)]}, False)
+    assert unpenalized["pen"][0] != seq["pen"][0], "the penalties were meant to change the tokens"
 
 
 MOE = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, host_pool_mib=1, expert_slots=6)
