@@ -261,11 +261,13 @@ class ExpertSlab:
         self._staged = []
         recorded, self._recorded = self._recorded, []
         pos = [self._layer_pos[r[0]] for r in recorded]
-        entries = np.stack([self._entries[p] if r[2] is None else r[2] for p, r in zip(pos, recorded)]) \
-            if recorded else np.zeros((0, self.num_experts), dtype=np.int64)  # [R, E]: as the router saw it
+        entries = self._entries[pos]  # [R, E]: the table as each call's router saw it (a copy)
+        for i, r in enumerate(recorded):
+            if r[2] is not None:  # disk homes: the snapshot taken before the layer's staging
+                entries[i] = r[2]
         ids, copied = None, None
         if recorded:
-            ids = torch.stack([r[1][:self._num_rows] for r in recorded])  # [R, n, k]: one copy for the step
+            ids = torch.stack([r[1] for r in recorded])[:, :self._num_rows]  # [R, n, k]: one copy for the step
             if ids.device.type == "cuda":
                 host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)  # this step's own buffer
                 ids = host.copy_(ids, non_blocking=True)
