@@ -314,6 +314,13 @@ class ExpertSlab:
         self._missed.flat[cell[~hit]] = True
         if not record.segments:
             return
+        if all(end - start == 1 for start, end in record.segments):  # decode rows: no expert twice in a row
+            rows = np.array([start for start, _ in record.segments])
+            row_hits = (entries[np.arange(R)[:, None, None], ids[:, rows]] >= 0).sum(axis=(0, 2))  # [S]
+            lookups = R * ids.shape[2]
+            counts += np.stack([np.full(len(rows), lookups), row_hits, np.full(len(rows), lookups),
+                                lookups - row_hits], axis=1)
+            return
         seg = np.full(ids.shape[1], -1, dtype=np.int64)
         for i, (start, end) in enumerate(record.segments):
             seg[start:end] = i

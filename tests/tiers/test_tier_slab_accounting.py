@@ -71,3 +71,21 @@ def test_two_steps_in_flight_are_counted_apart_and_by_the_table_each_router_saw(
     assert slab.count(first) == ((2, 1, 2, 1),)
     assert slab.count(second) == ((2, 0, 2, 2),)
     assert (slab.stats.lookups[0], slab.stats.hits[0], slab.stats.routed[0]) == (4, 1, 4)
+
+
+def test_one_row_segments_count_as_the_general_rule_does():
+    """Decode steps count each sequence's one row (a router's top-k never repeats an expert in a
+    row: the fast path); the same routing split into the general rule's terms, by hand."""
+    slab = scripted_slab()
+    g = torch.Generator().manual_seed(5)
+    ids = {layer: torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(5)]) for layer in (0, 1)}
+    slab.begin_step([(0, 1), (2, 3), (4, 5)], 5)
+    for layer in (0, 1):
+        slab.prepare(layer, ids[layer])
+    slotted = slab.slotted()
+    want = []
+    for row in (0, 2, 4):
+        experts = [(layer, int(e)) for layer in (0, 1) for e in ids[layer][row]]
+        hits = sum(key in slotted for key in experts)
+        want.append((len(experts), hits, len(experts), len(experts) - hits))
+    assert slab.end_step() == tuple(want)
