@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections import defaultdict
 
 import pytest
 import torch
 
 from radianced.config import Config
+from radianced.engine.driver import AsyncEngine
 from radianced.engine.engine import Engine
 from radianced.engine.request import Request
 from radianced.engine.sampling_params import SamplingParams
@@ -59,3 +61,18 @@ def run_all(engine: Engine, requests: list[Request]) -> dict[str, list[int]]:
 def prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab - 3, (n,), generator=g).tolist() for n in lengths]  # no special tokens
+
+
+async def serve_greedy(engine: Engine, ps: list[list[int]], max_tokens: int, metrics):
+    """Every prompt of `ps` through the async driver at once (greedy, `ignore_eos`, request ids
+    r0, r1, ...) to its end, reporting to `metrics`; returns `metrics`."""
+    ae = AsyncEngine(engine, metrics)
+    task = asyncio.create_task(ae.run())
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    async def one(i, p):
+        return [c async for c in ae.generate(p, params, request_id=f"r{i}")]
+
+    await asyncio.gather(*(one(i, p) for i, p in enumerate(ps)))
+    task.cancel()
+    return metrics

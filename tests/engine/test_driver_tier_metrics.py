@@ -7,16 +7,14 @@ totals it received must equal the slab's and the arena's own counts.
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 
 from radianced.arena import EXPERTS, KV
 from radianced.budget import Card, ModelFacts, plan
 from radianced.config import Config
-from radianced.engine.driver import AsyncEngine, _NoMetrics
+from radianced.engine.driver import _NoMetrics
 from radianced.engine.engine import Engine
-from radianced.engine.sampling_params import SamplingParams
-from tests.engine.conftest import prompts
+from tests.engine.conftest import prompts, serve_greedy
 
 
 class TierLog(_NoMetrics):
@@ -39,20 +37,6 @@ class TierLog(_NoMetrics):
         self.moved[(src, dst)] += pages
 
 
-async def serve(engine: Engine, ps: list[list[int]], max_tokens: int) -> TierLog:
-    metrics = TierLog()
-    ae = AsyncEngine(engine, metrics)
-    task = asyncio.create_task(ae.run())
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-    async def one(i, p):
-        return [c async for c in ae.generate(p, params, request_id=f"r{i}")]
-
-    await asyncio.gather(*(one(i, p) for i, p in enumerate(ps)))
-    task.cancel()
-    return metrics
-
-
 async def test_disk_reads_are_counted_once_each(tiny_rads):
     rad = tiny_rads["qwen3_moe"]
     cfg = Config(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, host_pool_mib=0,
@@ -60,7 +44,7 @@ async def test_disk_reads_are_counted_once_each(tiny_rads):
     engine = Engine.build(rad, cfg, Card.from_mib(256))
     slab = engine.experts
     start_reads, start_bytes = slab.stats.disk_reads, slab.stats.disk_bytes  # the slots' start fill
-    metrics = await serve(engine, prompts(rad.model.vocab_size, (9, 30), seed=7), max_tokens=6)
+    metrics = await serve_greedy(engine, prompts(rad.model.vocab_size, (9, 30), seed=7), 6, TierLog())
     reads = slab.stats.disk_reads - start_reads
     assert reads > 0 and metrics.disk_bytes == slab.stats.disk_bytes - start_bytes == reads * slab.extent_bytes
     assert len(metrics.disk_reads) == reads and all(t > 0 for t in metrics.disk_reads)
@@ -76,7 +60,8 @@ async def test_arena_pages_and_moves_match_the_arena(tiny_rads):
     size = probe.card_total - probe.elastic + 34 * probe.page_bytes
     engine = Engine.build(rad, cfg, Card(size, size))
     arena = engine.arena
-    metrics = await serve(engine, prompts(rad.model.vocab_size, (100, 104, 108, 112), seed=31), max_tokens=24)
+    metrics = await serve_greedy(engine, prompts(rad.model.vocab_size, (100, 104, 108, 112), seed=31), 24,
+                                 TierLog())
     assert metrics.moved[(EXPERTS, KV)] > 0
     assert dict(metrics.moved) == {k: v for k, v in arena.stats().moved if v}
     assert metrics.pages[0] == {KV: 0, EXPERTS: 24}  # set when the driver starts, before any step

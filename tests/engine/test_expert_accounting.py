@@ -6,16 +6,14 @@ prefill in the first step; every later step decodes one token of each.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 
 from radianced.budget import Card
 from radianced.config import Config
-from radianced.engine.driver import AsyncEngine, _NoMetrics
+from radianced.engine.driver import _NoMetrics
 from radianced.engine.engine import Engine
-from radianced.engine.sampling_params import SamplingParams
-from tests.engine.conftest import prompts
+from tests.engine.conftest import prompts, serve_greedy
 
 LINE = re.compile(r"(\S+): decode expert cache hit rate: ([\d.]+)% \((\d+) hits / (\d+) lookups\); (\d+) more read "
                   r"over PCIe or from disk \(([\d.]+)% of all (\d+) routed\)")
@@ -28,20 +26,6 @@ class StepLog(_NoMetrics):
 
     def add_expert_lookups(self, lookups: int, hits: int, overflow_bytes: int) -> None:
         self.steps.append((lookups, hits, overflow_bytes))
-
-
-async def _serve(engine: Engine, ps: list[list[int]]) -> StepLog:
-    metrics = StepLog()
-    ae = AsyncEngine(engine, metrics)
-    task = asyncio.create_task(ae.run())
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-    async def one(i, p):
-        return [c async for c in ae.generate(p, params, request_id=f"r{i}")]
-
-    await asyncio.gather(*(one(i, p) for i, p in enumerate(ps)))
-    task.cancel()
-    return metrics
 
 
 def _lines(caplog) -> dict[str, tuple]:
@@ -64,7 +48,7 @@ async def test_one_request_line_equals_the_slab_over_its_decode_steps(tiny_rads,
     rad = tiny_rads["qwen3_moe"]
     engine = moe_engine(rad)
     slab = engine.experts
-    metrics = await _serve(engine, prompts(rad.model.vocab_size, (20,), seed=41))
+    metrics = await serve_greedy(engine, prompts(rad.model.vocab_size, (20,), seed=41), MAX_TOKENS, StepLog())
     lines = _lines(caplog)
     assert set(lines) == {"r0"}
     rate, h, l, o, opct, r = lines["r0"]
@@ -85,7 +69,7 @@ async def test_two_requests_each_count_an_expert_they_share_in_a_step(tiny_rads,
     rad = tiny_rads["qwen3_moe"]
     engine = moe_engine(rad)
     slab = engine.experts
-    metrics = await _serve(engine, prompts(rad.model.vocab_size, (9, 20), seed=42))
+    metrics = await serve_greedy(engine, prompts(rad.model.vocab_size, (9, 20), seed=42), MAX_TOKENS, StepLog())
     lines = _lines(caplog)
     assert set(lines) == {"r0", "r1"}
     moe_layers, k = len(slab.stats.lookups), rad.model.num_experts_per_tok
@@ -105,6 +89,6 @@ async def test_a_dense_model_prints_no_expert_line(tiny_rads, caplog):
     rad = tiny_rads["llama"]
     engine = Engine.build(rad, Config(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64),
                           Card.from_mib(256))
-    metrics = await _serve(engine, prompts(rad.model.vocab_size, (9,), seed=43))
+    metrics = await serve_greedy(engine, prompts(rad.model.vocab_size, (9,), seed=43), MAX_TOKENS, StepLog())
     assert _lines(caplog) == {} and metrics.steps == []
     assert any("prompt 9 tokens" in rec.getMessage() for rec in caplog.records)
