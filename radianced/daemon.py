@@ -36,7 +36,6 @@ import msgspec
 import uvicorn
 import uvloop
 
-from radianced.arena import detect_card
 from radianced.budget import Card, PlanError
 from radianced.config import Config, ConfigError
 from radianced.engine.driver import AsyncEngine
@@ -217,7 +216,7 @@ class Daemon:
             log.info("torch CPU threads: %d", torch.get_num_threads())
         card = None
         if self.cfg.card_mib:  # the arena's allocation unit is the device's, whatever size is claimed
-            card = Card.from_mib(self.cfg.card_mib, cuda=detect_card(device).cuda)
+            card = Card.from_mib(self.cfg.card_mib, cuda=device == "cuda")
         start = time.monotonic()
         engine = Engine.build(rad, self.cfg, card, device)
         self.receipt = engine.receipt.lines()
