@@ -135,7 +135,7 @@ class Runner:
         if self._last_tokens is None:
             raise RuntimeError("a plan made ahead reads the previous step's tokens, and no step that sampled "
                                "was launched before it")
-        dst, src = (to_device_no_sync(torch.tensor(x, dtype=torch.int64), self.device) for x in zip(*rows))
+        dst, src = to_device_no_sync(torch.tensor(list(zip(*rows)), dtype=torch.int64), self.device)  # one copy
         return dst, self._last_tokens.index_select(0, src)
 
     def _pending_outputs(self, seqs: tuple[ScheduledSeq, ...], pending: tuple[torch.Tensor, torch.Tensor] | None,
