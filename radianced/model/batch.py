@@ -80,16 +80,19 @@ class ForwardBatch:
             tables[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
         lens = tuple(before + len(toks) for toks, before in zip(token_ids, context_before))
 
-        def as_long(x: list[int]) -> torch.Tensor:
-            return to_device_no_sync(torch.tensor(x, dtype=torch.int64), device)
-
+        # three host-to-device copies: the int64 vectors as one, the int32 ones as one, the tables
+        longs = [ids, pos, slots, rows] + ([] if state_slots is None else [list(state_slots)])
+        ints = [starts, list(lens)]
+        long_t = to_device_no_sync(torch.tensor([v for x in longs for v in x], dtype=torch.int64), device)
+        int_t = to_device_no_sync(torch.tensor([v for x in ints for v in x], dtype=torch.int32), device)
+        ids_t, pos_t, slots_t, rows_t, *states_t = long_t.split([len(x) for x in longs])
+        starts_t, lens_t = int_t.split([len(x) for x in ints])
         return ForwardBatch(
-            input_ids=as_long(ids), positions=as_long(pos), slot_mapping=as_long(slots),
-            block_tables=to_device_no_sync(tables, device), logits_rows=as_long(rows),
+            input_ids=ids_t, positions=pos_t, slot_mapping=slots_t,
+            block_tables=to_device_no_sync(tables, device), logits_rows=rows_t,
             query_start=tuple(starts), seq_lens=lens,
-            query_start_t=to_device_no_sync(torch.tensor(starts, dtype=torch.int32), device),
-            seq_lens_t=to_device_no_sync(torch.tensor(lens, dtype=torch.int32), device),
-            state_slots=None if state_slots is None else as_long(state_slots),
+            query_start_t=starts_t, seq_lens_t=lens_t,
+            state_slots=states_t[0] if states_t else None,
         )
 
 
