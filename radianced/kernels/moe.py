@@ -268,15 +268,22 @@ def _moe_down_kernel(
 
 
 @triton.jit
-def _moe_sum_kernel(y_ptr, out_ptr, hidden, top_k, BLOCK_H: tl.constexpr):
-    """out[t] = sum_j y[t * k + j] for j = 0 .. k-1, in that order (fp32 accumulate)."""
+def _moe_sum_kernel(y_ptr, residual_ptr, out_ptr, hidden, top_k, stride_res,
+                    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum_j y[t * k + j] for j = 0 .. k-1, in that order (fp32 accumulate), rounded to
+    out's dtype; with a residual, out[t] = round(residual[t] + that rounded sum), as `x + moe(x)`
+    rounds in torch."""
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     n_ok = n < hidden
     acc = tl.zeros([BLOCK_H], tl.float32)
     for j in range(top_k):
         acc += tl.load(y_ptr + (t * top_k + j) * hidden + n, mask=n_ok, other=0.0)
-    tl.store(out_ptr + t * hidden + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + t * stride_res + n, mask=n_ok, other=0.0)
+        out = (r.to(tl.float32) + out.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * hidden + n, out, mask=n_ok)
 
 
 # -- launchers -------------------------------------------------------------------------------------
@@ -311,7 +318,8 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int,
 
 def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
                 w_ref: torch.Tensor, stride_row: int, table_is_ptr: bool, inter: int, deterministic: bool,
-                cfg: MoEConfig | None = None, host: torch.Tensor | None = None) -> torch.Tensor:
+                cfg: MoEConfig | None = None, host: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
     t, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts = table.shape[0]
@@ -349,11 +357,15 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down,
         DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if not deterministic:
+    if not deterministic and residual is None:
         return y if x.dtype == torch.float32 else y.to(x.dtype)
+    # the ordered sum over k (deterministic), or over the one scattered row (k = 1), plus the residual
     out = torch.empty_like(x)
     block_h = min(1024, triton.next_power_of_2(hidden))
-    _moe_sum_kernel[(t, triton.cdiv(hidden, block_h))](y, out, hidden, top_k, BLOCK_H=block_h, num_warps=4)
+    _moe_sum_kernel[(t, triton.cdiv(hidden, block_h))](
+        y, out if residual is None else residual, out, hidden, top_k if deterministic else 1,
+        0 if residual is None else residual.stride(0), HAS_RESIDUAL=residual is not None, BLOCK_H=block_h,
+        num_warps=4)
     return out
 
 
@@ -361,7 +373,7 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
 
 
 def _check_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
-                   table_name: str) -> None:
+                   table_name: str, residual: torch.Tensor | None) -> None:
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [T, H] with contiguous rows, got shape {tuple(x.shape)} "
                          f"strides {x.stride()}")
@@ -377,11 +389,21 @@ def _check_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     for name, tensor in (("topk_ids", topk_ids), ("topk_weights", topk_weights), (table_name, table)):
         if tensor.device != x.device:
             raise ValueError(f"{name} is on {tensor.device}, x on {x.device}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or residual.device != x.device or residual.stride(1) != 1):
+        raise ValueError(f"residual must be like x ({tuple(x.shape)} {x.dtype} on {x.device}, contiguous rows), "
+                         f"got {tuple(residual.shape)} {residual.dtype} on {residual.device} "
+                         f"strides {residual.stride()}")
+
+
+def _empty_result(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """The result for T = 0 tokens."""
+    return torch.zeros_like(x) if residual is None else residual.clone()
 
 
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
         slab: torch.Tensor, inter: int, host: torch.Tensor | None = None, *,
-        deterministic: bool = False) -> torch.Tensor:
+        deterministic: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
     """Routed SiLU experts read through the expert table (Triton); contract of `reference.moe`.
 
     x: [T, H] (bf16, fp16 or fp32); topk_ids: [T, k] int, every id in [0, E);
@@ -393,9 +415,11 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tab
     sum_j topk_weights[t, j] * down(silu(gate(x[t])) * up(x[t])) of expert topk_ids[t, j].
     `deterministic` replaces the atomic scatter-add with a per-assignment buffer
     summed over k in order (bitwise reproducible; [T * k, H] fp32 of workspace).
+    `residual` ([T, H] like x): returns `residual + result` (each rounded to x's
+    dtype, as torch rounds `x + moe(x)`) in the same launch as the final sum.
     No host sync; the table may change between calls.
     """
-    _check_routing(x, topk_ids, topk_weights, table, "table")
+    _check_routing(x, topk_ids, topk_weights, table, "table", residual)
     hidden = x.shape[1]
     if slab.dim() != 2 or slab.shape[1] != 3 * inter * hidden or slab.stride(1) != 1:
         raise ValueError(f"slab must be [R, 3 * I * H] = [R, {3 * inter * hidden}] with contiguous rows, "
@@ -412,13 +436,13 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tab
     if 3 * inter * hidden >= 2 ** 31:
         raise ValueError(f"an expert row of {3 * inter * hidden} elements is over the kernels' 2^31 offset limit")
     if x.shape[0] == 0:
-        return torch.zeros_like(x)
+        return _empty_result(x, residual)
     return _launch_moe(x, topk_ids, topk_weights.contiguous(), table, slab, slab.stride(0), False, inter,
-                       deterministic, host=host)
+                       deterministic, host=host, residual=residual)
 
 
 def moe_ptr(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_ptr: torch.Tensor,
-            inter: int, *, deterministic: bool = False) -> torch.Tensor:
+            inter: int, *, deterministic: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
     """`moe` with the table holding raw addresses (DESIGN.md idea 3: `expert_ptr[layer, expert]`).
 
     expert_ptr: [E] int64 on x's device; entry e is the device address of expert
@@ -428,13 +452,14 @@ def moe_ptr(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     cannot check these addresses: a wrong one faults or reads garbage.
     Other arguments and the result as in `moe`.
     """
-    _check_routing(x, topk_ids, topk_weights, expert_ptr, "expert_ptr")
+    _check_routing(x, topk_ids, topk_weights, expert_ptr, "expert_ptr", residual)
     hidden = x.shape[1]
     if 3 * inter * hidden >= 2 ** 31:
         raise ValueError(f"an expert row of {3 * inter * hidden} elements is over the kernels' 2^31 offset limit")
     if x.shape[0] == 0:
-        return torch.zeros_like(x)
-    return _launch_moe(x, topk_ids, topk_weights.contiguous(), expert_ptr, x, 0, True, inter, deterministic)
+        return _empty_result(x, residual)
+    return _launch_moe(x, topk_ids, topk_weights.contiguous(), expert_ptr, x, 0, True, inter, deterministic,
+                       residual=residual)
 
 
 __all__ = ["MoEConfig", "moe_config", "max_tiles", "group_by_expert", "moe", "moe_ptr"]

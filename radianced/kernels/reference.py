@@ -140,14 +140,16 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtyp
 
 
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
-        slab: torch.Tensor, inter: int, host: torch.Tensor | None = None) -> torch.Tensor:
+        slab: torch.Tensor, inter: int, host: torch.Tensor | None = None, *,
+        residual: torch.Tensor | None = None) -> torch.Tensor:
     """Routed SiLU experts, tokens grouped by expert, weights found through the table.
 
     x: [T, H]; topk_ids, topk_weights: [T, k]; table: [E]: entry >= 0 is a row of
     slab [R, 3 * I * H] (a VRAM slot), entry < 0 is row -1 - entry of host
     [R', 3 * I * H] (the host pool: an overflow read). A row = gate [I, H] | up [I, H] | down [H, I].
     Each distinct routed expert's row is read once and applied to all of its
-    tokens; outputs are weighted and summed per token. Returns [T, H].
+    tokens; outputs are weighted and summed per token. Returns [T, H], or
+    `residual + that` when a residual ([T, H]) is given.
     """
     t, k = topk_ids.shape
     hidden = x.shape[1]
@@ -171,7 +173,7 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tab
         h = silu_mlp(x[idx], gate[i].view(inter, hidden), up[i].view(inter, hidden), down[i].view(hidden, inter))
         out.index_add_(0, idx, h * weight[start:start + count, None])
         start += count
-    return out
+    return out if residual is None else residual + out
 
 
 # == Gated DeltaNet (Qwen3-Next linear attention) =============================

@@ -95,8 +95,10 @@ class DenseMLP:
     def __init__(self, prefix: str, w: Weights):
         self.gate, self.up, self.down = (w(f"{prefix}.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj"))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.silu_mlp(x, self.gate, self.up, self.down)
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP of x, plus `residual` when given."""
+        out = ops.silu_mlp(x, self.gate, self.up, self.down)
+        return out if residual is None else residual + out
 
 
 class Embedding:
@@ -139,13 +141,19 @@ class MoE:
             self.shared = DenseMLP(p + "shared_expert", w)
             self.shared_gate = w(p + "shared_expert_gate.weight")  # [1, hidden]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts' output for x, plus `residual` when given (added in the routed experts'
+        last launch when there is no shared expert; after the shared expert's sum otherwise, the
+        order the unfused `residual + (moe + shared)` rounds in)."""
         ids, weights = self.router(x)
         self.experts.prepare(self.layer, ids)
+        fused = residual if self.shared is None else None
         out = ops.moe(x, ids, weights, self.experts.table(self.layer), self.experts.slab, self.inter,
-                      self.experts.host)
+                      self.experts.host, residual=fused)
         if self.shared is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
+            if residual is not None:
+                out = residual + out
         return out
 
 

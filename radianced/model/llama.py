@@ -17,7 +17,7 @@ class LlamaLayer:
 
     def __call__(self, x, rope, batch: ForwardBatch, cache: KVCache):
         x = x + self.attn(self.input_norm(x), rope, batch, cache)
-        return x + self.mlp(self.post_norm(x))
+        return self.mlp(self.post_norm(x), residual=x)
 
 
 def build_llama(cfg: ModelConfig, w: Weights) -> CausalLM:

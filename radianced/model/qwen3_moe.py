@@ -20,7 +20,7 @@ class Qwen3MoeLayer:
 
     def __call__(self, x, rope, batch: ForwardBatch, cache: KVCache):
         x = x + self.attn(self.input_norm(x), rope, batch, cache)
-        return x + self.mlp(self.post_norm(x))
+        return self.mlp(self.post_norm(x), residual=x)
 
 
 def build_qwen3_moe(cfg: ModelConfig, w: Weights, experts: ExpertSource) -> CausalLM:

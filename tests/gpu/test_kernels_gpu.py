@@ -126,6 +126,22 @@ def test_moe_real_shapes(kernels, experts, t, dtype):
     assert got.dtype == dtype and err < tol
 
 
+@pytest.mark.parametrize("t", [1, 32])
+def test_moe_residual_is_the_unfused_sum(kernels, experts, t):
+    """`residual=` (the layer's `x + moe(x)` in the last launch): bitwise the unfused add in the
+    ordered sum; within bf16 rounding of it with the atomic scatter (T > 1)."""
+    _, moe = kernels
+    slab, table, _ = experts
+    x, ids, w = _routing(t, seed=20 + t, dtype=torch.bfloat16)
+    residual = torch.randn_like(x)
+    alone = moe.moe(x, ids, w, table, slab, INTER, deterministic=True)
+    assert torch.equal(moe.moe(x, ids, w, table, slab, INTER, deterministic=True, residual=residual),
+                       residual + alone)
+    err = rel_err(moe.moe(x, ids, w, table, slab, INTER, residual=residual), residual + alone)
+    record({"test": "kernel_moe_residual", "tokens": t, "rel_err": err, "tolerance": 1e-2})
+    assert err < 1e-2
+
+
 def test_moe_deterministic_is_bitwise_repeatable(kernels, experts):
     _, moe = kernels
     slab, table, _ = experts

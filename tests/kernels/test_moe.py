@@ -76,6 +76,31 @@ def test_deterministic_sum_matches_and_repeats_bitwise():
     assert rel_err(first, experts.kernel()) < 1e-5
 
 
+@pytest.mark.parametrize("deterministic", [True, False], ids=["ordered_sum", "atomic_scatter"])
+@pytest.mark.parametrize("t", [1, 15])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_residual_is_added_in_the_last_launch(t, dtype, deterministic):
+    """`residual=` gives `residual + moe(x)`, each rounded to x's dtype as torch rounds the unfused
+    sum: the kernel's own result plus the residual, bitwise (the fused add changes nothing else)."""
+    experts = Experts(t, k=3, dtype=dtype, seed=10)
+    residual = torch.randn((t, H), generator=torch.Generator().manual_seed(11)).to(dtype).to(DEVICE)
+    got = experts.kernel(deterministic=deterministic, residual=residual)
+    alone = experts.kernel(deterministic=True)
+    if deterministic:
+        assert torch.equal(got, residual.cpu() + alone)
+    else:  # the atomic scatter may sum in another order: within rounding of the ordered one
+        assert rel_err(got.float(), (residual.cpu() + alone).float()) < (1e-5 if dtype == torch.float32 else 1e-2)
+    want = reference.moe(experts.x.float().cpu(), experts.ids.cpu(), experts.weights.float().cpu(),
+                         experts.table.cpu(), experts.slab.float().cpu(), I, residual=residual.float().cpu())
+    assert rel_err(got.float(), want) < (1e-4 if dtype == torch.float32 else 1e-2)
+
+
+def test_residual_of_another_shape_is_refused():
+    experts = Experts(3, k=2)
+    with pytest.raises(ValueError, match="residual must be like x"):
+        experts.kernel(residual=torch.zeros((2, H), device=DEVICE))
+
+
 def test_weights_are_read_through_the_table():
     """Moving an expert to a spare slab row and repointing its table entry changes nothing."""
     experts = Experts(9, k=2, seed=4)
