@@ -20,8 +20,9 @@ The split, top to bottom (SPEC §2):
                 Only sampled rows get logits (the model gathers them first).
     activations one decoder layer at T tokens (layers run one after another):
                 4 hidden-state buffers [T, H] + the largest mixer (attention:
-                q(+gate), k, v, output; DeltaNet: projections, conv output, core
-                output, fp32 chunk intermediates and per-chunk states) + the
+                q(+gate), k, v, output, on CUDA the flash-decoding partials; DeltaNet:
+                projections, conv output, core output, fp32 chunk
+                intermediates and per-chunk states) + the
                 largest MLP (dense: gate, up, act; MoE: fp32 router logits,
                 top-k ids and weights, and per routed row the gathered input,
                 gate, up, act and output, plus the shared expert). Attention
@@ -87,6 +88,11 @@ LIBRARY_BYTES = 32 * MiB  # cuBLAS/cuBLASLt workspaces and Triton scratch
 CAPTURE_WORKSPACE_BYTES = 32 * MiB
 SAMPLER_BYTES = 20  # per (sampled row, vocab entry): fp32 logits, probs, sorted copy + int64 index
 DELTANET_CHUNK = 64  # chunk length of the chunked gated delta rule
+# Flash-decoding partials (kernels/attention.py): a decode step splits keys only while splits x
+# sequences x KV heads <= 2 x the device's SMs; this bounds the SMs of any device planned for (an
+# H200 has 132), so one step's partial rows (split, token) stay under 2 x MAX_SMS / KV heads.
+MAX_SMS = 256
+ATTENTION_MAX_SPLITS = 64  # kernels/attention.MAX_SPLITS (tests/kernels/test_attention.py holds them equal)
 BLOCK_TABLE_ENTRY = 4  # int32
 EXPERT_POINTER = 8  # int64 address (or index on the CPU)
 # Pinned host rows that O_DIRECT expert reads land in on their way to the card: reads in flight at a
@@ -366,14 +372,17 @@ def _shared_elements(m: ModelConfig) -> int:
 # -- workspace and state -----------------------------------------------------
 
 
-def activation_bytes(m: ModelConfig, act: int, tokens: int) -> int:
-    """One decoder layer's live activations at `tokens` tokens (see the module docstring)."""
+def activation_bytes(m: ModelConfig, act: int, tokens: int, cuda: bool = False) -> int:
+    """One decoder layer's live activations at `tokens` tokens (see the module docstring); the
+    flash-decoding partials only on a CUDA card (the CPU's attention does not split)."""
     H = m.hidden_size
     mixers, mlps = [0], [0]
     if m.full_attention_layers:
         q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
         gated = 2 if m.family == "qwen3_next" else 1
-        mixers.append(tokens * (q * gated + 2 * kv + q) * act)
+        partial_rows = min(tokens * ATTENTION_MAX_SPLITS, 2 * MAX_SMS // m.num_key_value_heads) if cuda else 0
+        partials = partial_rows * m.num_attention_heads * (m.head_dim + 1) * FP32  # fp32 o and lse per head
+        mixers.append(tokens * (q * gated + 2 * kv + q) * act + partials)
     if m.linear_attention_layers:
         key = m.linear_num_key_heads * m.linear_key_head_dim
         nv, dk, dv = m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim
@@ -395,7 +404,7 @@ def activation_bytes(m: ModelConfig, act: int, tokens: int) -> int:
 def _graph_pool(m: ModelConfig, act: int, rows: int, card: Card, cfg: Config) -> Part:
     if cfg.enforce_eager:
         return Part("graph pool", 0, "none: --enforce-eager")
-    pool = activation_bytes(m, act, rows) + logits_bytes(m, act, rows)
+    pool = activation_bytes(m, act, rows, card.cuda) + logits_bytes(m, act, rows)
     if not card.cuda:
         return Part("graph pool", pool, f"one layer and logits at {rows} tokens, for decode graphs")
     return Part("graph pool", pool + CAPTURE_WORKSPACE_BYTES,
@@ -633,7 +642,7 @@ def _plan(card: Card, facts: ModelFacts, cfg: Config) -> Receipt:
     workspace = (
         Part("logits", logits_bytes(m, act, rows),
              f"{rows} rows x {m.vocab_size} vocab x {act + SAMPLER_BYTES} B: lm_head output and sampler buffers"),
-        Part("activations", activation_bytes(m, act, T), f"one layer at {T} tokens"),
+        Part("activations", activation_bytes(m, act, T, card.cuda), f"one layer at {T} tokens"),
         _graph_pool(m, act, rows, card, cfg),
         Part("libraries", LIBRARY_BYTES, "cuBLAS workspaces, Triton scratch"),
     )

@@ -114,7 +114,7 @@ def attention_section(hbm: float, deadline: float) -> dict:
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     out = {"layers": LAYERS, "cases": []}
-    for batch, ctx in ((1, 1024), (32, 1024), (1, 4096), (32, 4096)):
+    for batch, ctx in ((1, 1024), (1, 1100), (32, 1024), (1, 4096), (32, 4096)):
         caches, tables, q, qs, sl = _decode_batch(batch, ctx, LAYERS, gen)
         cfg = attention.attention_config(batch, batch, HQ, HKV, HEAD_DIM, q.device)
 
@@ -132,17 +132,17 @@ def attention_section(hbm: float, deadline: float) -> dict:
         out["cases"].append(case)
         print(f"attention decode b{batch} ctx{ctx} splits {cfg.num_splits}: {per_layer * 1e6:.1f} us/layer, "
               f"floor {floor * 1e6:.1f} us, {floor / per_layer:.0%} of copy bandwidth", flush=True)
-        if batch == 1 and ctx == 1024 and time.monotonic() < deadline:
+        if batch == 1 and ctx in (1024, 1100) and time.monotonic() < deadline:
             sweep = []
-            for splits in (1, 2, 4, 8, 16):
+            for splits in (1, 4, 8, 16, 32, 64):
                 def one(splits=splits, caches=caches, tables=tables, q=q, qs=qs, sl=sl):
                     for kc, vc in caches:
                         attention.paged_attention(q, kc, vc, tables, qs, sl, HEAD_DIM ** -0.5, num_splits=splits)
                 ts = time_graph(one)
                 sweep.append({"num_splits": splits, "s_per_layer": ts["median_s"] / LAYERS,
                               "ratio": floor / (ts["median_s"] / LAYERS)})
-            out["split_sweep_b1_ctx1024"] = sweep
-            print("  split sweep b1 ctx1024: " + ", ".join(
+            out[f"split_sweep_b1_ctx{ctx}"] = sweep
+            print(f"  split sweep b1 ctx{ctx}: " + ", ".join(
                 f"{s['num_splits']}: {s['s_per_layer'] * 1e6:.1f} us" for s in sweep), flush=True)
         del caches, tables, q
         torch.cuda.empty_cache()

@@ -32,9 +32,13 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-# Bounds on the split-KV (flash-decoding) heuristic.
-MAX_SPLITS = 16
-MIN_KEYS_PER_SPLIT = 64  # H200, batch 1, 1K context: 16 splits 6.7 us/layer, 8 splits 8.3, 1 split 30
+# Bounds on the split-KV (flash-decoding) heuristic. A split's keys are a whole number of BLOCK_N
+# tiles, and at decode each tile is a chain of dependent loads (block table, then K and V): the
+# latency is the tiles per split. H200, batch 1, 1,024 keys: 16 splits 6.7 us/layer, 8 splits 8.3,
+# 1 split 30. With 16 splits a context just over 1,024 keys (a decode after a 1K prompt) rounds to
+# two tiles a split, ~10 us in the model; 64 splits keep one tile a split up to 4K keys.
+MAX_SPLITS = 64
+MIN_KEYS_PER_SPLIT = 64
 
 
 # -- heuristics ------------------------------------------------------------------------------------

@@ -92,13 +92,28 @@ def test_head_dims_and_gqa_groups(head_dim, q_heads, kv_heads):
     assert rel_err(batch.kernel(), batch.reference()) < 1e-4
 
 
-@pytest.mark.parametrize("splits", [2, 3, 5])
+@pytest.mark.parametrize("splits", [2, 3, 5, 64])
 def test_decode_split_over_keys_merges_to_the_reference(splits):
     """Flash-decoding splits, including splits left empty by short contexts (1 and 17 tokens)."""
     batch = Paged([1, 1, 1, 1], [1, 17, 130, 64], q_heads=8, kv_heads=2, head_dim=64, seed=4)
     expected = batch.reference()
     assert rel_err(batch.kernel(num_splits=splits), expected) < 1e-4
     assert rel_err(batch.kernel(num_splits=1), expected) < 1e-4
+
+
+@pytest.mark.parametrize("sms", [78, 132, 256])
+def test_the_receipt_bounds_the_split_partials(monkeypatch, sms):
+    """budget.activation_bytes charges splits x rows partial rows up to 2 x MAX_SMS / Hkv: what
+    attention_config gives any decode batch on a device of up to MAX_SMS SMs."""
+    from radianced import budget
+
+    assert attention.MAX_SPLITS == budget.ATTENTION_MAX_SPLITS and sms <= budget.MAX_SMS
+    monkeypatch.setattr(attention, "_sm_count", lambda device: sms)
+    for kv_heads in (1, 2, 4, 8):
+        bound = 2 * budget.MAX_SMS // kv_heads
+        for rows in range(1, 300):
+            cfg = attention.attention_config(rows, rows, 8 * kv_heads, kv_heads, 128, torch.device("cuda"))
+            assert cfg.num_splits == 1 or cfg.num_splits * rows <= min(rows * budget.ATTENTION_MAX_SPLITS, bound)
 
 
 def test_decode_split_in_bf16():
