@@ -207,6 +207,15 @@ def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_tokens, stride_o
 
 
 @triton.jit
+def slot_offset(slot, blocks_per_page, stride_p, stride_n, stride_s, BLOCK_SIZE: tl.constexpr):
+    """Element offset of flat KV slot `slot` (block * S + offset, int64) in a [P, N, S, Hkv, D]
+    cache view: block b at page b // N, position b % N. Also used by kernels/rope.py."""
+    block = slot // BLOCK_SIZE
+    return (block // blocks_per_page) * stride_p + (block % blocks_per_page) * stride_n \
+        + (slot % BLOCK_SIZE) * stride_s
+
+
+@triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, blocks_per_page,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kp, stride_kn, stride_ks, stride_kch,
@@ -217,17 +226,13 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, b
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     if slot < 0:
         return
-    block = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
-    page = block // blocks_per_page
-    in_page = block % blocks_per_page
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     mask = (h < KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
     k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    k_dst = page * stride_kp + in_page * stride_kn + off * stride_ks
-    v_dst = page * stride_vp + in_page * stride_vn + off * stride_vs
+    k_dst = slot_offset(slot, blocks_per_page, stride_kp, stride_kn, stride_ks, BLOCK_SIZE)
+    v_dst = slot_offset(slot, blocks_per_page, stride_vp, stride_vn, stride_vs, BLOCK_SIZE)
     tl.store(k_cache_ptr + k_dst + h[:, None] * stride_kch + d[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + v_dst + h[:, None] * stride_vch + d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -344,14 +349,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store k, v: [T, Hkv, D] at flat slots [T] of the [P, N, S, Hkv, D] caches (Triton).
-
-    Same contract as `reference.write_kv`: slot = block * S + offset, block b at
-    page b // N, position b % N; a slot < 0 is skipped. Values are cast to the
-    cache's dtype. Slots must be distinct (two tokens writing one slot race).
-    """
+def check_kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Raise ValueError unless k, v: [T, Hkv, D] fit the caches and slot_mapping is [T] on k's device."""
     _check_cache("k_cache", k_cache, k)
     _check_cache("v_cache", v_cache, k)
     t, hkv, d = k.shape
@@ -360,6 +360,18 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     if slot_mapping.shape != (t,) or slot_mapping.device != k.device:
         raise ValueError(f"slot_mapping must be [{t}] on {k.device}, got {tuple(slot_mapping.shape)} "
                          f"on {slot_mapping.device}")
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store k, v: [T, Hkv, D] at flat slots [T] of the [P, N, S, Hkv, D] caches (Triton).
+
+    Same contract as `reference.write_kv`: slot = block * S + offset, block b at
+    page b // N, position b % N; a slot < 0 is skipped. Values are cast to the
+    cache's dtype. Slots must be distinct (two tokens writing one slot race).
+    """
+    check_kv_write(k_cache, v_cache, k, v, slot_mapping)
+    t, hkv, d = k.shape
     if t == 0:
         return
     k = k if k.stride(2) == 1 else k.contiguous()

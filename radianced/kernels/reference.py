@@ -89,6 +89,17 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache[block // n, block % n, off] = v[keep]
 
 
+def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                    zero_centred: bool = False) -> torch.Tensor:
+    """The attention prologue up to the cache: `rotary_qk`, then `write_kv` of the rotated k and
+    v ([T, Hkv, D]). Returns the rotated q."""
+    q, k = rotary_qk(q, k, cos, sin, q_weight, k_weight, eps, zero_centred)
+    write_kv(k_cache, v_cache, k, v, slot_mapping)
+    return q
+
+
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` tokens of one sequence: [length, Hkv, D], from its block table [nb]."""
     _, n, s = cache.shape[:3]

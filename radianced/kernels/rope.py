@@ -14,7 +14,9 @@ truth than the reference's bf16 chain (which rounds after the norm, the weight,
 cos/sin and each product), by design.
 
 `rotary_qk` does q and k in one launch instead of the reference's two norms and
-two rotations; `apply_rotary` is the same kernel on one tensor. Heads may be
+two rotations; `apply_rotary` is the same kernel on one tensor; `rotary_write_kv`
+also stores the rotated k and the v beside it at their KV slots (a third
+program per token copies v), instead of a separate `write_kv` launch. Heads may be
 strided views of a projection (only the last dim must be contiguous); outputs
 are new contiguous tensors. No host sync (graph-capturable).
 """
@@ -24,6 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from radianced.kernels.attention import check_kv_write, slot_offset
 
 # -- kernel ----------------------------------------------------------------------------------------
 
@@ -40,10 +44,11 @@ def _normed(x, w_ptr, cols, ok, sum_sq, eps, D: tl.constexpr, NORM: tl.constexpr
 
 
 @triton.jit
-def _rotate_token(x_ptr, out_ptr, w_ptr, t, n_heads, stride_xt, stride_xh, c1, s1, c2, s2, eps,
+def _rotate_token(x_ptr, dst_ptr, stride_dh, w_ptr, t, n_heads, stride_xt, stride_xh, c1, s1, c2, s2, eps,
                   D: tl.constexpr, ROT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                   BLOCK_PASS: tl.constexpr, NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr):
-    """Normalize (optionally) and rotate the n_heads heads of token t; out is contiguous [T, n_heads, D].
+    """Normalize (optionally) and rotate the n_heads heads of token t into dst_ptr (token t's first
+    head) + head * stride_dh: a row of the contiguous [T, n_heads, D] output, or a KV cache slot.
 
     Each head is read in three parts: x1 = dims [0, R/2), x2 = [R/2, R), the pass-through [R, D)."""
     HALF: tl.constexpr = ROT // 2
@@ -54,7 +59,7 @@ def _rotate_token(x_ptr, out_ptr, w_ptr, t, n_heads, stride_xt, stride_xh, c1, s
     p = ROT + tl.arange(0, BLOCK_PASS)
     p_ok = p < D
     src = x_ptr + t.to(tl.int64) * stride_xt + h[:, None] * stride_xh
-    dst = out_ptr + (t.to(tl.int64) * n_heads + h[:, None]) * D
+    dst = dst_ptr + h[:, None] * stride_dh
     x1 = tl.load(src + j[None, :], mask=h_ok & j_ok[None, :], other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + j[None, :], mask=h_ok & j_ok[None, :], other=0.0).to(tl.float32)
     xp = tl.load(src + p[None, :], mask=h_ok & p_ok[None, :], other=0.0).to(tl.float32)
@@ -62,7 +67,7 @@ def _rotate_token(x_ptr, out_ptr, w_ptr, t, n_heads, stride_xt, stride_xh, c1, s
     x1 = _normed(x1, w_ptr, j, j_ok, sum_sq, eps, D, NORM, ZERO_CENTRED)
     x2 = _normed(x2, w_ptr, HALF + j, j_ok, sum_sq, eps, D, NORM, ZERO_CENTRED)
     xp = _normed(xp, w_ptr, p, p_ok, sum_sq, eps, D, NORM, ZERO_CENTRED)
-    ty = out_ptr.dtype.element_ty
+    ty = dst_ptr.dtype.element_ty
     tl.store(dst + j[None, :], (x1 * c1[None, :] - x2 * s1[None, :]).to(ty), mask=h_ok & j_ok[None, :])
     tl.store(dst + HALF + j[None, :], (x2 * c2[None, :] + x1 * s2[None, :]).to(ty), mask=h_ok & j_ok[None, :])
     tl.store(dst + p[None, :], xp.to(ty), mask=h_ok & p_ok[None, :])
@@ -71,23 +76,46 @@ def _rotate_token(x_ptr, out_ptr, w_ptr, t, n_heads, stride_xt, stride_xh, c1, s
 @triton.jit
 def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_heads, k_heads, eps,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
+                   v_ptr, v_cache_ptr, slot_ptr, blocks_per_page, stride_vt, stride_vh,
+                   stride_kp, stride_kn, stride_ks, stride_kch, stride_vp, stride_vn, stride_vs, stride_vch,
                    D: tl.constexpr, ROT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                   BLOCK_PASS: tl.constexpr, NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr):
+                   BLOCK_PASS: tl.constexpr, NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr,
+                   WRITE_KV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Program (t, 0) rotates q's token t, (t, 1) k's; WRITE_KV: k goes to its KV slot (k_out_ptr is
+    the K cache), and program (t, 2) copies v to its slot; a slot < 0 writes nothing."""
     t = tl.program_id(0)
+    which = tl.program_id(1)
+    t64 = t.to(tl.int64)
+    k_dst = k_out_ptr + t64 * k_heads * D
+    stride_kd = D
+    if WRITE_KV:
+        slot = tl.load(slot_ptr + t64).to(tl.int64)
+        if (which > 0) & (slot < 0):
+            return
+        if which == 2:
+            h = tl.arange(0, BLOCK_H)
+            d = tl.arange(0, BLOCK_D)
+            mask = (h < k_heads)[:, None] & (d < D)[None, :]
+            v = tl.load(v_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+            v_dst = v_cache_ptr + slot_offset(slot, blocks_per_page, stride_vp, stride_vn, stride_vs, BLOCK_SIZE)
+            tl.store(v_dst + h[:, None] * stride_vch + d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            return
+        k_dst = k_out_ptr + slot_offset(slot, blocks_per_page, stride_kp, stride_kn, stride_ks, BLOCK_SIZE)
+        stride_kd = stride_kch
     j = tl.arange(0, BLOCK_HALF)
     j_ok = j < ROT // 2
-    cs = cos_ptr + t.to(tl.int64) * stride_ct
-    sn = sin_ptr + t.to(tl.int64) * stride_st
+    cs = cos_ptr + t64 * stride_ct
+    sn = sin_ptr + t64 * stride_st
     c1 = tl.load(cs + j, mask=j_ok, other=0.0).to(tl.float32)
     c2 = tl.load(cs + ROT // 2 + j, mask=j_ok, other=0.0).to(tl.float32)
     s1 = tl.load(sn + j, mask=j_ok, other=0.0).to(tl.float32)
     s2 = tl.load(sn + ROT // 2 + j, mask=j_ok, other=0.0).to(tl.float32)
-    if tl.program_id(1) == 0:
-        _rotate_token(q_ptr, q_out_ptr, qw_ptr, t, q_heads, stride_qt, stride_qh, c1, s1, c2, s2, eps,
-                      D, ROT, BLOCK_H, BLOCK_HALF, BLOCK_PASS, NORM, ZERO_CENTRED)
+    if which == 0:
+        _rotate_token(q_ptr, q_out_ptr + t64 * q_heads * D, D, qw_ptr, t, q_heads, stride_qt, stride_qh,
+                      c1, s1, c2, s2, eps, D, ROT, BLOCK_H, BLOCK_HALF, BLOCK_PASS, NORM, ZERO_CENTRED)
     else:
-        _rotate_token(k_ptr, k_out_ptr, kw_ptr, t, k_heads, stride_kt, stride_kh, c1, s1, c2, s2, eps,
-                      D, ROT, BLOCK_H, BLOCK_HALF, BLOCK_PASS, NORM, ZERO_CENTRED)
+        _rotate_token(k_ptr, k_dst, stride_kd, kw_ptr, t, k_heads, stride_kt, stride_kh,
+                      c1, s1, c2, s2, eps, D, ROT, BLOCK_H, BLOCK_HALF, BLOCK_PASS, NORM, ZERO_CENTRED)
 
 
 # -- launcher --------------------------------------------------------------------------------------
@@ -104,7 +132,9 @@ def _check_heads(name: str, x: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-            weights: tuple[torch.Tensor, torch.Tensor] | None, eps: float, zero_centred: bool):
+            weights: tuple[torch.Tensor, torch.Tensor] | None, eps: float, zero_centred: bool,
+            kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """kv: (v, k_cache, v_cache, slot_mapping): k and v go to their KV slots (k is not returned)."""
     rot = cos.shape[-1]
     if cos.dim() != 2 or sin.shape != cos.shape:
         raise ValueError(f"cos and sin must both be [T, R], got {tuple(cos.shape)} and {tuple(sin.shape)}")
@@ -122,7 +152,13 @@ def _launch(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: tor
         if not zero_centred:
             out_dtype = torch.promote_types(q.dtype, weights[0].dtype)
     q_out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
-    k_out = q_out if k is q else torch.empty(k.shape, dtype=out_dtype, device=q.device)
+    if kv is not None:
+        v, k_cache, v_cache, slots = kv
+        v = v if v.stride(2) == 1 else v.contiguous()
+        k_out = k_cache  # k's destination: its slots
+    else:
+        k_out = q_out if k is q else torch.empty(k.shape, dtype=out_dtype, device=q.device)
+        v, v_cache, slots = q, q_out, cos  # unused without WRITE_KV
     if q.shape[0] == 0:
         return q_out, k_out
     cos, sin = (c if c.stride(1) == 1 else c.contiguous() for c in (cos, sin))
@@ -131,11 +167,15 @@ def _launch(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: tor
     block_half = triton.next_power_of_2(max(rot // 2, 1))
     block_pass = triton.next_power_of_2(max(d - rot, 1))
     elems = block_h * (2 * block_half + block_pass)
-    _rotary_kernel[(q.shape[0], 1 if k is q else 2)](
+    caches = (*k_out.stride()[:4], *v_cache.stride()[:4]) if kv is not None else (0,) * 8
+    _rotary_kernel[(q.shape[0], 1 if k is q else 2 if kv is None else 3)](
         q, k, q_out, k_out, qw.contiguous(), kw.contiguous(), cos, sin, q.shape[1], k.shape[1], eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
+        v, v_cache, slots, k_out.shape[1] if kv is not None else 1, v.stride(0), v.stride(1), *caches,
         D=d, ROT=rot, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
-        NORM=weights is not None, ZERO_CENTRED=zero_centred, num_warps=4 if elems <= 2048 else 8,
+        NORM=weights is not None, ZERO_CENTRED=zero_centred, WRITE_KV=kv is not None,
+        BLOCK_D=triton.next_power_of_2(d), BLOCK_SIZE=k_out.shape[2] if kv is not None else 1,
+        num_warps=4 if elems <= 2048 else 8,
     )
     return q_out, k_out
 
@@ -169,4 +209,22 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return _launch(q, k, cos, sin, weights, eps, zero_centred)
 
 
-__all__ = ["apply_rotary", "rotary_qk"]
+def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                    zero_centred: bool = False) -> torch.Tensor:
+    """`rotary_qk`, then k and v stored at their KV slots, in one launch (Triton); returns q.
+
+    Same contract as `reference.rotary_write_kv`: q, k, cos, sin and the norms as
+    in `rotary_qk`; v: [T, Hkv, D] like k; caches and slot_mapping [T] as in
+    `attention.write_kv` (a slot < 0 writes nothing; slots distinct). The cache
+    holds k as `rotary_qk` returns it, cast to the cache's dtype.
+    """
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("rotary_write_kv needs both q_weight and k_weight, or neither")
+    check_kv_write(k_cache, v_cache, k, v, slot_mapping)
+    weights = None if q_weight is None else (q_weight, k_weight)
+    return _launch(q, k, cos, sin, weights, eps, zero_centred, (v, k_cache, v_cache, slot_mapping))[0]
+
+
+__all__ = ["apply_rotary", "rotary_qk", "rotary_write_kv"]

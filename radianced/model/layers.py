@@ -79,9 +79,9 @@ class Attention:
         cos, sin = rope
         norms = {} if self.q_norm is None else dict(q_weight=self.q_norm.weight, k_weight=self.k_norm.weight,
                                                      eps=self.q_norm.eps, zero_centred=self.q_norm.zero_centred)
-        q, k = ops.rotary_qk(q, k, cos, sin, **norms)  # qk-norm and RoPE: one launch on CUDA
         k_cache, v_cache = cache.layer(self.layer)
-        ops.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        # qk-norm, RoPE, and k and v into the cache: one launch on CUDA
+        q = ops.rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping, **norms)
         o = ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_t, batch.seq_lens_t,
                                 self.scale).reshape(t, self.heads * self.head_dim)
         if gate is not None:

@@ -278,6 +278,30 @@ def test_rotary_qk_real_shapes(layer_kernels, case, t, dtype):
     _check("kernel_rotary_qk", f"{case}_t{t}_k", dtype, got[1], want[1])
 
 
+@pytest.mark.parametrize("t", [1, 300])
+@pytest.mark.parametrize("case", list(ROTARY_CASES))
+def test_rotary_write_kv_is_rotary_qk_then_write_kv(layer_kernels, case, t):
+    """The fused prologue at real shapes, bf16: bit for bit the unfused rotary_qk + write_kv, over
+    interleaved strided caches with scattered slots and padding rows (slot -1)."""
+    from radianced.kernels import attention
+
+    rope = layer_kernels[1]
+    hq, hk, d, rd, qk_norm, zc = ROTARY_CASES[case]
+    q = _rand(t, hq, 2 * d, seed=8, dtype=torch.bfloat16)[:, :, :d]
+    k, v = _rand(t, hk, d, seed=9, dtype=torch.bfloat16), _rand(t, hk, d, seed=10, dtype=torch.bfloat16)
+    cos, sin = reference.rotary_cos_sin(torch.randint(0, 32768, (t,), device="cuda"), rd, 1e6)
+    weights = tuple(_rand(d, seed=s, scale=0.2, dtype=torch.bfloat16) for s in (11, 12)) if qk_norm else ()
+    storage = _rand(t // 16 + 2, 4, 2, BLOCK, hk, d, seed=13, dtype=torch.bfloat16)  # [P, N, K|V, S, Hkv, D]
+    slots = torch.randperm(storage.shape[0] * 4 * BLOCK, device="cuda")[:t]
+    slots[::7] = -1
+    k_cache, v_cache = storage[:, :, 0], storage[:, :, 1]
+    want = storage.clone()
+    want_q, rotated_k = rope.rotary_qk(q, k, cos, sin, *weights, eps=1e-6, zero_centred=zc)
+    attention.write_kv(want[:, :, 0], want[:, :, 1], rotated_k, v, slots)
+    got_q = rope.rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, *weights, eps=1e-6, zero_centred=zc)
+    assert torch.equal(got_q, want_q) and torch.equal(storage, want)
+
+
 HK_DN, HV_DN, K_DN, V_DN, W_DN = 16, 32, 128, 128, 4  # Qwen3-Next-80B's Gated DeltaNet
 C_DN = 2 * HK_DN * K_DN + HV_DN * V_DN
 

@@ -16,7 +16,7 @@ import torch
 from tests.kernels.interpreter import DEVICE, rand, require_interpreted  # before triton loads
 from tests.kernels.compare import f32, rel_err
 
-from radianced.kernels import reference, rope
+from radianced.kernels import attention, reference, rope
 
 require_interpreted(rope._rotary_kernel, "rope")
 
@@ -73,6 +73,46 @@ def test_rotary_qk_fused_with_the_qk_norm(t, zero_centred, dtype):
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     assert got_q.dtype == got_k.dtype == dtype
     assert rel_err(got_q.cpu(), want_q) < tol and rel_err(got_k.cpu(), want_k) < tol
+
+
+def _caches(dtype: torch.dtype, seed: int):
+    """K and V cache views [P=3, N=2, S=4, Hkv=2, D=64] of one interleaved storage, as the KV pool
+    lays them out (strided, only the head dim contiguous)."""
+    storage = rand(3, 2, 2, 4, 2, 64, dtype=dtype, seed=seed)  # [P, N, K|V, S, Hkv, D]
+    return storage[:, :, 0], storage[:, :, 1]
+
+
+@pytest.mark.parametrize("zero_centred", [False, True], ids=["qwen3_plain", "next_zero_centred"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_write_kv_is_rotary_qk_then_write_kv(zero_centred, dtype):
+    """The fused prologue: q as rotary_qk gives it, and the caches as write_kv of rotary_qk's k
+    and the v leaves them, bit for bit; a slot of -1 (a padding row) writes nothing."""
+    t, rotary_dim = 5, 16 if zero_centred else 64
+    q = rand(t, 6, 64, dtype=dtype, seed=8)
+    k, v = rand(t, 2, 64, dtype=dtype, seed=9), rand(t, 2, 64, dtype=dtype, seed=10)
+    qw, kw = (rand(64, dtype=dtype, seed=s) * 0.1 for s in (11, 12))
+    cos, sin = cos_sin(t, rotary_dim, seed=3)
+    slots = torch.tensor([13, 2, -1, 23, 6], device=DEVICE)  # pages 1, 0, -, 2, 0; blocks across pages
+    k_cache, v_cache = _caches(dtype, seed=13)
+    want_k_cache, want_v_cache = k_cache.clone(), v_cache.clone()
+    want_q, rotated_k = rope.rotary_qk(q, k, cos, sin, qw, kw, 1e-6, zero_centred)
+    attention.write_kv(want_k_cache, want_v_cache, rotated_k, v, slots)
+    got_q = rope.rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, qw, kw, 1e-6, zero_centred)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(k_cache, want_k_cache) and torch.equal(v_cache, want_v_cache)
+    ref_k, ref_v = _caches(torch.float32, seed=13)
+    ref_q = reference.rotary_write_kv(f32(q), f32(k), f32(v), cos.cpu(), sin.cpu(), ref_k, ref_v, slots.cpu(),
+                                      f32(qw), f32(kw), 1e-6, zero_centred)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    assert rel_err(got_q.cpu(), ref_q) < tol and rel_err(k_cache.cpu(), ref_k) < tol
+
+
+def test_rotary_write_kv_refuses_caches_that_do_not_fit():
+    cos, sin = cos_sin(2, 64)
+    k_cache, v_cache = _caches(torch.float32, seed=0)
+    with pytest.raises(ValueError, match=r"do not fit caches"):
+        rope.rotary_write_kv(rand(2, 6, 64), rand(2, 3, 64), rand(2, 3, 64), cos, sin, k_cache, v_cache,
+                             torch.zeros(2, dtype=torch.int64, device=DEVICE))
 
 
 def test_bad_shapes_are_refused_with_the_numbers():
