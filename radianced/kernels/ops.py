@@ -19,11 +19,8 @@ from radianced.kernels import reference
 rms_norm = reference.rms_norm
 gated_rms_norm = reference.gated_rms_norm
 rotary_cos_sin = reference.rotary_cos_sin
-apply_rotary = reference.apply_rotary
-rotary_qk = reference.rotary_qk
 rotary_write_kv = reference.rotary_write_kv
 silu_mlp = reference.silu_mlp
-write_kv = reference.write_kv
 paged_attention = reference.paged_attention
 moe = reference.moe
 route = reference.route
@@ -36,9 +33,8 @@ gated_delta_rule_decode = reference.gated_delta_rule_decode
 
 # Bound to Triton on CUDA: (module under radianced.kernels, op name). The others stay torch everywhere.
 _TRITON = (
-    ("attention", "write_kv"), ("attention", "paged_attention"), ("moe", "moe"), ("router", "route"),
-    ("norm", "rms_norm"), ("norm", "gated_rms_norm"), ("rope", "apply_rotary"), ("rope", "rotary_qk"),
-    ("rope", "rotary_write_kv"),
+    ("attention", "paged_attention"), ("moe", "moe"), ("router", "route"),
+    ("norm", "rms_norm"), ("norm", "gated_rms_norm"), ("rope", "rotary_write_kv"),
     ("deltanet", "deltanet_gates"), ("deltanet", "causal_conv1d_prefill"), ("deltanet", "causal_conv1d_update"),
     ("deltanet", "gated_delta_rule_chunked"), ("deltanet", "gated_delta_rule_decode"),
 )

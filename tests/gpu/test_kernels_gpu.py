@@ -413,9 +413,9 @@ def test_ops_select_binds_the_layer_kernels(layer_kernels):
     try:
         assert ops.select("cuda") == "triton"
         assert ops.rms_norm is norm.rms_norm and ops.gated_rms_norm is norm.gated_rms_norm
-        assert ops.rotary_qk is rope.rotary_qk and ops.apply_rotary is rope.apply_rotary
+        assert ops.rotary_write_kv is rope.rotary_write_kv
         assert ops.gated_delta_rule_decode is deltanet.gated_delta_rule_decode
         assert ops.gated_delta_rule_chunked is deltanet.gated_delta_rule_chunked
     finally:
         assert ops.select("cpu") == "reference"
-    assert ops.rotary_qk is reference.rotary_qk and ops.causal_conv1d_update is reference.causal_conv1d_update
+    assert ops.rotary_write_kv is reference.rotary_write_kv and ops.causal_conv1d_update is reference.causal_conv1d_update
