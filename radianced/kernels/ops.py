@@ -21,6 +21,7 @@ gated_rms_norm = reference.gated_rms_norm
 rotary_cos_sin = reference.rotary_cos_sin
 apply_rotary = reference.apply_rotary
 rotary_qk = reference.rotary_qk
+linear = reference.linear
 silu_mlp = reference.silu_mlp
 write_kv = reference.write_kv
 paged_attention = reference.paged_attention
@@ -36,6 +37,7 @@ gated_delta_rule_decode = reference.gated_delta_rule_decode
 # Bound to Triton on CUDA: (module under radianced.kernels, op name). The others stay torch everywhere.
 _TRITON = (
     ("attention", "write_kv"), ("attention", "paged_attention"), ("moe", "moe"), ("router", "route"),
+    ("linear", "linear"),
     ("norm", "rms_norm"), ("norm", "gated_rms_norm"), ("rope", "apply_rotary"), ("rope", "rotary_qk"),
     ("deltanet", "deltanet_gates"), ("deltanet", "causal_conv1d_prefill"), ("deltanet", "causal_conv1d_update"),
     ("deltanet", "gated_delta_rule_chunked"), ("deltanet", "gated_delta_rule_decode"),
