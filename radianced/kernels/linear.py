@@ -13,13 +13,14 @@ For T <= SKINNY_MAX_ROWS (16) one Triton kernel does it:
   all T rows of x as one 16-row tile (T padded with masked rows: tl.dot's
   smallest M) and loops over K in steps of BLOCK_K, so each weight byte is read
   exactly once per call;
-- products on the tensor cores (`tl.dot`: x [16, BLOCK_K] @ W^T [BLOCK_K, BLOCK_N])
-  into an fp32 accumulator; fp32 inputs use IEEE products. tl.dot's operands go
-  through Triton's shared-memory pipeline, `num_stages` tiles in flight per
-  program, which is what keeps enough bytes requested to saturate HBM; the 15
-  padding rows at T = 1 cost tensor-core time the stream never waits for. A
-  CUDA-core product for T = 1 (broadcast multiply, sum over K) would be a second
-  code path whose loads the compiler need not pipeline; there is none;
+- products by `tl.dot` (x [16, BLOCK_K] @ W^T [BLOCK_K, BLOCK_N]) into an fp32
+  accumulator: tensor cores for bf16 / fp16, IEEE products (no tf32) for fp32
+  inputs. tl.dot's operands go through Triton's shared-memory pipeline,
+  `num_stages` tiles in flight per program, which is what keeps enough bytes
+  requested to saturate HBM; the 15 padding rows at T = 1 cost tensor-core time
+  the stream should never wait for. A CUDA-core product for T = 1 (broadcast
+  multiply, sum over K) would be a second code path whose loads the compiler
+  need not pipeline; there is none;
 - the epilogue adds the bias to the fp32 accumulator and rounds once to the
   dtype (cuBLAS's bias epilogue does the same, and so does torch's CPU F.linear),
   then adds the residual in fp32 and rounds again: the reference's
