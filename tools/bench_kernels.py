@@ -1,6 +1,6 @@
 """Triton kernel benchmarks on CUDA, each as a ratio to a ceiling measured in the same run.
 
-    python tools/bench_kernels.py [--out DIR]      # DIR defaults to $OUT, else ./out
+    python tools/bench_kernels.py [--out DIR] [--only SECTION ...]   # DIR defaults to $OUT, else ./out
 
 Writes DIR/bench_kernels.json (rewritten after every section, so a run cut short
 keeps what it measured) and prints one line per figure. Synthetic data: random
@@ -23,10 +23,19 @@ logits. Sections:
   the VRAM kernel;
 - profile: per-kernel device time of one eager call of each op (CUDA profiler);
 - moe_sweep: a few tile configurations at batch 1 and 32 (stops early past the
-  time guard), to tune `moe_config`.
+  time guard), to tune `moe_config`;
+- linear: the skinny linear (`kernels/linear.py`) against torch's F.linear
+  (cuBLAS; + a separate add for o_proj's residual) at T = 1, 4, 16 for q/k/v
+  (2048 -> 5120), o_proj (4096 -> 2048, + residual) and the router (2048 ->
+  128), each over distinct weight copies (8 layers, or twice the L2's bytes:
+  the router's 0.5 MB would otherwise replay from L2) in one graph: time per
+  layer against (weight + x + out (+ residual) bytes) / copy bandwidth; then a
+  sweep of `LinearConfig`s beside `linear_config`'s pick (stops past the time
+  guard).
 
-Needs about 20 GB of device memory, 3 GB of pinned host memory, and under two
-minutes on an H200 (mostly Triton compiles).
+`--only` runs the named sections (and the ceilings, which the others divide by).
+Needs about 20 GB of device memory, 3 GB of pinned host memory, and about two
+minutes on an H200 (mostly Triton compiles; `--only linear` alone about one).
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ HQ, HKV, HEAD_DIM, LAYERS = 32, 4, 128, 48
 E, TOP_K, INTER, HIDDEN = 128, 8, 768, 2048
 ROW_ELEMS = 3 * INTER * HIDDEN
 TIME_GUARD_S = 95.0  # optional sections stop past this
+SECTIONS = ("attention", "moe_vram", "moe_pinned", "profile", "moe_sweep", "linear")
 
 
 def _sync() -> None:
@@ -312,6 +322,85 @@ def moe_sweep_section(hbm: float, deadline: float, layers: int = 4) -> dict:
     return out
 
 
+# -- skinny linear -----------------------------------------------------------------------------------
+
+LINEAR_SHAPES = {  # name: (N, K, residual): Qwen3-30B-A3B's decode projections, bf16, no bias (as Qwen3)
+    "qkv": (HQ * HEAD_DIM + 2 * HKV * HEAD_DIM, HIDDEN, False),
+    "o_proj": (HIDDEN, HQ * HEAD_DIM, True),
+    "router": (E, HIDDEN, False),
+}
+LINEAR_VARIANTS = (  # (block_n, block_k, num_warps, num_stages) swept beside linear_config's own pick
+    (16, 256, 4, 4), (32, 256, 4, 4), (16, 512, 4, 3), (32, 128, 4, 6), (64, 256, 4, 3), (16, 128, 4, 8),
+    (32, 256, 8, 4), (16, 256, 4, 6),
+)
+
+
+def _us(run: dict) -> str:
+    return f"{run['s_per_layer'] * 1e6:.1f} us ({run['ratio']:.0%} of copy bandwidth)"
+
+
+def linear_section(hbm: float, deadline: float) -> dict:
+    """The skinny linear against torch's F.linear (+ the residual add) at T = 1, 4, 16, each timed over
+    distinct weight copies (8 layers, or enough to fill twice the L2) in one graph, so every replay
+    streams the weights from HBM; then the config sweep (stops past the time guard)."""
+    import torch.nn.functional as F
+
+    from radianced.kernels import linear
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    out = {"l2_bytes": l2, "cases": []}
+    for name, (n, k, with_residual) in LINEAR_SHAPES.items():
+        weight_bytes = n * k * 2
+        layers = max(8, -(-2 * l2 // weight_bytes))
+        ws = torch.empty((layers, n, k), dtype=torch.bfloat16, device="cuda").normal_(0, k ** -0.5, generator=gen)
+        default = linear.linear_config(n, k, torch.bfloat16)
+        for t in (1, 4, 16):
+            xs = torch.randn((layers, t, k), generator=gen, device="cuda").bfloat16()
+            rs = torch.randn((layers, t, n), generator=gen, device="cuda").bfloat16() if with_residual else None
+            moved = weight_bytes + (t * k + (2 if with_residual else 1) * t * n) * 2  # + x, out (+ residual)
+            floor = moved / hbm
+
+            def timed(fn, xs=xs, ws=ws, rs=rs) -> dict:
+                def step():
+                    for l in range(layers):
+                        fn(xs[l], ws[l], None if rs is None else rs[l])
+                s = time_graph(step)["median_s"] / layers
+                return {"s_per_layer": s, "achieved_bytes_per_s": moved / s, "ratio": floor / s}
+
+            case = {"shape": name, "n": n, "k": k, "residual": with_residual, "t": t, "layers": layers,
+                    "bytes_per_layer": moved, "floor_s_per_layer": floor,
+                    "torch": timed(lambda x, w, r: F.linear(x, w) if r is None else r + F.linear(x, w)),
+                    "triton": {"config": default.__dict__, **timed(lambda x, w, r: linear.linear(x, w, residual=r))}}
+            got = linear.linear(xs[0], ws[0], residual=None if rs is None else rs[0]).float()
+            want = F.linear(xs[0].float(), ws[0].float()) + (0 if rs is None else rs[0].float())
+            case["rel_err_vs_fp32"] = float((got - want).abs().max() / want.abs().max())
+            runs = []
+            for v in dict.fromkeys([tuple(default.__dict__.values()), *LINEAR_VARIANTS]):
+                if time.monotonic() > deadline:
+                    out["stopped_at_time_guard"] = True
+                    break
+                cfg = linear.LinearConfig(*v)
+                try:
+                    runs.append({"config": cfg.__dict__,
+                                 **timed(lambda x, w, r, cfg=cfg: linear.linear(x, w, residual=r, cfg=cfg))})
+                except Exception as exc:  # a variant the device cannot hold (shared memory) is a result too
+                    runs.append({"config": cfg.__dict__, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            case["sweep"] = runs
+            timed_runs = [r for r in runs if "s_per_layer" in r]
+            if timed_runs:
+                case["best"] = min(timed_runs, key=lambda r: r["s_per_layer"])
+            out["cases"].append(case)
+            line = (f"linear {name} {k}->{n} t{t}{' +residual' if with_residual else ''}: floor {floor * 1e6:.1f} us, "
+                    f"torch {_us(case['torch'])}, triton {_us(case['triton'])}")
+            if "best" in case:
+                line += f"; best of {len(timed_runs)} {tuple(case['best']['config'].values())} {_us(case['best'])}"
+            print(line, flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    return out
+
+
 def profile_section() -> dict:
     """Per-kernel device time (CUDA profiler) of one eager call each: where a layer's time goes."""
     from torch.profiler import ProfilerActivity, profile
@@ -363,7 +452,10 @@ def profile_section() -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    p.add_argument("--only", action="append", choices=SECTIONS,
+                   help="run only this section (repeatable; the ceilings always run)")
     args = p.parse_args(argv)
+    wanted = set(args.only or SECTIONS)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "bench_kernels.json"
@@ -379,6 +471,8 @@ def main(argv=None) -> int:
                      "commit": os.environ.get("RADIANCED_COMMIT"), "synthetic": True, "sections": {}}
 
     def section(name, fn, *a):
+        if name != "ceilings" and name not in wanted:
+            return None
         t0 = time.monotonic()
         try:
             results["sections"][name] = {"ok": True, **fn(*a)}
@@ -400,6 +494,7 @@ def main(argv=None) -> int:
     section("moe_pinned", moe_pinned_section, h2d)
     section("profile", profile_section)
     section("moe_sweep", moe_sweep_section, hbm, deadline)
+    section("linear", linear_section, hbm, deadline)
     results["seconds"] = time.monotonic() - start
     path.write_text(json.dumps(results, indent=1, default=str))
     print(f"bench_kernels: {results['seconds']:.0f} s, wrote {path}")

@@ -65,6 +65,21 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
+# -- linear -----------------------------------------------------------------
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """A projection with an optional residual add: `residual + (x @ weight^T + bias)`.
+
+    x: [T, K]; weight: [N, K]; bias: [N] or None; residual: [T, N] or None; all in
+    x's dtype. Returns a new [T, N] in x's dtype. torch's rounding: F.linear's
+    result is rounded to x's dtype, then the sum with the residual is rounded again.
+    """
+    y = F.linear(x, weight, bias)
+    return y if residual is None else residual + y
+
+
 # -- MLP --------------------------------------------------------------------
 
 

@@ -66,9 +66,11 @@ class Attention:
         self.scale = self.head_dim ** -0.5
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
-                 cache: KVCache) -> torch.Tensor:
-        t = x.shape[0]  # x: [T, hidden]
-        q, k, v = F.linear(x, self.wqkv, self.bqkv).split(self.split, dim=-1)  # views of one [T, q+2kv]
+                 cache: KVCache, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, hidden] -> the attention output [T, hidden], plus `residual` ([T, hidden]) if given
+        (added in o_proj's epilogue on CUDA)."""
+        t = x.shape[0]
+        q, k, v = ops.linear(x, self.wqkv, self.bqkv).split(self.split, dim=-1)  # views of one [T, q+2kv]
         gate = None
         if self.output_gate:
             q, gate = q.reshape(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, Hq, D] each
@@ -86,7 +88,7 @@ class Attention:
                                 self.scale).reshape(t, self.heads * self.head_dim)
         if gate is not None:
             o = o * torch.sigmoid(gate)
-        return F.linear(o, self.wo)
+        return ops.linear(o, self.wo, residual=residual)
 
 
 class DenseMLP:
@@ -125,7 +127,7 @@ class Router:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (ids [T, k] int64, weights [T, k] in x's dtype)."""
-        return ops.route(F.linear(x, self.weight), self.top_k, self.renormalize, x.dtype)
+        return ops.route(ops.linear(x, self.weight), self.top_k, self.renormalize, x.dtype)
 
 
 class MoE:

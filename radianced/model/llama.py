@@ -16,7 +16,7 @@ class LlamaLayer:
         self.mlp = DenseMLP(p + "mlp", w)
 
     def __call__(self, x, rope, batch: ForwardBatch, cache: KVCache):
-        x = x + self.attn(self.input_norm(x), rope, batch, cache)
+        x = self.attn(self.input_norm(x), rope, batch, cache, residual=x)
         return self.mlp(self.post_norm(x), residual=x)
 
 

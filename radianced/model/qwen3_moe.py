@@ -19,7 +19,7 @@ class Qwen3MoeLayer:
         self.mlp = MoE(cfg, i, w, experts) if cfg.is_moe_layer(i) else DenseMLP(p + "mlp", w)
 
     def __call__(self, x, rope, batch: ForwardBatch, cache: KVCache):
-        x = x + self.attn(self.input_norm(x), rope, batch, cache)
+        x = self.attn(self.input_norm(x), rope, batch, cache, residual=x)
         return self.mlp(self.post_norm(x), residual=x)
 
 

@@ -40,8 +40,9 @@ class GatedDeltaNet:
         self.norm_weight, self.eps = w(p + "norm.weight"), cfg.rms_norm_eps
         self.w_out = w(p + "out_proj.weight")
 
-    def __call__(self, x, rope, batch: ForwardBatch, cache: KVCache):
-        t = x.shape[0]  # x: [T, hidden]
+    def __call__(self, x, rope, batch: ForwardBatch, cache: KVCache, residual: torch.Tensor | None = None):
+        """x: [T, hidden] -> the mixer's output [T, hidden], plus `residual` if given (as `Attention`)."""
+        t = x.shape[0]
         qkvz = F.linear(x, self.w_qkvz).view(t, self.nk, 2 * self.dk + 2 * self.r * self.dv)
         q, k, v, z = qkvz.split([self.dk, self.dk, self.r * self.dv, self.r * self.dv], dim=-1)
         b, a = F.linear(x, self.w_ba).view(t, self.nk, 2 * self.r).split([self.r, self.r], dim=-1)
@@ -56,7 +57,7 @@ class GatedDeltaNet:
             out = ops.gated_delta_rule_decode(
                 qs.view(t, self.nk, self.dk), ks.view(t, self.nk, self.dk), vs.view(t, self.nv, self.dv),
                 g, beta, rec_states, batch.state_slots, use_qk_l2norm=True)
-            return self._output(out, z, t)
+            return self._output(out, z, t, residual)
         out = torch.empty((t, self.nv, self.dv), dtype=x.dtype, device=x.device)
         for s, slot in enumerate(batch.state_slots.tolist()):  # host list: the reference loops per sequence
             lo, hi = batch.query_start[s], batch.query_start[s + 1]
@@ -66,12 +67,12 @@ class GatedDeltaNet:
                 qs.reshape(-1, self.nk, self.dk), ks.reshape(-1, self.nk, self.dk), vs.reshape(-1, self.nv, self.dv),
                 g[lo:hi], beta[lo:hi], rec_states[slot], use_qk_l2norm=True)  # q, k: raw key heads
             out[lo:hi] = o
-        return self._output(out, z, t)
+        return self._output(out, z, t, residual)
 
-    def _output(self, out: torch.Tensor, z: torch.Tensor, t: int) -> torch.Tensor:
-        """out: [T, Hv, V] -> gated norm by silu(z) -> out_proj: [T, hidden]."""
+    def _output(self, out: torch.Tensor, z: torch.Tensor, t: int, residual: torch.Tensor | None) -> torch.Tensor:
+        """out: [T, Hv, V] -> gated norm by silu(z) -> out_proj (+ residual): [T, hidden]."""
         o = ops.gated_rms_norm(out, z.reshape(t, self.nv, self.dv), self.norm_weight, self.eps)
-        return F.linear(o.reshape(t, self.nv * self.dv), self.w_out)
+        return ops.linear(o.reshape(t, self.nv * self.dv), self.w_out, residual=residual)
 
 
 class Qwen3NextLayer:
@@ -86,7 +87,7 @@ class Qwen3NextLayer:
         self.mlp = MoE(cfg, i, w, experts) if cfg.is_moe_layer(i) else DenseMLP(p + "mlp", w)
 
     def __call__(self, x, rope, batch: ForwardBatch, cache: KVCache):
-        x = x + self.mixer(self.input_norm(x), rope, batch, cache)
+        x = self.mixer(self.input_norm(x), rope, batch, cache, residual=x)
         return self.mlp(self.post_norm(x), residual=x)
 
 

@@ -198,10 +198,11 @@ def test_ops_select_binds_triton_on_cuda_and_reference_elsewhere(kernels):
     assert ops.moe is reference.moe and ops.paged_attention is reference.paged_attention
 
 
-# == norms, RoPE and Gated DeltaNet (radianced/kernels/norm.py, rope.py, deltanet.py) ==================
+# == norms, RoPE, Gated DeltaNet, router, linear (radianced/kernels/norm.py, rope.py, deltanet.py, ...) ==
 # Shapes: Qwen3-30B-A3B (hidden 2048; 32 / 4 heads x 128, full rotary, plain qk-norm), Qwen3-Next-80B
 # (16 / 2 heads x 256, rotary 64, zero-centred norms, the q view strided by the output gate; DeltaNet
-# 16 key / 32 value heads x 128, 8192 conv channels, W = 4), SmolLM2 (9 / 3 x 64, no qk-norm).
+# 16 key / 32 value heads x 128, 8192 conv channels, W = 4), SmolLM2 (9 / 3 x 64, no qk-norm); the skinny
+# linear at Qwen3-30B-A3B's decode projections (q/k/v 2048 -> 5120, o_proj 4096 -> 2048, router 2048 -> 128).
 
 
 @pytest.fixture(scope="module")
@@ -407,15 +408,43 @@ def test_route_real_shapes(layer_kernels, t, experts, top_k):
     _check("route", f"{experts}e top{top_k} t{t}", torch.float32, weights, want_weights)
 
 
+LINEAR_CASES = {
+    # name: (N, K, bias, residual): Qwen3-30B-A3B's decode projections (q/k/v, o_proj + the residual, router)
+    "qkv": (5120, 2048, False, False),
+    "qkv_bias": (5120, 2048, True, False),
+    "o_proj_residual": (2048, 4096, False, True),
+    "router": (128, 2048, False, False),
+}
+
+
+@DTYPES
+@pytest.mark.parametrize("t", [1, 8, 16])
+@pytest.mark.parametrize("case", list(LINEAR_CASES))
+def test_linear_real_shapes(layer_kernels, case, t, dtype):
+    """The skinny linear (every T here runs the Triton kernel) against the fp32 reference."""
+    from radianced.kernels import linear
+    n, k, bias, residual = LINEAR_CASES[case]
+    x = _rand(t, k, dtype=dtype, seed=t)
+    w = _rand(n, k, dtype=dtype, seed=1, scale=k ** -0.5)
+    b = _rand(n, dtype=dtype, seed=2) if bias else None
+    r = _rand(t, n, dtype=dtype, seed=3, scale=4.0) if residual else None
+    got = linear.linear(x, w, b, r)
+    assert got.dtype == dtype and got.shape == (t, n)
+    want = reference.linear(*(None if a is None else a.float() for a in (x, w, b, r)))
+    _check("kernel_linear", f"{case}_t{t}", dtype, got, want, config=linear.linear_config(n, k, dtype).__dict__)
+
+
 def test_ops_select_binds_the_layer_kernels(layer_kernels):
-    from radianced.kernels import ops
+    from radianced.kernels import linear, ops
     norm, rope, deltanet = layer_kernels
     try:
         assert ops.select("cuda") == "triton"
+        assert ops.linear is linear.linear
         assert ops.rms_norm is norm.rms_norm and ops.gated_rms_norm is norm.gated_rms_norm
         assert ops.rotary_write_kv is rope.rotary_write_kv
         assert ops.gated_delta_rule_decode is deltanet.gated_delta_rule_decode
         assert ops.gated_delta_rule_chunked is deltanet.gated_delta_rule_chunked
     finally:
         assert ops.select("cpu") == "reference"
-    assert ops.rotary_write_kv is reference.rotary_write_kv and ops.causal_conv1d_update is reference.causal_conv1d_update
+    assert ops.rotary_write_kv is reference.rotary_write_kv and ops.linear is reference.linear
+    assert ops.causal_conv1d_update is reference.causal_conv1d_update

@@ -1,0 +1,122 @@
+"""The Triton skinny linear against `reference.linear`.
+
+Without CUDA the kernel runs in Triton's interpreter on CPU tensors. T = 1, 3, 15
+and 16 rows run the kernel; 17 and 40 take torch's F.linear. Shapes N = 130,
+K = 200 and N = 64, K = 2048: N not a multiple of the 16 or 32 columns of a
+program, K (200) not a multiple of its reduction step. fp32 within 1e-4 of
+max|ref|; bf16 within 1e-2 of the fp32 reference on the same bf16 values, and,
+on integer values where every sum is exact, equal to the bf16 reference bit for
+bit (the bias before the one rounding, the residual after it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.interpreter import DEVICE, rand, require_interpreted  # before triton loads
+from tests.kernels.compare import f32, rel_err
+
+from radianced.kernels import linear, reference
+
+require_interpreted(linear._linear_kernel, "linear")
+
+SHAPES = pytest.mark.parametrize("n,k", [(130, 200), (64, 2048)], ids=["n130_k200", "n64_k2048"])
+
+
+def _operands(t: int, n: int, k: int, bias: bool, residual: bool, dtype=torch.float32):
+    x, w = rand(t, k, dtype=dtype, seed=t), rand(n, k, dtype=dtype, seed=k, scale=k ** -0.5)
+    b = rand(n, dtype=dtype, seed=n) if bias else None
+    r = rand(t, n, dtype=dtype, seed=t + n, scale=4.0) if residual else None
+    return x, w, b, r
+
+
+def _f32(*tensors):
+    return tuple(None if a is None else f32(a) for a in tensors)
+
+
+@pytest.mark.parametrize("t", [1, 3, 15, 16])
+@SHAPES
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("residual", [False, True], ids=["no_residual", "residual"])
+def test_fp32_matches_reference(t, n, k, bias, residual):
+    x, w, b, r = _operands(t, n, k, bias, residual)
+    got = linear.linear(x, w, b, r)
+    assert got.dtype == torch.float32 and got.shape == (t, n)
+    assert rel_err(got.cpu(), reference.linear(*_f32(x, w, b, r))) < 1e-4
+
+
+@pytest.mark.parametrize("t", [1, 16])
+@SHAPES
+def test_bf16_within_1e_2_of_fp32(t, n, k):
+    x, w, b, r = _operands(t, n, k, True, True, torch.bfloat16)
+    got = linear.linear(x, w, b, r)
+    assert got.dtype == torch.bfloat16
+    assert rel_err(got.cpu(), reference.linear(*_f32(x, w, b, r))) < 1e-2
+
+
+def test_bf16_rounds_the_product_before_the_residual_as_torch_does():
+    """Integer values, every sum exact in fp32: row 0's products are 257 (bf16 256) and the bias
+    +1 or -1 joins before the rounding (258, 256); the residual 1 joins after it (256 + 1 rounds
+    back to 256; added before, 258 would stay). Bit for bit the bf16 reference."""
+    k, n = 257, 40
+    x = torch.ones(3, k)
+    x[1, :100] = -1.0  # row 1: 257 - 200 = 57
+    x[2] = torch.arange(k) % 3 - 1.0  # row 2: a small mix
+    w = torch.ones(n, k)
+    w[::2, ::5] = 2.0
+    b = torch.tensor([1.0, -1.0, 0.0, 3.0] * 10)
+    r = torch.ones(3, n)
+    x, w, b, r = (a.bfloat16().to(DEVICE) for a in (x, w, b, r))
+    for bias, residual in ((None, None), (b, None), (None, r), (b, r)):
+        got = linear.linear(x, w, bias, residual).cpu()
+        want = reference.linear(x.cpu(), w.cpu(), *(None if a is None else a.cpu() for a in (bias, residual)))
+        assert torch.equal(got, want)
+    assert linear.linear(x[:1], w[1:2], None, r[:1, :1]).item() == 256.0  # 257 -> 256, + 1 -> 256
+
+
+@pytest.mark.parametrize("t", [17, 40])
+def test_more_rows_than_skinny_max_are_torchs_own_result(t):
+    x, w, b, r = _operands(t, 130, 200, True, True)
+    assert torch.equal(linear.linear(x, w, b, r), reference.linear(x, w, b, r))
+
+
+def test_strided_rows_of_x_and_residual():
+    """Rows cut from wider tensors (row strides 400 and 300), as views of a projection would be."""
+    x = rand(15, 400, seed=1)[:, 100:300]
+    r = rand(15, 300, seed=2)[:, :130]
+    w, b = rand(130, 200, seed=3, scale=0.1), rand(130, seed=4)
+    assert x.stride(0) == 400 and r.stride(0) == 300
+    assert rel_err(linear.linear(x, w, b, r).cpu(), reference.linear(*_f32(x, w, b, r))) < 1e-4
+
+
+def test_no_rows_give_an_empty_result():
+    got = linear.linear(rand(0, 200), rand(130, 200), rand(130), rand(0, 130))
+    assert got.shape == (0, 130) and got.dtype == torch.float32
+
+
+def test_config_fills_an_h200_where_the_shape_allows():
+    """One program per SM or so at Qwen3-30B-A3B's q/k/v and o_proj; the router's 8 programs get a
+    deeper pipeline; fp32 steps span as many bytes as bf16 ones."""
+    qkv, o, router = (linear.linear_config(n, k, torch.bfloat16) for n, k in ((5120, 2048), (2048, 4096), (128, 2048)))
+    assert (qkv.block_n, qkv.block_k, qkv.num_stages) == (32, 256, 4)
+    assert (o.block_n, o.block_k, o.num_stages) == (16, 256, 4)
+    assert (router.block_n, router.num_stages) == (16, 6)
+    assert linear.linear_config(5120, 2048, torch.float32).block_k == 128
+    assert linear.linear_config(130, 40, torch.float32).block_k == 64
+
+
+def test_bad_operands_are_refused_with_the_numbers():
+    x, w = rand(3, 200), rand(130, 200)
+    with pytest.raises(ValueError, match=r"weight must be \[N, K=200\] .* got shape \(130, 201\)"):
+        linear.linear(x, rand(130, 201))
+    with pytest.raises(ValueError, match=r"residual must be \[T=3, N=130\] .* got shape \(3, 129\)"):
+        linear.linear(x, w, residual=rand(3, 129))
+    with pytest.raises(ValueError, match=r"bias must be \[N=130\], got shape \(131,\)"):
+        linear.linear(x, w, rand(131))
+    with pytest.raises(ValueError, match=r"weight is on meta, x on"):
+        linear.linear(x, w.to("meta"))
+    with pytest.raises(ValueError, match=r"residual is torch.bfloat16, x is torch.float32"):
+        linear.linear(x, w, residual=rand(3, 130, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"x must be \[T, K\] with a contiguous last dim"):
+        linear.linear(rand(200, 3).T, w)
