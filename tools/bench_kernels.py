@@ -329,9 +329,10 @@ LINEAR_SHAPES = {  # name: (N, K, residual): Qwen3-30B-A3B's decode projections,
     "o_proj": (HIDDEN, HQ * HEAD_DIM, True),
     "router": (E, HIDDEN, False),
 }
-LINEAR_VARIANTS = (  # (block_n, block_k, num_warps, num_stages) swept beside linear_config's own pick
-    (16, 256, 4, 4), (32, 256, 4, 4), (16, 512, 4, 3), (32, 128, 4, 6), (64, 256, 4, 3), (16, 128, 4, 8),
-    (32, 256, 8, 4), (16, 256, 4, 6),
+LINEAR_VARIANTS = (  # (block_n, block_k, num_warps, num_stages[, kind]) swept beside linear_config's own pick
+    (16, 256, 4, 4), (32, 256, 4, 4), (16, 512, 4, 3), (64, 256, 4, 3), (32, 512, 4, 3), (64, 512, 8, 3),
+    (1, 0, 4, 1, "gemv"), (2, 0, 4, 1, "gemv"), (4, 0, 4, 1, "gemv"), (4, 0, 8, 1, "gemv"), (8, 0, 8, 1, "gemv"),
+    (2, 0, 8, 1, "gemv"),
 )
 
 

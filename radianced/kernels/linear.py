@@ -64,9 +64,13 @@ ROW_BYTES_PER_STEP = 512  # bytes of each weight row a program loads per K step
 @dataclass(frozen=True)
 class LinearConfig:
     block_n: int  # outputs (weight rows) per program
-    block_k: int  # reduction step
+    block_k: int  # reduction step ("gemv": ignored, a program holds whole rows)
     num_warps: int
     num_stages: int
+    kind: str = "dot"  # "dot": tensor-core tiles over a K loop; "gemv": whole rows in registers
+
+
+GEMV_MAX_K = 8192  # "gemv" holds block_n whole weight rows in registers: K up to this
 
 
 def linear_config(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
@@ -108,6 +112,32 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, num_rows, n, k,
         r = tl.load(res_ptr + r64 * stride_r + cols[None, :], mask=mask, other=0.0)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + r64 * stride_o + cols[None, :], y, mask=mask)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, num_rows, n, k,
+                 stride_x, stride_w, stride_b, stride_r, stride_o,
+                 HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """CUDA-core products: a program loads its BLOCK_N whole weight rows at once (every load in
+    flight together, no loop), then for each of the T rows of x multiplies and sums over K in fp32."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    kk = tl.arange(0, BLOCK_K)
+    k_ok = kk < k
+    w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_w + kk[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols * stride_b, mask=col_ok, other=0.0).to(tl.float32)
+    for t in range(num_rows):
+        x = tl.load(x_ptr + t * stride_x + kk, mask=k_ok, other=0.0).to(tl.float32)
+        acc = tl.sum(w.to(tl.float32) * x[None, :], 1)
+        if HAS_BIAS:
+            acc += bias
+        y = acc.to(out_ptr.dtype.element_ty)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + t * stride_r + cols, mask=col_ok, other=0.0)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + t * stride_o + cols, y, mask=col_ok)
 
 
 # -- launcher --------------------------------------------------------------------------------------
@@ -156,6 +186,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if t == 0:
         return out
     cfg = cfg or linear_config(n, k, x.dtype)
+    if cfg.kind == "gemv" and k <= GEMV_MAX_K:
+        _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+            x, weight, x if bias is None else bias, x if residual is None else residual, out, t, n, k,
+            x.stride(0), weight.stride(0), 0 if bias is None else bias.stride(0),
+            0 if residual is None else residual.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_N=cfg.block_n,
+            BLOCK_K=triton.next_power_of_2(k), num_warps=cfg.num_warps, num_stages=1,
+        )
+        return out
     _linear_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, x if bias is None else bias, x if residual is None else residual, out, t, n, k,
         x.stride(0), weight.stride(0), 0 if bias is None else bias.stride(0),

@@ -46,6 +46,18 @@ def test_fp32_matches_reference(t, n, k, bias, residual):
     assert rel_err(got.cpu(), reference.linear(*_f32(x, w, b, r))) < 1e-4
 
 
+@pytest.mark.parametrize("t", [1, 3, 16])
+@SHAPES
+@pytest.mark.parametrize("block_n", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gemv_kind_matches_reference(t, n, k, block_n, dtype):
+    """The CUDA-core kernel (whole rows in registers), with the bias and the residual."""
+    x, w, b, r = _operands(t, n, k, True, True, dtype)
+    got = linear.linear(x, w, b, r, cfg=linear.LinearConfig(block_n, 0, 4, 1, "gemv"))
+    assert got.dtype == dtype and got.shape == (t, n)
+    assert rel_err(got.cpu(), reference.linear(*_f32(x, w, b, r))) < (1e-4 if dtype == torch.float32 else 1e-2)
+
+
 @pytest.mark.parametrize("t", [1, 16])
 @SHAPES
 def test_bf16_within_1e_2_of_fp32(t, n, k):
