@@ -355,8 +355,8 @@ def linear_section(hbm: float, deadline: float) -> dict:
         weight_bytes = n * k * 2
         layers = max(8, -(-2 * l2 // weight_bytes))
         ws = torch.empty((layers, n, k), dtype=torch.bfloat16, device="cuda").normal_(0, k ** -0.5, generator=gen)
-        default = linear.linear_config(n, k, torch.bfloat16)
         for t in (1, 4, 16):
+            default = linear.linear_config(t, n, k, torch.bfloat16)  # None: torch's F.linear
             xs = torch.randn((layers, t, k), generator=gen, device="cuda").bfloat16()
             rs = torch.randn((layers, t, n), generator=gen, device="cuda").bfloat16() if with_residual else None
             moved = weight_bytes + (t * k + (2 if with_residual else 1) * t * n) * 2  # + x, out (+ residual)
@@ -372,12 +372,13 @@ def linear_section(hbm: float, deadline: float) -> dict:
             case = {"shape": name, "n": n, "k": k, "residual": with_residual, "t": t, "layers": layers,
                     "bytes_per_layer": moved, "floor_s_per_layer": floor,
                     "torch": timed(lambda x, w, r: F.linear(x, w) if r is None else r + F.linear(x, w)),
-                    "triton": {"config": default.__dict__, **timed(lambda x, w, r: linear.linear(x, w, residual=r))}}
+                    "pick": {"config": None if default is None else default.__dict__,
+                             **timed(lambda x, w, r: linear.linear(x, w, residual=r))}}
             got = linear.linear(xs[0], ws[0], residual=None if rs is None else rs[0]).float()
             want = F.linear(xs[0].float(), ws[0].float()) + (0 if rs is None else rs[0].float())
             case["rel_err_vs_fp32"] = float((got - want).abs().max() / want.abs().max())
             runs = []
-            for v in dict.fromkeys([tuple(default.__dict__.values()), *LINEAR_VARIANTS]):
+            for v in LINEAR_VARIANTS:
                 if time.monotonic() > deadline:
                     out["stopped_at_time_guard"] = True
                     break
@@ -393,7 +394,7 @@ def linear_section(hbm: float, deadline: float) -> dict:
                 case["best"] = min(timed_runs, key=lambda r: r["s_per_layer"])
             out["cases"].append(case)
             line = (f"linear {name} {k}->{n} t{t}{' +residual' if with_residual else ''}: floor {floor * 1e6:.1f} us, "
-                    f"torch {_us(case['torch'])}, triton {_us(case['triton'])}")
+                    f"torch {_us(case['torch'])}, linear_config's pick {_us(case['pick'])}")
             if "best" in case:
                 line += f"; best of {len(timed_runs)} {tuple(case['best']['config'].values())} {_us(case['best'])}"
             print(line, flush=True)

@@ -6,41 +6,29 @@ all of one dtype (bf16, fp16 or fp32). Returns a new [T, N] in that dtype.
 
 At decode a projection is a weight stream: Qwen3-30B-A3B's q/k/v (2048 -> 5120,
 21 MB of bf16) makes a few rows of outputs from every weight byte, so its floor
-is the weight's bytes over HBM bandwidth (5.0 us on an H200; cuBLAS took 7.6).
-For T <= SKINNY_MAX_ROWS (16) one Triton kernel does it:
+is the weight's bytes over HBM bandwidth (5.0 us on an H200). Two kernels:
 
-- the grid is over column tiles of BLOCK_N outputs (rows of W); a program holds
-  all T rows of x as one 16-row tile (T padded with masked rows: tl.dot's
-  smallest M) and loops over K in steps of BLOCK_K, so each weight byte is read
-  exactly once per call;
-- products by `tl.dot` (x [16, BLOCK_K] @ W^T [BLOCK_K, BLOCK_N]) into an fp32
-  accumulator: tensor cores for bf16 / fp16, IEEE products (no tf32) for fp32
-  inputs. tl.dot's operands go through Triton's shared-memory pipeline,
-  `num_stages` tiles in flight per program, which is what keeps enough bytes
-  requested to saturate HBM; the 15 padding rows at T = 1 cost tensor-core time
-  the stream should never wait for. A CUDA-core product for T = 1 (broadcast
-  multiply, sum over K) would be a second code path whose loads the compiler
-  need not pipeline; there is none;
-- the epilogue adds the bias to the fp32 accumulator and rounds once to the
-  dtype (cuBLAS's bias epilogue does the same, and so does torch's CPU F.linear),
-  then adds the residual in fp32 and rounds again: the reference's
-  `residual + F.linear(x, W, b)`, two roundings.
+- "gemv" (T = 1): a program loads its BLOCK_N whole weight rows at once, every
+  load in flight together (no K loop, nothing for a pipeline to hide), and sums
+  the products with x's row in fp32 on the CUDA cores. Thousands of small
+  programs keep HBM busy; at T > 1 it redoes the convert, multiply and sum over
+  its rows once per row of x and loses.
+- "dot" (1 < T <= 16): the grid is over column tiles of BLOCK_N outputs; a
+  program holds all T rows of x as one 16-row tile (tl.dot's smallest M, T
+  padded with masked rows) and loops over K in steps of BLOCK_K through
+  Triton's shared-memory pipeline (`num_stages` tiles in flight); tensor cores
+  for bf16 / fp16, IEEE products for fp32. Each weight byte is read once.
 
-Tiles (`linear_config`, a function of the shape so a benchmark can sweep it):
-BLOCK_K spans 512 bytes of a weight row (256 bf16, 128 fp32), or all of a
-shorter K. BLOCK_N is 32 when that still gives MIN_PROGRAMS programs (about one
-per SM of an H200, 132), else 16: q/k/v (N = 5120) gets 160 programs, o_proj
-(N = 2048) 128. Such grids keep 3 tiles in flight per program (4 stages):
-128 x 3 x 8 KB is 3 MB requested at once, about HBM's bandwidth times its
-latency. The router (N = 128, 0.5 MB) has 8 programs of 16 rows; rather than
-split K (more programs, then a second launch to sum the partials in a fixed
-order, which costs about what the whole 0.5 MB stream does), a small grid gets 6
-stages, so its 8 programs have most of the 0.5 MB requested in the first round
-trip. One launch, no workspace, deterministic. None of this was measured when
-written: `tools/bench_kernels.py`'s `linear` section sweeps it.
+Both epilogues add the bias to the fp32 accumulator and round once to the dtype
+(cuBLAS's bias epilogue does the same, and so does torch's CPU F.linear), then
+add the residual in fp32 and round again: the reference's
+`residual + F.linear(x, W, b)`, two roundings. The residual add is what o_proj
+gains most from: cuBLAS needs a second launch for it.
 
-Above SKINNY_MAX_ROWS (prefill) the projection is a real GEMM and cuBLAS is good
-there: torch's F.linear, and the residual add, run instead (`reference.linear`).
+`linear_config` picks the kernel and tiles from the H200 sweep of
+`tools/bench_kernels.py` (the numbers are in its docstring), or None where cuBLAS is
+faster: then torch's F.linear, and the residual add, run instead
+(`reference.linear`), as they do above 16 rows (prefill: a real GEMM).
 The launch has no host sync (graph-capturable).
 """
 
@@ -54,9 +42,9 @@ import triton.language as tl
 
 from radianced.kernels import reference
 
-SKINNY_MAX_ROWS = 16  # rows up to which the kernel runs: one 16-row tile (tl.dot's smallest M)
-MIN_PROGRAMS = 128  # about one per SM of an H200 (132)
-ROW_BYTES_PER_STEP = 512  # bytes of each weight row a program loads per K step
+SKINNY_MAX_ROWS = 16  # rows up to which the "dot" kernel runs: one 16-row tile (tl.dot's smallest M)
+ROW_BYTES_PER_STEP = 512  # bytes of each weight row a "dot" program loads per K step
+CUBLAS_MIN_N = 4096  # from this many outputs cuBLAS beats the "dot" tiles at 1 < T <= 16
 
 # -- heuristics ------------------------------------------------------------------------------------
 
@@ -73,13 +61,24 @@ class LinearConfig:
 GEMV_MAX_K = 8192  # "gemv" holds block_n whole weight rows in registers: K up to this
 
 
-def linear_config(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
-    """Tiles for an [N, K] weight of `dtype`. The row count does not enter: every T up to
-    SKINNY_MAX_ROWS is one 16-row tile, and the weight stream is the same for all of them."""
-    block_n = 32 if triton.cdiv(n, 32) >= MIN_PROGRAMS else 16
+def linear_config(t: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig | None:
+    """The kernel and tiles for T rows against an [N, K] weight of `dtype`, or None: torch's
+    F.linear (cuBLAS) does better. From the H200 sweep (tools/bench_kernels.py, Qwen3-30B-A3B's
+    q/k/v 2048 -> 5120, o_proj 4096 -> 2048 with the residual, router 2048 -> 128, bf16):
+
+    - T = 1: "gemv", two rows a program, 8 warps: 7.7, 6.9 and 2.1 us, where cuBLAS takes 9.0,
+      11.5 (with its separate add) and 5.3; the tensor-core tiles 9.2-9.7, 9.3-11 and 4.6-5.7.
+    - 1 < T <= 16: "dot" tiles of 16 columns x 512 bytes of K, 3 stages: o_proj 9.5 us (cuBLAS and
+      the add 11.6), the router 4.6-4.8 (5.3-5.5); "gemv" re-reads its rows per row of x (13-46
+      us). For N >= 4096 (q/k/v) cuBLAS wins (8.7-8.8 us, the best tiles 9.4), so None.
+    - T > 16: None (prefill: a real GEMM).
+    """
+    if t == 1 and k <= GEMV_MAX_K:
+        return LinearConfig(2, 0, num_warps=8, num_stages=1, kind="gemv")
+    if t > SKINNY_MAX_ROWS or n >= CUBLAS_MIN_N:
+        return None
     block_k = min(ROW_BYTES_PER_STEP // dtype.itemsize, max(16, triton.next_power_of_2(k)))
-    num_stages = 4 if triton.cdiv(n, block_n) >= MIN_PROGRAMS else 6
-    return LinearConfig(block_n, block_k, num_warps=4, num_stages=num_stages)
+    return LinearConfig(16, block_k, num_warps=4, num_stages=3)
 
 
 # -- kernel ----------------------------------------------------------------------------------------
@@ -179,14 +178,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     _check(x, weight, bias, residual)
     t, k = x.shape
-    if t > SKINNY_MAX_ROWS:
-        return reference.linear(x, weight, bias, residual)
     n = weight.shape[0]
-    out = torch.empty((t, n), dtype=x.dtype, device=x.device)
     if t == 0:
-        return out
-    cfg = cfg or linear_config(n, k, x.dtype)
-    if cfg.kind == "gemv" and k <= GEMV_MAX_K:
+        return torch.empty((0, n), dtype=x.dtype, device=x.device)
+    cfg = cfg or linear_config(t, n, k, x.dtype)
+    if cfg is None or t > SKINNY_MAX_ROWS or (cfg.kind == "gemv" and k > GEMV_MAX_K):
+        return reference.linear(x, weight, bias, residual)
+    out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    if cfg.kind == "gemv":
         _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
             x, weight, x if bias is None else bias, x if residual is None else residual, out, t, n, k,
             x.stride(0), weight.stride(0), 0 if bias is None else bias.stride(0),

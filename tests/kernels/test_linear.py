@@ -107,15 +107,22 @@ def test_no_rows_give_an_empty_result():
     assert got.shape == (0, 130) and got.dtype == torch.float32
 
 
-def test_config_fills_an_h200_where_the_shape_allows():
-    """One program per SM or so at Qwen3-30B-A3B's q/k/v and o_proj; the router's 8 programs get a
-    deeper pipeline; fp32 steps span as many bytes as bf16 ones."""
-    qkv, o, router = (linear.linear_config(n, k, torch.bfloat16) for n, k in ((5120, 2048), (2048, 4096), (128, 2048)))
-    assert (qkv.block_n, qkv.block_k, qkv.num_stages) == (32, 256, 4)
-    assert (o.block_n, o.block_k, o.num_stages) == (16, 256, 4)
-    assert (router.block_n, router.num_stages) == (16, 6)
-    assert linear.linear_config(5120, 2048, torch.float32).block_k == 128
-    assert linear.linear_config(130, 40, torch.float32).block_k == 64
+def test_config_follows_the_h200_sweep():
+    """T = 1: the gemv kernel; 1 < T <= 16: the tensor-core tiles, except wide N (cuBLAS wins, None);
+    above 16 rows torch (None). fp32 steps span as many bytes as bf16 ones."""
+    bf16 = torch.bfloat16
+    assert linear.linear_config(1, 5120, 2048, bf16) == linear.LinearConfig(2, 0, 8, 1, "gemv")
+    assert linear.linear_config(1, 2048, 4096, torch.float32).kind == "gemv"
+    assert linear.linear_config(1, 64, linear.GEMV_MAX_K + 1, bf16).kind == "dot"
+    assert linear.linear_config(4, 2048, 4096, bf16) == linear.LinearConfig(16, 256, 4, 3, "dot")
+    assert linear.linear_config(16, 128, 2048, torch.float32).block_k == 128
+    assert linear.linear_config(4, 130, 40, torch.float32).block_k == 64
+    assert linear.linear_config(4, 5120, 2048, bf16) is None and linear.linear_config(17, 64, 64, bf16) is None
+
+
+def test_rows_cublas_takes_are_torchs_own_result():
+    x, w, _, r = _operands(4, linear.CUBLAS_MIN_N, 64, False, True)
+    assert torch.equal(linear.linear(x, w, residual=r), reference.linear(x, w, None, r))
 
 
 def test_bad_operands_are_refused_with_the_numbers():
