@@ -92,7 +92,7 @@ DELTANET_CHUNK = 64  # chunk length of the chunked gated delta rule
 # sequences x KV heads <= 2 x the device's SMs; this bounds the SMs of any device planned for (an
 # H200 has 132), so one step's partial rows (split, token) stay under 2 x MAX_SMS / KV heads.
 MAX_SMS = 256
-ATTENTION_MAX_SPLITS = 64  # kernels/attention.MAX_SPLITS (tests/kernels/test_attention.py holds them equal)
+ATTENTION_MAX_SPLITS = 32  # kernels/attention.MAX_SPLITS (tests/kernels/test_attention.py holds them equal)
 BLOCK_TABLE_ENTRY = 4  # int32
 EXPERT_POINTER = 8  # int64 address (or index on the CPU)
 # Pinned host rows that O_DIRECT expert reads land in on their way to the card: reads in flight at a

@@ -34,10 +34,10 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 # Bounds on the split-KV (flash-decoding) heuristic. A split's keys are a whole number of BLOCK_N
 # tiles, and at decode each tile is a chain of dependent loads (block table, then K and V): the
-# latency is the tiles per split. H200, batch 1, 1,024 keys: 16 splits 6.7 us/layer, 8 splits 8.3,
-# 1 split 30. With 16 splits a context just over 1,024 keys (a decode after a 1K prompt) rounds to
-# two tiles a split, ~10 us in the model; 64 splits keep one tile a split up to 4K keys.
-MAX_SPLITS = 64
+# latency is the tiles per split, plus the merge's share. H200, batch 1 (tools/bench_kernels.py),
+# us per layer at 1,024 / 1,100 keys: 16 splits 6.7 / 8.4 (a context just past 1,024 rounds to two
+# tiles a split), 32 splits 7.4 / 7.4, 64 splits 7.8 / 8.1 (a wider merge), 8 splits 8.3 / 10.0.
+MAX_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 64
 
 

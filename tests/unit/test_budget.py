@@ -202,7 +202,7 @@ def test_graph_pool_charges_the_capture_workspace_on_a_gpu_and_nothing_when_eage
         return next(p for p in plan(card, facts, cfg).workspace if p.name == "graph pool")
 
     cpu, gpu = pool(Card.from_mib(4096)), pool(Card.from_mib(4096, cuda=True))
-    # on CUDA also the flash-decoding partials: min(16 rows x 64 splits, 2 x 256 SMs / 3 KV heads)
+    # on CUDA also the flash-decoding partials: min(16 rows x 32 splits, 2 x 256 SMs / 3 KV heads)
     # partial rows x 9 query heads x (64 dims + lse) in fp32
     partials = 170 * 9 * 65 * 4
     assert gpu.bytes - cpu.bytes == CAPTURE_WORKSPACE_BYTES + partials and CAPTURE_WORKSPACE_BYTES == 32 * MiB
