@@ -96,8 +96,11 @@ class Driver:
             for layer in range(self.layers):
                 self.slab.prepare(layer, ids[layer])
             return
-        for (_, static, _), new in zip(self.recorded, ids):  # what the graph's replay writes
-            static.copy_(new)
+        if isinstance(self.recorded, list):  # a revision whose record is the per-layer ids tensors
+            for (_, static, _), new in zip(self.recorded, ids):
+                static.copy_(new)
+        else:
+            self.recorded.ids.copy_(ids.transpose(0, 1))  # what the graph's replay writes: [T, R, k]
         self.slab.replay(self.recorded)
 
     def run(self, steps: int) -> tuple[float, float]:
