@@ -26,6 +26,7 @@ class HostBuffer:
     `array` as numpy), and the event after the copy into it."""
 
     def __init__(self, numel: int, cuda: bool):
+        self.numel = numel
         self.flat = torch.empty(numel, dtype=torch.int64, pin_memory=cuda)
         self.event = torch.cuda.Event() if cuda else None
         self.shape: tuple[int, ...] | None = None
@@ -63,9 +64,11 @@ class HostBuffers:
         smallest free one that fits, else a new one (of a power of two elements, so that steps of
         nearby sizes share it)."""
         n = math.prod(shape)
-        fits = [b for b in self._free if b.flat.numel() >= n]
-        if fits:
-            buffer = min(fits, key=lambda b: b.flat.numel())
+        buffer = None
+        for free in self._free:
+            if n <= free.numel and (buffer is None or free.numel < buffer.numel):
+                buffer = free
+        if buffer is not None:
             self._free.remove(buffer)
         else:
             self.made += 1
@@ -78,4 +81,4 @@ class HostBuffers:
         it to another copy. Past `keep` free buffers, the smallest is dropped."""
         self._free.append(buffer)
         if len(self._free) > self.keep:
-            self._free.remove(min(self._free, key=lambda b: b.flat.numel()))
+            self._free.remove(min(self._free, key=lambda b: b.numel))

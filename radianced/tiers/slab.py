@@ -140,7 +140,7 @@ class Recording:
     ids: torch.Tensor  # [T, R, k]: row-major, so that the counted rows are its first ones
 
 
-@dataclass
+@dataclass(slots=True)
 class StepRecord:
     """One launched step's routing, on its way to the host (`ExpertSlab.end_launch` -> `count`)."""
 
@@ -212,6 +212,7 @@ class ExpertSlab:
         # scratch [2, R, E] bool for a step's routed experts and those of them in a slot
         self._offsets: dict[tuple[int, int], np.ndarray] = {}
         self._scratch: dict[int, np.ndarray] = {}
+        self._apart: list[tuple[int, int]] = []  # the segments of a step whose every row is one, in order
         self._segments: list[tuple[int, int]] = []  # row ranges counted apart (begin_step)
         self._num_rows = 0
         self._staged: list[Key] = []  # disk experts pointed at a buffer row for this step
@@ -328,7 +329,7 @@ class ExpertSlab:
                 slotted, self._shared = self._slotted, True
             else:
                 slotted = self._slotted[pos]
-            buffer = self._copies.take(tuple(recording.ids.shape))  # this step's own until counted
+            buffer = self._copies.take(recording.ids.shape)  # this step's own until counted
             buffer.ids.copy_(recording.ids, non_blocking=True)
             buffer.mark_copied()
         record = StepRecord(layers, pos, slotted, buffer, self._num_rows, self._segments, self._failed_rows,
@@ -359,23 +360,19 @@ class ExpertSlab:
             offsets = self._offsets[R, k] = np.repeat(np.arange(R)[:, None] * E, k, axis=1)
             self._scratch[R] = np.empty((2, R, E), dtype=bool)
         cells = offsets + ids  # [n, R, k]: the (call, expert) cell of every assignment, call * E + expert
-        by_pair = np.bincount(cells.reshape(-1), minlength=R * E).reshape(R, E)  # counted, not sorted: a prefill routes T x k a layer
-        looked = self._scratch[R]
-        routed = np.greater(by_pair, 0, out=looked[0])  # [R, E]: the experts each call routed
-        np.logical_and(routed, slotted, out=looked[1])  # ... that were in a slot
-        stats = self.stats.counts  # [3, L]
-        stats[:2] += self._fold(pos, looked.sum(axis=2), axis=1)
-        stats[2] += n * k if pos is None else self._fold(pos, np.full(R, n * k))
-        self._raw += self._fold(pos, by_pair * self._gain)
-        self._routing += self._fold(pos, by_pair)
-        self._missed |= self._fold(pos, routed > slotted)  # routed and not in a slot
+        if n == 1 and pos is None:
+            self._add_row(cells.reshape(-1), slotted, R, k)
+        else:
+            self._add_rows(cells, slotted, pos, n, R, k)
         segments = record.segments
         if not segments:
             return ()
         S = len(segments)
-        if all(end - start == 1 for start, end in segments):  # decode rows: no expert twice in a row
-            starts = [start for start, _ in segments]
-            rows = cells[:S] if starts == list(range(S)) else cells[starts]  # [S, R, k]
+        if len(self._apart) != S:
+            self._apart = [(i, i + 1) for i in range(S)]
+        one_row = segments == self._apart  # every row its own segment, in order: a graph's decode step
+        if one_row or all(end - start == 1 for start, end in segments):  # decode rows: no expert twice in a row
+            rows = cells[:S] if one_row else cells[[start for start, _ in segments]]  # [S, R, k]
             lookups = R * k
             hits = slotted.ravel().take(rows).reshape(S, -1).sum(axis=1)
             return tuple((lookups, h, lookups, lookups - h) for h in hits.tolist())
@@ -390,6 +387,35 @@ class ExpertSlab:
         for col, w in enumerate((None, hit, assigned, assigned * ~hit)):
             counts[:, col] += np.bincount(seq, weights=w, minlength=S).astype(np.int64)
         return tuple(map(tuple, counts.tolist()))
+
+    def _add_rows(self, cells: np.ndarray, slotted: np.ndarray, pos: np.ndarray | None, n: int, R: int,
+                  k: int) -> None:
+        """Add n rows' assignments (cells [n, R, k]) to the per-layer stats, the scores, the routing
+        counts and the misses, counted by (call, expert) over [R, E], not sorted: a prefill routes
+        T x k a layer."""
+        E = self.num_experts
+        by_pair = np.bincount(cells.reshape(-1), minlength=R * E).reshape(R, E)
+        looked = self._scratch[R]
+        routed = np.greater(by_pair, 0, out=looked[0])  # [R, E]: the experts each call routed
+        np.logical_and(routed, slotted, out=looked[1])  # ... that were in a slot
+        stats = self.stats.counts  # [3, L]
+        stats[:2] += self._fold(pos, looked.sum(axis=2), axis=1)
+        stats[2] += n * k if pos is None else self._fold(pos, np.full(R, n * k))
+        self._raw += self._fold(pos, by_pair * self._gain)
+        self._routing += self._fold(pos, by_pair)
+        self._missed |= self._fold(pos, routed > slotted)  # routed and not in a slot
+
+    def _add_row(self, cells: np.ndarray, slotted: np.ndarray, R: int, k: int) -> None:
+        """`_add_rows` for one row (a batch-1 decode step) of every routed layer once, in order
+        (cells [R * k]): a top-k row never repeats an expert, so each cell is one lookup and one
+        assignment, and the R x k cells are updated where they are instead of all R x E."""
+        hit = slotted.ravel().take(cells)
+        stats = self.stats.counts  # [3, L]
+        stats[::2] += k  # lookups and assignments
+        stats[1] += hit.reshape(R, k).sum(axis=1)
+        self._raw.ravel()[cells] += self._gain
+        self._routing.ravel()[cells] += 1
+        self._missed.ravel()[cells[~hit]] = True
 
     def _fold(self, pos: np.ndarray | None, per_call: np.ndarray, axis: int = 0) -> np.ndarray:
         """Values of the recorded calls (along `axis`) as values of the routed layers (summed where a

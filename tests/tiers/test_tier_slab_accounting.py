@@ -157,3 +157,34 @@ def test_a_replayed_stacked_record_counts_as_the_eager_one():
         assert getattr(eager.stats, name) == getattr(graphed.stats, name)
     assert eager.routing == graphed.routing and (eager._missed == graphed._missed).all()
     assert graphed._copies.made == 2  # two steps in flight at most: their host buffers are reused
+
+
+def test_one_row_steps_count_as_the_general_rule_does():
+    """A batch-1 decode step (one row, every routed layer once, in order) is counted on its R x k
+    cells alone; the same routing recorded in another layer order takes the general rule (counted
+    over every (call, expert)): the two slabs' counts, stats, scores and slots stay equal as they
+    rebalance step after step."""
+    layers, experts, k = 4, 32, 4
+    keys = [(layer, e) for layer in range(layers) for e in range(experts)]
+    slabs = []
+    for _ in range(2):
+        placement = place(keys, pinned=0, host=len(keys), disk=0, slots=32)
+        host = torch.zeros(len(keys), WIDTH)
+        slabs.append(ExpertSlab(Arena(32, WIDTH * 4), WIDTH, torch.float32, placement, host, None, experts))
+    g = torch.Generator().manual_seed(8)
+    popular = torch.linspace(3.0, 0.0, experts).exp()  # skewed, so that slots get refilled and hit
+    for _ in range(60):
+        ids = [torch.multinomial(popular, k, generator=g).unsqueeze(0) for _ in range(layers)]
+        counts = []
+        for slab, order in zip(slabs, (range(layers), reversed(range(layers)))):
+            slab.begin_step([(0, 1)], 1)
+            for layer in order:
+                slab.prepare(layer, ids[layer])
+            counts.append(slab.end_step())
+            slab.rebalance()
+        assert counts[0] == counts[1]
+    a, b = slabs
+    assert (a.stats.lookups, a.stats.hits, a.stats.routed) == (b.stats.lookups, b.stats.hits, b.stats.routed)
+    assert a.stats.total_hits > 0 and a.stats.refills > 0
+    assert a.routing == b.routing and a.slotted() == b.slotted()
+    assert (a._raw == b._raw).all() and (a._missed == b._missed).all()
