@@ -27,7 +27,8 @@ class HostBuffer:
 
     def __init__(self, numel: int, cuda: bool):
         self.numel = numel
-        self.flat = torch.empty(numel, dtype=torch.int64, pin_memory=cuda)
+        with torch.inference_mode(False):  # a normal tensor, copied into in and out of inference mode
+            self.flat = torch.empty(numel, dtype=torch.int64, pin_memory=cuda)
         self.event = torch.cuda.Event() if cuda else None
         self.shape: tuple[int, ...] | None = None
         self.ids = self.flat[:0]

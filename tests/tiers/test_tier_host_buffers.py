@@ -43,3 +43,16 @@ def test_the_pool_keeps_its_largest_free_buffers():
         pool.give(buffer)
     assert pool.take((16,)) is held[2] and pool.take((8,)) is held[1]
     assert pool.take((4,)) is not held[0]  # the smallest was dropped
+
+
+def test_a_buffer_made_in_inference_mode_takes_copies_outside_it():
+    """Decode graphs are warmed up in inference mode and the runner's steps end outside it: one
+    buffer serves both."""
+    pool = HostBuffers(cuda=False)
+    with torch.inference_mode():
+        buffer = pool.take((2, 2))
+        buffer.ids.copy_(torch.ones(2, 2, dtype=torch.int64))
+    pool.give(buffer)
+    again = pool.take((2, 2))
+    again.ids.copy_(torch.full((2, 2), 3))
+    assert again is buffer and (again.array == 3).all()
