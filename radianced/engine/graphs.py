@@ -17,7 +17,7 @@ the KV pages, the state slots' contents, the expert tables (patched in place
 between steps, in stream order). State resets, restores and checkpoint saves
 (`StepPlan.before`/`after`) are copies the runner queues on the same stream
 before and after the replay. The slab's routing record of a step is one
-[R, b, k] tensor: the capture stacks the routed layers' ids into it inside the
+[b, R, k] tensor: the capture stacks the routed layers' ids into it inside the
 graph (`ExpertSlab.record`), so each replay rewrites it and the slab takes it
 (`ExpertSlab.replay`) with no launch of its own. Prefill, mixed steps and the
 disk tier (a host sync per layer) run eagerly.
