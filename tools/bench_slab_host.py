@@ -14,7 +14,10 @@ recorded tensors are rewritten in place and given back with `replay`); `--eager`
 Each number is the minimum over `--repeats` of the mean per step (this VM is noisy). With
 `--against REV` the same loop also runs over radianced/tiers/slab.py as of git revision REV,
 interleaved with the working tree's in one process (A/B), and every step's counts and the
-final stats, routing and scores of the two must be equal.
+final stats, routing and scores of the two must be equal (aa27775 is the slab before its host
+work was cut). On the CPU, `end_launch`'s copy is a plain host copy: what it saves on CUDA (no
+stack launch for a replayed step, no pinned allocation and event per step) shows only on the
+device (tools/profile_step.py).
 """
 
 from __future__ import annotations

@@ -360,11 +360,13 @@ class ExpertSlab:
             offsets = self._offsets[R, k] = np.repeat(np.arange(R)[:, None] * E, k, axis=1)
             self._scratch[R] = np.empty((2, R, E), dtype=bool)
         cells = offsets + ids  # [n, R, k]: the (call, expert) cell of every assignment, call * E + expert
+        segments = record.segments
         if n == 1 and pos is None:
-            self._add_row(cells.reshape(-1), slotted, R, k)
+            hits = self._add_row(cells.reshape(-1), slotted, R, k)
+            if segments == [(0, 1)]:  # a batch-1 decode step: its one sequence needed the row's R x k experts
+                return ((R * k, hits, R * k, R * k - hits),)
         else:
             self._add_rows(cells, slotted, pos, n, R, k)
-        segments = record.segments
         if not segments:
             return ()
         S = len(segments)
@@ -405,10 +407,11 @@ class ExpertSlab:
         self._routing += self._fold(pos, by_pair)
         self._missed |= self._fold(pos, routed > slotted)  # routed and not in a slot
 
-    def _add_row(self, cells: np.ndarray, slotted: np.ndarray, R: int, k: int) -> None:
+    def _add_row(self, cells: np.ndarray, slotted: np.ndarray, R: int, k: int) -> int:
         """`_add_rows` for one row (a batch-1 decode step) of every routed layer once, in order
         (cells [R * k]): a top-k row never repeats an expert, so each cell is one lookup and one
-        assignment, and the R x k cells are updated where they are instead of all R x E."""
+        assignment, and the R x k cells are updated where they are instead of all R x E. Returns
+        the row's hits."""
         hit = slotted.ravel().take(cells)
         stats = self.stats.counts  # [3, L]
         stats[::2] += k  # lookups and assignments
@@ -416,6 +419,7 @@ class ExpertSlab:
         self._raw.ravel()[cells] += self._gain
         self._routing.ravel()[cells] += 1
         self._missed.ravel()[cells[~hit]] = True
+        return int(np.count_nonzero(hit))
 
     def _fold(self, pos: np.ndarray | None, per_call: np.ndarray, axis: int = 0) -> np.ndarray:
         """Values of the recorded calls (along `axis`) as values of the routed layers (summed where a
