@@ -377,7 +377,7 @@ class ExpertSlab:
             rows = cells[:S] if one_row else cells[[start for start, _ in segments]]  # [S, R, k]
             lookups = R * k
             hits = slotted.ravel().take(rows).reshape(S, -1).sum(axis=1)
-            return tuple((lookups, h, lookups, lookups - h) for h in hits.tolist())
+            return tuple([(lookups, h, lookups, lookups - h) for h in hits.tolist()])
         seg = np.full(n, -1, dtype=np.int64)
         for i, (start, end) in enumerate(segments):
             seg[start:end] = i
