@@ -16,9 +16,11 @@ What the graph sees change between replays is data, not addresses: the inputs,
 the KV pages, the state slots' contents, the expert tables (patched in place
 between steps, in stream order). State resets, restores and checkpoint saves
 (`StepPlan.before`/`after`) are copies the runner queues on the same stream
-before and after the replay. The slab's routing record of a step is the ids
-tensors the capture wrote (`ExpertSlab.record`/`replay`). Prefill, mixed steps
-and the disk tier (a host sync per layer) run eagerly.
+before and after the replay. The slab's routing record of a step is one
+[b, R, k] tensor: the capture stacks the routed layers' ids into it inside the
+graph (`ExpertSlab.record`), so each replay rewrites it and the slab takes it
+(`ExpertSlab.replay`) with no launch of its own. Prefill, mixed steps and the
+disk tier (a host sync per layer) run eagerly.
 
 Memory: all buckets share one graph pool, captured largest first, charged by
 the receipt's "graph pool" workspace line; padding needs nothing beyond it.
@@ -29,11 +31,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from radianced.model.batch import ForwardBatch, KVCache
 from radianced.model.layers import CausalLM
+
+if TYPE_CHECKING:
+    from radianced.tiers.slab import Recording
 
 log = logging.getLogger("radianced.engine")
 
@@ -49,7 +55,7 @@ def buckets_for(max_num_seqs: int) -> tuple[int, ...]:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor  # [b, V]: the replay's output
-    recorded: list  # the slab's routing record of the capture (ExpertSlab.record)
+    routing: Recording | None  # the slab's routing record, rewritten by each replay (ExpertSlab.record)
 
 
 class DecodeGraphs:
@@ -59,7 +65,8 @@ class DecodeGraphs:
                  capture: bool = True):
         """max_blocks: block-table width (blocks of the longest sequence); experts: the model's
         ExpertSlab, if any. capture=False runs the padded static batch eagerly instead of
-        replaying (the CPU checks the layout with it)."""
+        replaying (the CPU checks the layout with it, and the slab's stacked routing record: each
+        step records and replays it as a capture and a replay would)."""
         self.model, self.cache, self.experts = model, cache, experts
         self.buckets = buckets_for(max_num_seqs)
         self.device = cache.storage.device
@@ -130,11 +137,14 @@ class DecodeGraphs:
             self._copied.record()
         if not self.capture:
             with torch.inference_mode():
-                return self.model.forward(self._batch(b), self.cache)[:n]
+                logits = self.model.forward(self._batch(b), self.cache)
+                if self.experts is not None:
+                    self.experts.replay(self.experts.record())
+            return logits[:n]
         g = self._graphs[b]
         g.graph.replay()
         if self.experts is not None:
-            self.experts.replay(g.recorded)
+            self.experts.replay(g.routing)
         return g.logits[:n]
 
     def _batch(self, b: int) -> ForwardBatch:
@@ -163,10 +173,10 @@ class DecodeGraphs:
                 self._begin()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     logits = self.model.forward(batch, self.cache)
-                recorded = self.experts.record() if self.experts is not None else []
+                    routing = self.experts.record() if self.experts is not None else None  # stacked in the graph
                 if self.experts is not None:
                     self.experts.end_step()  # nothing ran yet: the capture recorded, it did not count
-                self._graphs[b] = _Graph(graph, logits, recorded)
+                self._graphs[b] = _Graph(graph, logits, routing)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize(self.device)
         log.info("decode graphs: %d buckets (%s) captured in %.1f s, %.2f MiB held", len(self.buckets),

@@ -31,11 +31,18 @@ exactly the requests those rows belong to.
 
 A step in three calls: `begin_step` before its forward, `end_launch` after it is
 queued (the routing ids go to a pinned host buffer of that step's own with a
-non-blocking copy: no wait), `count(record)` once the step is done. With a step
-in flight ahead of the one being counted, each step's copy lands in its own
-buffer, and hits are judged by the table the step's router saw (a snapshot at
-`end_launch`), not by the table `rebalance` patched since: its patches are
-stream-ordered behind every step already queued.
+non-blocking copy: no wait), `count(record)` once the step is done. The routing
+is one [T, R, k] tensor of the R recorded layer calls: an eager step stacks the
+ids `prepare` recorded at `end_launch`; a decode graph stacks them inside its
+capture (`record`), so a replay rewrites that tensor and `replay` hands it over
+with no launch of the slab's own. With a step in flight ahead of the one being
+counted, each step's copy lands in its own buffer (host_buffers.py: lent at
+`end_launch`, taken back once `count` has read it), and hits are judged by the
+table the step's router saw (a snapshot at `end_launch`), not by the table
+`rebalance` patched since: its patches are stream-ordered behind every step
+already queued. The snapshot is a [layer, expert] bool array of which experts
+sit in a slot, shared with the record and copied only when a patch comes while
+a record holds it.
 
 Policy: frequency with exponential decay over steps (`DECAY` per step), with
 admission control. Pure LRU thrashes when a step routes more distinct experts
@@ -47,8 +54,9 @@ and decoded slower than at 10% coverage. So a missed expert takes a slot only
 when it was routed more than once lately (`ADMIT_MIN`) and is clearly hotter
 than the slot's coldest expert (`ADMIT_MARGIN`), and the half-life is a few
 dozen steps, not a few. Decay is lazy (a growing gain scales new counts) and
-the per-expert state is dense numpy ([layer, expert]), so counting a step
-and choosing victims are a few vectorized calls, not Python per expert.
+the per-expert state is dense numpy ([layer, expert]), as are the per-layer
+stats, so counting a step and choosing victims are a few vectorized calls, not
+Python per expert or per layer.
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ import xxhash
 
 from radianced.arena import EXPERTS, PASSED, Arena, Fence, Lease, OutOfPages
 from radianced.tiers.expert_loader import ExpertLoader
+from radianced.tiers.host_buffers import HostBuffer, HostBuffers
 from radianced.tiers.placement import CARD, DISK, HOST, Key, Placement
 
 log = logging.getLogger("radianced.experts")
@@ -79,41 +88,67 @@ class SlabError(RuntimeError):
     """The slots cannot be filled at start (a pinned or pre-filled expert failed to read)."""
 
 
-@dataclass
 class SlabStats:
-    """Per-layer expert lookups since start: one lookup per (step, layer, distinct expert)."""
+    """Per-layer expert lookups since start: one lookup per (step, layer, distinct expert), a hit
+    when it sat in a slot, and the token-to-expert assignments routed. The slab adds a step to
+    `counts` ([(lookups, hits, routed), layer position], int64) in a few numpy calls; `lookups`,
+    `hits` and `routed` read it as {layer: count}."""
 
-    lookups: dict[int, int]
-    hits: dict[int, int]
-    routed: dict[int, int]  # token-to-expert assignments
-    refills: int = 0
-    evictions: int = 0
-    disk_reads: int = 0  # experts the disk tier read for steps and admissions
-    disk_bytes: int = 0  # their bytes (verified)
+    def __init__(self, layers: Sequence[int]):
+        self.layers = tuple(layers)
+        self.counts = np.zeros((3, len(self.layers)), dtype=np.int64)
+        self.refills = 0
+        self.evictions = 0
+        self.disk_reads = 0  # experts the disk tier read for steps and admissions
+        self.disk_bytes = 0  # their bytes (verified)
+
+    @property
+    def lookups(self) -> dict[int, int]:
+        return dict(zip(self.layers, self.counts[0].tolist()))
+
+    @property
+    def hits(self) -> dict[int, int]:
+        return dict(zip(self.layers, self.counts[1].tolist()))
+
+    @property
+    def routed(self) -> dict[int, int]:
+        return dict(zip(self.layers, self.counts[2].tolist()))
 
     @property
     def total_lookups(self) -> int:
-        return sum(self.lookups.values())
+        return int(self.counts[0].sum())
 
     @property
     def total_hits(self) -> int:
-        return sum(self.hits.values())
+        return int(self.counts[1].sum())
 
 
 ExpertCounts = tuple[int, int, int, int]  # (lookups, hits, routed, routed_from_misses) of one sequence
-# one routed layer's call of a step: (layer, ids [T, k], the table entries the hits are judged by, or
-# None: the table as it is at end_step, unchanged during the step without a disk tier)
+# one routed layer's call of a step: (layer, ids [T, k], which experts were in a slot when its router ran
+# ([E] bool, taken before the disk tier staged any), or None: the table as it is at end_launch, unchanged
+# during the step without a disk tier)
 Recorded = tuple[int, torch.Tensor, "np.ndarray | None"]
 
 
-@dataclass
+@dataclass(frozen=True)
+class Recording:
+    """One forward's routing on the device: the routed layers it called, in order, and their ids
+    stacked (`ExpertSlab.record`)."""
+
+    layers: tuple[int, ...]
+    pos: np.ndarray | None  # [R] the calls' layer positions in the dense state; None: every routed layer once, in order
+    ids: torch.Tensor  # [T, R, k]: row-major, so that the counted rows are its first ones
+
+
+@dataclass(slots=True)
 class StepRecord:
     """One launched step's routing, on its way to the host (`ExpertSlab.end_launch` -> `count`)."""
 
-    layers: list[int]  # the recorded layer calls, in order
-    entries: np.ndarray  # [R, E]: the table entries each call's hits are judged by
-    ids: torch.Tensor | None  # [R, n, k] on the host (pinned, filled by a queued copy); None: no routing
-    copied: torch.cuda.Event | None  # after that copy (CUDA)
+    layers: tuple[int, ...]  # the recorded layer calls, in order
+    pos: np.ndarray | None  # as Recording.pos
+    slotted: np.ndarray | None  # [R, E] bool: which experts each call's router found in a slot (read-only)
+    buffer: HostBuffer | None  # its ids [T, R, k]: the host copy (filled by a queued copy); None: no routing
+    rows: int  # the counted rows: ids[:rows] (a graph's padding rows after them are not)
     segments: list[tuple[int, int]]
     failed_rows: torch.Tensor | None  # [T] bool: rows routed to an expert that failed to read
     errors: list[str]
@@ -143,17 +178,21 @@ class ExpertSlab:
         half = len(arena.reserved) // 2
         self._buffers = (arena.reserved[:half], arena.reserved[half:2 * half])
         layers = sorted({layer for layer, _ in placement.pinned + placement.host + placement.disk})
-        self._layers = layers
+        self._layers = tuple(layers)
         self._layer_pos = {layer: i for i, layer in enumerate(layers)}
         self._tables = {layer: torch.empty(num_experts, dtype=torch.int64, device=self.slab.device)
                         for layer in layers}
         # Dense [routed layer position, expert] state on the host, so a step is counted in a few
         # numpy calls: the tables' contents (readable without a device sync), decayed routing counts
         # (lazily: score = raw / gain, and the gain grows 1/DECAY a step), exact routing counts since
-        # start (what a profile counts), the last step's misses (admission candidates), and which
-        # experts sit in a cache slot (pinned ones excluded: never evicted).
+        # start (what a profile counts), the last step's misses (admission candidates), which
+        # experts sit in a cache slot (pinned ones excluded: never evicted), and which sit in any
+        # slot (entry >= 0: what a hit is judged by; shared with a launched step's record until
+        # the next patch copies it).
         shape = (len(layers), num_experts)
         self._entries = np.full(shape, MISSING, dtype=np.int64)
+        self._slotted = np.zeros(shape, dtype=bool)
+        self._shared = False  # a launched step's record holds _slotted: patch a copy
         self._raw = np.zeros(shape)
         self._gain = 1.0
         self._routing = np.zeros(shape, dtype=np.int64)
@@ -163,10 +202,17 @@ class ExpertSlab:
             self._point(key, self._home_entry(key))
         self._pinned = frozenset(placement.pinned)
         self._slot_of: dict[Key, int] = {}
-        self.stats = SlabStats({l: 0 for l in layers}, {l: 0 for l in layers}, {l: 0 for l in layers})
+        self.stats = SlabStats(layers)
         self.num_experts = num_experts
         self.extent_bytes = width * dtype.itemsize  # what one overflow read moves over the link
         self._recorded: list[Recorded] = []  # this step's routing, counted by end_step
+        self._replayed: Recording | None = None  # or this step's, as a graph replay left it (replay)
+        self._copies = HostBuffers(self.slab.device.type == "cuda")  # the steps' routing on the host
+        # per (R, k) recorded calls: [R, k] call * E, each call's first (call, expert) cell; per R:
+        # scratch [2, R, E] bool for a step's routed experts and those of them in a slot
+        self._offsets: dict[tuple[int, int], np.ndarray] = {}
+        self._scratch: dict[int, np.ndarray] = {}
+        self._apart: list[tuple[int, int]] = []  # the segments of a step whose every row is one, in order
         self._segments: list[tuple[int, int]] = []  # row ranges counted apart (begin_step)
         self._num_rows = 0
         self._staged: list[Key] = []  # disk experts pointed at a buffer row for this step
@@ -197,20 +243,31 @@ class ExpertSlab:
         if not self.placement.disk:
             self._recorded.append((layer, expert_ids, None))
             return
-        entries = self._entries[self._layer_pos[layer]].copy()  # the table as the router found it
-        self._recorded.append((layer, expert_ids, entries))
+        entries = self._entries[self._layer_pos[layer]]
+        self._recorded.append((layer, expert_ids, entries >= 0))  # the table as the router found it
         routed = torch.unique(expert_ids).tolist()
         missing = [e for e in routed if entries[e] == MISSING]
         if missing:
             self._stage(layer, missing, expert_ids)
 
-    def record(self) -> list[Recorded]:
-        """What `prepare` recorded since `begin_step` (the ids tensors a graph capture writes)."""
-        return list(self._recorded)
+    def record(self) -> Recording:
+        """What `prepare` recorded since `begin_step`, its ids stacked into one [T, R, k] tensor (one
+        launch). A decode graph calls it inside its capture, so that each replay rewrites the
+        stacked ids and `replay` hands them over with no launch per step. Not with disk homes:
+        their steps judge hits by per-call snapshots and run eagerly."""
+        if self.placement.disk:
+            raise RuntimeError("steps with disk-homed experts run eagerly: their routing is not replayed")
+        return self._recording(self._recorded)
 
-    def replay(self, recorded: list[Recorded]) -> None:
-        """After a graph replay: count `recorded` (from `record` at capture) as this step's routing."""
-        self._recorded = list(recorded)
+    def replay(self, recording: Recording) -> None:
+        """After a graph replay: `recording` (from `record` at capture; the replay rewrote its ids)
+        is this step's routing."""
+        self._recorded, self._replayed = [], recording
+
+    def _recording(self, recorded: list[Recorded]) -> Recording:
+        layers = tuple(r[0] for r in recorded)
+        pos = None if layers == self._layers else np.array([self._layer_pos[layer] for layer in layers])
+        return Recording(layers, pos, torch.stack([r[1] for r in recorded], dim=1))
 
     def _stage(self, layer: int, missing: list[int], expert_ids: torch.Tensor) -> None:
         """Read `missing` experts of `layer` into its disk buffer and point the table at them."""
@@ -245,7 +302,7 @@ class ExpertSlab:
         needed this step, a hit found it in a slot at that time; two segments needing one
         expert each count it."""
         self._failed_rows, self._failures = None, []
-        self._recorded = []
+        self._recorded, self._replayed = [], None
         self._segments, self._num_rows = list(segments), num_rows
 
     def end_step(self) -> tuple[ExpertCounts, ...]:
@@ -260,20 +317,22 @@ class ExpertSlab:
             self._point(key, MISSING)
         self._staged = []
         recorded, self._recorded = self._recorded, []
-        pos = [self._layer_pos[r[0]] for r in recorded]
-        entries = self._entries[pos]  # [R, E]: the table as each call's router saw it (a copy)
-        for i, r in enumerate(recorded):
-            if r[2] is not None:  # disk homes: the snapshot taken before the layer's staging
-                entries[i] = r[2]
-        ids, copied = None, None
-        if recorded:
-            ids = torch.stack([r[1] for r in recorded])[:, :self._num_rows]  # [R, n, k]: one copy for the step
-            if ids.device.type == "cuda":
-                host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)  # this step's own buffer
-                ids = host.copy_(ids, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record()
-        record = StepRecord([r[0] for r in recorded], entries, ids, copied, self._segments, self._failed_rows,
+        recording, self._replayed = self._replayed, None
+        if recording is None and recorded:
+            recording = self._recording(recorded)  # eager: one stack for the step
+        layers, pos, slotted, buffer = (), None, None, None
+        if recording is not None:
+            layers, pos = recording.layers, recording.pos
+            if self.placement.disk:  # the snapshots taken before each layer's staging
+                slotted = np.stack([r[2] for r in recorded])
+            elif pos is None:
+                slotted, self._shared = self._slotted, True
+            else:
+                slotted = self._slotted[pos]
+            buffer = self._copies.take(recording.ids.shape)  # this step's own until counted
+            buffer.ids.copy_(recording.ids, non_blocking=True)
+            buffer.mark_copied()
+        record = StepRecord(layers, pos, slotted, buffer, self._num_rows, self._segments, self._failed_rows,
                             self._failures)
         self._segments, self._failed_rows, self._failures = [], None, []
         return record
@@ -281,56 +340,97 @@ class ExpertSlab:
     def count(self, record: StepRecord) -> tuple[ExpertCounts, ...]:
         """Count a launched step (per layer; scores; its segments, summed over layers) once its
         routing copy is done (waits for it); returns the segments' counts. Steps are counted in
-        launch order."""
-        counts = np.zeros((len(record.segments), 4), dtype=np.int64)
-        if record.ids is not None:
-            if record.copied is not None:
-                record.copied.synchronize()  # deliberate: this step's routing is on the host
-            self._count(record, record.ids.numpy(), counts)
-        return tuple(tuple(int(x) for x in row) for row in counts)
+        launch order, each once: its host buffer then goes back to be reused."""
+        buffer = record.buffer
+        if buffer is None:
+            return ((0, 0, 0, 0),) * len(record.segments)
+        buffer.wait()
+        counts = self._count(record, buffer.array[:record.rows])
+        record.buffer = None
+        self._copies.give(buffer)
+        return counts
 
-    def _count(self, record: StepRecord, ids: np.ndarray, counts: np.ndarray) -> None:
-        """Add a step's routing (ids [R, n, k] of the R recorded layer calls) to the per-layer stats,
-        the scores, the routing counts, the misses, and each segment's counts ([S, 4])."""
-        r_layers = record.layers
-        pos = np.array([self._layer_pos[layer] for layer in r_layers])
-        entries = record.entries
-        E, R = self.num_experts, len(r_layers)
-        flat = (np.arange(R)[:, None, None] * E + ids).reshape(-1)  # (call, expert) of every assignment
-        by_pair = np.bincount(flat, minlength=R * E)  # counted, not sorted: a prefill routes T x k a layer
-        pairs = np.flatnonzero(by_pair)
-        routed = by_pair[pairs]
-        call, expert = pairs // E, pairs % E
-        hit = entries[call, expert] >= 0
-        per = [np.bincount(call, weights=w, minlength=R) for w in (None, hit, routed)]
-        for j, layer in enumerate(r_layers):
-            self.stats.lookups[layer] += int(per[0][j])
-            self.stats.hits[layer] += int(per[1][j])
-            self.stats.routed[layer] += int(per[2][j])
-        cell = pos[call] * E + expert  # into the dense [layer position, expert] state
-        size = self._raw.size
-        self._raw += np.bincount(cell, weights=routed * self._gain, minlength=size).reshape(self._raw.shape)
-        self._routing += np.bincount(cell, weights=routed, minlength=size).astype(np.int64).reshape(self._raw.shape)
-        self._missed.flat[cell[~hit]] = True
-        if not record.segments:
-            return
-        if all(end - start == 1 for start, end in record.segments):  # decode rows: no expert twice in a row
-            rows = np.array([start for start, _ in record.segments])
-            row_hits = (entries[np.arange(R)[:, None, None], ids[:, rows]] >= 0).sum(axis=(0, 2))  # [S]
-            lookups = R * ids.shape[2]
-            counts += np.stack([np.full(len(rows), lookups), row_hits, np.full(len(rows), lookups),
-                                lookups - row_hits], axis=1)
-            return
-        seg = np.full(ids.shape[1], -1, dtype=np.int64)
-        for i, (start, end) in enumerate(record.segments):
+    def _count(self, record: StepRecord, ids: np.ndarray) -> tuple[ExpertCounts, ...]:
+        """Add a step's routing (ids [n, R, k]: n rows, the R recorded layer calls) to the per-layer
+        stats, the scores, the routing counts and the misses; returns each segment's counts."""
+        n, R, k = ids.shape
+        E, pos, slotted = self.num_experts, record.pos, record.slotted
+        offsets = self._offsets.get((R, k))
+        if offsets is None:
+            offsets = self._offsets[R, k] = np.repeat(np.arange(R)[:, None] * E, k, axis=1)
+            self._scratch[R] = np.empty((2, R, E), dtype=bool)
+        cells = offsets + ids  # [n, R, k]: the (call, expert) cell of every assignment, call * E + expert
+        segments = record.segments
+        if n == 1 and pos is None:
+            hits = self._add_row(cells.reshape(-1), slotted, R, k)
+            if segments == [(0, 1)]:  # a batch-1 decode step: its one sequence needed the row's R x k experts
+                return ((R * k, hits, R * k, R * k - hits),)
+        else:
+            self._add_rows(cells, slotted, pos, n, R, k)
+        if not segments:
+            return ()
+        S = len(segments)
+        if len(self._apart) != S:
+            self._apart = [(i, i + 1) for i in range(S)]
+        one_row = segments == self._apart  # every row its own segment, in order: a graph's decode step
+        if one_row or all(end - start == 1 for start, end in segments):  # decode rows: no expert twice in a row
+            rows = cells[:S] if one_row else cells[[start for start, _ in segments]]  # [S, R, k]
+            lookups = R * k
+            hits = slotted.ravel().take(rows).reshape(S, -1).sum(axis=1)
+            return tuple([(lookups, h, lookups, lookups - h) for h in hits.tolist()])
+        seg = np.full(n, -1, dtype=np.int64)
+        for i, (start, end) in enumerate(segments):
             seg[start:end] = i
-        seg = np.broadcast_to(seg[None, :, None], ids.shape).reshape(-1)
+        seg = np.broadcast_to(seg[:, None, None], ids.shape).reshape(-1)
         keep = seg >= 0
-        seg_pairs, n = np.unique(seg[keep] * (R * E) + flat[keep], return_counts=True)
-        seq, hit = seg_pairs // (R * E), entries.reshape(-1)[seg_pairs % (R * E)] >= 0
-        S = len(record.segments)
-        for col, w in enumerate((None, hit, n, n * ~hit)):
+        seg_pairs, assigned = np.unique(seg[keep] * (R * E) + cells.reshape(-1)[keep], return_counts=True)
+        seq, hit = seg_pairs // (R * E), slotted.ravel()[seg_pairs % (R * E)]
+        counts = np.zeros((S, 4), dtype=np.int64)
+        for col, w in enumerate((None, hit, assigned, assigned * ~hit)):
             counts[:, col] += np.bincount(seq, weights=w, minlength=S).astype(np.int64)
+        return tuple(map(tuple, counts.tolist()))
+
+    def _add_rows(self, cells: np.ndarray, slotted: np.ndarray, pos: np.ndarray | None, n: int, R: int,
+                  k: int) -> None:
+        """Add n rows' assignments (cells [n, R, k]) to the per-layer stats, the scores, the routing
+        counts and the misses, counted by (call, expert) over [R, E], not sorted: a prefill routes
+        T x k a layer."""
+        E = self.num_experts
+        by_pair = np.bincount(cells.reshape(-1), minlength=R * E).reshape(R, E)
+        looked = self._scratch[R]
+        routed = np.greater(by_pair, 0, out=looked[0])  # [R, E]: the experts each call routed
+        np.logical_and(routed, slotted, out=looked[1])  # ... that were in a slot
+        stats = self.stats.counts  # [3, L]
+        stats[:2] += self._fold(pos, looked.sum(axis=2), axis=1)
+        stats[2] += n * k if pos is None else self._fold(pos, np.full(R, n * k))
+        self._raw += self._fold(pos, by_pair * self._gain)
+        self._routing += self._fold(pos, by_pair)
+        self._missed |= self._fold(pos, routed > slotted)  # routed and not in a slot
+
+    def _add_row(self, cells: np.ndarray, slotted: np.ndarray, R: int, k: int) -> int:
+        """`_add_rows` for one row (a batch-1 decode step) of every routed layer once, in order
+        (cells [R * k]): a top-k row never repeats an expert, so each cell is one lookup and one
+        assignment, and the R x k cells are updated where they are instead of all R x E. Returns
+        the row's hits."""
+        hit = slotted.ravel().take(cells)
+        stats = self.stats.counts  # [3, L]
+        stats[::2] += k  # lookups and assignments
+        stats[1] += hit.reshape(R, k).sum(axis=1)
+        self._raw.ravel()[cells] += self._gain
+        self._routing.ravel()[cells] += 1
+        self._missed.ravel()[cells[~hit]] = True
+        return int(np.count_nonzero(hit))
+
+    def _fold(self, pos: np.ndarray | None, per_call: np.ndarray, axis: int = 0) -> np.ndarray:
+        """Values of the recorded calls (along `axis`) as values of the routed layers (summed where a
+        step called a layer twice; pos None: the calls are the layers, in order)."""
+        if pos is None:
+            return per_call
+        shape = list(per_call.shape)
+        shape[axis] = len(self._layers)
+        per_layer = np.zeros(shape, dtype=per_call.dtype)
+        np.add.at(per_layer, (slice(None),) * axis + (pos,), per_call)
+        return per_layer
 
     @property
     def routing(self) -> dict[Key, int]:
@@ -497,5 +597,9 @@ class ExpertSlab:
 
     def _point(self, key: Key, entry: int) -> None:
         layer, expert = key
+        pos = self._layer_pos[layer]
         self._tables[layer][expert] = entry
-        self._entries[self._layer_pos[layer], expert] = entry
+        self._entries[pos, expert] = entry
+        if self._shared:  # a launched step's record holds the array: it keeps the table its router saw
+            self._slotted, self._shared = self._slotted.copy(), False
+        self._slotted[pos, expert] = entry >= 0

@@ -1,7 +1,8 @@
 """The decode-graph path's layout on the CPU: `DecodeGraphs(capture=False)` runs the padded
-static batch eagerly, so the tokens, the expert accounting and the KV it writes must equal
-the plain eager runner's. (The capture and replay themselves are checked on the GPU:
-tests/gpu/test_decode_graphs.py.)
+static batch eagerly, and hands the slab its routing as a replay does (the stacked record of
+`ExpertSlab.record`, padding rows included), so the tokens, the expert accounting and the KV
+it writes must equal the plain eager runner's. (The capture and replay themselves are checked
+on the GPU: tests/gpu/test_decode_graphs.py.)
 """
 
 from __future__ import annotations
@@ -34,12 +35,18 @@ def test_padded_static_decode_batches_give_the_eager_tokens_and_counts(tiny_rads
     for graphs in (False, True):
         engine = Engine.build(rad, Config(**CFG, **flags), Card.from_mib(256))
         runner = engine.runner
+        replays = []
         if graphs:
             runner.graphs = DecodeGraphs(runner.model, runner.cache, 4, 256 // BLOCK_TOKENS, engine.experts,
                                          capture=False)
+            if engine.experts is not None:
+                replay = engine.experts.replay
+                engine.experts.replay = lambda recording: (replays.append(recording.ids.shape), replay(recording))
         tokens = run_all(engine, [request(engine, f"p{i}", p, max_tokens=12) for i, p in enumerate(ps)])
         stats = engine.experts.stats if engine.experts is not None else None
         runs.append((tokens, stats and (stats.lookups, stats.hits, stats.routed)))
+        if graphs and engine.experts is not None:  # the decode steps counted the stacked records, padded
+            assert len(replays) >= 10 and replays[0][0] == 4 and {shape[0] for shape in replays} <= {1, 2, 4}
     assert runs[0] == runs[1]
 
 
