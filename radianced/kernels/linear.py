@@ -1,4 +1,4 @@
-"""The skinny linear: `residual + (x @ W^T + bias)` for a few rows in one pass over W.
+"""The skinny linear: `residual + (rms_norm(x) @ W^T + bias)` for a few rows in one pass over W.
 
 x: [T, K] (last dim contiguous, rows may be strided), weight: [N, K] (rows
 contiguous), bias: [N] or None, residual: [T, N] or None (last dim contiguous),
@@ -23,7 +23,11 @@ Both epilogues add the bias to the fp32 accumulator and round once to the dtype
 (cuBLAS's bias epilogue does the same, and so does torch's CPU F.linear), then
 add the residual in fp32 and round again: the reference's
 `residual + F.linear(x, W, b)`, two roundings. The residual add is what o_proj
-gains most from: cuBLAS needs a second launch for it.
+gains most from: cuBLAS needs a second launch for it. The gemv kernel also takes
+the layer's RMSNorm (`norm=`): each program loads x's whole row anyway, so it
+normalizes it (kernels/norm.py's rounding steps) before its products, and
+program 0 can keep the normed row (`keep_normed`: the router's launch hands it
+to the experts); one launch a norm less. Other paths run the norm kernel first.
 
 `linear_config` picks the kernel and tiles from the H200 sweep of
 `tools/bench_kernels.py` (the numbers are in its docstring), or None where cuBLAS is
@@ -40,7 +44,9 @@ import torch
 import triton
 import triton.language as tl
 
+from radianced.kernels import norm as norm_kernels
 from radianced.kernels import reference
+from radianced.kernels.reference import Norm
 
 SKINNY_MAX_ROWS = 16  # rows up to which the "dot" kernel runs: one 16-row tile (tl.dot's smallest M)
 ROW_BYTES_PER_STEP = 512  # bytes of each weight row a "dot" program loads per K step
@@ -114,11 +120,16 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, num_rows, n, k,
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, num_rows, n, k,
-                 stride_x, stride_w, stride_b, stride_r, stride_o,
-                 HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, norm_w_ptr, normed_ptr, num_rows, n, k, eps,
+                 stride_x, stride_w, stride_b, stride_r, stride_o, stride_normed,
+                 HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
+                 ZERO_CENTRED: tl.constexpr, KEEP_NORMED: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """CUDA-core products: a program loads its BLOCK_N whole weight rows at once (every load in
-    flight together, no loop), then for each of the T rows of x multiplies and sums over K in fp32."""
+    flight together, no loop), then for each of the T rows of x multiplies and sums over K in fp32.
+    NORM: each program RMS-normalizes x's whole row first, with kernels/norm.py's rounding steps
+    (plain: `weight * round(x * rstd)`, zero-centred: `x * rstd * (1 + weight)`, each rounded to
+    x's dtype); KEEP_NORMED: program 0 also stores the normed row."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n
     kk = tl.arange(0, BLOCK_K)
@@ -127,8 +138,20 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, num_rows, n, k,
                 other=0.0)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols * stride_b, mask=col_ok, other=0.0).to(tl.float32)
+    if NORM:
+        norm_w = tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+    ty = out_ptr.dtype.element_ty
     for t in range(num_rows):
         x = tl.load(x_ptr + t * stride_x + kk, mask=k_ok, other=0.0).to(tl.float32)
+        if NORM:
+            rstd = tl.rsqrt(tl.sum(x * x, 0) / k + eps)
+            if ZERO_CENTRED:
+                x = (x * rstd * (1.0 + norm_w)).to(ty).to(tl.float32)
+            else:
+                x = ((x * rstd).to(ty).to(tl.float32) * norm_w).to(ty).to(tl.float32)
+            if KEEP_NORMED:
+                if tl.program_id(0) == 0:
+                    tl.store(normed_ptr + t * stride_normed + kk, x.to(ty), mask=k_ok)
         acc = tl.sum(w.to(tl.float32) * x[None, :], 1)
         if HAS_BIAS:
             acc += bias
@@ -168,32 +191,46 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None, *, cfg: LinearConfig | None = None) -> torch.Tensor:
-    """`residual + (x @ weight^T + bias)` (Triton for T <= SKINNY_MAX_ROWS, else torch);
+           residual: torch.Tensor | None = None, norm: Norm | None = None, keep_normed: bool = False, *,
+           cfg: LinearConfig | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`residual + (rms_norm(x) @ weight^T + bias)` (Triton for T <= SKINNY_MAX_ROWS, else torch);
     contract of `reference.linear`.
 
     x: [T, K] (last dim contiguous); weight: [N, K] (rows contiguous); bias: [N] or
-    None; residual: [T, N] (last dim contiguous) or None; one dtype for all.
-    Returns a new [T, N] in x's dtype. `cfg` overrides `linear_config` (benchmarks).
+    None; residual: [T, N] (last dim contiguous) or None; norm: (weight [K] in x's
+    dtype, eps, zero_centred) or None; one dtype for all. Returns a new [T, N] in
+    x's dtype, or (that, the normed x) with `keep_normed`. The gemv kernel does the
+    norm in the same launch; the other paths run kernels/norm.py's first.
+    `cfg` overrides `linear_config` (benchmarks).
     """
     _check(x, weight, bias, residual)
+    if norm is not None and (norm[0].shape != (x.shape[1],) or norm[0].dtype != x.dtype
+                             or norm[0].device != x.device):
+        raise ValueError(f"the norm weight must be [K={x.shape[1]}] {x.dtype} on {x.device}, got "
+                         f"{tuple(norm[0].shape)} {norm[0].dtype} on {norm[0].device}")
     t, k = x.shape
     n = weight.shape[0]
-    if t == 0:
-        return torch.empty((0, n), dtype=x.dtype, device=x.device)
     cfg = cfg or linear_config(t, n, k, x.dtype)
-    if cfg is None or t > SKINNY_MAX_ROWS or (cfg.kind == "gemv" and k > GEMV_MAX_K):
-        return reference.linear(x, weight, bias, residual)
-    out = torch.empty((t, n), dtype=x.dtype, device=x.device)
-    if cfg.kind == "gemv":
+    gemv = t > 0 and cfg is not None and cfg.kind == "gemv" and k <= GEMV_MAX_K
+    if norm is not None and not gemv:
+        x = norm_kernels.rms_norm(x, *norm)  # its own launch, then the projection of the normed rows
+    if gemv:
+        out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+        fused = norm is not None
+        normed = torch.empty_like(x) if fused and keep_normed else x
         _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-            x, weight, x if bias is None else bias, x if residual is None else residual, out, t, n, k,
+            x, weight, x if bias is None else bias, x if residual is None else residual, out,
+            norm[0] if fused else x, normed, t, n, k, norm[1] if fused else 0.0,
             x.stride(0), weight.stride(0), 0 if bias is None else bias.stride(0),
-            0 if residual is None else residual.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_N=cfg.block_n,
+            0 if residual is None else residual.stride(0), out.stride(0), normed.stride(0),
+            HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, NORM=fused,
+            ZERO_CENTRED=fused and norm[2], KEEP_NORMED=fused and keep_normed, BLOCK_N=cfg.block_n,
             BLOCK_K=triton.next_power_of_2(k), num_warps=cfg.num_warps, num_stages=1,
         )
-        return out
+        return (out, normed) if keep_normed else out
+    if t == 0 or cfg is None or t > SKINNY_MAX_ROWS:
+        return reference.linear(x, weight, bias, residual, keep_normed=keep_normed)
+    out = torch.empty((t, n), dtype=x.dtype, device=x.device)
     _linear_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, x if bias is None else bias, x if residual is None else residual, out, t, n, k,
         x.stride(0), weight.stride(0), 0 if bias is None else bias.stride(0),
@@ -202,7 +239,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return out
+    return (out, x) if keep_normed else out
 
 
 __all__ = ["SKINNY_MAX_ROWS", "LinearConfig", "linear", "linear_config"]

@@ -68,16 +68,26 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 # -- linear -----------------------------------------------------------------
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
-    """A projection with an optional residual add: `residual + (x @ weight^T + bias)`.
+Norm = tuple[torch.Tensor, float, bool]  # an RMSNorm's (weight [D], eps, zero_centred)
 
-    x: [T, K]; weight: [N, K]; bias: [N] or None; residual: [T, N] or None; all in
-    x's dtype. Returns a new [T, N] in x's dtype. torch's rounding: F.linear's
-    result is rounded to x's dtype, then the sum with the residual is rounded again.
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None, norm: Norm | None = None,
+           keep_normed: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """A projection with an optional RMSNorm before it and residual add after it:
+    `residual + (rms_norm(x) @ weight^T + bias)`.
+
+    x: [T, K]; weight: [N, K]; bias: [N] or None; residual: [T, N] or None; norm:
+    (weight [K], eps, zero_centred) as `rms_norm` takes them, or None; all in x's
+    dtype. Returns a new [T, N] in x's dtype, or (that, the normed x [T, K]) with
+    `keep_normed`. torch's rounding: F.linear's result is rounded to x's dtype,
+    then the sum with the residual is rounded again.
     """
+    if norm is not None:
+        x = rms_norm(x, *norm)
     y = F.linear(x, weight, bias)
-    return y if residual is None else residual + y
+    y = y if residual is None else residual + y
+    return (y, x) if keep_normed else y
 
 
 # -- MLP --------------------------------------------------------------------

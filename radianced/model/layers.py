@@ -27,6 +27,11 @@ class RMSNorm:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps, self.zero_centred)
 
+    @property
+    def params(self) -> tuple[torch.Tensor, float, bool]:
+        """(weight, eps, zero_centred): the `norm` a projection applies in its own launch."""
+        return self.weight, self.eps, self.zero_centred
+
 
 class Rotary:
     """RoPE over the first `rotary_dim` dims of each head (all of them unless partial)."""
@@ -66,11 +71,13 @@ class Attention:
         self.scale = self.head_dim ** -0.5
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
-                 cache: KVCache, residual: torch.Tensor | None = None) -> torch.Tensor:
+                 cache: KVCache, residual: torch.Tensor | None = None, norm: RMSNorm | None = None) -> torch.Tensor:
         """x: [T, hidden] -> the attention output [T, hidden], plus `residual` ([T, hidden]) if given
-        (added in o_proj's epilogue on CUDA)."""
+        (added in o_proj's epilogue on CUDA); `norm` (the layer's input norm) is applied to x first,
+        in the q/k/v projection's launch where the kernel allows."""
         t = x.shape[0]
-        q, k, v = ops.linear(x, self.wqkv, self.bqkv).split(self.split, dim=-1)  # views of one [T, q+2kv]
+        qkv = ops.linear(x, self.wqkv, self.bqkv, norm=None if norm is None else norm.params)
+        q, k, v = qkv.split(self.split, dim=-1)  # views of one [T, q+2kv]
         gate = None
         if self.output_gate:
             q, gate = q.reshape(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, Hq, D] each
@@ -97,8 +104,11 @@ class DenseMLP:
     def __init__(self, prefix: str, w: Weights):
         self.gate, self.up, self.down = (w(f"{prefix}.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj"))
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The MLP of x, plus `residual` when given."""
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                 norm: RMSNorm | None = None) -> torch.Tensor:
+        """The MLP of `norm(x)` (x without a norm), plus `residual` when given."""
+        if norm is not None:
+            x = norm(x)
         out = ops.silu_mlp(x, self.gate, self.up, self.down)
         return out if residual is None else residual + out
 
@@ -125,9 +135,15 @@ class Router:
     def __init__(self, weight: torch.Tensor, top_k: int, renormalize: bool):
         self.weight, self.top_k, self.renormalize = weight, top_k, renormalize  # weight: [E, hidden]
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, hidden] -> (ids [T, k] int64, weights [T, k] in x's dtype)."""
-        return ops.route(ops.linear(x, self.weight), self.top_k, self.renormalize, x.dtype)
+    def __call__(self, x: torch.Tensor, norm: RMSNorm | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> (ids [T, k] int64, weights [T, k] in x's dtype, the routed x: `norm(x)`,
+        normed in the router projection's launch where the kernel allows, or x without a norm)."""
+        if norm is None:
+            logits = ops.linear(x, self.weight)
+        else:
+            logits, x = ops.linear(x, self.weight, norm=norm.params, keep_normed=True)
+        return *ops.route(logits, self.top_k, self.renormalize, x.dtype), x
 
 
 class MoE:
@@ -143,11 +159,13 @@ class MoE:
             self.shared = DenseMLP(p + "shared_expert", w)
             self.shared_gate = w(p + "shared_expert_gate.weight")  # [1, hidden]
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The experts' output for x, plus `residual` when given (added in the routed experts'
-        last launch when there is no shared expert; after the shared expert's sum otherwise, the
-        order the unfused `residual + (moe + shared)` rounds in)."""
-        ids, weights = self.router(x)
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                 norm: RMSNorm | None = None) -> torch.Tensor:
+        """The experts' output for `norm(x)` (x without a norm; the router's launch normalizes),
+        plus `residual` when given (added in the routed experts' last launch when there is no
+        shared expert; after the shared expert's sum otherwise, the order the unfused
+        `residual + (moe + shared)` rounds in)."""
+        ids, weights, x = self.router(x, norm)
         self.experts.prepare(self.layer, ids)
         fused = residual if self.shared is None else None
         out = ops.moe(x, ids, weights, self.experts.table(self.layer), self.experts.slab, self.inter,

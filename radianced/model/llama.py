@@ -16,8 +16,8 @@ class LlamaLayer:
         self.mlp = DenseMLP(p + "mlp", w)
 
     def __call__(self, x, rope, batch: ForwardBatch, cache: KVCache):
-        x = self.attn(self.input_norm(x), rope, batch, cache, residual=x)
-        return self.mlp(self.post_norm(x), residual=x)
+        x = self.attn(x, rope, batch, cache, residual=x, norm=self.input_norm)
+        return self.mlp(x, residual=x, norm=self.post_norm)
 
 
 def build_llama(cfg: ModelConfig, w: Weights) -> CausalLM:

@@ -19,8 +19,8 @@ class Qwen3MoeLayer:
         self.mlp = MoE(cfg, i, w, experts) if cfg.is_moe_layer(i) else DenseMLP(p + "mlp", w)
 
     def __call__(self, x, rope, batch: ForwardBatch, cache: KVCache):
-        x = self.attn(self.input_norm(x), rope, batch, cache, residual=x)
-        return self.mlp(self.post_norm(x), residual=x)
+        x = self.attn(x, rope, batch, cache, residual=x, norm=self.input_norm)
+        return self.mlp(x, residual=x, norm=self.post_norm)
 
 
 def build_qwen3_moe(cfg: ModelConfig, w: Weights, experts: ExpertSource) -> CausalLM:

@@ -40,8 +40,12 @@ class GatedDeltaNet:
         self.norm_weight, self.eps = w(p + "norm.weight"), cfg.rms_norm_eps
         self.w_out = w(p + "out_proj.weight")
 
-    def __call__(self, x, rope, batch: ForwardBatch, cache: KVCache, residual: torch.Tensor | None = None):
-        """x: [T, hidden] -> the mixer's output [T, hidden], plus `residual` if given (as `Attention`)."""
+    def __call__(self, x, rope, batch: ForwardBatch, cache: KVCache, residual: torch.Tensor | None = None,
+                 norm: RMSNorm | None = None):
+        """x: [T, hidden] -> the mixer's output [T, hidden] for `norm(x)` (x without a norm), plus
+        `residual` if given (as `Attention`)."""
+        if norm is not None:
+            x = norm(x)
         t = x.shape[0]
         qkvz = F.linear(x, self.w_qkvz).view(t, self.nk, 2 * self.dk + 2 * self.r * self.dv)
         q, k, v, z = qkvz.split([self.dk, self.dk, self.r * self.dv, self.r * self.dv], dim=-1)
@@ -87,8 +91,8 @@ class Qwen3NextLayer:
         self.mlp = MoE(cfg, i, w, experts) if cfg.is_moe_layer(i) else DenseMLP(p + "mlp", w)
 
     def __call__(self, x, rope, batch: ForwardBatch, cache: KVCache):
-        x = self.mixer(self.input_norm(x), rope, batch, cache, residual=x)
-        return self.mlp(self.post_norm(x), residual=x)
+        x = self.mixer(x, rope, batch, cache, residual=x, norm=self.input_norm)
+        return self.mlp(x, residual=x, norm=self.post_norm)
 
 
 def build_qwen3_next(cfg: ModelConfig, w: Weights, experts: ExpertSource) -> CausalLM:

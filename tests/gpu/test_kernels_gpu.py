@@ -421,7 +421,8 @@ LINEAR_CASES = {
 @pytest.mark.parametrize("t", [1, 8, 16])
 @pytest.mark.parametrize("case", list(LINEAR_CASES))
 def test_linear_real_shapes(layer_kernels, case, t, dtype):
-    """The skinny linear (every T here runs the Triton kernel) against the fp32 reference."""
+    """The skinny linear (gemv at T = 1, tiles or cuBLAS above, as linear_config picks) against the
+    fp32 reference."""
     from radianced.kernels import linear
     n, k, bias, residual = LINEAR_CASES[case]
     x = _rand(t, k, dtype=dtype, seed=t)
@@ -431,7 +432,26 @@ def test_linear_real_shapes(layer_kernels, case, t, dtype):
     got = linear.linear(x, w, b, r)
     assert got.dtype == dtype and got.shape == (t, n)
     want = reference.linear(*(None if a is None else a.float() for a in (x, w, b, r)))
-    _check("kernel_linear", f"{case}_t{t}", dtype, got, want, config=getattr(linear.linear_config(t, n, k, dtype), "__dict__", "torch"))
+    config = getattr(linear.linear_config(t, n, k, dtype), "__dict__", "torch")
+    _check("kernel_linear", f"{case}_t{t}", dtype, got, want, config=config)
+
+
+@pytest.mark.parametrize("zero_centred", [False, True], ids=["plain", "zero_centred"])
+@pytest.mark.parametrize("case", ["qkv", "router"])
+def test_linear_with_the_norm_in_its_launch(layer_kernels, case, zero_centred):
+    """T = 1, bf16: the layer's RMSNorm inside the gemv launch (the router keeps the normed row for
+    the experts): within bf16 rounding of the norm kernel then the projection, and of fp32."""
+    from radianced.kernels import linear
+    norm_kernels = layer_kernels[0]
+    n, k, _, _ = LINEAR_CASES[case]
+    x = _rand(1, k, dtype=torch.bfloat16, seed=30, scale=3.0)
+    w = _rand(n, k, dtype=torch.bfloat16, seed=31, scale=k ** -0.5)
+    norm = (_rand(k, dtype=torch.bfloat16, seed=32, scale=0.2), 1e-6, zero_centred)
+    got, normed = linear.linear(x, w, norm=norm, keep_normed=True)
+    unfused = norm_kernels.rms_norm(x, *norm)
+    assert rel_err(normed, unfused) < 1e-2 and rel_err(got, linear.linear(unfused, w)) < 1e-2
+    want = reference.linear(x.float(), w.float(), norm=(norm[0].float(), 1e-6, zero_centred))
+    _check("kernel_linear_norm", f"{case}_{'zc' if zero_centred else 'plain'}", torch.bfloat16, got, want)
 
 
 def test_ops_select_binds_the_layer_kernels(layer_kernels):

@@ -18,6 +18,7 @@ from tests.kernels.interpreter import DEVICE, rand, require_interpreted  # befor
 from tests.kernels.compare import f32, rel_err
 
 from radianced.kernels import linear, reference
+from radianced.kernels import norm as norm_kernels
 
 require_interpreted(linear._linear_kernel, "linear")
 
@@ -56,6 +57,30 @@ def test_gemv_kind_matches_reference(t, n, k, block_n, dtype):
     got = linear.linear(x, w, b, r, cfg=linear.LinearConfig(block_n, 0, 4, 1, "gemv"))
     assert got.dtype == dtype and got.shape == (t, n)
     assert rel_err(got.cpu(), reference.linear(*_f32(x, w, b, r))) < (1e-4 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("t", [1, 3, 17])
+@pytest.mark.parametrize("zero_centred", [False, True], ids=["plain", "zero_centred"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_norm_before_the_projection(t, zero_centred, dtype):
+    """`norm=`: RMSNorm of x, then the projection. T = 1 does it in the gemv launch (every program
+    normalizes the row; program 0 keeps it), T = 3 (tiles) and 17 (torch) run the norm kernel
+    first. The normed rows are the norm kernel's own, bit for bit."""
+    x, w, b, r = _operands(t, 130, 200, True, True, dtype)
+    x = x * 3
+    norm = (rand(200, dtype=dtype, seed=21, scale=0.2), 1e-6, zero_centred)
+    got, normed = linear.linear(x, w, b, r, norm, keep_normed=True)
+    assert torch.equal(normed, norm_kernels.rms_norm(x, *norm))
+    want, want_normed = reference.linear(*_f32(x, w, b, r), (f32(norm[0]), 1e-6, zero_centred), keep_normed=True)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    assert rel_err(got.cpu(), want) < tol and rel_err(normed.cpu(), want_normed) < tol
+    assert torch.equal(linear.linear(x, w, b, r, norm), got)
+
+
+def test_a_norm_weight_of_another_width_is_refused():
+    x, w = rand(1, 200), rand(130, 200)
+    with pytest.raises(ValueError, match=r"the norm weight must be \[K=200\]"):
+        linear.linear(x, w, norm=(rand(199), 1e-6, False))
 
 
 @pytest.mark.parametrize("t", [1, 16])
