@@ -35,7 +35,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import torch  # noqa: E402
 
-from bench_kernels import time_events, time_graph  # noqa: E402
+from bench_kernels import time_graph  # noqa: E402
+from gpu_bench import timeit  # noqa: E402  (the CUDA-event timer every device benchmark shares)
 
 CALLS = 10  # op calls per captured graph
 HIDDEN = 2048
@@ -52,7 +53,7 @@ def copy_bandwidth() -> float:
     n = 2 << 30
     src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    t = time_events(lambda: dst.copy_(src), reps=20, warmup=3)
+    t = timeit(lambda: dst.copy_(src), "cuda", warmup=3, reps=20)
     return 2 * n / t["median_s"]
 
 
@@ -134,10 +135,10 @@ def chunked_case(deltanet, reference, t: int = 4096) -> dict:
     deltanet.gated_delta_rule_chunked(q, k, v, g, beta, state, use_qk_l2norm=True)  # fla autotunes here
     torch.cuda.synchronize()
     first = time.monotonic() - start
-    ours = time_events(lambda: deltanet.gated_delta_rule_chunked(q, k, v, g, beta, state, use_qk_l2norm=True),
-                       reps=10, warmup=2)
-    ref = time_events(lambda: reference.gated_delta_rule_chunked(q, k, v, g, beta, state, use_qk_l2norm=True),
-                      reps=3, warmup=1)
+    ours = timeit(lambda: deltanet.gated_delta_rule_chunked(q, k, v, g, beta, state, use_qk_l2norm=True),
+                  "cuda", warmup=2, reps=10)
+    ref = timeit(lambda: reference.gated_delta_rule_chunked(q, k, v, g, beta, state, use_qk_l2norm=True),
+                 "cuda", warmup=1, reps=3)
     return {"case": f"gated_delta_rule_chunked t{t} (fla-core, eager)", "first_call_s": first,
             "triton_s": ours["median_s"], "reference_s": ref["median_s"],
             "speedup": ref["median_s"] / ours["median_s"], "tokens_per_s": t / ours["median_s"]}
