@@ -325,7 +325,9 @@ class BlockAllocator:
         return list(zip(*(pool.take(n) for pool in self.pools)))
 
     def can_append(self, table: BlockTable, tokens: int) -> bool:
-        return self.can_allocate(self.blocks_for(tokens) - len(table))
+        """Could `append(table, tokens)` succeed? (Most decode steps need no new block: True at once.)"""
+        n = self.blocks_for(tokens) - len(table)
+        return n <= 0 or self.can_allocate(n)
 
     def append(self, table: BlockTable, tokens: int) -> None:
         """Grow `table` until it holds `tokens` tokens (all or nothing)."""
