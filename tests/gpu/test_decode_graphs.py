@@ -7,7 +7,7 @@ and with `--enforce-eager`. `--deterministic` makes the MoE scatter a fixed-orde
 sum, so both paths compute the same bits and greedy decoding cannot part on a
 rounding difference. The mean decode step time of both paths is recorded.
 The same engines with graphs, stepped by the daemon's pipelined loop, give the
-sequential loop's tokens.
+sequential loop's tokens, greedy and with penalties (computed on the device).
 """
 
 from __future__ import annotations
@@ -65,11 +65,17 @@ def test_graph_replay_gives_the_eager_tokens(tiny_rads, family):  # noqa: F811
             "graph_step_s": runs[False][2]})
 
 
+PENALTIES = dict(repetition_penalty=3.0, frequency_penalty=0.5, presence_penalty=0.2)
+
+
+@pytest.mark.parametrize("penalties", [False, True], ids=["greedy", "penalties"])
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe", "qwen3_next"])
-def test_pipelined_graph_steps_give_the_sequential_tokens(tiny_rads, family):  # noqa: F811
+def test_pipelined_graph_steps_give_the_sequential_tokens(tiny_rads, family, penalties):  # noqa: F811
     """The daemon's loop on the device: plans made ahead feed each decode its input token from
     the previous step's sampled tokens on the device (a gather into the graph's inputs before
-    the replay); greedy tokens must be the sequential engine's."""
+    the replay); greedy tokens must be the sequential engine's. With strong penalties (which
+    decide tokens), a PENDING output is counted from those device-side samples and the
+    histories are scattered on the device: a miscounted token changes the tokens."""
     device = gpu_device()
     torch.backends.cuda.matmul.allow_tf32 = False
     rad = tiny_rads[family]
@@ -81,7 +87,7 @@ def test_pipelined_graph_steps_give_the_sequential_tokens(tiny_rads, family):  #
         engine = Engine.build(rad, cfg, Card.from_mib(1024), device)
         assert (engine.runner.graphs is not None) == (device == "cuda")
         for i, p in enumerate(ps):
-            engine.add(request(engine, f"p{i}", p, max_tokens=24, ignore_eos=True))
+            engine.add(request(engine, f"p{i}", p, max_tokens=24, ignore_eos=True, **(PENALTIES if penalties else {})))
         step = engine.pipeline().step if pipelined else engine.step
         out: dict = {}
         while engine.scheduler.has_unfinished:
