@@ -7,8 +7,10 @@ layers, state slots for recurrent layers). No contiguous per-request KV exists.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from radianced.model.config import ModelConfig
@@ -62,31 +64,39 @@ class ForwardBatch:
         logits="last" asks for each sequence's last row, "all" for every row, and a
         list of B flags for the last row of the sequences flagged True.
         """
-        ids, pos, slots, rows, starts = [], [], [], [], [0]
-        for b, (toks, before, table) in enumerate(zip(token_ids, context_before, block_tables)):
-            for i, t in enumerate(toks):
-                p = before + i
-                ids.append(t)
-                pos.append(p)
-                slots.append(table[p // block_size] * block_size + p % block_size)
-            starts.append(starts[-1] + len(toks))
+        lens_q = [len(toks) for toks in token_ids]
+        starts = [0, *itertools.accumulate(lens_q)]
+        rows: list[int] = []
+        for b, n in enumerate(lens_q):
+            last = context_before[b] + n - 1
+            if n and last // block_size >= len(block_tables[b]):
+                raise ValueError(f"sequence {b}'s block table has {len(block_tables[b])} blocks; its tokens reach "
+                                 f"position {last} (block {last // block_size})")
             if logits == "all":
-                rows.extend(range(starts[-2], starts[-1]))
-            elif toks and (logits == "last" or logits[b]):
-                rows.append(starts[-1] - 1)
+                rows.extend(range(starts[b], starts[b + 1]))
+            elif n and (logits == "last" or logits[b]):
+                rows.append(starts[b + 1] - 1)
         width = max((len(t) for t in block_tables), default=0) or 1
-        tables = torch.zeros((len(block_tables), width), dtype=torch.int32)
+        tables_np = np.zeros((len(block_tables), width), dtype=np.int32)
         for b, t in enumerate(block_tables):
-            tables[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        lens = tuple(before + len(toks) for toks, before in zip(token_ids, context_before))
+            tables_np[b, : len(t)] = t
+        tables = torch.from_numpy(tables_np)
+        lens = tuple(before + n for n, before in zip(lens_q, context_before))
+        # every token at once (numpy, no per-token Python): its sequence, position and KV slot
+        total = starts[-1]
+        seq = np.repeat(np.arange(len(lens_q)), lens_q)
+        pos = np.arange(total, dtype=np.int64) + np.repeat(
+            np.asarray(context_before, dtype=np.int64) - starts[:-1], lens_q)
+        slots = tables_np[seq, pos // block_size].astype(np.int64) * block_size + pos % block_size
+        ids = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=total)
 
         # three host-to-device copies: the int64 vectors as one, the int32 ones as one, the tables
-        longs = [ids, pos, slots, rows] + ([] if state_slots is None else [list(state_slots)])
-        ints = [starts, list(lens)]
-        long_t = to_device_no_sync(torch.tensor([v for x in longs for v in x], dtype=torch.int64), device)
-        int_t = to_device_no_sync(torch.tensor([v for x in ints for v in x], dtype=torch.int32), device)
+        longs = [ids, pos, slots, np.asarray(rows, dtype=np.int64)] + \
+            ([] if state_slots is None else [np.asarray(state_slots, dtype=np.int64)])
+        long_t = to_device_no_sync(torch.from_numpy(np.concatenate(longs)), device)
+        int_t = to_device_no_sync(torch.tensor(starts + list(lens), dtype=torch.int32), device)
         ids_t, pos_t, slots_t, rows_t, *states_t = long_t.split([len(x) for x in longs])
-        starts_t, lens_t = int_t.split([len(x) for x in ints])
+        starts_t, lens_t = int_t.split([len(starts), len(lens)])
         return ForwardBatch(
             input_ids=ids_t, positions=pos_t, slot_mapping=slots_t,
             block_tables=to_device_no_sync(tables, device), logits_rows=rows_t,

@@ -1,0 +1,34 @@
+"""ForwardBatch.build: one step's sequences laid out on one token axis, by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from radianced.model.batch import ForwardBatch
+
+
+def test_layout_of_a_mixed_step():
+    """A 3-token chunk after 14 cached tokens (it crosses from block 7 into block 2), a decode at
+    position 4, and a sequence with no new tokens; block size 8."""
+    batch = ForwardBatch.build([[11, 12, 13], [21], []], [14, 4, 9], [[5, 7, 2], [3], [4, 6]], 8,
+                               logits=[True, True, True], state_slots=[2, 0, 1])
+    assert batch.input_ids.tolist() == [11, 12, 13, 21]
+    assert batch.positions.tolist() == [14, 15, 16, 4]
+    assert batch.slot_mapping.tolist() == [7 * 8 + 6, 7 * 8 + 7, 2 * 8 + 0, 3 * 8 + 4]
+    assert batch.logits_rows.tolist() == [2, 3]  # the empty sequence has no row to sample
+    assert batch.query_start == (0, 3, 4, 4) and batch.query_start_t.tolist() == [0, 3, 4, 4]
+    assert batch.seq_lens == (17, 5, 9) and batch.seq_lens_t.tolist() == [17, 5, 9]
+    assert batch.block_tables.tolist() == [[5, 7, 2], [3, 0, 0], [4, 6, 0]]
+    assert batch.state_slots.tolist() == [2, 0, 1]
+
+
+@pytest.mark.parametrize("logits,rows", [("all", [0, 1, 2, 3]), ("last", [1, 3]), ([False, True], [3])])
+def test_logits_rows(logits, rows):
+    batch = ForwardBatch.build([[1, 2], [3, 4]], [0, 0], [[0], [1]], 16, logits=logits)
+    assert batch.logits_rows.tolist() == rows and batch.state_slots is None
+
+
+def test_a_block_table_too_short_for_the_tokens_is_refused():
+    """Position 16 needs a third block of 8: without it the slot would be a padding zero."""
+    with pytest.raises(ValueError, match=r"sequence 1's block table has 2 blocks; its tokens reach position 16"):
+        ForwardBatch.build([[1], [2, 3]], [0, 15], [[4], [5, 6]], 8)
