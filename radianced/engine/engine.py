@@ -64,9 +64,7 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        events = self.scheduler.update(plan, self.runner.run(plan))
-        self.settle()
-        return events
+        return self.finish(self.runner.launch(plan))
 
     def pipeline(self) -> Pipeline:
         """Pipelined stepping (sequential where `pipelined` is off); don't mix with `step()`
