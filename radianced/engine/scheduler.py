@@ -193,9 +193,13 @@ class Scheduler:
 
     def _done_when_pending_lands(self, seq: Sequence) -> bool:
         """Its pending token reaches max_tokens or max_model_len: it ends whatever the token."""
+        return self._pending(seq) and self._at_length(seq, seq.num_tokens)
+
+    def _at_length(self, seq: Sequence, tokens: int) -> bool:
+        """With `tokens` tokens (prompt and output) the sequence reaches max_tokens or max_model_len."""
         max_tokens = seq.params.max_tokens
-        return self._pending(seq) and (max_tokens is not None and seq.num_output_tokens >= max_tokens
-                                       or self.max_model_len is not None and seq.num_tokens >= self.max_model_len)
+        return max_tokens is not None and tokens - seq.num_prompt_tokens >= max_tokens \
+            or self.max_model_len is not None and tokens >= self.max_model_len
 
     def _running_order(self) -> list[Sequence]:
         """Running sequences in the order they take budget: decodes, then prefills, oldest first."""
@@ -383,12 +387,10 @@ class Scheduler:
         if len(tokens) != 1 or seq.token_ids[at] != PENDING:
             raise ValueError(f"sequence {seq.seq_id} was to sample one token at {at}, got {tokens}")
         t = seq.token_ids[at] = tokens[0]
-        max_tokens = seq.params.max_tokens
         reason = None
         if t in seq.request.stop_token_ids:
             reason = FinishReason.STOP
-        elif max_tokens is not None and at + 1 - seq.num_prompt_tokens >= max_tokens \
-                or self.max_model_len is not None and at + 1 >= self.max_model_len:
+        elif self._at_length(seq, at + 1):
             reason = FinishReason.LENGTH
         if reason is not None:
             self._finish(seq, reason)
