@@ -21,6 +21,17 @@ CFG = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
 EXPERTS = dict(host_pool_mib=1, expert_slots=6)  # experts split between slots and the host pool
 
 
+def build(rad, flags: dict, graphs: bool) -> Engine:
+    """An engine on the CPU; with `graphs`, its decode steps run the padded static batch
+    (`DecodeGraphs(capture=False)`), as a replay would."""
+    engine = Engine.build(rad, Config(**CFG, **flags), Card.from_mib(256))
+    if graphs:
+        runner = engine.runner
+        runner.graphs = DecodeGraphs(runner.model, runner.cache, 4, 256 // BLOCK_TOKENS, engine.experts,
+                                     capture=False)
+    return engine
+
+
 def test_buckets_end_at_max_num_seqs():
     assert buckets_for(1) == (1,)
     assert buckets_for(4) == (1, 2, 4)
@@ -33,15 +44,11 @@ def test_padded_static_decode_batches_give_the_eager_tokens_and_counts(tiny_rads
     ps = prompts(rad.model.vocab_size, (9, 33, 50), seed=51)  # 3 sequences: bucket 4, one padding row
     runs = []
     for graphs in (False, True):
-        engine = Engine.build(rad, Config(**CFG, **flags), Card.from_mib(256))
-        runner = engine.runner
+        engine = build(rad, flags, graphs)
         replays = []
-        if graphs:
-            runner.graphs = DecodeGraphs(runner.model, runner.cache, 4, 256 // BLOCK_TOKENS, engine.experts,
-                                         capture=False)
-            if engine.experts is not None:
-                replay = engine.experts.replay
-                engine.experts.replay = lambda recording: (replays.append(recording.ids.shape), replay(recording))
+        if graphs and engine.experts is not None:
+            replay = engine.experts.replay
+            engine.experts.replay = lambda recording: (replays.append(recording.ids.shape), replay(recording))
         tokens = run_all(engine, [request(engine, f"p{i}", p, max_tokens=12) for i, p in enumerate(ps)])
         stats = engine.experts.stats if engine.experts is not None else None
         runs.append((tokens, stats and (stats.lookups, stats.hits, stats.routed)))
@@ -60,12 +67,10 @@ def test_hybrid_decode_graphs_give_the_eager_tokens_and_states_as_slots_are_reus
     joiner = ps[0][:32] + ps[3]  # shares the first prompt's two blocks: restores its checkpoint
     runs = []
     for graphs in (False, True):
-        engine = Engine.build(rad, Config(**CFG, **EXPERTS), Card.from_mib(256))
+        engine = build(rad, EXPERTS, graphs)
         runner = engine.runner
         calls = []
         if graphs:
-            runner.graphs = DecodeGraphs(runner.model, runner.cache, 4, 256 // BLOCK_TOKENS, engine.experts,
-                                         capture=False)
             def recorded(ids, pos, tables, slots, pending=None, replay=runner.graphs.run):
                 calls.append(tuple(slots))  # the state slots of every step that ran the static batch
                 return replay(ids, pos, tables, slots, pending)
