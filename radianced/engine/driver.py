@@ -212,8 +212,7 @@ class AsyncEngine:
                     in_flight = await loop.run_in_executor(self._worker, runner.launch, plan)
                 else:
                     start = time.perf_counter()
-                ahead = self.scheduler.schedule_ahead() if self.engine.pipelined else None
-                ahead = None if ahead is None or ahead.is_empty else ahead
+                ahead = self.engine.plan_ahead()
                 step = in_flight
                 in_flight, output = await loop.run_in_executor(self._worker, _launch_then_collect, runner, ahead,
                                                                step)

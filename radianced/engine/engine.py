@@ -20,6 +20,7 @@ from radianced.arena import KV, PASSED, Arena, Fence, Lease, TenantPages, detect
 from radianced.budget import BLOCK_TOKENS, Card, ModelFacts, Receipt, plan
 from radianced.config import Config
 from radianced.engine.graphs import DecodeGraphs
+from radianced.engine.plan import StepPlan
 from radianced.engine.request import Request
 from radianced.engine.runner import InFlight, Runner
 from radianced.engine.sampler import Sampler
@@ -70,6 +71,12 @@ class Engine:
         """Pipelined stepping (sequential where `pipelined` is off); don't mix with `step()`
         while its step is in flight."""
         return Pipeline(self)
+
+    def plan_ahead(self) -> StepPlan | None:
+        """The plan to launch while one is in flight, or None: the engine is not `pipelined`, the
+        scheduler needs the in-flight results first, or there is nothing to do."""
+        plan = self.scheduler.schedule_ahead() if self.pipelined else None
+        return None if plan is None or plan.is_empty else plan
 
     def finish(self, step: InFlight) -> list[SeqEvent]:
         """Collect a launched step, apply it, settle: the second half of a step."""
@@ -168,9 +175,10 @@ class Pipeline:
         engine, scheduler = self.engine, self.engine.scheduler
         if self.in_flight is None:
             plan = scheduler.schedule() if scheduler.has_unfinished else None
+            plan = None if plan is None or plan.is_empty else plan
         else:
-            plan = scheduler.schedule_ahead() if engine.pipelined else None
-        return None if plan is None or plan.is_empty else engine.runner.launch(plan)
+            plan = engine.plan_ahead()
+        return None if plan is None else engine.runner.launch(plan)
 
     def step(self) -> list[SeqEvent]:
         """Finish one step (launching the next first where it can); its events ([] when idle)."""
