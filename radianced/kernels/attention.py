@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radianced.kernels import pdl
 LOG2E = 1.4426950408889634
 # Bounds on the split-KV (flash-decoding) heuristic. A split's keys are a whole number of BLOCK_N
 # tiles, and at decode each tile is a chain of dependent loads (block table, then K and V): the
@@ -117,7 +118,10 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -191,7 +195,9 @@ def _paged_attention_kernel(
 @triton.jit
 def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_tokens, stride_ot, stride_oh,
                          Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -269,13 +275,12 @@ def _launch_paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
         NUM_SPLITS=splits, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(q.device))
     if splits > 1:
         _merge_splits_kernel[(t, hq)](part_o, part_lse, out, t, out.stride(0), out.stride(1),
                                       Q_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=splits,
                                       BLOCK_S=triton.next_power_of_2(splits),
-                                      num_warps=4 if block_d >= 128 else 2)
+                                      num_warps=4 if block_d >= 128 else 2, **pdl.launch(q.device))
 
 
 # -- public ops ------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from radianced.kernels import norm as norm_kernels
+from radianced.kernels import pdl
 from radianced.kernels import reference
 from radianced.kernels.reference import Norm
 
@@ -94,7 +95,9 @@ def linear_config(t: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig | 
 def _linear_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, num_rows, n, k,
                    stride_x, stride_w, stride_b, stride_r, stride_o,
                    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < num_rows
@@ -124,12 +127,13 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, norm_w_ptr, normed_pt
                  stride_x, stride_w, stride_b, stride_r, stride_o, stride_normed,
                  HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
                  ZERO_CENTRED: tl.constexpr, KEEP_NORMED: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """CUDA-core products: a program loads its BLOCK_N whole weight rows at once (every load in
     flight together, no loop), then for each of the T rows of x multiplies and sums over K in fp32.
     NORM: each program RMS-normalizes x's whole row first, with kernels/norm.py's rounding steps
     (plain: `weight * round(x * rstd)`, zero-centred: `x * rstd * (1 + weight)`, each rounded to
-    x's dtype); KEEP_NORMED: program 0 also stores the normed row."""
+    x's dtype); KEEP_NORMED: program 0 also stores the normed row. Under PDL the weight loads are
+    issued before the grid wait: they overlap the previous kernel's tail."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n
     kk = tl.arange(0, BLOCK_K)
@@ -140,6 +144,8 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, norm_w_ptr, normed_pt
         bias = tl.load(bias_ptr + cols * stride_b, mask=col_ok, other=0.0).to(tl.float32)
     if NORM:
         norm_w = tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     ty = out_ptr.dtype.element_ty
     for t in range(num_rows):
         x = tl.load(x_ptr + t * stride_x + kk, mask=k_ok, other=0.0).to(tl.float32)
@@ -225,7 +231,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             0 if residual is None else residual.stride(0), out.stride(0), normed.stride(0),
             HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, NORM=fused,
             ZERO_CENTRED=fused and norm[2], KEEP_NORMED=fused and keep_normed, BLOCK_N=cfg.block_n,
-            BLOCK_K=triton.next_power_of_2(k), num_warps=cfg.num_warps, num_stages=1,
+            BLOCK_K=triton.next_power_of_2(k), num_warps=cfg.num_warps, num_stages=1, **pdl.launch(x.device),
         )
         return (out, normed) if keep_normed else out
     if t == 0 or cfg is None or t > SKINNY_MAX_ROWS:
@@ -237,7 +243,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         0 if residual is None else residual.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_M=SKINNY_MAX_ROWS,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(x.device),
     )
     return (out, x) if keep_normed else out
 

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radianced.kernels import pdl
 # Assignments (T * k) up to which one counting-sort program groups them; above, torch.sort.
 GROUP_FUSED_MAX = 1024
 # (assignments per chunk, tiles per chunk, warps) of the grouping programs. On the H200 the counting
@@ -122,12 +123,15 @@ def _write_tile_info(tile_info_ptr, start, end, num_experts, num_tiles,
 
 @triton.jit
 def _moe_group_kernel(ids_ptr, order_ptr, tile_info_ptr, num_assignments, num_experts, num_tiles,
-                      BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr):
+                      BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+                      PDL: tl.constexpr):
     """One program, a stable counting sort: ids [A] -> order [A] (sorted row -> assignment), tile_info.
 
     Two passes over the ids in chunks of BLOCK_A (count, then place); no dependent
     loads, so a decode batch's grouping costs a few microseconds.
     """
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     e = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], tl.int32)
     for a0 in range(0, num_assignments, BLOCK_A):
@@ -150,8 +154,10 @@ def _moe_group_kernel(ids_ptr, order_ptr, tile_info_ptr, num_assignments, num_ex
 
 @triton.jit
 def _moe_align_kernel(sorted_ids_ptr, tile_info_ptr, num_assignments, num_experts, num_tiles, search_steps,
-                      BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr):
+                      BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
     """One program: sorted expert ids [A] -> tile_info [num_tiles, 3] = (expert or -1, row lo, row hi)."""
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     e = tl.arange(0, BLOCK_E)
     start = _lower_bound(sorted_ids_ptr, num_assignments, e.to(tl.int64), search_steps)  # [BLOCK_E]
     end = _lower_bound(sorted_ids_ptr, num_assignments, (e + 1).to(tl.int64), search_steps)
@@ -200,8 +206,11 @@ def _moe_gate_up_kernel(
     hidden, inter, top_k, stride_x, stride_row, stride_host_row,
     TABLE_IS_PTR: tl.constexpr, HAS_HOST: tl.constexpr, PER_ASSIGNMENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """h[row, n] = silu(x[tok] . gate[n]) * (x[tok] . up[n]) for the tile's sorted rows; h: [A, I]."""
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     expert, rows, row_ok, assignment = _tile_rows(tile_info_ptr, order_ptr, tl.program_id(0), BLOCK_M,
                                                   PER_ASSIGNMENT)
     if expert < 0:
@@ -237,9 +246,12 @@ def _moe_down_kernel(
     stride_row, stride_host_row,
     TABLE_IS_PTR: tl.constexpr, HAS_HOST: tl.constexpr, PER_ASSIGNMENT: tl.constexpr, DETERMINISTIC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """y = weight * (h[row] . down[n]); atomically added to out[tok] (fp32 [T, H]), or, DETERMINISTIC,
     stored to out[assignment] (fp32 [A, H]) for an ordered sum over k afterwards."""
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     expert, rows, row_ok, assignment = _tile_rows(tile_info_ptr, order_ptr, tl.program_id(0), BLOCK_M,
                                                   PER_ASSIGNMENT)
     if expert < 0:
@@ -269,10 +281,12 @@ def _moe_down_kernel(
 
 @triton.jit
 def _moe_sum_kernel(y_ptr, residual_ptr, out_ptr, hidden, top_k, stride_res,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """out[t] = sum_j y[t * k + j] for j = 0 .. k-1, in that order (fp32 accumulate), rounded to
     out's dtype; with a residual, out[t] = round(residual[t] + that rounded sum), as `x + moe(x)`
     rounds in torch."""
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     n_ok = n < hidden
@@ -308,11 +322,12 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     if a <= fused_max:
         order = torch.empty(a, dtype=torch.int64, device=topk_ids.device)
         _moe_group_kernel[(1,)](ids, order, tile_info, a, num_experts, tiles, BLOCK_A=block_a, BLOCK_E=block_e,
-                                BLOCK_T=block_t, BLOCK_M=block_m, num_warps=warps)
+                                BLOCK_T=block_t, BLOCK_M=block_m, num_warps=warps, **pdl.launch(topk_ids.device))
         return order, tile_info
     sorted_ids, order = torch.sort(ids, stable=True)
     _moe_align_kernel[(1,)](sorted_ids, tile_info, a, num_experts, tiles, max(1, a.bit_length()),
-                            BLOCK_E=block_e, BLOCK_T=block_t, BLOCK_M=block_m, num_warps=warps)
+                            BLOCK_E=block_e, BLOCK_T=block_t, BLOCK_M=block_m, num_warps=warps,
+                            **pdl.launch(topk_ids.device))
     return order, tile_info
 
 
@@ -342,8 +357,7 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         hidden, inter, top_k, x.stride(0), stride_row, 0 if host is None else host.stride(0),
         TABLE_IS_PTR=table_is_ptr, HAS_HOST=host is not None, PER_ASSIGNMENT=per_assignment,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k_up,
-        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(dev))
     weights = topk_weights.reshape(-1)
     if deterministic:
         y = torch.empty((a, hidden), dtype=torch.float32, device=dev)  # every row written: one per assignment
@@ -355,8 +369,7 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         TABLE_IS_PTR=table_is_ptr, HAS_HOST=host is not None, PER_ASSIGNMENT=per_assignment,
         DETERMINISTIC=deterministic,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down,
-        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(dev))
     if not deterministic and residual is None:
         return y if x.dtype == torch.float32 else y.to(x.dtype)
     # the ordered sum over k (deterministic), or over the one scattered row (k = 1), plus the residual
@@ -365,7 +378,7 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     _moe_sum_kernel[(t, triton.cdiv(hidden, block_h))](
         y, out if residual is None else residual, out, hidden, top_k if deterministic else 1,
         0 if residual is None else residual.stride(0), HAS_RESIDUAL=residual is not None, BLOCK_H=block_h,
-        num_warps=4)
+        num_warps=4, **pdl.launch(dev))
     return out
 
 

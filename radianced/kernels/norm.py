@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radianced.kernels import pdl
 MAX_ELEMS_PER_PROGRAM = 8192  # rows * padded D held by one program
 
 # -- heuristics ------------------------------------------------------------------------------------
@@ -42,7 +43,9 @@ def _tiles(rows: int, d: int) -> tuple[int, int, int]:
 def _rms_norm_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, n_rows, eps,
                      stride_x, stride_g, stride_o,
                      D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                     ZERO_CENTRED: tl.constexpr, GATED: tl.constexpr, ROUND_MID: tl.constexpr):
+                     ZERO_CENTRED: tl.constexpr, GATED: tl.constexpr, ROUND_MID: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
@@ -96,8 +99,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.
     _rms_norm_kernel[(triton.cdiv(n, block_r),)](
         x2, weight.contiguous(), g2, out, n, eps, x2.stride(0), g2.stride(0), d,
         D=d, BLOCK_R=block_r, BLOCK_D=block_d, ZERO_CENTRED=zero_centred, GATED=gate is not None,
-        ROUND_MID=round_mid, num_warps=warps,
-    )
+        ROUND_MID=round_mid, num_warps=warps, **pdl.launch(x.device))
     return out
 
 

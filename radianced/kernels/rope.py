@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radianced.kernels import pdl
 from radianced.kernels.attention import check_kv_write, slot_offset
 
 # -- kernel ----------------------------------------------------------------------------------------
@@ -80,9 +81,11 @@ def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, cos_ptr, 
                    stride_kp, stride_kn, stride_ks, stride_kch, stride_vp, stride_vn, stride_vs, stride_vch,
                    D: tl.constexpr, ROT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                    BLOCK_PASS: tl.constexpr, NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr,
-                   WRITE_KV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                   WRITE_KV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr):
     """Program (t, 0) rotates q's token t, (t, 1) k's; WRITE_KV: k goes to its KV slot (k_out_ptr is
     the K cache), and program (t, 2) copies v to its slot; a slot < 0 writes nothing."""
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     t = tl.program_id(0)
     which = tl.program_id(1)
     t64 = t.to(tl.int64)
@@ -175,8 +178,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: tor
         D=d, ROT=rot, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
         NORM=weights is not None, ZERO_CENTRED=zero_centred, WRITE_KV=kv is not None,
         BLOCK_D=triton.next_power_of_2(d), BLOCK_SIZE=k_out.shape[2] if kv is not None else 1,
-        num_warps=4 if elems <= 2048 else 8,
-    )
+        num_warps=4 if elems <= 2048 else 8, **pdl.launch(q.device))
     return q_out, k_out
 
 

@@ -13,12 +13,16 @@ import torch
 import triton
 import triton.language as tl
 
+from radianced.kernels import pdl
 MAX_EXPERTS = 1024  # one program holds a token's logits in registers
 
 
 @triton.jit
 def _route_kernel(logits_ptr, ids_ptr, weights_ptr, num_experts, stride_t,
-                  TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr):
+                  TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  PDL: tl.constexpr):
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + t * stride_t + e, mask=e < num_experts, other=float("-inf")).to(tl.float32)
@@ -59,7 +63,7 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtyp
     if t:
         _route_kernel[(t,)](logits, ids, weights, e, logits.stride(0), TOP_K=top_k,
                             BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
-                            RENORMALIZE=renormalize, num_warps=4 if e <= 256 else 8)
+                            RENORMALIZE=renormalize, num_warps=4 if e <= 256 else 8, **pdl.launch(logits.device))
     return ids, weights
 
 
