@@ -1,7 +1,7 @@
 """Issue 8's whole-model rows: decode and prefill through the product path, and Hugging Face
 transformers on the same GPU, each against a ceiling measured in the same run.
 
-    python tools/bench_model.py --out DIR [--layers 8] [--quick] [--time-limit 185]
+    python tools/bench_model.py --out DIR [--layers 8] [--quick] [--time-limit 185] [--only decode|prefill|transformers]
 
 A synthetic Qwen3-30B-A3B-shaped `.rad` (tools/make_synthetic.py: real per-layer
 shapes, random bf16 weights, uniform routing, `--layers` of the 48 layers) is
@@ -60,6 +60,7 @@ from tools.gpu_bench import (  # noqa: E402
 from tools.make_synthetic import make_synthetic  # noqa: E402
 
 SHAPE = "qwen3-30b-a3b"
+PARTS = ("decode", "prefill", "transformers")  # --only
 REAL_LAYERS = 48
 
 
@@ -486,7 +487,7 @@ def _why(sec: dict) -> str:
     if sec.get("status") == "ok":
         return ""
     if "status" not in sec:
-        return "not run (a section it needs failed)"
+        return "not run (not asked for with --only, or a section it needs failed)"
     return f"{sec['status']}: {(sec.get('error') or sec.get('why') or '')[:150]}"
 
 
@@ -527,7 +528,10 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, help="decoder layers of the synthetic model (default 8; quick 2)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (automatic without CUDA)")
     ap.add_argument("--time-limit", type=float, default=185.0, help="seconds; later sections are skipped past it")
+    ap.add_argument("--only", action="append", choices=PARTS,
+                    help="run only these parts (repeatable; default all): " + ", ".join(PARTS))
     args = ap.parse_args(argv)
+    parts = set(args.only or PARTS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -544,11 +548,12 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="radianced-model-", dir=model_dir(st.sizes.layers)) as tmp:
         if _section(res, path, "model", section_model, st, Path(tmp))["status"] == "ok":
             if _section(res, path, "engine", section_engine, st)["status"] == "ok":
-                for b in st.sizes.batches:
+                for b in st.sizes.batches if "decode" in parts else ():
                     _section(res, path, f"decode_b{b}", section_decode, st, b, hbm, matmul)
-                _section(res, path, "prefill", section_prefill, st, matmul)
+                if "prefill" in parts:
+                    _section(res, path, "prefill", section_prefill, st, matmul)
             _section(res, path, "release", section_release, st)
-            if _section(res, path, "hf_build", section_hf_build, st)["status"] == "ok":
+            if "transformers" in parts and _section(res, path, "hf_build", section_hf_build, st)["status"] == "ok":
                 for b in st.sizes.batches:
                     _section(res, path, f"hf_decode_b{b}", section_hf_decode, st, b)
             st.hf = None
