@@ -87,19 +87,18 @@ def rotary_cases(norm, rope, reference):
     for name, (hq, hk, d, rd, zc) in (("qwen3_moe", QWEN3), ("qwen3_next", NEXT)):
         qw, kw = _rand(d, scale=0.1), _rand(d, scale=0.1)
         for t in (1, 32, 4096):
-            cos, sin = reference.rotary_cos_sin(torch.arange(t, device="cuda"), rd, 1e6)
+            at = (torch.arange(t, device="cuda"), reference.rotary_inv_freq(rd, 1e6, "cuda"))
 
-            def unfused(q, k, qw=qw, kw=kw, cos=cos, sin=sin, zc=zc):
+            def unfused(q, k, qw=qw, kw=kw, at=at, zc=zc):
                 qn, kn = norm.rms_norm(q, qw, 1e-6, zc), norm.rms_norm(k, kw, 1e-6, zc)
-                return rope.apply_rotary(qn, cos, sin), rope.apply_rotary(kn, cos, sin)
+                return rope.apply_rotary(qn, *at), rope.apply_rotary(kn, *at)
 
             yield (f"rotary_qk+norm {name} t{t}", lambda t=t, hq=hq, hk=hk, d=d: (_rand(t, hq, d), _rand(t, hk, d)),
-                   {"triton": lambda q, k, qw=qw, kw=kw, cos=cos, sin=sin, zc=zc: rope.rotary_qk(
-                       q, k, cos, sin, qw, kw, 1e-6, zc),
-                    "reference": lambda q, k, qw=qw, kw=kw, cos=cos, sin=sin, zc=zc: reference.rotary_qk(
-                        q, k, cos, sin, qw, kw, 1e-6, zc),
+                   {"triton": lambda q, k, qw=qw, kw=kw, at=at, zc=zc: rope.rotary_qk(q, k, *at, qw, kw, 1e-6, zc),
+                    "reference": lambda q, k, qw=qw, kw=kw, at=at, zc=zc: reference.rotary_qk(
+                        q, k, *at, qw, kw, 1e-6, zc),
                     "unfused_triton": unfused},
-                   2 * t * (hq + hk) * d * 2 + 2 * t * rd * 4)
+                   2 * t * (hq + hk) * d * 2 + t * 8 + rd * 2)
 
 
 def deltanet_cases(deltanet, reference):

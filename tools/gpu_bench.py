@@ -647,7 +647,7 @@ def section_decode(device, quick: bool, hbm_bytes_per_s: float | None, matmul_fl
 
         def layers_only(batch=batch):
             x = model.embed(batch.input_ids)
-            rope = model.rotary.cos_sin(batch.positions)
+            rope = model.rotary.at(batch.positions)
             for layer in model.layers:
                 x = layer(x, rope, batch, cache)
             return x

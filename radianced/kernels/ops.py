@@ -18,7 +18,7 @@ from radianced.kernels import reference
 
 rms_norm = reference.rms_norm
 gated_rms_norm = reference.gated_rms_norm
-rotary_cos_sin = reference.rotary_cos_sin
+rotary_inv_freq = reference.rotary_inv_freq  # made once per device: torch everywhere
 rotary_write_kv = reference.rotary_write_kv
 linear = reference.linear
 silu_mlp = reference.silu_mlp

@@ -33,38 +33,40 @@ except ImportError:  # a Triton without grid dependency control: never enabled
 
 
 @functools.cache
-def _enabled(device: torch.device) -> bool:
+def _level(device: torch.device) -> int:
     if device.type != "cuda" or gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if os.environ.get("RADIANCED_PDL", "1") == "0":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+        return 0
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        return 0
+    return int(os.environ.get("RADIANCED_PDL", "1"))
 
 
-def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with programmatic dependent launch."""
-    return _enabled(torch.device(device.type, device.index if device.index is not None
-                                 else (torch.cuda.current_device() if device.type == "cuda" else None)))
+def level(device: torch.device) -> int:
+    """0: plain launches; 1: PDL, each kernel waiting on the previous one's end (its launch
+    overlaps that kernel's last programs); 2: also each kernel signalling its dependents as soon
+    as its programs have passed their wait."""
+    return _level(torch.device(device.type, device.index if device.index is not None
+                               else (torch.cuda.current_device() if device.type == "cuda" else None)))
 
 
 def launch(device: torch.device) -> dict:
     """The launch keywords for a kernel taking `PDL: tl.constexpr`: `PDL` and Triton's `launch_pdl`."""
-    on = enabled(device)
-    return {"PDL": on, "launch_pdl": on}
+    lv = level(device)
+    return {"PDL": lv, "launch_pdl": lv > 0}
 
 
 @triton.jit
 def wait(PDL: tl.constexpr):
     """Block until the previous kernel in the stream has completed (a no-op without PDL)."""
-    if PDL:
+    if PDL > 0:
         gdc_wait()
 
 
 @triton.jit
 def launch_dependents(PDL: tl.constexpr):
-    """Let the next kernel's programs start once every program here has called this."""
-    if PDL:
+    """Let the next kernel's programs start once every program here has called this (level 2)."""
+    if PDL > 1:
         gdc_launch_dependents()
 
 
-__all__ = ["enabled", "launch", "launch_dependents", "wait"]
+__all__ = ["launch", "launch_dependents", "level", "wait"]

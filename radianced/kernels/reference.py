@@ -37,16 +37,26 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 # -- rotary -----------------------------------------------------------------
 
 
-def rotary_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [T, rotary_dim] for integer positions [T] (HF's default rope, fp32)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=positions.device).float() / rotary_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, rotary_dim / 2]
+def rotary_inv_freq(rotary_dim: int, theta: float, device: torch.device | str) -> torch.Tensor:
+    """HF's default rope frequencies: [rotary_dim / 2] fp32, theta ** (-2i / rotary_dim)."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float() / rotary_dim
+    return 1.0 / (theta ** exponents)
+
+
+def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [T, R] fp32 for integer positions [T] and frequencies [R / 2] (both halves the same)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, R / 2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on the first `cos.shape[-1]` dims of x: [T, H, D]; the rest passes."""
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first R = 2 * len(inv_freq) dims of x: [T, H, D] at positions [T];
+    the rest passes."""
+    return _rotate(x, *rotary_cos_sin(positions, inv_freq))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     rd = cos.shape[-1]
     x_rot, x_pass = x[..., :rd], x[..., rd:]
     half = rd // 2
@@ -55,14 +65,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x_rot * c + rotated * s, x_pass), dim=-1)
 
 
-def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def rotary_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
               q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 1e-6,
               zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention prologue: per-head RMSNorm of q: [T, Hq, D] and k: [T, Hk, D] when
     q_weight, k_weight ([D]) are given (Qwen3's qk-norm), then `apply_rotary` on both."""
     if q_weight is not None:
         q, k = rms_norm(q, q_weight, eps, zero_centred), rms_norm(k, k_weight, eps, zero_centred)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    cos, sin = rotary_cos_sin(positions, inv_freq)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 # -- linear -----------------------------------------------------------------
@@ -114,13 +125,13 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache[block // n, block % n, off] = v[keep]
 
 
-def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                     q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 1e-6,
                     zero_centred: bool = False) -> torch.Tensor:
     """The attention prologue up to the cache: `rotary_qk`, then `write_kv` of the rotated k and
     v ([T, Hkv, D]). Returns the rotated q."""
-    q, k = rotary_qk(q, k, cos, sin, q_weight, k_weight, eps, zero_centred)
+    q, k = rotary_qk(q, k, positions, inv_freq, q_weight, k_weight, eps, zero_centred)
     write_kv(k_cache, v_cache, k, v, slot_mapping)
     return q
 

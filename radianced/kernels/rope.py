@@ -2,8 +2,11 @@
 
 One kernel, grid (T, tensors): a program takes one token of q (or of k) with all
 its heads, read once in three parts per head (dims [0, R/2), [R/2, R) and the
-pass-through [R, D), R = cos.shape[-1], each padded to a power of two), and
+pass-through [R, D), R = 2 * len(inv_freq), each padded to a power of two), and
 
+- takes its angles from its position: position * inv_freq[i] in fp32, then
+  cos and sin (libdevice's, as torch's fp32 cos and sin on CUDA), so a step
+  needs no cos/sin tables (torch made them in eight launches);
 - optionally RMS-normalizes each head (Qwen3's per-head q/k norm; plain or
   zero-centred);
 - rotates the first R dims by rotate-half: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s);
@@ -23,9 +26,12 @@ are new contiguous tensors. No host sync (graph-capturable).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from radianced.kernels import pdl
 from radianced.kernels.attention import check_kv_write, slot_offset
@@ -45,7 +51,7 @@ def _normed(x, w_ptr, cols, ok, sum_sq, eps, D: tl.constexpr, NORM: tl.constexpr
 
 
 @triton.jit
-def _rotate_token(x_ptr, dst_ptr, stride_dh, w_ptr, t, n_heads, stride_xt, stride_xh, c1, s1, c2, s2, eps,
+def _rotate_token(x_ptr, dst_ptr, stride_dh, w_ptr, t, n_heads, stride_xt, stride_xh, c, s, eps,
                   D: tl.constexpr, ROT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                   BLOCK_PASS: tl.constexpr, NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr):
     """Normalize (optionally) and rotate the n_heads heads of token t into dst_ptr (token t's first
@@ -69,19 +75,20 @@ def _rotate_token(x_ptr, dst_ptr, stride_dh, w_ptr, t, n_heads, stride_xt, strid
     x2 = _normed(x2, w_ptr, HALF + j, j_ok, sum_sq, eps, D, NORM, ZERO_CENTRED)
     xp = _normed(xp, w_ptr, p, p_ok, sum_sq, eps, D, NORM, ZERO_CENTRED)
     ty = dst_ptr.dtype.element_ty
-    tl.store(dst + j[None, :], (x1 * c1[None, :] - x2 * s1[None, :]).to(ty), mask=h_ok & j_ok[None, :])
-    tl.store(dst + HALF + j[None, :], (x2 * c2[None, :] + x1 * s2[None, :]).to(ty), mask=h_ok & j_ok[None, :])
+    tl.store(dst + j[None, :], (x1 * c[None, :] - x2 * s[None, :]).to(ty), mask=h_ok & j_ok[None, :])
+    tl.store(dst + HALF + j[None, :], (x2 * c[None, :] + x1 * s[None, :]).to(ty), mask=h_ok & j_ok[None, :])
     tl.store(dst + p[None, :], xp.to(ty), mask=h_ok & p_ok[None, :])
 
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_heads, k_heads, eps,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
+def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, q_heads, k_heads, eps,
+                   stride_qt, stride_qh, stride_kt, stride_kh,
                    v_ptr, v_cache_ptr, slot_ptr, blocks_per_page, stride_vt, stride_vh,
                    stride_kp, stride_kn, stride_ks, stride_kch, stride_vp, stride_vn, stride_vs, stride_vch,
                    D: tl.constexpr, ROT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                    BLOCK_PASS: tl.constexpr, NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr,
-                   WRITE_KV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr):
+                   WRITE_KV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, LIBDEVICE: tl.constexpr,
+                   PDL: tl.constexpr):
     """Program (t, 0) rotates q's token t, (t, 1) k's; WRITE_KV: k goes to its KV slot (k_out_ptr is
     the K cache), and program (t, 2) copies v to its slot; a slot < 0 writes nothing."""
     pdl.wait(PDL)
@@ -106,43 +113,50 @@ def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, cos_ptr, 
         k_dst = k_out_ptr + slot_offset(slot, blocks_per_page, stride_kp, stride_kn, stride_ks, BLOCK_SIZE)
         stride_kd = stride_kch
     j = tl.arange(0, BLOCK_HALF)
-    j_ok = j < ROT // 2
-    cs = cos_ptr + t64 * stride_ct
-    sn = sin_ptr + t64 * stride_st
-    c1 = tl.load(cs + j, mask=j_ok, other=0.0).to(tl.float32)
-    c2 = tl.load(cs + ROT // 2 + j, mask=j_ok, other=0.0).to(tl.float32)
-    s1 = tl.load(sn + j, mask=j_ok, other=0.0).to(tl.float32)
-    s2 = tl.load(sn + ROT // 2 + j, mask=j_ok, other=0.0).to(tl.float32)
+    freqs = tl.load(pos_ptr + t64).to(tl.float32) * tl.load(inv_freq_ptr + j, mask=j < ROT // 2, other=0.0)
+    if LIBDEVICE:  # the angle of both rotary halves, with torch's fp32 cos and sin on CUDA
+        c = libdevice.cos(freqs)
+        s = libdevice.sin(freqs)
+    else:  # Triton's interpreter (numpy's); tl.cos on CUDA may be the approximate cos.approx.f32
+        c = tl.cos(freqs)
+        s = tl.sin(freqs)
     if which == 0:
         _rotate_token(q_ptr, q_out_ptr + t64 * q_heads * D, D, qw_ptr, t, q_heads, stride_qt, stride_qh,
-                      c1, s1, c2, s2, eps, D, ROT, BLOCK_H, BLOCK_HALF, BLOCK_PASS, NORM, ZERO_CENTRED)
+                      c, s, eps, D, ROT, BLOCK_H, BLOCK_HALF, BLOCK_PASS, NORM, ZERO_CENTRED)
     else:
         _rotate_token(k_ptr, k_dst, stride_kd, kw_ptr, t, k_heads, stride_kt, stride_kh,
-                      c1, s1, c2, s2, eps, D, ROT, BLOCK_H, BLOCK_HALF, BLOCK_PASS, NORM, ZERO_CENTRED)
+                      c, s, eps, D, ROT, BLOCK_H, BLOCK_HALF, BLOCK_PASS, NORM, ZERO_CENTRED)
 
 
 # -- launcher --------------------------------------------------------------------------------------
 
 
-def _check_heads(name: str, x: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+def _check_heads(name: str, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     if x.dim() != 3:
         raise ValueError(f"{name} must be [T, H, D], got shape {tuple(x.shape)}")
-    if x.shape[0] != cos.shape[0]:
-        raise ValueError(f"{name} has {x.shape[0]} tokens, cos/sin have {cos.shape[0]}")
-    if x.device != cos.device:
-        raise ValueError(f"{name} is on {x.device}, cos/sin on {cos.device}")
+    if x.shape[0] != positions.shape[0]:
+        raise ValueError(f"{name} has {x.shape[0]} tokens, positions has {positions.shape[0]}")
+    if x.device != positions.device:
+        raise ValueError(f"{name} is on {x.device}, positions on {positions.device}")
     return x if x.stride(2) == 1 else x.contiguous()
 
 
-def _launch(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+def _check_rope(positions: torch.Tensor, inv_freq: torch.Tensor) -> None:
+    if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"positions must be [T] int32 or int64, got shape {tuple(positions.shape)} {positions.dtype}")
+    if inv_freq.dim() != 1 or inv_freq.dtype != torch.float32 or inv_freq.device != positions.device:
+        raise ValueError(f"inv_freq must be [R / 2] float32 on {positions.device}, got shape "
+                         f"{tuple(inv_freq.shape)} {inv_freq.dtype} on {inv_freq.device}")
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor | None, positions: torch.Tensor, inv_freq: torch.Tensor,
             weights: tuple[torch.Tensor, torch.Tensor] | None, eps: float, zero_centred: bool,
             kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     """kv: (v, k_cache, v_cache, slot_mapping): k and v go to their KV slots (k is not returned)."""
-    rot = cos.shape[-1]
-    if cos.dim() != 2 or sin.shape != cos.shape:
-        raise ValueError(f"cos and sin must both be [T, R], got {tuple(cos.shape)} and {tuple(sin.shape)}")
-    q = _check_heads("q", q, cos)
-    k = q if k is None else _check_heads("k", k, cos)
+    _check_rope(positions, inv_freq)
+    rot = 2 * inv_freq.shape[0]
+    q = _check_heads("q", q, positions)
+    k = q if k is None else _check_heads("k", k, positions)
     d = q.shape[2]
     if k.shape[2] != d or rot % 2 or rot > d:
         raise ValueError(f"rotary dim {rot} must be even and at most the head dim of q ({d}) and k ({k.shape[2]})")
@@ -161,23 +175,23 @@ def _launch(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: tor
         k_out = k_cache  # k's destination: its slots
     else:
         k_out = q_out if k is q else torch.empty(k.shape, dtype=out_dtype, device=q.device)
-        v, v_cache, slots = q, q_out, cos  # unused without WRITE_KV
+        v, v_cache, slots = q, q_out, positions  # unused without WRITE_KV
     if q.shape[0] == 0:
         return q_out, k_out
-    cos, sin = (c if c.stride(1) == 1 else c.contiguous() for c in (cos, sin))
-    qw, kw = weights if weights is not None else (cos, cos)  # unused without NORM
+    qw, kw = weights if weights is not None else (inv_freq, inv_freq)  # unused without NORM
     block_h = triton.next_power_of_2(max(q.shape[1], k.shape[1]))
     block_half = triton.next_power_of_2(max(rot // 2, 1))
     block_pass = triton.next_power_of_2(max(d - rot, 1))
     elems = block_h * (2 * block_half + block_pass)
     caches = (*k_out.stride()[:4], *v_cache.stride()[:4]) if kv is not None else (0,) * 8
     _rotary_kernel[(q.shape[0], 1 if k is q else 2 if kv is None else 3)](
-        q, k, q_out, k_out, qw.contiguous(), kw.contiguous(), cos, sin, q.shape[1], k.shape[1], eps,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
+        q, k, q_out, k_out, qw.contiguous(), kw.contiguous(), positions.contiguous(), inv_freq.contiguous(),
+        q.shape[1], k.shape[1], eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v, v_cache, slots, k_out.shape[1] if kv is not None else 1, v.stride(0), v.stride(1), *caches,
         D=d, ROT=rot, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
         NORM=weights is not None, ZERO_CENTRED=zero_centred, WRITE_KV=kv is not None,
         BLOCK_D=triton.next_power_of_2(d), BLOCK_SIZE=k_out.shape[2] if kv is not None else 1,
+        LIBDEVICE=os.environ.get("TRITON_INTERPRET") != "1",
         num_warps=4 if elems <= 2048 else 8, **pdl.launch(q.device))
     return q_out, k_out
 
@@ -185,22 +199,23 @@ def _launch(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: tor
 # -- public ops ------------------------------------------------------------------------------------
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on the first R = cos.shape[-1] dims of x: [T, H, D]; the rest passes (Triton).
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first R = 2 * len(inv_freq) dims of x: [T, H, D]; the rest passes (Triton).
 
-    Same contract as `reference.apply_rotary`: cos, sin: [T, R] (R even, <= D,
-    any float dtype). Returns a new [T, H, D] tensor in x's dtype.
+    Same contract as `reference.apply_rotary`: positions: [T] int32 or int64;
+    inv_freq: [R / 2] fp32 (`reference.rotary_inv_freq`), R <= D. Returns a new
+    [T, H, D] tensor in x's dtype.
     """
-    return _launch(x, None, cos, sin, None, 0.0, False)[0]
+    return _launch(x, None, positions, inv_freq, None, 0.0, False)[0]
 
 
-def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def rotary_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
               q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 1e-6,
               zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention prologue in one launch (Triton): per-head RMSNorm of q and k, then RoPE on both.
 
     Same contract as `reference.rotary_qk`: q: [T, Hq, D], k: [T, Hk, D] (last
-    dim contiguous); cos, sin: [T, R]. With `q_weight`, `k_weight` ([D] each)
+    dim contiguous); positions, inv_freq as in `apply_rotary`. With `q_weight`, `k_weight` ([D] each)
     each head is first RMS-normalized (`zero_centred`: times 1 + weight) as
     `reference.rms_norm` does; without them only the rotation runs. Returns new
     (q, k) tensors in the normalized dtype (q's dtype without norm).
@@ -208,16 +223,16 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     if (q_weight is None) != (k_weight is None):
         raise ValueError("rotary_qk needs both q_weight and k_weight, or neither")
     weights = None if q_weight is None else (q_weight, k_weight)
-    return _launch(q, k, cos, sin, weights, eps, zero_centred)
+    return _launch(q, k, positions, inv_freq, weights, eps, zero_centred)
 
 
-def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                     q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 1e-6,
                     zero_centred: bool = False) -> torch.Tensor:
     """`rotary_qk`, then k and v stored at their KV slots, in one launch (Triton); returns q.
 
-    Same contract as `reference.rotary_write_kv`: q, k, cos, sin and the norms as
+    Same contract as `reference.rotary_write_kv`: q, k, positions, inv_freq and the norms as
     in `rotary_qk`; v: [T, Hkv, D] like k; caches and slot_mapping [T] as in
     `attention.write_kv` (a slot < 0 writes nothing; slots distinct). The cache
     holds k as `rotary_qk` returns it, cast to the cache's dtype.
@@ -226,7 +241,7 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
         raise ValueError("rotary_write_kv needs both q_weight and k_weight, or neither")
     check_kv_write(k_cache, v_cache, k, v, slot_mapping)
     weights = None if q_weight is None else (q_weight, k_weight)
-    return _launch(q, k, cos, sin, weights, eps, zero_centred, (v, k_cache, v_cache, slot_mapping))[0]
+    return _launch(q, k, positions, inv_freq, weights, eps, zero_centred, (v, k_cache, v_cache, slot_mapping))[0]
 
 
 __all__ = ["apply_rotary", "rotary_qk", "rotary_write_kv"]

@@ -38,9 +38,16 @@ class Rotary:
 
     def __init__(self, rotary_dim: int, theta: float):
         self.rotary_dim, self.theta = rotary_dim, theta
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.rotary_cos_sin(positions, self.rotary_dim, self.theta)
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope` for a step: (positions [T], inv_freq [rotary_dim / 2] fp32 on their device, made
+        once per device); the rotary op takes its angles from them."""
+        inv_freq = self._inv_freq.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq[positions.device] = ops.rotary_inv_freq(
+                self.rotary_dim, self.theta, positions.device)
+        return positions, inv_freq
 
 
 class Attention:
@@ -85,12 +92,12 @@ class Attention:
         q = q.reshape(t, self.heads, self.head_dim)
         k = k.reshape(t, self.kv_heads, self.head_dim)
         v = v.reshape(t, self.kv_heads, self.head_dim)
-        cos, sin = rope
+        positions, inv_freq = rope
         norms = {} if self.q_norm is None else dict(q_weight=self.q_norm.weight, k_weight=self.k_norm.weight,
                                                      eps=self.q_norm.eps, zero_centred=self.q_norm.zero_centred)
         k_cache, v_cache = cache.layer(self.layer)
         # qk-norm, RoPE, and k and v into the cache: one launch on CUDA
-        q = ops.rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping, **norms)
+        q = ops.rotary_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, batch.slot_mapping, **norms)
         o = ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_t, batch.seq_lens_t,
                                 self.scale).reshape(t, self.heads * self.head_dim)
         if gate is not None:
@@ -195,7 +202,7 @@ class CausalLM:
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Run the step; returns logits [R, V] (fp32) for batch.logits_rows."""
         x = self.embed(batch.input_ids)  # [T, hidden]
-        rope = self.rotary.cos_sin(batch.positions)
+        rope = self.rotary.at(batch.positions)
         for layer in self.layers:
             x = layer(x, rope, batch, cache)
         return self.lm_head(self.norm(x[batch.logits_rows]))

@@ -269,11 +269,10 @@ def test_rotary_qk_real_shapes(layer_kernels, case, t, dtype):
     hq, hk, d, rd, qk_norm, zc = ROTARY_CASES[case]
     q = _rand(t, hq, 2 * d, dtype=dtype, seed=4)[:, :, :d]  # strided, as the output-gated q_proj leaves it
     k = _rand(t, hk, d, dtype=dtype, seed=5)
-    positions = torch.randint(0, 32768, (t,), device="cuda")
-    cos, sin = reference.rotary_cos_sin(positions, rd, 1e6)
+    at = (torch.randint(0, 32768, (t,), device="cuda"), reference.rotary_inv_freq(rd, 1e6, "cuda"))
     weights = (_rand(d, dtype=dtype, seed=6, scale=0.2), _rand(d, dtype=dtype, seed=7, scale=0.2)) if qk_norm else ()
-    got = rope.rotary_qk(q, k, cos, sin, *weights, eps=1e-6, zero_centred=zc)
-    want = reference.rotary_qk(q.float(), k.float(), cos, sin, *(w.float() for w in weights), eps=1e-6,
+    got = rope.rotary_qk(q, k, *at, *weights, eps=1e-6, zero_centred=zc)
+    want = reference.rotary_qk(q.float(), k.float(), *at, *(w.float() for w in weights), eps=1e-6,
                                zero_centred=zc)
     _check("kernel_rotary_qk", f"{case}_t{t}_q", dtype, got[0], want[0])
     _check("kernel_rotary_qk", f"{case}_t{t}_k", dtype, got[1], want[1])
@@ -290,16 +289,16 @@ def test_rotary_write_kv_is_rotary_qk_then_write_kv(layer_kernels, case, t):
     hq, hk, d, rd, qk_norm, zc = ROTARY_CASES[case]
     q = _rand(t, hq, 2 * d, seed=8, dtype=torch.bfloat16)[:, :, :d]
     k, v = _rand(t, hk, d, seed=9, dtype=torch.bfloat16), _rand(t, hk, d, seed=10, dtype=torch.bfloat16)
-    cos, sin = reference.rotary_cos_sin(torch.randint(0, 32768, (t,), device="cuda"), rd, 1e6)
+    at = (torch.randint(0, 32768, (t,), device="cuda"), reference.rotary_inv_freq(rd, 1e6, "cuda"))
     weights = tuple(_rand(d, seed=s, scale=0.2, dtype=torch.bfloat16) for s in (11, 12)) if qk_norm else ()
     storage = _rand(t // 16 + 2, 4, 2, BLOCK, hk, d, seed=13, dtype=torch.bfloat16)  # [P, N, K|V, S, Hkv, D]
     slots = torch.randperm(storage.shape[0] * 4 * BLOCK, device="cuda")[:t]
     slots[::7] = -1
     k_cache, v_cache = storage[:, :, 0], storage[:, :, 1]
     want = storage.clone()
-    want_q, rotated_k = rope.rotary_qk(q, k, cos, sin, *weights, eps=1e-6, zero_centred=zc)
+    want_q, rotated_k = rope.rotary_qk(q, k, *at, *weights, eps=1e-6, zero_centred=zc)
     attention.write_kv(want[:, :, 0], want[:, :, 1], rotated_k, v, slots)
-    got_q = rope.rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, *weights, eps=1e-6, zero_centred=zc)
+    got_q = rope.rotary_write_kv(q, k, v, *at, k_cache, v_cache, slots, *weights, eps=1e-6, zero_centred=zc)
     assert torch.equal(got_q, want_q) and torch.equal(storage, want)
 
 

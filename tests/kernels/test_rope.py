@@ -23,25 +23,44 @@ require_interpreted(rope._rotary_kernel, "rope")
 THETA = 10000.0
 
 
-def cos_sin(t: int, rotary_dim: int, seed: int = 0):
-    positions = torch.randperm(4000, generator=torch.Generator().manual_seed(seed))[:t]
-    cos, sin = reference.rotary_cos_sin(positions, rotary_dim, THETA)
-    return cos.to(DEVICE), sin.to(DEVICE)
+def rope_at(t: int, rotary_dim: int, seed: int = 0, high: int = 4000):
+    """(positions [T], inv_freq [R / 2]) on the test device: t distinct positions below `high`."""
+    positions = torch.randperm(high, generator=torch.Generator().manual_seed(seed))[:t]
+    return positions.to(DEVICE), reference.rotary_inv_freq(rotary_dim, THETA, DEVICE)
+
+
+def cpu(rope_args):
+    return tuple(a.cpu() for a in rope_args)
 
 
 @pytest.mark.parametrize("t", [1, 15, 63, 300])
 def test_full_rotary_matches_reference(t):
     x = rand(t, 9, 64, seed=t)
-    cos, sin = cos_sin(t, 64, seed=t)
-    assert rel_err(rope.apply_rotary(x, cos, sin).cpu(), reference.apply_rotary(f32(x), cos.cpu(), sin.cpu())) < 1e-4
+    at = rope_at(t, 64, seed=t)
+    assert rel_err(rope.apply_rotary(x, *at).cpu(), reference.apply_rotary(f32(x), *cpu(at))) < 1e-4
+
+
+def test_angles_far_into_the_context():
+    """The kernel's own cos and sin at positions up to 131,071 (angles of 1e5 radians in fp32)."""
+    x = rand(63, 4, 128, seed=5)
+    at = rope_at(63, 128, seed=5, high=131072)
+    assert rel_err(rope.apply_rotary(x, *at).cpu(), reference.apply_rotary(f32(x), *cpu(at))) < 1e-4
+
+
+def test_bad_rope_tables_are_refused():
+    positions, inv_freq = rope_at(4, 16)
+    with pytest.raises(ValueError, match=r"positions must be \[T\] int32 or int64"):
+        rope.apply_rotary(rand(4, 2, 64), positions.float(), inv_freq)
+    with pytest.raises(ValueError, match=r"inv_freq must be \[R / 2\] float32"):
+        rope.apply_rotary(rand(4, 2, 64), positions, inv_freq.double())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_partial_rotary_passes_the_other_dims_through(dtype):
     x = rand(15, 3, 64, dtype=dtype, seed=1)
-    cos, sin = cos_sin(15, 16, seed=1)
-    got = rope.apply_rotary(x, cos, sin)
-    want = reference.apply_rotary(f32(x), cos.cpu(), sin.cpu())
+    at = rope_at(15, 16, seed=1)
+    got = rope.apply_rotary(x, *at)
+    want = reference.apply_rotary(f32(x), *cpu(at))
     assert got.dtype == dtype
     assert rel_err(got.cpu(), want) < (1e-4 if dtype == torch.float32 else 1e-2)
     assert torch.equal(got[..., 16:], x[..., 16:])  # bit for bit
@@ -52,9 +71,9 @@ def test_rotary_qk_without_norm_is_two_rotations(dtype):
     """One launch for q (9 heads, a strided view of a wider projection) and k (3 heads)."""
     q = rand(15, 9, 128, dtype=dtype, seed=2)[:, :, :64]
     k = rand(15, 3, 64, dtype=dtype, seed=3)
-    cos, sin = cos_sin(15, 64, seed=2)
-    got_q, got_k = rope.rotary_qk(q, k, cos, sin)
-    want_q, want_k = reference.rotary_qk(f32(q), f32(k), cos.cpu(), sin.cpu())
+    at = rope_at(15, 64, seed=2)
+    got_q, got_k = rope.rotary_qk(q, k, *at)
+    want_q, want_k = reference.rotary_qk(f32(q), f32(k), *cpu(at))
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     assert rel_err(got_q.cpu(), want_q) < tol and rel_err(got_k.cpu(), want_k) < tol
 
@@ -67,9 +86,9 @@ def test_rotary_qk_fused_with_the_qk_norm(t, zero_centred, dtype):
     rotary_dim = 16 if zero_centred else 64
     q, k = rand(t, 6, 64, dtype=dtype, seed=4) * 3, rand(t, 2, 64, dtype=dtype, seed=5)
     qw, kw = (rand(64, dtype=dtype, seed=s) * 0.1 for s in (6, 7))
-    cos, sin = cos_sin(t, rotary_dim, seed=t)
-    got_q, got_k = rope.rotary_qk(q, k, cos, sin, qw, kw, 1e-6, zero_centred)
-    want_q, want_k = reference.rotary_qk(f32(q), f32(k), cos.cpu(), sin.cpu(), f32(qw), f32(kw), 1e-6, zero_centred)
+    at = rope_at(t, rotary_dim, seed=t)
+    got_q, got_k = rope.rotary_qk(q, k, *at, qw, kw, 1e-6, zero_centred)
+    want_q, want_k = reference.rotary_qk(f32(q), f32(k), *cpu(at), f32(qw), f32(kw), 1e-6, zero_centred)
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     assert got_q.dtype == got_k.dtype == dtype
     assert rel_err(got_q.cpu(), want_q) < tol and rel_err(got_k.cpu(), want_k) < tol
@@ -91,35 +110,35 @@ def test_rotary_write_kv_is_rotary_qk_then_write_kv(zero_centred, dtype):
     q = rand(t, 6, 64, dtype=dtype, seed=8)
     k, v = rand(t, 2, 64, dtype=dtype, seed=9), rand(t, 2, 64, dtype=dtype, seed=10)
     qw, kw = (rand(64, dtype=dtype, seed=s) * 0.1 for s in (11, 12))
-    cos, sin = cos_sin(t, rotary_dim, seed=3)
+    at = rope_at(t, rotary_dim, seed=3)
     slots = torch.tensor([13, 2, -1, 23, 6], device=DEVICE)  # pages 1, 0, -, 2, 0; blocks across pages
     k_cache, v_cache = _caches(dtype, seed=13)
     want_k_cache, want_v_cache = k_cache.clone(), v_cache.clone()
-    want_q, rotated_k = rope.rotary_qk(q, k, cos, sin, qw, kw, 1e-6, zero_centred)
+    want_q, rotated_k = rope.rotary_qk(q, k, *at, qw, kw, 1e-6, zero_centred)
     attention.write_kv(want_k_cache, want_v_cache, rotated_k, v, slots)
-    got_q = rope.rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, qw, kw, 1e-6, zero_centred)
+    got_q = rope.rotary_write_kv(q, k, v, *at, k_cache, v_cache, slots, qw, kw, 1e-6, zero_centred)
     assert torch.equal(got_q, want_q)
     assert torch.equal(k_cache, want_k_cache) and torch.equal(v_cache, want_v_cache)
     ref_k, ref_v = _caches(torch.float32, seed=13)
-    ref_q = reference.rotary_write_kv(f32(q), f32(k), f32(v), cos.cpu(), sin.cpu(), ref_k, ref_v, slots.cpu(),
+    ref_q = reference.rotary_write_kv(f32(q), f32(k), f32(v), *cpu(at), ref_k, ref_v, slots.cpu(),
                                       f32(qw), f32(kw), 1e-6, zero_centred)
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     assert rel_err(got_q.cpu(), ref_q) < tol and rel_err(k_cache.cpu(), ref_k) < tol
 
 
 def test_rotary_write_kv_refuses_caches_that_do_not_fit():
-    cos, sin = cos_sin(2, 64)
+    at = rope_at(2, 64)
     k_cache, v_cache = _caches(torch.float32, seed=0)
     with pytest.raises(ValueError, match=r"do not fit caches"):
-        rope.rotary_write_kv(rand(2, 6, 64), rand(2, 3, 64), rand(2, 3, 64), cos, sin, k_cache, v_cache,
+        rope.rotary_write_kv(rand(2, 6, 64), rand(2, 3, 64), rand(2, 3, 64), *at, k_cache, v_cache,
                              torch.zeros(2, dtype=torch.int64, device=DEVICE))
 
 
 def test_bad_shapes_are_refused_with_the_numbers():
-    cos, sin = cos_sin(4, 16)
-    with pytest.raises(ValueError, match=r"q has 3 tokens, cos/sin have 4"):
-        rope.apply_rotary(rand(3, 2, 64), cos, sin)
+    at = rope_at(4, 16)
+    with pytest.raises(ValueError, match=r"q has 3 tokens, positions has 4"):
+        rope.apply_rotary(rand(3, 2, 64), *at)
     with pytest.raises(ValueError, match=r"rotary dim 80 must be even and at most the head dim"):
-        rope.apply_rotary(rand(4, 2, 64), *cos_sin(4, 80))
+        rope.apply_rotary(rand(4, 2, 64), *rope_at(4, 80))
     with pytest.raises(ValueError, match=r"needs both q_weight and k_weight"):
-        rope.rotary_qk(rand(4, 2, 64), rand(4, 2, 64), cos, sin, q_weight=rand(64))
+        rope.rotary_qk(rand(4, 2, 64), rand(4, 2, 64), *at, q_weight=rand(64))
