@@ -17,8 +17,9 @@ The step runs without a host sync:
    `deterministic=True`, stored per assignment and summed over k in order.
 
 At T == 1 (decode at batch 1) step 1 is skipped: the k experts are distinct, so
-tile i is simply assignment i, and the ordered sum (3 launches in all) replaces
-the atomics, whichever was asked for.
+tile i is simply assignment i, and the ordered sum replaces the atomics,
+whichever was asked for; the down launch does that sum itself (the last of a
+column block's k programs to finish, kernels/arrival.py): 2 launches in all.
 
 Weights are read through a per-expert base address, the only way the kernels
 reach them: `slab + table[e] * row_stride` for table[e] >= 0 and
@@ -42,7 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from radianced.kernels import pdl
+from radianced.kernels import arrival, pdl
+
 # Assignments (T * k) up to which one counting-sort program groups them; above, torch.sort.
 GROUP_FUSED_MAX = 1024
 # (assignments per chunk, tiles per chunk, warps) of the grouping programs. On the H200 the counting
@@ -242,14 +244,17 @@ def _moe_gate_up_kernel(
 @triton.jit
 def _moe_down_kernel(
     h_ptr, w_ptr, table_ptr, order_ptr, tile_info_ptr, topk_weights_ptr, out_ptr, host_ptr,
-    hidden, inter, top_k,
-    stride_row, stride_host_row,
+    residual_ptr, sum_ptr, counter_ptr, hidden, inter, top_k,
+    stride_row, stride_host_row, stride_res,
     TABLE_IS_PTR: tl.constexpr, HAS_HOST: tl.constexpr, PER_ASSIGNMENT: tl.constexpr, DETERMINISTIC: tl.constexpr,
+    SUM_LAST: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """y = weight * (h[row] . down[n]); atomically added to out[tok] (fp32 [T, H]), or, DETERMINISTIC,
-    stored to out[assignment] (fp32 [A, H]) for an ordered sum over k afterwards."""
+    stored to out[assignment] (fp32 [A, H]) for an ordered sum over k afterwards. SUM_LAST (T == 1,
+    PER_ASSIGNMENT and DETERMINISTIC): the last of the k programs of a column block to finish does
+    that sum for the block (`_sum_rows`, the residual added) into sum_ptr ([1, H], x's dtype)."""
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     expert, rows, row_ok, assignment = _tile_rows(tile_info_ptr, order_ptr, tl.program_id(0), BLOCK_M,
@@ -274,6 +279,9 @@ def _moe_down_kernel(
     mask = row_ok[:, None] & n_ok[None, :]
     if DETERMINISTIC:
         tl.store(out_ptr + assignment[:, None] * hidden + n[None, :], y, mask=mask)
+        if SUM_LAST:
+            if arrival.last_arrival(counter_ptr + tl.program_id(1), top_k):
+                _sum_rows(out_ptr, residual_ptr, sum_ptr, 0, n, n_ok, hidden, top_k, stride_res, HAS_RESIDUAL)
     else:
         tok = assignment // top_k
         tl.atomic_add(out_ptr + tok[:, None] * hidden + n[None, :], y, mask=mask, sem="relaxed")
@@ -287,12 +295,18 @@ def _moe_sum_kernel(y_ptr, residual_ptr, out_ptr, hidden, top_k, stride_res,
     rounds in torch."""
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
-    t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    n_ok = n < hidden
-    acc = tl.zeros([BLOCK_H], tl.float32)
+    _sum_rows(y_ptr, residual_ptr, out_ptr, tl.program_id(0).to(tl.int64), n, n < hidden, hidden, top_k, stride_res,
+              HAS_RESIDUAL)
+
+
+@triton.jit
+def _sum_rows(y_ptr, residual_ptr, out_ptr, t, n, n_ok, hidden, top_k, stride_res, HAS_RESIDUAL: tl.constexpr):
+    """out[t, n] = round(sum_j y[t * k + j, n]) (j in order, fp32), plus residual[t, n] rounded again.
+    y is read from L2 (`.cg`): other programs of the launch may have just written it."""
+    acc = tl.zeros(n.shape, tl.float32)
     for j in range(top_k):
-        acc += tl.load(y_ptr + (t * top_k + j) * hidden + n, mask=n_ok, other=0.0)
+        acc += tl.load(y_ptr + (t * top_k + j) * hidden + n, mask=n_ok, other=0.0, cache_modifier=".cg")
     out = acc.to(out_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + t * stride_res + n, mask=n_ok, other=0.0)
@@ -363,17 +377,22 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         y = torch.empty((a, hidden), dtype=torch.float32, device=dev)  # every row written: one per assignment
     else:
         y = torch.zeros((t, hidden), dtype=torch.float32, device=dev)
-    _moe_down_kernel[(tiles, triton.cdiv(hidden, cfg.block_n_down))](
+    column_blocks = triton.cdiv(hidden, cfg.block_n_down)
+    out = torch.empty_like(x)
+    _moe_down_kernel[(tiles, column_blocks)](
         h, w_ref, table, order, tile_info, weights, y, w_ref if host is None else host,
+        out if residual is None else residual, out, arrival.counters(dev, column_blocks) if per_assignment else y,
         hidden, inter, top_k, stride_row, 0 if host is None else host.stride(0),
+        0 if residual is None else residual.stride(0),
         TABLE_IS_PTR=table_is_ptr, HAS_HOST=host is not None, PER_ASSIGNMENT=per_assignment,
-        DETERMINISTIC=deterministic,
+        DETERMINISTIC=deterministic, SUM_LAST=per_assignment, HAS_RESIDUAL=residual is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down,
         DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(dev))
+    if per_assignment:
+        return out
     if not deterministic and residual is None:
         return y if x.dtype == torch.float32 else y.to(x.dtype)
     # the ordered sum over k (deterministic), or over the one scattered row (k = 1), plus the residual
-    out = torch.empty_like(x)
     block_h = min(1024, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(t, triton.cdiv(hidden, block_h))](
         y, out if residual is None else residual, out, hidden, top_k if deterministic else 1,

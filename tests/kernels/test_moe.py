@@ -95,6 +95,22 @@ def test_residual_is_added_in_the_last_launch(t, dtype, deterministic):
     assert rel_err(got.float(), want) < (1e-4 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_batch_1_sums_in_its_down_launch_as_the_grouped_path_does(dtype):
+    """At T = 1 the last of a column block's k down programs sums the k rows (the residual added):
+    bit for bit the grouped path's separate ordered sum for the same token (row 0 of a T = 2 batch
+    whose row 1 is another token), and again on a second call (the arrival counters reset)."""
+    pair = Experts(2, k=4, dtype=dtype, seed=12)
+    residual = torch.randn((2, H), generator=torch.Generator().manual_seed(13)).to(dtype).to(DEVICE)
+    grouped = pair.kernel(deterministic=True, residual=residual)
+    one = moe_kernels.moe(pair.x[:1], pair.ids[:1], pair.weights[:1], pair.table, pair.slab, I,
+                          residual=residual[:1]).cpu()
+    assert torch.equal(one, grouped[:1])
+    again = moe_kernels.moe(pair.x[:1], pair.ids[:1], pair.weights[:1], pair.table, pair.slab, I,
+                            residual=residual[:1]).cpu()
+    assert torch.equal(again, one)
+
+
 def test_residual_of_another_shape_is_refused():
     experts = Experts(3, k=2)
     with pytest.raises(ValueError, match="residual must be like x"):
