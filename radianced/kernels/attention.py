@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from radianced.kernels import pdl
+
 LOG2E = 1.4426950408889634
 # Bounds on the split-KV (flash-decoding) heuristic. A split's keys are a whole number of BLOCK_N
 # tiles, and at decode each tile is a chain of dependent loads (block table, then K and V): the
@@ -121,7 +122,6 @@ def _paged_attention_kernel(
     PDL: tl.constexpr,
 ):
     pdl.wait(PDL)
-    pdl.launch_dependents(PDL)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -197,7 +197,6 @@ def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_tokens, stride_o
                          Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)
-    pdl.launch_dependents(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)

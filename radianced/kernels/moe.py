@@ -133,7 +133,6 @@ def _moe_group_kernel(ids_ptr, order_ptr, tile_info_ptr, num_assignments, num_ex
     loads, so a decode batch's grouping costs a few microseconds.
     """
     pdl.wait(PDL)
-    pdl.launch_dependents(PDL)
     e = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], tl.int32)
     for a0 in range(0, num_assignments, BLOCK_A):
@@ -159,7 +158,6 @@ def _moe_align_kernel(sorted_ids_ptr, tile_info_ptr, num_assignments, num_expert
                       BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
     """One program: sorted expert ids [A] -> tile_info [num_tiles, 3] = (expert or -1, row lo, row hi)."""
     pdl.wait(PDL)
-    pdl.launch_dependents(PDL)
     e = tl.arange(0, BLOCK_E)
     start = _lower_bound(sorted_ids_ptr, num_assignments, e.to(tl.int64), search_steps)  # [BLOCK_E]
     end = _lower_bound(sorted_ids_ptr, num_assignments, (e + 1).to(tl.int64), search_steps)
@@ -212,7 +210,6 @@ def _moe_gate_up_kernel(
 ):
     """h[row, n] = silu(x[tok] . gate[n]) * (x[tok] . up[n]) for the tile's sorted rows; h: [A, I]."""
     pdl.wait(PDL)
-    pdl.launch_dependents(PDL)
     expert, rows, row_ok, assignment = _tile_rows(tile_info_ptr, order_ptr, tl.program_id(0), BLOCK_M,
                                                   PER_ASSIGNMENT)
     if expert < 0:
@@ -256,7 +253,6 @@ def _moe_down_kernel(
     PER_ASSIGNMENT and DETERMINISTIC): the last of the k programs of a column block to finish does
     that sum for the block (`_sum_rows`, the residual added) into sum_ptr ([1, H], x's dtype)."""
     pdl.wait(PDL)
-    pdl.launch_dependents(PDL)
     expert, rows, row_ok, assignment = _tile_rows(tile_info_ptr, order_ptr, tl.program_id(0), BLOCK_M,
                                                   PER_ASSIGNMENT)
     if expert < 0:
@@ -294,7 +290,6 @@ def _moe_sum_kernel(y_ptr, residual_ptr, out_ptr, hidden, top_k, stride_res,
     out's dtype; with a residual, out[t] = round(residual[t] + that rounded sum), as `x + moe(x)`
     rounds in torch."""
     pdl.wait(PDL)
-    pdl.launch_dependents(PDL)
     n = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     _sum_rows(y_ptr, residual_ptr, out_ptr, tl.program_id(0).to(tl.int64), n, n < hidden, hidden, top_k, stride_res,
               HAS_RESIDUAL)

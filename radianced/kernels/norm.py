@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from radianced.kernels import pdl
+
 MAX_ELEMS_PER_PROGRAM = 8192  # rows * padded D held by one program
 
 # -- heuristics ------------------------------------------------------------------------------------
@@ -45,7 +46,6 @@ def _rms_norm_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, n_rows, eps,
                      D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                      ZERO_CENTRED: tl.constexpr, GATED: tl.constexpr, ROUND_MID: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)
-    pdl.launch_dependents(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < n_rows)[:, None] & (cols < D)[None, :]

@@ -92,7 +92,6 @@ def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, pos_ptr, 
     """Program (t, 0) rotates q's token t, (t, 1) k's; WRITE_KV: k goes to its KV slot (k_out_ptr is
     the K cache), and program (t, 2) copies v to its slot; a slot < 0 writes nothing."""
     pdl.wait(PDL)
-    pdl.launch_dependents(PDL)
     t = tl.program_id(0)
     which = tl.program_id(1)
     t64 = t.to(tl.int64)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from radianced.kernels import pdl
+
 MAX_EXPERTS = 1024  # one program holds a token's logits in registers
 
 
@@ -22,7 +23,6 @@ def _route_kernel(logits_ptr, ids_ptr, weights_ptr, num_experts, stride_t,
                   TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr,
                   PDL: tl.constexpr):
     pdl.wait(PDL)
-    pdl.launch_dependents(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + t * stride_t + e, mask=e < num_experts, other=float("-inf")).to(tl.float32)
