@@ -249,6 +249,13 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is the default and means nothing for bf16
 
 
+def _partials(splits: int, t: int, hq: int, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split programs' partial results: o [S, T, Hq, D] fp32, normalized within its split, and
+    the log-sum-exp lse [S, T, Hq] fp32 (log2 domain)."""
+    return (torch.empty((splits, t, hq, d), dtype=torch.float32, device=device),
+            torch.empty((splits, t, hq), dtype=torch.float32, device=device))
+
+
 def _launch_paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, out,
                             cfg: AttentionConfig) -> None:
     t, hq, d = q.shape
@@ -257,11 +264,7 @@ def _launch_paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_
     group = hq // hkv
     block_d = triton.next_power_of_2(d)
     splits = cfg.num_splits
-    if splits > 1:
-        part_o = torch.empty((splits, t, hq, d), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((splits, t, hq), dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_lse = out  # unused
+    part_o, part_lse = _partials(splits, t, hq, d, q.device) if splits > 1 else (out, out)  # (out, out): unused
     grid = (t // cfg.block_q + num_seqs, hkv, splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_lse,
