@@ -77,6 +77,37 @@ def test_paged_attention_real_shapes(kernels, case, dtype):
     assert got.dtype == dtype and err < tol
 
 
+def test_split_merge_repeats_and_replays_in_a_graph_bit_for_bit(kernels):
+    """Qwen3 b1 decode at 1,024 keys, split as the heuristic splits it (32 on an H200): the last
+    split of each group merges (kernels/arrival.py), so two calls give the same bits and leave every
+    counter at zero; captured in a CUDA graph after eager calls (which allocated the counters), each
+    replay on new queries gives the eager call's bits."""
+    attention, _ = kernels
+    from radianced.kernels import arrival
+    q, kc, vc, bt, qs, sl = _paged([1], [1024], 32, 4, 128, torch.bfloat16, seed=5)
+    qs, sl = torch.tensor(qs, dtype=torch.int32, device="cuda"), torch.tensor(sl, dtype=torch.int32, device="cuda")
+    assert attention.attention_config(1, 1, 32, 4, 128, q.device).num_splits > 1
+
+    def run(q):
+        return attention.paged_attention(q, kc, vc, bt, qs, sl, 128 ** -0.5)
+
+    first = run(q)
+    assert torch.equal(run(q), first) and not arrival.counters(q.device, 1).any()
+    static_q = q.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = run(static_q)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    for _ in range(3):
+        static_q.copy_(torch.randn(q.shape, generator=g, device="cuda"))
+        graph.replay()
+        assert torch.equal(static_out, run(static_q))
+    assert not arrival.counters(q.device, 1).any()
+    want = reference.paged_attention(static_q.float(), kc.float(), vc.float(), bt, qs.tolist(), sl.tolist(),
+                                     128 ** -0.5)
+    assert rel_err(static_out, want) < 1e-2
+
+
 def test_write_kv_real_shapes(kernels):
     attention, _ = kernels
     _, kc, vc, _, _, _ = _paged([1], [4096], 32, 4, 128, torch.bfloat16)
