@@ -197,26 +197,43 @@ def _paged_attention_kernel(
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
         # the group's (this tile and KV head's) last split to arrive merges the group's partials
         if arrival.last_arrival(counters_ptr + tile * tl.num_programs(1) + kvh, NUM_SPLITS):
-            o = _merge_splits(part_o_ptr, part_lse_ptr, q_rows, head, row_ok, d, d_ok, num_tokens,
+            live = tl.cdiv(kv_end, per_split)  # splits that hold keys
+            o = _merge_splits(part_o_ptr, part_lse_ptr, q_rows, head, row_ok, d, d_ok, num_tokens, live,
                               Q_HEADS, HEAD_DIM, BLOCK_M, BLOCK_D, NUM_SPLITS, BLOCK_S)
             tl.store(out_at, o.to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
 @triton.jit
-def _merge_splits(part_o_ptr, part_lse_ptr, q_rows, head, row_ok, d, d_ok, num_tokens,
+def _max_lse(part_lse_ptr, q_rows, head, row_ok, num_tokens, live, Q_HEADS: tl.constexpr, BLOCK_M: tl.constexpr,
+             NUM_SPLITS: tl.constexpr):
+    """[BLOCK_M] max of the rows' lse over the `live` splits (lse [S, T, Hq]): finite, as split 0
+    holds key 0, which every row sees. One split at a time rather than tl.max over an
+    [BLOCK_M, BLOCK_S] tile, so the max comes out in the layout of the rows of o and each split's
+    weight needs no conversion through shared memory (a barrier a split, in the tile's layout)."""
+    lse_max = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    for split in tl.static_range(NUM_SPLITS):  # unrolled: the loads issue together
+        part = (split * num_tokens + q_rows) * Q_HEADS + head  # [BLOCK_M]
+        lse = tl.load(part_lse_ptr + part, mask=row_ok & (split < live), other=-1.0e30, cache_modifier=".cg")
+        lse_max = tl.maximum(lse_max, lse)
+    return lse_max
+
+
+@triton.jit
+def _merge_splits(part_o_ptr, part_lse_ptr, q_rows, head, row_ok, d, d_ok, num_tokens, live,
                   Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                   NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
     """A tile's output rows [BLOCK_M, BLOCK_D] fp32 (rows: q_rows [BLOCK_M] x head [BLOCK_M]) from
     every split's partials, o [S, T, Hq, D] and lse [S, T, Hq]: weights w = exp2(lse - max lse),
-    sum(o * w) over the splits in split order / sum(w). Other programs wrote them: read from L2."""
+    sum(o * w) over the splits in split order / sum(w). Other programs wrote them: read from L2.
+    Splits from `live` on hold no keys (they stored o = 0, lse = -1e30: w = 0) and are not read."""
+    lse_max = _max_lse(part_lse_ptr, q_rows, head, row_ok, num_tokens, live, Q_HEADS, BLOCK_M, NUM_SPLITS)
     s = tl.arange(0, BLOCK_S)  # splits padded to a power of two
-    row_lse = (s[None, :] * num_tokens + q_rows[:, None]) * Q_HEADS + head[:, None]  # [BLOCK_M, BLOCK_S]
-    lse = tl.load(part_lse_ptr + row_lse, mask=row_ok[:, None] & (s < NUM_SPLITS)[None, :], other=-1.0e30,
+    parts = (s[None, :] * num_tokens + q_rows[:, None]) * Q_HEADS + head[:, None]  # [BLOCK_M, BLOCK_S]
+    lse = tl.load(part_lse_ptr + parts, mask=row_ok[:, None] & (s < live)[None, :], other=-1.0e30,
                   cache_modifier=".cg")
-    lse_max = tl.max(lse, 1)  # [BLOCK_M]: split 0 holds key 0, which every row sees: finite
-    w_sum = tl.sum(tl.exp2(lse - lse_max[:, None]), 1)  # padded splits: exp2(-1e30 - max) = 0
+    w_sum = tl.sum(tl.exp2(lse - lse_max[:, None]), 1)  # tl.sum over the padded splits, as merges always summed
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for split in tl.static_range(NUM_SPLITS):  # unrolled: every split's loads issue ahead of the sum
+    for split in tl.range(0, live, loop_unroll_factor=8):  # unrolled: several splits' loads in flight
         part = (split * num_tokens + q_rows) * Q_HEADS + head  # [BLOCK_M]
         w = tl.exp2(tl.load(part_lse_ptr + part, mask=row_ok, other=-1.0e30, cache_modifier=".cg") - lse_max)
         o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
