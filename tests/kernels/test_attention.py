@@ -171,7 +171,7 @@ def test_split_merge_is_the_old_second_launch_bit_for_bit(monkeypatch, case):
     if INTERPRET:
         assert torch.equal(out, old)
     else:
-        assert rel_err(out, old) <= (1e-5 if dtype == torch.float32 else 2 ** -8)
+        assert rel_err(out, old) <= (1e-5 if dtype == torch.float32 else 2 ** -7)  # bf16: an ulp of the largest
     assert rel_err(out, batch.reference()) < (1e-4 if dtype == torch.float32 else 1e-2)
 
 
