@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 _buffers: dict[torch.device, torch.Tensor] = {}
+_outgrown: list[torch.Tensor] = []  # kept alive: a captured CUDA graph may still use their addresses
 
 
 def counters(device: torch.device, n: int) -> torch.Tensor:
@@ -33,6 +34,8 @@ def counters(device: torch.device, n: int) -> torch.Tensor:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"kernels/arrival.py: {n} counters are needed on {device} during a CUDA graph "
                                "capture, more than were allocated; run the same launch once before capturing")
+        if buf is not None:
+            _outgrown.append(buf)
         buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
         _buffers[device] = buf
     return buf
