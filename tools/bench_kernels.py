@@ -31,11 +31,7 @@ logits. Sections:
   the router's 0.5 MB would otherwise replay from L2) in one graph: time per
   layer against (weight + x + out (+ residual) bytes) / copy bandwidth; then a
   sweep of `LinearConfig`s beside `linear_config`'s pick (stops past the time
-  guard);
-- router: the MoE router at batch-1 decode (the post-attention RMSNorm, 2048 ->
-  128, softmax top-8) as two launches (the gemv with the norm, then `route`)
-  and as one (`router.router`), over distinct weight copies filling twice the
-  L2 in one graph: time per layer against the weight bytes / copy bandwidth.
+  guard).
 
 `--only` runs the named sections (and the ceilings, which the others divide by).
 Needs about 20 GB of device memory, 3 GB of pinned host memory, and about two
@@ -65,7 +61,7 @@ HQ, HKV, HEAD_DIM, LAYERS = 32, 4, 128, 48
 E, TOP_K, INTER, HIDDEN = 128, 8, 768, 2048
 ROW_ELEMS = 3 * INTER * HIDDEN
 TIME_GUARD_S = 95.0  # optional sections stop past this
-SECTIONS = ("attention", "moe_vram", "moe_pinned", "profile", "moe_sweep", "linear", "router")
+SECTIONS = ("attention", "moe_vram", "moe_pinned", "profile", "moe_sweep", "linear")
 
 
 def _sync() -> None:
@@ -407,43 +403,6 @@ def linear_section(hbm: float, deadline: float) -> dict:
     return out
 
 
-def router_section(hbm: float) -> dict:
-    """The MoE router at T = 1 (Qwen3-30B-A3B: RMSNorm, 2048 -> 128, renormalized top-8, bf16) in two
-    launches (`linear.linear` with the norm, then `router.route`) and in one (`router.router`), each
-    over distinct weight copies (twice the L2's bytes) in one graph: time per layer. The two give the
-    same bits (checked on the first layer)."""
-    from radianced.kernels import linear, router
-
-    gen = torch.Generator(device="cuda").manual_seed(6)
-    weight_bytes = E * HIDDEN * 2
-    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
-    layers = max(8, -(-2 * l2 // weight_bytes))
-    ws = torch.empty((layers, E, HIDDEN), dtype=torch.bfloat16, device="cuda").normal_(0, HIDDEN ** -0.5, generator=gen)
-    norms = torch.empty((layers, HIDDEN), dtype=torch.bfloat16, device="cuda").normal_(1, 0.1, generator=gen)
-    xs = torch.randn((layers, 1, HIDDEN), generator=gen, device="cuda").bfloat16()
-
-    def two(x, w, nw):
-        logits, normed = linear.linear(x, w, norm=(nw, 1e-6, False), keep_normed=True)
-        return *router.route(logits, TOP_K, True, x.dtype), normed
-
-    def one(x, w, nw):
-        return router.router(x, w, (nw, 1e-6, False), TOP_K, True, x.dtype)
-
-    first = (xs[0], ws[0], norms[0])
-    out = {"layers": layers, "weight_bytes": weight_bytes, "floor_s_per_layer": weight_bytes / hbm,
-           "bit_equal": all(torch.equal(a, b) for a, b in zip(two(*first), one(*first)))}
-    for name, fn in (("two_launches", two), ("one_launch", one)):
-        def step(fn=fn):
-            for l in range(layers):
-                fn(xs[l], ws[l], norms[l])
-        s = time_graph(step)["median_s"] / layers
-        out[name] = {"s_per_layer": s, "ratio": out["floor_s_per_layer"] / s}
-    print(f"router {HIDDEN}->{E} top{TOP_K} t1: floor {out['floor_s_per_layer'] * 1e6:.1f} us, two launches "
-          f"{out['two_launches']['s_per_layer'] * 1e6:.1f} us, one launch {out['one_launch']['s_per_layer'] * 1e6:.1f} "
-          f"us a layer; same bits: {out['bit_equal']}", flush=True)
-    return out
-
-
 def profile_section() -> dict:
     """Per-kernel device time (CUDA profiler) of one eager call each: where a layer's time goes."""
     from torch.profiler import ProfilerActivity, profile
@@ -538,7 +497,6 @@ def main(argv=None) -> int:
     section("profile", profile_section)
     section("moe_sweep", moe_sweep_section, hbm, deadline)
     section("linear", linear_section, hbm, deadline)
-    section("router", router_section, hbm)
     results["seconds"] = time.monotonic() - start
     path.write_text(json.dumps(results, indent=1, default=str))
     print(f"bench_kernels: {results['seconds']:.0f} s, wrote {path}")

@@ -15,11 +15,8 @@ One kernel serves decode and chunked prefill over a varlen batch. Its grid is
   each program finds its sequence by a binary search over `query_start` on the
   device (no host sync, so the launch can be captured in a CUDA graph);
 - splits divide each sequence's keys (flash-decoding) when a decode batch has
-  too few (sequence, KV head) pairs to fill the GPU. Each split stores its
-  partial result and log-sum-exp, then counts itself in (kernels/arrival.py);
-  the last split of a (tile, KV head) group to arrive merges the group's
-  partials by their log-sum-exp, in split order whoever arrives last, and
-  stores the output: one launch.
+  too few (sequence, KV head) pairs to fill the GPU; a second kernel merges the
+  partial results by their log-sum-exp.
 
 Softmax runs in fp32 with exp2 (the scale is folded with log2 e); products
 accumulate in fp32; fp32 inputs use IEEE products (no tf32).
@@ -34,15 +31,14 @@ import torch
 import triton
 import triton.language as tl
 
-from radianced.kernels import arrival, pdl
+from radianced.kernels import pdl
 
 LOG2E = 1.4426950408889634
 # Bounds on the split-KV (flash-decoding) heuristic. A split's keys are a whole number of BLOCK_N
 # tiles, and at decode each tile is a chain of dependent loads (block table, then K and V): the
 # latency is the tiles per split, plus the merge's share. H200, batch 1 (tools/bench_kernels.py),
-# us per layer at 1,024 / 1,100 keys, measured when the merge was a second launch: 16 splits 6.7 / 8.4
-# (a context just past 1,024 rounds to two tiles a split), 32 splits 7.4 / 7.4, 64 splits 7.8 / 8.1
-# (a wider merge), 8 splits 8.3 / 10.0.
+# us per layer at 1,024 / 1,100 keys: 16 splits 6.7 / 8.4 (a context just past 1,024 rounds to two
+# tiles a split), 32 splits 7.4 / 7.4, 64 splits 7.8 / 8.1 (a wider merge), 8 splits 8.3 / 10.0.
 MAX_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 64
 
@@ -112,7 +108,7 @@ def _find_seq(query_start_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     block_tables_ptr, query_start_ptr, seq_lens_ptr,
     scale_log2, num_seqs, num_tokens, blocks_per_page,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -122,7 +118,7 @@ def _paged_attention_kernel(
     Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.wait(PDL)
@@ -185,61 +181,34 @@ def _paged_attention_kernel(
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
-    out_at = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    out_ok = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
-        tl.store(out_at, o.to(out_ptr.dtype.element_ty), mask=out_ok)
+        tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
         # partials: o [S, T, Hq, D] fp32 normalized within the split, lse [S, T, Hq] (log2 domain)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), -1.0e30)
         part = (split * num_tokens + q_rows) * Q_HEADS + head  # [BLOCK_M]
-        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=out_ok)
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
-        # the group's (this tile and KV head's) last split to arrive merges the group's partials
-        if arrival.last_arrival(counters_ptr + tile * tl.num_programs(1) + kvh, NUM_SPLITS):
-            live = tl.cdiv(kv_end, per_split)  # splits that hold keys
-            o = _merge_splits(part_o_ptr, part_lse_ptr, q_rows, head, row_ok, d, d_ok, num_tokens, live,
-                              Q_HEADS, HEAD_DIM, BLOCK_M, BLOCK_D, NUM_SPLITS, BLOCK_S)
-            tl.store(out_at, o.to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
 @triton.jit
-def _max_lse(part_lse_ptr, q_rows, head, row_ok, num_tokens, live, Q_HEADS: tl.constexpr, BLOCK_M: tl.constexpr,
-             NUM_SPLITS: tl.constexpr):
-    """[BLOCK_M] max of the rows' lse over the `live` splits (lse [S, T, Hq]): finite, as split 0
-    holds key 0, which every row sees. One split at a time rather than tl.max over an
-    [BLOCK_M, BLOCK_S] tile, so the max comes out in the layout of the rows of o and each split's
-    weight needs no conversion through shared memory (a barrier a split, in the tile's layout)."""
-    lse_max = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    for split in tl.static_range(NUM_SPLITS):  # unrolled: the loads issue together
-        part = (split * num_tokens + q_rows) * Q_HEADS + head  # [BLOCK_M]
-        lse = tl.load(part_lse_ptr + part, mask=row_ok & (split < live), other=-1.0e30, cache_modifier=".cg")
-        lse_max = tl.maximum(lse_max, lse)
-    return lse_max
-
-
-@triton.jit
-def _merge_splits(part_o_ptr, part_lse_ptr, q_rows, head, row_ok, d, d_ok, num_tokens, live,
-                  Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
-    """A tile's output rows [BLOCK_M, BLOCK_D] fp32 (rows: q_rows [BLOCK_M] x head [BLOCK_M]) from
-    every split's partials, o [S, T, Hq, D] and lse [S, T, Hq]: weights w = exp2(lse - max lse),
-    sum(o * w) over the splits in split order / sum(w). Other programs wrote them: read from L2.
-    Splits from `live` on hold no keys (they stored o = 0, lse = -1e30: w = 0) and are not read."""
-    lse_max = _max_lse(part_lse_ptr, q_rows, head, row_ok, num_tokens, live, Q_HEADS, BLOCK_M, NUM_SPLITS)
-    s = tl.arange(0, BLOCK_S)  # splits padded to a power of two
-    parts = (s[None, :] * num_tokens + q_rows[:, None]) * Q_HEADS + head[:, None]  # [BLOCK_M, BLOCK_S]
-    lse = tl.load(part_lse_ptr + parts, mask=row_ok[:, None] & (s < live)[None, :], other=-1.0e30,
-                  cache_modifier=".cg")
-    w_sum = tl.sum(tl.exp2(lse - lse_max[:, None]), 1)  # tl.sum over the padded splits, as merges always summed
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for split in tl.range(0, live, loop_unroll_factor=8):  # unrolled: several splits' loads in flight
-        part = (split * num_tokens + q_rows) * Q_HEADS + head  # [BLOCK_M]
-        w = tl.exp2(tl.load(part_lse_ptr + part, mask=row_ok, other=-1.0e30, cache_modifier=".cg") - lse_max)
-        o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
-                    other=0.0, cache_modifier=".cg")
-        acc += o * w[:, None]
-    return acc / w_sum[:, None]
+def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_tokens, stride_ot, stride_oh,
+                         Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < NUM_SPLITS
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    part = (s.to(tl.int64) * num_tokens + t) * Q_HEADS + h  # [BLOCK_S]
+    lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))  # padded splits: exp2(-inf) = 0
+    o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 @triton.jit
@@ -280,13 +249,6 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is the default and means nothing for bf16
 
 
-def _partials(splits: int, t: int, hq: int, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split programs' partial results: o [S, T, Hq, D] fp32, normalized within its split, and
-    the log-sum-exp lse [S, T, Hq] fp32 (log2 domain)."""
-    return (torch.empty((splits, t, hq, d), dtype=torch.float32, device=device),
-            torch.empty((splits, t, hq), dtype=torch.float32, device=device))
-
-
 def _launch_paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, out,
                             cfg: AttentionConfig) -> None:
     t, hq, d = q.shape
@@ -295,14 +257,14 @@ def _launch_paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_
     group = hq // hkv
     block_d = triton.next_power_of_2(d)
     splits = cfg.num_splits
-    tiles = t // cfg.block_q + num_seqs
     if splits > 1:
-        part_o, part_lse = _partials(splits, t, hq, d, q.device)
-        counters = arrival.counters(q.device, tiles * hkv)  # one a (tile, KV head) group
+        part_o = torch.empty((splits, t, hq, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((splits, t, hq), dtype=torch.float32, device=q.device)
     else:
-        part_o = part_lse = counters = out  # unused
-    _paged_attention_kernel[(tiles, hkv, splits)](
-        q, k_cache, v_cache, out, part_o, part_lse, counters,
+        part_o = part_lse = out  # unused
+    grid = (t // cfg.block_q + num_seqs, hkv, splits)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, part_o, part_lse,
         block_tables, query_start, seq_lens,
         scale * LOG2E, num_seqs, t, k_cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -311,8 +273,13 @@ def _launch_paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_
         Q_HEADS=hq, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
-        NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), DOT_PRECISION=_dot_precision(q.dtype),
+        NUM_SPLITS=splits, DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(q.device))
+    if splits > 1:
+        _merge_splits_kernel[(t, hq)](part_o, part_lse, out, t, out.stride(0), out.stride(1),
+                                      Q_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=splits,
+                                      BLOCK_S=triton.next_power_of_2(splits),
+                                      num_warps=4 if block_d >= 128 else 2, **pdl.launch(q.device))
 
 
 # -- public ops ------------------------------------------------------------------------------------

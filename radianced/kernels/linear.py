@@ -26,11 +26,8 @@ add the residual in fp32 and round again: the reference's
 gains most from: cuBLAS needs a second launch for it. The gemv kernel also takes
 the layer's RMSNorm (`norm=`): each program loads x's whole row anyway, so it
 normalizes it (kernels/norm.py's rounding steps) before its products, and
-program 0 can keep the normed row (`keep_normed`: the router hands it to the
-experts); one launch a norm less. Other paths run the norm kernel first. The
-MoE router's T = 1 launch (kernels/router.py) is this kernel, called as a
-device function, with the softmax/top-k of its logits after it in the same
-launch; the gemv itself is the same code for every caller.
+program 0 can keep the normed row (`keep_normed`: the router's launch hands it
+to the experts); one launch a norm less. Other paths run the norm kernel first.
 
 `linear_config` picks the kernel and tiles from the H200 sweep of
 `tools/bench_kernels.py` (the numbers are in its docstring), or None where cuBLAS is
@@ -135,8 +132,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, norm_w_ptr, normed_pt
     NORM: each program RMS-normalizes x's whole row first, with kernels/norm.py's rounding steps
     (plain: `weight * round(x * rstd)`, zero-centred: `x * rstd * (1 + weight)`, each rounded to
     x's dtype); KEEP_NORMED: program 0 also stores the normed row. Under PDL the weight loads are
-    issued before the grid wait: they overlap the previous kernel's tail. Also the first half of
-    kernels/router.py's `_router_kernel` (called there as a device function)."""
+    issued before the grid wait: they overlap the previous kernel's tail."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n
     kk = tl.arange(0, BLOCK_K)
@@ -173,9 +169,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, norm_w_ptr, normed_pt
 # -- launcher --------------------------------------------------------------------------------------
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
-           norm: Norm | None) -> None:
-    """Refuse operands `linear` does not take (shapes, strides, dtypes, devices); kernels/router.py's too."""
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None) -> None:
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [T, K] with a contiguous last dim, got shape {tuple(x.shape)} "
                          f"strides {x.stride()}")
@@ -198,9 +192,6 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
             raise ValueError(f"{name} is on {tensor.device}, x on {x.device}")
         if tensor.dtype != x.dtype:
             raise ValueError(f"{name} is {tensor.dtype}, x is {x.dtype}: all operands must share x's dtype")
-    if norm is not None and (norm[0].shape != (k,) or norm[0].dtype != x.dtype or norm[0].device != x.device):
-        raise ValueError(f"the norm weight must be [K={k}] {x.dtype} on {x.device}, got "
-                         f"{tuple(norm[0].shape)} {norm[0].dtype} on {norm[0].device}")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -216,7 +207,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     norm in the same launch; the other paths run kernels/norm.py's first.
     `cfg` overrides `linear_config` (benchmarks).
     """
-    _check(x, weight, bias, residual, norm)
+    _check(x, weight, bias, residual)
+    if norm is not None and (norm[0].shape != (x.shape[1],) or norm[0].dtype != x.dtype
+                             or norm[0].device != x.device):
+        raise ValueError(f"the norm weight must be [K={x.shape[1]}] {x.dtype} on {x.device}, got "
+                         f"{tuple(norm[0].shape)} {norm[0].dtype} on {norm[0].device}")
     t, k = x.shape
     n = weight.shape[0]
     cfg = cfg or linear_config(t, n, k, x.dtype)

@@ -24,7 +24,7 @@ linear = reference.linear
 silu_mlp = reference.silu_mlp
 paged_attention = reference.paged_attention
 moe = reference.moe
-router = reference.router
+route = reference.route
 
 deltanet_gates = reference.deltanet_gates
 causal_conv1d_prefill = reference.causal_conv1d_prefill
@@ -34,7 +34,7 @@ gated_delta_rule_decode = reference.gated_delta_rule_decode
 
 # Bound to Triton on CUDA: (module under radianced.kernels, op name). The others stay torch everywhere.
 _TRITON = (
-    ("attention", "paged_attention"), ("moe", "moe"), ("router", "router"), ("linear", "linear"),
+    ("attention", "paged_attention"), ("moe", "moe"), ("router", "route"), ("linear", "linear"),
     ("norm", "rms_norm"), ("norm", "gated_rms_norm"), ("rope", "rotary_write_kv"),
     ("deltanet", "deltanet_gates"), ("deltanet", "causal_conv1d_prefill"), ("deltanet", "causal_conv1d_update"),
     ("deltanet", "gated_delta_rule_chunked"), ("deltanet", "gated_delta_rule_decode"),

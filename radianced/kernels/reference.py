@@ -186,15 +186,6 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtyp
     return ids, weights.to(dtype)
 
 
-def router(x: torch.Tensor, weight: torch.Tensor, norm: Norm | None, top_k: int, renormalize: bool,
-           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The MoE router: `linear` of x: [T, K] with weight: [E, K] after the RMSNorm `norm` ((weight
-    [K], eps, zero_centred) or None), its logits rounded to x's dtype, then `route` of them.
-    Returns (ids [T, k] int64, weights [T, k] in `dtype`, the normed x [T, K], or x without a norm)."""
-    logits, x = linear(x, weight, norm=norm, keep_normed=True)
-    return *route(logits, top_k, renormalize, dtype), x
-
-
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
         slab: torch.Tensor, inter: int, host: torch.Tensor | None = None, *,
         residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -145,10 +145,12 @@ class Router:
     def __call__(self, x: torch.Tensor, norm: RMSNorm | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (ids [T, k] int64, weights [T, k] in x's dtype, the routed x: `norm(x)`,
-        or x without a norm). One op: on CUDA at T = 1 one launch normalizes, projects and routes
-        (kernels/router.py)."""
-        return ops.router(x, self.weight, None if norm is None else norm.params, self.top_k, self.renormalize,
-                          x.dtype)
+        normed in the router projection's launch where the kernel allows, or x without a norm)."""
+        if norm is None:
+            logits = ops.linear(x, self.weight)
+        else:
+            logits, x = ops.linear(x, self.weight, norm=norm.params, keep_normed=True)
+        return *ops.route(logits, self.top_k, self.renormalize, x.dtype), x
 
 
 class MoE:

@@ -77,37 +77,6 @@ def test_paged_attention_real_shapes(kernels, case, dtype):
     assert got.dtype == dtype and err < tol
 
 
-def test_split_merge_repeats_and_replays_in_a_graph_bit_for_bit(kernels):
-    """Qwen3 b1 decode at 1,024 keys, split as the heuristic splits it (32 on an H200): the last
-    split of each group merges (kernels/arrival.py), so two calls give the same bits and leave every
-    counter at zero; captured in a CUDA graph after eager calls (which allocated the counters), each
-    replay on new queries gives the eager call's bits."""
-    attention, _ = kernels
-    from radianced.kernels import arrival
-    q, kc, vc, bt, qs, sl = _paged([1], [1024], 32, 4, 128, torch.bfloat16, seed=5)
-    qs, sl = torch.tensor(qs, dtype=torch.int32, device="cuda"), torch.tensor(sl, dtype=torch.int32, device="cuda")
-    assert attention.attention_config(1, 1, 32, 4, 128, q.device).num_splits > 1
-
-    def run(q):
-        return attention.paged_attention(q, kc, vc, bt, qs, sl, 128 ** -0.5)
-
-    first = run(q)
-    assert torch.equal(run(q), first) and not arrival.counters(q.device, 1).any()
-    static_q = q.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = run(static_q)
-    g = torch.Generator(device="cuda").manual_seed(6)
-    for _ in range(3):
-        static_q.copy_(torch.randn(q.shape, generator=g, device="cuda"))
-        graph.replay()
-        assert torch.equal(static_out, run(static_q))
-    assert not arrival.counters(q.device, 1).any()
-    want = reference.paged_attention(static_q.float(), kc.float(), vc.float(), bt, qs.tolist(), sl.tolist(),
-                                     128 ** -0.5)
-    assert rel_err(static_out, want) < 1e-2
-
-
 def test_write_kv_real_shapes(kernels):
     attention, _ = kernels
     _, kc, vc, _, _, _ = _paged([1], [4096], 32, 4, 128, torch.bfloat16)
@@ -428,71 +397,14 @@ def test_deltanet_decode_batch_32_in_place_over_a_pool(layer_kernels):
 @pytest.mark.parametrize("t", [1, 32, 4096])
 @pytest.mark.parametrize("experts,top_k", [(128, 8), (512, 10)], ids=["qwen3_moe", "qwen3_next"])
 def test_route_real_shapes(layer_kernels, t, experts, top_k):
-    """The route kernel (softmax, top-k, renormalization in one launch) on fp32 logits: the
-    reference's ids exactly, weights within 1e-4 (bf16 logits tie, and ties are broken
-    differently: tests/kernels/test_router.py covers them)."""
+    """The fused router on fp32 logits: the reference's ids exactly, weights within 1e-4 (bf16
+    logits tie, and ties are broken differently: tests/kernels/test_router.py covers them)."""
     from radianced.kernels import router
     logits = _rand(t, experts, seed=t, scale=2.0)
     ids, weights = router.route(logits, top_k, True, torch.float32)
     want_ids, want_weights = reference.route(logits, top_k, True, torch.float32)
     assert torch.equal(ids, want_ids)
     _check("route", f"{experts}e top{top_k} t{t}", torch.float32, weights, want_weights)
-
-
-ROUTER_CASES = {
-    # name: (E, top_k, zero_centred norm): hidden 2048, renormalized top-k
-    "qwen3_moe": (128, 8, False),
-    "qwen3_next": (512, 10, True),
-}
-
-
-def _router_operands(case: str, dtype: torch.dtype, seed: int):
-    """x [1, 2048], the router weight [E, 2048] and the post-attention norm of `case`."""
-    experts, _, zero_centred = ROUTER_CASES[case]
-    x = _rand(1, 2048, dtype=dtype, seed=seed, scale=3.0)
-    w = _rand(experts, 2048, dtype=dtype, seed=seed + 1, scale=2048 ** -0.5)
-    return x, w, (_rand(2048, dtype=dtype, seed=seed + 2, scale=0.2), 1e-6, zero_centred)
-
-
-@DTYPES
-@pytest.mark.parametrize("case", list(ROUTER_CASES))
-def test_router_in_one_launch_real_shapes(layer_kernels, case, dtype):
-    """T = 1: the norm, the projection and the route in one launch (kernels/router.py) give the
-    two launches' (the gemv with the norm, then `route`) ids, weights and normed row bit for bit;
-    fp32: the fp32 reference's ids and weights within 1e-4; the normed row within tolerance."""
-    from radianced.kernels import linear, router
-    top_k = ROUTER_CASES[case][1]
-    x, w, norm = _router_operands(case, dtype, seed=40)
-    got = router.router(x, w, norm, top_k, True, dtype)
-    logits, normed = linear.linear(x, w, norm=norm, keep_normed=True)
-    for a, b in zip(got, (*router.route(logits, top_k, True, dtype), normed), strict=True):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-    want = reference.router(x.float(), w.float(), (norm[0].float(), *norm[1:]), top_k, True, torch.float32)
-    if dtype == torch.float32:
-        assert torch.equal(got[0], want[0])
-        _check("kernel_router", case, dtype, got[1], want[1])
-    _check("kernel_router_normed", case, dtype, got[2], want[2])
-
-
-def test_router_in_one_launch_replays_in_a_cuda_graph(layer_kernels):
-    """Captured after an eager launch (which allocates the arrival counters), the one-launch router
-    replays on new rows with the eager launch's results bit for bit, replay after replay (each
-    leaves its counter at zero)."""
-    from radianced.kernels import router
-    x, w, norm = _router_operands("qwen3_moe", torch.bfloat16, seed=50)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        router.router(x, w, norm, 8, True, torch.bfloat16)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = router.router(x, w, norm, 8, True, torch.bfloat16)
-    for seed in (51, 52, 53):
-        x.copy_(_rand(1, 2048, dtype=torch.bfloat16, seed=seed, scale=3.0))
-        graph.replay()
-        for a, b in zip(out, router.router(x, w, norm, 8, True, torch.bfloat16), strict=True):
-            assert torch.equal(a, b)
 
 
 LINEAR_CASES = {
@@ -542,11 +454,11 @@ def test_linear_with_the_norm_in_its_launch(layer_kernels, case, zero_centred):
 
 
 def test_ops_select_binds_the_layer_kernels(layer_kernels):
-    from radianced.kernels import linear, ops, router
+    from radianced.kernels import linear, ops
     norm, rope, deltanet = layer_kernels
     try:
         assert ops.select("cuda") == "triton"
-        assert ops.linear is linear.linear and ops.router is router.router
+        assert ops.linear is linear.linear
         assert ops.rms_norm is norm.rms_norm and ops.gated_rms_norm is norm.gated_rms_norm
         assert ops.rotary_write_kv is rope.rotary_write_kv
         assert ops.gated_delta_rule_decode is deltanet.gated_delta_rule_decode
@@ -554,14 +466,12 @@ def test_ops_select_binds_the_layer_kernels(layer_kernels):
     finally:
         assert ops.select("cpu") == "reference"
     assert ops.rotary_write_kv is reference.rotary_write_kv and ops.linear is reference.linear
-    assert ops.router is reference.router
     assert ops.causal_conv1d_update is reference.causal_conv1d_update
 
 
 def test_programmatic_dependent_launch_changes_no_bit(kernels, experts, monkeypatch):
     """A b1 Qwen3-30B-A3B layer's kernels (norm + q/k/v gemv, rotary + KV write, split attention,
-    o_proj + residual, the router's norm + gemv + route in one launch, experts + residual; the last
-    two each count their programs on the shared arrival counters) captured in a CUDA graph and
+    o_proj + residual, norm + router gemv, route, experts + residual) captured in a CUDA graph and
     replayed twice, launched with programmatic dependent launch and without: the same bits."""
     from radianced.kernels import linear, pdl, rope, router
     attention, moe = kernels
@@ -584,7 +494,8 @@ def test_programmatic_dependent_launch_changes_no_bit(kernels, experts, monkeypa
                                  slots, qk_w, qk_w)
         o = attention.paged_attention(q, kc, vc, bt, qs, sl, d ** -0.5).reshape(1, hq * d)
         h = linear.linear(o, wo, residual=x)
-        ids, weights, hn = router.router(h, wr, (norm_w, 1e-6, False), TOP_K, True, torch.bfloat16)
+        logits, hn = linear.linear(h, wr, norm=(norm_w, 1e-6, False), keep_normed=True)
+        ids, weights = router.route(logits, TOP_K, True, torch.bfloat16)
         return moe.moe(hn, ids, weights, table, slab, INTER, residual=h)
 
     outs = {}

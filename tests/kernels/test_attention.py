@@ -1,5 +1,4 @@
-"""The Triton paged attention and K/V scatter against `kernels/reference.py`; the split merge
-also against the second launch it replaced, kept here.
+"""The Triton paged attention and K/V scatter against `kernels/reference.py`.
 
 Without CUDA the kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1,
 set by tests/kernels/interpreter.py before triton is imported), so shapes stay small. Layouts are the
@@ -14,13 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.interpreter import DEVICE, INTERPRET, require_interpreted  # before triton loads
+from tests.kernels.interpreter import DEVICE, require_interpreted  # before triton loads
 from tests.kernels.compare import rel_err
 
-import triton
-import triton.language as tl
-
-from radianced.kernels import arrival, attention, pdl, reference
+from radianced.kernels import attention, reference
 
 require_interpreted(attention._paged_attention_kernel, "attention")
 
@@ -65,13 +61,11 @@ class Paged:
                                          self.query_start, self.seq_lens, self.scale, **kw).cpu()
 
 
-@pytest.mark.parametrize("splits", [None, 3])
 @pytest.mark.parametrize("t", [1, 15, 63, 300])
-def test_prefill_of_a_fresh_sequence_matches_reference(t, splits):
-    """SmolLM2's 9 query / 3 KV heads (a non-power-of-two group) at head dim 64; also split over
-    its keys as a decode step would be (64-row tiles, a tile's later splits empty)."""
+def test_prefill_of_a_fresh_sequence_matches_reference(t):
+    """SmolLM2's 9 query / 3 KV heads (a non-power-of-two group) at head dim 64."""
     batch = Paged([t], [t], q_heads=9, kv_heads=3, head_dim=64)
-    assert rel_err(batch.kernel(num_splits=splits), batch.reference()) < 1e-4
+    assert rel_err(batch.kernel(), batch.reference()) < 1e-4
 
 
 @pytest.mark.parametrize("t, before", [(15, 37), (63, 1), (40, 80)])
@@ -105,85 +99,6 @@ def test_decode_split_over_keys_merges_to_the_reference(splits):
     expected = batch.reference()
     assert rel_err(batch.kernel(num_splits=splits), expected) < 1e-4
     assert rel_err(batch.kernel(num_splits=1), expected) < 1e-4
-
-
-@triton.jit
-def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_tokens, stride_ot, stride_oh,
-                         Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
-    """The two-launch path's second launch (kernels/attention.py at a393b53), verbatim: the oracle of the merge."""
-    pdl.wait(PDL)
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    s_ok = s < NUM_SPLITS
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    part = (s.to(tl.int64) * num_tokens + t) * Q_HEADS + h  # [BLOCK_S]
-    lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))  # padded splits: exp2(-inf) = 0
-    o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
-
-
-def old_merge(part_o: torch.Tensor, part_lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[T, Hq, D] in `dtype`: what the second launch stored from the partials o [S, T, Hq, D] and
-    lse [S, T, Hq], launched as it was launched."""
-    splits, t, hq, d = part_o.shape
-    out = torch.empty((t, hq, d), dtype=dtype, device=part_o.device)
-    block_d = triton.next_power_of_2(d)
-    _merge_splits_kernel[(t, hq)](part_o, part_lse, out, t, out.stride(0), out.stride(1),
-                                  Q_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=splits,
-                                  BLOCK_S=triton.next_power_of_2(splits),
-                                  num_warps=4 if block_d >= 128 else 2, **pdl.launch(part_o.device))
-    return out.cpu()
-
-
-def kernel_and_partials(monkeypatch, batch: Paged, splits: int):
-    """The kernel's output [T, Hq, D] and the partials (o, lse) its split programs left behind."""
-    made = []
-    make = attention._partials
-    monkeypatch.setattr(attention, "_partials", lambda *args: made.append(make(*args)) or made[-1])
-    return batch.kernel(num_splits=splits), made[0]
-
-
-SPLIT_CASES = {
-    # name: (q_lens, ctx_lens, Hq, Hkv, D, splits, dtype)
-    "qwen3_b1_1024_keys_32_splits": ([1], [1024], 32, 4, 128, 32, torch.float32),  # splits 16..31 empty
-    "decodes_with_empty_splits": ([1, 1, 1, 1], [1, 17, 130, 64], 8, 2, 64, 5, torch.float32),
-    "mixed_batch_9_3_heads": ([1, 15, 0, 1, 3], [37, 15, 5, 1, 100], 9, 3, 64, 3, torch.bfloat16),
-    "chunk_63_after_20_hd256": ([63], [83], 4, 1, 256, 2, torch.float32),
-}
-
-
-@pytest.mark.parametrize("case", list(SPLIT_CASES))
-def test_split_merge_is_the_old_second_launch_bit_for_bit(monkeypatch, case):
-    """The split merge stores what the old second launch stored from the same partials, bit for
-    bit, and so stays within tolerance of the reference. Bit for bit in the interpreter, where
-    both run their sums in the order written (numpy); on a GPU neither does (tl.sum is a tree
-    that follows the layout, multiply-adds contract to FMAs), so there they agree to fp32
-    rounding (one bf16 ulp)."""
-    q_lens, ctx_lens, hq, hkv, d, splits, dtype = SPLIT_CASES[case]
-    batch = Paged(q_lens, ctx_lens, q_heads=hq, kv_heads=hkv, head_dim=d, dtype=dtype, seed=8)
-    out, (part_o, part_lse) = kernel_and_partials(monkeypatch, batch, splits)
-    old = old_merge(part_o, part_lse, dtype)
-    if INTERPRET:
-        assert torch.equal(out, old)
-    else:
-        assert rel_err(out, old) <= (1e-5 if dtype == torch.float32 else 2 ** -7)  # bf16: an ulp of the largest
-    assert rel_err(out, batch.reference()) < (1e-4 if dtype == torch.float32 else 1e-2)
-
-
-def test_a_launch_leaves_its_counters_at_zero_so_the_next_gives_the_same_bits():
-    """Each (tile, KV head) group's last split puts its counter back to zero: after a launch with
-    padding tiles (which return before counting in) and empty splits every counter reads zero, and
-    the same launch again gives the same bits (a counter left at 4 would skip every merge)."""
-    batch = Paged([1, 15, 0, 1, 3], [37, 15, 5, 1, 100], q_heads=9, kv_heads=3, head_dim=64, seed=9)
-    first = batch.kernel(num_splits=4)
-    assert not arrival.counters(batch.q.device, 1).any()
-    assert torch.equal(batch.kernel(num_splits=4), first)
-    assert rel_err(first, batch.reference()) < 1e-4
 
 
 @pytest.mark.parametrize("sms", [78, 132, 256])
