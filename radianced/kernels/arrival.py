@@ -1,12 +1,17 @@
 """The last program of a group to arrive: one launch that also does its group's reduction.
 
-A reduction over the programs of a launch (the attention splits' merge, the
-router's top-k over all its logits) needs every program's stores done first,
-which is what a second launch gives. Instead each program stores its part,
-then counts itself in with an atomic; the program that counts last does the
-reduction, reading the others' parts, and puts the counter back to zero for
-the next launch. The kernel stays graph-capturable (no host sync, no memset)
-and deterministic (the reduction's order is fixed, whoever arrives last).
+A reduction over the programs of a launch (the b1 MoE's sum over its k
+experts, kernels/moe.py) needs every program's stores done first, which is
+what a second launch gives. Instead each program stores its part, then counts
+itself in with an atomic; the program that counts last does the reduction,
+reading the others' parts, and puts the counter back to zero for the next
+launch. The kernel stays graph-capturable (no host sync, no memset) and
+deterministic (the reduction's order is fixed, whoever arrives last).
+
+It pays only where the reduction is short: the last program's work is a
+serial tail after everyone else's. The attention splits' merge and the
+router's top-k done this way were no faster than their second launch on the
+H200 (bench/README.md, session 5) and stay separate launches.
 
 Counters live in one zeroed int32 buffer per device (`counters`), shared by
 every kernel on the compute stream: a launch leaves the counters it used at
