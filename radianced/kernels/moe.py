@@ -373,7 +373,8 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     else:
         y = torch.zeros((t, hidden), dtype=torch.float32, device=dev)
     column_blocks = triton.cdiv(hidden, cfg.block_n_down)
-    out = torch.empty_like(x)
+    scattered = not deterministic and residual is None  # the fp32 rows the atomics leave are the result
+    out = y if scattered else torch.empty_like(x)
     _moe_down_kernel[(tiles, column_blocks)](
         h, w_ref, table, order, tile_info, weights, y, w_ref if host is None else host,
         out if residual is None else residual, out, arrival.counters(dev, column_blocks) if per_assignment else y,
@@ -385,7 +386,7 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(dev))
     if per_assignment:
         return out
-    if not deterministic and residual is None:
+    if scattered:
         return y if x.dtype == torch.float32 else y.to(x.dtype)
     # the ordered sum over k (deterministic), or over the one scattered row (k = 1), plus the residual
     block_h = min(1024, triton.next_power_of_2(hidden))
