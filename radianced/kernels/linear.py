@@ -50,7 +50,7 @@ from radianced.kernels import reference
 from radianced.kernels.reference import Norm
 
 SKINNY_MAX_ROWS = 16  # rows up to which the "dot" kernel runs: one 16-row tile (tl.dot's smallest M)
-ROW_BYTES_PER_STEP = 512  # bytes of each weight row a "dot" program loads per K step
+ROW_BYTES_PER_STEP = 1024  # bytes of each weight row a "dot" program loads per K step (512 bf16 elements)
 CUBLAS_MIN_N = 4096  # from this many outputs cuBLAS beats the "dot" tiles at 1 < T <= 16
 
 # -- heuristics ------------------------------------------------------------------------------------
@@ -75,9 +75,11 @@ def linear_config(t: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig | 
 
     - T = 1: "gemv", two rows a program, 8 warps: 7.7, 6.9 and 2.1 us, where cuBLAS takes 9.0,
       11.5 (with its separate add) and 5.3; the tensor-core tiles 9.2-9.7, 9.3-11 and 4.6-5.7.
-    - 1 < T <= 16: "dot" tiles of 16 columns x 512 bytes of K, 3 stages: o_proj 9.5 us (cuBLAS and
-      the add 11.6), the router 4.6-4.8 (5.3-5.5); "gemv" re-reads its rows per row of x (13-46
-      us). For N >= 4096 (q/k/v) cuBLAS wins (8.7-8.8 us, the best tiles 9.4), so None.
+    - 1 < T <= 16: "dot" tiles of 16 columns x 1,024 bytes of K (512 bf16 elements), 3 stages:
+      o_proj 9.6 us (cuBLAS and the add 11.7), the router 4.6-4.8 (5.3-5.5); "gemv" re-reads its
+      rows per row of x (13-46 us). For N >= 4096 (q/k/v) cuBLAS wins (8.4-8.8 us, the best tiles
+      9.4), so None. (Until session 5 this picked 512 bytes, 256 elements: o_proj 12.2 us, the
+      router 6.0; bench/results/2026-11-29-h200-8e96349-kernels-linear-*.json.)
     - T > 16: None (prefill: a real GEMM).
     """
     if t == 1 and k <= GEMV_MAX_K:

@@ -139,8 +139,8 @@ def test_config_follows_the_h200_sweep():
     assert linear.linear_config(1, 5120, 2048, bf16) == linear.LinearConfig(2, 0, 8, 1, "gemv")
     assert linear.linear_config(1, 2048, 4096, torch.float32).kind == "gemv"
     assert linear.linear_config(1, 64, linear.GEMV_MAX_K + 1, bf16).kind == "dot"
-    assert linear.linear_config(4, 2048, 4096, bf16) == linear.LinearConfig(16, 256, 4, 3, "dot")
-    assert linear.linear_config(16, 128, 2048, torch.float32).block_k == 128
+    assert linear.linear_config(4, 2048, 4096, bf16) == linear.LinearConfig(16, 512, 4, 3, "dot")
+    assert linear.linear_config(16, 128, 2048, torch.float32).block_k == 256
     assert linear.linear_config(4, 130, 40, torch.float32).block_k == 64
     assert linear.linear_config(4, 5120, 2048, bf16) is None and linear.linear_config(17, 64, 64, bf16) is None
 
