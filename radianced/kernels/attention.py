@@ -1,4 +1,5 @@
-"""Paged attention over radianced's block layout (decode and chunked prefill), and the K/V scatter.
+"""Paged attention over radianced's block layout (decode and chunked prefill), and the KV slot
+addressing and checks the K/V scatter (kernels/rope.py `rotary_write_kv`) shares.
 
 A cache view for one layer is [P, N, S, Hkv, D]: P arena pages of N blocks of S
 tokens; block id b lives at page b // N, position b % N inside the page (see
@@ -220,28 +221,6 @@ def slot_offset(slot, blocks_per_page, stride_p, stride_n, stride_s, BLOCK_SIZE:
         + (slot % BLOCK_SIZE) * stride_s
 
 
-@triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, blocks_per_page,
-                     stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_kp, stride_kn, stride_ks, stride_kch,
-                     stride_vp, stride_vn, stride_vs, stride_vch,
-                     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    mask = (h < KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
-    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    k_dst = slot_offset(slot, blocks_per_page, stride_kp, stride_kn, stride_ks, BLOCK_SIZE)
-    v_dst = slot_offset(slot, blocks_per_page, stride_vp, stride_vn, stride_vs, BLOCK_SIZE)
-    tl.store(k_cache_ptr + k_dst + h[:, None] * stride_kch + d[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + v_dst + h[:, None] * stride_vch + d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
-
 # -- launchers -------------------------------------------------------------------------------------
 
 
@@ -366,27 +345,4 @@ def check_kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor
                          f"on {slot_mapping.device}")
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store k, v: [T, Hkv, D] at flat slots [T] of the [P, N, S, Hkv, D] caches (Triton).
-
-    Same contract as `reference.write_kv`: slot = block * S + offset, block b at
-    page b // N, position b % N; a slot < 0 is skipped. Values are cast to the
-    cache's dtype. Slots must be distinct (two tokens writing one slot race).
-    """
-    check_kv_write(k_cache, v_cache, k, v, slot_mapping)
-    t, hkv, d = k.shape
-    if t == 0:
-        return
-    k = k if k.stride(2) == 1 else k.contiguous()
-    v = v if v.stride(2) == 1 else v.contiguous()
-    _write_kv_kernel[(t,)](
-        k, v, k_cache, v_cache, slot_mapping, k_cache.shape[1],
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        *k_cache.stride()[:4], *v_cache.stride()[:4],
-        KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_SIZE=k_cache.shape[2], num_warps=1 if hkv * d <= 512 else 4,
-    )
-
-
-__all__ = ["AttentionConfig", "attention_config", "paged_attention", "write_kv"]
+__all__ = ["AttentionConfig", "attention_config", "check_kv_write", "paged_attention", "slot_offset"]

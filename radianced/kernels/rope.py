@@ -19,7 +19,7 @@ cos/sin and each product), by design.
 `rotary_qk` does q and k in one launch instead of the reference's two norms and
 two rotations; `apply_rotary` is the same kernel on one tensor; `rotary_write_kv`
 also stores the rotated k and the v beside it at their KV slots (a third
-program per token copies v), instead of a separate `write_kv` launch. Heads may be
+program per token copies v), instead of a separate scatter launch. Heads may be
 strided views of a projection (only the last dim must be contiguous); outputs
 are new contiguous tensors. No host sync (graph-capturable).
 """
@@ -233,7 +233,7 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
 
     Same contract as `reference.rotary_write_kv`: q, k, positions, inv_freq and the norms as
     in `rotary_qk`; v: [T, Hkv, D] like k; caches and slot_mapping [T] as in
-    `attention.write_kv` (a slot < 0 writes nothing; slots distinct). The cache
+    `reference.write_kv` (a slot < 0 writes nothing; slots distinct). The cache
     holds k as `rotary_qk` returns it, cast to the cache's dtype.
     """
     if (q_weight is None) != (k_weight is None):

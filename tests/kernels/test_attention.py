@@ -136,17 +136,3 @@ def test_bad_head_ratio_is_refused_with_the_numbers():
     q = torch.randn(1, 6, 64, device=DEVICE)
     with pytest.raises(ValueError, match=r"query heads \(6\) must be a multiple of KV heads \(4\)"):
         attention.paged_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, [0, 1], [4], 0.1)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_kv_scatters_like_the_reference(dtype):
-    """Slots across pages and blocks, a skipped slot (-1), k/v strided like the model's projections."""
-    batch = Paged([1], [4], q_heads=3, kv_heads=3, head_dim=64, dtype=dtype)
-    g = torch.Generator().manual_seed(7)
-    kv = torch.randn((6, 2, 3, 64), generator=g).to(dtype).to(DEVICE)
-    k, v = kv[:, 0], kv[:, 1]  # non-contiguous token stride
-    slots = torch.tensor([0, 17, -1, 40, 31, 63], device=DEVICE)
-    expected = batch.storage.clone()
-    reference.write_kv(expected[:, :, 1, 0], expected[:, :, 1, 1], k, v, slots)
-    attention.write_kv(batch.k_cache, batch.v_cache, k, v, slots)
-    assert torch.equal(batch.storage, expected)  # other layers and the skipped token untouched

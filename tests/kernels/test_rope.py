@@ -16,7 +16,7 @@ import torch
 from tests.kernels.interpreter import DEVICE, rand, require_interpreted  # before triton loads
 from tests.kernels.compare import f32, rel_err
 
-from radianced.kernels import attention, reference, rope
+from radianced.kernels import reference, rope
 
 require_interpreted(rope._rotary_kernel, "rope")
 
@@ -108,14 +108,15 @@ def test_rotary_write_kv_is_rotary_qk_then_write_kv(zero_centred, dtype):
     and the v leaves them, bit for bit; a slot of -1 (a padding row) writes nothing."""
     t, rotary_dim = 5, 16 if zero_centred else 64
     q = rand(t, 6, 64, dtype=dtype, seed=8)
-    k, v = rand(t, 2, 64, dtype=dtype, seed=9), rand(t, 2, 64, dtype=dtype, seed=10)
+    kv = rand(t, 2, 2, 64, dtype=dtype, seed=9)
+    k, v = kv[:, 0], kv[:, 1]  # strided tokens, as views of the q/k/v projection are
     qw, kw = (rand(64, dtype=dtype, seed=s) * 0.1 for s in (11, 12))
     at = rope_at(t, rotary_dim, seed=3)
     slots = torch.tensor([13, 2, -1, 23, 6], device=DEVICE)  # pages 1, 0, -, 2, 0; blocks across pages
     k_cache, v_cache = _caches(dtype, seed=13)
     want_k_cache, want_v_cache = k_cache.clone(), v_cache.clone()
     want_q, rotated_k = rope.rotary_qk(q, k, *at, qw, kw, 1e-6, zero_centred)
-    attention.write_kv(want_k_cache, want_v_cache, rotated_k, v, slots)
+    reference.write_kv(want_k_cache, want_v_cache, rotated_k, v, slots)
     got_q = rope.rotary_write_kv(q, k, v, *at, k_cache, v_cache, slots, qw, kw, 1e-6, zero_centred)
     assert torch.equal(got_q, want_q)
     assert torch.equal(k_cache, want_k_cache) and torch.equal(v_cache, want_v_cache)
