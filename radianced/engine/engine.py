@@ -175,10 +175,9 @@ class Pipeline:
         engine, scheduler = self.engine, self.engine.scheduler
         if self.in_flight is None:
             plan = scheduler.schedule() if scheduler.has_unfinished else None
-            plan = None if plan is None or plan.is_empty else plan
         else:
             plan = engine.plan_ahead()
-        return None if plan is None else engine.runner.launch(plan)
+        return None if plan is None or plan.is_empty else engine.runner.launch(plan)
 
     def step(self) -> list[SeqEvent]:
         """Finish one step (launching the next first where it can); its events ([] when idle)."""
