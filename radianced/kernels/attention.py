@@ -253,12 +253,12 @@ def _launch_paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
         NUM_SPLITS=splits, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(q.device))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(q.device, grid[0] * grid[1] * grid[2]))
     if splits > 1:
         _merge_splits_kernel[(t, hq)](part_o, part_lse, out, t, out.stride(0), out.stride(1),
                                       Q_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=splits,
                                       BLOCK_S=triton.next_power_of_2(splits),
-                                      num_warps=4 if block_d >= 128 else 2, **pdl.launch(q.device))
+                                      num_warps=4 if block_d >= 128 else 2, **pdl.launch(q.device, t * hq))
 
 
 # -- public ops ------------------------------------------------------------------------------------

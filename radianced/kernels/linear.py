@@ -224,26 +224,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = torch.empty((t, n), dtype=x.dtype, device=x.device)
         fused = norm is not None
         normed = torch.empty_like(x) if fused and keep_normed else x
-        _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        programs = triton.cdiv(n, cfg.block_n)
+        _gemv_kernel[(programs,)](
             x, weight, x if bias is None else bias, x if residual is None else residual, out,
             norm[0] if fused else x, normed, t, n, k, norm[1] if fused else 0.0,
             x.stride(0), weight.stride(0), 0 if bias is None else bias.stride(0),
             0 if residual is None else residual.stride(0), out.stride(0), normed.stride(0),
             HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, NORM=fused,
             ZERO_CENTRED=fused and norm[2], KEEP_NORMED=fused and keep_normed, BLOCK_N=cfg.block_n,
-            BLOCK_K=triton.next_power_of_2(k), num_warps=cfg.num_warps, num_stages=1, **pdl.launch(x.device),
+            BLOCK_K=triton.next_power_of_2(k), num_warps=cfg.num_warps, num_stages=1, **pdl.launch(x.device, programs),
         )
         return (out, normed) if keep_normed else out
     if t == 0 or cfg is None or t > SKINNY_MAX_ROWS:
         return reference.linear(x, weight, bias, residual, keep_normed=keep_normed)
     out = torch.empty((t, n), dtype=x.dtype, device=x.device)
-    _linear_kernel[(triton.cdiv(n, cfg.block_n),)](
+    programs = triton.cdiv(n, cfg.block_n)
+    _linear_kernel[(programs,)](
         x, weight, x if bias is None else bias, x if residual is None else residual, out, t, n, k,
         x.stride(0), weight.stride(0), 0 if bias is None else bias.stride(0),
         0 if residual is None else residual.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_M=SKINNY_MAX_ROWS,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(x.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(x.device, programs),
     )
     return (out, x) if keep_normed else out
 

@@ -331,12 +331,12 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     if a <= fused_max:
         order = torch.empty(a, dtype=torch.int64, device=topk_ids.device)
         _moe_group_kernel[(1,)](ids, order, tile_info, a, num_experts, tiles, BLOCK_A=block_a, BLOCK_E=block_e,
-                                BLOCK_T=block_t, BLOCK_M=block_m, num_warps=warps, **pdl.launch(topk_ids.device))
+                                BLOCK_T=block_t, BLOCK_M=block_m, num_warps=warps, **pdl.launch(topk_ids.device, 1))
         return order, tile_info
     sorted_ids, order = torch.sort(ids, stable=True)
     _moe_align_kernel[(1,)](sorted_ids, tile_info, a, num_experts, tiles, max(1, a.bit_length()),
                             BLOCK_E=block_e, BLOCK_T=block_t, BLOCK_M=block_m, num_warps=warps,
-                            **pdl.launch(topk_ids.device))
+                            **pdl.launch(topk_ids.device, 1))
     return order, tile_info
 
 
@@ -361,12 +361,14 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         order, tile_info = group_by_expert(topk_ids, num_experts, cfg.block_m)
         tiles = tile_info.shape[0]
     h = torch.empty((a, inter), dtype=x.dtype, device=dev)  # sorted rows
-    _moe_gate_up_kernel[(tiles, triton.cdiv(inter, cfg.block_n_up))](
+    up_blocks = triton.cdiv(inter, cfg.block_n_up)
+    _moe_gate_up_kernel[(tiles, up_blocks)](
         x, w_ref, table, order, tile_info, h, w_ref if host is None else host,
         hidden, inter, top_k, x.stride(0), stride_row, 0 if host is None else host.stride(0),
         TABLE_IS_PTR=table_is_ptr, HAS_HOST=host is not None, PER_ASSIGNMENT=per_assignment,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k_up,
-        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(dev))
+        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl.launch(dev, tiles * up_blocks))
     weights = topk_weights.reshape(-1)
     if deterministic:
         y = torch.empty((a, hidden), dtype=torch.float32, device=dev)  # every row written: one per assignment
@@ -383,17 +385,19 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         TABLE_IS_PTR=table_is_ptr, HAS_HOST=host is not None, PER_ASSIGNMENT=per_assignment,
         DETERMINISTIC=deterministic, SUM_LAST=per_assignment, HAS_RESIDUAL=residual is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down,
-        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(dev))
+        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl.launch(dev, tiles * column_blocks))
     if per_assignment:
         return out
     if scattered:
         return y if x.dtype == torch.float32 else y.to(x.dtype)
     # the ordered sum over k (deterministic), or over the one scattered row (k = 1), plus the residual
     block_h = min(1024, triton.next_power_of_2(hidden))
-    _moe_sum_kernel[(t, triton.cdiv(hidden, block_h))](
+    sum_blocks = triton.cdiv(hidden, block_h)
+    _moe_sum_kernel[(t, sum_blocks)](
         y, out if residual is None else residual, out, hidden, top_k if deterministic else 1,
         0 if residual is None else residual.stride(0), HAS_RESIDUAL=residual is not None, BLOCK_H=block_h,
-        num_warps=4, **pdl.launch(dev))
+        num_warps=4, **pdl.launch(dev, t * sum_blocks))
     return out
 
 

@@ -96,10 +96,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.
         return out
     block_r, block_d, warps = _tiles(n, d)
     round_mid = torch.promote_types(x.dtype, weight.dtype) == x.dtype
-    _rms_norm_kernel[(triton.cdiv(n, block_r),)](
+    grid = (triton.cdiv(n, block_r),)
+    _rms_norm_kernel[grid](
         x2, weight.contiguous(), g2, out, n, eps, x2.stride(0), g2.stride(0), d,
         D=d, BLOCK_R=block_r, BLOCK_D=block_d, ZERO_CENTRED=zero_centred, GATED=gate is not None,
-        ROUND_MID=round_mid, num_warps=warps, **pdl.launch(x.device))
+        ROUND_MID=round_mid, num_warps=warps, **pdl.launch(x.device, grid[0]))
     return out
 
 

@@ -1,25 +1,40 @@
 """Programmatic dependent launch (Hopper): a kernel's launch overlaps the end of the one before it.
 
-A b1 decode step is ~100 short kernels, and between two of them in a CUDA graph
-the device idles about a microsecond (the next grid's launch, its first loads
-in flight). Launched with `launch_pdl=True`, a kernel's programs may start
-while the previous kernel's last programs still run; they may read at once
-what no earlier kernel of the step writes (weights: the gemv issues its weight
-loads first), and must `wait` (griddepcontrol.wait: the previous grid has
-completed and its stores are visible) before reading anything else and before
-storing anything. Every program calls `wait` on every path, before any early
-return: a kernel that ended without waiting could let the next one run ahead
-of the one before it.
+A b1 decode step is ~90 short kernels, and between two of them in a CUDA graph
+the device idles: the next grid's launch, its first loads in flight. Launched
+with `launch_pdl=True`, a kernel's programs may start before the previous
+kernel has ended; they may read at once what no earlier kernel of the step
+writes (weights: the gemv issues its weight loads first), and must `wait`
+(griddepcontrol.wait: the previous grid has completed and its stores are
+visible) before reading anything else and before storing anything. Every
+program calls `wait` on every path, before any early return: a kernel that ended
+without waiting could let the next one run ahead of the one before it.
 
-The kernels never signal their dependents early (griddepcontrol.launch_dependents):
-on the H200 that made a b1 step slower, where the wait alone made it faster
-(bench/README.md, session 5: graph replay 0.735 ms plain, 0.712 wait only,
-0.722 and 0.826 with the early signal).
+When the next kernel may start is the previous kernel's signal
+(griddepcontrol.launch_dependents): by default, once each of its programs has
+exited. A kernel whose whole grid fits on the device at once (at most one
+program per SM, `launch(device, programs)`) signals early, so its dependent's
+programs are resident, their weight loads in flight, while it runs: the b1 chain
+of small launches (RoPE, attention and merge, router, experts) then hides the
+launch of the projection after it. A grid of more programs than that never
+signals early: the dependents would take the SMs its later programs need (on
+the H200, every kernel signalling made a b1 step slower, bench/README.md session
+5). No grid waited on is ever short of SMs: a dependent launches only once every
+program of the signalling grid is resident.
 
-`enabled(device)` decides once per device: CUDA compute capability 9.0 or
-newer, not the Triton interpreter, and `RADIANCED_PDL` not "0" (the A/B switch
-of the benchmarks). Each Triton kernel on the decode path takes a
-`PDL: tl.constexpr` and its launch passes `**launch(device)`.
+Levels (`RADIANCED_PDL`, the A/B switch of the benchmarks; decided once per
+device, 0 without CUDA compute capability 9.0, under the Triton interpreter):
+
+- 0: plain launches;
+- 1: PDL, every kernel waits, none signals early;
+- 2: small grids signal right after their wait (the dependent starts while this
+  kernel runs);
+- 3 (default): small grids signal before their wait (the dependent may start
+  while the kernel before this one still runs: two launches ahead).
+
+Each Triton kernel on the decode path takes a `PDL: tl.constexpr`, calls
+`wait(PDL)` before its first dependent access, and its launch passes
+`**launch(device, programs)`.
 """
 
 from __future__ import annotations
@@ -32,37 +47,69 @@ import triton
 import triton.language as tl
 
 try:
-    from triton.language.extra.cuda import gdc_wait
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # a Triton without grid dependency control: never enabled
-    gdc_wait = None
+    gdc_launch_dependents = gdc_wait = None
+
+DEFAULT_LEVEL = 3
+LEVELS = (0, 1, 2, 3)
 
 
 @functools.cache
-def _enabled(device: torch.device) -> bool:
+def _level(device: torch.device) -> int:
+    raw = os.environ.get("RADIANCED_PDL", str(DEFAULT_LEVEL))
+    if raw not in {str(lv) for lv in LEVELS}:
+        raise ValueError(f"RADIANCED_PDL={raw!r}: use one of {', '.join(map(str, LEVELS))} "
+                         f"(0 off, 1 wait only, 2 or 3 small grids signal early)")
     if device.type != "cuda" or gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if os.environ.get("RADIANCED_PDL", "1") == "0":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+        return 0
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        return 0
+    return int(raw)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _resolve(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def level(device: torch.device) -> int:
+    """The PDL level of `device` (module docstring); 0 where it is off."""
+    return _level(_resolve(device))
 
 
 def enabled(device: torch.device) -> bool:
     """Whether Triton kernels on `device` launch with programmatic dependent launch."""
-    return _enabled(torch.device(device.type, device.index if device.index is not None
-                                 else (torch.cuda.current_device() if device.type == "cuda" else None)))
+    return level(device) > 0
 
 
-def launch(device: torch.device) -> dict:
-    """The launch keywords for a kernel taking `PDL: tl.constexpr`: `PDL` and Triton's `launch_pdl`."""
-    on = enabled(device)
-    return {"PDL": on, "launch_pdl": on}
+def launch(device: torch.device, programs: int | None = None) -> dict:
+    """The launch keywords for a kernel taking `PDL: tl.constexpr`: `PDL` (its level) and Triton's
+    `launch_pdl`. `programs`: the grid's size; at levels 2 and 3 a grid of at most one program
+    per SM signals its dependents early, a larger one (or None) never does."""
+    device = _resolve(device)
+    lv = _level(device)
+    if lv > 1 and (programs is None or programs > _sm_count(device)):
+        lv = 1
+    return {"PDL": lv, "launch_pdl": lv > 0}
 
 
 @triton.jit
 def wait(PDL: tl.constexpr):
-    """Block until the previous kernel in the stream has completed (a no-op without PDL)."""
-    if PDL:
+    """Block until the previous kernel in the stream has completed (a no-op without PDL); at
+    levels 2 and 3 also signal this kernel's dependents (after, or before, the wait)."""
+    if PDL == 3:
+        gdc_launch_dependents()
+    if PDL > 0:
         gdc_wait()
+    if PDL == 2:
+        gdc_launch_dependents()
 
 
-__all__ = ["enabled", "launch", "wait"]
+__all__ = ["DEFAULT_LEVEL", "LEVELS", "enabled", "launch", "level", "wait"]

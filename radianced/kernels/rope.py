@@ -183,7 +183,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor | None, positions: torch.Tensor, in
     block_pass = triton.next_power_of_2(max(d - rot, 1))
     elems = block_h * (2 * block_half + block_pass)
     caches = (*k_out.stride()[:4], *v_cache.stride()[:4]) if kv is not None else (0,) * 8
-    _rotary_kernel[(q.shape[0], 1 if k is q else 2 if kv is None else 3)](
+    grid = (q.shape[0], 1 if k is q else 2 if kv is None else 3)
+    _rotary_kernel[grid](
         q, k, q_out, k_out, qw.contiguous(), kw.contiguous(), positions.contiguous(), inv_freq.contiguous(),
         q.shape[1], k.shape[1], eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v, v_cache, slots, k_out.shape[1] if kv is not None else 1, v.stride(0), v.stride(1), *caches,
@@ -191,7 +192,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor | None, positions: torch.Tensor, in
         NORM=weights is not None, ZERO_CENTRED=zero_centred, WRITE_KV=kv is not None,
         BLOCK_D=triton.next_power_of_2(d), BLOCK_SIZE=k_out.shape[2] if kv is not None else 1,
         LIBDEVICE=os.environ.get("TRITON_INTERPRET") != "1",
-        num_warps=4 if elems <= 2048 else 8, **pdl.launch(q.device))
+        num_warps=4 if elems <= 2048 else 8, **pdl.launch(q.device, grid[0] * grid[1]))
     return q_out, k_out
 
 

@@ -63,7 +63,7 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtyp
     if t:
         _route_kernel[(t,)](logits, ids, weights, e, logits.stride(0), TOP_K=top_k,
                             BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
-                            RENORMALIZE=renormalize, num_warps=4 if e <= 256 else 8, **pdl.launch(logits.device))
+                            RENORMALIZE=renormalize, num_warps=4 if e <= 256 else 8, **pdl.launch(logits.device, t))
     return ids, weights
 
 

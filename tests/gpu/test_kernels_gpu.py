@@ -457,7 +457,8 @@ def test_ops_select_binds_the_layer_kernels(layer_kernels):
 def test_programmatic_dependent_launch_changes_no_bit(kernels, experts, monkeypatch):
     """A b1 Qwen3-30B-A3B layer's kernels (norm + q/k/v gemv, rotary + KV write, split attention,
     o_proj + residual, norm + router gemv, route, experts + residual) captured in a CUDA graph and
-    replayed twice, launched with programmatic dependent launch and without: the same bits."""
+    replayed twice at every PDL level (plain, wait only, small grids signalling after and before
+    their wait): the same bits."""
     from radianced.kernels import linear, pdl, rope, router
     attention, moe = kernels
     slab, table, _ = experts
@@ -483,19 +484,35 @@ def test_programmatic_dependent_launch_changes_no_bit(kernels, experts, monkeypa
         ids, weights = router.route(logits, TOP_K, True, torch.bfloat16)
         return moe.moe(hn, ids, weights, table, slab, INTER, residual=h)
 
-    outs = {}
-    for on in (False, True):
-        monkeypatch.setenv("RADIANCED_PDL", "1" if on else "0")
-        pdl._enabled.cache_clear()
-        assert pdl.enabled(x.device) == on
+    outs = []
+    for lv in pdl.LEVELS:
+        monkeypatch.setenv("RADIANCED_PDL", str(lv))
+        pdl._level.cache_clear()
+        assert pdl.level(x.device) == lv
         layer()  # compiles, and sizes the arrival counters, before the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = layer()
-        outs[on] = []
         for _ in range(2):
             graph.replay()
-            outs[on].append(out.clone())
-    pdl._enabled.cache_clear()
-    assert torch.isfinite(outs[False][0].float()).all()
-    assert all(torch.equal(o, outs[False][0]) for o in outs[False] + outs[True])
+            outs.append(out.clone())
+    pdl._level.cache_clear()
+    assert torch.isfinite(outs[0].float()).all()
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+def test_only_grids_of_one_program_per_sm_signal_early(monkeypatch):
+    from radianced.kernels import pdl
+    dev = torch.device("cuda")
+    if torch.cuda.get_device_capability(dev)[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    try:
+        for lv in pdl.LEVELS:
+            monkeypatch.setenv("RADIANCED_PDL", str(lv))
+            pdl._level.cache_clear()
+            assert pdl.launch(dev, sms) == {"PDL": lv, "launch_pdl": lv > 0}
+            assert pdl.launch(dev, sms + 1)["PDL"] == min(lv, 1)
+            assert pdl.launch(dev)["PDL"] == min(lv, 1)
+    finally:
+        pdl._level.cache_clear()
