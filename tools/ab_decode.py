@@ -11,7 +11,9 @@ synthetic Qwen3-30B-A3B-shaped model (tools/make_synthetic.py), serves
 one set of decode graphs per variant, then times `--rounds` rounds, each
 variant in turn within a round (drift and clocks fall on every variant alike):
 the daemon's loop (`Engine.pipeline()`, wall time per step over `--steps`
-steps) and the graph replay alone (CUDA events, median of `--steps`). Writes
+steps), `DecodeGraphs.run` (the inputs' host work and the replay, CUDA events,
+median of `--steps`) and the captured graph replayed `--steps` times back to
+back (the device's work alone). Writes
 OUT/ab_decode.json and prints the medians over rounds. Differences of a few
 microseconds between whole runs of bench_model drown in the first-run effect;
 within one process, interleaved, they do not.
@@ -89,16 +91,26 @@ def pipelined(engine: Engine, steps: int) -> float:
     return seconds / steps
 
 
-def replay(engine: Engine, steps: int) -> float:
-    """Median seconds of the decode graph replay alone, for the requests' next step."""
+def replay(engine: Engine, steps: int) -> tuple[float, float]:
+    """For the requests' next step: median seconds of `DecodeGraphs.run` (the inputs' host work
+    and copies, then the replay), and seconds per replay of the captured graph alone, `steps`
+    replays back to back between two CUDA events (the device's work without the host's)."""
     plan = engine.scheduler.schedule()
     seqs = plan.seqs
     args = ([q.token_ids[0] for q in seqs], [q.context_before for q in seqs], [q.block_table[0] for q in seqs],
             [q.state_slot for q in seqs])
     graphs = engine.runner.graphs
-    t = timeit(lambda: graphs.run(*args), "cuda", warmup=3, reps=steps)["median_s"]
+    t_run = timeit(lambda: graphs.run(*args), "cuda", warmup=3, reps=steps)["median_s"]
+    graph = graphs.graph(graphs.bucket(len(seqs)))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    t_device = start.elapsed_time(end) / 1e3 / steps
     engine.scheduler.update(plan, engine.runner.run(plan))
-    return t
+    return t_run, t_device
 
 
 def main(argv=None) -> int:
@@ -116,7 +128,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     total_steps = args.rounds * len(variants) * (2 * args.steps + 8) + 64
-    times: dict[str, dict[str, list[float]]] = {n: {"pipelined_s": [], "replay_s": []} for n in variants}
+    times: dict[str, dict[str, list[float]]] = {n: {"pipelined_s": [], "run_s": [], "device_s": []}
+                                                for n in variants}
     with tempfile.TemporaryDirectory(dir="/var/tmp" if Path("/var/tmp").is_dir() else None) as tmp:
         rad = RadFile.open(make_synthetic(Path(tmp) / "m.rad", layers=args.layers, device="cuda", progress=False))
         cfg = Config(placement="resident", max_model_len=PROMPT + total_steps, max_num_seqs=args.batch,
@@ -134,7 +147,9 @@ def main(argv=None) -> int:
             for name in variants:
                 engine.runner.graphs = graphs[name]
                 times[name]["pipelined_s"].append(pipelined(engine, args.steps))
-                times[name]["replay_s"].append(replay(engine, args.steps))
+                t_run, t_device = replay(engine, args.steps)
+                times[name]["run_s"].append(t_run)
+                times[name]["device_s"].append(t_device)
         engine.scheduler.abort_all()
         engine.settle()
         rad.close()
@@ -146,7 +161,8 @@ def main(argv=None) -> int:
     print(f"decode A/B, {args.layers} layers, batch {args.batch}, {args.rounds} rounds x {args.steps} steps "
           f"({result['device']}), median ms over rounds:")
     for name, m in result["median_ms"].items():
-        print(f"  {name:>16}: pipelined {m['pipelined_s']:.3f}  replay {m['replay_s']:.3f}   {variants[name]}")
+        print(f"  {name:>16}: pipelined {m['pipelined_s']:.3f}  graphs.run {m['run_s']:.3f}  "
+              f"replays back to back {m['device_s']:.3f}   {variants[name]}")
     return 0
 
 

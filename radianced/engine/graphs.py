@@ -147,6 +147,11 @@ class DecodeGraphs:
             self.experts.replay(g.routing)
         return g.logits[:n]
 
+    def graph(self, b: int) -> torch.cuda.CUDAGraph:
+        """Bucket b's captured graph (benchmarks: replaying it repeats the last step of that
+        bucket on the inputs `run` left, the device's work alone)."""
+        return self._graphs[b].graph
+
     def _batch(self, b: int) -> ForwardBatch:
         """The static batch of bucket b: views of the input tensors."""
         return ForwardBatch(
