@@ -57,12 +57,6 @@ class AttentionConfig:
     num_stages: int
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def attention_config(num_tokens: int, num_seqs: int, q_heads: int, kv_heads: int, head_dim: int,
                      device: torch.device, max_seq_len: int | None = None,
                      num_splits: int | None = None) -> AttentionConfig:
@@ -82,7 +76,7 @@ def attention_config(num_tokens: int, num_seqs: int, q_heads: int, kv_heads: int
         num_splits = 1
         if decode and device.type == "cuda":
             programs = max(1, num_seqs * kv_heads)
-            num_splits = max(1, min(MAX_SPLITS, (2 * _sm_count(device)) // programs))
+            num_splits = max(1, min(MAX_SPLITS, (2 * pdl.sm_count(device)) // programs))
             if max_seq_len is not None:
                 num_splits = max(1, min(num_splits, triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)))
     num_warps = 4 if block_m * head_dim <= 64 * 128 else 8

@@ -70,7 +70,12 @@ def _level(device: torch.device) -> int:
 
 @functools.cache
 def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def sm_count(device: torch.device) -> int:
+    """The SMs of a CUDA device (the programs that fit on it at once, one each); 1 elsewhere."""
+    return _sm_count(_resolve(device))
 
 
 def _resolve(device: torch.device) -> torch.device:
@@ -112,4 +117,4 @@ def wait(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-__all__ = ["DEFAULT_LEVEL", "LEVELS", "enabled", "launch", "level", "wait"]
+__all__ = ["DEFAULT_LEVEL", "LEVELS", "enabled", "launch", "level", "sm_count", "wait"]
