@@ -108,7 +108,7 @@ def test_the_receipt_bounds_the_split_partials(monkeypatch, sms):
     from radianced import budget
 
     assert attention.MAX_SPLITS == budget.ATTENTION_MAX_SPLITS and sms <= budget.MAX_SMS
-    monkeypatch.setattr(attention, "_sm_count", lambda device: sms)
+    monkeypatch.setattr(attention.pdl, "sm_count", lambda device: sms)
     for kv_heads in (1, 2, 4, 8):
         bound = 2 * budget.MAX_SMS // kv_heads
         for rows in range(1, 300):
