@@ -63,16 +63,9 @@ class LinearConfig:
     num_warps: int
     num_stages: int
     kind: str = "dot"  # "dot": tensor-core tiles over a K loop; "gemv": whole rows in registers
-    programs_per_sm: int = 1  # "gemv": its grid, at most this many programs per SM
 
 
 GEMV_MAX_K = 8192  # "gemv" holds block_n whole weight rows in registers: K up to this
-GEMV_CHUNK_ELEMS = 8192  # "gemv": weight elements per chunk (16 KB of bf16), two chunks in flight a program
-INTERPRETER_SMS = 3  # the SMs a CPU run stands in (Triton's interpreter): programs stride over several chunks
-
-
-def _gemv_sms(device: torch.device) -> int:
-    return pdl.sm_count(device) if device.type == "cuda" else INTERPRETER_SMS
 
 
 def linear_config(t: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig | None:
@@ -90,8 +83,7 @@ def linear_config(t: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig | 
     - T > 16: None (prefill: a real GEMM).
     """
     if t == 1 and k <= GEMV_MAX_K:
-        rows = max(1, GEMV_CHUNK_ELEMS // triton.next_power_of_2(k))
-        return LinearConfig(rows, 0, num_warps=8, num_stages=1, kind="gemv")
+        return LinearConfig(2, 0, num_warps=8, num_stages=1, kind="gemv")
     if t > SKINNY_MAX_ROWS or n >= CUBLAS_MIN_N:
         return None
     block_k = min(ROW_BYTES_PER_STEP // dtype.itemsize, max(16, triton.next_power_of_2(k)))
@@ -132,34 +124,25 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, num_rows, n, k,
 
 
 @triton.jit
-def _gemv_rows(w_ptr, chunk, n, k, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Weight rows chunk * BLOCK_N .. + BLOCK_N, whole ([BLOCK_N, BLOCK_K]; rows past n and a chunk
-    past the last are masked: no memory traffic)."""
-    cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
-    kk = tl.arange(0, BLOCK_K)
-    return tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_w + kk[None, :],
-                   mask=(cols < n)[:, None] & (kk < k)[None, :], other=0.0)
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, norm_w_ptr, normed_ptr, num_rows, n, k, eps,
                  stride_x, stride_w, stride_b, stride_r, stride_o, stride_normed,
                  HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
                  ZERO_CENTRED: tl.constexpr, KEEP_NORMED: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """CUDA-core products over a grid that fits the device at once: program p takes the chunks of
-    BLOCK_N whole weight rows p, p + G, p + 2G, ... (G programs), and loads chunk c + G while it
-    sums chunk c (two chunks in flight per program), for each of the T rows of x in fp32.
-    NORM: each program RMS-normalizes x's row first, with kernels/norm.py's rounding steps
+    """CUDA-core products: a program loads its BLOCK_N whole weight rows at once (every load in
+    flight together, no loop), then for each of the T rows of x multiplies and sums over K in fp32.
+    NORM: each program RMS-normalizes x's whole row first, with kernels/norm.py's rounding steps
     (plain: `weight * round(x * rstd)`, zero-centred: `x * rstd * (1 + weight)`, each rounded to
-    x's dtype); KEEP_NORMED: program 0 also stores the normed row. Under PDL the first chunk's
-    weight loads are issued before the grid wait: they overlap the previous kernels."""
-    pid = tl.program_id(0)
-    step = tl.num_programs(0)
-    chunks = tl.cdiv(n, BLOCK_N)
+    x's dtype); KEEP_NORMED: program 0 also stores the normed row. Under PDL the weight loads are
+    issued before the grid wait: they overlap the previous kernel's tail."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
     kk = tl.arange(0, BLOCK_K)
     k_ok = kk < k
-    w = _gemv_rows(w_ptr, pid, n, k, stride_w, BLOCK_N, BLOCK_K)
+    w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_w + kk[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols * stride_b, mask=col_ok, other=0.0).to(tl.float32)
     if NORM:
         norm_w = tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
     pdl.wait(PDL)
@@ -173,23 +156,16 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, norm_w_ptr, normed_pt
             else:
                 x = ((x * rstd).to(ty).to(tl.float32) * norm_w).to(ty).to(tl.float32)
             if KEEP_NORMED:
-                if pid == 0:
+                if tl.program_id(0) == 0:
                     tl.store(normed_ptr + t * stride_normed + kk, x.to(ty), mask=k_ok)
-        if t > 0:  # the chunks again for the next row (T > 1 re-reads the weights: benchmarks, tests)
-            w = _gemv_rows(w_ptr, pid, n, k, stride_w, BLOCK_N, BLOCK_K)
-        for c in range(pid, chunks, step):
-            w_next = _gemv_rows(w_ptr, c + step, n, k, stride_w, BLOCK_N, BLOCK_K)
-            cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
-            col_ok = cols < n
-            acc = tl.sum(w.to(tl.float32) * x[None, :], 1)
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + cols * stride_b, mask=col_ok, other=0.0).to(tl.float32)
-            y = acc.to(ty)
-            if HAS_RESIDUAL:
-                r = tl.load(res_ptr + t * stride_r + cols, mask=col_ok, other=0.0)
-                y = (y.to(tl.float32) + r.to(tl.float32)).to(ty)
-            tl.store(out_ptr + t * stride_o + cols, y, mask=col_ok)
-            w = w_next
+        acc = tl.sum(w.to(tl.float32) * x[None, :], 1)
+        if HAS_BIAS:
+            acc += bias
+        y = acc.to(out_ptr.dtype.element_ty)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + t * stride_r + cols, mask=col_ok, other=0.0)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + t * stride_o + cols, y, mask=col_ok)
 
 
 # -- launcher --------------------------------------------------------------------------------------
@@ -248,7 +224,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = torch.empty((t, n), dtype=x.dtype, device=x.device)
         fused = norm is not None
         normed = torch.empty_like(x) if fused and keep_normed else x
-        programs = min(triton.cdiv(n, cfg.block_n), cfg.programs_per_sm * _gemv_sms(x.device))
+        programs = triton.cdiv(n, cfg.block_n)
         _gemv_kernel[(programs,)](
             x, weight, x if bias is None else bias, x if residual is None else residual, out,
             norm[0] if fused else x, normed, t, n, k, norm[1] if fused else 0.0,

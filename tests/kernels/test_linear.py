@@ -136,7 +136,7 @@ def test_config_follows_the_h200_sweep():
     """T = 1: the gemv kernel; 1 < T <= 16: the tensor-core tiles, except wide N (cuBLAS wins, None);
     above 16 rows torch (None). fp32 steps span as many bytes as bf16 ones."""
     bf16 = torch.bfloat16
-    assert linear.linear_config(1, 5120, 2048, bf16) == linear.LinearConfig(4, 0, 8, 1, "gemv")
+    assert linear.linear_config(1, 5120, 2048, bf16) == linear.LinearConfig(2, 0, 8, 1, "gemv")
     assert linear.linear_config(1, 2048, 4096, torch.float32).kind == "gemv"
     assert linear.linear_config(1, 64, linear.GEMV_MAX_K + 1, bf16).kind == "dot"
     assert linear.linear_config(4, 2048, 4096, bf16) == linear.LinearConfig(16, 512, 4, 3, "dot")
