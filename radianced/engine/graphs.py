@@ -159,7 +159,7 @@ class DecodeGraphs:
             block_tables=self._tables[:b], logits_rows=self._rows[:b],
             query_start=tuple(range(b + 1)), seq_lens=(1,) * b,
             query_start_t=self._query_start[:b + 1], seq_lens_t=self._lens[:b],
-            state_slots=None if self._states is None else self._states[:b])
+            state_slots=None if self._states is None else self._states[:b], every_row=True)
 
     def _capture_all(self) -> None:
         """Warm up and capture every bucket, largest first, into one pool (padding rows only:

@@ -26,7 +26,8 @@ class ForwardBatch:
     layers). state_slots: [B] recurrent-state slot of each sequence (hybrid
     models; a fresh sequence's slot is zeroed by its allocator; in a decode
     batch, slot < 0 is a padding row: zero output, no state touched).
-    logits_rows: [R] token rows whose logits the caller wants.
+    logits_rows: [R] token rows whose logits the caller wants; every_row: the host knows
+    they are all T rows in order (decode), so the forward skips the gather.
     query_start_t [B+1], seq_lens_t [B]: int32 device copies of the host tuples
     (seq_lens_t int64 in the decode graphs' static batch), for kernels (no
     per-layer host -> device copy; capturable in a CUDA graph).
@@ -43,6 +44,7 @@ class ForwardBatch:
     query_start_t: torch.Tensor
     seq_lens_t: torch.Tensor
     state_slots: torch.Tensor | None = None
+    every_row: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -102,7 +104,7 @@ class ForwardBatch:
             block_tables=to_device_no_sync(tables, device), logits_rows=rows_t,
             query_start=tuple(starts), seq_lens=lens,
             query_start_t=starts_t, seq_lens_t=lens_t,
-            state_slots=states_t[0] if states_t else None,
+            state_slots=states_t[0] if states_t else None, every_row=rows == list(range(total)),
         )
 
 

@@ -205,4 +205,4 @@ class CausalLM:
         rope = self.rotary.at(batch.positions)
         for layer in self.layers:
             x = layer(x, rope, batch, cache)
-        return self.lm_head(self.norm(x[batch.logits_rows]))
+        return self.lm_head(self.norm(x if batch.every_row else x[batch.logits_rows]))

@@ -26,6 +26,13 @@ def test_layout_of_a_mixed_step():
 def test_logits_rows(logits, rows):
     batch = ForwardBatch.build([[1, 2], [3, 4]], [0, 0], [[0], [1]], 16, logits=logits)
     assert batch.logits_rows.tolist() == rows and batch.state_slots is None
+    assert batch.every_row == (logits == "all")
+
+
+def test_a_decode_batch_wants_every_row():
+    """One token a sequence, each sampled: the rows are 0 .. T-1 and the forward skips its gather."""
+    assert ForwardBatch.build([[1], [2], [3]], [4, 0, 9], [[0], [1], [2]], 16).every_row
+    assert not ForwardBatch.build([[1], [2], [3]], [4, 0, 9], [[0], [1], [2]], 16, logits=[True, False, True]).every_row
 
 
 def test_a_block_table_too_short_for_the_tokens_is_refused():
