@@ -10,7 +10,9 @@ expert in arena slots, requests through the scheduler, the runner, the sampler.
 
 - ceilings (tools/gpu_bench.py, same code as gpu_check's): HBM device copy
   (bytes read + written / time) and bf16 matmul 8192^3;
-- decode b1 / b32, 1,024-token prompts: steps of `Engine.pipeline()` (the
+- decode b1 / b32, 1,024-token prompts, greedy (the floor counts the model's
+  bytes; the sampler's work is not in it), and b1 again sampled at temperature 1
+  (vLLM's benchmark_latency samples so): steps of `Engine.pipeline()` (the
   daemon's loop, step N+1 launched before step N is collected; wall time per
   step in steady state), `Engine.step()` (sequential; CUDA events, the step ends
   in its host sync), then the same step's `runner.run(plan)` alone (no
@@ -155,11 +157,14 @@ def section_engine(st: State) -> dict:
 # -- our rows ---------------------------------------------------------------------------------
 
 
-def _request(st: State, rid: str, n: int, seed: int):
+def _request(st: State, rid: str, n: int, seed: int, sampled: bool = False):
+    """A request of an n-token random prompt decoding without end: greedy, or sampled at
+    temperature 1 with a seed (vLLM's benchmark_latency samples so)."""
     from radianced.engine.request import Request
     from radianced.engine.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=1.0, seed=seed, ignore_eos=True, max_tokens=1 << 20)
+    params = SamplingParams(temperature=1.0 if sampled else 0.0, seed=seed if sampled else None, ignore_eos=True,
+                            max_tokens=1 << 20)
     return Request(rid, st.prompt(n), params)
 
 
@@ -222,10 +227,11 @@ def _isolated(st: State, decode: bool) -> dict:
     return out
 
 
-def section_decode(st: State, batch: int, hbm: float | None, matmul: float | None) -> dict:
+def section_decode(st: State, batch: int, hbm: float | None, matmul: float | None, sampled: bool = False) -> dict:
     st.check_time()
     eng, s = st.engine, st.sizes
-    seqs = [eng.add(_request(st, f"d{batch}-{i}", s.context, i)) for i in range(batch)]
+    tag = "s" if sampled else "g"
+    seqs = [eng.add(_request(st, f"d{batch}{tag}-{i}", s.context, i, sampled)) for i in range(batch)]
     prefill_steps = 0
     while any(q.num_output_tokens == 0 for q in seqs):
         eng.step()
@@ -241,7 +247,7 @@ def section_decode(st: State, batch: int, hbm: float | None, matmul: float | Non
     eng.settle()
     floor = decode_floor(st.rad, batch, context, distinct, hbm, matmul)
     f = floor["floor_s"]
-    return {"batch": batch, "prompt_tokens": s.context, "mean_context": context, "prefill_steps": prefill_steps,
+    return {"batch": batch, "sampled": sampled, "prompt_tokens": s.context, "mean_context": context, "prefill_steps": prefill_steps,
             "engine_step": t_step, "pipelined_step": t_pipe, **iso, "distinct_experts_per_step": distinct, **floor,
             "ratio_floor_over_step": f / t_pipe["mean_s"] if f else None,
             "ratio_floor_over_sequential_step": f / t_step["median_s"] if f else None,
@@ -427,17 +433,17 @@ def report_rows(res: dict) -> list[tuple[str, str, str, str, str]]:
     md = res.get("model", {})
     layers = f"{md.get('layers', '?')} of {REAL_LAYERS} layers"
     batches = res.get("sizes", {}).get("batches", ())
-    for b in batches:
-        d = res.get(f"decode_b{b}", {})
+    for key in [f"decode_b{b}" for b in batches] + ["decode_b1_sampled"]:
+        d = res.get(key, {})
         if d.get("status") != "ok":
-            rows.append((f"decode b{b}: Engine.step", "-", "", "", _why(d)))
+            rows.append((f"{key}: Engine.step", "-", "", "", _why(d)))
             continue
         rows.append((
-            f"decode b{d['batch']}, Qwen3-30B-A3B shapes ({layers} + lm_head), ctx {d['prompt_tokens']:,}, "
-            f"all experts resident: pipelined steps (the daemon's loop)",
+            f"decode b{d['batch']} {'sampled (temperature 1)' if d['sampled'] else 'greedy'}, Qwen3-30B-A3B shapes "
+            f"({layers} + lm_head), ctx {d['prompt_tokens']:,}, all experts resident: pipelined steps (the daemon's loop)",
             f"{_ms(d['pipelined_step']['mean_s'])} ({d['tokens_per_s']:,.0f} tok/s)",
             f"{_ms(d['floor_s'])} ({d['floor_kind']})", _pct(d["ratio_floor_over_step"]),
-            _decode_note(d) + (" (target >= 60% at b1)" if d["batch"] == 1 else "")))
+            _decode_note(d) + (" (target >= 60% at b1)" if d["batch"] == 1 and not d["sampled"] else "")))
     p = res.get("prefill", {})
     if p.get("status") == "ok":
         kern = p.get("forward_kernel_s")
@@ -550,6 +556,8 @@ def main(argv=None) -> int:
             if _section(res, path, "engine", section_engine, st)["status"] == "ok":
                 for b in st.sizes.batches if "decode" in parts else ():
                     _section(res, path, f"decode_b{b}", section_decode, st, b, hbm, matmul)
+                if "decode" in parts:  # the b1 step again with the sampler's work (temperature 1)
+                    _section(res, path, "decode_b1_sampled", section_decode, st, 1, hbm, matmul, True)
                 if "prefill" in parts:
                     _section(res, path, "prefill", section_prefill, st, matmul)
             _section(res, path, "release", section_release, st)

@@ -149,8 +149,7 @@ class Engine:
                               prefix=prefix, hybrid=hybrid, max_model_len=max_model_len)
         tokenizer = Tokenizer.from_header(rad.header)
         runner = Runner(model, KVCache(kv_storage, m.full_attention_layers, states), checkpoints,
-                        Sampler(device, sampler_seed), tokenizer.eos_token_ids,
-                        experts if isinstance(experts, ExpertSlab) else None)
+                        Sampler(device, sampler_seed), experts if isinstance(experts, ExpertSlab) else None)
         return cls(scheduler, runner, tokenizer, pipelined=not cfg.sequential_steps)
 
 

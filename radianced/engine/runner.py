@@ -44,13 +44,12 @@ class InFlight:
 
 class Runner:
     def __init__(self, model: CausalLM, cache: KVCache, checkpoints: RecurrentState | None, sampler: Sampler,
-                 eos_token_ids: tuple[int, ...] = (), experts=None):
+                 experts=None):
         """experts: the expert slab (tiers/slab.py) when the model has one: the runner tells it
         which rows are which decode sequence, and returns its counts in StepOutput.expert_counts."""
         self.model, self.cache, self.checkpoints, self.sampler = model, cache, checkpoints, sampler
         self.experts = experts
         self.vocab_size = model.cfg.vocab_size
-        self.eos_token_ids = eos_token_ids
         self.device = cache.storage.device
         self.graphs = None  # DecodeGraphs (engine/graphs.py) once captured: decode steps replay them
         self._last_tokens: torch.Tensor | None = None  # [R] the last launched step's sampled ids (device)
@@ -161,7 +160,7 @@ class Runner:
         if last is not None and not last[1].do_penalties and len(last[0]) == len(params) \
                 and all(a is b for a, b in zip(last[0], params)):
             return replace(last[1], seeded=seeded_rows(rows))
-        tensors = SamplingTensors.build(rows, self.vocab_size, self.eos_token_ids, self.device, pending)
+        tensors = SamplingTensors.build(rows, self.vocab_size, self.device, pending)
         self._sampling = (params, tensors)
         return tensors
 

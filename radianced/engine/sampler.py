@@ -55,7 +55,6 @@ class SamplingTensors:
     top_k: torch.Tensor  # [B] int64; V where off
     top_p: torch.Tensor  # [B] fp32; 1 where off
     min_p: torch.Tensor  # [B] fp32; 0 where off
-    stop_ids: torch.Tensor  # [B, S] int64, padded with -1
     # penalties (None when no row has any)
     repetition_penalty: torch.Tensor | None  # [B] fp32
     frequency_penalty: torch.Tensor | None  # [B] fp32
@@ -75,13 +74,11 @@ class SamplingTensors:
         return self.seen is not None
 
     @classmethod
-    def build(cls, rows: Sequence[SamplingRow | tuple], vocab_size: int, eos_token_ids: Sequence[int] = (),
-              device: torch.device | str = "cpu",
+    def build(cls, rows: Sequence[SamplingRow | tuple], vocab_size: int, device: torch.device | str = "cpu",
               pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplingTensors:
         """The batched form of `rows` (one per sequence, in logits row order).
 
-        A row's stop ids are its `stop_token_ids` plus `eos_token_ids` unless it
-        sets `ignore_eos`. Host work is O(B + tokens of rows with penalties); the copies
+        Host work is O(B + tokens of rows with penalties); the copies
         to `device` do not wait for work queued on its stream. A row whose last output id
         is PENDING (a step in flight samples it) has it in `pending`: (rows [P], ids [P])
         on the device, for the penalties' counts.
@@ -94,16 +91,13 @@ class SamplingTensors:
             return to_device_no_sync(torch.tensor(values, dtype=torch.float32), device)
 
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in ps]
-        stops = [tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(eos_token_ids)) for p in ps]
-        width = max((len(s) for s in stops), default=0) or 1
         # the [B] parameters in two host-to-device copies (each costs the host ~20 us), neither waiting
         # for the stream (a step may be in flight): fp32 rows temperature | top_p | min_p, int64
-        # columns top_k | greedy | stop ids padded with -1
+        # columns top_k | greedy
         real = floats([[1.0 if p.greedy else p.temperature for p in ps], [p.top_p for p in ps],
                        [p.min_p for p in ps]]).view(3, b)
-        ints = to_device_no_sync(torch.tensor([[k, p.greedy, *s, *[-1] * (width - len(s))]
-                                               for k, p, s in zip(top_k, ps, stops)],
-                                              dtype=torch.int64).view(b, 2 + width), device)
+        ints = to_device_no_sync(torch.tensor([[k, p.greedy] for k, p in zip(top_k, ps)],
+                                              dtype=torch.int64).view(b, 2), device)
 
         penalties = {}
         if any(p.has_penalties for p in ps):
@@ -120,7 +114,6 @@ class SamplingTensors:
             top_k=ints[:, 0],
             top_p=real[1],
             min_p=real[2],
-            stop_ids=ints[:, 2:],
             repetition_penalty=penalties.get("repetition_penalty"),
             frequency_penalty=penalties.get("frequency_penalty"),
             presence_penalty=penalties.get("presence_penalty"),
@@ -181,7 +174,6 @@ class SampleResult:
     """One step's picks, on the logits' device (the runner copies them to the host once)."""
 
     tokens: torch.Tensor  # [B] int64
-    stopped: torch.Tensor  # [B] bool: the token is one of the row's stop ids
     logprobs: torch.Tensor | None  # [B] fp32: the chosen token's raw log-probability
     top_ids: torch.Tensor | None  # [B, N] int64, most likely first; row b uses its own first logprobs[b]
     top_logprobs: torch.Tensor | None  # [B, N] fp32
@@ -244,12 +236,11 @@ class Sampler:
             x = apply_filters(x / t.temperature[:, None], t)
             race = x.softmax(dim=-1).div_(self._exponential(x.shape, x.device, t))
             tokens = torch.where(t.greedy, tokens, race.argmax(dim=-1))
-        stopped = (tokens[:, None] == t.stop_ids).any(dim=-1)
         if t.num_logprobs is None:
-            return SampleResult(tokens, stopped, None, None, None)
+            return SampleResult(tokens, None, None, None)
         lp = logits.log_softmax(dim=-1)
         top = lp.topk(t.num_logprobs, dim=-1)
-        return SampleResult(tokens, stopped, lp.gather(1, tokens[:, None])[:, 0], top.indices, top.values)
+        return SampleResult(tokens, lp.gather(1, tokens[:, None])[:, 0], top.indices, top.values)
 
     def _exponential(self, shape: torch.Size, device: torch.device, t: SamplingTensors) -> torch.Tensor:
         """[B, V] Exp(1) noise: -log(U). U = 0 (odds 2^-24) gives E = inf, so that token scores 0

@@ -21,10 +21,10 @@ def test_same_params_reuse_the_tensors_with_this_steps_seeds(tiny_rads):  # noqa
     first = runner._sampling_tensors([SamplingRow(seeded, [1, 2]), SamplingRow(greedy, [3])])
     rows = [SamplingRow(seeded, [1, 2, 5]), SamplingRow(greedy, [3, 4])]
     second = runner._sampling_tensors(rows)
-    assert second.temperature is first.temperature and second.stop_ids is first.stop_ids
+    assert second.temperature is first.temperature and second.top_k is first.top_k
     assert second.seeded == seeded_rows(rows) != first.seeded  # the seed of output token 3, not 2
-    fresh = SamplingTensors.build(rows, runner.vocab_size, runner.eos_token_ids)
-    for name in ("temperature", "greedy", "top_k", "top_p", "min_p", "stop_ids"):
+    fresh = SamplingTensors.build(rows, runner.vocab_size)
+    for name in ("temperature", "greedy", "top_k", "top_p", "min_p"):
         assert torch.equal(getattr(second, name), getattr(fresh, name)), name
 
 

@@ -70,8 +70,8 @@ def _logits(b: int, v: int = V, seed: int = 0) -> torch.Tensor:
     return 3 * torch.randn((b, v), generator=torch.Generator().manual_seed(seed))
 
 
-def _sample(logits, rows, sampler=None, eos=()):
-    t = SamplingTensors.build(rows, logits.shape[1], eos_token_ids=eos)
+def _sample(logits, rows, sampler=None):
+    t = SamplingTensors.build(rows, logits.shape[1])
     return (sampler or Sampler(seed=0)).sample(logits, t)
 
 
@@ -226,14 +226,6 @@ def test_logprobs_are_the_raw_model_log_softmax():
     assert torch.equal(result.logprobs, ref.gather(1, result.tokens[:, None])[:, 0])
     assert result.top_ids.shape == (3, 4)  # the batch's widest request; each row keeps its own first n
     assert torch.equal(result.top_ids, ref.topk(4).indices) and torch.equal(result.top_logprobs, ref.topk(4).values)
-
-
-def test_stop_token_ids_and_eos_unless_ignore_eos():
-    logits = torch.full((3, 6), -5.0)
-    logits[:, 4] = 5.0  # every row picks 4
-    rows = [(SamplingParams(temperature=0), []), (SamplingParams(temperature=0, ignore_eos=True), []),
-            (SamplingParams(temperature=0, ignore_eos=True, stop_token_ids=[2, 4]), [])]
-    assert _sample(logits, rows, eos=[4]).stopped.tolist() == [True, False, True]
 
 
 # == IncrementalDetokenizer ====================================================
