@@ -22,8 +22,11 @@ the H200, every kernel signalling made a b1 step slower, bench/README.md session
 5). No grid waited on is ever short of SMs: a dependent launches only once every
 program of the signalling grid is resident.
 
-Levels (`RADIANCED_PDL`, the A/B switch of the benchmarks; decided once per
-device, 0 without CUDA compute capability 9.0, under the Triton interpreter):
+The bound is `RADIANCED_PDL_GRID` programs per SM (default 1; an A/B knob:
+a larger grid that signals early lets its dependents in as soon as its last
+programs have started). Levels (`RADIANCED_PDL`, the A/B switch of the
+benchmarks; decided once per device, 0 without CUDA compute capability 9.0,
+under the Triton interpreter):
 
 - 0: plain launches;
 - 1: PDL, every kernel waits, none signals early;
@@ -69,6 +72,15 @@ def _level(device: torch.device) -> int:
 
 
 @functools.cache
+def _grid_per_sm() -> int:
+    raw = os.environ.get("RADIANCED_PDL_GRID", "1")
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"RADIANCED_PDL_GRID={raw!r}: give the programs per SM up to which a grid signals "
+                         f"early, a whole number >= 1")
+    return int(raw)
+
+
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
@@ -100,7 +112,7 @@ def launch(device: torch.device, programs: int | None = None) -> dict:
     per SM signals its dependents early, a larger one (or None) never does."""
     device = _resolve(device)
     lv = _level(device)
-    if lv > 1 and (programs is None or programs > _sm_count(device)):
+    if lv > 1 and (programs is None or programs > _grid_per_sm() * _sm_count(device)):
         lv = 1
     return {"PDL": lv, "launch_pdl": lv > 0}
 
