@@ -1,4 +1,4 @@
-"""One batched sampling call per step: logits [B, V] -> next tokens, stop flags, logprobs.
+"""One batched sampling call per step: logits [B, V] -> next tokens, logprobs.
 
 The runner builds `SamplingTensors` from the step's rows (each request's
 `SamplingParams` and token history) and calls `Sampler.sample` once. Every
@@ -9,7 +9,8 @@ Order (vLLM's): penalties -> (greedy rows: argmax) -> temperature -> min_p ->
 top_k -> top_p (on the distribution renormalized after min_p and top_k) ->
 softmax -> exponential race. The race picks argmax(p_i / E_i) with
 E_i = -log(U_i) ~ Exp(1), which is a draw from p (the Gumbel-max trick in
-probability space) and needs no cumulative sum or host sync.
+probability space) and needs no cumulative sum or host sync. The argmaxes are
+`ops.argmax` (one Triton launch on CUDA, torch's elsewhere).
 
 Seeds. Unseeded rows share one [B, V] uniform draw from the sampler's generator.
 A seeded row's noise for its n-th output token comes from a generator seeded
@@ -33,6 +34,7 @@ import torch
 
 from radianced.engine.plan import PENDING
 from radianced.engine.sampling_params import SamplingParams
+from radianced.kernels import ops
 from radianced.model.batch import to_device_no_sync
 
 _MASK64 = (1 << 64) - 1
@@ -231,11 +233,11 @@ class Sampler:
         """logits: [B, V] raw model output (not modified). Returns the picks of all B rows."""
         logits = logits.float()
         x = apply_penalties(logits, t)
-        tokens = x.argmax(dim=-1)
+        tokens = ops.argmax(x)
         if not t.all_greedy:
             x = apply_filters(x / t.temperature[:, None], t)
             race = x.softmax(dim=-1).div_(self._exponential(x.shape, x.device, t))
-            tokens = torch.where(t.greedy, tokens, race.argmax(dim=-1))
+            tokens = torch.where(t.greedy, tokens, ops.argmax(race))
         if t.num_logprobs is None:
             return SampleResult(tokens, None, None, None)
         lp = logits.log_softmax(dim=-1)

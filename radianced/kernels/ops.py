@@ -25,6 +25,7 @@ silu_mlp = reference.silu_mlp
 paged_attention = reference.paged_attention
 moe = reference.moe
 route = reference.route
+argmax = reference.argmax
 
 deltanet_gates = reference.deltanet_gates
 causal_conv1d_prefill = reference.causal_conv1d_prefill
@@ -35,6 +36,7 @@ gated_delta_rule_decode = reference.gated_delta_rule_decode
 # Bound to Triton on CUDA: (module under radianced.kernels, op name). The others stay torch everywhere.
 _TRITON = (
     ("attention", "paged_attention"), ("moe", "moe"), ("router", "route"), ("linear", "linear"),
+    ("argmax", "argmax"),
     ("norm", "rms_norm"), ("norm", "gated_rms_norm"), ("rope", "rotary_write_kv"),
     ("deltanet", "deltanet_gates"), ("deltanet", "causal_conv1d_prefill"), ("deltanet", "causal_conv1d_update"),
     ("deltanet", "gated_delta_rule_chunked"), ("deltanet", "gated_delta_rule_decode"),

@@ -175,6 +175,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 # -- routed experts ---------------------------------------------------------
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> [B] int64: each row's index of its largest value, the first on ties (torch's)."""
+    return logits.argmax(dim=-1)
+
+
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The router after its matmul: softmax over all E experts in fp32, the top k, optionally
     renormalized to sum to 1. logits: [T, E]. Returns (ids [T, k] int64, weights [T, k] in

@@ -516,3 +516,16 @@ def test_only_grids_of_one_program_per_sm_signal_early(monkeypatch):
             assert pdl.launch(dev)["PDL"] == min(lv, 1)
     finally:
         pdl._level.cache_clear()
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_argmax_is_torchs_at_qwen3_vocabulary(batch, dtype):
+    """The sampler's greedy pick over Qwen3's 151,936 logits: torch's index bit for bit, a tie
+    across two programs' blocks included (the lower index wins)."""
+    from radianced.kernels import argmax
+    logits = _rand(batch, 151_936, dtype=dtype, seed=47)
+    logits[0, [70_001, 90_000]] = 100.0
+    got = argmax.argmax(logits)
+    assert got[0].item() == 70_001
+    assert torch.equal(got, logits.argmax(dim=-1))
