@@ -585,6 +585,7 @@ class _Experts:
     """Every expert resident in one slab; optionally counts the distinct experts routed per layer."""
 
     host = None  # no host pool: every table entry is a slab row
+    stages_experts = False  # prepare only counts
 
     def __init__(self, slab: torch.Tensor, tables: dict[int, torch.Tensor]):
         self.slab, self._tables, self.counts = slab, tables, None

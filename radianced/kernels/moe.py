@@ -21,6 +21,13 @@ tile i is simply assignment i, and the ordered sum replaces the atomics,
 whichever was asked for; the down launch does that sum itself (the last of a
 column block's k programs to finish, kernels/arrival.py): 2 launches in all.
 
+`route_moe` takes the router's logits instead of its ids and weights: `route`
+then `moe`, except at T == 1 with E <= ROUTE_FUSED_MAX_EXPERTS, where there is
+no route launch: every gate/up program ranks the E logits itself and takes the
+expert of rank `tile` (router.py `expert_of_rank`), and program (tile, 0) stores
+that id and its weight, the ids and weights `route` would have returned, bit
+for bit, for the down launch to read and the caller to record.
+
 Weights are read through a per-expert base address, the only way the kernels
 reach them: `slab + table[e] * row_stride` for table[e] >= 0 and
 `host + (-1 - table[e]) * row_stride` for table[e] < 0 (`moe`: the table of
@@ -43,8 +50,13 @@ import torch
 import triton
 import triton.language as tl
 
-from radianced.kernels import arrival, pdl
+from radianced.kernels import arrival, pdl, router
 
+# Experts up to which `route_moe` ranks them inside the gate/up programs at T == 1. Ranking is E^2
+# comparisons in every program, before its weight loads: at 4 warps 128 a thread for E = 128
+# (Qwen3-MoE), 512 for E = 256, 2048 for E = 512 (Qwen3-Next), likely more than the route launch
+# it would save; larger routers keep that launch. A guess from the counts, not measured.
+ROUTE_FUSED_MAX_EXPERTS = 256
 # Assignments (T * k) up to which one counting-sort program groups them; above, torch.sort.
 GROUP_FUSED_MAX = 1024
 # (assignments per chunk, tiles per chunk, warps) of the grouping programs. On the H200 the counting
@@ -179,6 +191,13 @@ def _expert_base(w_ptr, table_ptr, expert, stride_row, host_ptr, stride_host_row
 
 
 @triton.jit
+def _assignment_rows(tile, BLOCK_M: tl.constexpr):
+    """(rows [BLOCK_M], their mask, their assignments) of tile i = assignment i (T == 1): one row."""
+    rows = tile + tl.arange(0, BLOCK_M)
+    return rows, rows < tile + 1, rows.to(tl.int64)
+
+
+@triton.jit
 def _tile_rows(tile_info_ptr, order_ptr, tile, BLOCK_M: tl.constexpr, PER_ASSIGNMENT: tl.constexpr):
     """(expert or -1, sorted rows [BLOCK_M], their mask, their assignments t * k + j) of one tile.
 
@@ -187,9 +206,7 @@ def _tile_rows(tile_info_ptr, order_ptr, tile, BLOCK_M: tl.constexpr, PER_ASSIGN
     """
     if PER_ASSIGNMENT:
         expert = tl.load(tile_info_ptr + tile).to(tl.int32)
-        rows = tile + tl.arange(0, BLOCK_M)
-        row_ok = rows < tile + 1
-        assignment = rows.to(tl.int64)
+        rows, row_ok, assignment = _assignment_rows(tile, BLOCK_M)
     else:
         expert = tl.load(tile_info_ptr + tile * 3)
         row_lo = tl.load(tile_info_ptr + tile * 3 + 1)
@@ -202,16 +219,25 @@ def _tile_rows(tile_info_ptr, order_ptr, tile, BLOCK_M: tl.constexpr, PER_ASSIGN
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w_ptr, table_ptr, order_ptr, tile_info_ptr, h_ptr, host_ptr,
-    hidden, inter, top_k, stride_x, stride_row, stride_host_row,
+    x_ptr, w_ptr, table_ptr, order_ptr, tile_info_ptr, h_ptr, host_ptr, logits_ptr, topk_weights_ptr,
+    hidden, inter, top_k, num_experts, stride_x, stride_row, stride_host_row,
     TABLE_IS_PTR: tl.constexpr, HAS_HOST: tl.constexpr, PER_ASSIGNMENT: tl.constexpr,
+    ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """h[row, n] = silu(x[tok] . gate[n]) * (x[tok] . up[n]) for the tile's sorted rows; h: [A, I]."""
+    """h[row, n] = silu(x[tok] . gate[n]) * (x[tok] . up[n]) for the tile's sorted rows; h: [A, I].
+    ROUTE (T == 1): tile i's expert is the one of rank i among the logits [E] (`route`'s order),
+    and program (i, 0) stores it to tile_info_ptr[i] (the ids [k] the down launch reads) and its
+    weight to topk_weights_ptr[i]."""
     pdl.wait(PDL)
-    expert, rows, row_ok, assignment = _tile_rows(tile_info_ptr, order_ptr, tl.program_id(0), BLOCK_M,
-                                                  PER_ASSIGNMENT)
+    tile = tl.program_id(0)
+    if ROUTE:
+        expert = router.expert_of_rank(logits_ptr, tile_info_ptr, topk_weights_ptr, tile, num_experts, top_k,
+                                       tl.program_id(1) == 0, RENORMALIZE, BLOCK_E, BLOCK_C)
+        rows, row_ok, assignment = _assignment_rows(tile, BLOCK_M)
+    else:
+        expert, rows, row_ok, assignment = _tile_rows(tile_info_ptr, order_ptr, tile, BLOCK_M, PER_ASSIGNMENT)
     if expert < 0:
         return
     tok = assignment // top_k
@@ -343,7 +369,10 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int,
 def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
                 w_ref: torch.Tensor, stride_row: int, table_is_ptr: bool, inter: int, deterministic: bool,
                 cfg: MoEConfig | None = None, host: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, logits: torch.Tensor | None = None,
+                renormalize: bool = False) -> torch.Tensor:
+    """The launches of `moe`. With `logits` ([1, E], T == 1) the gate/up programs route: they write
+    topk_ids and topk_weights ([1, k], contiguous) instead of reading them (`route_moe`)."""
     t, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts = table.shape[0]
@@ -360,16 +389,20 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     else:
         order, tile_info = group_by_expert(topk_ids, num_experts, cfg.block_m)
         tiles = tile_info.shape[0]
+    weights = topk_weights.reshape(-1)
+    route = logits is not None
+    block_e = triton.next_power_of_2(num_experts) if route else 1
     h = torch.empty((a, inter), dtype=x.dtype, device=dev)  # sorted rows
     up_blocks = triton.cdiv(inter, cfg.block_n_up)
     _moe_gate_up_kernel[(tiles, up_blocks)](
-        x, w_ref, table, order, tile_info, h, w_ref if host is None else host,
-        hidden, inter, top_k, x.stride(0), stride_row, 0 if host is None else host.stride(0),
+        x, w_ref, table, order, tile_info, h, w_ref if host is None else host, logits if route else x, weights,
+        hidden, inter, top_k, num_experts, x.stride(0), stride_row, 0 if host is None else host.stride(0),
         TABLE_IS_PTR=table_is_ptr, HAS_HOST=host is not None, PER_ASSIGNMENT=per_assignment,
+        ROUTE=route, RENORMALIZE=renormalize, BLOCK_E=block_e,
+        BLOCK_C=min(block_e, router.ROUTE_CHUNK // block_e),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k_up,
         DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl.launch(dev, tiles * up_blocks))
-    weights = topk_weights.reshape(-1)
     if deterministic:
         y = torch.empty((a, hidden), dtype=torch.float32, device=dev)  # every row written: one per assignment
     else:
@@ -404,28 +437,57 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
 # -- public ops ------------------------------------------------------------------------------------
 
 
-def _check_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
-                   table_name: str, residual: torch.Tensor | None) -> None:
+def _check_x(x: torch.Tensor, residual: torch.Tensor | None) -> None:
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [T, H] with contiguous rows, got shape {tuple(x.shape)} "
                          f"strides {x.stride()}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x dtype {x.dtype} is not supported (bf16, fp16, fp32)")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
-                         f"must both be [T={x.shape[0]}, k]")
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    if table.dim() != 1 or table.dtype != torch.int64:
-        raise ValueError(f"{table_name} must be [E] int64, got shape {tuple(table.shape)} dtype {table.dtype}")
-    for name, tensor in (("topk_ids", topk_ids), ("topk_weights", topk_weights), (table_name, table)):
-        if tensor.device != x.device:
-            raise ValueError(f"{name} is on {tensor.device}, x on {x.device}")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                  or residual.device != x.device or residual.stride(1) != 1):
         raise ValueError(f"residual must be like x ({tuple(x.shape)} {x.dtype} on {x.device}, contiguous rows), "
                          f"got {tuple(residual.shape)} {residual.dtype} on {residual.device} "
                          f"strides {residual.stride()}")
+
+
+def _check_table(x: torch.Tensor, table: torch.Tensor, table_name: str) -> None:
+    if table.dim() != 1 or table.dtype != torch.int64:
+        raise ValueError(f"{table_name} must be [E] int64, got shape {tuple(table.shape)} dtype {table.dtype}")
+    if table.device != x.device:
+        raise ValueError(f"{table_name} is on {table.device}, x on {x.device}")
+
+
+def _check_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+                         f"must both be [T={x.shape[0]}, k]")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    for name, tensor in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if tensor.device != x.device:
+            raise ValueError(f"{name} is on {tensor.device}, x on {x.device}")
+
+
+def _check_row_size(hidden: int, inter: int) -> None:
+    if 3 * inter * hidden >= 2 ** 31:
+        raise ValueError(f"an expert row of {3 * inter * hidden} elements is over the kernels' 2^31 offset limit")
+
+
+def _check_slab(x: torch.Tensor, slab: torch.Tensor, host: torch.Tensor | None, inter: int) -> None:
+    hidden = x.shape[1]
+    if slab.dim() != 2 or slab.shape[1] != 3 * inter * hidden or slab.stride(1) != 1:
+        raise ValueError(f"slab must be [R, 3 * I * H] = [R, {3 * inter * hidden}] with contiguous rows, "
+                         f"got {tuple(slab.shape)} strides {slab.stride()}")
+    if slab.dtype != x.dtype or slab.device != x.device:
+        raise ValueError(f"slab is {slab.dtype} on {slab.device}; x is {x.dtype} on {x.device}")
+    if host is not None:
+        if host.dim() != 2 or host.shape[1] != slab.shape[1] or host.stride(1) != 1 or host.dtype != slab.dtype:
+            raise ValueError(f"host must be [R', {slab.shape[1]}] {slab.dtype} with contiguous rows like slab, "
+                             f"got {tuple(host.shape)} {host.dtype} strides {host.stride()}")
+        if x.device.type == "cuda" and host.device.type == "cpu" and not host.is_pinned():
+            raise ValueError("host is pageable CPU memory; the kernels read it over the link only when it is "
+                             "pinned (allocate the host pool with pin_memory=True)")
+    _check_row_size(hidden, inter)
 
 
 def _empty_result(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -451,26 +513,46 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tab
     dtype, as torch rounds `x + moe(x)`) in the same launch as the final sum.
     No host sync; the table may change between calls.
     """
-    _check_routing(x, topk_ids, topk_weights, table, "table", residual)
-    hidden = x.shape[1]
-    if slab.dim() != 2 or slab.shape[1] != 3 * inter * hidden or slab.stride(1) != 1:
-        raise ValueError(f"slab must be [R, 3 * I * H] = [R, {3 * inter * hidden}] with contiguous rows, "
-                         f"got {tuple(slab.shape)} strides {slab.stride()}")
-    if slab.dtype != x.dtype or slab.device != x.device:
-        raise ValueError(f"slab is {slab.dtype} on {slab.device}; x is {x.dtype} on {x.device}")
-    if host is not None:
-        if host.dim() != 2 or host.shape[1] != slab.shape[1] or host.stride(1) != 1 or host.dtype != slab.dtype:
-            raise ValueError(f"host must be [R', {slab.shape[1]}] {slab.dtype} with contiguous rows like slab, "
-                             f"got {tuple(host.shape)} {host.dtype} strides {host.stride()}")
-        if x.device.type == "cuda" and host.device.type == "cpu" and not host.is_pinned():
-            raise ValueError("host is pageable CPU memory; the kernels read it over the link only when it is "
-                             "pinned (allocate the host pool with pin_memory=True)")
-    if 3 * inter * hidden >= 2 ** 31:
-        raise ValueError(f"an expert row of {3 * inter * hidden} elements is over the kernels' 2^31 offset limit")
+    _check_x(x, residual)
+    _check_routing(x, topk_ids, topk_weights)
+    _check_table(x, table, "table")
+    _check_slab(x, slab, host, inter)
     if x.shape[0] == 0:
         return _empty_result(x, residual)
     return _launch_moe(x, topk_ids, topk_weights.contiguous(), table, slab, slab.stride(0), False, inter,
                        deterministic, host=host, residual=residual)
+
+
+def route_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool, table: torch.Tensor,
+              slab: torch.Tensor, inter: int, host: torch.Tensor | None = None, *, deterministic: bool = False,
+              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`router.route` then `moe` (Triton); contract of `reference.route_moe`.
+
+    logits: [T, E] router logits (rows with a unit last stride, on x's device), E
+    the table's length, E <= router.MAX_EXPERTS, 1 <= top_k <= E. Other arguments
+    as in `moe`. Returns (out [T, H] as `moe` returns it, ids [T, k] int64, weights
+    [T, k] in x's dtype) with ids and weights those `route(logits, top_k,
+    renormalize, x.dtype)` returns, bit for bit. At T == 1 with E <=
+    ROUTE_FUSED_MAX_EXPERTS there is no route launch: the gate/up launch ranks the
+    logits and writes ids and weights, which are ready only once the experts'
+    launches have run (stream order; nothing here waits for them). No host sync.
+    """
+    _check_x(x, residual)
+    _check_table(x, table, "table")
+    router.check_logits(logits, top_k)
+    if logits.shape != (x.shape[0], table.shape[0]) or logits.device != x.device:
+        raise ValueError(f"logits must be [T, E] = [{x.shape[0]}, {table.shape[0]}] (x's rows, the table's "
+                         f"experts) on {x.device}, got {tuple(logits.shape)} on {logits.device}")
+    if x.shape[0] != 1 or table.shape[0] > ROUTE_FUSED_MAX_EXPERTS:
+        ids, weights = router.route(logits, top_k, renormalize, x.dtype)
+        return moe(x, ids, weights, table, slab, inter, host, deterministic=deterministic, residual=residual), \
+            ids, weights
+    _check_slab(x, slab, host, inter)
+    ids = torch.empty((1, top_k), dtype=torch.int64, device=x.device)
+    weights = torch.empty((1, top_k), dtype=x.dtype, device=x.device)
+    out = _launch_moe(x, ids, weights, table, slab, slab.stride(0), False, inter, deterministic, host=host,
+                      residual=residual, logits=logits, renormalize=renormalize)
+    return out, ids, weights
 
 
 def moe_ptr(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_ptr: torch.Tensor,
@@ -484,14 +566,15 @@ def moe_ptr(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     cannot check these addresses: a wrong one faults or reads garbage.
     Other arguments and the result as in `moe`.
     """
-    _check_routing(x, topk_ids, topk_weights, expert_ptr, "expert_ptr", residual)
-    hidden = x.shape[1]
-    if 3 * inter * hidden >= 2 ** 31:
-        raise ValueError(f"an expert row of {3 * inter * hidden} elements is over the kernels' 2^31 offset limit")
+    _check_x(x, residual)
+    _check_routing(x, topk_ids, topk_weights)
+    _check_table(x, expert_ptr, "expert_ptr")
+    _check_row_size(x.shape[1], inter)
     if x.shape[0] == 0:
         return _empty_result(x, residual)
     return _launch_moe(x, topk_ids, topk_weights.contiguous(), expert_ptr, x, 0, True, inter, deterministic,
                        residual=residual)
 
 
-__all__ = ["MoEConfig", "moe_config", "max_tiles", "group_by_expert", "moe", "moe_ptr"]
+__all__ = ["ROUTE_FUSED_MAX_EXPERTS", "MoEConfig", "moe_config", "max_tiles", "group_by_expert", "moe", "moe_ptr",
+           "route_moe"]

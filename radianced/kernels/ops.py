@@ -25,6 +25,7 @@ silu_mlp = reference.silu_mlp
 paged_attention = reference.paged_attention
 moe = reference.moe
 route = reference.route
+route_moe = reference.route_moe
 argmax = reference.argmax
 
 deltanet_gates = reference.deltanet_gates
@@ -35,7 +36,7 @@ gated_delta_rule_decode = reference.gated_delta_rule_decode
 
 # Bound to Triton on CUDA: (module under radianced.kernels, op name). The others stay torch everywhere.
 _TRITON = (
-    ("attention", "paged_attention"), ("moe", "moe"), ("router", "route"), ("linear", "linear"),
+    ("attention", "paged_attention"), ("moe", "moe"), ("moe", "route_moe"), ("router", "route"), ("linear", "linear"),
     ("argmax", "argmax"),
     ("norm", "rms_norm"), ("norm", "gated_rms_norm"), ("rope", "rotary_write_kv"),
     ("deltanet", "deltanet_gates"), ("deltanet", "causal_conv1d_prefill"), ("deltanet", "causal_conv1d_update"),
@@ -49,8 +50,9 @@ def select(device: torch.device | str, deterministic: bool = False) -> str:
 
     Call once at model load, before the first forward (and before any CUDA graph
     capture), from the thread that will run the model. `deterministic` (the
-    `--deterministic` flag) makes the MoE scatter a fixed-order sum instead of
-    atomics. Rebinding is global to the process: one backend per process.
+    `--deterministic` flag) makes the MoE scatter (`moe`, `route_moe`) a
+    fixed-order sum instead of atomics. Rebinding is global to the process: one
+    backend per process.
     Returns "triton" or "reference".
     """
     g = globals()
@@ -62,5 +64,6 @@ def select(device: torch.device | str, deterministic: bool = False) -> str:
     for module, name in _TRITON:
         g[name] = getattr(importlib.import_module(f"radianced.kernels.{module}"), name)
     if deterministic:
-        g["moe"] = functools.partial(g["moe"], deterministic=True)
+        for name in ("moe", "route_moe"):
+            g[name] = functools.partial(g[name], deterministic=True)
     return "triton"

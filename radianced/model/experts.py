@@ -18,6 +18,10 @@ import torch
 class ExpertSource(Protocol):
     slab: torch.Tensor  # [rows, 3 * I * H]: VRAM slots
     host: torch.Tensor | None  # [rows, 3 * I * H]: the host pool, read over the link (negative table entries)
+    # Whether `prepare` makes routed experts addressable (reads them in: a host sync). Then the MoE
+    # calls it with a layer's ids before that layer's experts are read; otherwise once the launches
+    # that route and read them are queued (one launch fewer at T == 1, kernels/moe.py `route_moe`).
+    stages_experts: bool
 
     def table(self, layer: int) -> torch.Tensor:
         """[E] int64: where each expert of `layer` is: slab row (>= 0) or host row -1 - entry (< 0).
@@ -25,9 +29,12 @@ class ExpertSource(Protocol):
         ...
 
     def prepare(self, layer: int, expert_ids: torch.Tensor) -> None:
-        """Called after `layer`'s router, before its experts are read: make `expert_ids` addressable.
+        """Called once per layer call with its routing ([T, k] int64 ids, on the slab's device).
 
-        Returns once the table rows of those experts point at readable weights.
+        With `stages_experts`: before the experts are read, and returns once the table rows of
+        those experts point at readable weights. Without: after the launches that compute the ids
+        and read the experts are queued; the ids are ready in stream order (a host read waits for
+        them: keep the tensor and read it after the step, as tiers/slab.py does, to stay sync-free).
         """
         ...
 
@@ -36,6 +43,7 @@ class ResidentExperts:
     """Every routed expert in one slab; the table maps (layer, expert) to its fixed row."""
 
     host = None  # every expert has a slot
+    stages_experts = False
 
     def __init__(self, slab: torch.Tensor, tables: dict[int, torch.Tensor]):
         self.slab = slab

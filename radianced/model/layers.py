@@ -137,20 +137,18 @@ class LMHead:
 
 
 class Router:
-    """Softmax over all experts in fp32, top-k, optional renormalization of the k weights."""
+    """The router's projection; the experts' op routes on its logits: softmax over all experts in
+    fp32, top-k, optional renormalization of the k weights (`top_k`, `renormalize`)."""
 
     def __init__(self, weight: torch.Tensor, top_k: int, renormalize: bool):
         self.weight, self.top_k, self.renormalize = weight, top_k, renormalize  # weight: [E, hidden]
 
-    def __call__(self, x: torch.Tensor, norm: RMSNorm | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [T, hidden] -> (ids [T, k] int64, weights [T, k] in x's dtype, the routed x: `norm(x)`,
-        normed in the router projection's launch where the kernel allows, or x without a norm)."""
+    def __call__(self, x: torch.Tensor, norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> (logits [T, E] in x's dtype, the routed x: `norm(x)`, normed in the
+        projection's launch where the kernel allows, or x without a norm)."""
         if norm is None:
-            logits = ops.linear(x, self.weight)
-        else:
-            logits, x = ops.linear(x, self.weight, norm=norm.params, keep_normed=True)
-        return *ops.route(logits, self.top_k, self.renormalize, x.dtype), x
+            return ops.linear(x, self.weight), x
+        return ops.linear(x, self.weight, norm=norm.params, keep_normed=True)
 
 
 class MoE:
@@ -171,12 +169,24 @@ class MoE:
         """The experts' output for `norm(x)` (x without a norm; the router's launch normalizes),
         plus `residual` when given (added in the routed experts' last launch when there is no
         shared expert; after the shared expert's sum otherwise, the order the unfused
-        `residual + (moe + shared)` rounds in)."""
-        ids, weights, x = self.router(x, norm)
-        self.experts.prepare(self.layer, ids)
+        `residual + (moe + shared)` rounds in).
+
+        The routing goes to `experts.prepare`. A source that stages experts (`stages_experts`:
+        a host sync) gets it from its own route launch, before the experts are read; any other
+        only records the ids tensor, so the experts' op routes (in its gate/up launch at T == 1,
+        kernels/moe.py) and prepare gets the ids it returns."""
+        logits, x = self.router(x, norm)
         fused = residual if self.shared is None else None
-        out = ops.moe(x, ids, weights, self.experts.table(self.layer), self.experts.slab, self.inter,
-                      self.experts.host, residual=fused)
+        top_k, renormalize, experts = self.router.top_k, self.router.renormalize, self.experts
+        if experts.stages_experts:
+            ids, weights = ops.route(logits, top_k, renormalize, x.dtype)
+            experts.prepare(self.layer, ids)
+            out = ops.moe(x, ids, weights, experts.table(self.layer), experts.slab, self.inter, experts.host,
+                          residual=fused)
+        else:
+            out, ids, _ = ops.route_moe(x, logits, top_k, renormalize, experts.table(self.layer), experts.slab,
+                                        self.inter, experts.host, residual=fused)
+            experts.prepare(self.layer, ids)
         if self.shared is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
             if residual is not None:

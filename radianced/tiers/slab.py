@@ -232,14 +232,21 @@ class ExpertSlab:
 
     # -- ExpertSource ------------------------------------------------------------
 
+    @property
+    def stages_experts(self) -> bool:
+        """Whether `prepare` reads routed experts in: with disk homes."""
+        return bool(self.placement.disk)
+
     def table(self, layer: int) -> torch.Tensor:
         return self._tables[layer]
 
     def prepare(self, layer: int, expert_ids: torch.Tensor) -> None:
         """Record the step's routing of `layer` ([T, k] ids) for `end_step` to count. Without disk
         homes this is all: no host sync, so a CUDA graph can capture it (host-resident experts are
-        read in place by the MoE). With disk homes, the routed ones without a slot are read into
-        the layer's disk buffer first (a host sync), and the hits are judged before that."""
+        read in place by the MoE), and the ids are first read by `record` or `end_launch`, queued
+        after the forward (the MoE may still be computing them when it calls this). With disk
+        homes, the routed ones without a slot are read into the layer's disk buffer first (a host
+        sync), and the hits are judged before that."""
         if not self.placement.disk:
             self._recorded.append((layer, expert_ids, None))
             return

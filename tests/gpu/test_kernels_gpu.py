@@ -174,15 +174,53 @@ def test_moe_with_part_of_the_experts_in_the_pinned_host_pool(kernels, experts, 
     assert rel_err(got, ref) < 1e-2
 
 
+@pytest.mark.parametrize("logits_dtype", [torch.bfloat16, torch.float32], ids=["bf16_logits", "fp32_logits"])
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renormalized", "softmax"])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["alone", "residual"])
+def test_route_moe_at_batch_1_is_route_then_moe_bit_for_bit(kernels, experts, with_residual, renormalize,
+                                                            logits_dtype):
+    """Qwen3-30B-A3B's b1 experts (bf16), routed inside the gate/up launch: `route`'s ids and weights
+    and `moe`'s output on them, bit for bit (the same order keys, exact p of each pick, sums in fixed
+    point, one division; then the same expert kernels), over 8 draws of logits with a few hot
+    experts; within 1e-2 of the fp32 reference. fp32 logits (no ties) give the reference's ids."""
+    _, moe = kernels
+    from radianced.kernels import router
+    slab, table, slab32 = experts
+    worst = 0.0
+    for seed in range(8):
+        g = torch.Generator(device="cuda").manual_seed(30 + seed)
+        x = torch.randn((1, HIDDEN), generator=g, device="cuda").bfloat16()
+        logits = torch.randn((1, E), generator=g, device="cuda") * 2.0
+        logits[:, :4] += 2.0
+        logits = logits.to(logits_dtype)
+        residual = torch.randn((1, HIDDEN), generator=g, device="cuda").bfloat16() if with_residual else None
+        out, ids, weights = moe.route_moe(x, logits, TOP_K, renormalize, table, slab, INTER, residual=residual)
+        want_ids, want_weights = router.route(logits, TOP_K, renormalize, torch.bfloat16)
+        want = moe.moe(x, want_ids, want_weights, table, slab, INTER, residual=residual)
+        assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights), seed
+        assert torch.equal(out, want), seed
+        if logits_dtype == torch.float32:
+            assert torch.equal(ids, reference.route(logits, TOP_K, renormalize, torch.float32)[0]), seed
+        ref = reference.moe(x.float(), ids, weights.float(), table, slab32, INTER,
+                            residual=None if residual is None else residual.float())
+        worst = max(worst, rel_err(out, ref))
+    record({"test": "kernel_route_moe", "tokens": 1, "renormalize": renormalize, "residual": with_residual,
+            "logits": str(logits_dtype).removeprefix("torch."), "rel_err": worst, "tolerance": 1e-2})
+    assert worst < 1e-2
+
+
 def test_ops_select_binds_triton_on_cuda_and_reference_elsewhere(kernels):
     from radianced.kernels import ops
     try:
         assert ops.select("cuda") == "triton"
         assert ops.paged_attention is kernels[0].paged_attention and ops.moe is kernels[1].moe
+        assert ops.route_moe is kernels[1].route_moe
         assert ops.select("cuda", deterministic=True) == "triton" and ops.moe.keywords == {"deterministic": True}
+        assert ops.route_moe.keywords == {"deterministic": True}
     finally:
         assert ops.select("cpu") == "reference"
     assert ops.moe is reference.moe and ops.paged_attention is reference.paged_attention
+    assert ops.route_moe is reference.route_moe
 
 
 # == norms, RoPE, Gated DeltaNet, router, linear (radianced/kernels/norm.py, rope.py, deltanet.py, ...) ==
@@ -456,10 +494,10 @@ def test_ops_select_binds_the_layer_kernels(layer_kernels):
 
 def test_programmatic_dependent_launch_changes_no_bit(kernels, experts, monkeypatch):
     """A b1 Qwen3-30B-A3B layer's kernels (norm + q/k/v gemv, rotary + KV write, split attention,
-    o_proj + residual, norm + router gemv, route, experts + residual) captured in a CUDA graph and
-    replayed twice at every PDL level (plain, wait only, small grids signalling after and before
-    their wait): the same bits."""
-    from radianced.kernels import linear, pdl, rope, router
+    o_proj + residual, norm + router gemv, experts routing in their gate/up launch + residual)
+    captured in a CUDA graph and replayed twice at every PDL level (plain, wait only, small grids
+    signalling after and before their wait): the same bits."""
+    from radianced.kernels import linear, pdl, rope
     attention, moe = kernels
     slab, table, _ = experts
     hq, hkv, d, ctx = 32, 4, 128, 1024
@@ -481,8 +519,8 @@ def test_programmatic_dependent_launch_changes_no_bit(kernels, experts, monkeypa
         o = attention.paged_attention(q, kc, vc, bt, qs, sl, d ** -0.5).reshape(1, hq * d)
         h = linear.linear(o, wo, residual=x)
         logits, hn = linear.linear(h, wr, norm=(norm_w, 1e-6, False), keep_normed=True)
-        ids, weights = router.route(logits, TOP_K, True, torch.bfloat16)
-        return moe.moe(hn, ids, weights, table, slab, INTER, residual=h)
+        out, _, _ = moe.route_moe(hn, logits, TOP_K, True, table, slab, INTER, residual=h)
+        return out
 
     outs = []
     for lv in pdl.LEVELS:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.interpreter import rand, require_interpreted  # before triton loads
+from tests.kernels.interpreter import DEVICE, rand, require_interpreted  # before triton loads
 from tests.kernels.compare import rel_err
 
 from radianced.kernels import reference, router
@@ -50,6 +50,25 @@ def test_ties_go_to_the_lower_expert_id():
     ids, weights = router.route(logits, 3, True, torch.float32)
     assert ids.cpu().tolist() == [[0, 1, 2], [0, 1, 2]]
     assert torch.allclose(weights.cpu(), torch.full((2, 3), 1 / 3))
+
+
+def test_experts_at_minus_infinity_are_never_picked_twice():
+    """Regression: the arg-max rounds marked a picked expert -inf, so once the best logit left was
+    -inf a round picked the lowest such expert again ([3, 0, 0] here). Now the -inf experts follow
+    in id order, k distinct ones, with weight 0."""
+    logits = torch.full((1, 8), float("-inf"), device=DEVICE)
+    logits[0, 3] = 0.0
+    ids, weights = router.route(logits, 3, True, torch.float32)
+    assert ids.cpu().tolist() == [[3, 0, 1]]
+    assert weights.cpu().tolist() == [[1.0, 0.0, 0.0]]
+
+
+def test_a_nan_logit_counts_as_minus_infinity():
+    """torch's softmax makes a row with a NaN all NaN; the kernel routes around the NaN expert."""
+    logits = torch.tensor([[float("nan"), 1.0, 2.0, 0.5]], device=DEVICE)
+    ids, weights = router.route(logits, 2, True, torch.float32)
+    assert ids.cpu().tolist() == [[2, 1]]
+    assert rel_err(weights.cpu(), torch.tensor([[2.0, 1.0]]).softmax(-1)) < 1e-6
 
 
 @pytest.mark.parametrize("top_k,experts", [(0, 8), (9, 8), (2, 2048)])

@@ -148,6 +148,10 @@ class _RoutingLog:
     def host(self) -> torch.Tensor | None:
         return self.inner.host
 
+    @property
+    def stages_experts(self) -> bool:
+        return self.inner.stages_experts
+
     def table(self, layer: int) -> torch.Tensor:
         return self.inner.table(layer)
 
@@ -194,6 +198,37 @@ def test_the_expert_table_is_the_only_way_to_expert_weights(tiny):
         assert (run() - before).abs().max() > 1e-3, f"layer {layer}: expert weights were not read through the table"
         _swap_rows(source.slab, row_a, row_b)  # this layer fully restored before the next is checked
 
+
+
+class _StagedExperts:
+    """A source that stages experts, as the disk tier does: every table entry points at a zeroed
+    slab row until `prepare` points the routed experts of that call at their weights."""
+
+    stages_experts = True
+    host = None
+
+    def __init__(self, resident: ResidentExperts, layers: list[int]):
+        self.slab = torch.cat([resident.slab, resident.slab.new_zeros(1, resident.slab.shape[1])])
+        self._rows = {layer: resident.table(layer) for layer in layers}
+        self._tables = {layer: torch.full_like(self._rows[layer], len(resident.slab)) for layer in layers}
+
+    def table(self, layer: int) -> torch.Tensor:
+        return self._tables[layer]
+
+    def prepare(self, layer: int, expert_ids: torch.Tensor) -> None:
+        routed = expert_ids.unique()
+        self._tables[layer][routed] = self._rows[layer][routed]
+
+
+@pytest.mark.parametrize("tokens", [1, 17])
+def test_a_source_that_stages_experts_is_prepared_before_they_are_read(tiny, tokens):
+    """With `stages_experts` the layer routes in a launch of its own and calls `prepare` before its
+    experts are read (kernels/moe.py's `route_moe` would read them first): a source whose experts
+    are readable only once prepared gives the resident model's logits, bit for bit."""
+    prompt = _prompt(tiny.cfg, tokens, seed=tokens)
+    want = _prefill(tiny.model(tiny.resident()), tiny.cache(), [prompt])
+    staged = _StagedExperts(tiny.resident(), tiny.cfg.moe_layers)
+    assert torch.equal(_prefill(tiny.model(staged), tiny.cache(), [prompt]), want)
 
 class _SlabProbe(torch.Tensor):
     """The slab, counting which rows are read.
