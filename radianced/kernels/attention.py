@@ -1,10 +1,8 @@
-"""Paged attention over radianced's block layout (decode and chunked prefill), and the KV slot
-addressing and checks the K/V scatter (kernels/rope.py `rotary_write_kv`) shares.
+"""Paged attention over radianced's block layout (decode and chunked prefill), and an attention
+layer's whole core at decode: qk-norm, RoPE and the KV write in the attention launch.
 
-A cache view for one layer is [P, N, S, Hkv, D]: P arena pages of N blocks of S
-tokens; block id b lives at page b // N, position b % N inside the page (see
-`reference.write_kv`). Views may be strided (the KV storage interleaves layers
-and K/V), only the head dim must be contiguous.
+Caches are [P, N, S, Hkv, D] views of the paged KV storage (kernels/paged.py: the
+layout, the slot addressing, the checks).
 
 One kernel serves decode and chunked prefill over a varlen batch. Its grid is
 (query tiles, Hkv, splits):
@@ -19,6 +17,19 @@ One kernel serves decode and chunked prefill over a varlen batch. Its grid is
   too few (sequence, KV head) pairs to fill the GPU; a second kernel merges the
   partial results by their log-sum-exp.
 
+`rotary_paged_attention` is the layer's op, from the q/k/v projection on. At a
+decode-shaped step (every sequence has one new token, which the host knows from
+its query_start tuple: the decode graphs' steps) it is one launch of that kernel
+(+ the merge), not `rotary_write_kv`'s and then the kernel's: tile b is sequence
+b (no search); each program normalizes and rotates its q rows in registers
+(kernels/rope.py `rotate_rows`, the same roundings as `rotary_write_kv`), and the
+one program whose keys hold the new token (its split, its KV head) first stores
+that token's rotated k and its v at its slot, then waits for its threads' stores
+(a CTA barrier) before its own K/V loads. No other program reads that slot, so nothing waits across programs;
+a slot < 0 (a padding row) is written nowhere. The result is the same bits as
+`rope.rotary_write_kv` then `paged_attention`, which is what it runs for any
+other step (prefill, chunks, mixed batches).
+
 Softmax runs in fp32 with exp2 (the scale is folded with log2 e); products
 accumulate in fp32; fp32 inputs use IEEE products (no tf32).
 """
@@ -32,7 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from radianced.kernels import pdl
+from radianced.kernels import pdl, rope
+from radianced.kernels.paged import check_cache, check_kv_write, slot_offset
 
 LOG2E = 1.4426950408889634
 # Bounds on the split-KV (flash-decoding) heuristic. A split's keys are a whole number of BLOCK_N
@@ -110,23 +122,37 @@ def _paged_attention_kernel(
     stride_kp, stride_kn, stride_ks, stride_kh,
     stride_vp, stride_vn, stride_vs, stride_vh,
     stride_bt,
+    k_new_ptr, v_new_ptr, slot_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, eps,
+    stride_knt, stride_knh, stride_vnt, stride_vnh,
     Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr,
+    ROT: tl.constexpr, NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr, LIBDEVICE: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """DECODE: one query row per sequence, tile b is sequence b's; q is the unrotated projection
+    (k_new, v_new: the new token's k and v), rotated here, and the program whose keys hold the
+    new token (the last, seq_len - 1) first stores its k and v at slot_mapping[b] (< 0: no write).
+    Otherwise q is rotated and every key is in the cache; the k_new .. stride_vnh arguments and
+    ROT .. LIBDEVICE are unused."""
     pdl.wait(PDL)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
 
-    b = _find_seq(query_start_ptr, num_seqs, tile, BLOCK_Q)
-    q_lo = tl.load(query_start_ptr + b)
-    q_len = tl.load(query_start_ptr + b + 1) - q_lo
-    q_first = (tile - (q_lo // BLOCK_Q + b)) * BLOCK_Q  # first query of this tile, within the sequence
-    if q_first >= q_len:
-        return
+    if DECODE:
+        b = tile
+        q_lo = tile
+        q_len = 1
+        q_first = 0
+    else:
+        b = _find_seq(query_start_ptr, num_seqs, tile, BLOCK_Q)
+        q_lo = tl.load(query_start_ptr + b)
+        q_len = tl.load(query_start_ptr + b + 1) - q_lo
+        q_first = (tile - (q_lo // BLOCK_Q + b)) * BLOCK_Q  # first query of this tile, within the sequence
+        if q_first >= q_len:
+            return
     ctx = tl.load(seq_lens_ptr + b)
 
     rows = tl.arange(0, BLOCK_M)
@@ -137,8 +163,13 @@ def _paged_attention_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     q_rows = (q_lo + tok).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    q_src = q_ptr + q_rows * stride_qt + head * stride_qh  # [BLOCK_M]: each row's head
+    if DECODE:
+        pos = tl.load(pos_ptr + b)
+        q = rope.rotate_rows(q_src, row_ok, pos, inv_freq_ptr, qw_ptr, eps, HEAD_DIM, ROT, BLOCK_D, NORM,
+                             ZERO_CENTRED, LIBDEVICE).to(k_ptr.dtype.element_ty)  # as rotary_write_kv rounds it
+    else:
+        q = tl.load(q_src[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
 
     kv_end = ctx - q_len + tl.minimum(q_first + BLOCK_Q, q_len)  # keys any row of the tile may see
     if NUM_SPLITS > 1:
@@ -148,6 +179,25 @@ def _paged_attention_kernel(
     else:
         k_lo = 0
         k_hi = kv_end
+
+    if DECODE:
+        # The new token's key is read by this program alone (its split, its KV head): it stores it
+        # first, then waits for every thread's stores before the loads below.
+        if (k_lo <= ctx - 1) & (ctx - 1 < k_hi):
+            slot = tl.load(slot_ptr + b).to(tl.int64)
+            if slot >= 0:
+                b64 = b.to(tl.int64)
+                k_new = rope.rotate_rows(k_new_ptr + b64 * stride_knt + (kvh + tl.arange(0, 1)) * stride_knh,
+                                         tl.arange(0, 1) < 1, pos, inv_freq_ptr, kw_ptr, eps, HEAD_DIM, ROT, BLOCK_D,
+                                         NORM, ZERO_CENTRED, LIBDEVICE)  # [1, BLOCK_D]
+                k_dst = k_ptr + slot_offset(slot, blocks_per_page, stride_kp, stride_kn, stride_ks, BLOCK_SIZE) \
+                    + kvh * stride_kh
+                tl.store(k_dst + d[None, :], k_new.to(k_ptr.dtype.element_ty), mask=d_ok[None, :])
+                v_new = tl.load(v_new_ptr + b64 * stride_vnt + kvh * stride_vnh + d, mask=d_ok)
+                v_dst = v_ptr + slot_offset(slot, blocks_per_page, stride_vp, stride_vn, stride_vs, BLOCK_SIZE) \
+                    + kvh * stride_vh
+                tl.store(v_dst + d, v_new.to(v_ptr.dtype.element_ty), mask=d_ok)
+                tl.debug_barrier()
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked row gives p = 0, not NaN
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -206,16 +256,22 @@ def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_tokens, stride_o
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-@triton.jit
-def slot_offset(slot, blocks_per_page, stride_p, stride_n, stride_s, BLOCK_SIZE: tl.constexpr):
-    """Element offset of flat KV slot `slot` (block * S + offset, int64) in a [P, N, S, Hkv, D]
-    cache view: block b at page b // N, position b % N. Also used by kernels/rope.py."""
-    block = slot // BLOCK_SIZE
-    return (block // blocks_per_page) * stride_p + (block % blocks_per_page) * stride_n \
-        + (slot % BLOCK_SIZE) * stride_s
-
-
 # -- launchers -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Prologue:
+    """The decode launch's own qk-norm, RoPE and KV write: the new tokens' unrotated k and v
+    [B, Hkv, D] (last dim contiguous), their KV slots and positions [B], the rotary frequencies,
+    and the norm weights (None: no qk-norm)."""
+    k: torch.Tensor
+    v: torch.Tensor
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    inv_freq: torch.Tensor
+    weights: tuple[torch.Tensor, torch.Tensor] | None
+    eps: float
+    zero_centred: bool
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -223,7 +279,8 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _launch_paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, out,
-                            cfg: AttentionConfig) -> None:
+                            cfg: AttentionConfig, prologue: _Prologue | None = None) -> None:
+    """prologue: a decode step (one query row per sequence, q unrotated), grid (B, Hkv, splits)."""
     t, hq, d = q.shape
     hkv, block_size = k_cache.shape[3], k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -235,18 +292,28 @@ def _launch_paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_
         part_lse = torch.empty((splits, t, hq), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused
-    grid = (t // cfg.block_q + num_seqs, hkv, splits)
+    if prologue is None:
+        grid = (t // cfg.block_q + num_seqs, hkv, splits)
+        fused = (q,) * 7 + (0.0,) + (0,) * 4  # unused
+        constexprs = dict(DECODE=False, ROT=0, NORM=False, ZERO_CENTRED=False, LIBDEVICE=False)
+    else:
+        p = prologue
+        grid = (num_seqs, hkv, splits)
+        qw, kw = p.weights if p.weights is not None else (p.inv_freq, p.inv_freq)  # unused without NORM
+        fused = (p.k, p.v, p.slot_mapping.contiguous(), p.positions.contiguous(), p.inv_freq.contiguous(),
+                 qw.contiguous(), kw.contiguous(), p.eps, p.k.stride(0), p.k.stride(1), p.v.stride(0), p.v.stride(1))
+        constexprs = dict(DECODE=True, **rope.rotary_constexprs(p.inv_freq, p.weights, p.zero_centred))
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_lse,
         block_tables, query_start, seq_lens,
         scale * LOG2E, num_seqs, t, k_cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:4], *v_cache.stride()[:4],
-        block_tables.stride(0),
+        block_tables.stride(0), *fused,
         Q_HEADS=hq, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
-        NUM_SPLITS=splits, DOT_PRECISION=_dot_precision(q.dtype),
+        NUM_SPLITS=splits, DOT_PRECISION=_dot_precision(k_cache.dtype), **constexprs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(q.device, grid[0] * grid[1] * grid[2]))
     if splits > 1:
         _merge_splits_kernel[(t, hq)](part_o, part_lse, out, t, out.stride(0), out.stride(1),
@@ -269,13 +336,37 @@ def _as_device_ints(x: Sequence[int] | torch.Tensor, device: torch.device, name:
     return torch.tensor(list(x), dtype=torch.int32, device=device)
 
 
-def _check_cache(name: str, cache: torch.Tensor, q: torch.Tensor) -> None:
-    if cache.dim() != 5:
-        raise ValueError(f"{name} must be [P, N, S, Hkv, D], got shape {tuple(cache.shape)}")
-    if cache.device != q.device:
-        raise ValueError(f"{name} is on {cache.device}, q on {q.device}")
-    if cache.stride(4) != 1:
-        raise ValueError(f"{name} must be contiguous in its head dim (stride {cache.stride(4)})")
+def _check_attention(q: torch.Tensor, dtype: torch.dtype, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor) -> None:
+    """Raise ValueError unless q: [T, Hq, D] (`dtype` once rotated) fits the caches and block_tables."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
+    check_cache("k_cache", k_cache, q)
+    check_cache("v_cache", v_cache, q)
+    hq, d = q.shape[1:]
+    hkv = k_cache.shape[3]
+    if k_cache.shape != v_cache.shape or k_cache.shape[4] != d:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must match, "
+                         f"with head dim {d} (q)")
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if k_cache.dtype != dtype or v_cache.dtype != dtype:
+        raise ValueError(f"cache dtype {k_cache.dtype}/{v_cache.dtype} differs from q's {dtype}")
+    if block_tables.device != q.device or block_tables.dim() != 2:
+        raise ValueError(f"block_tables must be [B, max_blocks] on {q.device}")
+
+
+def _lengths(query_start: Sequence[int] | torch.Tensor, seq_lens: Sequence[int] | torch.Tensor,
+             block_tables: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+    """query_start [B+1] and seq_lens [B] on the device, and the longest context when the host knows it."""
+    max_seq_len = None if isinstance(seq_lens, torch.Tensor) else max(seq_lens, default=0)
+    qs = _as_device_ints(query_start, device, "query_start")
+    sl = _as_device_ints(seq_lens, device, "seq_lens")
+    num_seqs = sl.shape[0]
+    if qs.shape[0] != num_seqs + 1 or block_tables.shape[0] < num_seqs:
+        raise ValueError(f"query_start has {qs.shape[0]} entries and block_tables {block_tables.shape[0]} rows "
+                         f"for {num_seqs} sequences (need B+1 and at least B)")
+    return qs, sl, max_seq_len
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -294,49 +385,69 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Hq must be a multiple of Hkv (GQA). Returns a new [T, Hq, D] tensor in q's dtype.
     `num_splits` overrides the split-KV heuristic (tests, benchmarks).
     """
-    if q.dim() != 3:
-        raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
-    _check_cache("k_cache", k_cache, q)
-    _check_cache("v_cache", v_cache, q)
-    t, hq, d = q.shape
-    hkv = k_cache.shape[3]
-    if k_cache.shape != v_cache.shape or k_cache.shape[4] != d:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must match, "
-                         f"with head dim {d} (q)")
-    if hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"cache dtype {k_cache.dtype}/{v_cache.dtype} differs from q's {q.dtype}")
-    if block_tables.device != q.device or block_tables.dim() != 2:
-        raise ValueError(f"block_tables must be [B, max_blocks] on {q.device}")
+    _check_attention(q, q.dtype, k_cache, v_cache, block_tables)
     if q.stride(2) != 1:
         q = q.contiguous()
-    max_seq_len = None if isinstance(seq_lens, torch.Tensor) else max(seq_lens, default=0)
-    qs = _as_device_ints(query_start, q.device, "query_start")
-    sl = _as_device_ints(seq_lens, q.device, "seq_lens")
-    num_seqs = sl.shape[0]
-    if qs.shape[0] != num_seqs + 1 or block_tables.shape[0] < num_seqs:
-        raise ValueError(f"query_start has {qs.shape[0]} entries and block_tables {block_tables.shape[0]} rows "
-                         f"for {num_seqs} sequences (need B+1 and at least B)")
+    qs, sl, max_seq_len = _lengths(query_start, seq_lens, block_tables, q.device)
+    t, hq, d = q.shape
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
-    if t == 0 or num_seqs == 0:
+    if t == 0 or sl.shape[0] == 0:
         return out
-    cfg = attention_config(t, num_seqs, hq, hkv, d, q.device, max_seq_len, num_splits)
+    cfg = attention_config(t, sl.shape[0], hq, k_cache.shape[3], d, q.device, max_seq_len, num_splits)
     _launch_paged_attention(q, k_cache, v_cache, block_tables, qs, sl, scale, out, cfg)
     return out
 
 
-def check_kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """Raise ValueError unless k, v: [T, Hkv, D] fit the caches and slot_mapping is [T] on k's device."""
-    _check_cache("k_cache", k_cache, k)
-    _check_cache("v_cache", v_cache, k)
-    t, hkv, d = k.shape
-    if v.shape != k.shape or k_cache.shape[3:] != (hkv, d) or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)} do not fit caches {tuple(k_cache.shape)}")
-    if slot_mapping.shape != (t,) or slot_mapping.device != k.device:
-        raise ValueError(f"slot_mapping must be [{t}] on {k.device}, got {tuple(slot_mapping.shape)} "
-                         f"on {slot_mapping.device}")
+def rotary_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                           inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                           query_start: Sequence[int] | torch.Tensor, seq_lens: Sequence[int] | torch.Tensor,
+                           scale: float, *, q_weight: torch.Tensor | None = None,
+                           k_weight: torch.Tensor | None = None, eps: float = 1e-6, zero_centred: bool = False,
+                           decode: bool = False, num_splits: int | None = None) -> torch.Tensor:
+    """An attention layer from its q/k/v projection to its heads' output (Triton): qk-norm, RoPE,
+    k and v into the cache, paged attention.
+
+    Same contract as `reference.rotary_paged_attention`, and the same bits as its two steps
+    run as `rope.rotary_write_kv` then `paged_attention`: q: [T, Hq, D], k, v: [T, Hkv, D]
+    (views of the projection, last dim contiguous), positions, inv_freq, q_weight, k_weight,
+    eps, zero_centred as in `rope.rotary_write_kv`, the caches and slot_mapping [T] as there;
+    block_tables, query_start, seq_lens, scale and num_splits as in `paged_attention`. Mutates
+    the caches at slot_mapping. Returns a new [T, Hq, D] tensor in the caches' dtype.
+
+    `decode`: every sequence has exactly one query row (query_start is 0, 1, ..., B), as the
+    host knows from its own tuple (checked when query_start is a host sequence; a tensor is
+    taken at its word, with no sync). Then one attention launch (+ the split merge) does it all:
+    each program rotates its q rows, and the one whose keys hold sequence b's new token stores
+    its k and v before it reads them. So slot_mapping[b] must be where b's block table puts its
+    last context token (seq_lens[b] - 1), or < 0: a padding row, written nowhere, whose
+    attention reads the cache as it is. Without `decode`, the two launches.
+    """
+    if not decode:
+        q = rope.rotary_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping, q_weight, k_weight,
+                                 eps, zero_centred)
+        return paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale,
+                               num_splits=num_splits)
+    weights = rope.norm_weights("rotary_paged_attention", q_weight, k_weight)
+    check_kv_write(k_cache, v_cache, k, v, slot_mapping)
+    q, k, dtype = rope.check_rotary(q, k, positions, inv_freq, weights, zero_centred)
+    _check_attention(q, dtype, k_cache, v_cache, block_tables)
+    if not isinstance(query_start, torch.Tensor) and tuple(query_start) != tuple(range(len(query_start))):
+        raise ValueError(f"decode=True needs one query row per sequence (query_start 0, 1, ..., B), got "
+                         f"query_start {tuple(query_start)}; leave decode off for prefill and mixed steps")
+    qs, sl, max_seq_len = _lengths(query_start, seq_lens, block_tables, q.device)
+    t, hq, d = q.shape
+    if t != sl.shape[0]:
+        raise ValueError(f"decode=True needs one query row per sequence: q has {t} rows for {sl.shape[0]} "
+                         f"sequences")
+    out = torch.empty((t, hq, d), dtype=dtype, device=q.device)
+    if t == 0:
+        return out
+    v = v if v.stride(2) == 1 else v.contiguous()
+    cfg = attention_config(t, t, hq, k_cache.shape[3], d, q.device, max_seq_len, num_splits)
+    prologue = _Prologue(k, v, slot_mapping, positions, inv_freq, weights, eps, zero_centred)
+    _launch_paged_attention(q, k_cache, v_cache, block_tables, qs, sl, scale, out, cfg, prologue)
+    return out
 
 
-__all__ = ["AttentionConfig", "attention_config", "check_kv_write", "paged_attention", "slot_offset"]
+__all__ = ["AttentionConfig", "attention_config", "paged_attention", "rotary_paged_attention"]

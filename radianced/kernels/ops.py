@@ -19,10 +19,9 @@ from radianced.kernels import reference
 rms_norm = reference.rms_norm
 gated_rms_norm = reference.gated_rms_norm
 rotary_inv_freq = reference.rotary_inv_freq  # made once per device: torch everywhere
-rotary_write_kv = reference.rotary_write_kv
 linear = reference.linear
 silu_mlp = reference.silu_mlp
-paged_attention = reference.paged_attention
+rotary_paged_attention = reference.rotary_paged_attention
 moe = reference.moe
 route = reference.route
 route_moe = reference.route_moe
@@ -36,9 +35,8 @@ gated_delta_rule_decode = reference.gated_delta_rule_decode
 
 # Bound to Triton on CUDA: (module under radianced.kernels, op name). The others stay torch everywhere.
 _TRITON = (
-    ("attention", "paged_attention"), ("moe", "moe"), ("moe", "route_moe"), ("router", "route"), ("linear", "linear"),
-    ("argmax", "argmax"),
-    ("norm", "rms_norm"), ("norm", "gated_rms_norm"), ("rope", "rotary_write_kv"),
+    ("attention", "rotary_paged_attention"), ("moe", "moe"), ("moe", "route_moe"), ("router", "route"),
+    ("linear", "linear"), ("argmax", "argmax"), ("norm", "rms_norm"), ("norm", "gated_rms_norm"),
     ("deltanet", "deltanet_gates"), ("deltanet", "causal_conv1d_prefill"), ("deltanet", "causal_conv1d_update"),
     ("deltanet", "gated_delta_rule_chunked"), ("deltanet", "gated_delta_rule_decode"),
 )

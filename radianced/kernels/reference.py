@@ -172,6 +172,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+def rotary_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                           inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor, block_tables: torch.Tensor, query_start, seq_lens,
+                           scale: float, *, q_weight: torch.Tensor | None = None,
+                           k_weight: torch.Tensor | None = None, eps: float = 1e-6, zero_centred: bool = False,
+                           decode: bool = False) -> torch.Tensor:
+    """An attention layer from its projection to its heads' output: `rotary_write_kv` (q: [T, Hq, D],
+    k, v: [T, Hkv, D] into the caches at slot_mapping [T]), then `paged_attention` of the rotated q.
+    `decode` says every sequence has one query row (query_start is 0, 1, ..., B); checked here.
+    Returns [T, Hq, D]."""
+    if decode:
+        starts = query_start.tolist() if isinstance(query_start, torch.Tensor) else list(query_start)
+        if starts != list(range(len(starts))):
+            raise ValueError(f"decode=True needs one query row per sequence (query_start 0, 1, ..., B), got "
+                             f"query_start {tuple(starts)}; leave decode off for prefill and mixed steps")
+    q = rotary_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping, q_weight, k_weight, eps,
+                        zero_centred)
+    return paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale)
+
+
 # -- routed experts ---------------------------------------------------------
 
 

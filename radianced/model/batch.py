@@ -54,8 +54,10 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return self.query_start[-1]
 
-    def query_lens(self) -> list[int]:
-        return [self.query_start[b + 1] - self.query_start[b] for b in range(self.num_seqs)]
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence feeds exactly one token (query_start is 0, 1, ..., B), as in the decode graphs."""
+        return self.query_start == tuple(range(self.num_seqs + 1))
 
     @staticmethod
     def build(token_ids: list[list[int]], context_before: list[int], block_tables: list[list[int]],

@@ -96,10 +96,11 @@ class Attention:
         norms = {} if self.q_norm is None else dict(q_weight=self.q_norm.weight, k_weight=self.k_norm.weight,
                                                      eps=self.q_norm.eps, zero_centred=self.q_norm.zero_centred)
         k_cache, v_cache = cache.layer(self.layer)
-        # qk-norm, RoPE, and k and v into the cache: one launch on CUDA
-        q = ops.rotary_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, batch.slot_mapping, **norms)
-        o = ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_t, batch.seq_lens_t,
-                                self.scale).reshape(t, self.heads * self.head_dim)
+        # qk-norm, RoPE, k and v into the cache, attention: on CUDA one launch (+ the split merge) at
+        # decode, else two
+        o = ops.rotary_paged_attention(q, k, v, positions, inv_freq, k_cache, v_cache, batch.slot_mapping,
+                                       batch.block_tables, batch.query_start_t, batch.seq_lens_t, self.scale,
+                                       decode=batch.is_decode, **norms).reshape(t, self.heads * self.head_dim)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return ops.linear(o, self.wo, residual=residual)

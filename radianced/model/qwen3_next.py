@@ -53,7 +53,7 @@ class GatedDeltaNet:
         mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)  # [T, C]
         g, beta = ops.deltanet_gates(a.reshape(t, self.nv), b.reshape(t, self.nv), self.a_log, self.dt_bias)
         conv_states, rec_states = cache.states.layer(self.layer)
-        if t == batch.num_seqs and all(n == 1 for n in batch.query_lens()):
+        if batch.is_decode:
             # decode: one token per sequence, all states updated in place by slot (no host sync, so a
             # CUDA graph can capture it); a slot < 0 is a graph's padding row: zero output, no state touched
             y = ops.causal_conv1d_update(mixed, self.conv_weight, conv_states, batch.state_slots)

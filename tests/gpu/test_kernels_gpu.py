@@ -77,6 +77,47 @@ def test_paged_attention_real_shapes(kernels, case, dtype):
     assert got.dtype == dtype and err < tol
 
 
+@pytest.mark.parametrize("batch", [1, 32])
+@pytest.mark.parametrize("ctx", [1024, 1100])
+def test_fused_decode_attention_is_the_two_launches_bit_for_bit(kernels, ctx, batch):
+    """Qwen3-30B-A3B's attention core at decode (32 / 4 heads x 128, full rotary, plain qk-norm,
+    bf16; q, k, v views of one projection; lengths as device tensors, as the decode graphs pass
+    them, so the split heuristic's pick): `rotary_paged_attention(decode=True)`, one launch + the
+    merge, gives the output and the caches of rope.rotary_write_kv then paged_attention, bit for
+    bit. At batch 32 the contexts spread below ctx (across block boundaries) and the last row is a
+    graph's padding row (slot -1, one key of context)."""
+    from radianced.kernels import rope
+    attention, _ = kernels
+    hq, hkv, d = 32, 4, 128
+    ctx_lens = [ctx] if batch == 1 else [ctx - 5 * i for i in range(batch - 1)] + [1]
+    _, kc, vc, bt, _, _ = _paged([1] * batch, ctx_lens, hq, hkv, d, torch.bfloat16, seed=ctx + batch)
+    qkv = _rand(batch, (hq + 2 * hkv) * d, dtype=torch.bfloat16, seed=batch)  # the projection's output
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.reshape(batch, hq, d), k.reshape(batch, hkv, d), v.reshape(batch, hkv, d)
+    last = torch.tensor(ctx_lens, device="cuda") - 1
+    slots = bt[torch.arange(batch, device="cuda"), last // BLOCK].long() * BLOCK + last % BLOCK
+    if batch > 1:
+        slots[-1] = -1  # the padding row
+    at = (last, reference.rotary_inv_freq(d, 1e6, "cuda"))
+    norms = dict(q_weight=_rand(d, dtype=torch.bfloat16, seed=1, scale=0.2),
+                 k_weight=_rand(d, dtype=torch.bfloat16, seed=2, scale=0.2))
+    qs = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    sl = torch.tensor(ctx_lens, dtype=torch.int64, device="cuda")
+    before = (kc.clone(), vc.clone())
+    fused = attention.rotary_paged_attention(q, k, v, *at, kc, vc, slots, bt, qs, sl, d ** -0.5, **norms, decode=True)
+    after = (kc.clone(), vc.clone())
+    kc.copy_(before[0])
+    vc.copy_(before[1])
+    rotated = rope.rotary_write_kv(q, k, v, *at, kc, vc, slots, **norms)
+    unfused = attention.paged_attention(rotated, kc, vc, bt, qs, sl, d ** -0.5)
+    assert torch.equal(fused, unfused)
+    assert torch.equal(after[0], kc) and torch.equal(after[1], vc)
+    k32, v32 = before[0].float(), before[1].float()
+    want = reference.rotary_paged_attention(q.float(), k.float(), v.float(), *at, k32, v32, slots, bt, qs, sl,
+                                            d ** -0.5, **{n: w.float() for n, w in norms.items()}, decode=True)
+    _check("kernel_rotary_paged_attention", f"b{batch}_ctx{ctx}", torch.bfloat16, fused, want)
+
+
 E, TOP_K, INTER, HIDDEN = 128, 8, 768, 2048  # Qwen3-30B-A3B's routed experts
 
 
@@ -213,13 +254,13 @@ def test_ops_select_binds_triton_on_cuda_and_reference_elsewhere(kernels):
     from radianced.kernels import ops
     try:
         assert ops.select("cuda") == "triton"
-        assert ops.paged_attention is kernels[0].paged_attention and ops.moe is kernels[1].moe
+        assert ops.rotary_paged_attention is kernels[0].rotary_paged_attention and ops.moe is kernels[1].moe
         assert ops.route_moe is kernels[1].route_moe
         assert ops.select("cuda", deterministic=True) == "triton" and ops.moe.keywords == {"deterministic": True}
         assert ops.route_moe.keywords == {"deterministic": True}
     finally:
         assert ops.select("cpu") == "reference"
-    assert ops.moe is reference.moe and ops.paged_attention is reference.paged_attention
+    assert ops.moe is reference.moe and ops.rotary_paged_attention is reference.rotary_paged_attention
     assert ops.route_moe is reference.route_moe
 
 
@@ -478,26 +519,25 @@ def test_linear_with_the_norm_in_its_launch(layer_kernels, case, zero_centred):
 
 def test_ops_select_binds_the_layer_kernels(layer_kernels):
     from radianced.kernels import linear, ops
-    norm, rope, deltanet = layer_kernels
+    norm, _, deltanet = layer_kernels
     try:
         assert ops.select("cuda") == "triton"
         assert ops.linear is linear.linear
         assert ops.rms_norm is norm.rms_norm and ops.gated_rms_norm is norm.gated_rms_norm
-        assert ops.rotary_write_kv is rope.rotary_write_kv
         assert ops.gated_delta_rule_decode is deltanet.gated_delta_rule_decode
         assert ops.gated_delta_rule_chunked is deltanet.gated_delta_rule_chunked
     finally:
         assert ops.select("cpu") == "reference"
-    assert ops.rotary_write_kv is reference.rotary_write_kv and ops.linear is reference.linear
+    assert ops.rms_norm is reference.rms_norm and ops.linear is reference.linear
     assert ops.causal_conv1d_update is reference.causal_conv1d_update
 
 
 def test_programmatic_dependent_launch_changes_no_bit(kernels, experts, monkeypatch):
-    """A b1 Qwen3-30B-A3B layer's kernels (norm + q/k/v gemv, rotary + KV write, split attention,
-    o_proj + residual, norm + router gemv, experts routing in their gate/up launch + residual)
-    captured in a CUDA graph and replayed twice at every PDL level (plain, wait only, small grids
-    signalling after and before their wait): the same bits."""
-    from radianced.kernels import linear, pdl, rope
+    """A b1 Qwen3-30B-A3B layer's kernels (norm + q/k/v gemv, split attention with the qk-norm,
+    RoPE and KV write in its launch, the split merge, o_proj + residual, norm + router gemv, experts
+    routing in their gate/up launch + residual) captured in a CUDA graph and replayed twice at every
+    PDL level (plain, wait only, small grids signalling after and before their wait): the same bits."""
+    from radianced.kernels import linear, pdl
     attention, moe = kernels
     slab, table, _ = experts
     hq, hkv, d, ctx = 32, 4, 128, 1024
@@ -514,9 +554,9 @@ def test_programmatic_dependent_launch_changes_no_bit(kernels, experts, monkeypa
 
     def layer():
         q, k, v = linear.linear(x, wqkv, norm=(norm_w, 1e-6, False)).split([hq * d, hkv * d, hkv * d], dim=-1)
-        q = rope.rotary_write_kv(q.reshape(1, hq, d), k.reshape(1, hkv, d), v.reshape(1, hkv, d), *at, kc, vc,
-                                 slots, qk_w, qk_w)
-        o = attention.paged_attention(q, kc, vc, bt, qs, sl, d ** -0.5).reshape(1, hq * d)
+        o = attention.rotary_paged_attention(q.reshape(1, hq, d), k.reshape(1, hkv, d), v.reshape(1, hkv, d), *at,
+                                             kc, vc, slots, bt, qs, sl, d ** -0.5, q_weight=qk_w, k_weight=qk_w,
+                                             decode=True).reshape(1, hq * d)
         h = linear.linear(o, wo, residual=x)
         logits, hn = linear.linear(h, wr, norm=(norm_w, 1e-6, False), keep_normed=True)
         out, _, _ = moe.route_moe(hn, logits, TOP_K, True, table, slab, INTER, residual=h)

@@ -1,4 +1,5 @@
-"""The Triton paged attention and K/V scatter against `kernels/reference.py`.
+"""The Triton paged attention, alone and as the layer's fused decode op (qk-norm, RoPE and the
+KV write in its launch), against `kernels/reference.py` and against the two launches it replaces.
 
 Without CUDA the kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1,
 set by tests/kernels/interpreter.py before triton is imported), so shapes stay small. Layouts are the
@@ -16,7 +17,7 @@ import torch
 from tests.kernels.interpreter import DEVICE, require_interpreted  # before triton loads
 from tests.kernels.compare import rel_err
 
-from radianced.kernels import attention, reference
+from radianced.kernels import attention, reference, rope
 
 require_interpreted(attention._paged_attention_kernel, "attention")
 
@@ -136,3 +137,150 @@ def test_bad_head_ratio_is_refused_with_the_numbers():
     q = torch.randn(1, 6, 64, device=DEVICE)
     with pytest.raises(ValueError, match=r"query heads \(6\) must be a multiple of KV heads \(4\)"):
         attention.paged_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, [0, 1], [4], 0.1)
+
+
+# -- the fused decode: qk-norm, RoPE and the KV write in the attention launch ----------------------
+
+THETA = 10000.0
+
+
+class Step:
+    """One step of an attention layer from its q/k/v projection, as the engine lays it out: new
+    tokens at the end of each context, their KV slots where the block tables put them, q, k, v
+    strided views of one [T, (Hq + 2 Hkv) * D] projection (`gated`: [T, (2 Hq + 2 Hkv) * D], each
+    query head beside its output gate, as Qwen3-Next's). A `padding` row is a decode graph's: one
+    key of context, slot -1."""
+
+    def __init__(self, q_lens: list[int], ctx_lens: list[int], q_heads: int, kv_heads: int, head_dim: int,
+                 rotary_dim: int, qk_norm: bool = False, zero_centred: bool = False, gated: bool = False,
+                 dtype: torch.dtype = torch.float32, padding: tuple[int, ...] = (), seed: int = 0):
+        self.paged = Paged(q_lens, ctx_lens, q_heads, kv_heads, head_dim, dtype, seed=seed)
+        g = torch.Generator().manual_seed(seed + 100)
+        t = self.paged.query_start[-1]
+        q_width = (2 if gated else 1) * q_heads * head_dim
+        proj = torch.randn((t, q_width + 2 * kv_heads * head_dim), generator=g).to(dtype).to(DEVICE)
+        q, k, v = proj.split([q_width, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        self.q = q.reshape(t, q_heads, -1)[:, :, :head_dim]
+        self.k, self.v = k.reshape(t, kv_heads, head_dim), v.reshape(t, kv_heads, head_dim)
+        positions, slots = [], []
+        tables = self.paged.block_tables.tolist()
+        for b, (n, ctx) in enumerate(zip(q_lens, ctx_lens)):
+            for pos in range(ctx - n, ctx):
+                positions.append(pos)
+                slots.append(-1 if b in padding else tables[b][pos // BLOCK] * BLOCK + pos % BLOCK)
+        self.positions = torch.tensor(positions, dtype=torch.int64, device=DEVICE)
+        self.slots = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+        self.inv_freq = reference.rotary_inv_freq(rotary_dim, THETA, DEVICE)
+        self.norms = {}
+        if qk_norm:
+            qw, kw = (torch.randn(head_dim, generator=g) * 0.2 for _ in range(2))
+            self.norms = dict(q_weight=qw.to(dtype).to(DEVICE), k_weight=kw.to(dtype).to(DEVICE),
+                              zero_centred=zero_centred)
+
+    def fused(self, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, KV storage after the step) of `rotary_paged_attention`, on a copy of the storage."""
+        storage = self.paged.storage.clone()
+        k_cache, v_cache = storage[:, :, 1, 0], storage[:, :, 1, 1]
+        out = attention.rotary_paged_attention(self.q, self.k, self.v, self.positions, self.inv_freq, k_cache,
+                                               v_cache, self.slots, self.paged.block_tables, self.paged.query_start,
+                                               self.paged.seq_lens, self.paged.scale, **self.norms, **kw)
+        return out.cpu(), storage.cpu()
+
+    def two_launches(self, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same through `rope.rotary_write_kv` then `paged_attention`."""
+        storage = self.paged.storage.clone()
+        k_cache, v_cache = storage[:, :, 1, 0], storage[:, :, 1, 1]
+        q = rope.rotary_write_kv(self.q, self.k, self.v, self.positions, self.inv_freq, k_cache, v_cache, self.slots,
+                                 **self.norms)
+        out = attention.paged_attention(q, k_cache, v_cache, self.paged.block_tables, self.paged.query_start,
+                                        self.paged.seq_lens, self.paged.scale, **kw)
+        return out.cpu(), storage.cpu()
+
+    def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 truth on the same values: `reference.rotary_paged_attention`."""
+        storage = self.paged.storage.float().cpu()
+        norms = {name: w.float().cpu() if isinstance(w, torch.Tensor) else w for name, w in self.norms.items()}
+        out = reference.rotary_paged_attention(
+            self.q.float().cpu(), self.k.float().cpu(), self.v.float().cpu(), self.positions.cpu(),
+            self.inv_freq.cpu(), storage[:, :, 1, 0], storage[:, :, 1, 1], self.slots.cpu(),
+            self.paged.block_tables.cpu(), self.paged.query_start, self.paged.seq_lens, self.paged.scale, **norms)
+        return out, storage
+
+
+DECODE_CASES = {
+    # name: (contexts, Hq, Hkv, D, rotary dim, qk-norm, zero-centred and gated (Qwen3-Next), splits, dtype)
+    "b1_group1_ctx_ends_on_a_block": ([32], 4, 4, 64, 64, False, False, 1, torch.float32),
+    "b1_group4_ctx_just_past_a_block_split": ([33], 8, 2, 128, 128, True, False, 3, torch.bfloat16),
+    "b3_group3_partial_rotary_next": ([16, 17, 50], 9, 3, 64, 16, True, True, 1, torch.bfloat16),
+    "b3_group4_hd128_split_with_an_empty_split": ([1, 40, 95], 8, 2, 128, 128, True, False, 4, torch.float32),
+}
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_fused_decode_gives_the_bits_of_the_two_launches(case):
+    """`rotary_paged_attention(decode=True)` (one launch + merge) against rope.rotary_write_kv then
+    paged_attention: the same output and the same caches, bit for bit; both near the fp32 truth."""
+    ctx_lens, hq, hkv, d, rot, qk_norm, next_like, splits, dtype = DECODE_CASES[case]
+    step = Step([1] * len(ctx_lens), ctx_lens, hq, hkv, d, rot, qk_norm, zero_centred=next_like, gated=next_like,
+                dtype=dtype, seed=len(case))
+    out, storage = step.fused(decode=True, num_splits=splits)
+    want_out, want_storage = step.two_launches(num_splits=splits)
+    assert torch.equal(out, want_out) and torch.equal(storage, want_storage)
+    ref_out, ref_storage = step.reference()
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    assert out.dtype == dtype and rel_err(out, ref_out) < tol and rel_err(storage, ref_storage) < tol
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_fused_decode_writes_nothing_for_a_padding_row(splits):
+    """A decode graph's padding row (slot -1, one key of context) writes no slot; the real rows
+    write theirs only, and every row's output is still the two launches' (the padding row reads
+    its block as it is)."""
+    step = Step([1] * 4, [20, 1, 64, 7], 9, 3, 64, 64, qk_norm=True, dtype=torch.bfloat16, padding=(1,), seed=7)
+    out, storage = step.fused(decode=True, num_splits=splits)
+    want_out, want_storage = step.two_launches(num_splits=splits)
+    assert torch.equal(out, want_out) and torch.equal(storage, want_storage)
+    changed = (storage != step.paged.storage.cpu()).flatten(5).any(-1)  # [P, N, L, K|V, S]
+    pages, in_page, layers, kv, offsets = changed.nonzero().T
+    slots = (pages * PER_PAGE + in_page) * BLOCK + offsets
+    assert layers.unique().tolist() == [1] and kv.unique().tolist() == [0, 1]
+    assert sorted(set(slots.tolist())) == sorted(s for s in step.slots.tolist() if s >= 0)
+
+
+def test_a_prefill_step_takes_the_two_launches():
+    """Prompt chunks and a decode row in one step (not decode-shaped): the op runs rotary_write_kv
+    then paged_attention, and decode=True is refused for it."""
+    step = Step([5, 1, 12], [5, 30, 40], 9, 3, 64, 16, qk_norm=True, zero_centred=True, seed=8)
+    out, storage = step.fused()
+    want_out, want_storage = step.two_launches()
+    assert torch.equal(out, want_out) and torch.equal(storage, want_storage)
+    ref_out, ref_storage = step.reference()
+    assert rel_err(out, ref_out) < 1e-4 and rel_err(storage, ref_storage) < 1e-4
+    with pytest.raises(ValueError, match=r"decode=True needs one query row per sequence \(query_start 0, 1"):
+        step.fused(decode=True)
+    with pytest.raises(ValueError, match=r"decode=True needs one query row per sequence \(query_start 0, 1"):
+        reference.rotary_paged_attention(step.q, step.k, step.v, step.positions, step.inv_freq,
+                                         step.paged.k_cache.clone(), step.paged.v_cache.clone(), step.slots,
+                                         step.paged.block_tables, step.paged.query_start, step.paged.seq_lens,
+                                         step.paged.scale, decode=True)
+
+
+def test_bad_fused_inputs_are_refused_with_the_numbers():
+    """What the fused op cannot take: a decode promise that the rows belie, one norm weight of
+    two, weights that would rotate q into a dtype the caches do not hold, a slot_mapping short
+    of the rows."""
+    step = Step([1, 1], [9, 4], 4, 2, 64, 64, seed=9)
+    args = (step.q, step.k, step.v, step.positions, step.inv_freq, step.paged.k_cache, step.paged.v_cache,
+            step.slots, step.paged.block_tables)
+    qs = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"decode=True needs one query row per sequence: q has 2 rows for 1"):
+        attention.rotary_paged_attention(*args, qs, torch.tensor([9], device=DEVICE), 0.1, decode=True)
+    with pytest.raises(ValueError, match=r"rotary_paged_attention needs both q_weight and k_weight"):
+        attention.rotary_paged_attention(*args, [0, 1, 2], [9, 4], 0.1, q_weight=torch.ones(64, device=DEVICE),
+                                         decode=True)
+    wide = torch.ones(64, dtype=torch.float64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"cache dtype torch.float32/torch.float32 differs from q's torch.float64"):
+        attention.rotary_paged_attention(*args, [0, 1, 2], [9, 4], 0.1, q_weight=wide, k_weight=wide, decode=True)
+    with pytest.raises(ValueError, match=r"slot_mapping must be \[2\]"):
+        attention.rotary_paged_attention(*args[:7], step.slots[:1], step.paged.block_tables, [0, 1, 2], [9, 4], 0.1,
+                                         decode=True)

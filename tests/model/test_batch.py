@@ -39,3 +39,11 @@ def test_a_block_table_too_short_for_the_tokens_is_refused():
     """Position 16 needs a third block of 8: without it the slot would be a padding zero."""
     with pytest.raises(ValueError, match=r"sequence 1's block table has 2 blocks; its tokens reach position 16"):
         ForwardBatch.build([[1], [2, 3]], [0, 15], [[4], [5, 6]], 8)
+
+
+def test_is_decode_needs_one_token_from_every_sequence():
+    """Decode-shaped (query_start 0, 1, ..., B) lets attention do RoPE and the KV write in its own
+    launch; three tokens over three sequences, one of them feeding two and one none, are not."""
+    assert ForwardBatch.build([[1], [2], [3]], [4, 0, 9], [[0], [1], [2]], 16).is_decode
+    assert not ForwardBatch.build([[1, 2], [], [3]], [4, 0, 9], [[0], [1], [2]], 16).is_decode
+    assert not ForwardBatch.build([[1, 2]], [0], [[0]], 16).is_decode
