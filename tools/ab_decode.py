@@ -4,8 +4,8 @@
         [--layers 8] [--batch 1] [--steps 40] [--rounds 4]
 
 A variant is NAME:ENV=VALUE[,ENV=VALUE...]: environment settings the kernels'
-launchers read when a decode graph is captured (RADIANCED_PDL, RADIANCED_PDL_GRID,
-read through kernels/pdl.py's caches, which are cleared before each capture). Builds a
+launchers read when a decode graph is captured (RADIANCED_PDL, read through
+kernels/pdl.py's cache, which is cleared before each capture). Builds a
 synthetic Qwen3-30B-A3B-shaped model (tools/make_synthetic.py), serves
 `--batch` requests of a 1K-token prompt with every expert resident, captures
 one set of decode graphs per variant, then times `--rounds` rounds, each
@@ -67,7 +67,6 @@ def capture(engine: Engine, cfg: Config, env: dict[str, str]):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     pdl._level.cache_clear()
-    pdl._grid_per_sm.cache_clear()
     try:
         return engine_module._decode_graphs(engine, cfg, engine.receipt)
     finally:
@@ -77,7 +76,6 @@ def capture(engine: Engine, cfg: Config, env: dict[str, str]):
             else:
                 os.environ[k] = v
         pdl._level.cache_clear()
-        pdl._grid_per_sm.cache_clear()
 
 
 def pipelined(engine: Engine, steps: int) -> float:

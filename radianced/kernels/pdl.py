@@ -12,28 +12,25 @@ without waiting could let the next one run ahead of the one before it.
 
 When the next kernel may start is the previous kernel's signal
 (griddepcontrol.launch_dependents): by default, once each of its programs has
-exited. A kernel whose whole grid fits on the device at once (at most one
-program per SM, `launch(device, programs)`) signals early, so its dependent's
-programs are resident, their weight loads in flight, while it runs: the b1 chain
-of small launches (RoPE, attention and merge, router, experts) then hides the
-launch of the projection after it. A grid of more programs than that never
-signals early: the dependents would take the SMs its later programs need (on
-the H200, every kernel signalling made a b1 step slower, bench/README.md session
-5). No grid waited on is ever short of SMs: a dependent launches only once every
-program of the signalling grid is resident.
+exited. Levels 2 and 3 let a kernel whose whole grid fits on the device at once
+(at most one program per SM, `launch(device, programs)`) signal early, so its
+dependent's programs are resident, their weight loads in flight, while it runs;
+a larger grid never does (the dependents would take the SMs its later programs
+need). No grid waited on is ever short of SMs: a dependent launches only once
+every program of the signalling grid is resident. On the H200 the early signal
+paid before attention took RoPE and the experts took the route into their
+launches (b1 graph replay 0.632 ms at level 3, 0.643 at 1), and costs since
+(0.622 against 0.612): the default waits only (bench/README.md, session 6).
 
-The bound is `RADIANCED_PDL_GRID` programs per SM (default 1; an A/B knob:
-a larger grid that signals early lets its dependents in as soon as its last
-programs have started). Levels (`RADIANCED_PDL`, the A/B switch of the
-benchmarks; decided once per device, 0 without CUDA compute capability 9.0,
-under the Triton interpreter):
+Levels (`RADIANCED_PDL`, the A/B switch of the benchmarks; decided once per
+device, 0 without CUDA compute capability 9.0, under the Triton interpreter):
 
 - 0: plain launches;
-- 1: PDL, every kernel waits, none signals early;
+- 1 (default): PDL, every kernel waits, none signals early;
 - 2: small grids signal right after their wait (the dependent starts while this
   kernel runs);
-- 3 (default): small grids signal before their wait (the dependent may start
-  while the kernel before this one still runs: two launches ahead).
+- 3: small grids signal before their wait (the dependent may start while the
+  kernel before this one still runs: two launches ahead).
 
 Each Triton kernel on the decode path takes a `PDL: tl.constexpr`, calls
 `wait(PDL)` before its first dependent access, and its launch passes
@@ -54,7 +51,7 @@ try:
 except ImportError:  # a Triton without grid dependency control: never enabled
     gdc_launch_dependents = gdc_wait = None
 
-DEFAULT_LEVEL = 3
+DEFAULT_LEVEL = 1
 LEVELS = (0, 1, 2, 3)
 
 
@@ -68,15 +65,6 @@ def _level(device: torch.device) -> int:
         return 0
     if torch.cuda.get_device_capability(device)[0] < 9:
         return 0
-    return int(raw)
-
-
-@functools.cache
-def _grid_per_sm() -> int:
-    raw = os.environ.get("RADIANCED_PDL_GRID", "1")
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"RADIANCED_PDL_GRID={raw!r}: give the programs per SM up to which a grid signals "
-                         f"early, a whole number >= 1")
     return int(raw)
 
 
@@ -112,7 +100,7 @@ def launch(device: torch.device, programs: int | None = None) -> dict:
     per SM signals its dependents early, a larger one (or None) never does."""
     device = _resolve(device)
     lv = _level(device)
-    if lv > 1 and (programs is None or programs > _grid_per_sm() * _sm_count(device)):
+    if lv > 1 and (programs is None or programs > _sm_count(device)):
         lv = 1
     return {"PDL": lv, "launch_pdl": lv > 0}
 

@@ -27,13 +27,3 @@ def test_bad_level_names_the_variable_and_the_choices(monkeypatch):
     with pytest.raises(ValueError, match=r"RADIANCED_PDL='on': use one of 0, 1, 2, 3"):
         pdl.level(torch.device("cpu"))
 
-
-@pytest.mark.parametrize("raw", ["0", "two", "-1"])
-def test_bad_grid_bound_names_the_variable(monkeypatch, raw):
-    monkeypatch.setenv("RADIANCED_PDL_GRID", raw)
-    pdl._grid_per_sm.cache_clear()
-    try:
-        with pytest.raises(ValueError, match=rf"RADIANCED_PDL_GRID='{raw}': give the programs per SM"):
-            pdl._grid_per_sm()
-    finally:
-        pdl._grid_per_sm.cache_clear()
