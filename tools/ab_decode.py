@@ -27,7 +27,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import msgspec
@@ -42,6 +41,7 @@ from radianced.engine.request import Request  # noqa: E402
 from radianced.engine.sampling_params import SamplingParams  # noqa: E402
 from radianced.kernels import pdl  # noqa: E402
 from radianced.model.rad import RadFile  # noqa: E402
+from tools.bench_model import pipelined  # noqa: E402
 from tools.gpu_bench import timeit  # noqa: E402
 from tools.make_synthetic import make_synthetic  # noqa: E402
 
@@ -76,19 +76,6 @@ def capture(engine: Engine, cfg: Config, env: dict[str, str]):
             else:
                 os.environ[k] = v
         pdl._level.cache_clear()
-
-
-def pipelined(engine: Engine, steps: int) -> float:
-    """Seconds per step of the daemon's loop, in steady state (as tools/bench_model.py)."""
-    pipe = engine.pipeline()
-    for _ in range(3):
-        pipe.step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        pipe.step()
-    seconds = time.perf_counter() - t0
-    pipe.drain()
-    return seconds / steps
 
 
 def replay(engine: Engine, steps: int) -> tuple[float, float]:
@@ -146,7 +133,7 @@ def main(argv=None) -> int:
         for _ in range(args.rounds):
             for name in variants:
                 engine.runner.graphs = graphs[name]
-                times[name]["pipelined_s"].append(pipelined(engine, args.steps))
+                times[name]["pipelined_s"].append(pipelined(engine, 2, args.steps)["mean_s"])
                 t_run, t_device = replay(engine, args.steps)
                 times[name]["run_s"].append(t_run)
                 times[name]["device_s"].append(t_device)

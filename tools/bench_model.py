@@ -240,7 +240,7 @@ def section_decode(st: State, batch: int, hbm: float | None, matmul: float | Non
     lookups, warm = stats.total_lookups, 3
     t_step = timeit(eng.step, st.device, warmup=warm, reps=s.reps)
     distinct = (stats.total_lookups - lookups) / (warm + s.reps)  # (layer, expert) pairs read per step
-    t_pipe = _pipelined(eng, warm, 2 * s.reps)
+    t_pipe = pipelined(eng, warm, 2 * s.reps)
     context = s.context + 1 + (warm + 3 * s.reps) / 2  # mean tokens before a timed step's new one
     iso = _isolated(st, decode=True)
     eng.scheduler.abort_all()
@@ -255,7 +255,7 @@ def section_decode(st: State, batch: int, hbm: float | None, matmul: float | Non
             "tokens_per_s": batch / t_pipe["mean_s"]}
 
 
-def _pipelined(eng, warmup: int, reps: int) -> dict:
+def pipelined(eng, warmup: int, reps: int) -> dict:
     """Seconds per step of `Engine.pipeline()` (the daemon's loop: step N+1 launched before step N
     is collected): the wall time between two returns of `step()` `reps` steps apart, in steady
     state (each return follows one collected step; no sync is added), then the pipe is drained."""
