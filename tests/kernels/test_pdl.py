@@ -4,6 +4,8 @@
 import pytest
 import torch
 
+import tests.kernels.interpreter  # noqa: F401  (before triton loads: the other kernel tests run interpreted)
+
 from radianced.kernels import pdl
 
 
