@@ -89,11 +89,6 @@ def level(device: torch.device) -> int:
     return _level(_resolve(device))
 
 
-def enabled(device: torch.device) -> bool:
-    """Whether Triton kernels on `device` launch with programmatic dependent launch."""
-    return level(device) > 0
-
-
 def launch(device: torch.device, programs: int | None = None) -> dict:
     """The launch keywords for a kernel taking `PDL: tl.constexpr`: `PDL` (its level) and Triton's
     `launch_pdl`. `programs`: the grid's size; at levels 2 and 3 a grid of at most one program
@@ -117,4 +112,4 @@ def wait(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-__all__ = ["DEFAULT_LEVEL", "LEVELS", "enabled", "launch", "level", "sm_count", "wait"]
+__all__ = ["DEFAULT_LEVEL", "LEVELS", "launch", "level", "sm_count", "wait"]

@@ -248,7 +248,6 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tab
     return out if residual is None else residual + out
 
 
-
 def route_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool, table: torch.Tensor,
               slab: torch.Tensor, inter: int, host: torch.Tensor | None = None, *,
               residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -256,6 +255,7 @@ def route_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bo
     ids [T, k] int64, weights [T, k] in x's dtype) with ids and weights as `route` returns them."""
     ids, weights = route(logits, top_k, renormalize, x.dtype)
     return moe(x, ids, weights, table, slab, inter, host, residual=residual), ids, weights
+
 
 # == Gated DeltaNet (Qwen3-Next linear attention) =============================
 # Everything below is one sequence at a time (prefill) or one token per sequence
