@@ -1,0 +1,102 @@
+"""Warm L2 with the next op's weights while a latency-bound launch runs.
+
+A b1 decode layer alternates weight streams (the projections, the experts) with
+launches that move almost no bytes: the attention over a 1K context reads 2 MB
+in ~10 us, a chain of dependent loads that leaves HBM idle. The attention
+launch's programs can spend that idle time for the op after it: each issues
+bulk L2 prefetches (Hopper's `cp.async.bulk.prefetch.L2`, one instruction per
+thread for a whole piece, fire and forget: nothing waits for it, no register
+holds the data) of its share of o_proj's weight, so o_proj's gemv then reads
+L2 instead of HBM. CUTLASS's low-latency GEMM does the same with its own
+weights while it waits on the kernel before it.
+
+A prefetch is a hint: it changes no result, only where the next op's loads
+hit. Off (`Prefetch.none()`) without CUDA compute capability 9.0, under the
+Triton interpreter, for a tensor whose address or size is not a multiple of 16
+bytes, or with `RADIANCED_L2_PREFETCH=0` (the A/B switch of the benchmarks).
+
+A kernel that prefetches takes `pf_ptr, pf_bytes, pf_piece` and `PREFETCH:
+tl.constexpr`, and calls `l2(pf_ptr, pf_bytes, pf_piece, index, LANES,
+PREFETCH)` once per program, with LANES = its threads (32 x num_warps): the
+program's lanes then prefetch pieces index * LANES .. index * LANES + LANES - 1,
+one each. The launcher passes `*pf.args(dummy)` and `PREFETCH=pf.on` for
+`pf = Prefetch.of(tensor, programs, lanes)`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+ALIGN = 16  # bytes: cp.async.bulk's address and size granularity
+
+
+@functools.cache
+def _enabled(device: torch.device) -> bool:
+    raw = os.environ.get("RADIANCED_L2_PREFETCH", "1")
+    if raw not in ("0", "1"):
+        raise ValueError(f"RADIANCED_L2_PREFETCH={raw!r}: use 1 (on) or 0 (off)")
+    if raw == "0" or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether launches on `device` prefetch (module docstring)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _enabled(device)
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """Bytes [ptr, ptr + nbytes) in pieces of `piece` bytes (a multiple of ALIGN); the pieces cover
+    the range with `programs * lanes` of them, the last ones overlapping the end. `nbytes` 0: off."""
+
+    ptr: torch.Tensor | None
+    nbytes: int
+    piece: int
+
+    @staticmethod
+    def none() -> Prefetch:
+        return Prefetch(None, 0, ALIGN)
+
+    @staticmethod
+    def of(tensor: torch.Tensor | None, programs: int, lanes: int) -> Prefetch:
+        """`tensor`'s bytes (contiguous) split over `programs` programs of `lanes` threads, or
+        none (off, no tensor, a non-contiguous one, or not 16-byte aligned)."""
+        if tensor is None or not tensor.is_contiguous() or not enabled(tensor.device):
+            return Prefetch.none()
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes < ALIGN or nbytes % ALIGN or tensor.data_ptr() % ALIGN:
+            return Prefetch.none()
+        piece = triton.cdiv(triton.cdiv(nbytes, programs * lanes), ALIGN) * ALIGN  # <= nbytes
+        return Prefetch(tensor, nbytes, piece)
+
+    @property
+    def on(self) -> bool:
+        """The kernel's PREFETCH."""
+        return self.nbytes > 0
+
+    def args(self, dummy: torch.Tensor) -> tuple:
+        """(pf_ptr, pf_bytes, pf_piece); `dummy` stands for the pointer when off (never read)."""
+        return dummy if self.ptr is None else self.ptr, self.nbytes, self.piece
+
+
+@triton.jit
+def l2(pf_ptr, pf_bytes, pf_piece, index, LANES: tl.constexpr, PREFETCH: tl.constexpr):
+    """Program `index`'s pieces of the range into L2 (module docstring); nothing without PREFETCH."""
+    if PREFETCH:
+        lane = index * LANES + tl.arange(0, LANES)
+        start = tl.minimum(lane.to(tl.int64) * pf_piece, pf_bytes - pf_piece)
+        addr = pf_ptr.to(tl.int64) + start
+        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                                  [addr, pf_piece.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+__all__ = ["Prefetch", "enabled", "l2"]
