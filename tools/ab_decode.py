@@ -80,7 +80,7 @@ def capture(engine: Engine, cfg: Config, env: dict[str, str]):
 
 
 def _clear_env_caches() -> None:
-    for cached in (pdl._level, prefetch._enabled):
+    for cached in (pdl._level, prefetch._mode):
         cached.cache_clear()
 
 

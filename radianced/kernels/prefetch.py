@@ -36,52 +36,62 @@ import triton.language as tl
 ALIGN = 16  # bytes: cp.async.bulk's address and size granularity
 
 
+LINE = 128  # bytes: an L2 line, what `prefetch.global.L2` fetches
+MODES = (0, 1, 2)  # off, bulk (cp.async.bulk.prefetch.L2, a piece per thread), lines (prefetch.global.L2)
+
+
 @functools.cache
-def _enabled(device: torch.device) -> bool:
+def _mode(device: torch.device) -> int:
     raw = os.environ.get("RADIANCED_L2_PREFETCH", "1")
-    if raw not in ("0", "1"):
-        raise ValueError(f"RADIANCED_L2_PREFETCH={raw!r}: use 1 (on) or 0 (off)")
-    if raw == "0" or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    if raw not in {str(m) for m in MODES}:
+        raise ValueError(f"RADIANCED_L2_PREFETCH={raw!r}: use 1 (bulk), 2 (lines) or 0 (off)")
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return 0
+    return int(raw) if torch.cuda.get_device_capability(device)[0] >= 9 else 0
 
 
-def enabled(device: torch.device) -> bool:
-    """Whether launches on `device` prefetch (module docstring)."""
+def mode(device: torch.device) -> int:
+    """How launches on `device` prefetch, 0: they do not (module docstring)."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return _enabled(device)
+    return _mode(device)
 
 
 @dataclass(frozen=True)
 class Prefetch:
-    """Bytes [ptr, ptr + nbytes) in pieces of `piece` bytes (a multiple of ALIGN); the pieces cover
-    the range with `programs * lanes` of them, the last ones overlapping the end. `nbytes` 0: off."""
+    """Bytes [ptr, ptr + nbytes), `mode` 1: in pieces of `piece` bytes (a multiple of ALIGN), one a
+    thread, `programs * lanes` of them covering the range, the last ones overlapping the end;
+    mode 2: a share of `piece` bytes (a multiple of LINE) a program, fetched a line a thread at a
+    time. Mode 0: off."""
 
     ptr: torch.Tensor | None
     nbytes: int
     piece: int
+    mode: int
 
     @staticmethod
     def none() -> Prefetch:
-        return Prefetch(None, 0, ALIGN)
+        return Prefetch(None, 0, ALIGN, 0)
 
     @staticmethod
     def of(tensor: torch.Tensor | None, programs: int, lanes: int) -> Prefetch:
         """`tensor`'s bytes (contiguous) split over `programs` programs of `lanes` threads, or
         none (off, no tensor, a non-contiguous one, or not 16-byte aligned)."""
-        if tensor is None or not tensor.is_contiguous() or not enabled(tensor.device):
+        m = 0 if tensor is None else mode(tensor.device)
+        if m == 0 or not tensor.is_contiguous():
             return Prefetch.none()
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes < ALIGN or nbytes % ALIGN or tensor.data_ptr() % ALIGN:
+        if nbytes < LINE or nbytes % ALIGN or tensor.data_ptr() % ALIGN:
             return Prefetch.none()
-        piece = triton.cdiv(triton.cdiv(nbytes, programs * lanes), ALIGN) * ALIGN  # <= nbytes
-        return Prefetch(tensor, nbytes, piece)
+        unit = ALIGN if m == 1 else LINE
+        pieces = programs * lanes if m == 1 else programs
+        piece = triton.cdiv(triton.cdiv(nbytes, pieces), unit) * unit
+        return Prefetch(tensor, nbytes, min(piece, nbytes // unit * unit), m)
 
     @property
-    def on(self) -> bool:
-        """The kernel's PREFETCH."""
-        return self.nbytes > 0
+    def on(self) -> int:
+        """The kernel's PREFETCH (the mode)."""
+        return self.mode
 
     def args(self, dummy: torch.Tensor) -> tuple:
         """(pf_ptr, pf_bytes, pf_piece); `dummy` stands for the pointer when off (never read)."""
@@ -90,13 +100,20 @@ class Prefetch:
 
 @triton.jit
 def l2(pf_ptr, pf_bytes, pf_piece, index, LANES: tl.constexpr, PREFETCH: tl.constexpr):
-    """Program `index`'s pieces of the range into L2 (module docstring); nothing without PREFETCH."""
-    if PREFETCH:
+    """Program `index`'s part of the range into L2 (module docstring); nothing when PREFETCH is 0."""
+    if PREFETCH == 1:
         lane = index * LANES + tl.arange(0, LANES)
         start = tl.minimum(lane.to(tl.int64) * pf_piece, pf_bytes - pf_piece)
         addr = pf_ptr.to(tl.int64) + start
         tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
                                   [addr, pf_piece.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    if PREFETCH == 2:
+        first = index.to(tl.int64) * pf_piece
+        for line in range(0, pf_piece, LANES * 128):
+            start = tl.minimum(first + line + tl.arange(0, LANES).to(tl.int64) * 128, pf_bytes - 128)
+            addr = pf_ptr.to(tl.int64) + start
+            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                      [addr], dtype=tl.int32, is_pure=False, pack=1)
 
 
-__all__ = ["Prefetch", "enabled", "l2"]
+__all__ = ["Prefetch", "mode", "l2"]
