@@ -94,6 +94,31 @@ def kernels(graph, reps: int, layers: int) -> dict[str, float]:
     return dict(us)
 
 
+def gemv_cold_hot(weights, inp, reps: int) -> dict[str, float]:
+    """us per o_proj gemv: over the layers' distinct weights (cold: HBM), and one layer's weight
+    again and again (hot: its 16.8 MB stays in L2), each a captured chain of gemvs."""
+    from radianced.kernels import linear
+    o = _rand(1, HQ * D)
+    out = {}
+    for name, ws in (("cold", [w["wo"] for w in weights]), ("hot", [weights[0]["wo"]] * len(weights))):
+        def run(ws=ws):
+            for w in ws:
+                linear.linear(o, w, residual=inp["x"])
+        run()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        out[name] = start.elapsed_time(end) * 1e3 / reps / len(ws)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -115,7 +140,9 @@ def main() -> int:
             end.record()
             end.synchronize()
             times[m].append(start.elapsed_time(end) * 1e3 / args.reps / args.layers)
-    result = {"device": torch.cuda.get_device_name(), "layers": args.layers, "reps": args.reps, "modes": {}}
+    result = {"device": torch.cuda.get_device_name(), "layers": args.layers, "reps": args.reps, "modes": {},
+              "o_proj_gemv_us": gemv_cold_hot(weights, inp, args.reps)}
+    print("o_proj gemv alone: " + ", ".join(f"{k} {v:.2f} us" for k, v in result["o_proj_gemv_us"].items()))
     for m, g in graphs.items():
         per_kernel = kernels(g, args.reps, args.layers)
         result["modes"][m] = {"us_per_layer": sorted(times[m]), "kernels_us_per_layer": per_kernel}
