@@ -4,9 +4,8 @@
         [--layers 8] [--batch 1] [--steps 40] [--rounds 4]
 
 A variant is NAME:ENV=VALUE[,ENV=VALUE...]: environment settings the kernels'
-launchers read when a decode graph is captured (RADIANCED_PDL and
-RADIANCED_L2_PREFETCH, read through kernels/pdl.py's and kernels/prefetch.py's
-caches, which are cleared before each capture). Builds a
+launchers read when a decode graph is captured (RADIANCED_PDL, read through
+kernels/pdl.py's cache, which is cleared before each capture). Builds a
 synthetic Qwen3-30B-A3B-shaped model (tools/make_synthetic.py), serves
 `--batch` requests of a 1K-token prompt with every expert resident, captures
 one set of decode graphs per variant, then times `--rounds` rounds, each
@@ -40,7 +39,7 @@ from radianced.engine import engine as engine_module  # noqa: E402
 from radianced.engine.engine import Engine  # noqa: E402
 from radianced.engine.request import Request  # noqa: E402
 from radianced.engine.sampling_params import SamplingParams  # noqa: E402
-from radianced.kernels import pdl, prefetch  # noqa: E402
+from radianced.kernels import pdl  # noqa: E402
 from radianced.model.rad import RadFile  # noqa: E402
 from tools.bench_model import pipelined  # noqa: E402
 from tools.gpu_bench import timeit  # noqa: E402
@@ -67,7 +66,7 @@ def capture(engine: Engine, cfg: Config, env: dict[str, str]):
     """The decode graphs captured under `env` (set for the capture, then restored)."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    _clear_env_caches()
+    pdl._level.cache_clear()
     try:
         return engine_module._decode_graphs(engine, cfg, engine.receipt)
     finally:
@@ -76,12 +75,7 @@ def capture(engine: Engine, cfg: Config, env: dict[str, str]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        _clear_env_caches()
-
-
-def _clear_env_caches() -> None:
-    for cached in (pdl._level, prefetch._mode):
-        cached.cache_clear()
+        pdl._level.cache_clear()
 
 
 def replay(engine: Engine, steps: int) -> tuple[float, float]:

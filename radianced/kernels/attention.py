@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radianced.kernels import pdl, prefetch, rope
+from radianced.kernels import pdl, rope
 from radianced.kernels.paged import check_cache, check_kv_write, slot_offset
 
 LOG2E = 1.4426950408889634
@@ -124,26 +124,22 @@ def _paged_attention_kernel(
     stride_bt,
     k_new_ptr, v_new_ptr, slot_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, eps,
     stride_knt, stride_knh, stride_vnt, stride_vnh,
-    pf_ptr, pf_bytes, pf_piece,
     Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr,
     ROT: tl.constexpr, NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr, LIBDEVICE: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr, LANES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """DECODE: one query row per sequence, tile b is sequence b's; q is the unrotated projection
     (k_new, v_new: the new token's k and v), rotated here, and the program whose keys hold the
     new token (the last, seq_len - 1) first stores its k and v at slot_mapping[b] (< 0: no write).
     Otherwise q is rotated and every key is in the cache; the k_new .. stride_vnh arguments and
-    ROT .. LIBDEVICE are unused. PREFETCH: the programs first start pulling the pf_ range (the
-    next op's weight) into L2 (kernels/prefetch.py), before their grid wait."""
+    ROT .. LIBDEVICE are unused."""
+    pdl.wait(PDL)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    prefetch.l2(pf_ptr, pf_bytes, pf_piece, tile + tl.num_programs(0) * (kvh + tl.num_programs(1) * split), LANES,
-                PREFETCH)
-    pdl.wait(PDL)
 
     if DECODE:
         b = tile
@@ -283,10 +279,8 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _launch_paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, out,
-                            cfg: AttentionConfig, prologue: _Prologue | None = None,
-                            warm: torch.Tensor | None = None) -> None:
-    """prologue: a decode step (one query row per sequence, q unrotated), grid (B, Hkv, splits);
-    warm: a tensor the programs prefetch into L2 (kernels/prefetch.py)."""
+                            cfg: AttentionConfig, prologue: _Prologue | None = None) -> None:
+    """prologue: a decode step (one query row per sequence, q unrotated), grid (B, Hkv, splits)."""
     t, hq, d = q.shape
     hkv, block_size = k_cache.shape[3], k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -309,22 +303,18 @@ def _launch_paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_
         fused = (p.k, p.v, p.slot_mapping.contiguous(), p.positions.contiguous(), p.inv_freq.contiguous(),
                  qw.contiguous(), kw.contiguous(), p.eps, p.k.stride(0), p.k.stride(1), p.v.stride(0), p.v.stride(1))
         constexprs = dict(DECODE=True, **rope.rotary_constexprs(p.inv_freq, p.weights, p.zero_centred))
-    programs = grid[0] * grid[1] * grid[2]
-    lanes = 32 * cfg.num_warps
-    pf = prefetch.Prefetch.of(warm, programs, lanes)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_lse,
         block_tables, query_start, seq_lens,
         scale * LOG2E, num_seqs, t, k_cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:4], *v_cache.stride()[:4],
-        block_tables.stride(0), *fused, *pf.args(q),
+        block_tables.stride(0), *fused,
         Q_HEADS=hq, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
         NUM_SPLITS=splits, DOT_PRECISION=_dot_precision(k_cache.dtype), **constexprs,
-        PREFETCH=pf.on, LANES=lanes,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(q.device, programs))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(q.device, grid[0] * grid[1] * grid[2]))
     if splits > 1:
         _merge_splits_kernel[(t, hq)](part_o, part_lse, out, t, out.stride(0), out.stride(1),
                                       Q_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=splits,
@@ -414,8 +404,7 @@ def rotary_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
                            query_start: Sequence[int] | torch.Tensor, seq_lens: Sequence[int] | torch.Tensor,
                            scale: float, *, q_weight: torch.Tensor | None = None,
                            k_weight: torch.Tensor | None = None, eps: float = 1e-6, zero_centred: bool = False,
-                           decode: bool = False, num_splits: int | None = None,
-                           warm: torch.Tensor | None = None) -> torch.Tensor:
+                           decode: bool = False, num_splits: int | None = None) -> torch.Tensor:
     """An attention layer from its q/k/v projection to its heads' output (Triton): qk-norm, RoPE,
     k and v into the cache, paged attention.
 
@@ -433,9 +422,6 @@ def rotary_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     its k and v before it reads them. So slot_mapping[b] must be where b's block table puts its
     last context token (seq_lens[b] - 1), or < 0: a padding row, written nowhere, whose
     attention reads the cache as it is. Without `decode`, the two launches.
-
-    `warm`: the weight the next op streams (o_proj's); with `decode` the attention's programs
-    prefetch it into L2 while they run (kernels/prefetch.py), a hint that changes no result.
     """
     if not decode:
         q = rope.rotary_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping, q_weight, k_weight,
@@ -460,7 +446,7 @@ def rotary_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     v = v if v.stride(2) == 1 else v.contiguous()
     cfg = attention_config(t, t, hq, k_cache.shape[3], d, q.device, max_seq_len, num_splits)
     prologue = _Prologue(k, v, slot_mapping, positions, inv_freq, weights, eps, zero_centred)
-    _launch_paged_attention(q, k_cache, v_cache, block_tables, qs, sl, scale, out, cfg, prologue, warm)
+    _launch_paged_attention(q, k_cache, v_cache, block_tables, qs, sl, scale, out, cfg, prologue)
     return out
 
 

@@ -177,11 +177,10 @@ def rotary_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
                            slot_mapping: torch.Tensor, block_tables: torch.Tensor, query_start, seq_lens,
                            scale: float, *, q_weight: torch.Tensor | None = None,
                            k_weight: torch.Tensor | None = None, eps: float = 1e-6, zero_centred: bool = False,
-                           decode: bool = False, warm: torch.Tensor | None = None) -> torch.Tensor:
+                           decode: bool = False) -> torch.Tensor:
     """An attention layer from its projection to its heads' output: `rotary_write_kv` (q: [T, Hq, D],
     k, v: [T, Hkv, D] into the caches at slot_mapping [T]), then `paged_attention` of the rotated q.
     `decode` says every sequence has one query row (query_start is 0, 1, ..., B); checked here.
-    `warm` (the next op's weight, for the Triton op to prefetch into L2) changes nothing here.
     Returns [T, Hq, D]."""
     if decode:
         starts = query_start.tolist() if isinstance(query_start, torch.Tensor) else list(query_start)

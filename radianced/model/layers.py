@@ -97,11 +97,10 @@ class Attention:
                                                      eps=self.q_norm.eps, zero_centred=self.q_norm.zero_centred)
         k_cache, v_cache = cache.layer(self.layer)
         # qk-norm, RoPE, k and v into the cache, attention: on CUDA one launch (+ the split merge) at
-        # decode, else two; at decode its programs also pull o_proj's weight into L2
+        # decode, else two
         o = ops.rotary_paged_attention(q, k, v, positions, inv_freq, k_cache, v_cache, batch.slot_mapping,
                                        batch.block_tables, batch.query_start_t, batch.seq_lens_t, self.scale,
-                                       decode=batch.is_decode, warm=self.wo, **norms)
-        o = o.reshape(t, self.heads * self.head_dim)
+                                       decode=batch.is_decode, **norms).reshape(t, self.heads * self.head_dim)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return ops.linear(o, self.wo, residual=residual)

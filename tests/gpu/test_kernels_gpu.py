@@ -85,9 +85,8 @@ def test_fused_decode_attention_is_the_two_launches_bit_for_bit(kernels, ctx, ba
     them, so the split heuristic's pick): `rotary_paged_attention(decode=True)`, one launch + the
     merge, gives the output and the caches of rope.rotary_write_kv then paged_attention, bit for
     bit. At batch 32 the contexts spread below ctx (across block boundaries) and the last row is a
-    graph's padding row (slot -1, one key of context). The fused launch also prefetches an
-    o_proj-sized weight into L2 (`warm`), which must change nothing."""
-    from radianced.kernels import prefetch, rope
+    graph's padding row (slot -1, one key of context)."""
+    from radianced.kernels import rope
     attention, _ = kernels
     hq, hkv, d = 32, 4, 128
     ctx_lens = [ctx] if batch == 1 else [ctx - 5 * i for i in range(batch - 1)] + [1]
@@ -105,10 +104,7 @@ def test_fused_decode_attention_is_the_two_launches_bit_for_bit(kernels, ctx, ba
     qs = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     sl = torch.tensor(ctx_lens, dtype=torch.int64, device="cuda")
     before = (kc.clone(), vc.clone())
-    warm = _rand(2048, hq * d, dtype=torch.bfloat16, seed=3)
-    assert prefetch.Prefetch.of(warm, 128, 128).on  # Hopper: the launch really issues the prefetches
-    fused = attention.rotary_paged_attention(q, k, v, *at, kc, vc, slots, bt, qs, sl, d ** -0.5, **norms, decode=True,
-                                             warm=warm)
+    fused = attention.rotary_paged_attention(q, k, v, *at, kc, vc, slots, bt, qs, sl, d ** -0.5, **norms, decode=True)
     after = (kc.clone(), vc.clone())
     kc.copy_(before[0])
     vc.copy_(before[1])
@@ -560,7 +556,7 @@ def test_programmatic_dependent_launch_changes_no_bit(kernels, experts, monkeypa
         q, k, v = linear.linear(x, wqkv, norm=(norm_w, 1e-6, False)).split([hq * d, hkv * d, hkv * d], dim=-1)
         o = attention.rotary_paged_attention(q.reshape(1, hq, d), k.reshape(1, hkv, d), v.reshape(1, hkv, d), *at,
                                              kc, vc, slots, bt, qs, sl, d ** -0.5, q_weight=qk_w, k_weight=qk_w,
-                                             decode=True, warm=wo).reshape(1, hq * d)
+                                             decode=True).reshape(1, hq * d)
         h = linear.linear(o, wo, residual=x)
         logits, hn = linear.linear(h, wr, norm=(norm_w, 1e-6, False), keep_normed=True)
         out, _, _ = moe.route_moe(hn, logits, TOP_K, True, table, slab, INTER, residual=h)
