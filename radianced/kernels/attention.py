@@ -137,6 +137,24 @@ def _kv_tile(k_ptr, v_ptr, block_tables_ptr, b, kvh, start, k_hi, blocks_per_pag
 
 
 @triton.jit
+def _attend(q, k, v, keys, k_ok, new_row, k_new, v_new, q_pos, scale_log2, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """One K/V tile into the online softmax (m_i, l_i, acc) of the q rows; the rows of key
+    `new_row` come from k_new / v_new (the new token's, from registers)."""
+    fresh = (keys == new_row)[:, None]
+    k = tl.where(fresh, k_new, k)
+    v = tl.where(fresh, v_new, v)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+    visible = k_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     block_tables_ptr, query_start_ptr, seq_lens_ptr,
@@ -163,7 +181,7 @@ def _paged_attention_kernel(
     Each program loads its first K/V tile before it waits for the kernel before it (PDL) when
     DECODE: the lengths, block tables and cached keys are the step's inputs and earlier steps'
     writes, and the one key that kernel's output makes (the new token's) is patched in from
-    registers; then each tile's loop step has the next tile's loads in flight."""
+    registers."""
     if not DECODE:
         pdl.wait(PDL)
     tile = tl.program_id(0)
@@ -238,24 +256,13 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked row gives p = 0, not NaN
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(k_lo, k_hi, BLOCK_N):
-        next_keys, next_ok, next_k, next_v = _kv_tile(
-            k_ptr, v_ptr, block_tables_ptr, b, kvh, start + BLOCK_N, k_hi, blocks_per_page,
-            stride_kp, stride_kn, stride_ks, stride_kh, stride_vp, stride_vn, stride_vs, stride_vh, stride_bt,
-            d, d_ok, BLOCK_N, BLOCK_SIZE)  # in flight while this tile is used
-        fresh = (keys == new_row)[:, None]
-        k = tl.where(fresh, k_new, k)
-        v = tl.where(fresh, v_new, v)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
-        visible = k_ok[None, :] & (keys[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-        keys, k_ok, k, v = next_keys, next_ok, next_k, next_v
+    m_i, l_i, acc = _attend(q, k, v, keys, k_ok, new_row, k_new, v_new, q_pos, scale_log2, m_i, l_i, acc, DOT_PRECISION)
+    for start in range(k_lo + BLOCK_N, k_hi, BLOCK_N):
+        keys, k_ok, k, v = _kv_tile(k_ptr, v_ptr, block_tables_ptr, b, kvh, start, k_hi, blocks_per_page,
+                                    stride_kp, stride_kn, stride_ks, stride_kh, stride_vp, stride_vn, stride_vs,
+                                    stride_vh, stride_bt, d, d_ok, BLOCK_N, BLOCK_SIZE)
+        m_i, l_i, acc = _attend(q, k, v, keys, k_ok, new_row, k_new, v_new, q_pos, scale_log2, m_i, l_i, acc,
+                                DOT_PRECISION)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
