@@ -23,13 +23,10 @@ its query_start tuple: the decode graphs' steps) it is one launch of that kernel
 (+ the merge), not `rotary_write_kv`'s and then the kernel's: tile b is sequence
 b (no search); each program normalizes and rotates its q rows in registers
 (kernels/rope.py `rotate_rows`, the same roundings as `rotary_write_kv`), and the
-one program whose keys hold the new token (its split, its KV head) stores that
-token's rotated k and its v at its slot and uses them from registers in its
-tile. No other program reads that slot, so nothing waits across programs; a
-slot < 0 (a padding row) is written nowhere. Because the one key the step makes
-comes from registers, every program loads its first K/V tile before its PDL
-wait (kernels/pdl.py): the cache's loads are in flight while the q/k/v
-projection ends and q is rotated. The result is the same bits as
+one program whose keys hold the new token (its split, its KV head) first stores
+that token's rotated k and its v at its slot, then waits for its threads' stores
+(a CTA barrier) before its own K/V loads. No other program reads that slot, so nothing waits across programs;
+a slot < 0 (a padding row) is written nowhere. The result is the same bits as
 `rope.rotary_write_kv` then `paged_attention`, which is what it runs for any
 other step (prefill, chunks, mixed batches).
 
@@ -117,44 +114,6 @@ def _find_seq(query_start_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _kv_tile(k_ptr, v_ptr, block_tables_ptr, b, kvh, start, k_hi, blocks_per_page,
-             stride_kp, stride_kn, stride_ks, stride_kh, stride_vp, stride_vn, stride_vs, stride_vh, stride_bt,
-             d, d_ok, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """(keys [BLOCK_N], their mask, K and V [BLOCK_N, BLOCK_D]) of sequence b's keys start ..
-    start + BLOCK_N - 1 below k_hi, through its block table (keys past k_hi: zeros, no load)."""
-    keys = start + tl.arange(0, BLOCK_N)
-    k_ok = keys < k_hi
-    block = tl.load(block_tables_ptr + b * stride_bt + keys // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-    page = block // blocks_per_page
-    in_page = block % blocks_per_page
-    slot = keys % BLOCK_SIZE
-    k_off = page * stride_kp + in_page * stride_kn + slot * stride_ks + kvh * stride_kh
-    v_off = page * stride_vp + in_page * stride_vn + slot * stride_vs + kvh * stride_vh
-    kv_mask = k_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    return keys, k_ok, k, v
-
-
-@triton.jit
-def _attend(q, k, v, keys, k_ok, new_row, k_new, v_new, q_pos, scale_log2, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
-    """One K/V tile into the online softmax (m_i, l_i, acc) of the q rows; the rows of key
-    `new_row` come from k_new / v_new (the new token's, from registers)."""
-    fresh = (keys == new_row)[:, None]
-    k = tl.where(fresh, k_new, k)
-    v = tl.where(fresh, v_new, v)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
-    visible = k_ok[None, :] & (keys[None, :] <= q_pos[:, None])
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     block_tables_ptr, query_start_ptr, seq_lens_ptr,
@@ -174,16 +133,10 @@ def _paged_attention_kernel(
 ):
     """DECODE: one query row per sequence, tile b is sequence b's; q is the unrotated projection
     (k_new, v_new: the new token's k and v), rotated here, and the program whose keys hold the
-    new token (the last, seq_len - 1) stores its k and v at slot_mapping[b] (< 0: no write) and
-    uses them from registers. Otherwise q is rotated and every key is in the cache; the k_new ..
-    stride_vnh arguments and ROT .. LIBDEVICE are unused.
-
-    Each program loads its first K/V tile before it waits for the kernel before it (PDL) when
-    DECODE: the lengths, block tables and cached keys are the step's inputs and earlier steps'
-    writes, and the one key that kernel's output makes (the new token's) is patched in from
-    registers."""
-    if not DECODE:
-        pdl.wait(PDL)
+    new token (the last, seq_len - 1) first stores its k and v at slot_mapping[b] (< 0: no write).
+    Otherwise q is rotated and every key is in the cache; the k_new .. stride_vnh arguments and
+    ROT .. LIBDEVICE are unused."""
+    pdl.wait(PDL)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -211,6 +164,12 @@ def _paged_attention_kernel(
     d_ok = d < HEAD_DIM
     q_rows = (q_lo + tok).to(tl.int64)
     q_src = q_ptr + q_rows * stride_qt + head * stride_qh  # [BLOCK_M]: each row's head
+    if DECODE:
+        pos = tl.load(pos_ptr + b)
+        q = rope.rotate_rows(q_src, row_ok, pos, inv_freq_ptr, qw_ptr, eps, HEAD_DIM, ROT, BLOCK_D, NORM,
+                             ZERO_CENTRED, LIBDEVICE).to(k_ptr.dtype.element_ty)  # as rotary_write_kv rounds it
+    else:
+        q = tl.load(q_src[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
 
     kv_end = ctx - q_len + tl.minimum(q_first + BLOCK_Q, q_len)  # keys any row of the tile may see
     if NUM_SPLITS > 1:
@@ -220,49 +179,50 @@ def _paged_attention_kernel(
     else:
         k_lo = 0
         k_hi = kv_end
-    keys, k_ok, k, v = _kv_tile(k_ptr, v_ptr, block_tables_ptr, b, kvh, k_lo, k_hi, blocks_per_page,
-                                stride_kp, stride_kn, stride_ks, stride_kh, stride_vp, stride_vn, stride_vs, stride_vh,
-                                stride_bt, d, d_ok, BLOCK_N, BLOCK_SIZE)
 
-    new_row = ctx * 0 - 1  # the key whose K/V rows come from registers (DECODE's writer), -1: none
-    k_new = tl.zeros([1, BLOCK_D], k_ptr.dtype.element_ty)
-    v_new = tl.zeros([1, BLOCK_D], v_ptr.dtype.element_ty)
     if DECODE:
-        pdl.wait(PDL)
-        pos = tl.load(pos_ptr + b)
-        q = rope.rotate_rows(q_src, row_ok, pos, inv_freq_ptr, qw_ptr, eps, HEAD_DIM, ROT, BLOCK_D, NORM,
-                             ZERO_CENTRED, LIBDEVICE).to(k_ptr.dtype.element_ty)  # as rotary_write_kv rounds it
         # The new token's key is read by this program alone (its split, its KV head): it stores it
-        # for later steps and patches it into its tile from registers (its preloaded row is stale).
+        # first, then waits for every thread's stores before the loads below.
         if (k_lo <= ctx - 1) & (ctx - 1 < k_hi):
             slot = tl.load(slot_ptr + b).to(tl.int64)
             if slot >= 0:
                 b64 = b.to(tl.int64)
                 k_new = rope.rotate_rows(k_new_ptr + b64 * stride_knt + (kvh + tl.arange(0, 1)) * stride_knh,
                                          tl.arange(0, 1) < 1, pos, inv_freq_ptr, kw_ptr, eps, HEAD_DIM, ROT, BLOCK_D,
-                                         NORM, ZERO_CENTRED, LIBDEVICE).to(k_ptr.dtype.element_ty)  # [1, BLOCK_D]
+                                         NORM, ZERO_CENTRED, LIBDEVICE)  # [1, BLOCK_D]
                 k_dst = k_ptr + slot_offset(slot, blocks_per_page, stride_kp, stride_kn, stride_ks, BLOCK_SIZE) \
                     + kvh * stride_kh
-                tl.store(k_dst + d[None, :], k_new, mask=d_ok[None, :])
-                v_new = tl.load(v_new_ptr + b64 * stride_vnt + kvh * stride_vnh + d[None, :], mask=d_ok[None, :],
-                                other=0.0).to(v_ptr.dtype.element_ty)
+                tl.store(k_dst + d[None, :], k_new.to(k_ptr.dtype.element_ty), mask=d_ok[None, :])
+                v_new = tl.load(v_new_ptr + b64 * stride_vnt + kvh * stride_vnh + d, mask=d_ok)
                 v_dst = v_ptr + slot_offset(slot, blocks_per_page, stride_vp, stride_vn, stride_vs, BLOCK_SIZE) \
                     + kvh * stride_vh
-                tl.store(v_dst + d[None, :], v_new, mask=d_ok[None, :])
-                new_row = ctx - 1
-    else:
-        q = tl.load(q_src[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+                tl.store(v_dst + d, v_new.to(v_ptr.dtype.element_ty), mask=d_ok)
+                tl.debug_barrier()
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked row gives p = 0, not NaN
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    m_i, l_i, acc = _attend(q, k, v, keys, k_ok, new_row, k_new, v_new, q_pos, scale_log2, m_i, l_i, acc, DOT_PRECISION)
-    for start in range(k_lo + BLOCK_N, k_hi, BLOCK_N):
-        keys, k_ok, k, v = _kv_tile(k_ptr, v_ptr, block_tables_ptr, b, kvh, start, k_hi, blocks_per_page,
-                                    stride_kp, stride_kn, stride_ks, stride_kh, stride_vp, stride_vn, stride_vs,
-                                    stride_vh, stride_bt, d, d_ok, BLOCK_N, BLOCK_SIZE)
-        m_i, l_i, acc = _attend(q, k, v, keys, k_ok, new_row, k_new, v_new, q_pos, scale_log2, m_i, l_i, acc,
-                                DOT_PRECISION)
+    for start in range(k_lo, k_hi, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        k_ok = keys < k_hi
+        block = tl.load(block_tables_ptr + b * stride_bt + keys // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        page = block // blocks_per_page
+        in_page = block % blocks_per_page
+        slot = keys % BLOCK_SIZE
+        k_off = page * stride_kp + in_page * stride_kn + slot * stride_ks + kvh * stride_kh
+        v_off = page * stride_vp + in_page * stride_vn + slot * stride_vs + kvh * stride_vh
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        visible = k_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
