@@ -2,7 +2,9 @@
 
 x: [T, K] (last dim contiguous, rows may be strided), weight: [N, K] (rows
 contiguous), bias: [N] or None, residual: [T, N] or None (last dim contiguous),
-all of one dtype (bf16, fp16 or fp32). Returns a new [T, N] in that dtype.
+all of one dtype (bf16, fp16 or fp32). Returns a new [T, N] in that dtype, or
+stored as `out_dtype` (the lm_head's fp32 logits: the values rounded to x's
+dtype, as `F.linear(...).float()` gives them, without a cast launch).
 
 At decode a projection is a weight stream: Qwen3-30B-A3B's q/k/v (2048 -> 5120,
 21 MB of bf16) makes a few rows of outputs from every weight byte, so its floor
@@ -28,6 +30,10 @@ the layer's RMSNorm (`norm=`): each program loads x's whole row anyway, so it
 normalizes it (kernels/norm.py's rounding steps) before its products, and
 program 0 can keep the normed row (`keep_normed`: the router's launch hands it
 to the experts); one launch a norm less. Other paths run the norm kernel first.
+
+The lm_head (Qwen3's 2048 -> 151,936, 622 MB) is the gemv too, with the final
+norm in its launch and fp32 logits out: 142 us on an H200 where the norm
+kernel, cuBLAS and the fp32 cast took 155 (4.38 against 4.01 TB/s).
 
 `linear_config` picks the kernel and tiles from the H200 sweep of
 `tools/bench_kernels.py` (the numbers are in its docstring), or None where cuBLAS is
@@ -66,6 +72,7 @@ class LinearConfig:
 
 
 GEMV_MAX_K = 8192  # "gemv" holds block_n whole weight rows in registers: K up to this
+GEMV_WIDE_N = 32768  # from this many outputs (an lm_head) a gemv program takes 4 rows, not 2
 
 
 def linear_config(t: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig | None:
@@ -75,6 +82,8 @@ def linear_config(t: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig | 
 
     - T = 1: "gemv", two rows a program, 8 warps: 7.7, 6.9 and 2.1 us, where cuBLAS takes 9.0,
       11.5 (with its separate add) and 5.3; the tensor-core tiles 9.2-9.7, 9.3-11 and 4.6-5.7.
+      From GEMV_WIDE_N outputs four rows a program: the lm_head (151,936 x 2048 with the final
+      norm) 142.1 us at 4 rows, 142.6 at 8, 144.7 at 16 and 168.5 at 2 (38K programs, not 76K).
     - 1 < T <= 16: "dot" tiles of 16 columns x 1,024 bytes of K (512 bf16 elements), 3 stages:
       o_proj 9.6 us (cuBLAS and the add 11.7), the router 4.6-4.8 (5.3-5.5); "gemv" re-reads its
       rows per row of x (13-46 us). For N >= 4096 (q/k/v) cuBLAS wins (8.4-8.8 us, the best tiles
@@ -83,7 +92,7 @@ def linear_config(t: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig | 
     - T > 16: None (prefill: a real GEMM).
     """
     if t == 1 and k <= GEMV_MAX_K:
-        return LinearConfig(2, 0, num_warps=8, num_stages=1, kind="gemv")
+        return LinearConfig(4 if n >= GEMV_WIDE_N else 2, 0, num_warps=8, num_stages=1, kind="gemv")
     if t > SKINNY_MAX_ROWS or n >= CUBLAS_MIN_N:
         return None
     block_k = min(ROW_BYTES_PER_STEP // dtype.itemsize, max(16, triton.next_power_of_2(k)))
@@ -115,12 +124,13 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, num_rows, n, k,
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols * stride_b, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    y = acc.to(out_ptr.dtype.element_ty)
+    ty = x_ptr.dtype.element_ty
+    y = acc.to(ty)
     mask = row_ok[:, None] & col_ok[None, :]
     if HAS_RESIDUAL:  # torch's `residual + y`: y rounded first, the sum rounded again
         r = tl.load(res_ptr + r64 * stride_r + cols[None, :], mask=mask, other=0.0)
-        y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + r64 * stride_o + cols[None, :], y, mask=mask)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(ty)
+    tl.store(out_ptr + r64 * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -134,7 +144,8 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, norm_w_ptr, normed_pt
     NORM: each program RMS-normalizes x's whole row first, with kernels/norm.py's rounding steps
     (plain: `weight * round(x * rstd)`, zero-centred: `x * rstd * (1 + weight)`, each rounded to
     x's dtype); KEEP_NORMED: program 0 also stores the normed row. Under PDL the weight loads are
-    issued before the grid wait: they overlap the previous kernel's tail."""
+    issued before the grid wait: they overlap the previous kernel's tail. Results are rounded to
+    x's dtype, then stored in out's."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n
     kk = tl.arange(0, BLOCK_K)
@@ -146,7 +157,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, norm_w_ptr, normed_pt
     if NORM:
         norm_w = tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
     pdl.wait(PDL)
-    ty = out_ptr.dtype.element_ty
+    ty = x_ptr.dtype.element_ty
     for t in range(num_rows):
         x = tl.load(x_ptr + t * stride_x + kk, mask=k_ok, other=0.0).to(tl.float32)
         if NORM:
@@ -161,11 +172,11 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, norm_w_ptr, normed_pt
         acc = tl.sum(w.to(tl.float32) * x[None, :], 1)
         if HAS_BIAS:
             acc += bias
-        y = acc.to(out_ptr.dtype.element_ty)
+        y = acc.to(ty)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + t * stride_r + cols, mask=col_ok, other=0.0)
-            y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + t * stride_o + cols, y, mask=col_ok)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(ty)
+        tl.store(out_ptr + t * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 # -- launcher --------------------------------------------------------------------------------------
@@ -198,6 +209,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, norm: Norm | None = None, keep_normed: bool = False, *,
+           out_dtype: torch.dtype | None = None,
            cfg: LinearConfig | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`residual + (rms_norm(x) @ weight^T + bias)` (Triton for T <= SKINNY_MAX_ROWS, else torch);
     contract of `reference.linear`.
@@ -205,8 +217,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x: [T, K] (last dim contiguous); weight: [N, K] (rows contiguous); bias: [N] or
     None; residual: [T, N] (last dim contiguous) or None; norm: (weight [K] in x's
     dtype, eps, zero_centred) or None; one dtype for all. Returns a new [T, N] in
-    x's dtype, or (that, the normed x) with `keep_normed`. The gemv kernel does the
-    norm in the same launch; the other paths run kernels/norm.py's first.
+    x's dtype (its values rounded to x's dtype, stored as `out_dtype` when given),
+    or (that, the normed x) with `keep_normed`. The gemv kernel does the norm in
+    the same launch; the other paths run kernels/norm.py's first.
     `cfg` overrides `linear_config` (benchmarks).
     """
     _check(x, weight, bias, residual)
@@ -221,7 +234,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if norm is not None and not gemv:
         x = norm_kernels.rms_norm(x, *norm)  # its own launch, then the projection of the normed rows
     if gemv:
-        out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+        out = torch.empty((t, n), dtype=out_dtype or x.dtype, device=x.device)
         fused = norm is not None
         normed = torch.empty_like(x) if fused and keep_normed else x
         programs = triton.cdiv(n, cfg.block_n)
@@ -236,8 +249,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         )
         return (out, normed) if keep_normed else out
     if t == 0 or cfg is None or t > SKINNY_MAX_ROWS:
-        return reference.linear(x, weight, bias, residual, keep_normed=keep_normed)
-    out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+        return reference.linear(x, weight, bias, residual, keep_normed=keep_normed, out_dtype=out_dtype)
+    out = torch.empty((t, n), dtype=out_dtype or x.dtype, device=x.device)
     programs = triton.cdiv(n, cfg.block_n)
     _linear_kernel[(programs,)](
         x, weight, x if bias is None else bias, x if residual is None else residual, out, t, n, k,

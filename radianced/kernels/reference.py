@@ -84,20 +84,24 @@ Norm = tuple[torch.Tensor, float, bool]  # an RMSNorm's (weight [D], eps, zero_c
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, norm: Norm | None = None,
-           keep_normed: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+           keep_normed: bool = False, out_dtype: torch.dtype | None = None,
+           ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """A projection with an optional RMSNorm before it and residual add after it:
     `residual + (rms_norm(x) @ weight^T + bias)`.
 
     x: [T, K]; weight: [N, K]; bias: [N] or None; residual: [T, N] or None; norm:
     (weight [K], eps, zero_centred) as `rms_norm` takes them, or None; all in x's
-    dtype. Returns a new [T, N] in x's dtype, or (that, the normed x [T, K]) with
-    `keep_normed`. torch's rounding: F.linear's result is rounded to x's dtype,
-    then the sum with the residual is rounded again.
+    dtype. Returns a new [T, N] in x's dtype, converted to `out_dtype` when given (the
+    lm_head's fp32 logits), or (that, the normed x [T, K]) with `keep_normed`.
+    torch's rounding: F.linear's result is rounded to x's dtype, then the sum with
+    the residual is rounded again.
     """
     if norm is not None:
         x = rms_norm(x, *norm)
     y = F.linear(x, weight, bias)
     y = y if residual is None else residual + y
+    if out_dtype is not None:
+        y = y.to(out_dtype)
     return (y, x) if keep_normed else y
 
 

@@ -133,8 +133,10 @@ class LMHead:
     def __init__(self, weight: torch.Tensor):
         self.weight = weight  # [V, hidden]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight).float()
+    def __call__(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """fp32 logits [T, V] of `norm(x)` (the model's final norm: in the projection's launch at
+        T == 1 on CUDA, as the values `F.linear(norm(x), W).float()` gives)."""
+        return ops.linear(x, self.weight, norm=norm.params, out_dtype=torch.float32)
 
 
 class Router:
@@ -216,4 +218,4 @@ class CausalLM:
         rope = self.rotary.at(batch.positions)
         for layer in self.layers:
             x = layer(x, rope, batch, cache)
-        return self.lm_head(self.norm(x if batch.every_row else x[batch.logits_rows]))
+        return self.lm_head(x if batch.every_row else x[batch.logits_rows], self.norm)

@@ -499,6 +499,21 @@ def test_linear_real_shapes(layer_kernels, case, t, dtype):
     _check("kernel_linear", f"{case}_t{t}", dtype, got, want, config=config)
 
 
+@pytest.mark.parametrize("t", [1, 8])
+def test_lm_head_with_the_final_norm_gives_fp32_logits(layer_kernels, t):
+    """Qwen3's lm_head (2048 -> 151,936, bf16) as the model calls it: the final norm in the launch
+    at T = 1 (4 rows a gemv program), fp32 logits out; the values of the bf16 result, and within
+    1e-2 of fp32."""
+    from radianced.kernels import linear
+    x = _rand(t, 2048, dtype=torch.bfloat16, seed=33, scale=3.0)
+    w = _rand(151936, 2048, dtype=torch.bfloat16, seed=34, scale=2048 ** -0.5)
+    norm = (_rand(2048, dtype=torch.bfloat16, seed=35, scale=0.2), 1e-6, False)
+    got = linear.linear(x, w, norm=norm, out_dtype=torch.float32)
+    assert got.dtype == torch.float32 and torch.equal(got, linear.linear(x, w, norm=norm).float())
+    want = reference.linear(x.float(), w.float(), norm=(norm[0].float(), 1e-6, False))
+    _check("kernel_lm_head", f"t{t}", torch.bfloat16, got, want)
+
+
 @pytest.mark.parametrize("zero_centred", [False, True], ids=["plain", "zero_centred"])
 @pytest.mark.parametrize("case", ["qkv", "router"])
 def test_linear_with_the_norm_in_its_launch(layer_kernels, case, zero_centred):

@@ -77,6 +77,20 @@ def test_the_norm_before_the_projection(t, zero_centred, dtype):
     assert torch.equal(linear.linear(x, w, b, r, norm), got)
 
 
+@pytest.mark.parametrize("t", [1, 3, 17])
+def test_fp32_logits_are_the_rounded_values_widened(t):
+    """`out_dtype=torch.float32` (the lm_head): the bf16 result's own values stored as fp32, on every
+    path (gemv at T = 1 with the norm in its launch, tiles at 3, torch at 17): no cast launch, the
+    same numbers as `linear(...).float()`."""
+    x, w, b, r = _operands(t, 130, 200, True, True, torch.bfloat16)
+    norm = (rand(200, dtype=torch.bfloat16, seed=22, scale=0.2), 1e-6, False)
+    got = linear.linear(x, w, b, r, norm, out_dtype=torch.float32)
+    assert got.dtype == torch.float32 and got.shape == (t, 130)
+    assert torch.equal(got, linear.linear(x, w, b, r, norm).float())
+    assert torch.equal(reference.linear(x, w, b, r, norm, out_dtype=torch.float32),
+                       reference.linear(x, w, b, r, norm).float())
+
+
 def test_a_norm_weight_of_another_width_is_refused():
     x, w = rand(1, 200), rand(130, 200)
     with pytest.raises(ValueError, match=r"the norm weight must be \[K=200\]"):
@@ -133,10 +147,11 @@ def test_no_rows_give_an_empty_result():
 
 
 def test_config_follows_the_h200_sweep():
-    """T = 1: the gemv kernel; 1 < T <= 16: the tensor-core tiles, except wide N (cuBLAS wins, None);
+    """T = 1: the gemv kernel (4 rows a program from GEMV_WIDE_N outputs); 1 < T <= 16: the tensor-core tiles, except wide N (cuBLAS wins, None);
     above 16 rows torch (None). fp32 steps span as many bytes as bf16 ones."""
     bf16 = torch.bfloat16
     assert linear.linear_config(1, 5120, 2048, bf16) == linear.LinearConfig(2, 0, 8, 1, "gemv")
+    assert linear.linear_config(1, 151936, 2048, bf16) == linear.LinearConfig(4, 0, 8, 1, "gemv")  # an lm_head
     assert linear.linear_config(1, 2048, 4096, torch.float32).kind == "gemv"
     assert linear.linear_config(1, 64, linear.GEMV_MAX_K + 1, bf16).kind == "dot"
     assert linear.linear_config(4, 2048, 4096, bf16) == linear.LinearConfig(16, 512, 4, 3, "dot")
