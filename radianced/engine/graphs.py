@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radianced.model.batch import ForwardBatch, KVCache
+from radianced.model.batch import ForwardBatch, KVCache, copy_rows
 from radianced.model.layers import CausalLM
 
 if TYPE_CHECKING:
@@ -102,12 +102,13 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= n), None)
 
     def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
-            state_slots: list[int | None], pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            state_slots: list[int | None], pending: tuple[torch.Tensor | slice, torch.Tensor] | None = None,
+            ) -> torch.Tensor:
         """One decode step of n = len(token_ids) sequences (sequence i feeds token_ids[i] at
         positions[i] and, on a hybrid model, owns recurrent-state slot state_slots[i]; other
-        models pass None slots, unread); returns logits [n, V] (fp32). pending: (rows [P], ids [P])
-        on the device, input ids that replace token_ids[rows] (the previous step's samples: a
-        device copy queued before the replay). The caller wraps it in the slab's
+        models pass None slots, unread); returns logits [n, V] (fp32). pending: (rows [P] on the
+        device or a slice, ids [P] on the device), input ids that replace token_ids[rows] (the
+        previous step's samples: a device copy queued before the replay). The caller wraps it in the slab's
         begin_step/end_launch like an eager forward."""
         n = len(token_ids)
         b = self.bucket(n)
@@ -131,7 +132,7 @@ class DecodeGraphs:
         self._inputs[:rows, :b].copy_(self._host[:rows, :b], non_blocking=nb)  # two copies in all
         self._tables[:n, :width].copy_(self._host_tables[:n, :width], non_blocking=nb)
         if pending is not None:
-            self._ids.index_copy_(0, *pending)
+            copy_rows(self._ids, *pending)
         if nb:
             self._copied = torch.cuda.Event()
             self._copied.record()

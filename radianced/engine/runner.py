@@ -23,7 +23,7 @@ import torch
 from radianced.engine.plan import ScheduledSeq, StepOutput, StepPlan
 from radianced.engine.sampler import Sampler, SamplingRow, SamplingTensors, seeded_rows
 from radianced.kv.state import StateCopy
-from radianced.model.batch import ForwardBatch, KVCache, RecurrentState, to_device_no_sync
+from radianced.model.batch import ForwardBatch, KVCache, RecurrentState, copy_rows, to_device_no_sync
 from radianced.model.layers import CausalLM
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ class Runner:
                     state_slots=[s.state_slot for s in seqs] if self.cache.states is not None else None,
                     device=self.device)
                 if pending is not None:
-                    batch.input_ids.index_copy_(0, *pending)
+                    copy_rows(batch.input_ids, *pending)
                 with torch.inference_mode():
                     logits = self.model.forward(batch, self.cache)  # [R, V]: one row per sampling sequence
             # Queued behind the forward: the sampling tensors are built (host work, copied without a
@@ -124,20 +124,25 @@ class Runner:
         return replace(out, expert_counts=tuple(per_seq), errors=errors)
 
     def _pending_inputs(self, seqs: tuple[ScheduledSeq, ...],
-                        query_start: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(token rows [P], their ids [P] on the device) of the sequences whose input is the previous
-        step's sampled token (`input_from`), or None. A gather queued on the stream: stream order
-        puts it after the previous step's sampler, so nothing waits for it."""
+                        query_start: tuple[int, ...]) -> tuple[torch.Tensor | slice, torch.Tensor] | None:
+        """(token rows [P] on the device, or a slice; their ids [P] on the device) of the sequences
+        whose input is the previous step's sampled token (`input_from`), or None. A gather queued on
+        the stream: stream order puts it after the previous step's sampler, so nothing waits for it.
+        A steady decode batch (row i feeds the previous step's sample i) takes the samples as they
+        are: a slice, no index copy and no gather."""
         rows = [(query_start[i], s.input_from) for i, s in enumerate(seqs) if s.input_from is not None]
         if not rows:
             return None
         if self._last_tokens is None:
             raise RuntimeError("a plan made ahead reads the previous step's tokens, and no step that sampled "
                                "was launched before it")
+        if all(d == i and src == i for i, (d, src) in enumerate(rows)):
+            return slice(0, len(rows)), self._last_tokens[:len(rows)]
         dst, src = to_device_no_sync(torch.tensor(list(zip(*rows)), dtype=torch.int64), self.device)  # one copy
         return dst, self._last_tokens.index_select(0, src)
 
-    def _pending_outputs(self, seqs: tuple[ScheduledSeq, ...], pending: tuple[torch.Tensor, torch.Tensor] | None,
+    def _pending_outputs(self, seqs: tuple[ScheduledSeq, ...],
+                         pending: tuple[torch.Tensor | slice, torch.Tensor] | None,
                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(sampling rows [P], ids [P] on the device) of the sequences whose last output is PENDING
         (their input this step: the ids `_pending_inputs` gathered), for the penalties' counts;

@@ -119,6 +119,15 @@ def to_device_no_sync(x: torch.Tensor, device: torch.device | str) -> torch.Tens
     return x.pin_memory().to(device, non_blocking=True)
 
 
+def copy_rows(dst: torch.Tensor, rows: torch.Tensor | slice, values: torch.Tensor) -> None:
+    """`dst[rows] = values`, queued on the stream: rows a slice (one copy) or an int64 index tensor
+    on dst's device (one index_copy_)."""
+    if isinstance(rows, slice):
+        dst[rows].copy_(values)
+    else:
+        dst.index_copy_(0, rows, values)
+
+
 class KVCache:
     """Paged K/V of the full-attention layers, one paging group.
 
