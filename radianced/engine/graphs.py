@@ -108,8 +108,8 @@ class DecodeGraphs:
         positions[i] and, on a hybrid model, owns recurrent-state slot state_slots[i]; other
         models pass None slots, unread); returns logits [n, V] (fp32). pending: (rows [P] on the
         device or a slice, ids [P] on the device), input ids that replace token_ids[rows] (the
-        previous step's samples: a device copy queued before the replay). The caller wraps it in the slab's
-        begin_step/end_launch like an eager forward."""
+        previous step's samples: a device copy queued before the replay). The caller wraps it in
+        the slab's begin_step/end_launch like an eager forward."""
         n = len(token_ids)
         b = self.bucket(n)
         bs = self.cache.block_size

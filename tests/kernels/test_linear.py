@@ -147,8 +147,9 @@ def test_no_rows_give_an_empty_result():
 
 
 def test_config_follows_the_h200_sweep():
-    """T = 1: the gemv kernel (4 rows a program from GEMV_WIDE_N outputs); 1 < T <= 16: the tensor-core tiles, except wide N (cuBLAS wins, None);
-    above 16 rows torch (None). fp32 steps span as many bytes as bf16 ones."""
+    """T = 1: the gemv kernel (4 rows a program from GEMV_WIDE_N outputs); 1 < T <= 16: the
+    tensor-core tiles, except wide N (cuBLAS wins, None); above 16 rows torch (None). fp32 steps
+    span as many bytes as bf16 ones."""
     bf16 = torch.bfloat16
     assert linear.linear_config(1, 5120, 2048, bf16) == linear.LinearConfig(2, 0, 8, 1, "gemv")
     assert linear.linear_config(1, 151936, 2048, bf16) == linear.LinearConfig(4, 0, 8, 1, "gemv")  # an lm_head
