@@ -247,7 +247,8 @@ def section_decode(st: State, batch: int, hbm: float | None, matmul: float | Non
     eng.settle()
     floor = decode_floor(st.rad, batch, context, distinct, hbm, matmul)
     f = floor["floor_s"]
-    return {"batch": batch, "sampled": sampled, "prompt_tokens": s.context, "mean_context": context, "prefill_steps": prefill_steps,
+    return {"batch": batch, "sampled": sampled, "prompt_tokens": s.context, "mean_context": context,
+            "prefill_steps": prefill_steps,
             "engine_step": t_step, "pipelined_step": t_pipe, **iso, "distinct_experts_per_step": distinct, **floor,
             "ratio_floor_over_step": f / t_pipe["mean_s"] if f else None,
             "ratio_floor_over_sequential_step": f / t_step["median_s"] if f else None,
@@ -440,7 +441,8 @@ def report_rows(res: dict) -> list[tuple[str, str, str, str, str]]:
             continue
         rows.append((
             f"decode b{d['batch']} {'sampled (temperature 1)' if d['sampled'] else 'greedy'}, Qwen3-30B-A3B shapes "
-            f"({layers} + lm_head), ctx {d['prompt_tokens']:,}, all experts resident: pipelined steps (the daemon's loop)",
+            f"({layers} + lm_head), ctx {d['prompt_tokens']:,}, all experts resident: "
+            "pipelined steps (the daemon's loop)",
             f"{_ms(d['pipelined_step']['mean_s'])} ({d['tokens_per_s']:,.0f} tok/s)",
             f"{_ms(d['floor_s'])} ({d['floor_kind']})", _pct(d["ratio_floor_over_step"]),
             _decode_note(d) + (" (target >= 60% at b1)" if d["batch"] == 1 and not d["sampled"] else "")))

@@ -25,8 +25,9 @@ b (no search); each program normalizes and rotates its q rows in registers
 (kernels/rope.py `rotate_rows`, the same roundings as `rotary_write_kv`), and the
 one program whose keys hold the new token (its split, its KV head) first stores
 that token's rotated k and its v at its slot, then waits for its threads' stores
-(a CTA barrier) before its own K/V loads. No other program reads that slot, so nothing waits across programs;
-a slot < 0 (a padding row) is written nowhere. The result is the same bits as
+(a CTA barrier) before its own K/V loads. No other program reads that slot, so
+nothing waits across programs; a slot < 0 (a padding row) is written nowhere.
+The result is the same bits as
 `rope.rotary_write_kv` then `paged_attention`, which is what it runs for any
 other step (prefill, chunks, mixed batches).
 
@@ -43,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radianced.kernels import pdl, rope
+from radianced.kernels import pdl, reference, rope
 from radianced.kernels.paged import check_cache, check_kv_write, slot_offset
 
 LOG2E = 1.4426950408889634
@@ -432,9 +433,8 @@ def rotary_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     check_kv_write(k_cache, v_cache, k, v, slot_mapping)
     q, k, dtype = rope.check_rotary(q, k, positions, inv_freq, weights, zero_centred)
     _check_attention(q, dtype, k_cache, v_cache, block_tables)
-    if not isinstance(query_start, torch.Tensor) and tuple(query_start) != tuple(range(len(query_start))):
-        raise ValueError(f"decode=True needs one query row per sequence (query_start 0, 1, ..., B), got "
-                         f"query_start {tuple(query_start)}; leave decode off for prefill and mixed steps")
+    if not isinstance(query_start, torch.Tensor):
+        reference.check_decode(query_start)
     qs, sl, max_seq_len = _lengths(query_start, seq_lens, block_tables, q.device)
     t, hq, d = q.shape
     if t != sl.shape[0]:

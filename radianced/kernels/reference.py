@@ -7,6 +7,8 @@ number of tokens in a step (all sequences flattened), B the number of sequences.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -176,6 +178,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+def check_decode(query_start: Sequence[int]) -> None:
+    """Raise ValueError unless query_start (on the host) is 0, 1, ..., B: one query row per sequence."""
+    if tuple(query_start) != tuple(range(len(query_start))):
+        raise ValueError(f"decode=True needs one query row per sequence (query_start 0, 1, ..., B), got "
+                         f"query_start {tuple(query_start)}; leave decode off for prefill and mixed steps")
+
+
 def rotary_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                            inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            slot_mapping: torch.Tensor, block_tables: torch.Tensor, query_start, seq_lens,
@@ -187,10 +196,7 @@ def rotary_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     `decode` says every sequence has one query row (query_start is 0, 1, ..., B); checked here.
     Returns [T, Hq, D]."""
     if decode:
-        starts = query_start.tolist() if isinstance(query_start, torch.Tensor) else list(query_start)
-        if starts != list(range(len(starts))):
-            raise ValueError(f"decode=True needs one query row per sequence (query_start 0, 1, ..., B), got "
-                             f"query_start {tuple(starts)}; leave decode off for prefill and mixed steps")
+        check_decode(query_start.tolist() if isinstance(query_start, torch.Tensor) else query_start)
     q = rotary_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping, q_weight, k_weight, eps,
                         zero_centred)
     return paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale)

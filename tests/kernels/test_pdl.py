@@ -28,4 +28,3 @@ def test_bad_level_names_the_variable_and_the_choices(monkeypatch):
     monkeypatch.setenv("RADIANCED_PDL", "on")
     with pytest.raises(ValueError, match=r"RADIANCED_PDL='on': use one of 0, 1, 2, 3"):
         pdl.level(torch.device("cpu"))
-

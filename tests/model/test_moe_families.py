@@ -199,7 +199,6 @@ def test_the_expert_table_is_the_only_way_to_expert_weights(tiny):
         _swap_rows(source.slab, row_a, row_b)  # this layer fully restored before the next is checked
 
 
-
 class _StagedExperts:
     """A source that stages experts, as the disk tier does: every table entry points at a zeroed
     slab row until `prepare` points the routed experts of that call at their weights."""
@@ -229,6 +228,7 @@ def test_a_source_that_stages_experts_is_prepared_before_they_are_read(tiny, tok
     want = _prefill(tiny.model(tiny.resident()), tiny.cache(), [prompt])
     staged = _StagedExperts(tiny.resident(), tiny.cfg.moe_layers)
     assert torch.equal(_prefill(tiny.model(staged), tiny.cache(), [prompt]), want)
+
 
 class _SlabProbe(torch.Tensor):
     """The slab, counting which rows are read.
