@@ -10,8 +10,8 @@ synthetic Qwen3-30B-A3B-shaped model (tools/make_synthetic.py), serves
 `--batch` requests of a 1K-token prompt with every expert resident, captures
 one set of decode graphs per variant, then times `--rounds` rounds, each
 variant in turn within a round (drift and clocks fall on every variant alike):
-the daemon's loop (`Engine.pipeline()`, wall time per step over `--steps`
-steps), `DecodeGraphs.run` (the inputs' host work and the replay, CUDA events,
+the daemon's loop (`AsyncEngine.run` through `bench_model.daemon_loop`, wall time
+per step over `--steps` steps), `DecodeGraphs.run` (the inputs' host work and the replay, CUDA events,
 median of `--steps`) and the captured graph replayed `--steps` times back to
 back (the device's work alone). Writes
 OUT/ab_decode.json and prints the medians over rounds. Differences of a few
@@ -41,7 +41,7 @@ from radianced.engine.request import Request  # noqa: E402
 from radianced.engine.sampling_params import SamplingParams  # noqa: E402
 from radianced.kernels import pdl  # noqa: E402
 from radianced.model.rad import RadFile  # noqa: E402
-from tools.bench_model import pipelined  # noqa: E402
+from tools.bench_model import daemon_loop  # noqa: E402
 from tools.gpu_bench import timeit  # noqa: E402
 from tools.make_synthetic import make_synthetic  # noqa: E402
 
@@ -125,18 +125,19 @@ def main(argv=None) -> int:
         graphs = {name: capture(engine, cfg, env) for name, env in variants.items()}
         params = SamplingParams(temperature=0.0, max_tokens=total_steps, ignore_eos=True)
         g = torch.Generator().manual_seed(0)
-        seqs = [engine.add(Request(f"r{i}", tuple(torch.randint(0, rad.model.vocab_size - 3, (PROMPT,),
-                                                                  generator=g).tolist()), params, frozenset()))
-                for i in range(args.batch)]
-        while any(q.num_output_tokens == 0 for q in seqs):  # prefill
-            engine.step()
-        for _ in range(args.rounds):
+        prompts = [tuple(torch.randint(0, rad.model.vocab_size - 3, (PROMPT,), generator=g).tolist())
+                   for _ in range(args.batch)]
+        for r in range(args.rounds):
             for name in variants:
                 engine.runner.graphs = graphs[name]
-                times[name]["pipelined_s"].append(pipelined(engine, 2, args.steps)["mean_s"])
+                # the same prompts every round: after the first, their prefill is a prefix-cache hit
+                seqs = [engine.add(Request(f"r{r}-{name}-{i}", p, params, frozenset())) for i, p in enumerate(prompts)]
+                while any(q.num_output_tokens == 0 for q in seqs):  # prefill
+                    engine.step()
                 t_run, t_device = replay(engine, args.steps)
                 times[name]["run_s"].append(t_run)
                 times[name]["device_s"].append(t_device)
+                times[name]["pipelined_s"].append(daemon_loop(engine, 2, args.steps)["mean_s"])  # ends them
         engine.scheduler.abort_all()
         engine.settle()
         rad.close()

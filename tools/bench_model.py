@@ -12,9 +12,10 @@ expert in arena slots, requests through the scheduler, the runner, the sampler.
   (bytes read + written / time) and bf16 matmul 8192^3;
 - decode b1 / b32, 1,024-token prompts, greedy (the floor counts the model's
   bytes; the sampler's work is not in it), and b1 again sampled at temperature 1
-  (vLLM's benchmark_latency samples so): steps of `Engine.pipeline()` (the
-  daemon's loop, step N+1 launched before step N is collected; wall time per
-  step in steady state), `Engine.step()` (sequential; CUDA events, the step ends
+  (vLLM's benchmark_latency samples so): steps of the daemon's own loop
+  (`AsyncEngine.run`: asyncio, its worker thread, step N+1 launched before step
+  N is collected; wall time per step in steady state), `Engine.step()`
+  (sequential; CUDA events, the step ends
   in its host sync), then the same step's `runner.run(plan)` alone (no
   scheduler), `model.forward(batch)` alone (no batch building, no sampler) and
   the forward's summed kernel time (CUDA profiler): the gaps are host overhead.
@@ -40,6 +41,8 @@ paths, nothing about speed.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import gc
 import math
 import os
@@ -56,6 +59,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 import torch  # noqa: E402
 
+from radianced.engine.driver import AsyncEngine, NoMetrics  # noqa: E402
 from tools.gpu_bench import (  # noqa: E402
     GiB, MiB, Skip, _mib, _ms, _rate, _section, ceiling_copy, ceiling_matmul, commit, fingerprint,
     timeit)
@@ -240,10 +244,9 @@ def section_decode(st: State, batch: int, hbm: float | None, matmul: float | Non
     lookups, warm = stats.total_lookups, 3
     t_step = timeit(eng.step, st.device, warmup=warm, reps=s.reps)
     distinct = (stats.total_lookups - lookups) / (warm + s.reps)  # (layer, expert) pairs read per step
-    t_pipe = pipelined(eng, warm, 2 * s.reps)
-    context = s.context + 1 + (warm + 3 * s.reps) / 2  # mean tokens before a timed step's new one
     iso = _isolated(st, decode=True)
-    eng.scheduler.abort_all()
+    t_pipe = daemon_loop(eng, warm, 2 * s.reps)  # last: it ends the requests
+    context = s.context + 1 + (warm + 3 * s.reps) / 2  # mean tokens before a timed step's new one
     eng.settle()
     floor = decode_floor(st.rad, batch, context, distinct, hbm, matmul)
     f = floor["floor_s"]
@@ -256,19 +259,44 @@ def section_decode(st: State, batch: int, hbm: float | None, matmul: float | Non
             "tokens_per_s": batch / t_pipe["mean_s"]}
 
 
-def pipelined(eng, warmup: int, reps: int) -> dict:
-    """Seconds per step of `Engine.pipeline()` (the daemon's loop: step N+1 launched before step N
-    is collected): the wall time between two returns of `step()` `reps` steps apart, in steady
-    state (each return follows one collected step; no sync is added), then the pipe is drained."""
-    pipe = eng.pipeline()
-    for _ in range(warmup + 1):
-        pipe.step()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        pipe.step()
-    seconds = time.perf_counter() - t0
-    pipe.drain()
-    return {"mean_s": seconds / reps, "reps": reps, "warmup": warmup + 1, "timer": "perf_counter, steady state"}
+class _StepClock(NoMetrics):
+    """The driver's metrics, reduced to what a timing needs: the wall time when step n ended."""
+
+    def __init__(self, marks: dict[int, asyncio.Event]):
+        self.marks, self.steps, self.ended = marks, 0, {}
+
+    def observe_step(self, seconds: float) -> None:
+        self.steps += 1
+        if self.steps in self.marks:
+            self.ended[self.steps] = time.perf_counter()
+            self.marks[self.steps].set()
+
+
+def daemon_loop(eng, warmup: int, reps: int, driver=AsyncEngine) -> dict:
+    """Seconds per step of the daemon's own loop: `AsyncEngine.run` (engine/driver.py: plan and
+    apply on an asyncio event loop, execute on its worker thread, step N+1 launched before step N
+    is collected), over the requests already in the scheduler: the wall time between the ends of
+    step `warmup` and step `warmup + reps`, in steady state. Then the requests' next steps are let
+    finish and the driver stops idle (nothing left in flight). `driver`: the AsyncEngine class
+    (tools/ab_loop.py passes the loop of an earlier commit)."""
+    async def run() -> float:
+        marks = {warmup: asyncio.Event(), warmup + reps: asyncio.Event()}
+        clock = _StepClock(marks)
+        loop = driver(eng, clock)
+        task = asyncio.create_task(loop.run())
+        await marks[warmup + reps].wait()
+        seconds = clock.ended[warmup + reps] - clock.ended[warmup]
+        eng.scheduler.abort_all()
+        while eng.in_flight is not None or getattr(loop, "in_flight", None) is not None:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return seconds
+
+    seconds = asyncio.run(run())
+    return {"mean_s": seconds / reps, "reps": reps, "warmup": warmup, "timer": "perf_counter, steady state",
+            "loop": f"{driver.__module__}.{driver.__qualname__}.run"}
 
 
 def section_prefill(st: State, matmul: float | None) -> dict:

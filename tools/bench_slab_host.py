@@ -17,7 +17,7 @@ interleaved with the working tree's in one process (A/B), and every step's count
 final stats, routing and scores of the two must be equal (aa27775 is the slab before its host
 work was cut). On the CPU, `end_launch`'s copy is a plain host copy: what it saves on CUDA (no
 stack launch for a replayed step, no pinned allocation and event per step) shows only on the
-device (tools/profile_step.py).
+device (tools/time_step.py).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""The async driver: the engine's steps on a worker thread, bookkeeping on the event loop.
+"""The async driver: the engine's rounds with `execute` on a worker thread, the rest on the loop.
 
 DESIGN.md "Threads and I/O": the event loop owns the scheduler, the request
 streams and the telemetry and never calls into torch; one worker thread runs
-the runner. Steps are pipelined (`Engine.pipeline`): the loop plans step N+1
-while step N is in flight, the worker launches N+1 and then collects N, and the
-loop applies N. Adds and cancels arriving while a step runs are applied by the
-loop before the next plan.
+the runner. `run` is the engine's one loop (engine/engine.py: plan, execute,
+apply), pipelined: the loop plans step N+1 while step N is in flight, the
+worker launches N+1 and then collects N, and the loop applies N; then it turns
+the step's events into stream chunks and metrics. Adds and cancels arriving
+while a step runs are applied by the loop before the next plan.
 
 The server's API: `submit()` queues a request at once (or raises `QueueFull`)
 and returns its `RequestStream`; `generate()` is the same as one async iterator
@@ -83,7 +84,7 @@ class EngineMetrics(Protocol):
     def add_pages_moved(self, src: str, dst: str, pages: int) -> None: ...
 
 
-class _NoMetrics:
+class NoMetrics:
     def observe_step(self, seconds: float) -> None: pass
     def observe_ttft(self, seconds: float) -> None: pass
     def observe_inter_token(self, seconds: float) -> None: pass
@@ -162,7 +163,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine, metrics: EngineMetrics | None = None):
         self.engine = engine
         self.scheduler = engine.scheduler
-        self.metrics = metrics or _NoMetrics()
+        self.metrics = metrics or NoMetrics()
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radianced-step")
@@ -191,41 +192,23 @@ class AsyncEngine:
         return not self.scheduler.has_unfinished
 
     async def run(self) -> None:
-        """The engine task: plan, execute on the worker, apply, until cancelled.
-
-        Each round plans the next step (ahead of the one in flight where the scheduler
-        can), has the worker launch it and then collect the step in flight, and applies
-        that one. If a step raises, every live stream raises EngineFailed and so does this task.
-        """
-        loop = asyncio.get_running_loop()
-        runner = self.engine.runner
-        in_flight = None
+        """The engine task: the engine's rounds (engine/engine.py) until cancelled: plan and apply
+        here, execute on the worker. If a round raises, every live stream raises EngineFailed and
+        so does this task."""
+        loop, engine = asyncio.get_running_loop(), self.engine
+        start = None  # when the step being finished began (its launch's round)
         try:
             while True:
-                if in_flight is None:
-                    plan = self.scheduler.schedule() if self.scheduler.has_unfinished else None
-                    if plan is None or plan.is_empty:  # idle, or nothing fits until a request ends
-                        self._wake.clear()
-                        await self._wake.wait()
-                        continue
-                    start = time.perf_counter()
-                    in_flight = await loop.run_in_executor(self._worker, runner.launch, plan)
-                else:
-                    start = time.perf_counter()
-                ahead = self.engine.plan_ahead()
-                step = in_flight
-                in_flight, output = await loop.run_in_executor(self._worker, _launch_then_collect, runner, ahead,
-                                                               step)
-                self.metrics.observe_step(time.perf_counter() - start)
-                self._count_experts(step.plan, output)
-                self._dispatch(self.scheduler.update(step.plan, output))
-                # as Engine.step: idle KV pages back to the arena, hot experts into slots. On the
-                # loop because it moves pages the scheduler owns; on CUDA its expert copies are
-                # the loop's only device calls, made while the worker is idle (queued behind the
-                # step in flight, they reach the step after it).
-                self.engine.settle()
-                self._count_tiers()
-                self.steps += 1
+                if (work := engine.plan()) is None:  # idle, or nothing fits until a request ends
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                start = start or time.perf_counter()
+                done = await loop.run_in_executor(self._worker, engine.execute, work)
+                events = engine.apply(done)
+                if done.finished is not None:
+                    self._count_step(done, events, time.perf_counter() - start)
+                    start = time.perf_counter() if done.launched is not None else None
         except asyncio.CancelledError:
             raise
         except BaseException as e:
@@ -233,6 +216,14 @@ class AsyncEngine:
             raise
         finally:
             self._worker.shutdown(wait=True)
+
+    def _count_step(self, done, events: list[SeqEvent], seconds: float) -> None:
+        """A finished step: its time, its tokens to their streams, the tiers' counts."""
+        self.metrics.observe_step(seconds)
+        self._count_experts(done.finished.plan, done.output)
+        self._dispatch(events)
+        self._count_tiers()
+        self.steps += 1
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
         """Queue a request now and return its stream. Raises QueueFull when --max-queue
@@ -373,17 +364,11 @@ class AsyncEngine:
         prompt = len(s.request.prompt_token_ids)
         decode_s = now - first
         rate = (s.generated - 1) / decode_s if s.generated > 1 and decode_s > 0 else 0.0
-        log.info("%s: prompt %d tokens = %d reused + %d read in %.0f ms, %d generated in %.0f ms (%.1f tok/s), "
-                 "drafts accepted 0/0 (0%%) [%s]", s.request.request_id, prompt, reused, prompt - reused,
+        log.info("%s: prompt %d tokens = %d reused + %d read in %.0f ms, %d generated in %.0f ms (%.1f tok/s) "
+                 "[%s]", s.request.request_id, prompt, reused, prompt - reused,
                  (first - s.arrived) * 1e3, s.generated, decode_s * 1e3, rate, reason)
         if self.engine.experts is not None:
             log.info("%s: %s", s.request.request_id, expert_line(*s.experts))
-
-
-def _launch_then_collect(runner, plan, step):
-    """On the worker: launch `plan` (if any), then collect `step`; (the launched step or None, output)."""
-    launched = runner.launch(plan) if plan is not None else None
-    return launched, runner.collect(step)
 
 
 def expert_line(lookups: int, hits: int, routed: int, routed_from_misses: int) -> str:

@@ -1,10 +1,21 @@
-"""One served model: the scheduler plans a step, the runner executes it.
+"""One served model, stepped by one loop in three phases.
 
-`Engine.step()` is the whole loop body, one step at a time; `Engine.pipeline()`
-steps with the next plan launched before the previous step is collected (the
-host plans step N+1 while the device runs step N). `AsyncEngine`
-(engine/driver.py) runs the pipeline with the runner on a worker thread and the
-bookkeeping on the event loop.
+A step is planned, executed and applied, and every caller drives those three
+phases: the daemon's driver (engine/driver.py: `plan` and `apply` on the event
+loop, `execute` on its worker thread), `step()` for synchronous callers (tests,
+benchmarks, the profiling run), and nothing else.
+
+- `plan(ahead)` (bookkeeping, no torch): the work of the next round, a `Work`:
+  the plan to launch, and the step in flight to collect after launching it.
+  With a step in flight and `ahead`, the next plan is made before that step's
+  results exist (`Scheduler.schedule_ahead`): the host plans step N+1 while the
+  device runs step N. Where the scheduler needs step N's results first, or the
+  engine is not `pipelined`, the round only collects.
+- `execute(work)` (the runner, on one thread): launch, then collect; `Executed`.
+- `apply(executed)` (bookkeeping): the scheduler's update of the collected step,
+  then `settle` (idle KV pages back to the arena, hot experts into slots); the
+  step's `SeqEvent`s.
+
 `Engine.build` derives every pool from the budget receipt: the arena is the
 receipt's elastic line, and the KV cache is a view over its pages.
 """
@@ -20,7 +31,7 @@ from radianced.arena import KV, PASSED, Arena, Fence, Lease, TenantPages, detect
 from radianced.budget import BLOCK_TOKENS, Card, ModelFacts, Receipt, plan
 from radianced.config import Config
 from radianced.engine.graphs import DecodeGraphs
-from radianced.engine.plan import StepPlan
+from radianced.engine.plan import StepOutput, StepPlan
 from radianced.engine.request import Request
 from radianced.engine.runner import InFlight, Runner
 from radianced.engine.sampler import Sampler
@@ -44,6 +55,34 @@ from radianced.tiers.slab import ExpertSlab
 log = logging.getLogger("radianced.engine")
 
 
+@dataclass(frozen=True)
+class Work:
+    """One round of the loop, as `Engine.plan` made it.
+
+    launch: the plan to launch, or None (the round only collects).
+    collect: the step in flight to collect after the launch, or None.
+    wait: collect `launch`'s own step in the same round (nothing is left in flight).
+    """
+
+    launch: StepPlan | None
+    collect: InFlight | None
+    wait: bool
+
+
+@dataclass(frozen=True)
+class Executed:
+    """What `Engine.execute` did.
+
+    launched: the step it launched and left in flight, or None.
+    finished: the step it collected, or None.
+    output: `finished`'s output (None with it).
+    """
+
+    launched: InFlight | None
+    finished: InFlight | None
+    output: StepOutput | None
+
+
 @dataclass
 class Engine:
     scheduler: Scheduler
@@ -54,6 +93,7 @@ class Engine:
     experts: ExpertSlab | None = None
     resources: list = field(default_factory=list)  # closed by close(): host pool, expert loader
     pipelined: bool = True  # plan ahead of the step in flight (off: --sequential-steps, the disk tier)
+    _in_flight: InFlight | None = field(default=None, init=False, repr=False)
 
     def close(self) -> None:
         """Give back what lives outside torch's allocator: the expert loader's ring, fd and pinned
@@ -61,28 +101,54 @@ class Engine:
         while self.resources:
             self.resources.pop().close()
 
-    def step(self) -> list[SeqEvent]:
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
+    @property
+    def in_flight(self) -> InFlight | None:
+        """The step launched and not yet collected, if any."""
+        return self._in_flight
+
+    def plan(self, ahead: bool = True) -> Work | None:
+        """The next round's work, or None when there is nothing to run (no step in flight and
+        nothing the scheduler can plan). ahead: plan the next step while one is in flight, where
+        the engine is `pipelined` and the scheduler can (else the round collects only, and a
+        fresh plan is launched and collected in one round)."""
+        if self._in_flight is None:
+            plan = self.scheduler.schedule() if self.scheduler.has_unfinished else None
+            if plan is None or plan.is_empty:
+                return None
+            return Work(plan, None, wait=not (ahead and self.pipelined))
+        plan = self.scheduler.schedule_ahead() if ahead and self.pipelined else None
+        return Work(None if plan is None or plan.is_empty else plan, self._in_flight, wait=False)
+
+    def execute(self, work: Work) -> Executed:
+        """Launch the work's plan, then collect the step it finishes: the runner's half of a round
+        (the driver's worker thread; nothing else calls the runner)."""
+        launched = self.runner.launch(work.launch) if work.launch is not None else None
+        finished = launched if work.wait else work.collect
+        if work.wait:
+            launched = None
+        return Executed(launched, finished, self.runner.collect(finished) if finished is not None else None)
+
+    def apply(self, done: Executed) -> list[SeqEvent]:
+        """The bookkeeping half of a round: the step launched stays in flight; the step collected
+        updates the scheduler, then the engine settles. Its events ([] when none was collected)."""
+        self._in_flight = done.launched
+        if done.finished is None:
             return []
-        return self.finish(self.runner.launch(plan))
-
-    def pipeline(self) -> Pipeline:
-        """Pipelined stepping (sequential where `pipelined` is off); don't mix with `step()`
-        while its step is in flight."""
-        return Pipeline(self)
-
-    def plan_ahead(self) -> StepPlan | None:
-        """The plan to launch while one is in flight, or None: the engine is not `pipelined`, the
-        scheduler needs the in-flight results first, or there is nothing to do."""
-        plan = self.scheduler.schedule_ahead() if self.pipelined else None
-        return None if plan is None or plan.is_empty else plan
-
-    def finish(self, step: InFlight) -> list[SeqEvent]:
-        """Collect a launched step, apply it, settle: the second half of a step."""
-        events = self.scheduler.update(step.plan, self.runner.collect(step))
+        events = self.scheduler.update(done.finished.plan, done.output)
         self.settle()
         return events
+
+    def step(self, ahead: bool = False) -> list[SeqEvent]:
+        """Rounds of `apply(execute(plan(ahead)))`, synchronously, until one finishes a step; that
+        step's events ([] when there was nothing to run). By default nothing stays in flight; with
+        `ahead`, the daemon's pipelined rounds: the next step is launched before this one is
+        collected, and stays in flight (`step()` finishes it)."""
+        while (work := self.plan(ahead)) is not None:
+            done = self.execute(work)
+            events = self.apply(done)
+            if done.finished is not None:
+                return events
+        return []
 
     def settle(self) -> None:
         """Between steps: KV pages that hold nothing go back to the arena, hot experts take slots."""
@@ -151,46 +217,6 @@ class Engine:
         runner = Runner(model, KVCache(kv_storage, m.full_attention_layers, states), checkpoints,
                         Sampler(device, sampler_seed), experts if isinstance(experts, ExpertSlab) else None)
         return cls(scheduler, runner, tokenizer, pipelined=not cfg.sequential_steps)
-
-
-class Pipeline:
-    """Steps an engine with at most one step in flight ahead of the one being finished.
-
-    `step()` launches the next plan (made with `Scheduler.schedule_ahead` while the
-    previous step still runs), then collects and applies the previous step, and
-    returns its events: on a GPU the host's collect, update and settle of step N run
-    while step N+1 runs on the device. Where the next plan needs step N's results
-    (the scheduler says so) or the engine is not `pipelined`, the step in flight is
-    finished first. `drain()` finishes the step in flight.
-    """
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.in_flight: InFlight | None = None
-
-    def launch_next(self) -> InFlight | None:
-        """Plan and launch the next step: ahead of the one in flight if it can be (else
-        None: the caller finishes that first), or with none in flight. None if nothing to do."""
-        engine, scheduler = self.engine, self.engine.scheduler
-        if self.in_flight is None:
-            plan = scheduler.schedule() if scheduler.has_unfinished else None
-        else:
-            plan = engine.plan_ahead()
-        return None if plan is None or plan.is_empty else engine.runner.launch(plan)
-
-    def step(self) -> list[SeqEvent]:
-        """Finish one step (launching the next first where it can); its events ([] when idle)."""
-        if self.in_flight is None:
-            self.in_flight = self.launch_next()
-            if self.in_flight is None:
-                return []
-        step, self.in_flight = self.in_flight, self.launch_next()
-        return self.engine.finish(step)
-
-    def drain(self) -> list[SeqEvent]:
-        """Finish the step in flight, if any; its events."""
-        step, self.in_flight = self.in_flight, None
-        return self.engine.finish(step) if step is not None else []
 
 
 def _expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch.dtype, cfg: Config,

@@ -12,12 +12,12 @@ from collections import Counter
 from radianced.arena import EXPERTS, KV
 from radianced.budget import Card, ModelFacts, plan
 from radianced.config import Config
-from radianced.engine.driver import _NoMetrics
+from radianced.engine.driver import NoMetrics
 from radianced.engine.engine import Engine
 from tests.engine.conftest import prompts, serve_greedy
 
 
-class TierLog(_NoMetrics):
+class TierLog(NoMetrics):
     def __init__(self):
         self.disk_bytes = 0
         self.disk_reads: list[float] = []

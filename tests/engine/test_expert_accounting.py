@@ -11,7 +11,7 @@ import re
 
 from radianced.budget import Card
 from radianced.config import Config
-from radianced.engine.driver import _NoMetrics
+from radianced.engine.driver import NoMetrics
 from radianced.engine.engine import Engine
 from tests.engine.conftest import prompts, serve_greedy
 
@@ -20,7 +20,7 @@ LINE = re.compile(r"(\S+): decode expert cache hit rate: ([\d.]+)% \((\d+) hits 
 MAX_TOKENS = 8
 
 
-class StepLog(_NoMetrics):
+class StepLog(NoMetrics):
     def __init__(self):
         self.steps: list[tuple[int, int, int]] = []
 

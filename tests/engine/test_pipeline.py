@@ -1,5 +1,5 @@
-"""Pipelined stepping (`Engine.pipeline`: step N+1 planned and launched before step N is
-collected) gives exactly the sequential engine's tokens and logprobs, whatever ends a request;
+"""Pipelined stepping (`Engine.step(ahead=True)`, the daemon's round: step N+1 planned and
+launched before step N is collected) gives exactly the sequential engine's tokens and logprobs, whatever ends a request;
 its fallbacks (preemption, checkpoint hand-over) drain and stay exact; penalties pipeline,
 counting the pending token on the device, and stay exact; the prefix
 cache only ever holds confirmed blocks; the expert slab's counts are the sequential ones.
@@ -48,21 +48,19 @@ def drive(engine: Engine, arrivals: dict[int, list], pipelined: bool, cancel_at:
     request cancelled before step k. Returns {request id: (tokens, logprobs, finish reason)}."""
     cancel_at = cancel_at or {}
     out: dict[str, list] = defaultdict(lambda: [[], [], None])
-    stepper = engine.pipeline() if pipelined else None
     k = 0
     while k <= max(arrivals) or engine.scheduler.has_unfinished:
         for r in arrivals.get(k, []):
             engine.add(r)
         if k in cancel_at and engine.scheduler.cancel(cancel_at[k]):
             out[cancel_at[k]][2] = "abort"
-        for ev in stepper.step() if pipelined else engine.step():
+        for ev in engine.step(ahead=pipelined):
             o = out[ev.request_id]
             o[0].extend(ev.token_ids)
             o[1].append(ev.logprobs)
             o[2] = ev.finish_reason and ev.finish_reason.value
         k += 1
-    if pipelined:
-        assert stepper.drain() == [] and stepper.in_flight is None
+    assert engine.step() == [] and engine.in_flight is None  # what was left in flight says nothing
     assert engine.scheduler.allocator.num_used == 0
     return {rid: (tuple(t), tuple(lp), reason) for rid, (t, lp, reason) in out.items()}
 

@@ -88,10 +88,9 @@ def test_pipelined_graph_steps_give_the_sequential_tokens(tiny_rads, family, pen
         assert (engine.runner.graphs is not None) == (device == "cuda")
         for i, p in enumerate(ps):
             engine.add(request(engine, f"p{i}", p, max_tokens=24, ignore_eos=True, **(PENALTIES if penalties else {})))
-        step = engine.pipeline().step if pipelined else engine.step
         out: dict = {}
         while engine.scheduler.has_unfinished:
-            for ev in step():
+            for ev in engine.step(ahead=pipelined):
                 out.setdefault(ev.request_id, []).extend(ev.token_ids)
         runs[pipelined] = out
     assert runs[True] == runs[False]

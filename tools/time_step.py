@@ -1,17 +1,17 @@
 """Where a decode step's time goes, by phase, on the device (host wall time per call), and by kernel.
 
-    python tools/profile_step.py --out OUT [--layers 2] [--batch 1] [--steps 40] [--kernels] [--sequential]
+    python tools/time_step.py --out OUT [--layers 2] [--batch 1] [--steps 40] [--kernels] [--sequential]
 
 Builds a synthetic Qwen3-30B-A3B-shaped model (tools/make_synthetic.py) with
 `--layers` layers, serves `--batch` requests of a 1K-token prompt through
 `Engine.build` (resident placement; decode CUDA graphs on CUDA), and after a
-warm-up steps it as the daemon does (`Engine.pipeline()`: step N+1 launched
-before step N is collected; `--sequential`: `Engine.step()`), timing each phase
+warm-up steps it as the daemon's loop does (`Engine.step(ahead=True)`: step N+1
+launched before step N is collected; `--sequential`: `Engine.step()`), timing each phase
 by wrapping the engine's own methods (schedule / schedule_ahead / update, the
 runner's launch and collect, graph or eager forward, the slab's calls, sampling
 tensors, sampler, settle). No synchronisation is added: a phase that waits for
 the device (collect) absorbs the device time queued before it. Writes
-OUT/profile_step.json and prints a table, ms per step, with the whole step.
+OUT/time_step.json and prints a table, ms per step, with the whole step.
 
 On CUDA it also measures the decode graphs' memory against the "graph pool" line
 of the receipt planned with graphs (the engine is built eager, then the graphs
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--kernels", action="store_true", help="per-kernel device time per step (CUDA profiler)")
-    ap.add_argument("--sequential", action="store_true", help="Engine.step() instead of Engine.pipeline()")
+    ap.add_argument("--sequential", action="store_true", help="Engine.step() instead of Engine.step(ahead=True)")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = Path(args.out)
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
         for i in range(args.batch):
             prompt = tuple(torch.randint(0, rad.model.vocab_size - 3, (PROMPT,), generator=g).tolist())
             engine.add(Request(f"r{i}", prompt, params, frozenset()))
-        step = engine.step if args.sequential else engine.pipeline().step
+        step = functools.partial(engine.step, ahead=not args.sequential)
         for _ in range(args.steps // 2 + 1):  # prefill and warm-up decode
             step()
         totals: dict = defaultdict(float)
@@ -163,10 +163,10 @@ def main(argv=None) -> int:
         kernels = kernel_table(step, args.steps) if args.kernels and device == "cuda" else None
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "layers": args.layers,
               "batch": args.batch, "steps": args.steps, "graphs": engine.runner.graphs is not None,
-              "loop": "Engine.step (sequential)" if args.sequential else "Engine.pipeline().step",
+              "loop": "Engine.step (sequential)" if args.sequential else "Engine.step(ahead=True)",
               "step_ms": 1e3 * whole / args.steps, "phases_ms": per_step, "graph_memory": graph_memory,
               "kernels_us_per_step": kernels}
-    (out / "profile_step.json").write_text(json.dumps(result, indent=2))
+    (out / "time_step.json").write_text(json.dumps(result, indent=2))
     print(f"decode step, {args.layers} layers, batch {args.batch}, graphs {result['graphs']}, {result['loop']}: "
           f"{result['step_ms']:.3f} ms per step")
     for k, v in sorted(per_step.items(), key=lambda kv: -kv[1]):

@@ -1,0 +1,143 @@
+"""A/B of the daemon's step loop: the loop at 86e83d5 against today's, interleaved rounds.
+
+    python tools/ab_loop.py --out OUT [--layers 8] [--batches 1,32] [--steps 64] [--rounds 5]
+
+Issue 17 replaced the driver's own pipelined loop (86e83d5's `AsyncEngine.run`, which
+launched and collected through the runner itself) by the engine's three phases
+(`Engine.plan`, `execute`, `apply`) that every caller drives. Both are timed here on
+one engine, one model and one machine, in the same process: a synthetic
+Qwen3-30B-A3B-shaped `.rad` (tools/make_synthetic.py) with every expert resident
+and decode graphs captured. `_OldLoop.run` below is 86e83d5's loop body verbatim
+(with its `Engine.plan_ahead` and `_launch_then_collect` inlined); everything under
+it (scheduler, runner, graphs, slab) is today's code for both, so the difference is
+the loop alone. Each round serves `batch` requests of a 1K-token prompt (the same
+prompts every round: after the first, prefill is a prefix-cache hit and the context
+is the same) and times `--steps` steady-state decode steps of each loop in turn
+(greedy), with `tools/bench_model.daemon_loop`. A single run's share of the bytes
+floor swings with the host from one machine to the next; interleaved in one
+process, the ratio does not. Writes OUT/ab_loop.json; prints new/old per batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from radianced.config import Config  # noqa: E402
+from radianced.engine.driver import AsyncEngine  # noqa: E402
+from radianced.engine.engine import Engine  # noqa: E402
+from radianced.engine.request import Request  # noqa: E402
+from radianced.engine.sampling_params import SamplingParams  # noqa: E402
+from radianced.model.rad import RadFile  # noqa: E402
+from tools.bench_model import daemon_loop  # noqa: E402
+from tools.make_synthetic import make_synthetic  # noqa: E402
+
+PROMPT = 1024
+
+
+class _OldLoop(AsyncEngine):
+    """86e83d5's `AsyncEngine.run`: the step in flight kept by the loop itself."""
+
+    in_flight = None
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        runner = self.engine.runner
+        try:
+            while True:
+                if self.in_flight is None:
+                    plan = self.scheduler.schedule() if self.scheduler.has_unfinished else None
+                    if plan is None or plan.is_empty:
+                        self._wake.clear()
+                        await self._wake.wait()
+                        continue
+                    start = time.perf_counter()
+                    self.in_flight = await loop.run_in_executor(self._worker, runner.launch, plan)
+                else:
+                    start = time.perf_counter()
+                ahead = self.scheduler.schedule_ahead() if self.engine.pipelined else None  # Engine.plan_ahead
+                ahead = None if ahead is None or ahead.is_empty else ahead
+                step = self.in_flight
+                self.in_flight, output = await loop.run_in_executor(self._worker, _launch_then_collect, runner,
+                                                                    ahead, step)
+                self.metrics.observe_step(time.perf_counter() - start)
+                self._count_experts(step.plan, output)
+                self._dispatch(self.scheduler.update(step.plan, output))
+                self.engine.settle()
+                self._count_tiers()
+                self.steps += 1
+        finally:
+            self._worker.shutdown(wait=True)
+
+
+def _launch_then_collect(runner, plan, step):
+    launched = runner.launch(plan) if plan is not None else None
+    return launched, runner.collect(step)
+
+
+LOOPS = {"old_86e83d5": _OldLoop, "new": AsyncEngine}
+
+
+def serve_round(engine: Engine, prompts: list[tuple[int, ...]], steps: int, loop_cls) -> float:
+    """Prefill the prompts (sequential steps), then seconds per decode step of `loop_cls`'s loop."""
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
+    seqs = [engine.add(Request(f"r{time.monotonic_ns()}-{i}", p, params, frozenset())) for i, p in enumerate(prompts)]
+    while any(q.num_output_tokens == 0 for q in seqs):
+        engine.step()
+    return daemon_loop(engine, 8, steps, driver=loop_cls)["mean_s"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("ab_loop times the loop over decode graphs: it needs CUDA")
+    batches = [int(b) for b in args.batches.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    times = {b: {name: [] for name in LOOPS} for b in batches}
+    with tempfile.TemporaryDirectory(dir="/var/tmp" if Path("/var/tmp").is_dir() else None) as tmp:
+        rad = RadFile.open(make_synthetic(Path(tmp) / "m.rad", layers=args.layers, device="cuda", progress=False))
+        cfg = Config(placement="resident", max_model_len=PROMPT + args.steps + 128, max_num_seqs=max(batches),
+                     max_num_batched_tokens=PROMPT * max(batches))
+        engine = Engine.build(rad, cfg, None, "cuda")
+        g = torch.Generator().manual_seed(0)
+        prompts = [tuple(torch.randint(0, rad.model.vocab_size - 3, (PROMPT,), generator=g).tolist())
+                   for _ in range(max(batches))]
+        for b in batches:
+            serve_round(engine, prompts[:b], args.steps, AsyncEngine)  # warm-up: compiles, prefix cache
+            for r in range(args.rounds):
+                order = list(LOOPS) if r % 2 == 0 else list(reversed(LOOPS))  # neither always goes first
+                for name in order:
+                    times[b][name].append(serve_round(engine, prompts[:b], args.steps, LOOPS[name]))
+        rad.close()
+    median = {b: {n: statistics.median(v) for n, v in t.items()} for b, t in times.items()}
+    result = {"device": torch.cuda.get_device_name(), "layers": args.layers, "steps": args.steps,
+              "rounds": args.rounds, "times_s": times, "median_s": median,
+              "new_speed_over_old": {b: m["old_86e83d5"] / m["new"] for b, m in median.items()}}
+    (out / "ab_loop.json").write_text(json.dumps(result, indent=2))
+    print(f"daemon loop A/B, {args.layers} layers, {args.rounds} interleaved rounds x {args.steps} steps "
+          f"({result['device']}), median ms a step:")
+    for b, m in median.items():
+        print(f"  b{b:<3} old (86e83d5) {1e3 * m['old_86e83d5']:.3f}  new {1e3 * m['new']:.3f}  "
+              f"new speed / old {result['new_speed_over_old'][b]:.3f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
