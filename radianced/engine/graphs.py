@@ -28,6 +28,8 @@ the receipt's "graph pool" workspace line; padding needs nothing beyond it.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -44,6 +46,30 @@ if TYPE_CHECKING:
 log = logging.getLogger("radianced.engine")
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@contextlib.contextmanager
+def _no_collection():
+    """Collect garbage now, then keep the cyclic collector off until the block ends.
+
+    A collection inside a capture runs the finalizers of whatever dead objects it finds, and
+    some call CUDA: a dead engine's host pool or staging unpins its memory (`cudaHostUnregister`,
+    tiers/host.py's finalizer), a pinned tensor's free records an event on the stream that
+    used it. Any such call from the capturing process invalidates a global-mode capture, and
+    the capture fails at its next launch with "operation failed due to a previous error during
+    capture". Whether a collection lands inside a capture depends on Python's allocation
+    counts, so the failure came and went (seen twice on the H200, at the DeltaNet decode launch
+    of a hybrid model's capture, after earlier engines of the same process went unclosed).
+    torch's `cuda.graph` collects before a capture only under `force_cudagraph_gc`.
+    """
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def buckets_for(max_num_seqs: int) -> tuple[int, ...]:
@@ -164,7 +190,12 @@ class DecodeGraphs:
 
     def _capture_all(self) -> None:
         """Warm up and capture every bucket, largest first, into one pool (padding rows only:
-        no KV and no recurrent state is written)."""
+        no KV and no recurrent state is written). Python's cyclic garbage collector does not run
+        during the captures (`_no_collection`)."""
+        with _no_collection():
+            self._capture_buckets()
+
+    def _capture_buckets(self) -> None:
         t0 = time.perf_counter()
         self._slots.fill_(-1)
         pool = torch.cuda.graph_pool_handle()
