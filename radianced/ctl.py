@@ -365,7 +365,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from radianced.budget import PlanError
     from radianced.config import ConfigError
     from radianced.model.convert import ConvertError
-    from radianced.model.rad import RadError
+    from radianced.model.rad_format import RadError
     from radianced.tiers.profile import ProfileError
 
     return (RadError, ConvertError, UnsupportedModel, OSError, ConfigError, PlanError, ProfileError)

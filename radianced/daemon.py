@@ -40,7 +40,8 @@ from radianced.budget import Card, PlanError
 from radianced.config import Config, ConfigError
 from radianced.engine.driver import AsyncEngine
 from radianced.model.config import UnsupportedModel
-from radianced.model.rad import RadError, RadFile
+from radianced.model.rad import RadFile
+from radianced.model.rad_format import RadError
 from radianced.server import control, notify
 from radianced.server.http import Phase, Served, ServerState, build_app
 from radianced.server.metrics import Metrics

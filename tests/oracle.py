@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radianced.engine.greedy import greedy_generate
+from tests.greedy import greedy_generate
 
 
 @dataclass

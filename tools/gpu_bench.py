@@ -600,7 +600,7 @@ class _Experts:
 
 def section_decode(device, quick: bool, hbm_bytes_per_s: float | None, matmul_flop_per_s: float | None) -> dict:
     from radianced.model.batch import ForwardBatch, KVCache
-    from radianced.model.convert import expected_layer
+    from radianced.model.hf_plan import expected_layer
     from radianced.model.loader import build_model
 
     layers, ctx = (2, 128) if quick else (4, 1024)

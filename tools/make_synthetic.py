@@ -30,7 +30,7 @@ beyond repeated tokens). zipf 0 fits uniform frequencies.
 
 Generation runs on `--device` (cuda: tens of GiB in well under a minute of
 compute); the file is written in large sequential writes through
-`radianced.model.rad.RadWriter`, one tensor or one layer's experts in memory at
+`radianced.model.rad_writer.RadWriter`, one tensor or one layer's experts in memory at
 a time. The same arguments on the same device kind write the same bytes.
 `narrow` divides the width (hidden size, head counts, intermediate sizes) for
 tests on a CPU; experts, top_k, head dims and the layer pattern stay.
@@ -53,8 +53,9 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 import torch  # noqa: E402
 
 from radianced.model.config import ModelConfig  # noqa: E402
-from radianced.model.convert import expected_layer  # noqa: E402
-from radianced.model.rad import DTYPES, RadWriter  # noqa: E402
+from radianced.model.hf_plan import expected_layer  # noqa: E402
+from radianced.model.rad_format import DTYPES  # noqa: E402
+from radianced.model.rad_writer import RadWriter  # noqa: E402
 from radianced.model.tiny import CHAT_TEMPLATE, ENDOFTEXT_ID, IM_END_ID, VOCAB_SIZE, _write_tokenizer  # noqa: E402
 
 GiB = 1 << 30

@@ -15,6 +15,7 @@ Rules of a step (`schedule`):
 4. Hybrid models with a prefix cache end a prefill chunk at the prompt's last
    block boundary and save a checkpoint there; a chunk that samples at a block
    boundary saves one too (kept by the sequence, cached when it ends).
+   `KVManager` keeps these books: blocks, prefix hits, state slots, checkpoints.
 
 Planning a step advances each scheduled sequence at once: its computed tokens
 count the chunk, and a chunk that samples appends a PENDING token, which
@@ -47,13 +48,14 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from radianced.engine.kv_manager import KVManager
 from radianced.engine.plan import PENDING, ScheduledSeq, StepOutput, StepPlan
 from radianced.engine.request import FinishReason, Request, Sequence, SeqStatus
 from radianced.kv.blocks import BlockAllocator
-from radianced.kv.prefix import PrefixCache, PrefixMatch, extend_block_hashes
+from radianced.kv.prefix import PrefixCache
 from radianced.kv.state import StateCopy, StateSlots
 
 
@@ -77,8 +79,8 @@ class SeqEvent:
 class _Chunk:
     seq: Sequence
     n: int
-    before: list[StateCopy] = field(default_factory=list)
-    after: list[StateCopy] = field(default_factory=list)
+    before: list[StateCopy]  # state resets and checkpoint restores, before the forward
+    after: list[StateCopy]  # checkpoint saves, after it
 
 
 class Scheduler:
@@ -100,6 +102,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.max_model_len = max_model_len
         self.state_slots = StateSlots(max_num_seqs) if hybrid else None
+        self.kv = KVManager(allocator, prefix, self.state_slots)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first
         self._by_request: dict[str, Sequence] = {}
@@ -263,11 +266,11 @@ class Scheduler:
                                        error=output.errors[i]))
                 continue
             end = s.context_before + len(s.token_ids)
-            self._cache_blocks(seq, end)
+            self.kv.cache_blocks(seq, end)
             if seq.checkpoint is not None and saved.get(seq.state_slot) == seq.checkpoint:
                 seq.checkpoint_tokens = end
                 if not s.sample:
-                    self._hand_over_checkpoint(seq)  # the prompt's: others may use it now
+                    self.kv.hand_over_checkpoint(seq, self._in_flight)  # the prompt's: others may use it now
             if s.sample:
                 events.append(self._land_token(seq, end, output.token_ids[i],
                                                None if output.logprobs is None else output.logprobs[i]))
@@ -284,49 +287,24 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int) -> _Chunk | None:
         """Start the head of the waiting queue after its longest prefix hit, or None if
         its first chunk does not fit."""
-        match = self.prefix.match(seq.token_ids, seq.block_hashes) if self.prefix else PrefixMatch()
+        match = self.kv.match(seq)
         start = match.num_tokens
-        seq.checkpoint_at = self._prompt_checkpoint_at(seq, start)
+        seq.checkpoint_at = self.kv.checkpoint_at(seq, start)
         n = self._chunk_len(seq, start, budget)
-        need = self.allocator.blocks_for(start + n) - len(match.blocks)
-        if not self.allocator.can_allocate(need, exclude=match.num_evictable):
+        if not self.kv.can_start(match, start + n):
             return None
         self.waiting.popleft()
-        if self.prefix is not None:
-            self.prefix.acquire(match, seq.block_table)
-        self.allocator.append(seq.block_table, start + n)
+        before = self.kv.start(seq, match, start + n)
         seq.num_computed_tokens = start
-        seq.num_cached_blocks = len(match.blocks)
         if seq.num_reused_tokens is None:
             seq.num_reused_tokens = start
         seq.status = SeqStatus.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.seq_id)
-        before = []
-        if self.state_slots is not None:
-            seq.state_slot = self.state_slots.allocate()
-            before.append(StateCopy.reset(seq.state_slot) if match.checkpoint is None
-                          else StateCopy.restore(match.checkpoint, seq.state_slot))
         return self._plan_chunk(seq, n, before)
 
-    def _prompt_checkpoint_at(self, seq: Sequence, start: int) -> int:
-        """The last block boundary a later request could resume from (it must compute
-        at least one token), if a checkpoint there is worth taking; else 0."""
-        if not self.hybrid or self.prefix is None:
-            return 0
-        at = (seq.num_tokens - 1) // self.block_size * self.block_size
-        return at if at > start else 0
-
     def _plan_chunk(self, seq: Sequence, n: int, before: list[StateCopy] | None = None) -> _Chunk:
-        chunk = _Chunk(seq, n, before or [])
         end = seq.num_computed_tokens + n
-        sample = end == seq.num_tokens
-        if self.hybrid and self.prefix is not None and end % self.block_size == 0 \
-                and (end == seq.checkpoint_at or sample):
-            if seq.checkpoint is None:
-                seq.checkpoint = self.prefix.take_checkpoint()
-            if seq.checkpoint is not None:
-                chunk.after.append(StateCopy.save(seq.state_slot, seq.checkpoint))
-        return chunk
+        return _Chunk(seq, n, before or [], self.kv.checkpoint_saves(seq, end, sample=end == seq.num_tokens))
 
     def _emit(self, chunks, preempted: list[int]) -> StepPlan:
         self._preempted += preempted
@@ -373,7 +351,7 @@ class Scheduler:
         recomputed; returns the budget its chunk in this plan held."""
         chunk = chunks.pop(seq.seq_id, None)
         self.running.remove(seq)
-        self._release(seq)
+        self.kv.release(seq, self._in_flight)
         seq.num_computed_tokens = 0
         seq.num_cached_blocks = 0
         seq.num_preemptions += 1
@@ -396,44 +374,13 @@ class Scheduler:
             self._finish(seq, reason)
         return SeqEvent(seq.request_id, seq.seq_id, tokens, reason, logprobs)
 
-    def _cache_blocks(self, seq: Sequence, computed: int) -> None:
-        """Offer the prefix cache the full blocks of the first `computed` tokens (all confirmed:
-        a plan ahead's PENDING token and the KV after it are never in them)."""
-        if self.prefix is None:
-            return
-        full = computed // self.block_size
-        if full > seq.num_cached_blocks:
-            extend_block_hashes(seq.block_hashes, seq.token_ids[:full * self.block_size], self.block_size)
-            self.prefix.insert(seq.block_table, seq.block_hashes, seq.num_cached_blocks, full)
-            seq.num_cached_blocks = full
-
-    def _hand_over_checkpoint(self, seq: Sequence) -> None:
-        """Give the sequence's checkpoint to the prefix cache if it holds a state the
-        sequence has reached (and no save into it is in flight); else free it."""
-        slot, tokens = seq.checkpoint, seq.checkpoint_tokens
-        seq.checkpoint, seq.checkpoint_tokens = None, 0
-        if slot is None:
-            return
-        in_flight = any(c.checkpoint == slot for plan in self._in_flight for c in plan.after)
-        if tokens and not in_flight and tokens <= seq.num_computed_tokens \
-                and self.prefix.attach_checkpoint(seq.block_hashes[tokens // self.block_size - 1], slot):
-            return
-        self.prefix.checkpoints.free(slot)
-
-    def _release(self, seq: Sequence) -> None:
-        self._hand_over_checkpoint(seq)
-        self.allocator.free(seq.block_table)
-        if seq.state_slot is not None:
-            self.state_slots.free(seq.state_slot)
-            seq.state_slot = None
-
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         # Its blocks may still be written by a plan in flight (its discarded result, or a
         # cancelled step): they go to plans queued after it, in stream order.
         while seq.token_ids[-1] == PENDING:
             seq.token_ids.pop()
         self.running.remove(seq)
-        self._release(seq)
+        self.kv.release(seq, self._in_flight)
         self._finished.append(seq.seq_id)
         self._forget(seq, reason)
 

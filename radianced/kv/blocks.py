@@ -7,9 +7,11 @@
 - A *page* is the arena's unit. Page p of a group holds that group's blocks
   p*N .. p*N+N-1 (N = the group's blocks per page), which is how `KVCache`
   storage [P, N, ...] is indexed. Pools lease pages from a `PageSource` (the
-  arena; `FixedPages` until it lands), give back pages whose blocks are all free
-  (`release_pages`), and surrender pages to the arena when it takes them back for
-  expert slots (`surrender_pages`: empty pages, then evicting idle cached blocks).
+  arena's KV tenant, `arena.TenantPages`; `FixedPages`, a fixed set, where there
+  is no arena: tests and the oracle's greedy driver), give back pages whose blocks
+  are all free (`release_pages`), and surrender pages to the arena when it takes
+  them back for expert slots (`surrender_pages`: empty pages, then evicting idle
+  cached blocks).
 - Groups move in lockstep: logical block i of a sequence is one physical block
   in every group, a `KVBlock` = (id in group 0, id in group 1, ...). A
   `BlockTable` lists a sequence's logical blocks.
@@ -26,7 +28,6 @@ Pure Python, no torch.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 KVBlock = tuple[int, ...]  # one physical block id per paging group
@@ -89,14 +90,6 @@ class Reclaimer(Protocol):
     def released(self, blocks: Sequence[KVBlock]) -> None:
         """A table let go of `blocks` (in this order: its tail first)."""
         ...
-
-
-@dataclass(frozen=True, slots=True)
-class BlockCopy:
-    """Copy the KV of block `src` into block `dst` (every group): a fork's partial tail."""
-
-    src: KVBlock
-    dst: KVBlock
 
 
 class BlockTable:
@@ -236,7 +229,7 @@ class BlockPool:
 class BlockAllocator:
     """Logical KV blocks over one `BlockPool` per paging group, all fed by one `PageSource`.
 
-    Paired verbs: `can_allocate`/`allocate`, `can_append`/`append`, `fork`, `free`.
+    Paired verbs: `can_allocate`/`allocate`, `can_append`/`append`, `free`.
     Each either does all of its work or raises `OutOfBlocks` having changed nothing.
     Allocation takes free blocks first, then leases pages, and only then evicts
     cached blocks (through `reclaimer`) for the part the pages cannot cover.
@@ -256,7 +249,7 @@ class BlockAllocator:
 
     @classmethod
     def fixed(cls, num_blocks: int, block_size: int) -> BlockAllocator:
-        """One group of `num_blocks` blocks, one block per page (the seam before the arena)."""
+        """One group of `num_blocks` blocks, one block per page, with no arena behind it."""
         return cls(block_size, FixedPages(num_blocks))
 
     @property
@@ -318,8 +311,10 @@ class BlockAllocator:
         evict = 0
         while self._pages_needed(n, evict) > self.pages.available():
             evict += 1
-        if evict:
-            assert self.reclaimer is not None and self.reclaimer.evict(evict) == evict
+        if evict:  # can_allocate counted these as evictable, so a reclaimer is set
+            evicted = self.reclaimer.evict(evict)
+            if evicted != evict:  # a broken reclaimer; not an assert: python -O would skip the eviction
+                raise RuntimeError(f"the reclaimer evicted {evicted} of the {evict} blocks it counted as evictable")
         for pool in self.pools:
             pool.grow(pool.pages_needed(n))
         return list(zip(*(pool.take(n) for pool in self.pools)))
@@ -332,19 +327,6 @@ class BlockAllocator:
     def append(self, table: BlockTable, tokens: int) -> None:
         """Grow `table` until it holds `tokens` tokens (all or nothing)."""
         table._extend(self.allocate(self.blocks_for(tokens) - len(table)))
-
-    def fork(self, table: BlockTable, tokens: int) -> tuple[BlockTable, list[BlockCopy]]:
-        """A second table over the first `tokens` tokens of `table`: full blocks are shared,
-        a partial last block is copied into a fresh one (the returned copy, for the runner)."""
-        full, partial = divmod(tokens, self.block_size)
-        if self.blocks_for(tokens) > len(table):
-            raise ValueError(f"fork of {tokens} tokens from a table of {len(table)} blocks")
-        tail = self.allocate(1) if partial else []  # first: it may raise
-        shared = [table[i] for i in range(full)]
-        self.hold(shared)
-        child = self.new_table()
-        child._extend(shared + tail)
-        return child, [BlockCopy(table[full], tail[0])] if partial else []
 
     def free(self, table: BlockTable) -> None:
         """Drop the table's hold on all its blocks (tail first, so the prefix cache evicts

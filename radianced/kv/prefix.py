@@ -9,8 +9,9 @@ blocks), so sequences share cached blocks read-only.
 The cache is a holder of each block it keeps (see `blocks.py`). A block only the
 cache holds is *idle*: reusable by `match`, and evictable, least recently
 released first (a table releases its tail first, so chains shrink from the end).
-The allocator evicts through this object when it runs short; the arena will do
-the same through `evictable()` / `evict(n)` when KV and experts trade pages.
+The allocator evicts through this object (`evictable()` / `evict(n)`) when it
+runs short, and when the arena in lending mode takes KV pages back for expert
+slots (`BlockAllocator.surrender_pages`, called by the engine's KV reclaimer).
 
 Hybrid models (Qwen3-Next) cannot resume from KV alone: the DeltaNet layers need
 their recurrent state at the point where computation resumes. Such a model keeps
@@ -92,9 +93,6 @@ class PrefixCache:
     @property
     def num_checkpoints(self) -> int:
         return sum(e.checkpoint is not None for e in self._entries.values())
-
-    def is_cached(self, block: KVBlock) -> bool:
-        return block in self._key_of
 
     def cached_blocks(self) -> list[tuple[KVBlock, int | None]]:
         """Every cached block with its checkpoint slot (or None), in insertion order."""

@@ -14,6 +14,10 @@ FAMILIES = ("llama", "qwen3_moe", "qwen3_next")
 # Hugging Face `model_type` / `architectures` -> our family name.
 HF_MODEL_TYPES = {"llama": "llama", "qwen3_moe": "qwen3_moe", "qwen3_next": "qwen3_next"}
 
+# qwen3_next's Gated DeltaNet sizes: the same names in config.json and in ModelConfig
+_LINEAR_ATTENTION_KEYS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                          "linear_num_key_heads", "linear_num_value_heads")
+
 
 class UnsupportedModel(ValueError):
     """The source describes an architecture radianced does not serve."""
@@ -90,27 +94,14 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise UnsupportedModel(
                 f"model_type {model_type!r} is not supported; radianced serves {', '.join(FAMILIES)}"
             )
-        rope = hf.get("rope_parameters") or {}
-        rope_theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-        partial = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
-        if family != "qwen3_next":
-            partial = 1.0
-        rope_type = rope.get("rope_type", "default")
-        scaling = hf.get("rope_scaling")
-        if rope_type != "default" or (scaling and scaling.get("rope_type", scaling.get("type")) != "default"):
-            raise UnsupportedModel(f"rope scaling {rope_type or scaling!r} is not supported yet; only plain RoPE")
+        rope_theta, partial = _hf_rope(hf, family)
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         layers = hf["num_hidden_layers"]
-        layer_types: tuple[str, ...] = ()
-        if family == "qwen3_next":
-            layer_types = tuple(hf.get("layer_types") or [
-                "linear_attention" if (i + 1) % hf.get("full_attention_interval", 4) else "full_attention"
-                for i in range(layers)
-            ])
         moe = family in ("qwen3_moe", "qwen3_next")
+        hybrid = family == "qwen3_next"
         return cls(
             family=family,
             vocab_size=hf["vocab_size"],
@@ -134,13 +125,33 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             decoder_sparse_step=hf.get("decoder_sparse_step", 1) or 1,
             mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
             shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0) or 0,
-            layer_types=layer_types,
-            linear_conv_kernel_dim=hf.get("linear_conv_kernel_dim", 0) if family == "qwen3_next" else 0,
-            linear_key_head_dim=hf.get("linear_key_head_dim", 0) if family == "qwen3_next" else 0,
-            linear_value_head_dim=hf.get("linear_value_head_dim", 0) if family == "qwen3_next" else 0,
-            linear_num_key_heads=hf.get("linear_num_key_heads", 0) if family == "qwen3_next" else 0,
-            linear_num_value_heads=hf.get("linear_num_value_heads", 0) if family == "qwen3_next" else 0,
+            layer_types=_hf_layer_types(hf, layers) if hybrid else (),
+            **{key: hf.get(key, 0) if hybrid else 0 for key in _LINEAR_ATTENTION_KEYS},
             num_mtp_layers=hf.get("num_nextn_predict_layers", hf.get("mtp_num_hidden_layers", 0)) or 0,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+def _hf_rope(hf: dict, family: str) -> tuple[float, float]:
+    """(rope_theta, partial_rotary_factor) from config.json's top level or its rope_parameters;
+    refuses rope scaling. Only qwen3_next rotates part of each head (the rest keep 1.0)."""
+    rope = hf.get("rope_parameters") or {}
+    rope_theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+    partial = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    if family != "qwen3_next":
+        partial = 1.0
+    rope_type = rope.get("rope_type", "default")
+    scaling = hf.get("rope_scaling")
+    if rope_type != "default" or (scaling and scaling.get("rope_type", scaling.get("type")) != "default"):
+        raise UnsupportedModel(f"rope scaling {rope_type or scaling!r} is not supported yet; only plain RoPE")
+    return rope_theta, partial
+
+
+def _hf_layer_types(hf: dict, layers: int) -> tuple[str, ...]:
+    """qwen3_next's attention kind per layer: config.json's layer_types, else every
+    full_attention_interval-th layer (default 4) full attention, the others linear."""
+    return tuple(hf.get("layer_types") or [
+        "linear_attention" if (i + 1) % hf.get("full_attention_interval", 4) else "full_attention"
+        for i in range(layers)
+    ])

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.prepare:
         print(default_model_path())
         return 0
-    from radianced.model.rad import RadError
+    from radianced.model.rad_format import RadError
 
     try:
         print(ensure_default_model())

@@ -29,7 +29,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as HFTokenizer
 
 from radianced.model.config import ModelConfig, UnsupportedModel
-from radianced.model.rad import RadWriter
+from radianced.model.rad_writer import RadWriter
 
 ARCHITECTURE = "llama"
 

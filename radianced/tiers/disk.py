@@ -1,7 +1,7 @@
 """Expert extents read from the model file with io_uring and O_DIRECT (the disk tier).
 
 `DiskReader.read_experts(keys, into)` reads each routed expert's extent (one
-aligned extent per expert, see `model/rad.py`) into caller memory with several
+aligned extent per expert, see `model/rad_format.py`) into caller memory with several
 reads in flight, checks each extent's xxh3_64 as it lands, and returns one
 `ReadResult` per expert. A short read, an I/O error or a checksum mismatch fails
 only that expert's result, with a message naming the file, the layer, the

@@ -36,7 +36,7 @@ import msgspec
 import torch
 import xxhash
 
-from radianced.model.rad import DTYPES
+from radianced.model.rad_format import DTYPES
 from radianced.tiers.disk import ALIGN, DEPTH, DiskError, DiskReader, Faults, align_up
 from radianced.tiers.profile import model_checksum
 from radianced.tiers.tmpfs import tmpfs_refusal

@@ -30,8 +30,7 @@ from pathlib import Path
 import msgspec
 import xxhash
 
-from radianced.model.rad import _PREAMBLE as _RAD_PREAMBLE
-from radianced.model.rad import MAGIC as _RAD_MAGIC
+from radianced.model.rad_format import Preamble as RadPreamble
 
 MAGIC = b"RADPROF\0"
 VERSION = 1
@@ -64,12 +63,12 @@ def model_checksum(model_path: str | os.PathLike) -> int:
     path = Path(model_path)
     try:
         with open(path, "rb") as f:
-            pre = f.read(_RAD_PREAMBLE.size)
+            preamble = RadPreamble.unpack(f.read(RadPreamble.SIZE))
     except OSError as e:
         raise ProfileError(f"{path}: cannot read the model: {e.strerror or e}") from None
-    if len(pre) < _RAD_PREAMBLE.size or pre[:8] != _RAD_MAGIC:
+    if preamble is None:
         raise ProfileError(f"{path}: not a .rad file")
-    return _RAD_PREAMBLE.unpack(pre)[4]
+    return preamble.header_checksum
 
 
 class Profile:

@@ -32,7 +32,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from radianced.engine.greedy import GreedyTrace, greedy_generate
 from radianced.kernels import ops
 from radianced.model.batch import KVCache
 from radianced.model.convert import convert
@@ -41,6 +40,7 @@ from radianced.model.loader import load_model
 from radianced.model.rad import RadFile
 from radianced.model.tiny import make_tiny
 from tests.gpu.conftest import gpu_device, record
+from tests.greedy import GreedyTrace, greedy_generate
 
 PROMPT_LENGTHS = (1, 17, 64)
 STEPS = 32

@@ -7,12 +7,12 @@ import torch
 from radianced.budget import Card
 from radianced.config import Config
 from radianced.engine.engine import Engine
-from radianced.engine.greedy import greedy_generate
 from radianced.model.batch import KVCache
 from radianced.model.loader import load_model
 from radianced.model.rad import RadFile
 from radianced.model.tokenizer import Tokenizer
 from tests.engine.conftest import request, run_all
+from tests.greedy import greedy_generate
 from tests.oracle import reference_greedy
 
 QUESTIONS = (

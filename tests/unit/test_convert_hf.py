@@ -17,7 +17,8 @@ from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3Mo
                           Qwen3NextForCausalLM)
 
 from radianced import ctl
-from radianced.model.convert import ConvertError, Shards, convert, read_folder
+from radianced.model.convert import ConvertError, convert
+from radianced.model.hf_source import Shards, read_folder
 from radianced.model.rad import RadFile
 
 VOCAB = 320

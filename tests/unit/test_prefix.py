@@ -127,7 +127,7 @@ def test_hybrid_match_ends_at_the_deepest_checkpoint():
 
 
 class PrefixMachine(RuleBasedStateMachine):
-    """Random start (match + acquire + compute) / extend / fork / free / evict / checkpoint /
+    """Random start (match + acquire + compute) / extend / free / evict / checkpoint /
     release-pages over two paging groups. The shadow records what each physical block
     holds (written token by token) and which prefix each checkpoint holds, so every
     match is checked against the tokens it claims to skip."""
@@ -193,18 +193,6 @@ class PrefixMachine(RuleBasedStateMachine):
             self.alloc.append(seq["table"], n + len(more))
             seq["tokens"] = seq["tokens"] + more
             self._compute(seq, n)
-
-    @precondition(lambda self: self.seqs)
-    @rule(data=st.data())
-    def fork(self, data):
-        seq = data.draw(st.sampled_from(self.seqs))
-        if len(seq["tokens"]) % BS and not self.alloc.can_allocate(1):
-            return
-        child, copies = self.alloc.fork(seq["table"], len(seq["tokens"]))
-        for c in copies:  # the runner's job: copy the partial tail
-            for g in range(self.alloc.num_groups):
-                self.kv[(g, c.dst[g])] = dict(self.kv[(g, c.src[g])])
-        self.seqs.append({"table": child, "tokens": list(seq["tokens"]), "hashes": list(seq["hashes"])})
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())

@@ -14,7 +14,9 @@ import xxhash
 
 from radianced import ctl
 from radianced.model.config import ModelConfig
-from radianced.model.rad import ALIGN, MAGIC, RAD_VERSION, Header, RadError, RadFile, RadWriter
+from radianced.model.rad import RadFile
+from radianced.model.rad_format import ALIGN, MAGIC, RAD_VERSION, Header, Preamble, RadError
+from radianced.model.rad_writer import RadWriter
 
 MODEL = ModelConfig(family="qwen3_moe", vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                     num_key_value_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e6,
@@ -125,6 +127,19 @@ def test_preamble_points_at_a_checksummed_header_after_the_data(rad_path):
     _, _, _, header = read_header(rad_path)
     last_end = max(x.offset + x.nbytes for x in [*header.tensors, *header.experts])
     assert last_end <= hoff
+
+
+def test_preamble_type_packs_the_layout_and_unpacks_only_a_rad_start(rad_path):
+    p = Preamble(version=1, header_offset=3 * ALIGN, header_length=100, header_checksum=0xDEADBEEF12345678)
+    assert Preamble.SIZE == PREAMBLE.size == 36
+    assert p.pack() == PREAMBLE.pack(MAGIC, 1, 3 * ALIGN, 100, 0xDEADBEEF12345678)
+    assert Preamble.unpack(p.pack() + bytes(ALIGN - 36)) == p
+    assert Preamble.unpack(p.pack()[:-1]) is None  # too short
+    assert Preamble.unpack(b"GGUF" + p.pack()[4:]) is None  # another magic
+    data = rad_path.read_bytes()
+    written = Preamble.unpack(data)
+    assert (written.version, written.header_offset + written.header_length) == (RAD_VERSION, len(data))
+    assert written.header_checksum == xxhash.xxh3_64_intdigest(data[written.header_offset:])
 
 
 def test_every_extent_starts_on_a_4096_byte_boundary_and_none_overlap(rad_path):

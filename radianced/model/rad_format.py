@@ -1,0 +1,124 @@
+"""The `.rad` model container's on-disk layout: the preamble, the header and its entries.
+
+Layout (all integers little-endian):
+
+    [0, 4096)      preamble: b"RADIANCE" | u32 version | u64 header offset |
+                   u64 header length | u64 xxh3_64(header) | zeros
+    [4096, ...)    tensor data; every tensor and every expert extent starts at a
+                   multiple of ALIGN (4096), so each can be read with O_DIRECT
+    header         msgpack `Header` at the end, after the last extent (its offset
+                   is aligned too); the writer patches the preamble when it closes
+
+The header sits at the end so a converter can stream tensor by tensor without
+knowing the index in advance. A routed expert (layer, expert) is ONE extent:
+gate [I, H] | up [I, H] | down [H, I], same dtype, no padding between the
+pieces, so a single read fetches it. Each tensor and extent carries the xxh3_64
+of its bytes.
+
+`rad_writer.RadWriter` writes this layout, `rad.RadFile` reads it.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import ClassVar
+
+import msgspec
+import torch
+
+from radianced.model.config import ModelConfig
+
+RAD_VERSION = 1
+ALIGN = 4096
+MAGIC = b"RADIANCE"
+_PREAMBLE = struct.Struct("<8sIQQQ")  # magic, version, header offset, header length, header xxh3_64
+
+DTYPES: dict[str, torch.dtype] = {
+    "f32": torch.float32,
+    "f16": torch.float16,
+    "bf16": torch.bfloat16,
+    "f8_e4m3": torch.float8_e4m3fn,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+class RadError(Exception):
+    """A `.rad` cannot be written or read; the message names the file and tensor and what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class Preamble:
+    """The start of a `.rad` (the rest of its first ALIGN bytes are zeros).
+
+    version: the format version the file was written in (RAD_VERSION by this radianced).
+    header_offset: where the msgpack `Header` starts, a multiple of ALIGN; 0 in a file
+        whose writer never finished (an interrupted conversion).
+    header_length: the header's length in bytes; 0 likewise.
+    header_checksum: xxh3_64 of the header's bytes. The header records every tensor's
+        offset and checksum, so this names the file's contents: a re-conversion of the
+        same model gets another one (the expert profile is keyed by it).
+    """
+
+    version: int
+    header_offset: int
+    header_length: int
+    header_checksum: int
+
+    SIZE: ClassVar[int] = _PREAMBLE.size  # the bytes `unpack` needs
+
+    def pack(self) -> bytes:
+        return _PREAMBLE.pack(MAGIC, self.version, self.header_offset, self.header_length, self.header_checksum)
+
+    @classmethod
+    def unpack(cls, data: bytes) -> Preamble | None:
+        """The preamble `data` starts with; None where it starts with none (too short, or not
+        the `.rad` magic). Checks nothing else: the reader judges version and offsets."""
+        if len(data) < _PREAMBLE.size or data[:8] != MAGIC:
+            return None
+        _, version, offset, length, checksum = _PREAMBLE.unpack_from(data)
+        return cls(version, offset, length, checksum)
+
+
+class TensorEntry(msgspec.Struct, frozen=True):
+    name: str
+    dtype: str  # a key of DTYPES
+    shape: tuple[int, ...]
+    offset: int  # absolute file offset, a multiple of ALIGN
+    nbytes: int
+    checksum: int  # xxh3_64 of the bytes
+
+
+class ExpertEntry(msgspec.Struct, frozen=True):
+    """One routed expert: gate [I, H] | up [I, H] | down [H, I] in one extent."""
+
+    layer: int
+    expert: int
+    dtype: str
+    intermediate: int  # I
+    hidden: int  # H
+    offset: int
+    nbytes: int  # 3 * I * H * itemsize
+    checksum: int
+
+
+class Header(msgspec.Struct, kw_only=True):
+    version: int
+    model: ModelConfig
+    tokenizer_json: str
+    chat_template: str | None
+    generation: dict  # generation_config.json contents, may be {}
+    source: str  # where it came from, e.g. "hf:/models/Qwen3-30B-A3B"
+    synthetic: bool = False  # random weights (tools/make_synthetic): never serve as a real model
+    tensors: list[TensorEntry]
+    experts: list[ExpertEntry]
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a `.rad` dtype name (a key of DTYPES)."""
+    return torch.empty((), dtype=DTYPES[dtype]).element_size()
+
+
+def align_up(n: int) -> int:
+    """The first multiple of ALIGN at or after n."""
+    return (n + ALIGN - 1) // ALIGN * ALIGN
