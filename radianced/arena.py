@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from radianced.budget import Card, Receipt
+from radianced.receipt import Receipt
 
 KV, EXPERTS = "kv", "experts"
 TENANTS = (KV, EXPERTS)  # tie-break of the eviction order
@@ -315,16 +315,3 @@ class TenantPages:
     def give_back(self, pages) -> None:
         self.arena.release(Lease(self.tenant, tuple(pages)))
 
-
-def detect_card(device: torch.device | str) -> Card:
-    """The card `plan` divides: CUDA's free and total memory, or on the CPU half of RAM
-    (free: the part of that half the OS reports available)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return Card(total, free, cuda=True)
-    import psutil
-
-    vm = psutil.virtual_memory()
-    total = vm.total // 2
-    return Card(total, min(total, vm.available))

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from radianced.arena import (
-    EXPERTS, KV, PASSED, Arena, FixedPolicy, Lease, LendingPolicy, OutOfPages, detect_card, policy_for,
-)
-from radianced.budget import Card, ModelFacts, plan
+from radianced.arena import EXPERTS, KV, PASSED, Arena, FixedPolicy, Lease, LendingPolicy, OutOfPages, policy_for
+from radianced.budget import plan
+from radianced.card import Card
 from radianced.config import Config
 from radianced.model.config import ModelConfig
+from radianced.sizing import ModelFacts
 
 PAGE = 4096
 
@@ -197,9 +197,3 @@ def test_the_arena_of_a_receipt_is_its_elastic_line_within_one_page():
     assert arena.lease(EXPERTS, r.expert_slots).pages == tuple(range(r.expert_slots))
     assert arena.num_free == r.kv_start_pages
 
-
-def test_the_cpu_card_is_half_of_ram():
-    import psutil
-
-    card = detect_card("cpu")
-    assert card.total_bytes == psutil.virtual_memory().total // 2 and 0 < card.free_bytes <= card.total_bytes
