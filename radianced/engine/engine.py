@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radianced.arena import KV, PASSED, Arena, Fence, Lease, TenantPages
+from radianced.arena import KV, Arena, Lease, TenantPages
 from radianced.budget import plan
 from radianced.card import Card, detect_card
 from radianced.config import Config
