@@ -218,9 +218,8 @@ class Arena:
             raise ValueError(f"lease lists a page twice: {lease.pages}")
         for p in lease.pages:
             self._owner[p] = None
-        self._held[lease.tenant] -= len(lease)
-        for p in lease.pages:
             heapq.heappush(self._free, p)
+        self._held[lease.tenant] -= len(lease)
 
     def stats(self) -> ArenaStats:
         return ArenaStats(tuple((t, self._held[t]) for t in TENANTS), len(self._free),
