@@ -11,10 +11,11 @@ take what:
   only ever gives up pages no live request uses (its reclaimer's contract).
 - `FixedPolicy` (`--deterministic`): each tenant has a quota; no lending.
 
-Reuse after eviction: a released page may still be read by a step already
-queued, so `release` takes a `Fence` (on CUDA, an event recorded after that
-step); the page is handed out again only once the fence has passed. On the CPU
-the work is done when the call returns: `PASSED`.
+Reuse after eviction: a released page is free at once. A step already queued
+may still read its old contents, but the page's next tenant writes it only from
+work queued behind that step on the same stream (slot refills, the KV writes of
+a later step), so stream order keeps the old readers first; on the CPU the step
+has finished when the call returns.
 
 The arena knows pages only; what a page holds is the tenant's business
 (`page_view`, `paged_view` interpret the bytes).
@@ -30,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-from radianced.budget import Card, Receipt
+from radianced.receipt import Receipt
 
 KV, EXPERTS = "kv", "experts"
 TENANTS = (KV, EXPERTS)  # tie-break of the eviction order
@@ -38,19 +39,6 @@ TENANTS = (KV, EXPERTS)  # tie-break of the eviction order
 
 class OutOfPages(RuntimeError):
     """A lease could not be filled now; nothing was leased (pages taken back stay free)."""
-
-
-class Fence(Protocol):
-    def passed(self) -> bool:
-        """True once every step that may read the released pages has finished."""
-
-
-class _Passed:
-    def passed(self) -> bool:
-        return True
-
-
-PASSED: Fence = _Passed()
 
 
 @dataclass(frozen=True)
@@ -74,9 +62,9 @@ class Reclaimer(Protocol):
     def surrenderable(self) -> int:
         """Pages `surrender` could give up now."""
 
-    def surrender(self, n: int) -> tuple[Lease, Fence]:
-        """Give up to n pages (cheapest first), forgetting what they held; returns them
-        and the fence after which nothing reads them. May return fewer, even none."""
+    def surrender(self, n: int) -> Lease:
+        """Give up to n pages (cheapest first), forgetting what they held; returns them.
+        May return fewer, even none."""
 
 
 class Policy(Protocol):
@@ -132,7 +120,6 @@ def policy_for(receipt: Receipt) -> Policy:
 class ArenaStats:
     held: tuple[tuple[str, int], ...]  # pages per tenant
     free: int
-    pending: int  # released, waiting for their fence
     moved: tuple[tuple[tuple[str, str], int], ...]  # ((from, to), pages taken back)
 
 
@@ -153,7 +140,6 @@ class Arena:
         self.storage = torch.empty(alloc_bytes or total, dtype=torch.uint8, device=device)
         self._owner: list[str | None] = [None] * num_pages
         self._free = list(range(num_pages))  # a heap: the lowest page id goes out first
-        self._pending: list[tuple[Fence, list[int]]] = []
         self._held = Counter({t: 0 for t in TENANTS})
         self._moved: Counter = Counter()
         self._reclaimers: dict[str, Reclaimer] = {}
@@ -175,13 +161,11 @@ class Arena:
 
     @property
     def num_free(self) -> int:
-        self._settle()
         return len(self._free)
 
     def available(self, tenant: str) -> int:
         """Pages `tenant` may lease now: free ones it may use, plus what the policy lets it
         take back from the other tenants' reclaimers."""
-        self._settle()
         n = self._usable(tenant)
         for victim, r in self._reclaimers.items():
             if victim != tenant:
@@ -193,40 +177,37 @@ class Arena:
 
         Takes free pages the policy allows; if short, takes pages back from
         registered tenants, cheapest to get back per byte first, until the free
-        and fenced pages cover n. Raises OutOfPages when the quota forbids it or
-        the pages are not there now (pages taken back meanwhile stay free for the
-        next call; fenced ones become free when their fence passes).
+        pages cover n. Raises OutOfPages when the quota forbids it or the pages
+        are not there now (pages taken back meanwhile stay free for the next call).
         """
         quota = self.policy.quota(tenant)
         if quota is not None and self._held[tenant] + n > quota:
             raise OutOfPages(f"{tenant}: {self._held[tenant]} pages held + {n} asked is past its quota of {quota}")
-        self._settle()
         exhausted: set[str] = set()
-        while self._usable(tenant) + self._pending_count() < n:
+        while self._usable(tenant) < n:
             victim = self._cheapest_victim(tenant, exhausted)
             if victim is None:
                 break
             allowed = self.policy.reclaimable(tenant, victim, self._held[victim])
-            need = n - self._usable(tenant) - self._pending_count()
-            given, fence = self._reclaimers[victim].surrender(min(need, allowed))
+            given = self._reclaimers[victim].surrender(min(n - self._usable(tenant), allowed))
             if not given.pages:
                 exhausted.add(victim)
                 continue
             if given.tenant != victim:
                 raise ValueError(f"{victim}'s reclaimer surrendered pages of {given.tenant}")
-            self.release(given, fence)
+            self.release(given)
             self._moved[(victim, tenant)] += len(given)
         if self._usable(tenant) < n:
             raise OutOfPages(f"{tenant}: asked for {n} pages, {self._usable(tenant)} usable now "
-                             f"({len(self._free)} free, {self._pending_count()} waiting for their fence)")
+                             f"({len(self._free)} free)")
         pages = tuple(heapq.heappop(self._free) for _ in range(n))
         for p in pages:
             self._owner[p] = tenant
         self._held[tenant] += n
         return Lease(tenant, pages)
 
-    def release(self, lease: Lease, fence: Fence = PASSED) -> None:
-        """Give back `lease`'s pages; they are leased again once `fence` has passed.
+    def release(self, lease: Lease) -> None:
+        """Give back `lease`'s pages; they are free at once (see the module docstring).
 
         Raises ValueError, changing nothing, if any page is not held by lease.tenant.
         """
@@ -237,31 +218,15 @@ class Arena:
             raise ValueError(f"lease lists a page twice: {lease.pages}")
         for p in lease.pages:
             self._owner[p] = None
+            heapq.heappush(self._free, p)
         self._held[lease.tenant] -= len(lease)
-        self._pending.append((fence, list(lease.pages)))
-        self._settle()
 
     def stats(self) -> ArenaStats:
-        self._settle()
-        return ArenaStats(tuple((t, self._held[t]) for t in TENANTS), len(self._free), self._pending_count(),
+        return ArenaStats(tuple((t, self._held[t]) for t in TENANTS), len(self._free),
                           tuple(sorted(self._moved.items())))
 
     def _usable(self, tenant: str) -> int:
         return min(len(self._free), self.policy.free_allowance(tenant, len(self._free)))
-
-    def _pending_count(self) -> int:
-        return sum(len(pages) for _, pages in self._pending)
-
-    def _settle(self) -> None:
-        """Move pages whose fence has passed to the free heap."""
-        waiting = []
-        for fence, pages in self._pending:
-            if fence.passed():
-                for p in pages:
-                    heapq.heappush(self._free, p)
-            else:
-                waiting.append((fence, pages))
-        self._pending = waiting
 
     def _cheapest_victim(self, requester: str, exhausted: set[str]) -> str | None:
         best, best_cost = None, math.inf
@@ -315,16 +280,3 @@ class TenantPages:
     def give_back(self, pages) -> None:
         self.arena.release(Lease(self.tenant, tuple(pages)))
 
-
-def detect_card(device: torch.device | str) -> Card:
-    """The card `plan` divides: CUDA's free and total memory, or on the CPU half of RAM
-    (free: the part of that half the OS reports available)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return Card(total, free, cuda=True)
-    import psutil
-
-    vm = psutil.virtual_memory()
-    total = vm.total // 2
-    return Card(total, min(total, vm.available))

@@ -27,6 +27,8 @@ from collections.abc import Sequence
 
 import msgspec
 
+from radianced.tmpfs import tmpfs_refusal
+
 MiB = 1 << 20
 
 DEFAULT_HEADROOM_MIB = 96
@@ -47,7 +49,6 @@ NOT_YET_SUPPORTED: dict[str, tuple[str, object]] = {
     "--tp": ("tp", 1),
     "--ngram-placement": ("ngram_placement", None),
     "--vision-tower-placement": ("vision_tower_placement", None),
-    # the engine does not pass ram=DIR to HostPool.create yet (Engine.build's _expert_slab)
 }
 # --kv-cache-dtype values that work; add a dtype when its issue lands.
 LANDED_KV_CACHE_DTYPES = ("auto",)
@@ -254,8 +255,6 @@ def check_host(cfg: Config) -> None:
     """The checks that need this host's file systems, for the daemon's start: the folder of
     `--host-pool-placement ram=DIR` exists and is a tmpfs. Raises ConfigError. (Not in
     `Config` itself: `radiancectl plan` may plan for another machine.)"""
-    from radianced.tiers.tmpfs import tmpfs_refusal
-
     folder = cfg.host_pool_ram_dir
     why = tmpfs_refusal(folder) if folder is not None else None
     if why is not None:

@@ -79,11 +79,12 @@ def _plan(args: argparse.Namespace) -> int:
     """The start-up receipt for a model and a card, without loading weights."""
     import torch
 
-    from radianced.arena import detect_card
-    from radianced.budget import Card, ModelFacts, plan
+    from radianced.budget import plan
+    from radianced.card import Card, detect_card
     from radianced.config import Config
     from radianced.model.default import ensure_default_model
     from radianced.model.rad import RadFile
+    from radianced.sizing import ModelFacts
 
     cfg = Config.from_args(args)
     with RadFile.open(cfg.model or ensure_default_model()) as rad:

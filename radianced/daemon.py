@@ -36,7 +36,8 @@ import msgspec
 import uvicorn
 import uvloop
 
-from radianced.budget import Card, PlanError
+from radianced.budget import PlanError
+from radianced.card import Card
 from radianced.config import Config, ConfigError
 from radianced.engine.driver import AsyncEngine
 from radianced.model.config import UnsupportedModel

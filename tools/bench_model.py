@@ -134,8 +134,7 @@ def section_model(st: State, folder: Path) -> dict:
 
 def section_engine(st: State) -> dict:
     """Engine.build with every expert resident, the embedding on the card, room for the runs' KV."""
-    from radianced.arena import detect_card
-    from radianced.budget import Card
+    from radianced.card import Card, detect_card
     from radianced.config import Config
     from radianced.engine.engine import Engine
 

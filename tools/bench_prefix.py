@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from radianced.budget import Card
+from radianced.card import Card
 from radianced.config import Config
 from radianced.engine.driver import AsyncEngine
 from radianced.engine.engine import Engine

@@ -45,12 +45,12 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 import torch  # noqa: E402
 
-from radianced.budget import ModelFacts, slot_bytes  # noqa: E402
 from radianced.config import Config  # noqa: E402
 from radianced.engine.engine import Engine  # noqa: E402
 from radianced.engine.request import Request  # noqa: E402
 from radianced.engine.sampling_params import SamplingParams  # noqa: E402
 from radianced.model.rad import RadFile  # noqa: E402
+from radianced.sizing import ModelFacts, slot_bytes  # noqa: E402
 from radianced.tiers.placement import routed_experts  # noqa: E402
 from tools import gpu_bench  # noqa: E402
 from tools.make_synthetic import make_synthetic, zipf_targets  # noqa: E402

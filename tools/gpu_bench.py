@@ -374,16 +374,18 @@ def _disk_run(fd: int, path: Path, nbytes: int, chunk: int, threads, np) -> dict
 
 def section_budget(device, quick: bool, tmp: Path) -> dict:
     """Plan a scaled-up tiny qwen3_moe on this card, allocate what the receipt says, and measure."""
-    from radianced.arena import EXPERTS, KV, Arena, detect_card
-    from radianced.budget import Card, ModelFacts, plan
-    from radianced.kernels import ops
+    from radianced.arena import EXPERTS, KV, Arena
+    from radianced.budget import plan
+    from radianced.card import Card, detect_card
     from radianced.config import Config
+    from radianced.kernels import ops
     from radianced.model.batch import ForwardBatch, KVCache
     from radianced.model.convert import convert
     from radianced.model.experts import ResidentExperts
     from radianced.model.loader import load_model
     from radianced.model.rad import RadFile
     from radianced.model.tiny import make_tiny
+    from radianced.sizing import ModelFacts
 
     backend = ops.select(device)  # the product path: Triton attention/MoE on CUDA, the reference elsewhere
     if quick:

@@ -36,7 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from radianced.budget import Card, ModelFacts, plan  # noqa: E402
+from radianced.budget import plan  # noqa: E402
+from radianced.card import Card  # noqa: E402
 from radianced.config import Config  # noqa: E402
 from radianced.engine import engine as engine_module  # noqa: E402
 from radianced.engine import runner as runner_module  # noqa: E402
@@ -44,6 +45,7 @@ from radianced.engine.engine import Engine  # noqa: E402
 from radianced.engine.request import Request  # noqa: E402
 from radianced.engine.sampling_params import SamplingParams  # noqa: E402
 from radianced.model.rad import RadFile  # noqa: E402
+from radianced.sizing import ModelFacts  # noqa: E402
 from tools.make_synthetic import make_synthetic  # noqa: E402
 
 PROMPT = 1024

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radianced.arena import KV, PASSED, Arena, Fence, Lease, TenantPages, detect_card
-from radianced.budget import BLOCK_TOKENS, Card, ModelFacts, Receipt, plan
+from radianced.arena import KV, Arena, Lease, TenantPages
+from radianced.budget import plan
+from radianced.card import Card, detect_card
 from radianced.config import Config
 from radianced.engine.graphs import DecodeGraphs
 from radianced.engine.plan import StepOutput, StepPlan
@@ -44,6 +45,8 @@ from radianced.model.batch import KVCache, RecurrentState
 from radianced.model.loader import load_model
 from radianced.model.rad import RadFile
 from radianced.model.tokenizer import Tokenizer
+from radianced.receipt import Receipt
+from radianced.sizing import BLOCK_TOKENS, ModelFacts
 from radianced.tiers.disk import DiskReader
 from radianced.tiers.expert_loader import ExpertLoader
 from radianced.tiers.host import HostPool

@@ -9,7 +9,7 @@ start-up ranks the expert slots by.
 
 from __future__ import annotations
 
-from radianced.arena import detect_card
+from radianced.card import detect_card
 from radianced.config import Config
 from radianced.engine.engine import Engine
 from radianced.engine.request import Request

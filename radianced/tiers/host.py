@@ -39,7 +39,7 @@ import xxhash
 from radianced.model.rad_format import DTYPES
 from radianced.tiers.disk import ALIGN, DEPTH, DiskError, DiskReader, Faults, align_up
 from radianced.tiers.profile import model_checksum
-from radianced.tiers.tmpfs import tmpfs_refusal
+from radianced.tmpfs import tmpfs_refusal
 
 MiB = 1 << 20
 CUDA_HOST_REGISTER_PORTABLE, CUDA_HOST_REGISTER_MAPPED = 1, 2

@@ -70,7 +70,7 @@ import numpy as np
 import torch
 import xxhash
 
-from radianced.arena import EXPERTS, PASSED, Arena, Fence, Lease, OutOfPages
+from radianced.arena import EXPERTS, Arena, Lease, OutOfPages
 from radianced.tiers.expert_loader import ExpertLoader
 from radianced.tiers.host_buffers import HostBuffer, HostBuffers
 from radianced.tiers.placement import CARD, DISK, HOST, Key, Placement

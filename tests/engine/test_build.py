@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from radianced.budget import Card
+from radianced.card import Card
 from radianced.config import Config
 from radianced.engine.engine import Engine
 from tests.engine.conftest import FAMILIES, prompts, request, run_all, small_engine

@@ -15,7 +15,7 @@ import shutil
 
 import torch
 
-from radianced.budget import Card
+from radianced.card import Card
 from radianced.config import Config
 from radianced.engine.engine import Engine
 from radianced.engine.request import FinishReason

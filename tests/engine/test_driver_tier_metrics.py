@@ -10,10 +10,12 @@ from __future__ import annotations
 from collections import Counter
 
 from radianced.arena import EXPERTS, KV
-from radianced.budget import Card, ModelFacts, plan
+from radianced.budget import plan
+from radianced.card import Card
 from radianced.config import Config
 from radianced.engine.driver import NoMetrics
 from radianced.engine.engine import Engine
+from radianced.sizing import ModelFacts
 from tests.engine.conftest import prompts, serve_greedy
 
 

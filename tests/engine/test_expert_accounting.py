@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import re
 
-from radianced.budget import Card
+from radianced.card import Card
 from radianced.config import Config
 from radianced.engine.driver import NoMetrics
 from radianced.engine.engine import Engine

@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radianced.budget import BLOCK_TOKENS, Card
+from radianced.card import Card
 from radianced.config import Config
 from radianced.engine.engine import Engine
 from radianced.engine.graphs import DecodeGraphs, buckets_for
+from radianced.sizing import BLOCK_TOKENS
 from tests.engine.conftest import prompts, request, run_all
 from tests.kernels.compare import rel_err
 

@@ -10,9 +10,11 @@ KV no longer uses. Greedy tokens equal the all-resident engine's throughout.
 from __future__ import annotations
 
 from radianced.arena import EXPERTS, KV
-from radianced.budget import Card, ModelFacts, plan
+from radianced.budget import plan
+from radianced.card import Card
 from radianced.config import Config
 from radianced.engine.engine import Engine
+from radianced.sizing import ModelFacts
 from tests.engine.conftest import prompts, request, run_all, small_engine
 
 PAGES = 34

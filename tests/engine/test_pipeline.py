@@ -15,13 +15,14 @@ from collections import defaultdict
 
 import pytest
 
-from radianced.budget import BLOCK_TOKENS, Card
+from radianced.card import Card
 from radianced.config import Config
 from radianced.engine.driver import AsyncEngine
 from radianced.engine.engine import Engine
 from radianced.engine.graphs import DecodeGraphs
 from radianced.engine.plan import PENDING
 from radianced.engine.sampling_params import SamplingParams
+from radianced.sizing import BLOCK_TOKENS
 from tests.engine.conftest import FAMILIES, prompts, request, small_engine
 
 

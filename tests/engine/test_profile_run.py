@@ -7,7 +7,7 @@ import logging
 import shutil
 
 from radianced import ctl
-from radianced.budget import Card
+from radianced.card import Card
 from radianced.config import Config
 from radianced.engine.engine import Engine
 from radianced.model.rad import RadFile

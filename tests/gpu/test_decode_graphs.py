@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from radianced.budget import Card
+from radianced.card import Card
 from radianced.config import Config
 from radianced.engine.engine import Engine
 from tests.engine.conftest import prompts, request, tiny_rads  # noqa: F401 (fixture)

@@ -18,10 +18,12 @@ import msgspec
 import pytest
 import torch
 
-from radianced.budget import Card, ModelFacts, plan
+from radianced.budget import plan
+from radianced.card import Card
 from radianced.config import Config
 from radianced.engine import engine as engine_module
 from radianced.engine.engine import Engine
+from radianced.sizing import ModelFacts
 from tests.engine.conftest import tiny_rads  # noqa: F401 (fixture)
 from tests.gpu.conftest import gpu_device, record
 

@@ -104,17 +104,17 @@ def test_decode_split_over_keys_merges_to_the_reference(splits):
 
 @pytest.mark.parametrize("sms", [78, 132, 256])
 def test_the_receipt_bounds_the_split_partials(monkeypatch, sms):
-    """budget.activation_bytes charges splits x rows partial rows up to 2 x MAX_SMS / Hkv: what
+    """sizing.activation_bytes charges splits x rows partial rows up to 2 x MAX_SMS / Hkv: what
     attention_config gives any decode batch on a device of up to MAX_SMS SMs."""
-    from radianced import budget
+    from radianced import sizing
 
-    assert attention.MAX_SPLITS == budget.ATTENTION_MAX_SPLITS and sms <= budget.MAX_SMS
+    assert attention.MAX_SPLITS == sizing.ATTENTION_MAX_SPLITS and sms <= sizing.MAX_SMS
     monkeypatch.setattr(attention.pdl, "sm_count", lambda device: sms)
     for kv_heads in (1, 2, 4, 8):
-        bound = 2 * budget.MAX_SMS // kv_heads
+        bound = 2 * sizing.MAX_SMS // kv_heads
         for rows in range(1, 300):
             cfg = attention.attention_config(rows, rows, 8 * kv_heads, kv_heads, 128, torch.device("cuda"))
-            assert cfg.num_splits == 1 or cfg.num_splits * rows <= min(rows * budget.ATTENTION_MAX_SPLITS, bound)
+            assert cfg.num_splits == 1 or cfg.num_splits * rows <= min(rows * sizing.ATTENTION_MAX_SPLITS, bound)
 
 
 def test_decode_split_in_bf16():

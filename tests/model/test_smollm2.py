@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from radianced.budget import Card
+from radianced.card import Card
 from radianced.config import Config
 from radianced.engine.engine import Engine
 from radianced.model.batch import KVCache

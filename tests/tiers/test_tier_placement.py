@@ -8,9 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radianced.budget import Card, ModelFacts, plan
+from radianced.budget import plan
+from radianced.card import Card
 from radianced.config import parse_config
 from radianced.model.rad import RadFile
+from radianced.sizing import ModelFacts
 from radianced.tiers.placement import CARD, DISK, HOST, place, place_receipt, rank_order, routed_experts
 from radianced.tiers.profile import Profile, model_checksum
 

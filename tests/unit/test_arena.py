@@ -1,4 +1,4 @@
-"""The arena's pages: leases, lending between KV and experts, fences, views. Exact page ids."""
+"""The arena's pages: leases, lending between KV and experts, views. Exact page ids."""
 
 from __future__ import annotations
 
@@ -7,22 +7,14 @@ import math
 import pytest
 import torch
 
-from radianced.arena import (
-    EXPERTS, KV, PASSED, Arena, FixedPolicy, Lease, LendingPolicy, OutOfPages, detect_card, policy_for,
-)
-from radianced.budget import Card, ModelFacts, plan
+from radianced.arena import EXPERTS, KV, Arena, FixedPolicy, Lease, LendingPolicy, OutOfPages, policy_for
+from radianced.budget import plan
+from radianced.card import Card
 from radianced.config import Config
 from radianced.model.config import ModelConfig
+from radianced.sizing import ModelFacts
 
 PAGE = 4096
-
-
-class FakeFence:
-    def __init__(self):
-        self.done = False
-
-    def passed(self) -> bool:
-        return self.done
 
 
 class Tenant:
@@ -32,7 +24,6 @@ class Tenant:
         self.arena, self.name, self.cost = arena, name, cost
         self.pages: list[int] = []  # oldest (coldest) first
         self.live: set[int] = set()
-        self.fence = PASSED
         arena.register(name, self)
 
     def take(self, n: int) -> tuple[int, ...]:
@@ -48,11 +39,11 @@ class Tenant:
     def reclaim_cost(self) -> float:
         return self.cost if self._spare() else math.inf
 
-    def surrender(self, n: int):
+    def surrender(self, n: int) -> Lease:
         give = self._spare()[:n]
         for p in give:
             self.pages.remove(p)
-        return Lease(self.name, tuple(give)), self.fence
+        return Lease(self.name, tuple(give))
 
     def _spare(self) -> list[int]:
         return [p for p in self.pages if p not in self.live]
@@ -141,21 +132,15 @@ def test_cached_kv_goes_first_when_it_is_cheaper_than_an_expert():
     assert slab.pages == [1, 2, 3]
 
 
-def test_pages_are_reused_only_after_their_fence_has_passed():
-    arena, kv, slab = lending()
-    slab.take(8)
-    kv.take(2)
-    kv.live = set(kv.pages)
-    slab.fence = fence = FakeFence()  # the step that read these slots is still queued
-    with pytest.raises(OutOfPages, match="3 waiting for their fence"):
-        kv.take(3)
-    assert arena.stats().pending == 3 and arena.held(EXPERTS) == 5
-    with pytest.raises(OutOfPages):
-        kv.take(3)  # retrying does not evict more: the fenced pages cover it
-    assert arena.held(EXPERTS) == 5
-    fence.done = True
-    assert kv.take(3) == (0, 1, 2)
-    assert arena.stats().pending == 0
+def test_pages_given_back_or_taken_back_are_leased_again_at_once():
+    """No fence: a page is free when `release` or a tenant's `surrender` returns (stream order
+    keeps a queued step's reads ahead of the next tenant's writes)."""
+    arena, kv, slab = lending(pages=4, floor=0, buffer=0)
+    assert slab.take(4) == (0, 1, 2, 3)
+    assert kv.take(2) == (0, 1)  # surrendered by the slab and leased in the same call
+    assert arena.num_free == 0 and arena.stats().moved == (((EXPERTS, KV), 2),)
+    slab.give_back([3])
+    assert arena.num_free == 1 and kv.take(1) == (3,)
 
 
 def test_deterministic_quotas_forbid_lending():
@@ -196,10 +181,3 @@ def test_the_arena_of_a_receipt_is_its_elastic_line_within_one_page():
     assert arena.policy == policy_for(r) == LendingPolicy(expert_floor=6, kv_buffer=3)
     assert arena.lease(EXPERTS, r.expert_slots).pages == tuple(range(r.expert_slots))
     assert arena.num_free == r.kv_start_pages
-
-
-def test_the_cpu_card_is_half_of_ram():
-    import psutil
-
-    card = detect_card("cpu")
-    assert card.total_bytes == psutil.virtual_memory().total // 2 and 0 < card.free_bytes <= card.total_bytes

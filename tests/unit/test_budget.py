@@ -3,6 +3,7 @@ the arithmetic an operator would do with a calculator, not taken from budget.py.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from fractions import Fraction
 from pathlib import Path
@@ -13,13 +14,35 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radianced.budget import (
-    ALLOC_GRANULE, BLOCK_TOKENS, CAPTURE_WORKSPACE_BYTES, Card, ModelFacts, PagingGroup, PlanError, expert_slots, fmt_gib, kv_bytes,
-    kv_token_bytes, kv_tokens_by_hand, plan, recurrent_state_charge, slot_bytes,
+    PlanError, Room, Short, Split, deterministic, lending, plan, resident, with_disk_buffers,
 )
+from radianced.card import ALLOC_GRANULE, Card
+from radianced.charges import CAPTURE_WORKSPACE_BYTES, fixed_charges, recurrent_state_charge
 from radianced.config import Config, parse_config
 from radianced.model.config import ModelConfig
+from radianced.receipt import Part, fmt_gib
+from radianced.sizing import BLOCK_TOKENS, ModelFacts, PagingGroup, kv_pages, kv_token_bytes, slot_bytes
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+# -- arithmetic by hand (the tests' own, not the package's) -----------------------
+
+
+def expert_slots(free_bytes: int, reserved_bytes: int, extent_bytes: int) -> int:
+    """Slots in what is left: floor((free - reserved) / aligned slot), never negative."""
+    return max(0, (free_bytes - reserved_bytes) // slot_bytes(extent_bytes))
+
+
+def kv_bytes(groups, tokens: int) -> int:
+    """Bytes of `tokens` tokens of one sequence, in whole blocks of every group."""
+    return sum(g.blocks(tokens) * g.block_bytes for g in groups)
+
+
+def kv_tokens_by_hand(sessions: int, context_tokens: int, held_pct: int = 100) -> int:
+    """Pool tokens that `sessions` sessions of `context_tokens` need when each holds
+    `held_pct`% of its context (prefix caching keeps earlier turns: about 180%)."""
+    return -(-sessions * context_tokens * held_pct // 100)
 
 # -- models: real shapes (REFERENCE.md) and the tiny test models ----------------
 
@@ -347,6 +370,133 @@ def test_speculative_doubles_recurrent_state_and_adds_the_mtp_paging_group():
     assert [g.name for g in r.groups] == ["kv_attn", "kv_mtp"]
     assert r.groups[1].token_bytes == 2 * 2 * 256 * 2
     assert "mtp" in [p.name for p in r.weights]
+
+
+# -- the pieces of plan: the fixed part, the room, one function per placement mode ------
+
+
+def test_the_fixed_part_of_tiny_moe_leaves_the_rest_elastic():
+    facts, cfg = ModelFacts.from_config(TINY_MOE, 4), flags(TINY_FLAGS)
+    free = _tiny_moe_fixed() + 1000
+    fixed = fixed_charges(Card(free, free), facts, cfg, (PagingGroup("kv_attn", 3, 16, 16 * 768),), 256)
+    assert (fixed.headroom, fixed.headroom_flag, fixed.elastic) == (0, "--gpu-headroom-mib 0", 1000)
+    assert fixed.host_weights == (Part("embeddings", 400 * 64 * 4, "--embedding-placement ram"),)
+    assert fixed.idle_weights == ()
+    assert [p.name for p in fixed.workspace] == ["logits", "activations", "graph pool", "libraries"]
+    # 2 seqs x 16 blocks of a 256-token sequence x int32; 3 MoE layers x 8 experts x int64
+    assert [(p.name, p.bytes) for p in fixed.state] == [("block tables", 2 * 16 * 4), ("expert pointers", 3 * 8 * 8)]
+
+
+def test_kv_pages_count_whole_blocks_in_pages_of_whole_blocks_of_each_group():
+    attn, idx = PagingGroup("kv_attn", 3, 16, 12 * KiB), PagingGroup("kv_idx", 1, 16, 6 * KiB)
+    # a 24 KiB page holds 2 attention blocks or 4 index blocks
+    assert kv_pages((attn,), 24 * KiB, 256) == 8  # 16 blocks
+    assert kv_pages((attn,), 24 * KiB, 257) == 9  # 17 blocks: the last page half used
+    assert kv_pages((attn, idx), 24 * KiB, 256) == 8 + 4
+    assert kv_pages((attn, idx), 24 * KiB, 256, seqs=3) == 24 + 12
+    assert kv_pages((attn,), 24 * KiB, 17, seqs=3) == 3  # 3 x 2 blocks share 3 pages
+
+
+def tiny_room(pages: int, **change) -> Room:
+    """TINY_MOE's room under TINY_FLAGS with `pages` whole pages: 24 experts of one 24 KiB page,
+    a disk-tier buffer of one layer's 8 experts, a floor of top-2 in 3 MoE layers, one 256-token
+    sequence = 16 blocks = 8 pages, one step's growth (64 + 2 x 16 tokens = 6 blocks) = 3 pages."""
+    return Room(**dict(
+        elastic=pages * TINY_SLOT, page_bytes=TINY_SLOT, alloc_granule=4096, disk_buffer_pages=0, experts=24,
+        slot_cap=24, host_slots=0, host_pool_mib=0, disk_tier=False, buffer_experts=8, floor_experts=6,
+        kv_seq_pages=8, kv_step_pages=3, max_model_len=256) | change)
+
+
+SEQ_TEXT = "one full-length sequence of KV (8 pages, --max-model-len 256)"
+
+
+def test_plan_divides_its_room_with_the_mode_the_flags_pick():
+    for extra, mode, change in (("", lending, {}), ("--placement resident", resident, {}),
+                                ("--deterministic --host-pool-mib 1", deterministic,
+                                 {"host_slots": 42, "host_pool_mib": 1})):  # 1 MiB holds 42 slots
+        r = tiny_moe_plan(40, extra)
+        assert (r.mode, r.elastic, r.arena_pages, r.disk_buffer_pages, r.experts_pinned, r.experts_host,
+                r.experts_disk, r.expert_slots, r.expert_floor, r.kv_buffer_pages) == \
+            dataclasses.astuple(mode(tiny_room(40, **change))), extra
+
+
+def test_room_pages_are_whole_allocator_units_beside_the_disk_buffers():
+    room = tiny_room(0, elastic=1000 * 4096 + 100, page_bytes=4096)
+    assert room.arena_pages == 1000
+    cuda = dataclasses.replace(room, alloc_granule=ALLOC_GRANULE)  # 512 pages a unit
+    assert cuda.arena_pages == 512
+    assert dataclasses.replace(cuda, disk_buffer_pages=16).arena_pages == 496  # 496 + 16 = one unit
+    assert tiny_room(0, elastic=-1).arena_pages == 0
+
+
+def test_disk_buffers_take_a_page_for_each_expert_two_layers_route():
+    room = with_disk_buffers(tiny_room(30))
+    assert (room.elastic, room.disk_buffer_pages, room.arena_pages) == (14 * TINY_SLOT, 16, 14)
+    assert room == tiny_room(14, disk_buffer_pages=16)
+
+
+def test_resident_pins_every_expert_and_leaves_kv_the_rest():
+    assert resident(tiny_room(32)) == Split("resident", 32 * TINY_SLOT, 32, 0, experts_pinned=24, experts_host=0,
+                                            experts_disk=0, expert_slots=24, expert_floor=24, kv_buffer_pages=8)
+    with pytest.raises(Short) as e:
+        resident(tiny_room(31))
+    assert (e.value.missing, e.value.what) == (TINY_SLOT, f"all 24 experts (24 slots) plus {SEQ_TEXT}")
+
+
+def test_deterministic_fills_slots_then_the_host_pool_then_the_file():
+    assert deterministic(tiny_room(20, host_slots=42)) == Split(
+        "deterministic", 20 * TINY_SLOT, 20, 0, experts_pinned=12, experts_host=12, experts_disk=0, expert_slots=12,
+        expert_floor=12, kv_buffer_pages=8)
+    # 22 slots beside one sequence leave 2 experts for the file: its buffers take 16 of the 30 pages
+    assert deterministic(tiny_room(30, disk_tier=True)) == Split(
+        "deterministic", 14 * TINY_SLOT, 14, 16, experts_pinned=6, experts_host=0, experts_disk=18, expert_slots=6,
+        expert_floor=6, kv_buffer_pages=8)
+
+
+def test_deterministic_refusals_say_what_is_missing():
+    with pytest.raises(Short) as e:
+        deterministic(tiny_room(7))
+    assert (e.value.missing, e.value.what) == (TINY_SLOT, SEQ_TEXT)
+    with pytest.raises(Short) as e:
+        deterministic(tiny_room(20))
+    assert (e.value.missing, e.value.what) == (
+        12 * TINY_SLOT, f"12 experts fit neither the card (12 slots beside {SEQ_TEXT}) nor the host pool "
+                        f"(--host-pool-mib 0)")
+    with pytest.raises(Short) as e:
+        deterministic(tiny_room(20, disk_tier=True))  # 4 pages beside the buffers
+    assert (e.value.missing, e.value.what) == (4 * TINY_SLOT, f"{SEQ_TEXT} beside the disk-tier buffers")
+
+
+def test_lending_pins_what_the_host_pool_cannot_hold_and_lends_the_rest_down_to_the_floor():
+    assert lending(tiny_room(319)) == Split(
+        "lending", 319 * TINY_SLOT, 319, 0, experts_pinned=24, experts_host=0, experts_disk=0, expert_slots=24,
+        expert_floor=24, kv_buffer_pages=3)
+    assert lending(tiny_room(319, host_slots=42)) == Split(
+        "lending", 319 * TINY_SLOT, 319, 0, experts_pinned=0, experts_host=24, experts_disk=0, expert_slots=24,
+        expert_floor=6, kv_buffer_pages=3)
+    capped = lending(tiny_room(319, host_slots=42, slot_cap=10))
+    assert (capped.expert_slots, capped.expert_floor) == (10, 6)
+    dense = lending(tiny_room(100, experts=0, slot_cap=0, floor_experts=0))
+    assert dense == Split("lending", 100 * TINY_SLOT, 100, 0, 0, 0, 0, 0, 0, 3)
+
+
+def test_lending_leaves_experts_in_the_file_only_when_card_or_slot_cap_cannot_pin_them():
+    assert lending(tiny_room(30, disk_tier=True)) == Split(
+        "lending", 14 * TINY_SLOT, 14, 16, experts_pinned=0, experts_host=0, experts_disk=24, expert_slots=11,
+        expert_floor=6, kv_buffer_pages=3)
+    assert lending(tiny_room(319, disk_tier=True)).experts_pinned == 24  # room to pin them all
+    assert lending(tiny_room(319, disk_tier=True, slot_cap=10)) == Split(
+        "lending", 303 * TINY_SLOT, 303, 16, experts_pinned=0, experts_host=0, experts_disk=24, expert_slots=10,
+        expert_floor=6, kv_buffer_pages=3)
+
+
+def test_lending_refusals_say_what_is_missing():
+    with pytest.raises(Short) as e:
+        lending(tiny_room(31))
+    assert (e.value.missing, e.value.what) == (
+        TINY_SLOT, f"24 experts pinned on the card (beyond the host pool, --host-pool-mib 0) plus {SEQ_TEXT}")
+    with pytest.raises(PlanError, match="--expert-slots 3 is below the 24 experts that must stay on the card"):
+        lending(tiny_room(319, slot_cap=3))
 
 
 # -- the guide's worked example ---------------------------------------------------

@@ -1,0 +1,152 @@
+"""The fixed part of the card split: what the card is charged before the elastic region.
+
+Pure: numbers in, `Part`s out (the receipt's lines). `budget.plan` checks the
+headroom first and divides what is left (`FixedCharges.elastic`) by placement mode.
+
+- **Headroom**: `--gpu-headroom-mib`, or card - `--gpu-memory-mib`.
+- **Resident weights** by class (`WEIGHT_CLASSES`), as stored. Embeddings stay
+  in pinned host RAM unless `--embedding-placement vram`; a tied lm_head keeps
+  the one copy on the card. The MTP head is loaded only with `--speculative`.
+- **Activation workspace** for a step of T = `--max-num-batched-tokens` tokens
+  with R = min(T, seqs x (1 + drafts)) sampled rows:
+    logits      R sampled rows (sizing.py: `logits_bytes`).
+    activations one decoder layer at T tokens (sizing.py: `activation_bytes`).
+    graph pool  the same two terms at R tokens: decode CUDA graphs capture into
+                a private pool of their own (the fp32 logits of every bucket
+                stay in it: at most 3.4 x R rows x 4 bytes, inside the logits
+                term), plus CAPTURE_WORKSPACE_BYTES for the capture stream's
+                cuBLAS workspace on a CUDA card; none with --enforce-eager.
+    libraries   LIBRARY_BYTES (cuBLAS/cuBLASLt workspaces, Triton scratch).
+- **Fixed state** per live sequence: recurrent state of every DeltaNet layer
+  (Hv x Dk x Dv fp32 + conv channels x (kernel - 1) in the model dtype) times
+  `Config.state_copies`; block tables sized for full context (int32 per block
+  per paging group); the expert pointer table (int64 per layer and expert). With
+  experts on disk a placement mode adds the two disk-tier buffers (one layer's
+  routed experts each).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from radianced.card import Card, MiB
+from radianced.config import Config
+from radianced.model.config import ModelConfig
+from radianced.receipt import Part, fmt_mib
+from radianced.sizing import (
+    SAMPLER_BYTES, WEIGHT_CLASSES, ModelFacts, PagingGroup, activation_bytes, logits_bytes, recurrent_bytes_per_copy,
+)
+
+LIBRARY_BYTES = 32 * MiB  # cuBLAS/cuBLASLt workspaces and Triton scratch
+# torch gives each (cuBLAS handle, stream) its own workspace (32 MiB on Hopper): the decode graphs are
+# captured on a stream of their own, which gets a second one (measured on the H200: 32.0 MiB).
+CAPTURE_WORKSPACE_BYTES = 32 * MiB
+BLOCK_TABLE_ENTRY = 4  # int32
+EXPERT_POINTER = 8  # int64 address (or index on the CPU)
+
+
+@dataclass(frozen=True)
+class FixedCharges:
+    """Everything the card is charged before the elastic region, in the receipt's order.
+
+    headroom: bytes of the card left untouched (`Config.headroom_bytes`; plan refuses a
+        negative one or one past the free bytes before charging anything else).
+    headroom_flag: the flag that set it, as the receipt prints it.
+    weights: resident weights on the card, by class.
+    host_weights: weights pinned in host RAM instead (the embeddings, unless on the card).
+    idle_weights: weights stored in the file and not loaded (the MTP head without --speculative).
+    workspace: logits, activations, graph pool and libraries of one step.
+    state: recurrent state, block tables and expert pointers of the live sequences.
+    elastic: the card's free bytes less all of the above (may be negative): what the
+        placement modes divide.
+    """
+
+    headroom: int
+    headroom_flag: str
+    weights: tuple[Part, ...]
+    host_weights: tuple[Part, ...]
+    idle_weights: tuple[Part, ...]
+    workspace: tuple[Part, ...]
+    state: tuple[Part, ...]
+    elastic: int
+
+
+def fixed_charges(card: Card, facts: ModelFacts, cfg: Config, groups: tuple[PagingGroup, ...],
+                  max_model_len: int) -> FixedCharges:
+    """The fixed part of `card`'s split for `facts` under `cfg`, KV in `groups`."""
+    headroom = cfg.headroom_bytes(card.total_bytes)
+    flag = f"--gpu-memory-mib {cfg.gpu_memory_mib}" if cfg.gpu_memory_mib is not None \
+        else f"--gpu-headroom-mib {cfg.headroom_mib}"
+    weights, host_weights, idle = _weights(facts, cfg)
+    workspace = _workspace(facts, card, cfg)
+    state = tuple(_state(facts, cfg, groups, max_model_len))
+    elastic = card.free_bytes - headroom - sum(p.bytes for p in weights + workspace + state)
+    return FixedCharges(headroom, flag, weights, host_weights, idle, workspace, state, elastic)
+
+
+def recurrent_state_charge(per_copy_bytes: int, seqs: int, speculative: int) -> int:
+    """Recurrent state charged for `seqs` live sequences: one copy each plus one per draft token."""
+    return per_copy_bytes * seqs * (speculative + 1)
+
+
+def _weights(facts: ModelFacts, cfg: Config) -> tuple[tuple[Part, ...], tuple[Part, ...], tuple[Part, ...]]:
+    """(on the card, pinned in host RAM, not loaded) by class."""
+    w = dict(facts.weights)
+    card, host, idle = [], [], []
+    tied = facts.model.tie_word_embeddings or w["lm_head"] == 0
+    for c in WEIGHT_CLASSES:
+        n = w[c]
+        if c == "embeddings":
+            if tied:
+                n = 0  # lookups read the lm_head's copy on the card
+            elif not cfg.embeddings_on_card:
+                host.append(Part("embeddings", n, "--embedding-placement ram"))
+                n = 0
+        elif c == "lm_head" and tied:
+            card.append(Part("lm_head", w["embeddings"], "tied to the embeddings: one copy"))
+            continue
+        elif c == "mtp" and n and not cfg.speculative:
+            idle.append(Part("mtp", n, "drafts only with --speculative"))
+            continue
+        if n:
+            card.append(Part(c, n))
+    return tuple(card), tuple(host), tuple(idle)
+
+
+def _workspace(facts: ModelFacts, card: Card, cfg: Config) -> tuple[Part, ...]:
+    m, act, T = facts.model, facts.act_bytes, cfg.max_num_batched_tokens
+    rows = min(T, cfg.decode_tokens)
+    return (
+        Part("logits", logits_bytes(m, act, rows),
+             f"{rows} rows x {m.vocab_size} vocab x {act + SAMPLER_BYTES} B: lm_head output and sampler buffers"),
+        Part("activations", activation_bytes(m, act, T, card.cuda), f"one layer at {T} tokens"),
+        _graph_pool(m, act, rows, card, cfg),
+        Part("libraries", LIBRARY_BYTES, "cuBLAS workspaces, Triton scratch"),
+    )
+
+
+def _graph_pool(m: ModelConfig, act: int, rows: int, card: Card, cfg: Config) -> Part:
+    if cfg.enforce_eager:
+        return Part("graph pool", 0, "none: --enforce-eager")
+    pool = activation_bytes(m, act, rows, card.cuda) + logits_bytes(m, act, rows)
+    if not card.cuda:
+        return Part("graph pool", pool, f"one layer and logits at {rows} tokens, for decode graphs")
+    return Part("graph pool", pool + CAPTURE_WORKSPACE_BYTES,
+                f"one layer and logits at {rows} tokens, and the capture stream's cuBLAS workspace, "
+                f"for decode graphs")
+
+
+def _state(facts: ModelFacts, cfg: Config, groups: tuple[PagingGroup, ...], L: int) -> Iterable[Part]:
+    m, S = facts.model, cfg.max_num_seqs
+    per_copy = recurrent_bytes_per_copy(m, facts.act_bytes)
+    if per_copy:
+        copies = cfg.state_copies
+        yield Part("recurrent", recurrent_state_charge(per_copy, S, cfg.speculative),
+                   f"{S} seqs x {copies} {'copy' if copies == 1 else 'copies'} x {fmt_mib(per_copy)}")
+    entries = sum(g.blocks(L) for g in groups)
+    yield Part("block tables", S * entries * BLOCK_TABLE_ENTRY, f"{S} seqs x {entries} blocks x {BLOCK_TABLE_ENTRY} B")
+    if facts.expert_count:
+        layers = len(m.moe_layers)
+        yield Part("expert pointers", layers * m.num_experts * EXPERT_POINTER,
+                   f"{layers} layers x {m.num_experts} experts x {EXPERT_POINTER} B")

@@ -1,0 +1,308 @@
+"""What a model costs on the card, in bytes: pure arithmetic on a `ModelFacts`, no torch.
+
+- **Weights** by class (`WEIGHT_CLASSES`), as stored (`ModelFacts.from_header`)
+  or as a config implies them (`ModelFacts.from_config`); routed experts are
+  counted from their extents.
+- **Activations** of a step of T = `--max-num-batched-tokens` tokens with R
+  sampled rows (the budget charges these as its workspace):
+    logits      R x vocab x (act + 20) bytes: the lm_head output in the model
+                dtype, then fp32 logits, fp32 probabilities, an fp32 sorted copy
+                and its int64 indices (top-p / top-k) = 4 + 4 + 4 + 8.
+                Only sampled rows get logits (the model gathers them first).
+    activations one decoder layer at T tokens (layers run one after another):
+                4 hidden-state buffers [T, H] + the largest mixer (attention:
+                q(+gate), k, v, output, on CUDA the flash-decoding partials; DeltaNet:
+                projections, conv output, core output, fp32 chunk
+                intermediates and per-chunk states) + the
+                largest MLP (dense: gate, up, act; MoE: fp32 router logits,
+                top-k ids and weights, and per routed row the gathered input,
+                gate, up, act and output, plus the shared expert). Attention
+                kernels are flash-style: no [T, context] scores.
+- **Recurrent state** of one sequence: every DeltaNet layer's Hv x Dk x Dv fp32
+  state + conv channels x (kernel - 1) in the model dtype.
+- **KV and pages**: page = one expert slot: the expert extent rounded up to
+  4 KiB (`PAGE_ALIGN`). A dense model's page is the most whole KV blocks that
+  fit in 2 MiB, so no page carries a torn block. A KV block holds
+  `BLOCK_TOKENS` (16) tokens of one paging group: full-attention layers x 2
+  (K and V) x kv_heads x head_dim x dtype bytes per token.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from fractions import Fraction
+
+from radianced.card import MiB, align_up
+from radianced.config import Config
+from radianced.model.config import ModelConfig
+
+BLOCK_TOKENS = 16  # tokens per KV block, every paging group
+DENSE_PAGE_BYTES = 2 * MiB  # a dense model's page: whole KV blocks up to this size
+SAMPLER_BYTES = 20  # per (sampled row, vocab entry): fp32 logits, probs, sorted copy + int64 index
+DELTANET_CHUNK = 64  # chunk length of the chunked gated delta rule
+# Flash-decoding partials (kernels/attention.py): a decode step splits keys only while splits x
+# sequences x KV heads <= 2 x the device's SMs; this bounds the SMs of any device planned for (an
+# H200 has 132), so one step's partial rows (split, token) stay under 2 x MAX_SMS / KV heads.
+MAX_SMS = 256
+ATTENTION_MAX_SPLITS = 32  # kernels/attention.MAX_SPLITS (tests/kernels/test_attention.py holds them equal)
+FP32 = 4
+
+WEIGHT_CLASSES = ("embeddings", "lm_head", "attention", "norms", "router", "shared experts",
+                  "dense MLP", "mtp", "other")
+
+
+# -- the model ---------------------------------------------------------------
+
+_ROUTED = re.compile(r"\.experts\.")
+
+
+def weight_class(name: str) -> str | None:
+    """The resident class of a stored tensor; None for routed-expert tensors (they
+    are counted from the expert extents)."""
+    if name.startswith("mtp."):
+        return "mtp"
+    if _ROUTED.search(name):
+        return None
+    if "embed_tokens" in name:
+        return "embeddings"
+    if name.startswith("lm_head"):
+        return "lm_head"
+    if "shared_expert" in name:
+        return "shared experts"
+    if "norm" in name:
+        return "norms"
+    if name.endswith("mlp.gate.weight"):
+        return "router"
+    if ".mlp." in name:
+        return "dense MLP"
+    if "self_attn." in name or "linear_attn." in name:
+        return "attention"
+    return "other"
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the budget needs to know about a model: its config and stored byte sizes.
+
+    weights: bytes of every class of `WEIGHT_CLASSES`, in that order (routed
+    experts excluded; the MTP head's own experts included in "mtp").
+    act_bytes: bytes of one activation / KV element (the stored dtype of the
+    embeddings: the dtype the model computes in).
+    expert_*: the routed (layer, expert) extents of the decoder layers.
+    """
+
+    model: ModelConfig
+    act_bytes: int
+    weights: tuple[tuple[str, int], ...]
+    expert_count: int = 0
+    expert_extent_bytes: int = 0
+    expert_total_bytes: int = 0
+
+    def weight(self, cls: str) -> int:
+        return dict(self.weights)[cls]
+
+    @classmethod
+    def from_rows(cls, model: ModelConfig, tensors: Iterable[tuple[str, str, tuple[int, ...], int]],
+                  experts: Iterable[tuple[int, int, int]]) -> ModelFacts:
+        """From the stored tensors (name, dtype, shape, nbytes) and expert extents
+        (layer, expert, nbytes). Raises ValueError when the embeddings are missing."""
+        sums = dict.fromkeys(WEIGHT_CLASSES, 0)
+        act = 0
+        for name, _dtype, shape, nbytes in tensors:
+            c = weight_class(name)
+            if c is not None:
+                sums[c] += nbytes
+            if c == "embeddings":
+                act = nbytes // math.prod(shape)
+        if act == 0:
+            raise ValueError("the model has no token embeddings (model.embed_tokens.weight)")
+        count = extent = total = 0
+        for layer, _expert, nbytes in experts:
+            if layer >= model.num_hidden_layers:  # the MTP head's experts
+                sums["mtp"] += nbytes
+                continue
+            count, extent, total = count + 1, max(extent, nbytes), total + nbytes
+        return cls(model, act, tuple(sums.items()), count, extent, total)
+
+    @classmethod
+    def from_header(cls, header) -> ModelFacts:
+        """From a `.rad` header: `.model`, `.tensors` (.name .dtype .shape .nbytes),
+        `.experts` (.layer .expert .nbytes)."""
+        return cls.from_rows(header.model, ((t.name, t.dtype, tuple(t.shape), t.nbytes) for t in header.tensors),
+                             ((e.layer, e.expert, e.nbytes) for e in header.experts))
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, dtype_bytes: int, expert_dtype_bytes: int | None = None) -> ModelFacts:
+        """For a model known only by its config, every tensor stored in `dtype_bytes`
+        (routed experts in `expert_dtype_bytes`, default the same)."""
+        eb = dtype_bytes if expert_dtype_bytes is None else expert_dtype_bytes
+        elems, mtp_expert_elems = _class_elements(cfg)
+        sums = {c: n * dtype_bytes for c, n in elems.items()}
+        sums["mtp"] += mtp_expert_elems * eb
+        extent = 3 * cfg.hidden_size * cfg.moe_intermediate_size * eb
+        count = len(cfg.moe_layers) * cfg.num_experts
+        return cls(cfg, dtype_bytes, tuple(sums.items()), count, extent if count else 0, count * extent)
+
+
+def _class_elements(m: ModelConfig) -> tuple[dict[str, int], int]:
+    """Elements of every resident class, and of the MTP head's routed experts."""
+    H, E = m.hidden_size, m.num_experts
+    n = dict.fromkeys(WEIGHT_CLASSES, 0)
+    n["embeddings"] = m.vocab_size * H
+    n["lm_head"] = 0 if m.tie_word_embeddings else m.vocab_size * H
+    attn, qk_norms = _attention_elements(m)
+    for i in range(m.num_hidden_layers):
+        n["norms"] += 2 * H
+        if m.layer_type(i) == "full_attention":
+            n["attention"] += attn
+            n["norms"] += qk_norms
+        else:
+            key = m.linear_num_key_heads * m.linear_key_head_dim
+            val = m.linear_num_value_heads * m.linear_value_head_dim
+            nv = m.linear_num_value_heads
+            n["attention"] += (H * (2 * key + 2 * val) + H * 2 * nv  # in_proj_qkvz, in_proj_ba
+                               + (2 * key + val) * m.linear_conv_kernel_dim  # conv1d
+                               + 2 * nv + val * H)  # dt_bias, A_log, out_proj
+            n["norms"] += m.linear_value_head_dim
+        if m.is_moe_layer(i):
+            n["router"] += E * H
+            n["shared experts"] += _shared_elements(m)
+        else:
+            n["dense MLP"] += 3 * H * m.intermediate_size
+    n["norms"] += H
+    mtp_experts = 0
+    if m.num_mtp_layers:
+        # fc [H, 2H], pre_fc_norm_embedding, pre_fc_norm_hidden, norm; each layer a
+        # gated-attention decoder layer with its own MoE
+        n["mtp"] = 2 * H * H + 3 * H + m.num_mtp_layers * (attn + qk_norms + 2 * H + E * H + _shared_elements(m))
+        mtp_experts = m.num_mtp_layers * E * 3 * H * m.moe_intermediate_size
+    return n, mtp_experts
+
+
+def _attention_elements(m: ModelConfig) -> tuple[int, int]:
+    """(projections, q/k norms) of one full-attention layer."""
+    H, d = m.hidden_size, m.head_dim
+    q, kv = m.num_attention_heads * d, m.num_key_value_heads * d
+    gated = 2 if m.family == "qwen3_next" else 1  # q_proj carries the output gate
+    attn = H * q * gated + 2 * H * kv + q * H
+    if m.attention_bias:
+        attn += q * gated + 2 * kv + H
+    return attn, (0 if m.family == "llama" else 2 * d)
+
+
+def _shared_elements(m: ModelConfig) -> int:
+    Is = m.shared_expert_intermediate_size
+    return 3 * m.hidden_size * Is + m.hidden_size if Is else 0  # gate/up/down + shared_expert_gate
+
+
+# -- activations and state ---------------------------------------------------
+
+
+def activation_bytes(m: ModelConfig, act: int, tokens: int, cuda: bool = False) -> int:
+    """One decoder layer's live activations at `tokens` tokens (see the module docstring); the
+    flash-decoding partials only on a CUDA card (the CPU's attention does not split)."""
+    H = m.hidden_size
+    mixers, mlps = [0], [0]
+    if m.full_attention_layers:
+        q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+        gated = 2 if m.family == "qwen3_next" else 1
+        partial_rows = min(tokens * ATTENTION_MAX_SPLITS, 2 * MAX_SMS // m.num_key_value_heads) if cuda else 0
+        partials = partial_rows * m.num_attention_heads * (m.head_dim + 1) * FP32  # fp32 o and lse per head
+        mixers.append(tokens * (q * gated + 2 * kv + q) * act + partials)
+    if m.linear_attention_layers:
+        key = m.linear_num_key_heads * m.linear_key_head_dim
+        nv, dk, dv = m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim
+        val = nv * dv
+        per_token = (2 * key + 2 * val + 2 * nv) + (2 * key + val) + val  # projections, conv out, core out
+        fp32 = nv * (dk + dv + DELTANET_CHUNK) * FP32  # per-head k, v and the intra-chunk row
+        states = -(-tokens // DELTANET_CHUNK) * nv * dk * dv * FP32  # one state per chunk
+        mixers.append(tokens * (per_token * act + fp32) + states)
+    if any(not m.is_moe_layer(i) for i in range(m.num_hidden_layers)) and m.intermediate_size:
+        mlps.append(tokens * 3 * m.intermediate_size * act)
+    if m.moe_layers:
+        routed = tokens * m.num_experts_per_tok
+        mlps.append(tokens * m.num_experts * FP32 + routed * (8 + FP32)
+                    + routed * (2 * H + 3 * m.moe_intermediate_size) * act
+                    + tokens * 3 * m.shared_expert_intermediate_size * act)
+    return 4 * tokens * H * act + max(mixers) + max(mlps)
+
+
+def logits_bytes(m: ModelConfig, act: int, rows: int) -> int:
+    return rows * m.vocab_size * (act + SAMPLER_BYTES)
+
+
+def recurrent_bytes_per_copy(m: ModelConfig, act: int) -> int:
+    """One sequence's DeltaNet state over all linear-attention layers."""
+    if not m.linear_attention_layers:
+        return 0
+    key = m.linear_num_key_heads * m.linear_key_head_dim
+    channels = 2 * key + m.linear_num_value_heads * m.linear_value_head_dim
+    recurrent = m.linear_num_value_heads * m.linear_key_head_dim * m.linear_value_head_dim * FP32
+    conv = channels * (m.linear_conv_kernel_dim - 1) * act
+    return len(m.linear_attention_layers) * (recurrent + conv)
+
+
+# -- pages and paging groups ------------------------------------------------
+
+
+def slot_bytes(extent_bytes: int) -> int:
+    """An expert slot: the expert's extent rounded up to `PAGE_ALIGN`."""
+    return align_up(extent_bytes)
+
+
+@dataclass(frozen=True)
+class PagingGroup:
+    """Layers with one KV layout sharing the token axis; a block holds `block_tokens`
+    tokens of K and V for all of them."""
+
+    name: str
+    layers: int
+    block_tokens: int
+    block_bytes: int
+
+    @property
+    def token_bytes(self) -> Fraction:
+        return Fraction(self.block_bytes, self.block_tokens)
+
+    def blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_tokens)
+
+
+def kv_token_bytes(groups: Iterable[PagingGroup]) -> Fraction:
+    """What one context token costs across all paging groups."""
+    return sum((g.token_bytes for g in groups), Fraction(0))
+
+
+def paging_groups(facts: ModelFacts, cfg: Config) -> tuple[PagingGroup, ...]:
+    """kv_attn (the full-attention layers) and, when drafting with MTP, kv_mtp."""
+    m = facts.model
+    kv_elem = facts.act_bytes  # --kv-cache-dtype auto
+    per_layer = 2 * m.num_key_value_heads * m.head_dim * kv_elem
+    groups = []
+    if m.full_attention_layers:
+        n = len(m.full_attention_layers)
+        groups.append(PagingGroup("kv_attn", n, BLOCK_TOKENS, BLOCK_TOKENS * n * per_layer))
+    if cfg.speculative and m.num_mtp_layers:
+        groups.append(PagingGroup("kv_mtp", m.num_mtp_layers, BLOCK_TOKENS,
+                                  BLOCK_TOKENS * m.num_mtp_layers * per_layer))
+    return tuple(groups)
+
+
+def page_bytes(facts: ModelFacts, groups: Iterable[PagingGroup]) -> int:
+    """One expert slot; a dense model's page holds the most whole KV blocks that fit
+    in 2 MiB. Never smaller than the largest KV block."""
+    block = max((g.block_bytes for g in groups), default=0)
+    if facts.expert_count:
+        return max(slot_bytes(facts.expert_extent_bytes), align_up(block))
+    if block == 0:
+        return DENSE_PAGE_BYTES
+    return align_up(max(1, DENSE_PAGE_BYTES // block) * block)
+
+
+def kv_pages(groups: Iterable[PagingGroup], page: int, tokens: int, seqs: int = 1) -> int:
+    """Pages `seqs` sequences of `tokens` tokens take: in every paging group, their blocks
+    in pages of whole blocks of that group."""
+    return sum(-(-seqs * g.blocks(tokens) // (page // g.block_bytes)) for g in groups)
