@@ -36,7 +36,7 @@ is one [T, R, k] tensor of the R recorded layer calls: an eager step stacks the
 ids `prepare` recorded at `end_launch`; a decode graph stacks them inside its
 capture (`record`), so a replay rewrites that tensor and `replay` hands it over
 with no launch of the slab's own. With a step in flight ahead of the one being
-counted, each step's copy lands in its own buffer (host_buffers.py: lent at
+counted, each step's copy lands in its own buffer (routing_buffers.py: lent at
 `end_launch`, taken back once `count` has read it), and hits are judged by the
 table the step's router saw (a snapshot at `end_launch`), not by the table
 `rebalance` patched since: its patches are stream-ordered behind every step
@@ -72,7 +72,7 @@ import xxhash
 
 from radianced.arena import EXPERTS, PASSED, Arena, Fence, Lease, OutOfPages
 from radianced.tiers.expert_loader import ExpertLoader
-from radianced.tiers.host_buffers import HostBuffer, HostBuffers
+from radianced.tiers.routing_buffers import RoutingBuffer, RoutingBuffers
 from radianced.tiers.placement import CARD, DISK, HOST, Key, Placement
 
 log = logging.getLogger("radianced.experts")
@@ -147,7 +147,7 @@ class StepRecord:
     layers: tuple[int, ...]  # the recorded layer calls, in order
     pos: np.ndarray | None  # as Recording.pos
     slotted: np.ndarray | None  # [R, E] bool: which experts each call's router found in a slot (read-only)
-    buffer: HostBuffer | None  # its ids [T, R, k]: the host copy (filled by a queued copy); None: no routing
+    buffer: RoutingBuffer | None  # its ids [T, R, k]: the host copy (filled by a queued copy); None: no routing
     rows: int  # the counted rows: ids[:rows] (a graph's padding rows after them are not)
     segments: list[tuple[int, int]]
     failed_rows: torch.Tensor | None  # [T] bool: rows routed to an expert that failed to read
@@ -207,7 +207,7 @@ class ExpertSlab:
         self.extent_bytes = width * dtype.itemsize  # what one overflow read moves over the link
         self._recorded: list[Recorded] = []  # this step's routing, counted by end_step
         self._replayed: Recording | None = None  # or this step's, as a graph replay left it (replay)
-        self._copies = HostBuffers(self.slab.device.type == "cuda")  # the steps' routing on the host
+        self._copies = RoutingBuffers(self.slab.device.type == "cuda")  # the steps' routing on the host
         # per (R, k) recorded calls: [R, k] call * E, each call's first (call, expert) cell; per R:
         # scratch [2, R, E] bool for a step's routed experts and those of them in a slot
         self._offsets: dict[tuple[int, int], np.ndarray] = {}
