@@ -39,7 +39,7 @@ from radianced.model.batch import ForwardBatch, KVCache, copy_rows
 from radianced.model.layers import CausalLM
 
 if TYPE_CHECKING:
-    from radianced.tiers.slab import Recording
+    from radianced.tiers.routing import Recording
 
 log = logging.getLogger("radianced.engine")
 

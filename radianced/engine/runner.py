@@ -27,7 +27,7 @@ from radianced.model.batch import ForwardBatch, KVCache, RecurrentState, copy_ro
 from radianced.model.layers import CausalLM
 
 if TYPE_CHECKING:
-    from radianced.tiers.slab import StepRecord
+    from radianced.tiers.routing import StepRecord
 
 
 @dataclass
