@@ -17,7 +17,7 @@ Slots: the placement's pinned experts (home on the card: never evicted) and a
 cache of host experts, pre-filled in rank order. The slab is the arena's
 expert tenant: when KV needs pages the arena calls `surrender`, which gives up
 the coldest cached slots (their home is the host pool, so eviction costs a
-re-read, never data), down to the policy's floor. Between steps `rebalance`
+re-read, never data), down to the arena policy's floor. Between steps `rebalance`
 admits hot host experts into free pages, or in place of a colder slot. Which
 ones is `SlotPolicy`'s choice (policy.py: decayed routing frequency with
 admission control); the slab applies its decisions.
@@ -41,7 +41,8 @@ table the step's router saw (a snapshot at `end_launch`), not by the table
 already queued. The snapshot is a [layer, expert] bool array of which experts
 sit in a slot, shared with the record and copied only when a patch comes while
 a record holds it. `count` hands the routing to `RoutingTally` (routing.py:
-the stats, per-sequence counts) and what it learned to the policy.
+the per-layer stats and per-sequence counts), and what it routed to the policy
+(`SlotPolicy.observe`: the scores and the next rebalance's candidates).
 """
 
 from __future__ import annotations
