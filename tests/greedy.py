@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from radianced.kv.blocks import BlockAllocator
-from radianced.model.batch import ForwardBatch, KVCache
+from radianced.kv.cache import KVCache
+from radianced.model.batch import ForwardBatch
 
 
 @dataclass

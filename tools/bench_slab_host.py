@@ -128,7 +128,7 @@ class Driver:
         """Everything the steps left that a reader can see."""
         s = self.slab
         stats = {name: getattr(s.stats, name) for name in STATS}
-        return (self.counts, stats, s.routing, s._raw.tolist(), s._missed.tolist(), s.slotted())
+        return (self.counts, stats, s.routing, s.policy._raw.tolist(), s.policy._missed.tolist(), s.slotted())
 
 
 def main(argv=None) -> int:

@@ -379,7 +379,8 @@ def section_budget(device, quick: bool, tmp: Path) -> dict:
     from radianced.card import Card, detect_card
     from radianced.config import Config
     from radianced.kernels import ops
-    from radianced.model.batch import ForwardBatch, KVCache
+    from radianced.kv.cache import KVCache
+    from radianced.model.batch import ForwardBatch
     from radianced.model.convert import convert
     from radianced.model.experts import ResidentExperts
     from radianced.model.loader import load_model
@@ -601,7 +602,8 @@ class _Experts:
 
 
 def section_decode(device, quick: bool, hbm_bytes_per_s: float | None, matmul_flop_per_s: float | None) -> dict:
-    from radianced.model.batch import ForwardBatch, KVCache
+    from radianced.kv.cache import KVCache
+    from radianced.model.batch import ForwardBatch
     from radianced.model.hf_plan import expected_layer
     from radianced.model.loader import build_model
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radianced.arena import KV, Arena, Lease, TenantPages
+from radianced.arena import KV, Arena, TenantPages
 from radianced.budget import plan
 from radianced.card import Card, detect_card
 from radianced.config import Config
@@ -39,20 +39,16 @@ from radianced.engine.sampler import Sampler
 from radianced.engine.scheduler import Scheduler, SeqEvent
 from radianced.kernels import ops
 from radianced.kv.blocks import BlockAllocator
+from radianced.kv.cache import KVCache, RecurrentState
 from radianced.kv.prefix import PrefixCache
+from radianced.kv.reclaimer import KVReclaimer
 from radianced.kv.state import CheckpointSlots
-from radianced.model.batch import KVCache, RecurrentState
 from radianced.model.loader import load_model
 from radianced.model.rad import RadFile
 from radianced.model.tokenizer import Tokenizer
 from radianced.receipt import Receipt
 from radianced.sizing import BLOCK_TOKENS, ModelFacts
-from radianced.tiers.disk import DiskReader
-from radianced.tiers.expert_loader import ExpertLoader
-from radianced.tiers.host import HostPool
-from radianced.tiers.link import probe_disk, probe_pcie
-from radianced.tiers.placement import place_receipt, routed_experts
-from radianced.tiers.profile import Profile, ProfileError, profile_path
+from radianced.tiers.build import build_expert_slab
 from radianced.tiers.slab import ExpertSlab
 
 log = logging.getLogger("radianced.engine")
@@ -182,13 +178,13 @@ class Engine:
         arena = Arena.from_receipt(receipt, device)
         dtype = rad.tensor("model.embed_tokens.weight", verify=False).dtype
         resources: list = []
-        experts = _expert_slab(rad, arena, receipt, dtype, cfg, resources) if rad.header.experts else None
+        experts = build_expert_slab(rad, arena, receipt, dtype, cfg, resources) if rad.header.experts else None
         group = receipt.groups[0]
         bpp = receipt.blocks_per_page(group)
         storage = arena.paged_view(dtype, (bpp, group.layers, 2, BLOCK_TOKENS, m.num_key_value_heads, m.head_dim))
         allocator = BlockAllocator(BLOCK_TOKENS, TenantPages(arena, KV), {group.name: bpp})
         if receipt.mode == "lending":
-            arena.register(KV, _KVReclaimer(allocator))
+            arena.register(KV, KVReclaimer(allocator))
         engine = cls.assemble(rad, cfg, storage, allocator, device, experts, receipt.max_model_len, sampler_seed)
         engine.receipt, engine.arena, engine.experts, engine.resources = receipt, arena, experts, resources
         if experts is not None and experts.placement.disk and engine.pipelined:
@@ -222,38 +218,6 @@ class Engine:
         return cls(scheduler, runner, tokenizer, pipelined=not cfg.sequential_steps)
 
 
-def _expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch.dtype, cfg: Config,
-                 resources: list) -> ExpertSlab:
-    """The placement the receipt implies: pinned experts and a pre-filled cache in arena
-    slots, the rest in the host pool (O_DIRECT-filled, checksums verified) read over the link,
-    or with the disk tier in the file, read when a step routes them. With
-    `<model>.expert-profile.bin` beside the model, slots are filled in its rank order.
-    With `--host-pool-placement ram=DIR` the pool is a file in that tmpfs, shared by daemons.
-    Appends the host pool and the expert loader to `resources` (the engine closes them)."""
-    ranking = _profile_ranking(rad)
-    placement = place_receipt(receipt, routed_experts(rad.header), ranking=ranking)
-    log.info("experts: %s", placement.line())
-    host = None
-    if placement.host:
-        pool = HostPool.create(rad, placement.host, row_bytes=receipt.page_bytes, capacity_bytes=receipt.host_pool,
-                               ram_dir=cfg.host_pool_ram_dir)
-        resources.append(pool)
-        log.info(pool.line())
-        host = pool.tensor[:, :pool.elems]  # a view: keeps the pool's memory alive
-    if placement.host or placement.disk:  # what overflow and disk reads will cost: measured, not assumed
-        log.info(probe_pcie().line())
-    if placement.disk:
-        log.info(probe_disk(rad.path).line())
-    width = receipt.expert_extent // dtype.itemsize
-    loader = ExpertLoader(DiskReader.from_rad(rad), arena.paged_view(dtype, (width,)), receipt.expert_extent,
-                          receipt.staging_rows)
-    resources.append(loader)
-    if placement.disk:
-        log.info("disk tier: %d experts stay in %s, read with O_DIRECT when a step routes them "
-                 "(buffers: 2 x %d slots)", len(placement.disk), rad.path, len(arena.reserved) // 2)
-    slab = ExpertSlab(arena, width, dtype, placement, host, loader, rad.model.num_experts, cfg.expert_slots)
-    log.info(slab.fill_line(ranked=ranking is not None))
-    return slab
 
 
 def _decode_graphs(engine: Engine, cfg: Config, receipt: Receipt) -> DecodeGraphs | None:
@@ -265,37 +229,3 @@ def _decode_graphs(engine: Engine, cfg: Config, receipt: Receipt) -> DecodeGraph
         return None
     max_blocks = -(-receipt.max_model_len // BLOCK_TOKENS)
     return DecodeGraphs(runner.model, runner.cache, cfg.max_num_seqs, max_blocks, engine.experts)
-
-
-def _profile_ranking(rad: RadFile) -> list | None:
-    """The (layer, expert) ranking of the model's expert profile, or None without a usable one
-    (a stale or corrupt profile is logged with what to do, and start-up goes on in file order)."""
-    path = profile_path(rad.path)
-    if not path.exists():
-        return None
-    try:
-        profile = Profile.load_for(rad, path)
-    except ProfileError as e:
-        log.warning("%s; slots are filled in file order", e)
-        return None
-    log.info(profile.line(path))
-    return profile.rank()
-
-
-class _KVReclaimer:
-    """The arena's view of the KV tenant: pages no live request uses (empty ones, then
-    idle prefix-cached blocks, least recently used first) can be handed to the experts."""
-
-    def __init__(self, allocator: BlockAllocator):
-        self.allocator = allocator
-
-    def surrenderable(self) -> int:
-        pools = self.allocator.pools
-        return sum(len(p.empty_pages()) for p in pools) + self.allocator.evictable() // max(
-            p.blocks_per_page for p in pools)
-
-    def reclaim_cost(self) -> float:
-        return 1.0  # recompute of cached prefixes: dearer than a re-read only when the expert is cold
-
-    def surrender(self, n: int) -> tuple[Lease, Fence]:
-        return Lease(KV, tuple(self.allocator.surrender_pages(n))), PASSED

@@ -37,11 +37,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radianced.model.batch import ForwardBatch, KVCache, copy_rows
+from radianced.kv.cache import KVCache
+from radianced.model.batch import ForwardBatch, copy_rows
 from radianced.model.layers import CausalLM
 
 if TYPE_CHECKING:
-    from radianced.tiers.slab import Recording
+    from radianced.tiers.routing import Recording
 
 log = logging.getLogger("radianced.engine")
 

@@ -22,12 +22,13 @@ import torch
 
 from radianced.engine.plan import ScheduledSeq, StepOutput, StepPlan
 from radianced.engine.sampler import Sampler, SamplingRow, SamplingTensors, seeded_rows
+from radianced.kv.cache import KVCache, RecurrentState
 from radianced.kv.state import StateCopy
-from radianced.model.batch import ForwardBatch, KVCache, RecurrentState, copy_rows, to_device_no_sync
+from radianced.model.batch import ForwardBatch, copy_rows, to_device_no_sync
 from radianced.model.layers import CausalLM
 
 if TYPE_CHECKING:
-    from radianced.tiers.slab import StepRecord
+    from radianced.tiers.routing import StepRecord
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """What a model forward reads: a batch of sequences and the paged cache.
 
 Every family's `forward` takes a `ForwardBatch` (all sequences of a step
-flattened into one token axis) and a `KVCache` (paged K/V for the attention
-layers, state slots for recurrent layers). No contiguous per-request KV exists.
+flattened into one token axis) and a `KVCache` (kv/cache.py: paged K/V for the
+attention layers, state slots for recurrent layers). No contiguous per-request
+KV exists.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radianced.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -126,75 +126,3 @@ def copy_rows(dst: torch.Tensor, rows: torch.Tensor | slice, values: torch.Tenso
         dst[rows].copy_(values)
     else:
         dst.index_copy_(0, rows, values)
-
-
-class KVCache:
-    """Paged K/V of the full-attention layers, one paging group.
-
-    Storage is [P, N, L, 2, S, Hkv, D]: P pages of N blocks; a block holds S
-    tokens of K and V for all L attention layers, so a block is one contiguous
-    piece of memory that can live in an arena page. `layer(i)` gives the
-    [P, N, S, Hkv, D] views the attention op reads.
-    """
-
-    def __init__(self, storage: torch.Tensor, layers: tuple[int, ...], states: RecurrentState | None = None):
-        # storage: [P, N, L, 2, S, Hkv, D]
-        self.storage = storage
-        self.states = states
-        self.block_size = storage.shape[4]
-        self.blocks_per_page = storage.shape[1]
-        self._index = {layer: i for i, layer in enumerate(layers)}
-
-    @classmethod
-    def allocate(cls, cfg: ModelConfig, num_blocks: int, block_size: int, num_state_slots: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> KVCache:
-        """A standalone cache of num_blocks blocks (one block per page) and, for hybrid
-        models, num_state_slots recurrent-state slots."""
-        layers = cfg.full_attention_layers
-        storage = torch.zeros((num_blocks, 1, len(layers), 2, block_size, cfg.num_key_value_heads, cfg.head_dim),
-                              dtype=dtype, device=device)
-        states = RecurrentState.allocate(cfg, num_state_slots, dtype, device) if cfg.linear_attention_layers else None
-        return cls(storage, layers, states)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.storage.shape[0] * self.storage.shape[1]
-
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        i = self._index[layer]
-        return self.storage[:, :, i, 0], self.storage[:, :, i, 1]
-
-
-class RecurrentState:
-    """Per-sequence state slots of the linear-attention (Gated DeltaNet) layers.
-
-    conv: [L, slots, C, K-1] (the last K-1 conv inputs, model dtype) and
-    recurrent: [L, slots, Hv, Dk, Dv] (fp32) for the L linear-attention layers.
-    A sequence owns one slot index across all of them; `reset` zeroes it.
-    """
-
-    def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor, layers: tuple[int, ...]):
-        self.conv, self.recurrent = conv, recurrent
-        self._index = {layer: i for i, layer in enumerate(layers)}
-
-    @classmethod
-    def allocate(cls, cfg: ModelConfig, slots: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
-        layers = cfg.linear_attention_layers
-        channels = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
-        conv = torch.zeros((len(layers), slots, channels, cfg.linear_conv_kernel_dim - 1), dtype=dtype, device=device)
-        recurrent = torch.zeros((len(layers), slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                 cfg.linear_value_head_dim), dtype=torch.float32, device=device)
-        return cls(conv, recurrent, layers)
-
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        i = self._index[layer]
-        return self.conv[i], self.recurrent[i]
-
-    def copy_slot(self, slot: int, dst: RecurrentState, dst_slot: int) -> None:
-        """Copy this pool's `slot` into `dst`'s `dst_slot` (same model, e.g. state slot <-> checkpoint)."""
-        dst.conv[:, dst_slot].copy_(self.conv[:, slot])
-        dst.recurrent[:, dst_slot].copy_(self.recurrent[:, slot])
-
-    def reset(self, slot: int) -> None:
-        self.conv[:, slot].zero_()
-        self.recurrent[:, slot].zero_()

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from radianced.kernels import ops
-from radianced.model.batch import ForwardBatch, KVCache
+from radianced.kv.cache import KVCache
+from radianced.model.batch import ForwardBatch
 from radianced.model.config import ModelConfig
 from radianced.model.experts import ExpertSource
 

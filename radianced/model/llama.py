@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from radianced.model.batch import ForwardBatch, KVCache
+from radianced.kv.cache import KVCache
+from radianced.model.batch import ForwardBatch
 from radianced.model.config import ModelConfig
 from radianced.model.layers import Attention, CausalLM, DenseMLP, RMSNorm, Weights
 

@@ -4,7 +4,8 @@ routed SiLU experts (softmax router, top-k renormalized) reached through an
 
 from __future__ import annotations
 
-from radianced.model.batch import ForwardBatch, KVCache
+from radianced.kv.cache import KVCache
+from radianced.model.batch import ForwardBatch
 from radianced.model.config import ModelConfig
 from radianced.model.experts import ExpertSource
 from radianced.model.layers import Attention, CausalLM, DenseMLP, MoE, RMSNorm, Weights

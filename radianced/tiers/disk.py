@@ -13,7 +13,7 @@ eventfd; the blocking call sleeps in `poll()` on that eventfd (the GIL is
 released) and then peeks the completions. `read_experts_async` instead
 registers the eventfd with the asyncio loop (`add_reader`), so the loop serves
 other work while the reads run. Reads go through `prep_readv` into memoryviews
-of aligned memory (`aligned_buffer`, a host pool's rows, pinned staging):
+of aligned memory (aligned.py: `aligned_buffer`, a host pool's rows, pinned staging):
 O_DIRECT refuses unaligned buffers, which rules out `prep_read`'s bytearrays.
 
 Each read asks for the extent rounded up to ALIGN bytes (O_DIRECT reads whole
@@ -21,7 +21,7 @@ blocks), so a destination must hold that many bytes; the bytes past the extent
 (padding, or the next extent's head) are not part of the result.
 
 One batch at a time per reader: a second call while one runs raises
-RuntimeError. Test hook: `Faults` fails or delays a chosen expert's read.
+RuntimeError. Test hook: `Faults` (faults.py) fails or delays a chosen expert's read.
 
 Needs python-liburing 2024.5.3 (the Cython build): the 2026 wheels on PyPI
 contain AVX-512 instructions and die with SIGILL on CPUs without them.
@@ -30,20 +30,20 @@ contain AVX-512 instructions and die with SIGILL on CPUs without them.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import errno as errnos
-import mmap
 import os
 import select
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import liburing
 import xxhash
 
-ALIGN = 4096  # O_DIRECT block and buffer alignment (the .rad's ALIGN)
+from radianced.tiers.aligned import ALIGN, align_up, check_buffer
+from radianced.tiers.faults import Faults
+
 DEPTH = 32  # reads in flight
 
 # include/uapi/linux/io_uring.h (kernel ABI; liburing 2024.5.3 does not export them at top level)
@@ -77,40 +77,6 @@ class ReadResult:
     @property
     def ok(self) -> bool:
         return self.error is None
-
-
-def align_up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def aligned_buffer(nbytes: int) -> memoryview:
-    """nbytes (rounded up to ALIGN) of page-aligned anonymous memory, zeroed, as a writable memoryview."""
-    return memoryview(mmap.mmap(-1, max(ALIGN, align_up(nbytes))))
-
-
-def buffer_address(buf: memoryview) -> int:
-    """The address of a writable buffer's first byte."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
-
-
-@dataclass
-class Faults:
-    """Test hook: make chosen experts' reads fail or wait. Each entry fires once.
-
-    `fail`: the read is issued as usual, and its completion is replaced by
-    -errno, as from a failing device. `delay`: the read is queued behind a
-    kernel timeout (a linked IORING_OP_TIMEOUT), so it is a real read that
-    completes late and the reader really waits for it.
-    """
-
-    failures: dict[Key, int] = field(default_factory=dict)
-    delays: dict[Key, float] = field(default_factory=dict)
-
-    def fail(self, layer: int, expert: int, err: int = errnos.EIO) -> None:
-        self.failures[(layer, expert)] = err
-
-    def delay(self, layer: int, expert: int, seconds: float) -> None:
-        self.delays[(layer, expert)] = seconds
 
 
 @dataclass
@@ -281,7 +247,7 @@ class DiskReader:
         """Raw reads of (offset, buffer): bytes read each, or -errno. No checksum (the disk probe)."""
         jobs = []
         for i, (offset, buf) in enumerate(ranges):
-            buf = _check_buffer(buf, len(buf), f"range {i}")
+            buf = check_buffer(buf, len(buf), f"range {i}")
             if offset % ALIGN or len(buf) % ALIGN:
                 raise ValueError(f"range {i}: offset {offset} and length {len(buf)} must be multiples of {ALIGN}")
             jobs.append(_Job(i, None, offset, buf, len(buf), None))
@@ -315,7 +281,7 @@ class DiskReader:
             key = (int(key[0]), int(key[1]))
             e = self._extent(key)
             size = align_up(e.nbytes)
-            buf = _check_buffer(buf, size, f"destination of expert (layer {key[0]}, expert {key[1]})")
+            buf = check_buffer(buf, size, f"destination of expert (layer {key[0]}, expert {key[1]})")
             jobs.append(_Job(i, key, e.offset, buf[:size], e.nbytes, e.checksum if self.verify else None))
         return jobs
 
@@ -418,19 +384,3 @@ class DiskReader:
                 return (f"{where}: checksum mismatch (read {actual:016x}, header says {job.checksum:016x}); "
                         f"the file is corrupt: copy it again or re-run radiancectl convert")
         return None
-
-
-def _check_buffer(buf, size: int, what: str) -> memoryview:
-    """A flat, writable, ALIGN-aligned byte view of `buf` holding at least `size` bytes."""
-    mv = memoryview(buf)
-    if mv.readonly:
-        raise ValueError(f"{what} is read-only")
-    if not mv.c_contiguous:
-        raise ValueError(f"{what} is not contiguous")
-    mv = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
-    if mv.nbytes < size:
-        raise ValueError(f"{what} holds {mv.nbytes} bytes; the read needs {size} (the extent rounded up to "
-                         f"{ALIGN})")
-    if buffer_address(mv) % ALIGN:
-        raise ValueError(f"{what} is not {ALIGN}-byte aligned (O_DIRECT): use aligned_buffer() or pool rows")
-    return mv

@@ -37,7 +37,9 @@ import torch
 import xxhash
 
 from radianced.model.rad_format import DTYPES
-from radianced.tiers.disk import ALIGN, DEPTH, DiskError, DiskReader, Faults, align_up
+from radianced.tiers.aligned import ALIGN, align_up
+from radianced.tiers.disk import DEPTH, DiskError, DiskReader
+from radianced.tiers.faults import Faults
 from radianced.tiers.profile import model_checksum
 from radianced.tmpfs import tmpfs_refusal
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from radianced.tiers.disk import ALIGN, DiskReader, aligned_buffer
+from radianced.tiers.aligned import ALIGN, aligned_buffer
+from radianced.tiers.disk import DiskReader
 
 MiB = 1 << 20
 TRIALS = 4

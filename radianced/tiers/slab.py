@@ -17,17 +17,15 @@ Slots: the placement's pinned experts (home on the card: never evicted) and a
 cache of host experts, pre-filled in rank order. The slab is the arena's
 expert tenant: when KV needs pages the arena calls `surrender`, which gives up
 the coldest cached slots (their home is the host pool, so eviction costs a
-re-read, never data), down to the policy's floor. Between steps `rebalance`
-admits hot host experts into free pages, or in place of a colder slot.
+re-read, never data), down to the arena policy's floor. Between steps `rebalance`
+admits hot host experts into free pages, or in place of a colder slot. Which
+ones is `SlotPolicy`'s choice (policy.py: decayed routing frequency with
+admission control); the slab applies its decisions.
 
 Disk tier (`--weights-disk-tier`): experts whose home is the model file have
 no host row. When a step's router sends tokens to one without a slot,
-`prepare` reads it (ExpertLoader: io_uring, O_DIRECT, checksum) into the
-layer's disk buffer (two halves of the arena's reserved pages, alternating by
-routed layer) and points the table there until the step ends. A failed read
-points the expert at a zeroed row, so only the tokens routed to it compute
-garbage; the step's `StepRecord.failures()` names their rows and the error, and the runner fails
-exactly the requests those rows belong to.
+`prepare` reads it into the layer's disk buffer (disk_buffers.py) and points
+the table there until the step ends.
 
 A step in three calls: `begin_step` before its forward, `end_launch` after it is
 queued (the routing ids go to a pinned host buffer of that step's own with a
@@ -36,27 +34,15 @@ is one [T, R, k] tensor of the R recorded layer calls: an eager step stacks the
 ids `prepare` recorded at `end_launch`; a decode graph stacks them inside its
 capture (`record`), so a replay rewrites that tensor and `replay` hands it over
 with no launch of the slab's own. With a step in flight ahead of the one being
-counted, each step's copy lands in its own buffer (host_buffers.py: lent at
+counted, each step's copy lands in its own buffer (routing_buffers.py: lent at
 `end_launch`, taken back once `count` has read it), and hits are judged by the
 table the step's router saw (a snapshot at `end_launch`), not by the table
 `rebalance` patched since: its patches are stream-ordered behind every step
 already queued. The snapshot is a [layer, expert] bool array of which experts
 sit in a slot, shared with the record and copied only when a patch comes while
-a record holds it.
-
-Policy: frequency with exponential decay over steps (`DECAY` per step), with
-admission control. Pure LRU thrashes when a step routes more distinct experts
-than there are slots; profile-static never adapts to the traffic. Decayed
-counts keep the experts that keep being routed, but admitting every miss (as a
-first version did) churned: on the H200 at 25% coverage under a Zipf router it
-refilled 8 slots every step, each refill a copy as dear as the miss it saves,
-and decoded slower than at 10% coverage. So a missed expert takes a slot only
-when it was routed more than once lately (`ADMIT_MIN`) and is clearly hotter
-than the slot's coldest expert (`ADMIT_MARGIN`), and the half-life is a few
-dozen steps, not a few. Decay is lazy (a growing gain scales new counts) and
-the per-expert state is dense numpy ([layer, expert]), as are the per-layer
-stats, so counting a step and choosing victims are a few vectorized calls, not
-Python per expert or per layer.
+a record holds it. `count` hands the routing to `RoutingTally` (routing.py:
+the per-layer stats and per-sequence counts), and what it routed to the policy
+(`SlotPolicy.observe`: the scores and the next rebalance's candidates).
 """
 
 from __future__ import annotations
@@ -64,99 +50,31 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import xxhash
 
 from radianced.arena import EXPERTS, Arena, Lease, OutOfPages
+from radianced.tiers.disk_buffers import DiskBuffers
 from radianced.tiers.expert_loader import ExpertLoader
-from radianced.tiers.host_buffers import HostBuffer, HostBuffers
 from radianced.tiers.placement import CARD, DISK, HOST, Key, Placement
+from radianced.tiers.policy import MAX_REFILLS, SlotPolicy
+from radianced.tiers.routing import ExpertCounts, Recording, RoutingTally, SlabStats, StepRecord
+from radianced.tiers.routing_buffers import RoutingBuffers
 
 log = logging.getLogger("radianced.experts")
 
-DECAY = 0.98  # per step: a count halves in about 34 steps
-ADMIT_MIN = 1.5  # decayed routings a missed expert needs before it may take a slot
-ADMIT_MARGIN = 1.5  # ... and how much hotter than the slot's coldest expert, which it replaces
-MAX_REFILLS = 8  # slots refilled per rebalance: bounds the copy work between steps
 MISSING = -(1 << 62)  # table entry of a disk-homed expert without a slot (out of every tensor's range)
 
-
-class SlabError(RuntimeError):
-    """The slots cannot be filled at start (a pinned or pre-filled expert failed to read)."""
-
-
-class SlabStats:
-    """Per-layer expert lookups since start: one lookup per (step, layer, distinct expert), a hit
-    when it sat in a slot, and the token-to-expert assignments routed. The slab adds a step to
-    `counts` ([(lookups, hits, routed), layer position], int64) in a few numpy calls; `lookups`,
-    `hits` and `routed` read it as {layer: count}."""
-
-    def __init__(self, layers: Sequence[int]):
-        self.layers = tuple(layers)
-        self.counts = np.zeros((3, len(self.layers)), dtype=np.int64)
-        self.refills = 0
-        self.evictions = 0
-        self.disk_reads = 0  # experts the disk tier read for steps and admissions
-        self.disk_bytes = 0  # their bytes (verified)
-
-    @property
-    def lookups(self) -> dict[int, int]:
-        return dict(zip(self.layers, self.counts[0].tolist()))
-
-    @property
-    def hits(self) -> dict[int, int]:
-        return dict(zip(self.layers, self.counts[1].tolist()))
-
-    @property
-    def routed(self) -> dict[int, int]:
-        return dict(zip(self.layers, self.counts[2].tolist()))
-
-    @property
-    def total_lookups(self) -> int:
-        return int(self.counts[0].sum())
-
-    @property
-    def total_hits(self) -> int:
-        return int(self.counts[1].sum())
-
-
-ExpertCounts = tuple[int, int, int, int]  # (lookups, hits, routed, routed_from_misses) of one sequence
 # one routed layer's call of a step: (layer, ids [T, k], which experts were in a slot when its router ran
 # ([E] bool, taken before the disk tier staged any), or None: the table as it is at end_launch, unchanged
 # during the step without a disk tier)
 Recorded = tuple[int, torch.Tensor, "np.ndarray | None"]
 
 
-@dataclass(frozen=True)
-class Recording:
-    """One forward's routing on the device: the routed layers it called, in order, and their ids
-    stacked (`ExpertSlab.record`)."""
-
-    layers: tuple[int, ...]
-    pos: np.ndarray | None  # [R] the calls' layer positions in the dense state; None: every routed layer once, in order
-    ids: torch.Tensor  # [T, R, k]: row-major, so that the counted rows are its first ones
-
-
-@dataclass(slots=True)
-class StepRecord:
-    """One launched step's routing, on its way to the host (`ExpertSlab.end_launch` -> `count`)."""
-
-    layers: tuple[int, ...]  # the recorded layer calls, in order
-    pos: np.ndarray | None  # as Recording.pos
-    slotted: np.ndarray | None  # [R, E] bool: which experts each call's router found in a slot (read-only)
-    buffer: HostBuffer | None  # its ids [T, R, k]: the host copy (filled by a queued copy); None: no routing
-    rows: int  # the counted rows: ids[:rows] (a graph's padding rows after them are not)
-    segments: list[tuple[int, int]]
-    failed_rows: torch.Tensor | None  # [T] bool: rows routed to an expert that failed to read
-    errors: list[str]
-
-    def failures(self) -> tuple[list[int], list[str]]:
-        """The step's rows whose routed experts failed to read, and the errors."""
-        rows = [] if self.failed_rows is None else self.failed_rows.nonzero().flatten().tolist()
-        return rows, self.errors
+class SlabError(RuntimeError):
+    """The slots cannot be filled at start (a pinned or pre-filled expert failed to read)."""
 
 
 class ExpertSlab:
@@ -167,67 +85,37 @@ class ExpertSlab:
         placement.host_row order; loader: reads extents from the model file into slab rows (the
         pinned experts, disk-homed ones; needed when the placement has any); max_slots:
         --expert-slots (None: as many as the arena lends). Leases and fills every start slot."""
-        if (placement.pinned or placement.disk) and loader is None:
-            raise ValueError("experts pinned on the card or homed on disk are read from the file: give a loader")
-        if placement.disk and len(arena.reserved) < 2:
-            raise ValueError(f"{len(placement.disk)} experts have their home on disk, and the arena has no "
-                             f"reserved pages for the disk tier's buffers (a receipt with --weights-disk-tier)")
+        _check_homes(arena, placement, loader)
         self.arena, self.placement, self.host, self.loader = arena, placement, host, loader
         self.slab = arena.paged_view(dtype, (width,))  # [P + reserved, width]
-        self.max_slots = max_slots
-        half = len(arena.reserved) // 2
-        self._buffers = (arena.reserved[:half], arena.reserved[half:2 * half])
+        self.max_slots, self.num_experts = max_slots, num_experts
+        self.extent_bytes = width * dtype.itemsize  # what one overflow read moves over the link
         layers = sorted({layer for layer, _ in placement.pinned + placement.host + placement.disk})
         self._layers = tuple(layers)
         self._layer_pos = {layer: i for i, layer in enumerate(layers)}
         self._tables = {layer: torch.empty(num_experts, dtype=torch.int64, device=self.slab.device)
                         for layer in layers}
-        # Dense [routed layer position, expert] state on the host, so a step is counted in a few
-        # numpy calls: the tables' contents (readable without a device sync), decayed routing counts
-        # (lazily: score = raw / gain, and the gain grows 1/DECAY a step), exact routing counts since
-        # start (what a profile counts), the last step's misses (admission candidates), which
-        # experts sit in a cache slot (pinned ones excluded: never evicted), and which sit in any
-        # slot (entry >= 0: what a hit is judged by; shared with a launched step's record until
-        # the next patch copies it).
+        # Dense [routed layer position, expert] copies of the tables on the host: their contents
+        # (readable without a device sync) and which experts sit in any slot (entry >= 0: what a
+        # hit is judged by; shared with a launched step's record until the next patch copies it).
         shape = (len(layers), num_experts)
         self._entries = np.full(shape, MISSING, dtype=np.int64)
         self._slotted = np.zeros(shape, dtype=bool)
         self._shared = False  # a launched step's record holds _slotted: patch a copy
-        self._raw = np.zeros(shape)
-        self._gain = 1.0
-        self._routing = np.zeros(shape, dtype=np.int64)
-        self._missed = np.zeros(shape, dtype=bool)
-        self._cached = np.zeros(shape, dtype=bool)
         for key in placement.host + placement.disk:
             self._point(key, self._home_entry(key))
         self._pinned = frozenset(placement.pinned)
         self._slot_of: dict[Key, int] = {}
         self.stats = SlabStats(layers)
-        self.num_experts = num_experts
-        self.extent_bytes = width * dtype.itemsize  # what one overflow read moves over the link
+        self.tally = RoutingTally(self.stats, num_experts)  # counts each step's routing
+        self.policy = SlotPolicy(layers, num_experts)  # chooses the cached slots' experts
+        self._disk = DiskBuffers(arena.reserved, self.slab, loader, self.stats)  # a step's disk-homed experts
         self._recorded: list[Recorded] = []  # this step's routing, counted by end_step
         self._replayed: Recording | None = None  # or this step's, as a graph replay left it (replay)
-        self._copies = HostBuffers(self.slab.device.type == "cuda")  # the steps' routing on the host
-        # per (R, k) recorded calls: [R, k] call * E, each call's first (call, expert) cell; per R:
-        # scratch [2, R, E] bool for a step's routed experts and those of them in a slot
-        self._offsets: dict[tuple[int, int], np.ndarray] = {}
-        self._scratch: dict[int, np.ndarray] = {}
-        self._apart: list[tuple[int, int]] = []  # the segments of a step whose every row is one, in order
+        self._copies = RoutingBuffers(self.slab.device.type == "cuda")  # the steps' routing on the host
         self._segments: list[tuple[int, int]] = []  # row ranges counted apart (begin_step)
         self._num_rows = 0
-        self._staged: list[Key] = []  # disk experts pointed at a buffer row for this step
-        self._failed_rows: torch.Tensor | None = None  # [T] bool: rows routed to an expert that failed to read
-        self._failures: list[str] = []
-        start = placement.pinned + placement.prefill
-        t0 = time.perf_counter()
-        pages = arena.lease(EXPERTS, len(start)).pages
-        failed = self._fill_many(list(zip(start, pages)))
-        if failed:
-            raise SlabError(f"cannot fill the expert slots at start: {failed[0]}"
-                            + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""))
-        self.fill_seconds = time.perf_counter() - t0
-        if loader is not None:
-            loader.drain_latencies()  # the start fill is not the disk tier's traffic
+        self._fill_start()
         arena.register(EXPERTS, self)
 
     # -- ExpertSource ------------------------------------------------------------
@@ -255,7 +143,8 @@ class ExpertSlab:
         routed = torch.unique(expert_ids).tolist()
         missing = [e for e in routed if entries[e] == MISSING]
         if missing:
-            self._stage(layer, missing, expert_ids)
+            for key, row in self._disk.stage(layer, self._layer_pos[layer], missing, expert_ids):
+                self._point(key, row)
 
     def record(self) -> Recording:
         """What `prepare` recorded since `begin_step`, its ids stacked into one [T, R, k] tensor (one
@@ -276,26 +165,6 @@ class ExpertSlab:
         pos = None if layers == self._layers else np.array([self._layer_pos[layer] for layer in layers])
         return Recording(layers, pos, torch.stack([r[1] for r in recorded], dim=1))
 
-    def _stage(self, layer: int, missing: list[int], expert_ids: torch.Tensor) -> None:
-        """Read `missing` experts of `layer` into its disk buffer and point the table at them."""
-        buffer = self._buffers[self._layer_pos[layer] % 2]
-        if len(missing) > len(buffer):
-            raise RuntimeError(f"layer {layer} routed {len(missing)} disk experts in one step; its buffer holds "
-                               f"{len(buffer)} (the receipt sizes it for --max-num-batched-tokens)")
-        keys = [(layer, e) for e in missing]
-        results = self.loader.load(keys, buffer[:len(keys)])
-        for key, row, r in zip(keys, buffer, results):
-            self._point(key, row)
-            self._staged.append(key)
-            if r.ok:
-                self.stats.disk_reads += 1
-                self.stats.disk_bytes += r.nbytes
-                continue
-            self.slab[row].zero_()  # its tokens get no contribution from it; their requests fail
-            rows = (expert_ids == key[1]).any(dim=-1)
-            self._failed_rows = rows if self._failed_rows is None else self._failed_rows | rows
-            self._failures.append(r.error)
-
     def drain_disk_latencies(self) -> list[float]:
         """Seconds per disk-tier expert read since the last call."""
         return self.loader.drain_latencies() if self.loader is not None else []
@@ -308,7 +177,7 @@ class ExpertSlab:
         counted sequence) until `end_step`. A lookup is one (layer, expert) a segment's rows
         needed this step, a hit found it in a slot at that time; two segments needing one
         expert each count it."""
-        self._failed_rows, self._failures = None, []
+        self._disk.begin_step()
         self._recorded, self._replayed = [], None
         self._segments, self._num_rows = list(segments), num_rows
 
@@ -320,9 +189,9 @@ class ExpertSlab:
         """After a forward is queued: take its routing record (the ids go to the host with a queued
         copy, not waited for) and end the step's recording. Disk experts read for the step stop
         being addressable (their buffer rows are reused). Call once after each forward."""
-        for key in self._staged:
+        staged, failed_rows, errors = self._disk.end_step()
+        for key in staged:
             self._point(key, MISSING)
-        self._staged = []
         recorded, self._recorded = self._recorded, []
         recording, self._replayed = self._replayed, None
         if recording is None and recorded:
@@ -339,9 +208,8 @@ class ExpertSlab:
             buffer = self._copies.take(recording.ids.shape)  # this step's own until counted
             buffer.ids.copy_(recording.ids, non_blocking=True)
             buffer.mark_copied()
-        record = StepRecord(layers, pos, slotted, buffer, self._num_rows, self._segments, self._failed_rows,
-                            self._failures)
-        self._segments, self._failed_rows, self._failures = [], None, []
+        record = StepRecord(layers, pos, slotted, buffer, self._num_rows, self._segments, failed_rows, errors)
+        self._segments = []
         return record
 
     def count(self, record: StepRecord) -> tuple[ExpertCounts, ...]:
@@ -352,98 +220,16 @@ class ExpertSlab:
         if buffer is None:
             return ((0, 0, 0, 0),) * len(record.segments)
         buffer.wait()
-        counts = self._count(record, buffer.array[:record.rows])
+        counts, routed = self.tally.count(record, buffer.array[:record.rows])
+        self.policy.observe(routed)
         record.buffer = None
         self._copies.give(buffer)
         return counts
 
-    def _count(self, record: StepRecord, ids: np.ndarray) -> tuple[ExpertCounts, ...]:
-        """Add a step's routing (ids [n, R, k]: n rows, the R recorded layer calls) to the per-layer
-        stats, the scores, the routing counts and the misses; returns each segment's counts."""
-        n, R, k = ids.shape
-        E, pos, slotted = self.num_experts, record.pos, record.slotted
-        offsets = self._offsets.get((R, k))
-        if offsets is None:
-            offsets = self._offsets[R, k] = np.repeat(np.arange(R)[:, None] * E, k, axis=1)
-            self._scratch[R] = np.empty((2, R, E), dtype=bool)
-        cells = offsets + ids  # [n, R, k]: the (call, expert) cell of every assignment, call * E + expert
-        segments = record.segments
-        if n == 1 and pos is None:
-            hits = self._add_row(cells.reshape(-1), slotted, R, k)
-            if segments == [(0, 1)]:  # a batch-1 decode step: its one sequence needed the row's R x k experts
-                return ((R * k, hits, R * k, R * k - hits),)
-        else:
-            self._add_rows(cells, slotted, pos, n, R, k)
-        if not segments:
-            return ()
-        S = len(segments)
-        if len(self._apart) != S:
-            self._apart = [(i, i + 1) for i in range(S)]
-        one_row = segments == self._apart  # every row its own segment, in order: a graph's decode step
-        if one_row or all(end - start == 1 for start, end in segments):  # decode rows: no expert twice in a row
-            rows = cells[:S] if one_row else cells[[start for start, _ in segments]]  # [S, R, k]
-            lookups = R * k
-            hits = slotted.ravel().take(rows).reshape(S, -1).sum(axis=1)
-            return tuple([(lookups, h, lookups, lookups - h) for h in hits.tolist()])
-        seg = np.full(n, -1, dtype=np.int64)
-        for i, (start, end) in enumerate(segments):
-            seg[start:end] = i
-        seg = np.broadcast_to(seg[:, None, None], ids.shape).reshape(-1)
-        keep = seg >= 0
-        seg_pairs, assigned = np.unique(seg[keep] * (R * E) + cells.reshape(-1)[keep], return_counts=True)
-        seq, hit = seg_pairs // (R * E), slotted.ravel()[seg_pairs % (R * E)]
-        counts = np.zeros((S, 4), dtype=np.int64)
-        for col, w in enumerate((None, hit, assigned, assigned * ~hit)):
-            counts[:, col] += np.bincount(seq, weights=w, minlength=S).astype(np.int64)
-        return tuple(map(tuple, counts.tolist()))
-
-    def _add_rows(self, cells: np.ndarray, slotted: np.ndarray, pos: np.ndarray | None, n: int, R: int,
-                  k: int) -> None:
-        """Add n rows' assignments (cells [n, R, k]) to the per-layer stats, the scores, the routing
-        counts and the misses, counted by (call, expert) over [R, E], not sorted: a prefill routes
-        T x k a layer."""
-        E = self.num_experts
-        by_pair = np.bincount(cells.reshape(-1), minlength=R * E).reshape(R, E)
-        looked = self._scratch[R]
-        routed = np.greater(by_pair, 0, out=looked[0])  # [R, E]: the experts each call routed
-        np.logical_and(routed, slotted, out=looked[1])  # ... that were in a slot
-        stats = self.stats.counts  # [3, L]
-        stats[:2] += self._fold(pos, looked.sum(axis=2), axis=1)
-        stats[2] += n * k if pos is None else self._fold(pos, np.full(R, n * k))
-        self._raw += self._fold(pos, by_pair * self._gain)
-        self._routing += self._fold(pos, by_pair)
-        self._missed |= self._fold(pos, routed > slotted)  # routed and not in a slot
-
-    def _add_row(self, cells: np.ndarray, slotted: np.ndarray, R: int, k: int) -> int:
-        """`_add_rows` for one row (a batch-1 decode step) of every routed layer once, in order
-        (cells [R * k]): a top-k row never repeats an expert, so each cell is one lookup and one
-        assignment, and the R x k cells are updated where they are instead of all R x E. Returns
-        the row's hits."""
-        hit = slotted.ravel().take(cells)
-        stats = self.stats.counts  # [3, L]
-        stats[::2] += k  # lookups and assignments
-        stats[1] += hit.reshape(R, k).sum(axis=1)
-        self._raw.ravel()[cells] += self._gain
-        self._routing.ravel()[cells] += 1
-        self._missed.ravel()[cells[~hit]] = True
-        return int(np.count_nonzero(hit))
-
-    def _fold(self, pos: np.ndarray | None, per_call: np.ndarray, axis: int = 0) -> np.ndarray:
-        """Values of the recorded calls (along `axis`) as values of the routed layers (summed where a
-        step called a layer twice; pos None: the calls are the layers, in order)."""
-        if pos is None:
-            return per_call
-        shape = list(per_call.shape)
-        shape[axis] = len(self._layers)
-        per_layer = np.zeros(shape, dtype=per_call.dtype)
-        np.add.at(per_layer, (slice(None),) * axis + (pos,), per_call)
-        return per_layer
-
     @property
     def routing(self) -> dict[Key, int]:
         """Token-to-expert assignments since start, per (layer, expert) routed at least once."""
-        pos, expert = np.nonzero(self._routing)
-        return {(self._layers[p], int(e)): int(self._routing[p, e]) for p, e in zip(pos.tolist(), expert.tolist())}
+        return self.tally.routing
 
     # -- the arena's reclaimer -----------------------------------------------------
 
@@ -454,43 +240,27 @@ class ExpertSlab:
     def reclaim_cost(self) -> float:
         """Cost per byte of giving up a slot: re-reading the coldest expert over the link,
         weighted by how hot it still is (KV blocks are compared with recompute cost)."""
-        cold = self._coldest()
-        return self._score(cold) + 1.0 if cold else float("inf")
+        cold = self.policy.coldest()
+        return self.policy.score(cold) + 1.0 if cold else float("inf")
 
-    def surrender(self, n: int) -> tuple[Lease, Fence]:
+    def surrender(self, n: int) -> Lease:
         """Give up to n cached (non-pinned) slots, coldest first; their table entries point
-        back at the host pool before the pages leave."""
-        pages = []
-        while len(pages) < n and (cold := self._coldest()) is not None:
-            pages.append(self._evict(cold))
-        pages = tuple(pages)
-        return Lease(EXPERTS, pages), PASSED  # CPU: no queued step reads the old rows
+        back at their homes before the pages leave. No fence: the table patches, and whatever
+        the pages' next tenant writes into them, are queued on the stream behind the steps
+        already launched, so those steps read the old rows first (on the CPU a launched step's
+        ops have already run)."""
+        return Lease(EXPERTS, tuple(self._evict(key) for key in self.policy.victims(n)))
 
     # -- between steps -------------------------------------------------------------
 
     def rebalance(self, max_refills: int = MAX_REFILLS) -> int:
-        """Decay scores, then admit the hottest experts the last step missed (routed at least
-        `ADMIT_MIN` lately): into free pages the arena lends, else in place of the coldest
-        cached slot if `ADMIT_MARGIN` times hotter. Returns refills."""
-        self._gain /= DECAY
-        if self._gain > 1e100:
-            self._renormalize()
-        candidates = np.flatnonzero(self._missed & (self._entries < 0))  # missed, still without a slot
-        self._missed[:] = False
-        candidates = candidates[np.argsort(-self._raw.flat[candidates], kind="stable")][:max_refills]
-        E = self.num_experts
+        """Decay scores, then refill the slots the policy chooses (`SlotPolicy.rebalance`: the
+        hottest experts the last step missed, into free pages the arena lends, else in place of
+        a colder cached slot). Returns refills."""
         admitted: list[tuple[Key, int]] = []
-        for cell in candidates.tolist():
-            key = (self._layers[cell // E], cell % E)
-            if self._raw.flat[cell] / self._gain < ADMIT_MIN:
-                break
-            page = self._lease_one(pending=len(admitted))
-            if page is None:
-                cold = self._coldest()
-                if cold is None or ADMIT_MARGIN * self._raw[self._cell(cold)] >= self._raw.flat[cell]:
-                    break
-                page = self._evict(cold)  # the page stays ours: refilled in place, in stream order
-            admitted.append((key, page))
+        for a in self.policy.rebalance(self._slotted, self._lease_one, max_refills):
+            # a victim's page stays ours: refilled in place, in stream order
+            admitted.append((a.key, a.page if a.victim is None else self._evict(a.victim)))
         failed = self._fill_many(admitted)
         for error in failed:
             log.warning("expert not admitted to a slot: %s", error)
@@ -506,6 +276,19 @@ class ExpertSlab:
         return frozenset(self._slot_of)
 
     # -- internals -----------------------------------------------------------------
+
+    def _fill_start(self) -> None:
+        """Lease and fill the start slots (pinned experts, then the pre-fill in rank order)."""
+        start = self.placement.pinned + self.placement.prefill
+        t0 = time.perf_counter()
+        pages = self.arena.lease(EXPERTS, len(start)).pages
+        failed = self._fill_many(list(zip(start, pages)))
+        if failed:
+            raise SlabError(f"cannot fill the expert slots at start: {failed[0]}"
+                            + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""))
+        self.fill_seconds = time.perf_counter() - t0
+        if self.loader is not None:
+            self.loader.drain_latencies()  # the start fill is not the disk tier's traffic
 
     def _lease_one(self, pending: int = 0) -> int | None:
         """A page from the arena (free, or taken back from idle KV), or None if the policy or
@@ -543,7 +326,8 @@ class ExpertSlab:
     def _take_slot(self, key: Key, page: int) -> None:
         self._slot_of[key] = page
         self._point(key, page)
-        self._cached[self._cell(key)] = key not in self._pinned
+        if key not in self._pinned:
+            self.policy.slot_taken(key)
 
     def verify_slot(self, slot: int) -> Key:
         """Check slot `slot`'s bytes against the file's checksum of the expert it holds (a copy to
@@ -569,9 +353,9 @@ class ExpertSlab:
         return f"pre-filled {n} slots {order} in {self.fill_seconds:.2f} s ({rate:.0f} MB/s){checked}"
 
     def _evict(self, key: Key) -> int:
+        """Take `key` (a victim the policy named) out of its slot; returns the slot's page."""
         page = self._slot_of.pop(key)
         self._point(key, self._home_entry(key))
-        self._cached[self._cell(key)] = False
         self.stats.evictions += 1
         return page
 
@@ -582,26 +366,6 @@ class ExpertSlab:
             raise ValueError(f"expert (layer {key[0]}, expert {key[1]}) is pinned on the card: it always has a slot")
         return -1 - self.placement.host_row(*key) if home == HOST else MISSING
 
-    def _cell(self, key: Key) -> tuple[int, int]:
-        """The (layer position, expert) index of the dense state."""
-        return self._layer_pos[key[0]], key[1]
-
-    def _score(self, key: Key) -> float:
-        """The decayed routing count of `key` now."""
-        return float(self._raw[self._cell(key)]) / self._gain
-
-    def _coldest(self) -> Key | None:
-        """The cached (not pinned) slot with the lowest score, or None."""
-        if not self._cached.any():
-            return None
-        cell = int(np.where(self._cached, self._raw, np.inf).argmin())
-        return self._layers[cell // self.num_experts], cell % self.num_experts
-
-    def _renormalize(self) -> None:
-        """Fold the gain into the raw counts (before it overflows)."""
-        self._raw /= self._gain
-        self._gain = 1.0
-
     def _point(self, key: Key, entry: int) -> None:
         layer, expert = key
         pos = self._layer_pos[layer]
@@ -610,3 +374,12 @@ class ExpertSlab:
         if self._shared:  # a launched step's record holds the array: it keeps the table its router saw
             self._slotted, self._shared = self._slotted.copy(), False
         self._slotted[pos, expert] = entry >= 0
+
+
+def _check_homes(arena: Arena, placement: Placement, loader: ExpertLoader | None) -> None:
+    """Raise ValueError when the placement needs a loader or disk buffers the slab was not given."""
+    if (placement.pinned or placement.disk) and loader is None:
+        raise ValueError("experts pinned on the card or homed on disk are read from the file: give a loader")
+    if placement.disk and len(arena.reserved) < 2:
+        raise ValueError(f"{len(placement.disk)} experts have their home on disk, and the arena has no "
+                         f"reserved pages for the disk tier's buffers (a receipt with --weights-disk-tier)")

@@ -20,7 +20,8 @@ from radianced.config import Config
 from radianced.engine.engine import Engine
 from radianced.engine.request import FinishReason
 from radianced.model.rad import RadFile
-from radianced.tiers.disk import DiskReader, Faults
+from radianced.tiers.disk import DiskReader
+from radianced.tiers.faults import Faults
 from radianced.tiers.slab import MISSING
 from tests.engine.conftest import prompts, request, run_all
 

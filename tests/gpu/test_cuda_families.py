@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from radianced.kernels import ops
-from radianced.model.batch import KVCache
+from radianced.kv.cache import KVCache
 from radianced.model.convert import convert
 from radianced.model.default import bundled_gguf
 from radianced.model.loader import load_model

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from radianced.model.batch import KVCache
+from radianced.kv.cache import KVCache
 from radianced.model.convert import convert
 from radianced.model.loader import load_model
 from radianced.model.rad import RadFile

@@ -16,7 +16,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from radianced.model.batch import ForwardBatch, KVCache
+from radianced.kv.cache import KVCache
+from radianced.model.batch import ForwardBatch
 from radianced.model.config import ModelConfig
 from radianced.model.experts import ResidentExperts
 from radianced.model.layers import CausalLM

@@ -7,7 +7,7 @@ import torch
 from radianced.card import Card
 from radianced.config import Config
 from radianced.engine.engine import Engine
-from radianced.model.batch import KVCache
+from radianced.kv.cache import KVCache
 from radianced.model.loader import load_model
 from radianced.model.rad import RadFile
 from radianced.model.tokenizer import Tokenizer

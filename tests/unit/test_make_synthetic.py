@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from radianced.model.batch import ForwardBatch, KVCache
+from radianced.kv.cache import KVCache
+from radianced.model.batch import ForwardBatch
 from radianced.model.experts import ResidentExperts
 from radianced.model.loader import load_model
 from radianced.model.rad import RadFile

@@ -1,15 +1,15 @@
-"""The pool of host buffers the slab's routing copies land in (tiers/host_buffers.py): a buffer
+"""The pool of host buffers the slab's routing copies land in (tiers/routing_buffers.py): a buffer
 is lent to one holder at a time and reused only once its holder gives it back."""
 
 from __future__ import annotations
 
 import torch
 
-from radianced.tiers.host_buffers import HostBuffers
+from radianced.tiers.routing_buffers import RoutingBuffers
 
 
 def test_a_lent_buffer_is_not_lent_again_until_given_back():
-    pool = HostBuffers(cuda=False)
+    pool = RoutingBuffers(cuda=False)
     a = pool.take((2, 3, 4))
     b = pool.take((2, 3, 4))  # a is still held (its step is not read): b is another buffer
     assert a is not b and a.flat.data_ptr() != b.flat.data_ptr()
@@ -23,7 +23,7 @@ def test_a_lent_buffer_is_not_lent_again_until_given_back():
 
 
 def test_the_smallest_free_buffer_that_fits_is_lent_viewed_as_asked():
-    pool = HostBuffers(cuda=False)
+    pool = RoutingBuffers(cuda=False)
     small, large = pool.take((1, 4, 2)), pool.take((10, 4, 8))
     assert small.numel == 8 and large.numel == 512  # powers of two: nearby sizes share
     pool.give(large)
@@ -37,7 +37,7 @@ def test_the_smallest_free_buffer_that_fits_is_lent_viewed_as_asked():
 
 
 def test_the_pool_keeps_its_largest_free_buffers():
-    pool = HostBuffers(cuda=False, keep=2)
+    pool = RoutingBuffers(cuda=False, keep=2)
     held = [pool.take((n,)) for n in (4, 8, 16)]
     for buffer in held:
         pool.give(buffer)
@@ -48,7 +48,7 @@ def test_the_pool_keeps_its_largest_free_buffers():
 def test_a_buffer_made_in_inference_mode_takes_copies_outside_it():
     """Decode graphs are warmed up in inference mode and the runner's steps end outside it: one
     buffer serves both."""
-    pool = HostBuffers(cuda=False)
+    pool = RoutingBuffers(cuda=False)
     with torch.inference_mode():
         buffer = pool.take((2, 2))
         buffer.ids.copy_(torch.ones(2, 2, dtype=torch.int64))

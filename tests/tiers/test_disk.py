@@ -11,7 +11,9 @@ import time
 import pytest
 
 from radianced.model.rad import RadFile
-from radianced.tiers.disk import ALIGN, DiskReader, Faults, ReadResult, aligned_buffer, buffer_address
+from radianced.tiers.aligned import ALIGN, aligned_buffer, buffer_address
+from radianced.tiers.disk import DiskReader, ReadResult
+from radianced.tiers.faults import Faults
 
 ALL = [(layer, e) for layer in range(3) for e in range(16)]
 READ = 12288  # the 9216-byte extent rounded up to 4096

@@ -155,7 +155,7 @@ def test_a_replayed_stacked_record_counts_as_the_eager_one():
     assert counts[id(eager)] == counts[id(graphed)]
     for name in ("lookups", "hits", "routed"):
         assert getattr(eager.stats, name) == getattr(graphed.stats, name)
-    assert eager.routing == graphed.routing and (eager._missed == graphed._missed).all()
+    assert eager.routing == graphed.routing and (eager.policy._missed == graphed.policy._missed).all()
     assert graphed._copies.made == 2  # two steps in flight at most: their host buffers are reused
 
 
@@ -187,4 +187,4 @@ def test_one_row_steps_count_as_the_general_rule_does():
     assert (a.stats.lookups, a.stats.hits, a.stats.routed) == (b.stats.lookups, b.stats.hits, b.stats.routed)
     assert a.stats.total_hits > 0 and a.stats.refills > 0
     assert a.routing == b.routing and a.slotted() == b.slotted()
-    assert (a._raw == b._raw).all() and (a._missed == b._missed).all()
+    assert (a.policy._raw == b.policy._raw).all() and (a.policy._missed == b.policy._missed).all()

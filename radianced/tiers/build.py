@@ -1,0 +1,79 @@
+"""The expert tiers a receipt describes, built: placement, host pool, probes, loader and slab.
+
+`build_expert_slab` is `Engine.build`'s one call for a model with routed
+experts. It reads the expert profile beside the model (if any) for the fill
+order, places every expert where the receipt says (card slots, host pool, or
+the file with the disk tier), fills the host pool, measures the links the
+placement will use (PCIe for overflow and disk reads, O_DIRECT for the disk
+tier), and leases and fills the slab's start slots. Its start-up lines go to
+the engine's log, after the receipt's.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from radianced.arena import Arena
+from radianced.budget import Receipt
+from radianced.config import Config
+from radianced.model.rad import RadFile
+from radianced.tiers.disk import DiskReader
+from radianced.tiers.expert_loader import ExpertLoader
+from radianced.tiers.host import HostPool
+from radianced.tiers.link import probe_disk, probe_pcie
+from radianced.tiers.placement import Key, place_receipt, routed_experts
+from radianced.tiers.profile import Profile, ProfileError, profile_path
+from radianced.tiers.slab import ExpertSlab
+
+log = logging.getLogger("radianced.engine")  # Engine.build's start-up lines, one logger for all of them
+
+
+def build_expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch.dtype, cfg: Config,
+                      resources: list) -> ExpertSlab:
+    """The placement the receipt implies: pinned experts and a pre-filled cache in arena
+    slots, the rest in the host pool (O_DIRECT-filled, checksums verified) read over the link,
+    or with the disk tier in the file, read when a step routes them. With
+    `<model>.expert-profile.bin` beside the model, slots are filled in its rank order.
+    With `--host-pool-placement ram=DIR` the pool is a file in that tmpfs, shared by daemons.
+    Appends the host pool and the expert loader to `resources` (the engine closes them)."""
+    ranking = _profile_ranking(rad)
+    placement = place_receipt(receipt, routed_experts(rad.header), ranking=ranking)
+    log.info("experts: %s", placement.line())
+    host = None
+    if placement.host:
+        pool = HostPool.create(rad, placement.host, row_bytes=receipt.page_bytes, capacity_bytes=receipt.host_pool,
+                               ram_dir=cfg.host_pool_ram_dir)
+        resources.append(pool)
+        log.info(pool.line())
+        host = pool.tensor[:, :pool.elems]  # a view: keeps the pool's memory alive
+    if placement.host or placement.disk:  # what overflow and disk reads will cost: measured, not assumed
+        log.info(probe_pcie().line())
+    if placement.disk:
+        log.info(probe_disk(rad.path).line())
+    width = receipt.expert_extent // dtype.itemsize
+    loader = ExpertLoader(DiskReader.from_rad(rad), arena.paged_view(dtype, (width,)), receipt.expert_extent,
+                          receipt.staging_rows)
+    resources.append(loader)
+    if placement.disk:
+        log.info("disk tier: %d experts stay in %s, read with O_DIRECT when a step routes them "
+                 "(buffers: 2 x %d slots)", len(placement.disk), rad.path, len(arena.reserved) // 2)
+    slab = ExpertSlab(arena, width, dtype, placement, host, loader, rad.model.num_experts, cfg.expert_slots)
+    log.info(slab.fill_line(ranked=ranking is not None))
+    return slab
+
+
+def _profile_ranking(rad: RadFile) -> list[Key] | None:
+    """The (layer, expert) ranking of the model's expert profile, or None without a usable one
+    (a stale or corrupt profile is logged with what to do, and start-up goes on in file order)."""
+    path = profile_path(rad.path)
+    if not path.exists():
+        return None
+    try:
+        profile = Profile.load_for(rad, path)
+    except ProfileError as e:
+        log.warning("%s; slots are filled in file order", e)
+        return None
+    log.info(profile.line(path))
+    return profile.rank()
