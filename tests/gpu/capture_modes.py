@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from radianced.budget import Card
+from radianced.card import Card
 from radianced.config import Config
 from radianced.engine.engine import Engine
 from radianced.engine.request import Request
@@ -48,12 +48,20 @@ class _Owner:
     """Something that pins host memory for as long as it lives (tiers/host.py's finalizer unpins)."""
 
 
-def dead_pinned_cycle(nbytes: int = 1 << 20) -> None:
-    """Leave garbage behind: a reference cycle whose finalizer calls cudaHostUnregister."""
+def pinned_cycle(nbytes: int = 1 << 20) -> _Owner:
+    """A reference cycle that pins host memory until it is collected (its finalizer calls
+    cudaHostUnregister): drop the returned reference and it is garbage only the cyclic collector
+    frees. Pin it outside any capture: registering is itself no capturable call."""
     owner = _Owner()
     owner.me = owner
     memory = torch.zeros(nbytes, dtype=torch.uint8)
     owner.unpin = register_pinned(owner, memory, memory)
+    return owner
+
+
+def dead_pinned_cycle() -> None:
+    """Leave such garbage behind (as an unclosed engine does)."""
+    pinned_cycle()
 
 
 def serve(engine: Engine, mode: dict, prompts: list[list[int]], max_tokens: int = 16) -> dict[str, list]:

@@ -21,12 +21,13 @@ import textwrap
 import pytest
 import torch
 
-from radianced.budget import Card
+from radianced.card import Card
 from radianced.config import Config
 from radianced.engine import engine as engine_module
 from radianced.engine.engine import Engine
+from radianced.engine.graphs import buckets_for
 from tests.engine.conftest import tiny_rads  # noqa: F401 (fixture)
-from tests.gpu.capture_modes import EXPERTS, MODES, dead_pinned_cycle
+from tests.gpu.capture_modes import EXPERTS, MODES, pinned_cycle
 from tests.gpu.conftest import HERE, gpu_device
 
 ROOT = HERE.parents[1]
@@ -43,12 +44,13 @@ def test_a_collection_inside_a_capture_that_unpins_host_memory_invalidates_it():
     _need_cuda()
     script = textwrap.dedent("""
         import gc, torch
-        from tests.gpu.capture_modes import dead_pinned_cycle
+        from tests.gpu.capture_modes import pinned_cycle
         x = torch.zeros(16, device="cuda")
+        owner = pinned_cycle()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                dead_pinned_cycle()
+                del owner  # garbage now, inside the capture
                 gc.set_threshold(1, 1, 1)  # the next allocation collects, as an unlucky count would
                 for _ in range(10):
                     x.add_(1)
@@ -62,15 +64,18 @@ def test_a_collection_inside_a_capture_that_unpins_host_memory_invalidates_it():
 
 
 class _Leaky:
-    """The model, but every forward leaves a dead pinned-memory cycle behind and asks the
-    collector to run at the next allocation: inside a capture, unless collection is off."""
+    """The model, but every forward drops the last reference to a pinned-memory cycle (pinned
+    before any capture) and asks the collector to run at the next allocation: inside a capture,
+    unless collection is off."""
 
-    def __init__(self, model):
+    def __init__(self, model, forwards: int):
         self.model = model
         self.cfg = model.cfg
+        self.owners = [pinned_cycle() for _ in range(forwards)]
 
     def forward(self, batch, cache):
-        dead_pinned_cycle()
+        if self.owners:
+            self.owners.pop()  # garbage now
         saved = gc.get_threshold()
         gc.set_threshold(1, 1, 1)
         try:
@@ -84,7 +89,7 @@ def test_decode_graphs_capture_while_dead_pinned_memory_awaits_collection(tiny_r
     rad = tiny_rads["qwen3_next"]
     cfg = Config(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, enforce_eager=True, **EXPERTS)
     engine = Engine.build(rad, cfg, Card.from_mib(1024), "cuda")
-    engine.runner.model = _Leaky(engine.runner.model)
+    engine.runner.model = _Leaky(engine.runner.model, forwards=2 * len(buckets_for(cfg.max_num_seqs)))
     graphs = engine_module._decode_graphs(engine, cfg, engine.receipt)  # every bucket captured
     assert sorted(graphs._graphs) == list(graphs.buckets)
     gc.collect()  # the cycles go now, outside any capture

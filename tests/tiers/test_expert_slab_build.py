@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from radianced.arena import EXPERTS, Arena
-from radianced.budget import Card, ModelFacts, plan
+from radianced.budget import plan
+from radianced.card import Card
+from radianced.sizing import ModelFacts
 from radianced.config import Config
 from radianced.model.rad import RadFile
 from radianced.tiers.build import build_expert_slab
