@@ -13,8 +13,9 @@ import time
 import httpx
 
 from radianced.engine.driver import AsyncEngine
-from radianced.server.http import Phase, Served, ServerState, build_app
+from radianced.server.http import build_app
 from radianced.server.metrics import Metrics
+from radianced.server.state import Phase, Served, ServerState
 from radianced.tiers.disk import Faults
 from tests.engine.conftest import prompts, tiny_rads  # noqa: F401 (fixture)
 from tests.engine.test_disk_tier import disk_engine

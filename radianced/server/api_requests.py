@@ -1,4 +1,4 @@
-"""The OpenAI wire format: request bodies in, `SamplingParams` out, responses and SSE chunks back.
+"""OpenAI request bodies in, a valid request and its `SamplingParams` out.
 
 Requests are msgspec Structs decoded straight from the body bytes. Field names
 are OpenAI's, plus vLLM's extras (top_k, min_p, repetition_penalty,
@@ -8,65 +8,28 @@ answer and that radianced cannot honour (n > 1, tools, echo, logit_bias, a JSON
 response_format, ...) are refused, never silently dropped.
 
 `parse_completion` / `parse_chat` turn the bytes into a `Parsed` (the request
-and its `SamplingParams`) or raise `ProtocolError`, whose `status` and `body()`
-are the HTTP answer: `{"error": {"message", "type", "param", "code"}}` with
-`param` naming the offending field (`messages[0].content`, `max_tokens`, ...).
-Sampling values come from the request, else from the model's
-generation_config.json (`generation_defaults`), else SamplingParams' own.
-
-Responses are built by the `*_response` / `*_chunk` functions and encoded by
-`encode` (JSON) or `sse` (`data: {...}\\n\\n`; the stream ends with `SSE_DONE`).
+and its `SamplingParams`) or raise `ProtocolError` (api_errors.py), whose
+`param` names the offending field. Sampling values come from the request, else
+from the model's generation_config.json (`generation_defaults`), else
+SamplingParams' own.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import msgspec
 
 from radianced.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from radianced.server.api_errors import ProtocolError
 
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-LOGPROB_FLOOR = -9999.0  # JSON has no -inf; a token the model gives zero probability reports this (as vLLM does)
 BATCH_REFUSAL = "batch prompts are not supported; send one prompt per request"
-
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "service_unavailable",
-}
-
-
-class ProtocolError(Exception):
-    """A request the server answers with an error status instead of running it.
-
-    `param` names the request field at fault (None when no one field is), `type`
-    defaults to OpenAI's for the status (400: invalid_request_error, ...).
-    """
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type or _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-        self.code = code
-
-    def body(self) -> bytes:
-        return encode(ErrorResponse(ErrorInfo(self.message, self.type, self.param, self.code)))
-
-
-# -- requests -----------------------------------------------------------------
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -349,230 +312,3 @@ def _sampling_params(req: _Sampling, defaults: Mapping[str, Any] | None, *,
             message = param + message[len(field):]
         raise ProtocolError(400, message, param) from None
 
-
-# -- responses ----------------------------------------------------------------
-
-
-class PromptTokensDetails(msgspec.Struct, kw_only=True):
-    cached_tokens: int  # prompt tokens the prefix cache supplied
-
-
-class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> Usage:
-    details = PromptTokensDetails(cached_tokens=cached_tokens) if cached_tokens is not None else None
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
-
-
-class CompletionLogprobs(msgspec.Struct, kw_only=True):
-    """The legacy completions format: parallel lists, one entry per generated token."""
-
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
-    text_offset: list[int]
-
-
-class CompletionChoice(msgspec.Struct, kw_only=True):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(msgspec.Struct, kw_only=True):
-    """A completion, and (as in OpenAI's API) each streamed chunk of one."""
-
-    id: str
-    object: str = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(msgspec.Struct, kw_only=True):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class ChatTokenLogprob(msgspec.Struct, kw_only=True):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(msgspec.Struct, kw_only=True):
-    content: list[ChatTokenLogprob]
-
-
-class AssistantMessage(msgspec.Struct, kw_only=True):
-    role: str = "assistant"
-    content: str
-
-
-class ChatChoice(msgspec.Struct, kw_only=True):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None
-
-
-class ChatCompletionResponse(msgspec.Struct, kw_only=True):
-    id: str
-    object: str = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(msgspec.Struct, kw_only=True):
-    index: int = 0
-    delta: Delta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(msgspec.Struct, kw_only=True):
-    id: str
-    object: str = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(msgspec.Struct, kw_only=True):
-    id: str
-    object: str = "model"
-    created: int
-    owned_by: str = "radianced"
-    max_model_len: int | None = None
-
-
-class ModelList(msgspec.Struct, kw_only=True):
-    object: str = "list"
-    data: list[ModelCard]
-
-
-class ErrorInfo(msgspec.Struct):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(msgspec.Struct):
-    error: ErrorInfo
-
-
-def completion_id(request_id: str) -> str:
-    return f"cmpl-{request_id}"
-
-
-def chat_completion_id(request_id: str) -> str:
-    return f"chatcmpl-{request_id}"
-
-
-def completion_response(request_id: str, model: str, created: int, text: str, finish_reason: str,
-                        usage: Usage, logprobs: CompletionLogprobs | None = None) -> CompletionResponse:
-    choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason)
-    return CompletionResponse(id=completion_id(request_id), created=created, model=model, choices=[choice],
-                              usage=usage)
-
-
-def completion_chunk(request_id: str, model: str, created: int, text: str, finish_reason: str | None = None,
-                     logprobs: CompletionLogprobs | None = None) -> CompletionResponse:
-    choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason)
-    return CompletionResponse(id=completion_id(request_id), created=created, model=model, choices=[choice])
-
-
-def completion_usage_chunk(request_id: str, model: str, created: int, usage: Usage) -> CompletionResponse:
-    """The last chunk of a stream with include_usage: no choices, the usage."""
-    return CompletionResponse(id=completion_id(request_id), created=created, model=model, choices=[],
-                              usage=usage)
-
-
-def chat_completion_response(request_id: str, model: str, created: int, content: str, finish_reason: str,
-                             usage: Usage, logprobs: ChatLogprobs | None = None) -> ChatCompletionResponse:
-    choice = ChatChoice(message=AssistantMessage(content=content), logprobs=logprobs, finish_reason=finish_reason)
-    return ChatCompletionResponse(id=chat_completion_id(request_id), created=created, model=model,
-                                  choices=[choice], usage=usage)
-
-
-def chat_completion_chunk(request_id: str, model: str, created: int, *, role: str | None = None,
-                          content: str | None = None, finish_reason: str | None = None,
-                          logprobs: ChatLogprobs | None = None) -> ChatCompletionChunk:
-    """One streamed piece; the first carries role="assistant", the last the finish_reason."""
-    choice = ChatChunkChoice(delta=Delta(role=role, content=content), logprobs=logprobs,
-                             finish_reason=finish_reason)
-    return ChatCompletionChunk(id=chat_completion_id(request_id), created=created, model=model, choices=[choice])
-
-
-def chat_usage_chunk(request_id: str, model: str, created: int, usage: Usage) -> ChatCompletionChunk:
-    """The last chunk of a stream with include_usage: no choices, the usage."""
-    return ChatCompletionChunk(id=chat_completion_id(request_id), created=created, model=model, choices=[],
-                               usage=usage)
-
-
-def chat_token_logprob(token: str, logprob: float, top: Sequence[tuple[str, float]] = ()) -> ChatTokenLogprob:
-    """One generated token's entry in chat logprobs; `top` is (token, logprob), most likely first."""
-    return ChatTokenLogprob(token=token, logprob=_finite(logprob), bytes=list(token.encode()),
-                            top_logprobs=[TopLogprob(token=t, logprob=_finite(lp), bytes=list(t.encode()))
-                                          for t, lp in top])
-
-
-def completion_logprobs(tokens: Sequence[str], logprobs: Sequence[float],
-                        top: Sequence[Sequence[tuple[str, float]]], text_offset: int = 0) -> CompletionLogprobs:
-    """The completions format for generated `tokens` (their text pieces), each token's
-    logprob and its top alternatives; offsets count from `text_offset`."""
-    offsets, at = [], text_offset
-    for t in tokens:
-        offsets.append(at)
-        at += len(t)
-    return CompletionLogprobs(tokens=list(tokens), token_logprobs=[_finite(lp) for lp in logprobs],
-                              top_logprobs=[{t: _finite(lp) for t, lp in alts} for alts in top],
-                              text_offset=offsets)
-
-
-def model_list(name: str, created: int, max_model_len: int | None = None) -> ModelList:
-    return ModelList(data=[ModelCard(id=name, created=created, max_model_len=max_model_len)])
-
-
-def _finite(logprob: float) -> float:
-    return max(float(logprob), LOGPROB_FLOOR)
-
-
-# -- encoding -----------------------------------------------------------------
-
-SSE_DONE = b"data: [DONE]\n\n"
-_encoder = msgspec.json.Encoder()
-
-
-def encode(obj: msgspec.Struct) -> bytes:
-    return _encoder.encode(obj)
-
-
-def sse(obj: msgspec.Struct) -> bytes:
-    """One server-sent event carrying `obj` as JSON."""
-    return b"data: " + _encoder.encode(obj) + b"\n\n"
-
-
-def error_body(status: int, message: str, param: str | None = None, type: str | None = None,
-               code: str | None = None) -> bytes:
-    """The JSON error body for a status the route decides itself (401, 413, 429, 503, ...)."""
-    return ProtocolError(status, message, param, type, code).body()
