@@ -36,19 +36,11 @@ class RequestContext:
         scope.setdefault("state", {})["request_id"] = rid
         status = 500
         start = time.perf_counter()
+        done = False
 
-        async def send_with_id(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", rid.encode())]}
-            await send(message)
-
-        self.state.enter()
-        try:
-            await self.app(scope, receive, send_with_id)
-        finally:
-            self.state.leave()
+        def finish() -> None:
+            nonlocal done, status
+            done = True
             path = scope["path"]
             if scope["state"].get("client_gone"):
                 status = CLIENT_GONE
@@ -57,3 +49,20 @@ class RequestContext:
             level = logging.INFO if path.startswith("/v1/") or status >= 400 else logging.DEBUG
             log.log(level, "%s: %s %s %d in %.0f ms", rid, scope["method"], path, status,
                     (time.perf_counter() - start) * 1e3)
+
+        async def send_with_id(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", rid.encode())]}
+            elif message["type"] == "http.response.body" and not message.get("more_body", False) and not done:
+                finish()  # before the last byte: a client that has its answer finds it logged and counted
+            await send(message)
+
+        self.state.enter()
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            self.state.leave()
+            if not done:
+                finish()
