@@ -38,10 +38,12 @@ from radianced.engine.driver import AsyncEngine
 from radianced.model.config import UnsupportedModel
 from radianced.model.rad import RadError, RadFile
 from radianced.server import control, notify
+from radianced.server.api_key import ApiKeyError, load_api_key
 from radianced.server.api_requests import generation_defaults
 from radianced.server.control_handlers import ControlHandlers
 from radianced.server.http import build_app
 from radianced.server.http_server import SHUTDOWN_GRACE_S, HttpServer, listen
+from radianced.server.limits import max_prompt_bytes
 from radianced.server.metrics import Metrics
 from radianced.server.state import Phase, Served, ServerState
 from radianced.tiers.host import HostPoolError
@@ -81,7 +83,7 @@ class Daemon:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.metrics = Metrics()
-        self.http = ServerState(self.metrics, cfg.api_key)
+        self.http = ServerState(self.metrics, body_timeout_s=cfg.timeout_body)
         self.model_path = cfg.model
         self.model_name = cfg.served_model_name or ""
         self.receipt: list[str] = []
@@ -101,11 +103,16 @@ class Daemon:
         loop.add_signal_handler(signal.SIGTERM, self.request_stop, "SIGTERM")
         loop.add_signal_handler(signal.SIGINT, self.request_stop, "SIGINT", True)
         try:
+            self.http.api_key = load_api_key(self.cfg, os.environ)
+        except ApiKeyError as e:
+            log.error("cannot start: %s", e)
+            return 1
+        try:
             sock = listen(self.cfg)
         except OSError as e:
             log.error("cannot serve HTTP: %s", e)
             return 1
-        server = HttpServer(build_app(self.http))
+        server = HttpServer(build_app(self.http), self.cfg)
         http_task = asyncio.create_task(server.serve(sockets=[sock]))
         watchdog = asyncio.create_task(self._watchdog())
         control_server = None
@@ -216,6 +223,10 @@ class Daemon:
         start = time.monotonic()
         engine = Engine.build(rad, self.cfg, card, device)
         self.receipt = engine.receipt.lines()
+        # the prompt byte check's bound, computed here, off the loop (it reads the whole vocabulary)
+        longest, context = engine.tokenizer.max_token_bytes, engine.receipt.max_model_len
+        log.info("prompts over %d bytes are refused before tokenizing (--max-model-len %d, at most %d bytes a "
+                 "token)", max_prompt_bytes(context, longest), context, longest)
         log.info("loaded %s on %s in %.1f s", self.model_name, device, time.monotonic() - start)
         return engine
 

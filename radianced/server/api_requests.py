@@ -24,7 +24,9 @@ from typing import Any, NamedTuple
 import msgspec
 
 from radianced.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from radianced.server import limits
 from radianced.server.api_errors import ProtocolError
+from radianced.server.body_decoding import decode
 
 log = logging.getLogger(__name__)
 
@@ -164,8 +166,8 @@ def parse_completion(data: bytes, defaults: Mapping[str, Any] | None = None, *,
                      vocab_size: int | None = None) -> Parsed:
     """Decode a /v1/completions body. `defaults` are SamplingParams fields the
     request may override (`generation_defaults(header.generation)`); token-id
-    prompts are checked against `vocab_size` when given. Raises ProtocolError(400)."""
-    req = _decode(data, CompletionRequest)
+    prompts and top_k are checked against `vocab_size` when given. Raises ProtocolError(400)."""
+    req = decode(data, CompletionRequest)
     req.prompt = _one_prompt(req.prompt, vocab_size)
     if req.echo:
         raise ProtocolError(400, "echo is not supported; leave it out or set it to false", "echo")
@@ -173,20 +175,23 @@ def parse_completion(data: bytes, defaults: Mapping[str, Any] | None = None, *,
         raise ProtocolError(400, "suffix is not supported; leave it out", "suffix")
     if req.best_of not in (None, 1):
         raise ProtocolError(400, f"best_of must be 1 (or left out), got {req.best_of}", "best_of")
-    params = _sampling_params(req, defaults, max_tokens=(req.max_tokens, "max_tokens"),
+    params = _sampling_params(req, defaults, vocab_size, max_tokens=(req.max_tokens, "max_tokens"),
                               logprobs=(req.logprobs, "logprobs"))
     return Parsed(req, params)
 
 
-def parse_chat(data: bytes, defaults: Mapping[str, Any] | None = None) -> Parsed:
+def parse_chat(data: bytes, defaults: Mapping[str, Any] | None = None, *, vocab_size: int | None = None) -> Parsed:
     """Decode a /v1/chat/completions body; see `parse_completion`. Raises ProtocolError(400)."""
-    req = _decode(data, ChatCompletionRequest)
+    req = decode(data, ChatCompletionRequest)
     if not req.messages:
         raise ProtocolError(400, "messages must not be empty; send at least one message", "messages")
     for i, m in enumerate(req.messages):
         if m.role not in ROLES:
             raise ProtocolError(400, f"role must be one of {', '.join(ROLES)}, got {m.role!r}",
                                 f"messages[{i}].role")
+        if m.content is None:  # OpenAI allows null only beside tool_calls, which are not supported
+            raise ProtocolError(400, f"messages[{i}].content is required (a string or a list of text parts); null "
+                                "goes only beside tool_calls, which are not supported", f"messages[{i}].content")
         for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
             if part.type != "text" or part.text is None:
                 raise ProtocolError(400, f"only text content parts ({{\"type\": \"text\", \"text\": ...}}) "
@@ -200,9 +205,10 @@ def parse_chat(data: bytes, defaults: Mapping[str, Any] | None = None) -> Parsed
                             "use \"text\" or leave it out", "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise ProtocolError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+    limits.check_template_kwargs(req.chat_template_kwargs or {})
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = _sampling_params(req, defaults, max_tokens=(max_tokens, req.max_tokens_param),
+    params = _sampling_params(req, defaults, vocab_size, max_tokens=(max_tokens, req.max_tokens_param),
                               logprobs=(logprobs, "top_logprobs"))
     return Parsed(req, params)
 
@@ -239,26 +245,6 @@ def check_model(req: CompletionRequest | ChatCompletionRequest, served_model_nam
                             f"{served_model_name!r}", "model", code="model_not_found")
 
 
-_AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
-_MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`$")
-
-
-def _decode(data: bytes, kind: type[msgspec.Struct]):
-    try:
-        return msgspec.json.decode(data, type=kind)
-    except msgspec.ValidationError as e:
-        m = _AT.match(str(e))
-        msg, path = m["msg"], (m["path"] or "").lstrip(".")
-        missing = _MISSING.match(msg)
-        if missing:
-            param = f"{path}.{missing['field']}" if path else missing["field"]
-            raise ProtocolError(400, f"{param} is required", param) from None
-        where = f"{path}: " if path else "request body: "
-        raise ProtocolError(400, f"{where}{msg}", path or None) from None
-    except msgspec.DecodeError as e:
-        raise ProtocolError(400, f"the request body is not valid JSON ({e})") from None
-
-
 def _one_prompt(prompt: str | list[Any], vocab_size: int | None) -> str | list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one is that prompt
@@ -287,10 +273,12 @@ _SHARED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_
 _FIELD = re.compile(r"^(\w+) ")
 
 
-def _sampling_params(req: _Sampling, defaults: Mapping[str, Any] | None, *,
+def _sampling_params(req: _Sampling, defaults: Mapping[str, Any] | None, vocab_size: int | None, *,
                      max_tokens: tuple[int | None, str], logprobs: tuple[int | None, str]) -> SamplingParams:
     """SamplingParams from the request over `defaults`. `max_tokens` and `logprobs`
     are (value, the request field it came from), for error messages."""
+    limits.check_stops(req.stop, req.stop_token_ids)
+    limits.check_top_k(req.top_k, vocab_size)
     if req.n not in (None, 1):
         raise ProtocolError(400, f"n must be 1: one completion per request is supported, got {req.n}", "n")
     if req.logit_bias:

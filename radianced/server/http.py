@@ -4,18 +4,23 @@ Routes: POST /v1/completions and /v1/chat/completions (JSON, or SSE with
 `stream: true`, ending `data: [DONE]`), GET /v1/models, GET /health (200 only
 when ready; 503 `{"status": "loading" | "draining"}` otherwise), GET /metrics.
 Each request runs inside `RequestContext` (request_context.py: its id, the
-in-flight count, the access log); the answer is built by `Answer`
-(answers.py).
+in-flight count, the access log). The loop only reads the body: decoding,
+checking, the chat template and tokenizing run on a worker thread
+(prompts.prepare), so /health and the streams never wait on one request's
+input. The answer is built by `Answer` (answers.py).
 
 Errors are OpenAI bodies (`{"error": {"message", "type", "param", "code"}}`):
-400 malformed JSON or an invalid field (naming it) or prompt + max_tokens past
---max-model-len (stating both numbers); 401 missing or wrong bearer with
---api-key (on /v1/* only: /health and /metrics stay open for probes and
-scrapers); 404 an unknown model or path; 413 a body over MAX_BODY_BYTES; 429
-(with Retry-After) when --max-queue requests already wait; 503 while loading or
-draining. A client that goes away has its request cancelled: a stream when a
-write or the disconnect message tells us, a plain request through a watcher on
-the connection; either way its blocks are back before the next step.
+400 malformed JSON or an invalid field (naming it) or a prompt past
+--max-model-len (stating both numbers; limits.py has every limit); 401 missing
+or wrong bearer with an API key set (on /v1/* only: /health and /metrics stay
+open for probes and scrapers); 404 an unknown model or path; 408 a body still
+arriving after --timeout-body; 413 a body over MAX_BODY_BYTES; 415 a body
+declared as something other than JSON; 429 (with Retry-After) when --max-queue
+requests wait beyond the free sequence slots; 503 while loading or draining
+(a body still arriving when the drain begins included). A client that goes
+away has its request cancelled: a stream when a write or the disconnect
+message tells us, a plain request through a watcher on the connection; either
+way its blocks are back before the next step.
 """
 
 from __future__ import annotations
@@ -32,17 +37,14 @@ from starlette.routing import Route
 
 from radianced.engine.driver import EngineFailed, RequestStream
 from radianced.engine.scheduler import QueueFull
-from radianced.server import api_requests as rq
 from radianced.server.answers import Answer, EventStream
 from radianced.server.api_errors import ProtocolError, error_body
 from radianced.server.api_responses import encode, model_list
-from radianced.server.prompts import chat_prompt, completion_prompt
+from radianced.server.limits import MAX_BODY_BYTES
+from radianced.server.prompts import prepare
 from radianced.server.request_context import CLIENT_GONE, RequestContext
 from radianced.server.state import Phase, Served, ServerState
 
-# A body cap well above any real prompt: a 256K-token context is ~1.3 MB of text or
-# ~1.8 MB of token ids as JSON; chat JSON escaping can double text. Past this, 413.
-MAX_BODY_BYTES = 8 << 20
 RETRY_AFTER_S = 1  # a queue slot frees when any request ends; a second is a fair first wait
 
 
@@ -98,19 +100,14 @@ async def _chat_completions(request: Request) -> Response:
 
 async def _generate(request: Request, chat: bool) -> Response:
     rid = request.state.request_id
+    state = _state(request)
     try:
         served = _admit(request)
-        body = await _read_body(request)
-        if chat:
-            parsed = rq.parse_chat(body, served.defaults)
-        else:
-            parsed = rq.parse_completion(body, served.defaults, vocab_size=served.vocab_size)
-        rq.check_model(parsed.request, served.name)
-        tok = served.engine.tokenizer
-        prompt_ids = chat_prompt(tok, parsed.request) if chat else completion_prompt(tok, parsed.request)
-        params = rq.fit_to_context(parsed, len(prompt_ids), served.max_model_len)
+        _check_content_type(request)
+        body = await _read_body(request, state)
+        ready = await asyncio.get_running_loop().run_in_executor(state.prepare_pool, prepare, served, body, chat)
         try:
-            stream = served.engine.submit(prompt_ids, params, rid)
+            stream = served.engine.submit(ready.prompt_ids, ready.params, rid)
         except QueueFull as e:
             raise ProtocolError(429, str(e)) from None
     except ProtocolError as e:
@@ -120,8 +117,9 @@ async def _generate(request: Request, chat: bool) -> Response:
     except ClientDisconnect:  # gone while sending the body
         request.state.client_gone = True
         return Response(status_code=CLIENT_GONE)
-    answer = Answer(served, rid, chat, parsed.request, len(prompt_ids))
-    if parsed.request.stream:
+    req = ready.parsed.request
+    answer = Answer(served, rid, chat, req, len(ready.prompt_ids))
+    if req.stream:
         return EventStream(answer.events(stream), stream)
     return await _answer_whole(request, stream, answer)
 
@@ -165,7 +163,7 @@ def _admit(request: Request) -> Served:
         scheme, _, token = given.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
             raise ProtocolError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
-                                "with the daemon's --api-key", code="invalid_api_key")
+                                "with the daemon's key", code="invalid_api_key")
     if state.phase is Phase.LOADING or state.served is None:
         raise ProtocolError(503, "the model is still loading; retry when /health answers 200")
     if state.phase is Phase.DRAINING:
@@ -173,19 +171,51 @@ def _admit(request: Request) -> Served:
     return state.served
 
 
-async def _read_body(request: Request) -> bytes:
-    """The body, or ProtocolError(413) past MAX_BODY_BYTES (refused before reading when
-    Content-Length says so)."""
-    too_big = ProtocolError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+def _check_content_type(request: Request) -> None:
+    """ProtocolError(415) unless the body is declared JSON, or not declared at all (curl
+    without -H, httpx's content=). Refusing text/plain and forms also keeps a web page
+    from posting to the API cross-origin: browsers send those without asking first."""
+    given = request.headers.get("content-type", "")
+    if given.strip() and given.split(";")[0].strip().lower() != "application/json":
+        raise ProtocolError(415, f"Content-Type {given!r}: the body must be JSON; send the header "
+                            "'Content-Type: application/json' (or none)")
+
+
+async def _read_body(request: Request, state: ServerState) -> bytes:
+    """The body, or ProtocolError: 413 past MAX_BODY_BYTES (refused before reading when
+    Content-Length says so), 408 when it has not all arrived after --timeout-body seconds,
+    503 when the drain begins while it arrives (the request was never queued: retry it)."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise too_big
+        raise _too_big()
+    reading = asyncio.ensure_future(_read_all(request))
+    draining = asyncio.ensure_future(state.draining.wait())
+    try:
+        await asyncio.wait((reading, draining), timeout=state.body_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        draining.cancel()
+        if not reading.done():
+            reading.cancel()
+    if reading.done() and not reading.cancelled():
+        return reading.result()
+    if state.draining.is_set():
+        raise ProtocolError(503, "the server began shutting down while this request's body was arriving; the "
+                            "request was not run: send it again (to another server, or once this one is back)")
+    raise ProtocolError(408, f"the request body did not arrive within {state.body_timeout_s:g} s (--timeout-body); "
+                        "send it whole, or raise --timeout-body for a slow link")
+
+
+async def _read_all(request: Request) -> bytes:
     body = bytearray()
     async for part in request.stream():
         body += part
         if len(body) > MAX_BODY_BYTES:
-            raise too_big
+            raise _too_big()
     return bytes(body)
+
+
+def _too_big() -> ProtocolError:
+    return ProtocolError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
 
 
 # -- responses ------------------------------------------------------------------------
@@ -199,6 +229,8 @@ def _error(e: ProtocolError) -> Response:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else {}
     if e.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
+    if e.status in (408, 503):  # the body may be half read: this connection cannot carry another request
+        headers["Connection"] = "close"
     return Response(e.body(), status_code=e.status, headers=headers, media_type="application/json")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,16 +37,37 @@ class Served:
 
 
 class ServerState:
-    """What the daemon and the routes share. Mutated on the event loop only."""
+    """What the daemon and the routes share. Mutated on the event loop only.
 
-    def __init__(self, metrics: Metrics, api_key: str | None = None):
+    body_timeout_s: the seconds a request's whole body may take to arrive (--timeout-body;
+    None: no limit). `prepare_pool` runs the work between a body and the engine
+    (prompts.prepare) off the loop; two threads, as tokenizing competes with the step
+    thread for the cores.
+    """
+
+    PREPARE_THREADS = 2
+
+    def __init__(self, metrics: Metrics, api_key: str | None = None, body_timeout_s: float | None = None):
         self.metrics = metrics
         self.api_key = api_key
-        self.phase = Phase.LOADING
+        self.body_timeout_s = body_timeout_s
         self.served: Served | None = None
         self.in_flight = 0  # HTTP requests between arrival and their last byte sent
+        self.prepare_pool = ThreadPoolExecutor(self.PREPARE_THREADS, thread_name_prefix="radianced-prepare")
+        self.draining = asyncio.Event()  # set with phase DRAINING: bodies still arriving are answered 503
+        self._phase = Phase.LOADING
         self._idle = asyncio.Event()
         self._idle.set()
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @phase.setter
+    def phase(self, phase: Phase) -> None:
+        self._phase = phase
+        if phase is Phase.DRAINING:
+            self.draining.set()
 
     async def wait_idle(self) -> None:
         """Return once no HTTP request is in flight."""
