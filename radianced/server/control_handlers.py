@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from typing import Protocol
 
 import msgspec
 
+from radianced.config import Config
 from radianced.engine.driver import AsyncEngine
 from radianced.server import control
+from radianced.server.profile_paths import ProfilePathError, resolve_profile_out
 from radianced.server.state import ServerState
 from radianced.tiers.live_profile import LiveProfile
 from radianced.tiers.profile import ProfileError
@@ -27,6 +28,7 @@ log = logging.getLogger("radianced")
 class DaemonView(Protocol):
     """What the handlers read of the daemon (daemon.py's `Daemon`)."""
 
+    cfg: Config
     engine: AsyncEngine | None  # None while loading
     http: ServerState
     model_name: str
@@ -82,7 +84,7 @@ class ControlHandlers:
 
     async def profile_save(self, args: dict) -> control.ProfileSaveResult:
         """Write the routing counted since start into the expert profile (tiers/live_profile.py
-        says why it merges); the file write runs on a thread."""
+        says why it merges) at a path profile_paths.py allows; the file work runs on a thread."""
         a = msgspec.convert(args, control.ProfileSaveArgs)
         d = self.daemon
         engine = d.engine
@@ -91,14 +93,16 @@ class ControlHandlers:
         if d.live_profile is None:
             raise control.ControlError(f"{d.model_name} is a dense model: it routes no experts, so it has no "
                                        f"expert profile to save")
-        if a.out is not None and not os.path.isabs(a.out):
-            raise control.ControlError(f"out {a.out!r}: give an absolute path (the daemon's working directory is "
-                                       f"not the caller's)")
         # a dict copy runs without giving up the GIL, so the step thread cannot change it mid-copy
         routing, steps = dict(engine.engine.experts.routing), engine.steps
+
+        def save():  # on a thread: the path check reads the file system too
+            out = resolve_profile_out(a.out, d.model_path, d.cfg.profile_dir)
+            return d.live_profile.save(routing, steps, out, a.replace)
+
         try:
-            saved = await asyncio.to_thread(d.live_profile.save, routing, steps, a.out, a.replace)
-        except ProfileError as e:
+            saved = await asyncio.to_thread(save)
+        except (ProfileError, ProfilePathError) as e:
             raise control.ControlError(str(e)) from None
         log.info("expert profile saved: %s: %d ranked pairs, %d assignments added%s", saved.path, saved.pairs,
                  saved.added, "" if saved.note is None else f" (replaced: {saved.note})")
