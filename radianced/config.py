@@ -69,8 +69,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     http_socket: str | None = None
     control_socket: str | None = None
     api_key: str | None = None
+    api_key_file: str | None = None
     max_queue: int = 128
     drain_timeout: float = 30.0
+    timeout_keep_alive: float = 5.0  # uvicorn's default
+    timeout_headers: float = 10.0
+    timeout_body: float = 60.0
+    profile_dir: str | None = None
     # the card split (SPEC §2)
     gpu_headroom_mib: int | None = None  # None = DEFAULT_HEADROOM_MIB unless --gpu-memory-mib
     gpu_memory_mib: int | None = None
@@ -216,6 +221,12 @@ def _check(c: Config) -> None:
     if not isinstance(c.drain_timeout, (int, float)) or not math.isfinite(c.drain_timeout) \
             or not 0 <= c.drain_timeout <= 86400:
         raise ConfigError(f"--drain-timeout {c.drain_timeout}: must be between 0 and 86400 seconds")
+    for flag, value in (("--timeout-keep-alive", c.timeout_keep_alive), ("--timeout-headers", c.timeout_headers),
+                        ("--timeout-body", c.timeout_body)):
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 < value <= 86400:
+            raise ConfigError(f"{flag} {value}: must be more than 0 and at most 86400 seconds")
+    if c.api_key is not None and c.api_key_file is not None:
+        raise ConfigError("--api-key and --api-key-file both give the API key: keep --api-key-file")
     if c.gpu_headroom_mib is not None and c.gpu_memory_mib is not None:
         raise ConfigError("--gpu-headroom-mib and --gpu-memory-mib are mutually exclusive: give one")
     if c.max_num_batched_tokens < c.decode_tokens:
@@ -228,7 +239,8 @@ def _check(c: Config) -> None:
     if c.placement == "resident" and c.expert_slots is not None:
         raise ConfigError("--placement resident gives every expert a slot; drop --expert-slots "
                           "or use --placement auto")
-    for flag, value in (("--api-key", c.api_key), ("--served-model-name", c.served_model_name),
+    for flag, value in (("--api-key", c.api_key), ("--api-key-file", c.api_key_file),
+                        ("--profile-dir", c.profile_dir), ("--served-model-name", c.served_model_name),
                         ("--model", c.model), ("--http-socket", c.http_socket),
                         ("--control-socket", c.control_socket)):
         if value is not None and not value.strip():
@@ -274,11 +286,22 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=d.port, help=f"HTTP port (default {d.port})")
     g.add_argument("--http-socket", help="serve HTTP on this Unix socket")
     g.add_argument("--control-socket", help="control API Unix socket (owner-only permissions)")
-    g.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the API")
+    g.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the API (every local user can read "
+                                     "a command line: prefer --api-key-file or $RADIANCED_API_KEY)")
+    g.add_argument("--api-key-file", metavar="PATH", help="require the bearer key held in this file (mode 0600)")
     g.add_argument("--max-queue", type=int, default=d.max_queue,
-                   help=f"requests waiting for a sequence slot before 429 (default {d.max_queue})")
+                   help=f"requests waiting beyond the free sequence slots before 429 (default {d.max_queue})")
     g.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
                    help=f"seconds in-flight requests may finish after SIGTERM (default {d.drain_timeout:g})")
+    g.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive,
+                   help=f"seconds an idle keep-alive connection stays open (default {d.timeout_keep_alive:g})")
+    g.add_argument("--timeout-headers", type=float, default=d.timeout_headers,
+                   help=f"seconds a request's line and headers may take to arrive (default {d.timeout_headers:g})")
+    g.add_argument("--timeout-body", type=float, default=d.timeout_body,
+                   help=f"seconds a request's whole body may take to arrive (default {d.timeout_body:g})")
+    g.add_argument("--profile-dir", metavar="DIR",
+                   help="where `radiancectl profile --save --out` may write besides the model's own profile "
+                        "(relative paths resolve here; default: only the model's profile)")
 
     g = parser.add_argument_group("the card split (radiancectl plan prints it)")
     g.add_argument("--gpu-headroom-mib", type=int,

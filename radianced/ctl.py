@@ -104,7 +104,9 @@ def _profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", help="a text file with one prompt per line (blank lines skipped)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
     p.add_argument("--out", default=None, help="where to write the profile (default: MODEL.expert-profile.bin, "
-                                               "which start-up reads to pre-fill the expert slots)")
+                                               "which start-up reads to pre-fill the expert slots); with --save, "
+                                               "a path the daemon allows: the model's own profile, or a file under "
+                                               "its --profile-dir (a relative path is taken from there)")
     p.add_argument("--save", action="store_true",
                    help="instead of running prompts: have the running daemon add the routing it has counted "
                         "since start to its model's profile (the next start-up ranks the slots by it)")
@@ -151,12 +153,11 @@ def _profile_prompts(args: argparse.Namespace) -> int:
 
 
 def _profile_save(args: argparse.Namespace) -> int:
-    """The daemon writes the file (as its user, on its host); --out is made absolute here."""
-    import os
-
+    """The daemon writes the file (as its user, on its host) where its rules allow; --out is sent
+    as given, resolved by the daemon, not against this process's working directory."""
     from radianced.server.control import ProfileSaveResult
 
-    ctl_args = {"replace": args.replace, "out": os.path.abspath(args.out) if args.out else None}
+    ctl_args = {"replace": args.replace, "out": args.out}
     code, result = _control(args, "profile_save", ctl_args)
     if code:
         return code

@@ -25,15 +25,11 @@ import contextlib
 import logging
 import os
 import signal
-import socket
-import stat
 import sys
 import threading
 import time
 from pathlib import Path
 
-import msgspec
-import uvicorn
 import uvloop
 
 from radianced.budget import PlanError
@@ -44,9 +40,14 @@ from radianced.model.config import UnsupportedModel
 from radianced.model.rad import RadFile
 from radianced.model.rad_format import RadError
 from radianced.server import control, notify
-from radianced.server.http import Phase, Served, ServerState, build_app
+from radianced.server.api_key import ApiKeyError, load_api_key
+from radianced.server.api_requests import generation_defaults
+from radianced.server.control_handlers import ControlHandlers
+from radianced.server.http import build_app
+from radianced.server.http_server import SHUTDOWN_GRACE_S, HttpServer, listen
+from radianced.server.limits import max_prompt_bytes
 from radianced.server.metrics import Metrics
-from radianced.server.protocol import generation_defaults
+from radianced.server.state import Phase, Served, ServerState
 from radianced.tiers.host import HostPoolError
 from radianced.tiers.live_profile import LiveProfile
 from radianced.tiers.profile import ProfileError
@@ -55,7 +56,6 @@ log = logging.getLogger("radianced")
 
 EXTEND_EVERY_S = 5.0  # while loading, ask systemd for EXTEND_S more seconds this often
 EXTEND_S = 20.0
-SHUTDOWN_GRACE_S = 5.0  # after the drain: cancelled responses write their last bytes
 STOP_EXTRA_S = 15.0  # asked for beyond --drain-timeout when the stop begins
 _LOAD_ERRORS = (RadError, FileNotFoundError, PlanError, ConfigError, UnsupportedModel, OSError, HostPoolError,
                 ProfileError)
@@ -80,12 +80,12 @@ def cpu_threads() -> int:
 
 
 class Daemon:
-    """The process's state; the control socket's handlers are its methods."""
+    """The process's state and life; the control socket's handlers read it (server/control_handlers.py)."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.metrics = Metrics()
-        self.http = ServerState(self.metrics, cfg.api_key)
+        self.http = ServerState(self.metrics, body_timeout_s=cfg.timeout_body)
         self.model_path = cfg.model
         self.model_name = cfg.served_model_name or ""
         self.receipt: list[str] = []
@@ -105,19 +105,22 @@ class Daemon:
         loop.add_signal_handler(signal.SIGTERM, self.request_stop, "SIGTERM")
         loop.add_signal_handler(signal.SIGINT, self.request_stop, "SIGINT", True)
         try:
-            sock = _listen(self.cfg)
+            self.http.api_key = load_api_key(self.cfg, os.environ)
+        except ApiKeyError as e:
+            log.error("cannot start: %s", e)
+            return 1
+        try:
+            sock = listen(self.cfg)
         except OSError as e:
             log.error("cannot serve HTTP: %s", e)
             return 1
-        server = _Uvicorn(uvicorn.Config(build_app(self.http), loop="none", lifespan="off", http="h11", ws="none",
-                                         log_config=None, access_log=False, server_header=False,
-                                         timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+        server = HttpServer(build_app(self.http), self.cfg)
         http_task = asyncio.create_task(server.serve(sockets=[sock]))
         watchdog = asyncio.create_task(self._watchdog())
         control_server = None
         control_path = self.cfg.control_socket or control.default_socket_path()
         try:
-            control_server = await control.serve(control_path, self.handlers())
+            control_server = await control.serve(control_path, ControlHandlers(self).table())
             code = await self._serve()
         except control.ControlSocketError as e:
             log.error("%s", e)
@@ -222,6 +225,10 @@ class Daemon:
         start = time.monotonic()
         engine = Engine.build(rad, self.cfg, card, device)
         self.receipt = engine.receipt.lines()
+        # the prompt byte check's bound, computed here, off the loop (it reads the whole vocabulary)
+        longest, context = engine.tokenizer.max_token_bytes, engine.receipt.max_model_len
+        log.info("prompts over %d bytes are refused before tokenizing (--max-model-len %d, at most %d bytes a "
+                 "token)", max_prompt_bytes(context, longest), context, longest)
         log.info("loaded %s on %s in %.1f s", self.model_name, device, time.monotonic() - start)
         return engine
 
@@ -274,128 +281,9 @@ class Daemon:
             last = engine.steps if engine is not None else -1
             await asyncio.sleep(interval / 2)
 
-    # -- control socket -----------------------------------------------------------------
-
-    def handlers(self) -> dict:
-        return {"status": self.status, "receipt": self.receipt_result, "drain": self.drain, "cancel": self.cancel,
-                "profile_save": self.profile_save}
-
-    def status(self, args: dict) -> control.StatusResult:
-        engine = self.engine
-        sched = engine.scheduler if engine is not None else None
-        return control.StatusResult(
-            uptime_s=time.monotonic() - self.started,
-            state=self.http.phase.value,
-            model=self.model_name or (self.model_path or "the default model"),
-            receipt=list(self.receipt),
-            kv_util=sched.kv_util if sched else 0.0,
-            running=sched.num_running if sched else 0,
-            waiting=sched.num_waiting if sched else 0,
-            requests=[control.RequestSummary(id=r.request_id, state=r.state, prompt_tokens=r.prompt_tokens,
-                                             generated=r.generated, age_s=r.age_s)
-                      for r in (engine.live() if engine else ())],
-            steps=engine.steps if engine else 0,
-            experts=_expert_status(engine.engine.experts) if engine else None,
-        )
-
-    def receipt_result(self, args: dict) -> control.ReceiptResult:
-        return control.ReceiptResult(lines=list(self.receipt))
-
-    def drain(self, args: dict) -> control.DrainResult:
-        self.request_stop("radiancectl drain")
-        return control.DrainResult(draining=True)
-
-    def cancel(self, args: dict) -> control.CancelResult:
-        """Cancel by the X-Request-Id, or the body's id (cmpl-ID, chatcmpl-ID)."""
-        request_id = msgspec.convert(args, control.CancelArgs).id
-        for prefix in ("chatcmpl-", "cmpl-"):
-            request_id = request_id.removeprefix(prefix)
-        return control.CancelResult(cancelled=self.engine is not None and self.engine.cancel(request_id))
-
-
-    async def profile_save(self, args: dict) -> control.ProfileSaveResult:
-        """Write the routing counted since start into the expert profile (tiers/live_profile.py
-        says why it merges); the file write runs on a thread."""
-        a = msgspec.convert(args, control.ProfileSaveArgs)
-        engine = self.engine
-        if engine is None:
-            raise control.ControlError("the model is still loading; save the profile once /health answers 200")
-        if self.live_profile is None:
-            raise control.ControlError(f"{self.model_name} is a dense model: it routes no experts, so it has no "
-                                       f"expert profile to save")
-        if a.out is not None and not os.path.isabs(a.out):
-            raise control.ControlError(f"out {a.out!r}: give an absolute path (the daemon's working directory is "
-                                       f"not the caller's)")
-        # a dict copy runs without giving up the GIL, so the step thread cannot change it mid-copy
-        routing, steps = dict(engine.engine.experts.routing), engine.steps
-        try:
-            saved = await asyncio.to_thread(self.live_profile.save, routing, steps, a.out, a.replace)
-        except ProfileError as e:
-            raise control.ControlError(str(e)) from None
-        log.info("expert profile saved: %s: %d ranked pairs, %d assignments added%s", saved.path, saved.pairs,
-                 saved.added, "" if saved.note is None else f" (replaced: {saved.note})")
-        return control.ProfileSaveResult(path=str(saved.path), pairs=saved.pairs, added=saved.added,
-                                         steps=saved.steps, merged=saved.merged, note=saved.note)
-
-
-def _expert_status(slab) -> control.ExpertStatus | None:
-    """The slab's slots, homes and per-layer counts; None for a dense model. Read on the loop while
-    a step may count: each number is whole, a layer's may be one layer-step apart."""
-    if slab is None:
-        return None
-    s, p = slab.stats, slab.placement
-    lookups, hits, routed = dict(s.lookups), dict(s.hits), dict(s.routed)
-    return control.ExpertStatus(
-        slots=slab.num_slots, pinned=len(p.pinned), host=len(p.host), disk=len(p.disk), refills=s.refills,
-        evictions=s.evictions,
-        layers=[control.LayerExperts(layer=layer, lookups=lookups[layer], hits=hits[layer], routed=routed[layer])
-                for layer in sorted(lookups)])
-
 
 class _StartFailed(Exception):
     """Start-up failed; the reason is logged."""
-
-
-class _Uvicorn(uvicorn.Server):
-    """uvicorn inside our loop: the daemon, not uvicorn, owns SIGTERM and SIGINT (the drain)."""
-
-    def capture_signals(self):
-        return contextlib.nullcontext()
-
-
-def _listen(cfg: Config) -> socket.socket:
-    """The bound, listening HTTP socket: --http-socket PATH (instead of TCP), else --host/--port.
-    Logs where it listens (port 0 picks a free port)."""
-    if cfg.http_socket:
-        path = cfg.http_socket
-        _remove_stale_socket(path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(path)
-        os.chmod(path, 0o660)  # the runtime directory (0750) decides who reaches it
-        sock.listen(2048)
-        log.info("serving HTTP on unix:%s", path)
-        return sock
-    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-    sock = socket.create_server((cfg.host, cfg.port), family=family, backlog=2048)
-    host, port = sock.getsockname()[:2]
-    log.info("serving HTTP on http://%s:%d", f"[{host}]" if family == socket.AF_INET6 else host, port)
-    return sock
-
-
-def _remove_stale_socket(path: str) -> None:
-    """Unlink a socket file nobody listens on (left by a daemon that died); refuse a live one."""
-    try:
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise OSError(f"--http-socket {path}: exists and is not a socket; remove it or choose another path")
-    except FileNotFoundError:
-        return
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(path)
-        except ConnectionRefusedError:
-            os.unlink(path)
-            return
-    raise OSError(f"--http-socket {path}: another process is listening there")
 
 
 def _unlink(path: str) -> None:

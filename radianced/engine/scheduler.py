@@ -132,11 +132,14 @@ class Scheduler:
     # -- requests in and out --------------------------------------------------
 
     def add(self, request: Request) -> Sequence:
-        """Queue a request. Raises QueueFull when --max-queue requests already wait."""
+        """Queue a request. Raises QueueFull when --max-queue requests already wait beyond the
+        free running slots (a burst that arrives before a step admits anyone fills the slots
+        first: 8 slots and --max-queue 16 take 24, not 16)."""
         if request.request_id in self._by_request:
             raise ValueError(f"request id {request.request_id!r} is already live")
-        if len(self.waiting) >= self.max_queue:
-            raise QueueFull(f"{len(self.waiting)} requests are waiting (--max-queue {self.max_queue}); retry later")
+        queued = len(self.waiting) - max(0, self.max_num_seqs - len(self.running))
+        if queued >= self.max_queue:
+            raise QueueFull(f"{queued} requests are waiting (--max-queue {self.max_queue}); retry later")
         seq = Sequence(self._next_seq_id, request, self.allocator.num_groups)
         self._next_seq_id += 1
         self.waiting.append(seq)

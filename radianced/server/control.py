@@ -99,7 +99,7 @@ class CancelResult(msgspec.Struct, kw_only=True):
 
 
 class ProfileSaveArgs(msgspec.Struct, kw_only=True):
-    out: str | None = None  # absolute path on the daemon's host; None: <model>.expert-profile.bin
+    out: str | None = None  # on the daemon's host, checked by its rules (profile_paths.py); None: the model's
     replace: bool = False  # drop the counts already in the file instead of adding to them
 
 

@@ -5,7 +5,8 @@ and the rest in the host pool. `status` carries per-layer counts that agree
 with the metrics and with the tokens the requests fed; `radiancectl status`
 prints them; `radiancectl profile --save` writes the routing counted since
 start into the profile beside the model, merged with what the file held,
-never counting an assignment twice, and the next start-up ranks by it.
+never counting an assignment twice, and the next start-up ranks by it; it
+writes nowhere else but under --profile-dir, and over nothing but a profile.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -42,8 +44,9 @@ def moe_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def moe_daemon(moe_model):
-    d = start_daemon(moe_model, *FLAGS)
+def moe_daemon(moe_model, tmp_path_factory):
+    """The MoE daemon; `profile --save --out` may write under the session's temporary folder (tmp_path)."""
+    d = start_daemon(moe_model, *FLAGS, "--profile-dir", str(tmp_path_factory.getbasetemp()))
     yield d
     assert d.stop() == 0, d.log()[-3000:]
 
@@ -181,3 +184,35 @@ def test_profile_save_refusals_name_the_problem(moe_daemon, daemon, tmp_path, ca
 def test_profile_arguments_that_do_not_go_together(argv, message, capsys):
     assert ctl.main(argv) == 1
     assert capsys.readouterr().err == f"radiancectl profile: error: {message}\n"
+
+
+def test_19_7_profile_save_writes_only_profiles_where_the_daemon_allows(moe_daemon, moe_model, tmp_path,
+                                                                         tmp_path_factory, capsys, monkeypatch):
+    """Issue 19 finding 7: `radiancectl profile --save --out PATH` overwrote any file (under a root daemon,
+    any file on the system), and a relative PATH was resolved in radiancectl's working directory."""
+    d, allowed = moe_daemon, tmp_path_factory.getbasetemp()  # the daemon's --profile-dir
+
+    def save(out: str) -> tuple[int, str]:
+        code = ctl.main(["profile", "--save", "--out", out, "--control-socket", d.control_socket])
+        return code, capsys.readouterr().err
+
+    outside = Path(tempfile.mkdtemp(prefix="rd-")) / "p.bin"  # not under --profile-dir
+    assert save(str(outside)) == (1, f"radiancectl profile: the daemon refused: out {str(outside)!r}: the daemon "
+                                     f"writes an expert profile only to the model's own "
+                                     f"({profile_path(moe_model)}) or under --profile-dir {allowed}\n")
+    assert not outside.exists()
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep me")
+    assert save(str(notes)) == (1, f"radiancectl profile: the daemon refused: {notes}: exists and is not an expert "
+                                   f"profile; the daemon writes only a new file or over a profile: choose another "
+                                   f"path\n")
+    assert notes.read_text() == "keep me"
+
+    monkeypatch.chdir(outside.parent)  # radiancectl's working directory plays no part
+    relative = str(tmp_path.relative_to(allowed) / "live.bin")
+    assert save(relative) == (0, "")
+    assert sorted(os.listdir(tmp_path)) == ["live.bin", "notes.txt"]  # written whole: no temporary file left
+    assert Profile.from_bytes((tmp_path / "live.bin").read_bytes()).steps > 0
+    assert os.listdir(outside.parent) == []
+    assert save(relative)[0] == 0  # over a profile: allowed (and merged)
+

@@ -2,7 +2,7 @@
 answers 500 naming the expert to the one request that needed it; the daemon serves on.
 
 In process (the ASGI app over httpx's transport) so that the reader's fault hook
-(`tiers.disk.Faults`) can be armed; the engine, scheduler and io_uring reads are the daemon's.
+(`tiers.faults.Faults`) can be armed; the engine, scheduler and io_uring reads are the daemon's.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import time
 import httpx
 
 from radianced.engine.driver import AsyncEngine
-from radianced.server.http import Phase, Served, ServerState, build_app
+from radianced.server.http import build_app
 from radianced.server.metrics import Metrics
+from radianced.server.state import Phase, Served, ServerState
 from radianced.tiers.faults import Faults
 from tests.engine.conftest import prompts, tiny_rads  # noqa: F401 (fixture)
 from tests.engine.test_disk_tier import disk_engine

@@ -20,7 +20,7 @@ from radianced.engine.driver import AsyncEngine
 from radianced.engine.engine import Engine
 from radianced.engine.sampling_params import SamplingParams
 from radianced.model.rad import RadFile
-from radianced.server.http import MAX_BODY_BYTES
+from radianced.server.limits import MAX_BODY_BYTES
 from tests.server.conftest import API_KEY, CARD_MIB, MAX_MODEL_LEN, SERVED_NAME, client
 
 PROMPT_IDS = [12, 250, 31, 77, 140, 9, 301, 45, 66, 199, 23, 5]  # plain tokens of the tiny vocabulary (400)

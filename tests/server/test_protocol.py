@@ -11,11 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radianced.engine.sampling_params import InvalidSamplingParams, SamplingParams
-from radianced.server.protocol import (
-    BATCH_REFUSAL, SSE_DONE, ChatCompletionRequest, ChatLogprobs, CompletionRequest, ProtocolError,
-    chat_completion_chunk, chat_completion_response, chat_token_logprob, chat_usage_chunk, check_model,
-    completion_chunk, completion_logprobs, completion_response, completion_usage_chunk, encode, error_body,
-    fit_to_context, generation_defaults, model_list, parse_chat, parse_completion, sse, usage,
+from radianced.server.api_errors import ProtocolError, error_body
+from radianced.server.api_requests import (
+    BATCH_REFUSAL, ChatCompletionRequest, CompletionRequest, check_model, fit_to_context, generation_defaults,
+    parse_chat, parse_completion,
+)
+from radianced.server.api_responses import (
+    SSE_DONE, ChatLogprobs, chat_completion_chunk, chat_completion_response, chat_token_logprob, chat_usage_chunk,
+    completion_chunk, completion_logprobs, completion_response, completion_usage_chunk, encode, model_list, sse,
+    usage,
 )
 
 USER = [{"role": "user", "content": "hi"}]

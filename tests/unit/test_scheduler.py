@@ -82,16 +82,34 @@ def test_max_num_seqs_bounds_running_sequences():
     assert (sched.num_running, sched.num_waiting) == (2, 1)
 
 
-def test_a_full_queue_is_refused_until_requests_are_admitted():
-    sched = make(max_queue=2)
-    sched.add(req("a", 3))
+def test_a_full_queue_is_refused_until_a_request_ends():
+    sched = make(max_num_seqs=1, max_queue=2)
+    sched.add(req("a", 3))  # takes the free running slot
     sched.add(req("b", 3))
-    with pytest.raises(QueueFull, match="2 requests are waiting \\(--max-queue 2\\)"):
-        sched.add(req("c", 3))
-    step(sched)
     sched.add(req("c", 3))
+    with pytest.raises(QueueFull, match="2 requests are waiting \\(--max-queue 2\\)"):
+        sched.add(req("d", 3))
+    step(sched)  # admitting "a" frees nothing: its slot was counted already
+    with pytest.raises(QueueFull, match="2 requests are waiting \\(--max-queue 2\\)"):
+        sched.add(req("d", 3))
+    sched.cancel("a")
+    sched.add(req("d", 3))
     with pytest.raises(ValueError, match="already live"):
-        sched.add(req("c", 3))
+        sched.add(req("d", 3))
+
+
+def test_a_burst_takes_the_free_running_slots_plus_max_queue():
+    """Issue 19 finding 8: 60 streams at once against --max-num-seqs 8 --max-queue 16 were
+    admitted 16, not 8 running + 16 queued."""
+    sched = make(blocks=256, max_num_seqs=8, max_queue=16)
+    for i in range(24):
+        sched.add(req(f"r{i}", 3))
+    with pytest.raises(QueueFull, match="16 requests are waiting \\(--max-queue 16\\)"):
+        sched.add(req("r24", 3))
+    step(sched)
+    assert (sched.num_running, sched.num_waiting) == (8, 16)
+    with pytest.raises(QueueFull, match="16 requests are waiting \\(--max-queue 16\\)"):
+        sched.add(req("r24", 3))
 
 
 def test_stop_token_and_max_tokens_finish_with_their_reason():

@@ -1,4 +1,4 @@
-"""The OpenAI wire format: request bodies in, `SamplingParams` out, responses and SSE chunks back.
+"""OpenAI request bodies in, a valid request and its `SamplingParams` out.
 
 Requests are msgspec Structs decoded straight from the body bytes. Field names
 are OpenAI's, plus vLLM's extras (top_k, min_p, repetition_penalty,
@@ -8,65 +8,30 @@ answer and that radianced cannot honour (n > 1, tools, echo, logit_bias, a JSON
 response_format, ...) are refused, never silently dropped.
 
 `parse_completion` / `parse_chat` turn the bytes into a `Parsed` (the request
-and its `SamplingParams`) or raise `ProtocolError`, whose `status` and `body()`
-are the HTTP answer: `{"error": {"message", "type", "param", "code"}}` with
-`param` naming the offending field (`messages[0].content`, `max_tokens`, ...).
-Sampling values come from the request, else from the model's
-generation_config.json (`generation_defaults`), else SamplingParams' own.
-
-Responses are built by the `*_response` / `*_chunk` functions and encoded by
-`encode` (JSON) or `sse` (`data: {...}\\n\\n`; the stream ends with `SSE_DONE`).
+and its `SamplingParams`) or raise `ProtocolError` (api_errors.py), whose
+`param` names the offending field. Sampling values come from the request, else
+from the model's generation_config.json (`generation_defaults`), else
+SamplingParams' own.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import msgspec
 
 from radianced.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from radianced.server import limits
+from radianced.server.api_errors import ProtocolError
+from radianced.server.body_decoding import decode
 
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-LOGPROB_FLOOR = -9999.0  # JSON has no -inf; a token the model gives zero probability reports this (as vLLM does)
 BATCH_REFUSAL = "batch prompts are not supported; send one prompt per request"
-
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "service_unavailable",
-}
-
-
-class ProtocolError(Exception):
-    """A request the server answers with an error status instead of running it.
-
-    `param` names the request field at fault (None when no one field is), `type`
-    defaults to OpenAI's for the status (400: invalid_request_error, ...).
-    """
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type or _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-        self.code = code
-
-    def body(self) -> bytes:
-        return encode(ErrorResponse(ErrorInfo(self.message, self.type, self.param, self.code)))
-
-
-# -- requests -----------------------------------------------------------------
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -201,8 +166,8 @@ def parse_completion(data: bytes, defaults: Mapping[str, Any] | None = None, *,
                      vocab_size: int | None = None) -> Parsed:
     """Decode a /v1/completions body. `defaults` are SamplingParams fields the
     request may override (`generation_defaults(header.generation)`); token-id
-    prompts are checked against `vocab_size` when given. Raises ProtocolError(400)."""
-    req = _decode(data, CompletionRequest)
+    prompts and top_k are checked against `vocab_size` when given. Raises ProtocolError(400)."""
+    req = decode(data, CompletionRequest)
     req.prompt = _one_prompt(req.prompt, vocab_size)
     if req.echo:
         raise ProtocolError(400, "echo is not supported; leave it out or set it to false", "echo")
@@ -210,20 +175,23 @@ def parse_completion(data: bytes, defaults: Mapping[str, Any] | None = None, *,
         raise ProtocolError(400, "suffix is not supported; leave it out", "suffix")
     if req.best_of not in (None, 1):
         raise ProtocolError(400, f"best_of must be 1 (or left out), got {req.best_of}", "best_of")
-    params = _sampling_params(req, defaults, max_tokens=(req.max_tokens, "max_tokens"),
+    params = _sampling_params(req, defaults, vocab_size, max_tokens=(req.max_tokens, "max_tokens"),
                               logprobs=(req.logprobs, "logprobs"))
     return Parsed(req, params)
 
 
-def parse_chat(data: bytes, defaults: Mapping[str, Any] | None = None) -> Parsed:
+def parse_chat(data: bytes, defaults: Mapping[str, Any] | None = None, *, vocab_size: int | None = None) -> Parsed:
     """Decode a /v1/chat/completions body; see `parse_completion`. Raises ProtocolError(400)."""
-    req = _decode(data, ChatCompletionRequest)
+    req = decode(data, ChatCompletionRequest)
     if not req.messages:
         raise ProtocolError(400, "messages must not be empty; send at least one message", "messages")
     for i, m in enumerate(req.messages):
         if m.role not in ROLES:
             raise ProtocolError(400, f"role must be one of {', '.join(ROLES)}, got {m.role!r}",
                                 f"messages[{i}].role")
+        if m.content is None:  # OpenAI allows null only beside tool_calls, which are not supported
+            raise ProtocolError(400, f"messages[{i}].content is required (a string or a list of text parts); null "
+                                "goes only beside tool_calls, which are not supported", f"messages[{i}].content")
         for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
             if part.type != "text" or part.text is None:
                 raise ProtocolError(400, f"only text content parts ({{\"type\": \"text\", \"text\": ...}}) "
@@ -237,9 +205,10 @@ def parse_chat(data: bytes, defaults: Mapping[str, Any] | None = None) -> Parsed
                             "use \"text\" or leave it out", "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise ProtocolError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+    limits.check_template_kwargs(req.chat_template_kwargs or {})
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = _sampling_params(req, defaults, max_tokens=(max_tokens, req.max_tokens_param),
+    params = _sampling_params(req, defaults, vocab_size, max_tokens=(max_tokens, req.max_tokens_param),
                               logprobs=(logprobs, "top_logprobs"))
     return Parsed(req, params)
 
@@ -276,26 +245,6 @@ def check_model(req: CompletionRequest | ChatCompletionRequest, served_model_nam
                             f"{served_model_name!r}", "model", code="model_not_found")
 
 
-_AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
-_MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`$")
-
-
-def _decode(data: bytes, kind: type[msgspec.Struct]):
-    try:
-        return msgspec.json.decode(data, type=kind)
-    except msgspec.ValidationError as e:
-        m = _AT.match(str(e))
-        msg, path = m["msg"], (m["path"] or "").lstrip(".")
-        missing = _MISSING.match(msg)
-        if missing:
-            param = f"{path}.{missing['field']}" if path else missing["field"]
-            raise ProtocolError(400, f"{param} is required", param) from None
-        where = f"{path}: " if path else "request body: "
-        raise ProtocolError(400, f"{where}{msg}", path or None) from None
-    except msgspec.DecodeError as e:
-        raise ProtocolError(400, f"the request body is not valid JSON ({e})") from None
-
-
 def _one_prompt(prompt: str | list[Any], vocab_size: int | None) -> str | list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one is that prompt
@@ -324,10 +273,12 @@ _SHARED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_
 _FIELD = re.compile(r"^(\w+) ")
 
 
-def _sampling_params(req: _Sampling, defaults: Mapping[str, Any] | None, *,
+def _sampling_params(req: _Sampling, defaults: Mapping[str, Any] | None, vocab_size: int | None, *,
                      max_tokens: tuple[int | None, str], logprobs: tuple[int | None, str]) -> SamplingParams:
     """SamplingParams from the request over `defaults`. `max_tokens` and `logprobs`
     are (value, the request field it came from), for error messages."""
+    limits.check_stops(req.stop, req.stop_token_ids)
+    limits.check_top_k(req.top_k, vocab_size)
     if req.n not in (None, 1):
         raise ProtocolError(400, f"n must be 1: one completion per request is supported, got {req.n}", "n")
     if req.logit_bias:
@@ -349,230 +300,3 @@ def _sampling_params(req: _Sampling, defaults: Mapping[str, Any] | None, *,
             message = param + message[len(field):]
         raise ProtocolError(400, message, param) from None
 
-
-# -- responses ----------------------------------------------------------------
-
-
-class PromptTokensDetails(msgspec.Struct, kw_only=True):
-    cached_tokens: int  # prompt tokens the prefix cache supplied
-
-
-class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> Usage:
-    details = PromptTokensDetails(cached_tokens=cached_tokens) if cached_tokens is not None else None
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
-
-
-class CompletionLogprobs(msgspec.Struct, kw_only=True):
-    """The legacy completions format: parallel lists, one entry per generated token."""
-
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
-    text_offset: list[int]
-
-
-class CompletionChoice(msgspec.Struct, kw_only=True):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(msgspec.Struct, kw_only=True):
-    """A completion, and (as in OpenAI's API) each streamed chunk of one."""
-
-    id: str
-    object: str = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(msgspec.Struct, kw_only=True):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class ChatTokenLogprob(msgspec.Struct, kw_only=True):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(msgspec.Struct, kw_only=True):
-    content: list[ChatTokenLogprob]
-
-
-class AssistantMessage(msgspec.Struct, kw_only=True):
-    role: str = "assistant"
-    content: str
-
-
-class ChatChoice(msgspec.Struct, kw_only=True):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None
-
-
-class ChatCompletionResponse(msgspec.Struct, kw_only=True):
-    id: str
-    object: str = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(msgspec.Struct, kw_only=True):
-    index: int = 0
-    delta: Delta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(msgspec.Struct, kw_only=True):
-    id: str
-    object: str = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(msgspec.Struct, kw_only=True):
-    id: str
-    object: str = "model"
-    created: int
-    owned_by: str = "radianced"
-    max_model_len: int | None = None
-
-
-class ModelList(msgspec.Struct, kw_only=True):
-    object: str = "list"
-    data: list[ModelCard]
-
-
-class ErrorInfo(msgspec.Struct):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(msgspec.Struct):
-    error: ErrorInfo
-
-
-def completion_id(request_id: str) -> str:
-    return f"cmpl-{request_id}"
-
-
-def chat_completion_id(request_id: str) -> str:
-    return f"chatcmpl-{request_id}"
-
-
-def completion_response(request_id: str, model: str, created: int, text: str, finish_reason: str,
-                        usage: Usage, logprobs: CompletionLogprobs | None = None) -> CompletionResponse:
-    choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason)
-    return CompletionResponse(id=completion_id(request_id), created=created, model=model, choices=[choice],
-                              usage=usage)
-
-
-def completion_chunk(request_id: str, model: str, created: int, text: str, finish_reason: str | None = None,
-                     logprobs: CompletionLogprobs | None = None) -> CompletionResponse:
-    choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason)
-    return CompletionResponse(id=completion_id(request_id), created=created, model=model, choices=[choice])
-
-
-def completion_usage_chunk(request_id: str, model: str, created: int, usage: Usage) -> CompletionResponse:
-    """The last chunk of a stream with include_usage: no choices, the usage."""
-    return CompletionResponse(id=completion_id(request_id), created=created, model=model, choices=[],
-                              usage=usage)
-
-
-def chat_completion_response(request_id: str, model: str, created: int, content: str, finish_reason: str,
-                             usage: Usage, logprobs: ChatLogprobs | None = None) -> ChatCompletionResponse:
-    choice = ChatChoice(message=AssistantMessage(content=content), logprobs=logprobs, finish_reason=finish_reason)
-    return ChatCompletionResponse(id=chat_completion_id(request_id), created=created, model=model,
-                                  choices=[choice], usage=usage)
-
-
-def chat_completion_chunk(request_id: str, model: str, created: int, *, role: str | None = None,
-                          content: str | None = None, finish_reason: str | None = None,
-                          logprobs: ChatLogprobs | None = None) -> ChatCompletionChunk:
-    """One streamed piece; the first carries role="assistant", the last the finish_reason."""
-    choice = ChatChunkChoice(delta=Delta(role=role, content=content), logprobs=logprobs,
-                             finish_reason=finish_reason)
-    return ChatCompletionChunk(id=chat_completion_id(request_id), created=created, model=model, choices=[choice])
-
-
-def chat_usage_chunk(request_id: str, model: str, created: int, usage: Usage) -> ChatCompletionChunk:
-    """The last chunk of a stream with include_usage: no choices, the usage."""
-    return ChatCompletionChunk(id=chat_completion_id(request_id), created=created, model=model, choices=[],
-                               usage=usage)
-
-
-def chat_token_logprob(token: str, logprob: float, top: Sequence[tuple[str, float]] = ()) -> ChatTokenLogprob:
-    """One generated token's entry in chat logprobs; `top` is (token, logprob), most likely first."""
-    return ChatTokenLogprob(token=token, logprob=_finite(logprob), bytes=list(token.encode()),
-                            top_logprobs=[TopLogprob(token=t, logprob=_finite(lp), bytes=list(t.encode()))
-                                          for t, lp in top])
-
-
-def completion_logprobs(tokens: Sequence[str], logprobs: Sequence[float],
-                        top: Sequence[Sequence[tuple[str, float]]], text_offset: int = 0) -> CompletionLogprobs:
-    """The completions format for generated `tokens` (their text pieces), each token's
-    logprob and its top alternatives; offsets count from `text_offset`."""
-    offsets, at = [], text_offset
-    for t in tokens:
-        offsets.append(at)
-        at += len(t)
-    return CompletionLogprobs(tokens=list(tokens), token_logprobs=[_finite(lp) for lp in logprobs],
-                              top_logprobs=[{t: _finite(lp) for t, lp in alts} for alts in top],
-                              text_offset=offsets)
-
-
-def model_list(name: str, created: int, max_model_len: int | None = None) -> ModelList:
-    return ModelList(data=[ModelCard(id=name, created=created, max_model_len=max_model_len)])
-
-
-def _finite(logprob: float) -> float:
-    return max(float(logprob), LOGPROB_FLOOR)
-
-
-# -- encoding -----------------------------------------------------------------
-
-SSE_DONE = b"data: [DONE]\n\n"
-_encoder = msgspec.json.Encoder()
-
-
-def encode(obj: msgspec.Struct) -> bytes:
-    return _encoder.encode(obj)
-
-
-def sse(obj: msgspec.Struct) -> bytes:
-    """One server-sent event carrying `obj` as JSON."""
-    return b"data: " + _encoder.encode(obj) + b"\n\n"
-
-
-def error_body(status: int, message: str, param: str | None = None, type: str | None = None,
-               code: str | None = None) -> bytes:
-    """The JSON error body for a status the route decides itself (401, 413, 429, 503, ...)."""
-    return ProtocolError(status, message, param, type, code).body()

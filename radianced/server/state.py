@@ -1,0 +1,85 @@
+"""What the daemon and the HTTP routes share: the phase, the served model, the requests in flight.
+
+The daemon sets `phase` and `served` and waits on `wait_idle()` to drain; the
+routes read them, and the request context counts each request in flight until
+its last byte is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from radianced.engine.driver import AsyncEngine
+from radianced.server.metrics import Metrics
+
+
+class Phase(str, enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+
+
+@dataclass(frozen=True)
+class Served:
+    """The loaded model as the routes need it."""
+
+    engine: AsyncEngine
+    name: str  # --served-model-name
+    max_model_len: int
+    defaults: dict[str, Any]  # generation_defaults(header.generation)
+    vocab_size: int
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class ServerState:
+    """What the daemon and the routes share. Mutated on the event loop only.
+
+    body_timeout_s: the seconds a request's whole body may take to arrive (--timeout-body;
+    None: no limit). `prepare_pool` runs the work between a body and the engine
+    (prompts.prepare) off the loop; two threads, as tokenizing competes with the step
+    thread for the cores.
+    """
+
+    PREPARE_THREADS = 2
+
+    def __init__(self, metrics: Metrics, api_key: str | None = None, body_timeout_s: float | None = None):
+        self.metrics = metrics
+        self.api_key = api_key
+        self.body_timeout_s = body_timeout_s
+        self.served: Served | None = None
+        self.in_flight = 0  # HTTP requests between arrival and their last byte sent
+        self.prepare_pool = ThreadPoolExecutor(self.PREPARE_THREADS, thread_name_prefix="radianced-prepare")
+        self.draining = asyncio.Event()  # set with phase DRAINING: bodies still arriving are answered 503
+        self._phase = Phase.LOADING
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @phase.setter
+    def phase(self, phase: Phase) -> None:
+        self._phase = phase
+        if phase is Phase.DRAINING:
+            self.draining.set()
+
+    async def wait_idle(self) -> None:
+        """Return once no HTTP request is in flight."""
+        await self._idle.wait()
+
+    def enter(self) -> None:
+        """One more request in flight (the request context calls it on arrival)."""
+        self.in_flight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        """One request fewer in flight (after its last byte was sent)."""
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
