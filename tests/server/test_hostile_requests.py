@@ -1,4 +1,4 @@
-"""Issue 19, through the real daemon: hostile and huge input gets a fast 4xx naming the problem, the event
+"""Hostile and huge requests (issue 19), through the real daemon: hostile and huge input gets a fast 4xx naming the problem, the event
 loop never blocks (/health answers while the hostile request is in flight: the one timing assertion, 250 ms
 against the product's 50), slow clients are cut off, the API key stays off the command line, and a burst is
 admitted up to the free sequence slots plus --max-queue. One test per finding, named for it; finding 4 (a
@@ -24,7 +24,7 @@ from radianced.model.tokenizer import Tokenizer
 from tests.server.conftest import start_daemon
 from tests.server.test_http import PROMPT_IDS
 
-KEY = "issue19-key-7d2e"
+KEY = "hostile-key-7d2e"
 HEALTH_BOUND_S = 0.25
 
 
