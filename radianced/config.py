@@ -89,6 +89,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     deterministic: bool = False
     enforce_eager: bool = False  # no CUDA graphs: every step runs op by op
     sequential_steps: bool = False  # plan a step only after the previous one finished (no pipelining)
+    max_step_seconds: float = 0.5  # a step's tokens are capped at what the measured prefill rate does in this
     weights_disk_tier: bool = False
     expert_slots: int | None = None  # None = as many as the budget allows
     kv_cache_dtype: str = "auto"
@@ -225,6 +226,9 @@ def _check(c: Config) -> None:
                         ("--timeout-body", c.timeout_body)):
         if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 < value <= 86400:
             raise ConfigError(f"{flag} {value}: must be more than 0 and at most 86400 seconds")
+    if not isinstance(c.max_step_seconds, (int, float)) or not math.isfinite(c.max_step_seconds) \
+            or not 0 <= c.max_step_seconds <= 3600:
+        raise ConfigError(f"--max-step-seconds {c.max_step_seconds}: must be between 0 (no cap) and 3600 seconds")
     if c.api_key is not None and c.api_key_file is not None:
         raise ConfigError("--api-key and --api-key-file both give the API key: keep --api-key-file")
     if c.gpu_headroom_mib is not None and c.gpu_memory_mib is not None:
@@ -326,6 +330,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--deterministic", action="store_true", help="experts first, fixed split, no lending")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (slower; for debugging and measuring)")
+    g.add_argument("--max-step-seconds", type=float, default=d.max_step_seconds,
+                   help="cap a step's tokens at what the measured prefill rate computes in this time, so a new "
+                        f"request or a cancel waits about that long on a slow device (0: the "
+                        f"--max-num-batched-tokens budget alone; default {d.max_step_seconds:g})")
     g.add_argument("--sequential-steps", action="store_true",
                    help="plan each step after the previous one finished, instead of while it runs "
                         "(slower; for debugging and measuring)")

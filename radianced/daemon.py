@@ -36,6 +36,7 @@ from radianced.budget import PlanError
 from radianced.card import Card
 from radianced.config import Config, ConfigError
 from radianced.engine.driver import AsyncEngine
+from radianced.engine.pacing import StepPacer
 from radianced.model.config import UnsupportedModel
 from radianced.model.rad import RadFile
 from radianced.model.rad_format import RadError
@@ -198,7 +199,7 @@ class Daemon:
         except Exception:
             log.exception("cannot start: loading the model failed")
             raise _StartFailed from None
-        return AsyncEngine(engine, self.metrics)
+        return AsyncEngine(engine, self.metrics, StepPacer.for_config(self.cfg))
 
     def _build(self):
         """Open the model, plan the card, allocate and load (on the loader thread)."""

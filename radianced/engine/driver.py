@@ -28,6 +28,7 @@ from typing import Protocol
 
 from radianced.engine.detokenizer import IncrementalDetokenizer
 from radianced.engine.engine import Engine
+from radianced.engine.pacing import StepPacer
 from radianced.engine.request import FinishReason, Request, SeqStatus
 from radianced.engine.sampling_params import SamplingParams
 from radianced.engine.scheduler import SeqEvent
@@ -160,8 +161,11 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, metrics: EngineMetrics | None = None):
+    def __init__(self, engine: Engine, metrics: EngineMetrics | None = None, pacer: StepPacer | None = None):
+        """pacer: caps each step's tokens at a step time measured here (engine/pacing.py); None
+        keeps the scheduler's --max-num-batched-tokens budget."""
         self.engine = engine
+        self.pacer = pacer
         self.scheduler = engine.scheduler
         self.metrics = metrics or NoMetrics()
         self._streams: dict[str, _Stream] = {}
@@ -218,8 +222,12 @@ class AsyncEngine:
             self._worker.shutdown(wait=True)
 
     def _count_step(self, done, events: list[SeqEvent], seconds: float) -> None:
-        """A finished step: its time, its tokens to their streams, the tiers' counts."""
+        """A finished step: its time (and the next step's budget), its tokens to their streams,
+        the tiers' counts."""
         self.metrics.observe_step(seconds)
+        if self.pacer is not None:
+            plan = done.finished.plan
+            self.scheduler.step_tokens = self.pacer.observe(plan.num_tokens, len(plan.seqs), seconds)
         self._count_experts(done.finished.plan, done.output)
         self._dispatch(events)
         self._count_tiers()

@@ -3,7 +3,8 @@ decode, preemption. Produces a `StepPlan`; consumes the `StepOutput`.
 
 Rules of a step (`schedule`):
 1. Running sequences, decodes first, then unfinished prefills, oldest first in
-   each, take tokens from the step's budget (`max_num_batched_tokens`): a decode
+   each, take tokens from the step's budget (`step_tokens`: `max_num_batched_tokens`, or
+   less where the driver's pacer says, engine/pacing.py): a decode
    one, a prefill the rest of its tokens or what the budget leaves.
 2. A sequence whose new tokens need blocks the pool cannot give: a prefill
    shrinks its chunk to what fits; otherwise the youngest running sequence is
@@ -99,6 +100,7 @@ class Scheduler:
         self.hybrid = hybrid
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.step_tokens = max_num_batched_tokens  # the next step's budget: the flag's, or less (engine/pacing.py)
         self.max_queue = max_queue
         self.max_model_len = max_model_len
         self.state_slots = StateSlots(max_num_seqs) if hybrid else None
@@ -182,7 +184,7 @@ class Scheduler:
         if self._in_flight[0].after:
             return None  # checkpoint saves in flight: update() decides whether the prefix cache takes them
         order = self._running_order()
-        budget, need = self.max_num_batched_tokens, 0
+        budget, need = self.step_tokens, 0
         for seq in order:  # the blocks the plan will take: without preemption or it is not made
             if budget == 0:
                 break
@@ -213,7 +215,7 @@ class Scheduler:
         return [s for s in live if not s.is_prefilling] + [s for s in live if s.is_prefilling]
 
     def _schedule(self) -> StepPlan:
-        budget = self.max_num_batched_tokens
+        budget = self.step_tokens
         chunks: dict[int, _Chunk] = {}  # seq_id -> chunk, in plan order
         preempted: list[int] = []
         for seq in self._running_order():

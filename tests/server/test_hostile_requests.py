@@ -1,8 +1,8 @@
-"""Hostile and huge requests (issue 19), through the real daemon: hostile and huge input gets a fast 4xx naming the problem, the event
-loop never blocks (/health answers while the hostile request is in flight: the one timing assertion, 250 ms
+"""Hostile and huge requests (issue 19), through the real daemon: they get a fast 4xx naming the
+problem, the event loop never blocks (/health answers while the hostile request is in flight: the one timing assertion, 250 ms
 against the product's 50), slow clients are cut off, the API key stays off the command line, and a burst is
 admitted up to the free sequence slots plus --max-queue. One test per finding, named for it; finding 4 (a
-cancelled long prefill) is the scheduler's, finding 7 (profile --save paths) is in test_daemon_experts.py.
+cancelled long prefill) is tests/engine/test_pacing.py's, finding 7 (profile --save paths) is in test_daemon_experts.py.
 """
 
 from __future__ import annotations
