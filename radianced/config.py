@@ -282,8 +282,11 @@ def check_host(cfg: Config) -> None:
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """Declare every Config flag on `parser` (dests are the Config field names)."""
-    d = Config()
-    g = parser.add_argument_group("model and serving")
+    _serving_flags(parser.add_argument_group("model and serving"), Config())
+    _split_flags(parser.add_argument_group("the card split (radiancectl plan prints it)"), Config())
+
+
+def _serving_flags(g, d: Config) -> None:
     g.add_argument("--model", help="the .rad to serve (default: the bundled SmolLM2-135M-Instruct)")
     g.add_argument("--served-model-name", help="model name in the API (default: the model file's name)")
     g.add_argument("--host", default=d.host, help=f"HTTP address (default {d.host})")
@@ -307,7 +310,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                    help="where `radiancectl profile --save --out` may write besides the model's own profile "
                         "(relative paths resolve here; default: only the model's profile)")
 
-    g = parser.add_argument_group("the card split (radiancectl plan prints it)")
+
+def _split_flags(g, d: Config) -> None:
     g.add_argument("--gpu-headroom-mib", type=int,
                    help=f"MiB of the card left untouched (default {DEFAULT_HEADROOM_MIB})")
     g.add_argument("--gpu-memory-mib", type=int,
