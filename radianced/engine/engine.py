@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from radianced import budget
 from radianced.arena import KV, Arena, TenantPages
-from radianced.budget import plan
 from radianced.card import Card, detect_card
 from radianced.config import Config
 from radianced.engine.graphs import DecodeGraphs
@@ -172,7 +172,7 @@ class Engine:
         """
         m = rad.model
         ops.select(device, deterministic=cfg.deterministic)  # once, before the model loads
-        receipt = plan(card or detect_card(device), ModelFacts.from_header(rad.header), cfg)
+        receipt = budget.plan(card or detect_card(device), ModelFacts.from_header(rad.header), cfg)
         for line in receipt.lines():
             log.info(line)
         arena = Arena.from_receipt(receipt, device)
@@ -216,8 +216,6 @@ class Engine:
         runner = Runner(model, KVCache(kv_storage, m.full_attention_layers, states), checkpoints,
                         Sampler(device, sampler_seed), experts if isinstance(experts, ExpertSlab) else None)
         return cls(scheduler, runner, tokenizer, pipelined=not cfg.sequential_steps)
-
-
 
 
 def _decode_graphs(engine: Engine, cfg: Config, receipt: Receipt) -> DecodeGraphs | None:
