@@ -1,6 +1,6 @@
 """A/B of the daemon's step loop: the loop at 86e83d5 against today's, interleaved rounds.
 
-    python tools/ab_loop.py --out OUT [--layers 8] [--batches 1,32] [--steps 64] [--rounds 5]
+    python tools/ab_loop.py --out OUT [--layers 8] [--batches 1,32] [--steps 128] [--rounds 7]
 
 Issue 17 replaced the driver's own pipelined loop (86e83d5's `AsyncEngine.run`, which
 launched and collected through the runner itself) by the engine's three phases
@@ -102,8 +102,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--batches", default="1,32")
-    ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("ab_loop times the loop over decode graphs: it needs CUDA")
