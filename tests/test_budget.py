@@ -501,7 +501,7 @@ def test_lending_refusals_say_what_is_missing():
 
 # -- the guide's worked example ---------------------------------------------------
 
-GUIDE = Path(__file__).resolve().parents[2] / "docs" / "GUIDE.md"
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "GUIDE.md"
 
 
 def test_the_guide_worked_example_is_what_plan_prints():

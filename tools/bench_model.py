@@ -58,6 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 import torch  # noqa: E402
+import uvloop  # noqa: E402
 
 from radianced.engine.driver import AsyncEngine, NoMetrics  # noqa: E402
 from tools.gpu_bench import (  # noqa: E402
@@ -273,10 +274,10 @@ class _StepClock(NoMetrics):
 
 def daemon_loop(eng, warmup: int, reps: int, driver=AsyncEngine) -> dict:
     """Seconds per step of the daemon's own loop: `AsyncEngine.run` (engine/driver.py: plan and
-    apply on an asyncio event loop, execute on its worker thread, step N+1 launched before step N
-    is collected), over the requests already in the scheduler: the wall time between the ends of
-    step `warmup` and step `warmup + reps`, in steady state. Then the requests' next steps are let
-    finish and the driver stops idle (nothing left in flight). `driver`: the AsyncEngine class
+    apply on the daemon's event loop, uvloop, and execute on its worker thread; step N+1 launched
+    before step N is collected), over the requests already in the scheduler: the wall time between
+    the ends of step `warmup` and step `warmup + reps`, in steady state. Then the requests are
+    ended and the driver stops idle (nothing left in flight). `driver`: the AsyncEngine class
     (tools/ab_loop.py passes the loop of an earlier commit)."""
     async def run() -> float:
         marks = {warmup: asyncio.Event(), warmup + reps: asyncio.Event()}
@@ -293,7 +294,7 @@ def daemon_loop(eng, warmup: int, reps: int, driver=AsyncEngine) -> dict:
             await task
         return seconds
 
-    seconds = asyncio.run(run())
+    seconds = uvloop.run(run())  # the daemon runs on uvloop (daemon.main)
     return {"mean_s": seconds / reps, "reps": reps, "warmup": warmup, "timer": "perf_counter, steady state",
             "loop": f"{driver.__module__}.{driver.__qualname__}.run"}
 
