@@ -191,7 +191,7 @@ def test_decodes_are_planned_before_an_older_prefill():
     sched.add(req("b", 2))
     plan, _ = step(sched)
     assert shape(plan) == [(0, 28, 0, False), (1, 2, 0, True)]
-    sched.max_num_batched_tokens = 2
+    sched.step_tokens = 2  # the next step's budget (the pacer's knob)
     plan, _ = step(sched)
     assert shape(plan) == [(1, 1, 2, True), (0, 1, 28, False)]
 
