@@ -1,0 +1,249 @@
+"""The workloads of `radiancectl bench run`, each measured the same way.
+
+`measured` reads /metrics, starts the energy meter, runs the requests, stops
+the meter and reads /metrics again once the daemon is idle, so a row's server
+counters and energy belong to its requests only. Prompts of exact lengths are
+token ids drawn from a seeded generator, different for every request, so one
+request's prompt is never a prefix-cache hit for the next (the multi-turn row
+is the one meant to hit). Ids stay below `PROMPT_ID_RANGE`'s top, inside any
+vocabulary the daemon serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import httpx
+
+from radianced.bench.client import Sample, chat_body, completion_body, stream_request
+from radianced.bench.energy import EnergyMeter, EnergyReading
+from radianced.bench.quality import Reference, compare
+from radianced.bench.result import WorkloadResult
+from radianced.bench.scrape import ServerDelta, Snapshot
+from radianced.bench.sizes import DaemonLimits, Sizes
+from radianced.bench.stats import slope_per_minute
+
+PROMPT_ID_RANGE = (1000, 8000)
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+IDLE_WAIT_S = 10.0  # how long to wait for the daemon's running and waiting gauges to reach 0 after a workload
+MEMORY_SAMPLE_S = 5.0  # the stability pass reads the daemon's RSS this often
+FILLER = "The quick brown fox jumps over the lazy dog while the keeper counts the ships. "  # ~17 tokens
+
+
+@dataclass
+class BenchContext:
+    """What every workload needs: the client, the sizes, the meter, and a progress callback."""
+
+    http: httpx.AsyncClient
+    sizes: Sizes
+    limits: DaemonLimits
+    model: str  # the served model's name (/v1/models)
+    meter: EnergyMeter | None  # None: energy not measured
+    daemon_pid: int | None  # known when the bench started the daemon: its RSS is then reported
+    progress: Callable[[str, int, int], None]  # (workload, requests done, requests in it)
+    seed: int = 0
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    """`n` token ids, the same for the same seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(*PROMPT_ID_RANGE) for _ in range(n)]
+
+
+async def snapshot(http: httpx.AsyncClient) -> Snapshot:
+    r = await http.get("/metrics")
+    r.raise_for_status()
+    return Snapshot.parse(r.text)
+
+
+async def idle_snapshot(http: httpx.AsyncClient) -> Snapshot:
+    """/metrics once nothing runs or waits (or after IDLE_WAIT_S): the counters of the last step are in."""
+    deadline = time.monotonic() + IDLE_WAIT_S
+    while True:
+        snap = await snapshot(http)
+        busy = (snap.gauge("radiance_sequences_running") or 0) + (snap.gauge("radiance_sequences_waiting") or 0)
+        if not busy or time.monotonic() > deadline:
+            return snap
+        await asyncio.sleep(0.05)
+
+
+async def measured(ctx: BenchContext, work: Awaitable[list[Sample]]
+                   ) -> tuple[tuple[Sample, ...], ServerDelta, EnergyReading | None]:
+    before = await idle_snapshot(ctx.http)
+    if ctx.meter:
+        ctx.meter.start()
+    samples = await work
+    energy = ctx.meter.stop() if ctx.meter else None
+    after = await idle_snapshot(ctx.http)
+    return tuple(samples), ServerDelta.between(before, after), energy
+
+
+async def bounded(ctx: BenchContext, name: str, path: str, bodies: list[dict], concurrency: int) -> list[Sample]:
+    """Send every body with at most `concurrency` in flight (vLLM's --max-concurrency); samples in send order."""
+    gate = asyncio.Semaphore(concurrency)
+    done = 0
+
+    async def one(body: dict) -> Sample:
+        nonlocal done
+        async with gate:
+            sample = await stream_request(ctx.http, path, body)
+        done += 1
+        ctx.progress(name, done, len(bodies))
+        return sample
+
+    return list(await asyncio.gather(*(one(b) for b in bodies)))
+
+
+async def closed_loop(ctx: BenchContext, name: str, body: dict, concurrency: int, n: int) -> WorkloadResult:
+    bodies = [body] * n
+    samples, server, energy = await measured(ctx, bounded(ctx, name, COMPLETIONS, bodies, concurrency))
+    return WorkloadResult(name, name.split()[0], concurrency, samples, server, energy)
+
+
+def _next_seed(ctx: BenchContext) -> int:
+    ctx.seed += 1
+    return ctx.seed
+
+
+# -- the workloads ----------------------------------------------------------------
+
+
+async def warm_up(ctx: BenchContext) -> None:
+    """One short request outside every row (first-call costs are not part of any workload)."""
+    await stream_request(ctx.http, COMPLETIONS, completion_body(prompt_ids(16, -1), 4))
+
+
+async def decode(ctx: BenchContext) -> list[WorkloadResult]:
+    """A short prompt, a long output: the decode speed of one sequence."""
+    s = ctx.sizes
+    body = completion_body(s.decode_prompt, s.decode_tokens)
+    return [await closed_loop(ctx, "decode", body, 1, s.decode_requests)]
+
+
+async def prefill(ctx: BenchContext) -> list[WorkloadResult]:
+    """A long prompt and one output token: TTFT is the prefill time."""
+    rows = []
+    for n in ctx.sizes.prefill_lengths:
+        body = completion_body(prompt_ids(n, _next_seed(ctx)), 1)
+        rows.append(await closed_loop(ctx, f"prefill {n}", body, 1, 1))
+    return rows
+
+
+async def sweep(ctx: BenchContext) -> list[WorkloadResult]:
+    """Concurrency c = 1, 2, 4, 8, 16: aggregate tok/s, TPOT, TTFT and ITL at each."""
+    s = ctx.sizes
+    rows = []
+    for c in s.sweep:
+        name = f"sweep c={c}"
+        bodies = [completion_body(prompt_ids(s.sweep_prompt_tokens, _next_seed(ctx)), s.sweep_tokens)
+                  for _ in range(c * s.sweep_rounds)]
+        samples, server, energy = await measured(ctx, bounded(ctx, name, COMPLETIONS, bodies, c))
+        rows.append(WorkloadResult(name, "sweep", c, samples, server, energy))
+    return rows
+
+
+async def overload(ctx: BenchContext) -> list[WorkloadResult]:
+    """--max-num-seqs + --max-queue + 32 requests at once: exactly the 32 beyond should get 429, and no
+    admitted request may fail or end short."""
+    s, n = ctx.sizes, ctx.sizes.overload_requests
+    bodies = [completion_body(prompt_ids(16, _next_seed(ctx)), s.overload_tokens) for _ in range(n)]
+    samples, server, energy = await measured(ctx, bounded(ctx, "overload", COMPLETIONS, bodies, n))
+    notes = {"sent": n, "admissible": ctx.limits.admissible, "expected_429": n - ctx.limits.admissible,
+             "got_429": sum(x.status == 429 for x in samples),
+             "server_errors": sum(x.status >= 500 for x in samples),
+             "cut_short": sum(x.cut_short for x in samples)}
+    return [WorkloadResult("overload", "overload", n, samples, server, energy, notes)]
+
+
+async def multi_turn(ctx: BenchContext) -> list[WorkloadResult]:
+    """Two turns of one chat: turn 2 resends turn 1, so its TTFT shows prefix reuse (cached_tokens)."""
+    s = ctx.sizes
+    story = f"Conversation {ctx.seed}-{time.time_ns()}. " + FILLER * max(1, s.turn_prompt_tokens // 17)
+    first = [{"role": "user", "content": story + "Summarize this in one line."}]
+
+    async def turns() -> list[Sample]:
+        one = await stream_request(ctx.http, CHAT, chat_body(first, s.turn_tokens))
+        ctx.progress("multi-turn", 1, 2)
+        second = first + [{"role": "assistant", "content": "".join(one.pieces)},
+                          {"role": "user", "content": "Now say it in five words."}]
+        two = await stream_request(ctx.http, CHAT, chat_body(second, s.turn_tokens))
+        ctx.progress("multi-turn", 2, 2)
+        return [one, two]
+
+    samples, server, energy = await measured(ctx, turns())
+    one, two = samples
+    notes = {"ttft_turn1_s": one.ttft_s, "ttft_turn2_s": two.ttft_s, "prompt_turn1": one.prompt_tokens,
+             "prompt_turn2": two.prompt_tokens, "cached_turn2": two.cached_tokens}
+    return [WorkloadResult("multi-turn", "multi-turn", 1, samples, server, energy, notes)]
+
+
+async def stability(ctx: BenchContext) -> list[WorkloadResult]:
+    """--full only: fixed concurrency for stability_s seconds; no error, a flat RSS and GPU memory, and the
+    KV back to idle afterwards."""
+    s = ctx.sizes
+    if not s.stability_s:
+        return []
+    c, end = s.stability_concurrency, time.monotonic() + s.stability_s
+    rss: list[tuple[float, float]] = []
+
+    async def worker() -> list[Sample]:
+        out = []
+        while time.monotonic() < end:
+            body = completion_body(prompt_ids(s.sweep_prompt_tokens, _next_seed(ctx)), s.sweep_tokens)
+            out.append(await stream_request(ctx.http, COMPLETIONS, body))
+        return out
+
+    async def work() -> list[Sample]:
+        watch = asyncio.ensure_future(_watch_rss(ctx, end, rss))
+        per_worker = await asyncio.gather(*(worker() for _ in range(c)))
+        await watch
+        return sorted((x for w in per_worker for x in w), key=lambda x: x.sent_at)
+
+    samples, server, energy = await measured(ctx, work())
+    gpu = [(p.t_s, p.memory_mib) for p in energy.samples] if energy else []
+    notes = {"seconds": s.stability_s, "errors": sum(not x.ok for x in samples),
+             "rss_mib_per_min": slope_per_minute(*zip(*rss)) if len(rss) > 1 else "not measured",
+             "gpu_mib_per_min": slope_per_minute(*zip(*gpu)) if len(gpu) > 1 else "not measured",
+             "kv_util_after_idle": server.kv_util_after}
+    return [WorkloadResult("stability", "stability", c, samples, server, energy, notes)]
+
+
+async def _watch_rss(ctx: BenchContext, end: float, out: list[tuple[float, float]]) -> None:
+    """(seconds, RSS MiB) of the daemon every MEMORY_SAMPLE_S until `end`; nothing without its pid."""
+    if ctx.daemon_pid is None:
+        return
+    import psutil
+
+    proc, t0 = psutil.Process(ctx.daemon_pid), time.monotonic()
+    while time.monotonic() < end:
+        out.append((time.monotonic() - t0, proc.memory_info().rss / 2**20))
+        ctx.progress("stability", int(time.monotonic() - t0), int(ctx.sizes.stability_s))
+        await asyncio.sleep(MEMORY_SAMPLE_S)
+
+
+async def quality(ctx: BenchContext) -> list[WorkloadResult]:
+    """Greedy output against the stored reference for the served model; no row when there is none."""
+    ref = Reference.find(ctx.model)
+    if ref is None:
+        return []
+    body = completion_body(ref.prompt_ids, len(ref.token_ids), ignore_eos=False)
+    samples, server, energy = await measured(ctx, bounded(ctx, "quality", COMPLETIONS, [body], 1))
+    notes = compare(ref, samples[0].pieces)
+    return [WorkloadResult("quality", "quality", 1, samples, server, energy, notes)]
+
+
+WORKLOADS = (decode, prefill, sweep, overload, multi_turn, stability, quality)
+
+
+async def run_all(ctx: BenchContext) -> list[WorkloadResult]:
+    """Every workload in order, after one warm-up request."""
+    await warm_up(ctx)
+    rows: list[WorkloadResult] = []
+    for workload in WORKLOADS:
+        rows += await workload(ctx)
+    return rows
