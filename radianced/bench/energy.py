@@ -68,6 +68,10 @@ class EnergyMeter:
             return None
         return EnergyMeter(nvml, handles) if handles else None
 
+    def device_name(self) -> str:
+        names = [self._nvml.nvmlDeviceGetName(h) for h in self._handles]
+        return f"{len(names)} x {names[0]}" if len(set(names)) == 1 else ", ".join(names)
+
     def start(self) -> None:
         self._samples = []
         self._stop.clear()

@@ -6,7 +6,8 @@ counters and energy belong to its requests only. Prompts of exact lengths are
 token ids drawn from a seeded generator, different for every request, so one
 request's prompt is never a prefix-cache hit for the next (the multi-turn row
 is the one meant to hit). Ids stay below `PROMPT_ID_RANGE`'s top, inside any
-vocabulary the daemon serves.
+vocabulary the daemon serves. The generator's seed joins a per-run nonce and a
+counter, so two runs against one daemon share no prompt either.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import asyncio
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -46,10 +47,11 @@ class BenchContext:
     meter: EnergyMeter | None  # None: energy not measured
     daemon_pid: int | None  # known when the bench started the daemon: its RSS is then reported
     progress: Callable[[str, int, int], None]  # (workload, requests done, requests in it)
-    seed: int = 0
+    nonce: int = field(default_factory=time.time_ns)  # this run's part of every prompt seed
+    seed: int = 0  # prompts drawn so far
 
 
-def prompt_ids(n: int, seed: int) -> list[int]:
+def prompt_ids(n: int, seed: str) -> list[int]:
     """`n` token ids, the same for the same seed."""
     rng = random.Random(seed)
     return [rng.randrange(*PROMPT_ID_RANGE) for _ in range(n)]
@@ -105,9 +107,9 @@ async def closed_loop(ctx: BenchContext, name: str, body: dict, concurrency: int
     return WorkloadResult(name, name.split()[0], concurrency, samples, server, energy)
 
 
-def _next_seed(ctx: BenchContext) -> int:
+def _next_seed(ctx: BenchContext) -> str:
     ctx.seed += 1
-    return ctx.seed
+    return f"{ctx.nonce}-{ctx.seed}"
 
 
 # -- the workloads ----------------------------------------------------------------
@@ -115,7 +117,7 @@ def _next_seed(ctx: BenchContext) -> int:
 
 async def warm_up(ctx: BenchContext) -> None:
     """One short request outside every row (first-call costs are not part of any workload)."""
-    await stream_request(ctx.http, COMPLETIONS, completion_body(prompt_ids(16, -1), 4))
+    await stream_request(ctx.http, COMPLETIONS, completion_body(prompt_ids(16, _next_seed(ctx)), 4))
 
 
 async def decode(ctx: BenchContext) -> list[WorkloadResult]:
@@ -163,7 +165,7 @@ async def overload(ctx: BenchContext) -> list[WorkloadResult]:
 async def multi_turn(ctx: BenchContext) -> list[WorkloadResult]:
     """Two turns of one chat: turn 2 resends turn 1, so its TTFT shows prefix reuse (cached_tokens)."""
     s = ctx.sizes
-    story = f"Conversation {ctx.seed}-{time.time_ns()}. " + FILLER * max(1, s.turn_prompt_tokens // 17)
+    story = f"Conversation {_next_seed(ctx)}. " + FILLER * max(1, s.turn_prompt_tokens // 17)
     first = [{"role": "user", "content": story + "Summarize this in one line."}]
 
     async def turns() -> list[Sample]:
