@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -62,8 +63,18 @@ def run(args: argparse.Namespace) -> int:
         url, limits = child.url, (cfg.max_num_seqs, cfg.max_queue)
     else:
         url, limits = args.url.rstrip("/"), (args.max_num_seqs, args.max_queue)
+    import httpx
+
     try:
         report = asyncio.run(_measure(args, url, limits, child.proc.pid if child else None))
+    except httpx.HTTPStatusError as e:
+        print(f"radiancectl bench: {url} answered {e.response.status_code} to {e.request.url.path} "
+              f"({e.response.text[:200].strip()}); with an API key set, pass --api-key", file=sys.stderr)
+        return 2
+    except httpx.TransportError as e:
+        print(f"radiancectl bench: cannot reach the daemon at {url}: {e or type(e).__name__}; is it running "
+              "there? (or use --start)", file=sys.stderr)
+        return 2
     finally:
         if child is not None:
             child.stop()
@@ -92,11 +103,20 @@ async def _measure(args: argparse.Namespace, url: str, limits: tuple[int, int], 
             rows = await run_all(ctx)
     mode = "quick" if args.quick else "full" if args.full else "default"
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "url": url, "model": models["id"],
-            "mode": mode, "device": meter.device_name() if meter else "no NVIDIA GPU seen by NVML",
+            "mode": mode, "client_commit": _commit(), "device": meter.device_name() if meter else "no NVIDIA GPU seen by NVML",
             "energy": "NVML" if meter else NOT_MEASURED,
             "limits": {"max_num_seqs": daemon.max_num_seqs, "max_queue": daemon.max_queue,
                        "max_model_len": daemon.max_model_len}}
     return Report(meta, tuple(rows))
+
+
+def _commit() -> str | None:
+    """The git commit of this radianced checkout (None when installed from a wheel)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, text=True,
+                              capture_output=True, timeout=10, check=True).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def _write(report, out: Path) -> None:

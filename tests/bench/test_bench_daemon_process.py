@@ -16,3 +16,4 @@ def test_the_limits_come_from_the_daemon_flags():
 def test_an_unknown_flag_is_a_config_error_not_an_exit():
     with pytest.raises(ConfigError, match="--no-such-flag"):
         daemon_config(["--no-such-flag"])
+

@@ -1,0 +1,16 @@
+"""`radiancectl bench run`'s boundary: a daemon that is not there, flags in the wrong place."""
+
+from __future__ import annotations
+
+from radianced.ctl import main
+
+
+def test_a_daemon_that_is_not_there_is_one_message_and_exit_2(tmp_path, capsys):
+    assert main(["bench", "run", "--url", "http://127.0.0.1:9", "--quick", "--out", str(tmp_path)]) == 2
+    assert "cannot reach the daemon at http://127.0.0.1:9" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_daemon_flags_without_start_are_refused(capsys):
+    assert main(["bench", "run", "--url", "http://127.0.0.1:9", "--", "--max-num-seqs", "4"]) == 1
+    assert "go with --start only" in capsys.readouterr().err
