@@ -103,7 +103,8 @@ async def _measure(args: argparse.Namespace, url: str, limits: tuple[int, int], 
             rows = await run_all(ctx)
     mode = "quick" if args.quick else "full" if args.full else "default"
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "url": url, "model": models["id"],
-            "mode": mode, "client_commit": _commit(), "device": meter.device_name() if meter else "no NVIDIA GPU seen by NVML",
+            "mode": mode, "client_commit": _commit(),
+            "device": meter.device_name() if meter else "no NVIDIA GPU seen by NVML",
             "energy": "NVML" if meter else NOT_MEASURED,
             "limits": {"max_num_seqs": daemon.max_num_seqs, "max_queue": daemon.max_queue,
                        "max_model_len": daemon.max_model_len}}

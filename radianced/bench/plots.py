@@ -2,8 +2,9 @@
 
 - `concurrency.png`: aggregate output tok/s and TTFT p50/p95 against the sweep's concurrency;
 - `itl.png`: the distribution of every inter-token gap of the sweep;
-- `hit_rate.png`: output tok/s against expert hit rate and against overflow %, one point per row that
-  routed experts (drawn only when the daemon reports expert lookups: a dense model has none);
+- `hit_rate.png`: output tok/s against expert hit rate and against overflow %, one point per decoding row
+  (decode, sweep, stability: a prefill row's one token says nothing of tok/s) that routed experts (drawn
+  only when the daemon reports expert lookups: a dense model has none);
 - `power.png`: GPU power against GPU utilization, from NVML's samples (drawn only when energy was measured).
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from radianced.bench.result import WorkloadResult
+
+DECODING = ("decode", "sweep", "stability")  # rows whose output tok/s measures decoding
 
 
 def draw(rows: list[WorkloadResult] | tuple[WorkloadResult, ...], folder: Path) -> list[Path]:
@@ -67,7 +70,7 @@ def _itl(plt, rows):
 
 
 def _hit_rate(plt, rows):
-    routed = [r for r in rows if r.server.hit_rate is not None and r.summary.output_tok_s]
+    routed = [r for r in rows if r.kind in DECODING and r.server.hit_rate is not None and r.summary.output_tok_s]
     if not routed:
         return None
     fig, (hit, over) = plt.subplots(1, 2, figsize=(10, 4))

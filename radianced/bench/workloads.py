@@ -28,12 +28,13 @@ from radianced.bench.scrape import ServerDelta, Snapshot
 from radianced.bench.sizes import DaemonLimits, Sizes
 from radianced.bench.stats import slope_per_minute
 
-PROMPT_ID_RANGE = (1000, 8000)
+PROMPT_ID_RANGE = (32, 384)  # ordinary tokens in every model here: above SmolLM2's specials (0..16), below the
+# tiny test models' (397..399); byte-level tokens in the Qwen and Llama vocabularies
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 IDLE_WAIT_S = 10.0  # how long to wait for the daemon's running and waiting gauges to reach 0 after a workload
 MEMORY_SAMPLE_S = 5.0  # the stability pass reads the daemon's RSS this often
-FILLER = "The quick brown fox jumps over the lazy dog while the keeper counts the ships. "  # ~17 tokens
+FILLER = "The quick brown fox jumps over the lazy dog while the keeper counts the ships. "
 
 
 @dataclass
@@ -165,7 +166,8 @@ async def overload(ctx: BenchContext) -> list[WorkloadResult]:
 async def multi_turn(ctx: BenchContext) -> list[WorkloadResult]:
     """Two turns of one chat: turn 2 resends turn 1, so its TTFT shows prefix reuse (cached_tokens)."""
     s = ctx.sizes
-    story = f"Conversation {_next_seed(ctx)}. " + FILLER * max(1, s.turn_prompt_tokens // 17)
+    overhead, per_filler = await _filler_tokens(ctx)
+    story = f"Conversation {_next_seed(ctx)}. " + FILLER * max(1, (s.turn_prompt_tokens - overhead) // per_filler)
     first = [{"role": "user", "content": story + "Summarize this in one line."}]
 
     async def turns() -> list[Sample]:
@@ -182,6 +184,19 @@ async def multi_turn(ctx: BenchContext) -> list[WorkloadResult]:
     notes = {"ttft_turn1_s": one.ttft_s, "ttft_turn2_s": two.ttft_s, "prompt_turn1": one.prompt_tokens,
              "prompt_turn2": two.prompt_tokens, "cached_turn2": two.cached_tokens}
     return [WorkloadResult("multi-turn", "multi-turn", 1, samples, server, energy, notes)]
+
+
+async def _filler_tokens(ctx: BenchContext) -> tuple[int, int]:
+    """(prompt tokens of a chat message with no FILLER, tokens per FILLER) in the daemon's tokenizer: two
+    one-token requests outside every row, so the first turn fits the context whatever the vocabulary."""
+    lengths = []
+    for k in (0, 4):
+        body = chat_body([{"role": "user", "content": f"Conversation 0. {FILLER * k}Summarize."}], 1)
+        sample = await stream_request(ctx.http, CHAT, body)
+        if sample.prompt_tokens is None:
+            raise RuntimeError(f"the daemon answered {sample.status} to a 1-token chat request: {sample.error}")
+        lengths.append(sample.prompt_tokens)
+    return lengths[0], max(1, (lengths[1] - lengths[0]) // 4)
 
 
 async def stability(ctx: BenchContext) -> list[WorkloadResult]:
