@@ -64,7 +64,7 @@ class Sizes:
             sweep_rounds=1 if quick else 4, sweep_prompt_tokens=min(sweep_prompt, max_len // 2),
             sweep_tokens=min(sweep_tokens, max_len // 2),
             overload_requests=limits.admissible + OVERLOAD_EXCESS,
-            overload_tokens=min(24 if quick else 256, max_len // 2),
+            overload_tokens=min(32 if quick else 256, max_len // 2),
             turn_prompt_tokens=min(160 if quick else 2048, max_len // 3), turn_tokens=16 if quick else 128,
             stability_s=max(stability_s, STABILITY_MIN_S) if full else 0.0,
             stability_concurrency=min(8, limits.max_num_seqs),

@@ -13,6 +13,7 @@ counter, so two runs against one daemon share no prompt either.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -33,7 +34,8 @@ PROMPT_ID_RANGE = (32, 384)  # ordinary tokens in every model here: above SmolLM
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 IDLE_WAIT_S = 10.0  # how long to wait for the daemon's running and waiting gauges to reach 0 after a workload
-MEMORY_SAMPLE_S = 5.0  # the stability pass reads the daemon's RSS this often
+MEMORY_SAMPLE_S = 5.0
+OVERLOAD_HOLD_S = 2.0  # a burst of ~200 requests on kept-alive connections arrives in well under a second  # the stability pass reads the daemon's RSS this often
 FILLER = "The quick brown fox jumps over the lazy dog while the keeper counts the ships. "
 
 
@@ -49,6 +51,7 @@ class BenchContext:
     daemon_pid: int | None  # known when the bench started the daemon: its RSS is then reported
     progress: Callable[[str, int, int], None]  # (workload, requests done, requests in it)
     nonce: int = field(default_factory=time.time_ns)  # this run's part of every prompt seed
+    busy_itl_s: float | None = None  # ITL p50 at the sweep's highest concurrency (sizes the overload's outputs)
     seed: int = 0  # prompts drawn so far
 
 
@@ -147,20 +150,39 @@ async def sweep(ctx: BenchContext) -> list[WorkloadResult]:
                   for _ in range(c * s.sweep_rounds)]
         samples, server, energy = await measured(ctx, bounded(ctx, name, COMPLETIONS, bodies, c))
         rows.append(WorkloadResult(name, "sweep", c, samples, server, energy))
+    if rows:
+        ctx.busy_itl_s = rows[-1].summary.itl.p50
     return rows
 
 
 async def overload(ctx: BenchContext) -> list[WorkloadResult]:
     """--max-num-seqs + --max-queue + 32 requests at once: exactly the 32 beyond should get 429, and no
-    admitted request may fail or end short."""
-    s, n = ctx.sizes, ctx.sizes.overload_requests
-    bodies = [completion_body(prompt_ids(16, _next_seed(ctx)), s.overload_tokens) for _ in range(n)]
+    admitted request may fail or end short. The count is exact only while no admitted request has finished
+    before the last refusal: the connections are opened first (so the burst is only the requests), and the
+    notes give both times so a run on a very fast model can tell."""
+    n, tokens = ctx.sizes.overload_requests, _overload_tokens(ctx)
+    bodies = [completion_body(prompt_ids(16, _next_seed(ctx)), tokens) for _ in range(n)]
+    await asyncio.gather(*(ctx.http.get("/health") for _ in range(n)))  # n keep-alive connections, open
     samples, server, energy = await measured(ctx, bounded(ctx, "overload", COMPLETIONS, bodies, n))
-    notes = {"sent": n, "admissible": ctx.limits.admissible, "expected_429": n - ctx.limits.admissible,
+    t0 = min(x.sent_at for x in samples)
+    answered = {status: [x.sent_at + x.e2e_s - t0 for x in samples if x.status == status and x.e2e_s is not None]
+                for status in (200, 429)}
+    notes = {"sent": n, "max_tokens": tokens, "admissible": ctx.limits.admissible,
+             "expected_429": n - ctx.limits.admissible,
              "got_429": sum(x.status == 429 for x in samples),
              "server_errors": sum(x.status >= 500 for x in samples),
-             "cut_short": sum(x.cut_short for x in samples)}
+             "cut_short": sum(x.cut_short for x in samples),
+             "last_429_s": max(answered[429], default=None), "first_finish_s": min(answered[200], default=None)}
     return [WorkloadResult("overload", "overload", n, samples, server, energy, notes)]
+
+
+def _overload_tokens(ctx: BenchContext) -> int:
+    """Output tokens per overload request: the sizes' count, or more on a fast model, so that the first
+    admitted request decodes for about OVERLOAD_HOLD_S (at the sweep's busiest ITL) while the burst arrives."""
+    s = ctx.sizes
+    if not ctx.busy_itl_s:
+        return s.overload_tokens
+    return max(s.overload_tokens, min(math.ceil(OVERLOAD_HOLD_S / ctx.busy_itl_s), ctx.limits.max_model_len // 2))
 
 
 async def multi_turn(ctx: BenchContext) -> list[WorkloadResult]:
