@@ -34,8 +34,8 @@ PROMPT_ID_RANGE = (32, 384)  # ordinary tokens in every model here: above SmolLM
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 IDLE_WAIT_S = 10.0  # how long to wait for the daemon's running and waiting gauges to reach 0 after a workload
-MEMORY_SAMPLE_S = 5.0
-OVERLOAD_HOLD_S = 2.0  # a burst of ~200 requests on kept-alive connections arrives in well under a second  # the stability pass reads the daemon's RSS this often
+MEMORY_SAMPLE_S = 5.0  # the stability pass reads the daemon's RSS this often
+OVERLOAD_HOLD_S = 2.0  # a burst of ~200 requests on kept-alive connections arrives in well under a second
 FILLER = "The quick brown fox jumps over the lazy dog while the keeper counts the ships. "
 
 

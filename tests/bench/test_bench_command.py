@@ -14,3 +14,18 @@ def test_a_daemon_that_is_not_there_is_one_message_and_exit_2(tmp_path, capsys):
 def test_daemon_flags_without_start_are_refused(capsys):
     assert main(["bench", "run", "--url", "http://127.0.0.1:9", "--", "--max-num-seqs", "4"]) == 1
     assert "go with --start only" in capsys.readouterr().err
+
+
+def test_progress_draws_a_bar_per_workload_on_a_terminal_only(monkeypatch):
+    from radianced.bench.command import _Progress
+
+    with _Progress() as quiet:  # pytest's stdout is no terminal
+        quiet.update("sweep c=1", 1, 1)
+    assert quiet._bar is None
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)
+    with _Progress() as bar:
+        bar.update("sweep c=1", 0, 2)
+        bar.update("sweep c=1", 2, 2)
+        bar.update("overload", 1, 48)
+    assert [t.description for t in bar._bar.tasks] == ["sweep c=1", "overload"]
+    assert [t.completed for t in bar._bar.tasks] == [2, 1]

@@ -76,6 +76,7 @@ def test_the_overload_burst_gets_exactly_its_excess_as_429(report):
         == {"sent": SEQS + QUEUE + 32, "admissible": SEQS + QUEUE, "expected_429": 32, "got_429": 32,
             "server_errors": 0, "cut_short": 0}
     assert w["summary"]["status_counts"] == {"200": SEQS + QUEUE, "429": 32}
+    assert [s["tokens_received"] for s in w["samples"] if s["status"] == 200] == [notes["max_tokens"]] * (SEQS + QUEUE)
     assert w["server"]["requests_by_status"] == {"200": SEQS + QUEUE, "429": 32}
 
 
