@@ -105,10 +105,10 @@ async def bounded(ctx: BenchContext, name: str, path: str, bodies: list[dict], c
     return list(await asyncio.gather(*(one(b) for b in bodies)))
 
 
-async def closed_loop(ctx: BenchContext, name: str, body: dict, concurrency: int, n: int) -> WorkloadResult:
-    bodies = [body] * n
+async def row(ctx: BenchContext, name: str, kind: str, bodies: list[dict], concurrency: int) -> WorkloadResult:
+    """A row of /v1/completions requests, at most `concurrency` in flight."""
     samples, server, energy = await measured(ctx, bounded(ctx, name, COMPLETIONS, bodies, concurrency))
-    return WorkloadResult(name, name.split()[0], concurrency, samples, server, energy)
+    return WorkloadResult(name, kind, concurrency, samples, server, energy)
 
 
 def _next_seed(ctx: BenchContext) -> str:
@@ -127,8 +127,9 @@ async def warm_up(ctx: BenchContext) -> None:
 async def decode(ctx: BenchContext) -> list[WorkloadResult]:
     """A short prompt, a long output: the decode speed of one sequence."""
     s = ctx.sizes
-    body = completion_body(s.decode_prompt, s.decode_tokens)
-    return [await closed_loop(ctx, "decode", body, 1, s.decode_requests)]
+    bodies = [completion_body(f"Story {_next_seed(ctx)}. {s.decode_prompt}", s.decode_tokens)
+              for _ in range(s.decode_requests)]
+    return [await row(ctx, "decode", "decode", bodies, 1)]
 
 
 async def prefill(ctx: BenchContext) -> list[WorkloadResult]:
@@ -136,7 +137,7 @@ async def prefill(ctx: BenchContext) -> list[WorkloadResult]:
     rows = []
     for n in ctx.sizes.prefill_lengths:
         body = completion_body(prompt_ids(n, _next_seed(ctx)), 1)
-        rows.append(await closed_loop(ctx, f"prefill {n}", body, 1, 1))
+        rows.append(await row(ctx, f"prefill {n}", "prefill", [body], 1))
     return rows
 
 
@@ -145,11 +146,9 @@ async def sweep(ctx: BenchContext) -> list[WorkloadResult]:
     s = ctx.sizes
     rows = []
     for c in s.sweep:
-        name = f"sweep c={c}"
         bodies = [completion_body(prompt_ids(s.sweep_prompt_tokens, _next_seed(ctx)), s.sweep_tokens)
                   for _ in range(c * s.sweep_rounds)]
-        samples, server, energy = await measured(ctx, bounded(ctx, name, COMPLETIONS, bodies, c))
-        rows.append(WorkloadResult(name, "sweep", c, samples, server, energy))
+        rows.append(await row(ctx, f"sweep c={c}", "sweep", bodies, c))
     if rows:
         ctx.busy_itl_s = rows[-1].summary.itl.p50
     return rows
