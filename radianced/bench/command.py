@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -37,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--full", action="store_true", help="add the stability pass (at least 10 minutes)")
     run.add_argument("--stability-s", type=float, default=600.0, help="length of the --full stability pass")
     run.add_argument("--out", help="folder for bench.json, bench.md and the plots (default: bench-<UTC time>)")
-    run.add_argument("--api-key", help="the daemon's API key, if it has one")
+    run.add_argument("--api-key-file", metavar="PATH", help="a file holding the daemon's API key (default: "
+                     "$RADIANCED_API_KEY, or with --start the key the daemon's own flags give it)")
     run.add_argument("--max-num-seqs", type=int, default=DEFAULTS.max_num_seqs,
                      help=f"with --url: the daemon's --max-num-seqs (default {DEFAULTS.max_num_seqs})")
     run.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue,
@@ -46,44 +48,59 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`bench run`: start the daemon if asked, measure, write the outputs; 1 when a check failed."""
+    """`bench run`: start the daemon if asked, measure, write the outputs; 1 when a check failed, 2 when
+    the daemon could not be started or reached."""
     from radianced.bench.daemon_process import ChildDaemon, DaemonStartError, daemon_config
+    from radianced.server.api_key import ApiKeyError
 
     daemon_args = args.daemon_args[1:] if args.daemon_args[:1] == ["--"] else args.daemon_args
     if daemon_args and not args.start:
         raise ConfigError(f"daemon flags ({' '.join(daemon_args)}) go with --start only")
-    child = None
-    if args.start:
-        cfg = daemon_config(daemon_args)
-        try:
-            child = ChildDaemon.start(daemon_args)
-        except DaemonStartError as e:
-            print(f"radiancectl bench: {e}", file=sys.stderr)
-            return 2
-        url, limits = child.url, (cfg.max_num_seqs, cfg.max_queue)
-    else:
-        url, limits = args.url.rstrip("/"), (args.max_num_seqs, args.max_queue)
-    import httpx
-
+    cfg = daemon_config(daemon_args) if args.start else None
     try:
-        report = asyncio.run(_measure(args, url, limits, child.proc.pid if child else None))
-    except httpx.HTTPStatusError as e:
-        print(f"radiancectl bench: {url} answered {e.response.status_code} to {e.request.url.path} "
-              f"({e.response.text[:200].strip()}); with an API key set, pass --api-key", file=sys.stderr)
+        key = api_key(args.api_key_file, cfg, dict(os.environ))
+        child = ChildDaemon.start(daemon_args) if args.start else None
+    except (ApiKeyError, DaemonStartError) as e:
+        print(f"radiancectl bench: {e}", file=sys.stderr)
         return 2
-    except httpx.TransportError as e:
-        print(f"radiancectl bench: cannot reach the daemon at {url}: {e or type(e).__name__}; is it running "
-              "there? (or use --start)", file=sys.stderr)
-        return 2
+    try:
+        if child is not None:
+            report = _reach(args, child.url, key, (cfg.max_num_seqs, cfg.max_queue), child.proc.pid)
+        else:
+            report = _reach(args, args.url.rstrip("/"), key, (args.max_num_seqs, args.max_queue), None)
     finally:
         if child is not None:
             child.stop()
-    out = Path(args.out or time.strftime("bench-%Y%m%d-%H%M%S", time.gmtime()))
-    _write(report, out)
+    if report is None:
+        return 2
+    _write(report, Path(args.out or time.strftime("bench-%Y%m%d-%H%M%S", time.gmtime())))
     return 0 if report.passed else 1
 
 
-async def _measure(args: argparse.Namespace, url: str, limits: tuple[int, int], pid: int | None):
+def _reach(args: argparse.Namespace, url: str, key: str | None, limits: tuple[int, int], pid: int | None):
+    """The run's Report, or None after one message on stderr when the daemon cannot be reached or refuses."""
+    import httpx
+
+    try:
+        return asyncio.run(_measure(args, url, key, limits, pid))
+    except httpx.HTTPStatusError as e:
+        print(f"radiancectl bench: {url} answered {e.response.status_code} to {e.request.url.path} "
+              f"({e.response.text[:200].strip()}); with an API key set, pass --api-key-file", file=sys.stderr)
+    except httpx.TransportError as e:
+        print(f"radiancectl bench: cannot reach the daemon at {url}: {e or type(e).__name__}; is it running "
+              "there? (or use --start)", file=sys.stderr)
+    return None
+
+
+def api_key(key_file: str | None, daemon: Config | None, environ: dict[str, str]) -> str | None:
+    """The bearer key to send, by the daemon's own rules (radianced/server/api_key.py): from --api-key-file,
+    else from the started daemon's flags or $RADIANCED_API_KEY; None when there is none. Raises ApiKeyError."""
+    from radianced.server.api_key import load_api_key
+
+    return load_api_key(Config(api_key_file=key_file) if key_file else daemon or Config(), environ)
+
+
+async def _measure(args: argparse.Namespace, url: str, key: str | None, limits: tuple[int, int], pid: int | None):
     import httpx
 
     from radianced.bench.energy import EnergyMeter
@@ -91,7 +108,7 @@ async def _measure(args: argparse.Namespace, url: str, limits: tuple[int, int], 
     from radianced.bench.sizes import DaemonLimits, Sizes
     from radianced.bench.workloads import BenchContext, run_all
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=httpx.Timeout(600.0, connect=30.0),
                                  limits=httpx.Limits(max_connections=None)) as http:
         models = (await http.get("/v1/models")).raise_for_status().json()["data"][0]

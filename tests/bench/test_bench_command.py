@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
+from radianced.bench.command import _Progress, api_key
+from radianced.config import Config
 from radianced.ctl import main
+from radianced.server.api_key import ApiKeyError
 
 
 def test_a_daemon_that_is_not_there_is_one_message_and_exit_2(tmp_path, capsys):
@@ -17,8 +22,6 @@ def test_daemon_flags_without_start_are_refused(capsys):
 
 
 def test_progress_draws_a_bar_per_workload_on_a_terminal_only(monkeypatch):
-    from radianced.bench.command import _Progress
-
     with _Progress() as quiet:  # pytest's stdout is no terminal
         quiet.update("sweep c=1", 1, 1)
     assert quiet._bar is None
@@ -29,3 +32,15 @@ def test_progress_draws_a_bar_per_workload_on_a_terminal_only(monkeypatch):
         bar.update("overload", 1, 48)
     assert [t.description for t in bar._bar.tasks] == ["sweep c=1", "overload"]
     assert [t.completed for t in bar._bar.tasks] == [2, 1]
+
+
+def test_the_api_key_comes_from_a_file_the_environment_or_the_started_daemon(tmp_path):
+    path = tmp_path / "key"
+    path.write_text("k-file\n")
+    path.chmod(0o600)
+    assert api_key(str(path), None, {}) == "k-file"
+    assert api_key(None, None, {"RADIANCED_API_KEY": "k-env"}) == "k-env"
+    assert api_key(None, Config(api_key_file=str(path)), {}) == "k-file"  # --start: the daemon's own key
+    assert api_key(None, None, {}) is None
+    with pytest.raises(ApiKeyError, match="both"):
+        api_key(str(path), None, {"RADIANCED_API_KEY": "k-env"})
