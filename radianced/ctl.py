@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from radianced.bench import command as bench
 from radianced.model.config import UnsupportedModel
 
 
@@ -359,6 +360,8 @@ COMMANDS: list[Command] = [
             _status),
     Command("drain", "stop admitting requests, finish those in flight, then exit", _control_args, _drain),
     Command("cancel", "cancel one request of the running daemon by its id", _cancel_args, _cancel),
+    Command("bench", "serving benchmark over HTTP: `bench run --url URL` or `bench run --start -- FLAGS`",
+            bench.add_arguments, bench.run),
 ]
 
 

@@ -1,0 +1,75 @@
+"""The report's checks, JSON and Markdown on hand-built rows; the plots drawn from them."""
+
+from __future__ import annotations
+
+import json
+
+from radianced.bench.energy import EnergyReading
+from radianced.bench.plots import draw
+from radianced.bench.report import HEADER, Report
+from radianced.bench.result import WorkloadResult
+from tests.bench.samples import row, sample, server
+
+OVERLOAD_NOTES = {"sent": 4, "admissible": 2, "expected_429": 2, "got_429": 2, "server_errors": 0, "cut_short": 0}
+
+
+def _rows(got_429: int = 2) -> list[WorkloadResult]:
+    return [row("sweep c=1", "sweep", [sample(tokens=4)]),
+            row("sweep c=2", "sweep", [sample(tokens=4), sample(tokens=4, sent_at=0.1)]),
+            row("overload", "overload", [sample(), sample(), sample(status=429), sample(status=429)],
+                OVERLOAD_NOTES | {"got_429": got_429}),
+            row("quality", "quality", [sample()], {"match": True})]
+
+
+def test_a_consistent_run_passes_every_check():
+    report = Report({"model": "m"}, tuple(_rows()))
+    assert report.checks() == {"tokens_counted_equal_tokens_received": True, "overload_429_equal_excess": True,
+                               "no_5xx": True, "no_stream_cut_short": True, "no_error_outside_overload": True,
+                               "quality_matches_reference": True, "server_counts_equal_client_counts": True}
+    assert report.passed
+
+
+def test_a_wrong_429_count_fails_the_run():
+    report = Report({}, tuple(_rows(got_429=1)))
+    assert report.checks()["overload_429_equal_excess"] is False and not report.passed
+
+
+def test_the_server_counting_other_tokens_fails_the_run():
+    rows = _rows()
+    rows[0] = row("sweep c=1", "sweep", [sample(tokens=4)], generated=5)
+    assert Report({}, tuple(rows)).checks()["server_counts_equal_client_counts"] is False
+
+
+def test_checks_of_workloads_not_run_are_none_not_failures():
+    report = Report({}, (row("decode", "decode", [sample()]),))
+    checks = report.checks()
+    assert checks["overload_429_equal_excess"] is None and checks["quality_matches_reference"] is None
+    assert report.passed
+
+
+def test_json_keeps_every_sample_and_markdown_has_a_row_per_workload():
+    report = Report({"model": "m", "limits": {"max_num_seqs": 2}}, tuple(_rows()))
+    doc = json.loads(json.dumps(report.to_json()))
+    assert [w["name"] for w in doc["workloads"]] == ["sweep c=1", "sweep c=2", "overload", "quality"]
+    assert [len(w["samples"]) for w in doc["workloads"]] == [1, 2, 4, 1]
+    assert doc["workloads"][0]["energy"] == "not measured"
+    assert doc["workloads"][2]["summary"]["status_counts"] == {"200": 2, "429": 2}
+    md = report.markdown()
+    table = [line for line in md.splitlines() if line.startswith("| ")]
+    assert table[0] == "| " + " | ".join(HEADER) + " |" and len(table) == 1 + 4
+    assert "| sweep c=2 | 2 | 2 | 2 | 8 |" in md and "- overload_429_equal_excess: pass" in md
+
+
+def test_energy_gives_joules_per_token_and_mean_watts():
+    r = row("decode", "decode", [sample(tokens=10)])
+    r = WorkloadResult(r.name, r.kind, 1, r.samples, r.server, EnergyReading(50.0, 2.0, 1, ()))
+    assert r.joules_per_token == 5.0 and r.energy.mean_w == 25.0
+
+
+def test_plots_are_drawn_for_the_data_there_is(tmp_path):
+    rows = _rows()
+    assert [p.name for p in draw(rows, tmp_path)] == ["concurrency.png", "itl.png"]  # a dense model, no NVML
+    moe = [row("sweep c=1", "sweep", [sample(tokens=4)], lookups=100, hits=75)]
+    assert [p.name for p in draw(moe, tmp_path)] == ["concurrency.png", "itl.png", "hit_rate.png"]
+    assert all(p.stat().st_size > 1000 for p in tmp_path.iterdir())
+    assert server().hit_rate is None
