@@ -15,6 +15,8 @@
 #                 AVX-512); PyPI has no cp312 wheel of it, so it is built here from its sdist by a Python 3.12
 #                 (PY312; default python3.12, else pyenv's), with dynamic_import, its pure-Python dependency
 # Versions follow this checkout's .venv, so the device runs what the CPU tests run (fla-core: pinned here).
+#   starlette, uvicorn  the daemon's HTTP (server/): not in the image, so the daemon itself can serve there
+#                 (their needs anyio, h11 and click are in the image; uvloop is too)
 #   gguf          the SmolLM2 GPU test converts the real model's GGUF there (carried in two parts: it is
 #                 94 MiB, one call carries 64 MiB; see bench/README.md); pure Python, its needs are in the image
 set -euo pipefail
@@ -23,7 +25,7 @@ PY=${PYTHON:-}
 if [ -z "$PY" ]; then if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi; fi
 version() { $PY -c "import importlib.metadata as m; print(m.version('$1'))"; }
 WANT=("msgspec==$(version msgspec)" "transformers==$(version transformers)" "regex==$(version regex)"
-      "fla-core==0.6.0" "gguf==$(version gguf)")
+      "fla-core==0.6.0" "gguf==$(version gguf)" "starlette==$(version starlette)" "uvicorn==$(version uvicorn)")
 rm -rf .whl
 mkdir -p .whl
 for spec in "${WANT[@]}"; do
