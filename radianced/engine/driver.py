@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from radianced.engine.detokenizer import IncrementalDetokenizer
-from radianced.engine.engine import Engine
+from radianced.engine.engine import Engine, Executed
 from radianced.engine.pacing import StepPacer
 from radianced.engine.request import FinishReason, Request, SeqStatus
 from radianced.engine.sampling_params import SamplingParams
@@ -221,7 +221,7 @@ class AsyncEngine:
         finally:
             self._worker.shutdown(wait=True)
 
-    def _count_step(self, done, events: list[SeqEvent], seconds: float) -> None:
+    def _count_step(self, done: Executed, events: list[SeqEvent], seconds: float) -> None:
         """A finished step: its time (and the next step's budget), its tokens to their streams,
         the tiers' counts."""
         self.metrics.observe_step(seconds)

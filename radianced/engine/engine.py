@@ -129,7 +129,10 @@ class Engine:
 
     def apply(self, done: Executed) -> list[SeqEvent]:
         """The bookkeeping half of a round: the step launched stays in flight; the step collected
-        updates the scheduler, then the engine settles. Its events ([] when none was collected)."""
+        updates the scheduler, then the engine settles. Its events ([] when none was collected).
+        The driver calls it on the event loop because `settle` moves pages the scheduler owns; on
+        CUDA the slab's expert copies are the loop's only device calls, made while the worker is
+        idle (queued behind the step in flight, they reach the step after it)."""
         self._in_flight = done.launched
         if done.finished is None:
             return []
