@@ -24,6 +24,7 @@ import contextlib
 import errno
 import os
 import struct
+import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -146,20 +147,26 @@ class Profile:
         return pre + _SUM.pack(xxhash.xxh3_64_intdigest(pre)) + body
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write atomically: a temp file of this process beside `path`, synced, renamed over it.
-        Raises ProfileError naming the path (and, when refused, the folder that needs write access)."""
+        """Write atomically: a fresh temp file beside `path` (`mkstemp`: an unpredictable name made
+        with O_EXCL, so a link planted in a shared folder is never followed), synced, renamed over
+        it. Raises ProfileError naming the path (and, when refused, the folder that needs write
+        access)."""
         path = Path(path)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp = None
         try:
-            with open(tmp, "wb") as f:
+            fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            tmp = Path(name)
+            os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the profile from other readers
+            with open(fd, "wb") as f:
                 f.write(self.to_bytes())
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
             _sync_folder(path.parent)
         except OSError as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
             why = e.strerror or str(e)
             if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
                 why += (f": this user (uid {os.geteuid()}) cannot write in {path.parent}; give it write access "

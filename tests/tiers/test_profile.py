@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 
 import pytest
@@ -115,3 +116,17 @@ def test_a_damaged_profile_is_refused_with_a_clear_message(tmp_path, damage, mes
 def test_a_missing_profile_says_so(tmp_path):
     with pytest.raises(ProfileError, match="cannot read the profile: No such file"):
         Profile.load(tmp_path / "none.bin", model_checksum=1, moe_layers=LAYERS, num_experts=4)
+
+
+def test_save_never_follows_a_link_planted_at_a_temp_name(tmp_path):
+    """The temp file was `NAME.PID.tmp`, opened with a plain open: in a folder another user can
+    write, a link planted at that name sent the write anywhere. Now its name is mkstemp's."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    path = tmp_path / "m.expert-profile.bin"
+    (tmp_path / f"{path.name}.{os.getpid()}.tmp").symlink_to(victim)
+    make().save(path)
+    assert victim.read_bytes() == b"keep"
+    assert Profile.load(path, model_checksum=0xABCDEF, moe_layers=LAYERS, num_experts=4).ranked() == make().ranked()
+    assert oct(path.stat().st_mode & 0o777) == oct(0o644)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["victim", path.name, f"{path.name}.{os.getpid()}.tmp"])
