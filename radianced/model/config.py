@@ -141,10 +141,10 @@ def _hf_rope(hf: dict, family: str) -> tuple[float, float]:
     partial = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
     if family != "qwen3_next":
         partial = 1.0
-    rope_type = rope.get("rope_type", "default")
-    scaling = hf.get("rope_scaling")
-    if rope_type != "default" or (scaling and scaling.get("rope_type", scaling.get("type")) != "default"):
-        raise UnsupportedModel(f"rope scaling {rope_type or scaling!r} is not supported yet; only plain RoPE")
+    scaling = hf.get("rope_scaling") or {}
+    for kind in (rope.get("rope_type", "default"), scaling.get("rope_type", scaling.get("type", "default"))):
+        if kind != "default":
+            raise UnsupportedModel(f"rope scaling {kind!r} is not supported yet; only plain RoPE")
     return rope_theta, partial
 
 

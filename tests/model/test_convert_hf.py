@@ -17,6 +17,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3Mo
                           Qwen3NextForCausalLM)
 
 from radianced import ctl
+from radianced.model.config import UnsupportedModel, _hf_rope
 from radianced.model.convert import ConvertError, convert
 from radianced.model.hf_source import Shards, read_folder
 from radianced.model.rad import RadFile
@@ -434,3 +435,12 @@ def test_conversion_streams_so_peak_memory_stays_far_below_the_checkpoint(tmp_pa
                 w = rad.tensor(name)
                 assert w.dtype == (torch.float32 if dtype == "keep" else torch.bfloat16)
                 assert bool((w == fill[name]).all()), name
+
+
+@pytest.mark.parametrize("hf, kind", [({"rope_scaling": {"type": "linear", "factor": 2.0}}, "linear"),
+                                      ({"rope_parameters": {"rope_type": "yarn"}}, "yarn")])
+def test_rope_scaling_is_refused_naming_its_kind(hf, kind):
+    """The refusal named 'default' for a legacy `rope_scaling: {type: linear}` (the scaling's own
+    kind was never what the message printed)."""
+    with pytest.raises(UnsupportedModel, match=f"rope scaling '{kind}' is not supported"):
+        _hf_rope(hf, "llama")
