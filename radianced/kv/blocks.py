@@ -358,7 +358,7 @@ class BlockAllocator:
 
     def surrender_pages(self, n: int) -> list[int]:
         """Up to n pages taken out of the pools for the arena to hand to another tenant
-        (it releases them itself, with a fence: this does not call `give_back`). Empty
+        (it releases them itself: this does not call `give_back`). Empty
         pages go first; then idle cached blocks are evicted, least recently released
         first, until enough pages empty or nothing is left to evict. Live blocks are
         never touched."""

@@ -73,7 +73,7 @@ class StatusResult(msgspec.Struct, kw_only=True):
     uptime_s: float
     state: Literal["loading", "ready", "draining"]
     model: str
-    receipt: list[str]  # budget.Receipt.lines()
+    receipt: list[str]  # receipt.Receipt.lines()
     kv_util: float  # 0..1 of the KV pool in use
     running: int
     waiting: int

@@ -111,7 +111,7 @@ def place(experts: Sequence[Key], *, pinned: int, host: int, disk: int, slots: i
 
 
 def place_receipt(receipt, experts: Sequence[Key], ranking: Iterable[Key] | None = None) -> Placement:
-    """`place` with the counts of a `budget.Receipt` (or anything with its fields)."""
+    """`place` with the counts of a `receipt.Receipt` (or anything with its fields)."""
     return place(experts, pinned=receipt.experts_pinned, host=receipt.experts_host,
                  disk=receipt.experts_disk, slots=receipt.expert_slots, ranking=ranking)
 

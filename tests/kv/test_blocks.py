@@ -184,7 +184,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def surrender_pages(self, n):
         taken = self.alloc.surrender_pages(n)
         assert len(taken) <= n
-        self.pages.give_back(taken)  # as the arena would, once their fence passed
+        self.pages.give_back(taken)  # as the arena does when it releases them
 
     @invariant()
     def holders_are_exact(self):
