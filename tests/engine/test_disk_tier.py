@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import shutil
 
-import torch
 
 from radianced.card import Card
 from radianced.config import Config
