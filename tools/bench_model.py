@@ -470,7 +470,7 @@ def report_rows(res: dict) -> list[tuple[str, str, str, str, str]]:
         rows.append((
             f"decode b{d['batch']} {'sampled (temperature 1)' if d['sampled'] else 'greedy'}, Qwen3-30B-A3B shapes "
             f"({layers} + lm_head), ctx {d['prompt_tokens']:,}, all experts resident: "
-            "pipelined steps (the daemon's loop)",
+            "the daemon's loop (AsyncEngine.run, pipelined)",
             f"{_ms(d['pipelined_step']['mean_s'])} ({d['tokens_per_s']:,.0f} tok/s)",
             f"{_ms(d['floor_s'])} ({d['floor_kind']})", _pct(d["ratio_floor_over_step"]),
             _decode_note(d) + (" (target >= 60% at b1)" if d["batch"] == 1 and not d["sampled"] else "")))
