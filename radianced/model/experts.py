@@ -3,7 +3,8 @@
 The model never holds expert weights. It asks an `ExpertSource` for a layer's
 table (the seed of the device pointer table): `table(layer)[e]` is the row of
 expert e in `slab`, where each row is one expert extent laid out as in the
-`.rad` file: gate [I, H] | up [I, H] | down [H, I]. The tiers package
+`.rad` file: gate [I, H] | up [I, H] | down [H, I] (for a compact format, the
+extent's bytes: three compact pieces with their scales). The tiers package
 implements the source with slots, a host pool and a disk tier; `ResidentExperts`
 here keeps every expert in one slab (the CPU and `--placement resident`).
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+
+from radianced.kernels.formats import FORMATS
 
 
 class ExpertSource(Protocol):
@@ -40,19 +43,35 @@ class ExpertSource(Protocol):
 
 
 class ResidentExperts:
-    """Every routed expert in one slab; the table maps (layer, expert) to its fixed row."""
+    """Every routed expert in one slab; the table maps (layer, expert) to its fixed row.
+
+    weight_format: None for plain rows (the slab's dtype), else the compact format of every
+    extent (`kernels/formats.py`): the slab is then uint8 [rows, extent bytes], the extents
+    copied as the file holds them, and the reference MoE dequantizes an expert when it runs.
+    """
 
     host = None  # every expert has a slot
     stages_experts = False
 
-    def __init__(self, slab: torch.Tensor, tables: dict[int, torch.Tensor]):
+    def __init__(self, slab: torch.Tensor, tables: dict[int, torch.Tensor], weight_format: str | None = None):
         self.slab = slab
         self._tables = tables
+        self.weight_format = weight_format
 
     @classmethod
     def from_rad(cls, rad, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> ResidentExperts:
-        """Copy every expert extent of a `.rad` (checksums verified) into one slab, layer-major."""
+        """Copy every expert extent of a `.rad` (checksums verified) into one slab, layer-major;
+        compact extents stay compact (`dtype` then does not apply)."""
         entries = sorted(rad.header.experts, key=lambda e: (e.layer, e.expert))
+        fmt = entries[0].dtype
+        if FORMATS[fmt].compact:
+            slab = torch.empty((len(entries), entries[0].nbytes), dtype=torch.uint8, device=device)
+            tables: dict[int, list[int]] = {}
+            for row, e in enumerate(entries):
+                slab[row] = rad.expert_bytes(e.layer, e.expert, verify=True)
+                tables.setdefault(e.layer, []).append(row)
+            return cls(slab, {layer: torch.tensor(r, dtype=torch.int64, device=slab.device)
+                              for layer, r in tables.items()}, fmt)
         return cls._build([(e.layer, e.expert, rad.expert(e.layer, e.expert, verify=True)) for e in entries],
                           device, dtype)
 

@@ -3,7 +3,9 @@
 llama.cpp's file differs from a Hugging Face checkpoint in four ways, each undone here:
 
 1. Names: `blk.N.attn_q.weight` for `model.layers.N.self_attn.q_proj.weight` (`hf_name`).
-2. Storage: block-quantized tensors (Q8_0, Q4_0, Q4_1) are dequantized to fp32 with
+2. Storage: block-quantized tensors (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) are kept as
+   they are with `compact` (their bytes copied, the format in the header: the layouts
+   are ggml's, `kernels/formats.py`), else dequantized to fp32 with
    `gguf.quants.dequantize`; F32 / F16 / BF16 keep their dtype unless one is asked for.
 3. Rotary layout: llama.cpp interleaves the two rotary halves of every Q and K head
    (`LlamaModel.permute` in convert_hf_to_gguf.py); `unpermute_qk` restores HF's
@@ -13,7 +15,7 @@ llama.cpp's file differs from a Hugging Face checkpoint in four ways, each undon
    "gpt2") that encodes like transformers' tokenizer from the same file.
 
 Tensors stream one at a time (read from the memory map, dequantize, write, drop), so
-peak memory is one fp32 tensor, not the model.
+peak memory is one fp32 tensor, not the model (one tensor's bytes with `compact`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from radianced.kernels.compact import CompactWeight
 from radianced.model.config import ModelConfig, UnsupportedModel
 from radianced.model.rad_writer import RadWriter
 
@@ -36,7 +39,7 @@ ARCHITECTURE = "llama"
 Q = gguf.GGMLQuantizationType
 # ggml types kept as they are (unless a dtype is asked for) and the block types we dequantize.
 FLOAT_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
-QUANT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1)
+QUANT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 _GLOBAL_NAMES = {
@@ -59,18 +62,21 @@ _ATTENTION_BIASES = {"attn_q", "attn_k", "attn_v", "attn_output"}
 _NAME = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<part>\w+)\.(?P<kind>weight|bias)")
 
 
-def convert_gguf(src: Path, dst: Path, dtype: str | None = None) -> None:
+def convert_gguf(src: Path, dst: Path, dtype: str | None = None, compact: bool = False) -> None:
     """Write the llama GGUF `src` as the `.rad` `dst`.
 
     `dtype`: None keeps F32/F16/BF16 tensors as stored and dequantizes block types to
-    fp32; "bf16" or "fp32" casts every tensor to it. Refuses (`UnsupportedModel`, naming
+    fp32; "bf16" or "fp32" casts every tensor to it. `compact` (dtype None only) keeps
+    the block types' bytes as they are instead. Refuses (`UnsupportedModel`, naming
     the culprit) another architecture, a tensor type other than F32/F16/BF16/Q8_0/Q4_0/
-    Q4_1, a tensor it cannot name, rope scaling, experts or a non-"gpt2" tokenizer, all
-    before `dst` is touched. On any error no file is left at `dst` (RadWriter writes a
-    temporary file and renames it on success).
+    Q4_1/Q4_K/Q5_K/Q6_K, a tensor it cannot name, rope scaling, experts or a non-"gpt2"
+    tokenizer, all before `dst` is touched. On any error no file is left at `dst`
+    (RadWriter writes a temporary file and renames it on success).
     """
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of: {', '.join(DTYPES)} (or None to keep the file's)")
+    if compact and dtype is not None:
+        raise ValueError(f"dtype {dtype!r} casts every tensor; it cannot be combined with keeping blocks compact")
     src = Path(src)
     reader = gguf.GGUFReader(src)
     meta = read_metadata(reader)
@@ -86,7 +92,10 @@ def convert_gguf(src: Path, dst: Path, dtype: str | None = None) -> None:
         source=str(src),
     ) as writer:
         for t in reader.tensors:
-            writer.add_tensor(hf_name(t.name), load_tensor(t, cfg, DTYPES.get(dtype)))
+            if compact and t.tensor_type in QUANT_TYPES:
+                writer.add_compact(hf_name(t.name), load_blocks(t, cfg))
+            else:
+                writer.add_tensor(hf_name(t.name), load_tensor(t, cfg, DTYPES.get(dtype)))
 
 
 # -- metadata -----------------------------------------------------------------
@@ -216,6 +225,18 @@ def load_tensor(t, cfg: ModelConfig, dtype: torch.dtype | None = None) -> torch.
     if dtype is not None and x.dtype != dtype:
         x = x.to(dtype)
     return x.contiguous()
+
+
+def load_blocks(t, cfg: ModelConfig) -> CompactWeight:
+    """One block-quantized GGUF matrix, its bytes untouched, in HF row order (Q/K rows un-permuted:
+    each row's blocks move whole, so the values are those `load_tensor` would dequantize)."""
+    rows, cols = (int(d) for d in reversed(t.shape.tolist()))
+    data = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(rows, -1)
+    if ".attn_q." in t.name:
+        data = unpermute_qk(data, cfg.num_attention_heads)
+    elif ".attn_k." in t.name:
+        data = unpermute_qk(data, cfg.num_key_value_heads)
+    return CompactWeight(t.tensor_type.name.lower(), (rows, cols), data.contiguous())
 
 
 # -- tokenizer ----------------------------------------------------------------
