@@ -34,6 +34,8 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("dst", help="the .rad file to write (replaced only when the conversion finishes)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                    help="cast every tensor to this dtype (default: keep the source dtypes)")
+    p.add_argument("--compact", action="store_true", help="keep a GGUF's quantized blocks (CPU only for now)")
+    p.add_argument("--quantize", metavar="CLASS=SCHEME,...", help="e.g. experts=int4,layers=fp8 (model/quantize.py)")
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -41,7 +43,7 @@ def _convert(args: argparse.Namespace) -> int:
     from radianced.model.rad import RadFile
 
     start = time.monotonic()
-    convert(args.src, args.dst, args.dtype)
+    convert(args.src, args.dst, args.dtype, compact=args.compact, quantize=args.quantize)
     with RadFile.open(args.dst) as rad:
         summary = _summary(rad)
     print(f"{args.dst}: {summary}, converted in {time.monotonic() - start:.1f} s")

@@ -109,6 +109,16 @@ def split_fp8_b128(data: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Te
     return values, scales
 
 
+def pack_fp8_b128(values: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """The inverse of `split_fp8_b128`: fp8_b128 bytes (scales as fp32, then the values, zero-padded)."""
+    n, k = values.shape
+    scales = scale_inv.float().contiguous().view(torch.uint8).reshape(-1)
+    data = torch.zeros(FORMATS["fp8_b128"].nbytes((n, k)), dtype=torch.uint8)
+    data[:scales.numel()] = scales
+    data[scales.numel():scales.numel() + n * k] = values.contiguous().view(torch.uint8).reshape(-1)
+    return data
+
+
 def dequantize_fp8_b128(values: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """values [N, K] fp8, scale_inv [ceil(N/128), ceil(K/128)] -> [N, K] fp32: each value times its block's
     scale (`w.float() * scale_inv` per 128 x 128 block)."""
