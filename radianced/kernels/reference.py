@@ -237,9 +237,10 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tab
     [R', 3 * I * H] (the host pool: an overflow read). A row = gate [I, H] | up [I, H] | down [H, I].
     Each distinct routed expert's row is read once and applied to all of its
     tokens; outputs are weighted and summed per token. Returns [T, H], or
-    `residual + that` when a residual ([T, H]) is given. `weight_format` names a compact
-    format (`kernels/formats.py`): the rows are then uint8 extents of three compact
-    pieces, each dequantized to x's dtype when its expert runs.
+    `residual + that` when a residual ([T, H]) is given. `weight_format` names the format
+    of a byte slab's extents (`kernels/formats.py`): the rows are then uint8, each extent
+    three pieces at the start of its row, a compact piece dequantized to x's dtype when
+    its expert runs.
     """
     t, k = topk_ids.shape
     hidden = x.shape[1]
@@ -273,8 +274,11 @@ def _expert_pieces(rows: torch.Tensor, inter: int, hidden: int, weight_format: s
     if weight_format is None:
         gate, up, down = rows.split(inter * hidden, dim=1)
         return tuple(lambda i, p=p, s=s: p[i].view(s) for p, s in zip((gate, up, down), shapes))
-    sizes = [FORMATS[weight_format].nbytes(s) for s in shapes]
-    parts = rows.split(sizes, dim=1)
+    f = FORMATS[weight_format]
+    sizes = [f.nbytes(s) for s in shapes]
+    parts = rows[:, :sum(sizes)].split(sizes, dim=1)  # a byte slab's rows may be wider than this layer's extents
+    if not f.compact:  # a plain layer in a byte slab that also holds compact layers
+        return tuple(lambda i, p=p, s=s: p[i].contiguous().view(f.dtype).view(s) for p, s in zip(parts, shapes))
     return tuple(lambda i, p=p, s=s: CompactWeight(weight_format, s, p[i]) for p, s in zip(parts, shapes))
 
 

@@ -26,6 +26,10 @@ class ExpertSource(Protocol):
     # that route and read them are queued (one launch fewer at T == 1, kernels/moe.py `route_moe`).
     stages_experts: bool
 
+    # A source whose slab holds compact extents also has `weight_format(layer) -> str | None` (the
+    # format of that layer's extents; ResidentExperts). The tiers' sources hold plain dtypes only
+    # until they move compact extents, and have none: the MoE then reads the slab in its dtype.
+
     def table(self, layer: int) -> torch.Tensor:
         """[E] int64: where each expert of `layer` is: slab row (>= 0) or host row -1 - entry (< 0).
         Contents may change between steps."""
@@ -45,35 +49,40 @@ class ExpertSource(Protocol):
 class ResidentExperts:
     """Every routed expert in one slab; the table maps (layer, expert) to its fixed row.
 
-    weight_format: None for plain rows (the slab's dtype), else the compact format of every
-    extent (`kernels/formats.py`): the slab is then uint8 [rows, extent bytes], the extents
-    copied as the file holds them, and the reference MoE dequantizes an expert when it runs.
+    A `.rad` with compact experts (`kernels/formats.py`) gets a uint8 slab [rows, widest
+    extent's bytes], each extent copied as the file holds it, and `weight_format(layer)`
+    names the format of that layer's extents (formats may differ by layer: a GGUF stores
+    each layer's expert stacks in its own type); the reference MoE dequantizes an expert
+    when it runs. Otherwise the slab holds the weights in their dtype and no format is named.
     """
 
     host = None  # every expert has a slot
     stages_experts = False
 
-    def __init__(self, slab: torch.Tensor, tables: dict[int, torch.Tensor], weight_format: str | None = None):
+    def __init__(self, slab: torch.Tensor, tables: dict[int, torch.Tensor], formats: dict[int, str] | None = None):
         self.slab = slab
         self._tables = tables
-        self.weight_format = weight_format
+        self._formats = formats or {}
 
     @classmethod
     def from_rad(cls, rad, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> ResidentExperts:
         """Copy every expert extent of a `.rad` (checksums verified) into one slab, layer-major;
         compact extents stay compact (`dtype` then does not apply)."""
         entries = sorted(rad.header.experts, key=lambda e: (e.layer, e.expert))
-        fmt = entries[0].dtype
-        if FORMATS[fmt].compact:
-            slab = torch.empty((len(entries), entries[0].nbytes), dtype=torch.uint8, device=device)
-            tables: dict[int, list[int]] = {}
-            for row, e in enumerate(entries):
-                slab[row] = rad.expert_bytes(e.layer, e.expert, verify=True)
-                tables.setdefault(e.layer, []).append(row)
-            return cls(slab, {layer: torch.tensor(r, dtype=torch.int64, device=slab.device)
-                              for layer, r in tables.items()}, fmt)
-        return cls._build([(e.layer, e.expert, rad.expert(e.layer, e.expert, verify=True)) for e in entries],
-                          device, dtype)
+        if not any(FORMATS[e.dtype].compact for e in entries):
+            return cls._build([(e.layer, e.expert, rad.expert(e.layer, e.expert, verify=True)) for e in entries],
+                              device, dtype)
+        slab = torch.zeros((len(entries), max(e.nbytes for e in entries)), dtype=torch.uint8, device=device)
+        tables: dict[int, list[int]] = {}
+        for row, e in enumerate(entries):
+            slab[row, :e.nbytes] = rad.expert_bytes(e.layer, e.expert, verify=True)
+            tables.setdefault(e.layer, []).append(row)
+        return cls(slab, {layer: torch.tensor(r, dtype=torch.int64, device=slab.device) for layer, r in tables.items()},
+                   {e.layer: e.dtype for e in entries})
+
+    def weight_format(self, layer: int) -> str | None:
+        """The format of `layer`'s extents in a byte slab (a key of formats.FORMATS); None for a slab in a dtype."""
+        return self._formats.get(layer)
 
     @classmethod
     def from_weights(cls, layers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
