@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from radianced.model import quality  # imports no torch until it runs
 from radianced.model.config import UnsupportedModel
 
 
@@ -353,6 +354,7 @@ def _summary(rad) -> str:
 
 COMMANDS: list[Command] = [
     Command("convert", "convert a Hugging Face folder or a .gguf file to .rad", _convert_args, _convert),
+    Command("quality", "KL / top-1 / perplexity of a .rad against a reference .rad (Markdown)", quality.add_arguments, quality.run),
     Command("verify", "check a .rad file: header, extents and every checksum", _verify_args, _verify),
     Command("plan", "print the start-up receipt (the card split) for a model and a card", _plan_args, _plan),
     Command("profile", "run prompts through a MoE model and write its expert profile (slot pre-fill order); "
