@@ -28,7 +28,7 @@ def convert(src: str | Path, dst: str | Path, dtype: str | None = None, *, compa
     `dtype` None keeps each tensor's dtype; "bf16" or "fp32" casts every tensor.
     `compact` keeps a GGUF's quantized blocks as they are (a Hugging Face folder's
     block-scaled FP8 is always kept). `quantize` ("experts=int4,layers=fp8",
-    `model/quantize.py`) requantizes a Hugging Face folder's classes.
+    `model/quantize.py`) requantizes the classes it names (a GGUF's blocks dequantized first).
     On any error nothing is left at `dst` (an existing file there is replaced
     only by a finished conversion).
     """
@@ -54,11 +54,8 @@ def convert(src: str | Path, dst: str | Path, dtype: str | None = None, *, compa
             raise ConvertError(f"{dst}: the output would overwrite the source")
         from radianced.model.gguf import convert_gguf
 
-        if formats is not None:
-            raise ConvertError(f"{src}: --quantize requantizes a Hugging Face folder's float weights; a GGUF keeps "
-                               f"its own blocks with --compact")
         try:
-            convert_gguf(src, dst, dtype, compact)
+            convert_gguf(src, dst, dtype, compact, formats)
         except (UnsupportedModel, ValueError) as e:  # gguf.py's refusals and GGUFReader's parse errors
             raise ConvertError(f"{src}: {e}") from None
     elif not src.exists():

@@ -37,6 +37,7 @@ from radianced.kernels.compact import CompactWeight
 from radianced.model.config import ModelConfig, UnsupportedModel
 from radianced.model.gguf_config import model_config
 from radianced.model.gguf_tokenizer import gguf_tokenizer
+from radianced.model.quantize import fits, plain_format, quantize
 from radianced.model.rad_writer import RadWriter
 
 Q = gguf.GGMLQuantizationType
@@ -72,12 +73,15 @@ _ATTENTION_BIASES = {"attn_q", "attn_k", "attn_v", "attn_output"}
 _NAME = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<part>\w+)\.(?P<kind>weight|bias)")
 
 
-def convert_gguf(src: Path, dst: Path, dtype: str | None = None, compact: bool = False) -> None:
+def convert_gguf(src: Path, dst: Path, dtype: str | None = None, compact: bool = False,
+                 formats: dict[str, str] | None = None) -> None:
     """Write the llama or qwen3moe GGUF `src` as the `.rad` `dst`.
 
     `dtype`: None keeps F32/F16/BF16 tensors as stored and dequantizes block types to
     fp32; "bf16" or "fp32" casts every tensor to it. `compact` (dtype None only) keeps
-    the block types' bytes as they are instead. Refuses (`UnsupportedModel`, naming
+    the block types' bytes as they are instead. `formats` (class -> compact format,
+    `quantize.parse_quantize`) requantizes those classes from the file's values (block
+    types dequantized first) and keeps or dequantizes the rest as above. Refuses (`UnsupportedModel`, naming
     the culprit) another architecture, a tensor type other than F32/F16/BF16/Q8_0/Q4_0/
     Q4_1/Q4_K/Q5_K/Q6_K, a tensor it cannot name, rope scaling, llama experts, compact
     experts whose three stacks differ in type, or a non-"gpt2" tokenizer, all before
@@ -86,14 +90,14 @@ def convert_gguf(src: Path, dst: Path, dtype: str | None = None, compact: bool =
     """
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of: {', '.join(DTYPES)} (or None to keep the file's)")
-    if compact and dtype is not None:
-        raise ValueError(f"dtype {dtype!r} casts every tensor; it cannot be combined with keeping blocks compact")
+    if (compact or formats) and dtype is not None:
+        raise ValueError(f"dtype {dtype!r} casts every tensor; it cannot be combined with compact or requantized ones")
     src = Path(src)
     reader = gguf.GGUFReader(src)
     meta = read_metadata(reader)
     cfg = model_config(meta, reader.tensors)
     arch = meta["general.architecture"]
-    check_tensors(reader, arch, compact)
+    check_tensors(reader, arch, compact and not (formats or {}).get("experts"))
     tokenizer = gguf_tokenizer(meta)
     with RadWriter(
         Path(dst),
@@ -106,14 +110,14 @@ def convert_gguf(src: Path, dst: Path, dtype: str | None = None, compact: bool =
         stacks: dict[int, dict[str, Any]] = {}  # layer -> the expert stacks read so far
         for t in reader.tensors:
             m = _NAME.fullmatch(t.name)
-            if m["part"] in _EXPERT_STACKS:
-                stacks.setdefault(int(m["layer"]), {})[m["part"]] = t
-                if len(stacks[int(m["layer"])]) == 3:
-                    _add_experts(writer, int(m["layer"]), stacks.pop(int(m["layer"])), compact, DTYPES.get(dtype))
-            elif compact and t.tensor_type in QUANT_TYPES:
-                writer.add_compact(hf_name(t.name, arch), load_blocks(t, cfg))
-            else:
-                writer.add_tensor(hf_name(t.name, arch), load_tensor(t, cfg, DTYPES.get(dtype)))
+            if m["part"] not in _EXPERT_STACKS:
+                _add_tensor(writer, t, cfg, arch, compact, DTYPES.get(dtype), formats or {})
+                continue
+            layer = stacks.setdefault(int(m["layer"]), {})
+            layer[m["part"]] = t
+            if len(layer) == 3:
+                _add_experts(writer, int(m["layer"]), stacks.pop(int(m["layer"])), compact, DTYPES.get(dtype),
+                             (formats or {}).get("experts"))
 
 
 # -- metadata -----------------------------------------------------------------
@@ -190,18 +194,36 @@ def load_tensor(t, cfg: ModelConfig | None, dtype: torch.dtype | None = None) ->
     return x.contiguous()
 
 
+def _add_tensor(writer: RadWriter, t, cfg: ModelConfig, arch: str, compact: bool, dtype: torch.dtype | None,
+                formats: dict[str, str]) -> None:
+    """Write one non-expert GGUF tensor: requantized if `formats` gives its class a format, else its blocks
+    kept (`compact`), else dequantized / cast."""
+    name = hf_name(t.name, arch)
+    fmt = plain_format(name, tuple(int(d) for d in reversed(t.shape.tolist())), formats)
+    if fmt is not None:
+        writer.add_compact(name, quantize(load_tensor(t, cfg).float(), fmt))
+    elif compact and t.tensor_type in QUANT_TYPES:
+        writer.add_compact(name, load_blocks(t, cfg))
+    else:
+        writer.add_tensor(name, load_tensor(t, cfg, dtype))
+
+
 def _add_experts(writer: RadWriter, layer: int, stacks: dict[str, Any], compact: bool,
-                 dtype: torch.dtype | None) -> None:
-    """Write the E experts of one layer from its three stacks ([E, I, H], [E, I, H], [E, H, I])."""
+                 dtype: torch.dtype | None, fmt: str | None) -> None:
+    """Write the E experts of one layer from its three stacks ([E, I, H], [E, I, H], [E, H, I]),
+    requantized to `fmt` when given (and both shapes fit it)."""
     gate, up, down = (stacks[name] for name in _EXPERT_STACKS)
-    if compact and gate.tensor_type in QUANT_TYPES:
+    shapes = [tuple(int(d) for d in reversed(t.shape.tolist()))[1:] for t in (gate, down)]
+    requantize = fmt is not None and all(fits(fmt, s) for s in shapes)
+    if compact and gate.tensor_type in QUANT_TYPES and not requantize:
         pieces = [_stack_blocks(t) for t in (gate, up, down)]
     else:
         pieces = [load_tensor(t, None, dtype) for t in (gate, up, down)]
-        if len({p.dtype for p in pieces}) > 1:  # e.g. an F16 down stack beside Q8_0 gate/up: all fp32
+        if len({p.dtype for p in pieces}) > 1 or requantize:  # e.g. an F16 down stack beside Q8_0 gate/up: all fp32
             pieces = [p.float() for p in pieces]
     for e in range(len(pieces[0])):
-        writer.add_expert(layer, e, *(p[e] for p in pieces))
+        experts = [quantize(p[e], fmt) if requantize else p[e] for p in pieces]
+        writer.add_expert(layer, e, *experts)
 
 
 def _stack_blocks(t) -> list[CompactWeight]:

@@ -116,3 +116,18 @@ def test_compact_refuses_experts_whose_stacks_differ_in_type(tmp_path):
     with pytest.raises(UnsupportedModel, match="expert stacks are stored as"):
         convert_gguf(src, tmp_path / "m.rad", None, compact=True)
     convert_gguf(src, tmp_path / "m.rad", None)  # dequantized, they convert
+
+
+def test_quantize_requantizes_a_gguf_from_its_dequantized_values(tmp_path):
+    """Mixed stack types are fine once requantized: every expert becomes q4_0 of the file's values."""
+    from radianced.model.quantize import quantize
+
+    src = write_qwen3moe_gguf(tmp_path / "mixed.gguf", down_type=Q.Q8_0)
+    convert_gguf(src, tmp_path / "q.rad", None, formats={"experts": "q4_0", "layers": "fp8_b128"})
+    convert_gguf(src, tmp_path / "f.rad", None)
+    with RadFile.open(tmp_path / "q.rad") as q, RadFile.open(tmp_path / "f.rad") as f:
+        assert {e.dtype for e in q.header.experts} == {"q4_0"}
+        assert q.tensor_entry("model.layers.0.self_attn.q_proj.weight").dtype == "fp8_b128"
+        assert q.tensor_entry("model.layers.0.mlp.gate.weight").dtype == "f32"  # the router stays
+        for got, want in zip(q.expert(1, 2), f.expert(1, 2)):
+            assert torch.equal(got.data.reshape(-1), quantize(want, "q4_0").data.reshape(-1))
