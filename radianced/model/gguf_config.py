@@ -57,11 +57,6 @@ def model_config(meta: dict[str, Any], tensors: list) -> ModelConfig:
     embed = next((t for t in tensors if t.name == "token_embd.weight"), None)
     if embed is None:
         raise UnsupportedModel("the GGUF has no token_embd.weight tensor")
-    eos = []
-    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        token = meta.get(f"tokenizer.ggml.{key}")
-        if token is not None and token not in eos:
-            eos.append(int(token))
     bos = meta.get("tokenizer.ggml.bos_token_id")
     moe = {}
     if arch == "qwen3moe":
@@ -82,6 +77,16 @@ def model_config(meta: dict[str, Any], tensors: list) -> ModelConfig:
         attention_bias=any(n.endswith(".bias") for n in names),
         intermediate_size=need(p + "feed_forward_length") if arch == "llama" else meta.get(p + "feed_forward_length", 0),
         bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=tuple(eos),
+        eos_token_ids=_eos_ids(meta),
         **moe,
     )
+
+
+def _eos_ids(meta: dict[str, Any]) -> tuple[int, ...]:
+    """The end-of-sequence ids llama.cpp stops on: eos, eot and eom, once each."""
+    eos: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        token = meta.get(f"tokenizer.ggml.{key}")
+        if token is not None and token not in eos:
+            eos.append(int(token))
+    return tuple(eos)

@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     text = Path(args.text) if args.text else default_text()
     try:
         with RadFile.open(args.model) as model, RadFile.open(args.against) as ref:
-            q = measure(model, ref, text.read_text(encoding="utf-8"), str(text))
+            name = str(text) if args.text else f"{DEFAULT_TEXT[1]} of {DEFAULT_TEXT[0]}"
+            q = measure(model, ref, text.read_text(encoding="utf-8"), name)
     except (ValueError, UnicodeDecodeError) as e:
         print(f"radiancectl quality: error: {e}", file=sys.stderr)
         return 1

@@ -48,3 +48,18 @@ def test_logits_and_64_greedy_tokens_match_transformers(smollm2_compact, smollm2
         cache = KVCache.allocate(rad.model, num_blocks=16, block_size=16, num_state_slots=1, dtype=torch.float32)
         result = compare_with_reference(model, cache, smollm2_hf, [prompt], STEPS, tol=1e-4)
     assert result.ties == 0  # every greedy token equal, none excused as a tie
+
+
+def test_the_engine_serves_the_compact_model(smollm2_compact):
+    """The serving path (receipt, arena, scheduler, sampler) on the Q4_1 blocks kept compact."""
+    from radianced.card import Card
+    from radianced.config import Config
+    from radianced.engine.engine import Engine
+    from tests.engine.conftest import request, run_all
+
+    with RadFile.open(smollm2_compact) as rad:
+        engine = Engine.build(rad, Config(max_model_len=512, max_num_seqs=2), Card.from_mib(1024))
+        tok = engine.tokenizer
+        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTION}]))
+        out = run_all(engine, [request(engine, "paris", prompt, max_tokens=32)])["paris"]
+    assert tok.decode(out) == "The capital of France is Paris."
