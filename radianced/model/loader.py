@@ -31,6 +31,13 @@ def build_model(cfg: ModelConfig, weights: Weights, experts: ExpertSource | None
     raise ValueError(f"family {cfg.family!r} has no model")
 
 
+def activation_dtype(rad: RadFile) -> torch.dtype:
+    """The dtype a `.rad`'s model computes in (and its KV cache holds): its embeddings', or its final
+    norm's when the embeddings are compact (`CausalLM` gathers compact rows into that dtype)."""
+    embed = rad.tensor("model.embed_tokens.weight", verify=False)
+    return embed.dtype if isinstance(embed, torch.Tensor) else rad.tensor("model.norm.weight", verify=False).dtype
+
+
 def load_model(rad: RadFile, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                experts: ExpertSource | None = None) -> CausalLM:
     """The model of a `.rad`; every tensor checksum-verified as it is loaded, cast to `dtype` if given.
