@@ -1,11 +1,13 @@
-"""GGUF (llama and qwen3moe architectures) -> `.rad`.
+"""GGUF (llama, qwen3moe and qwen3next architectures) -> `.rad`.
 
 llama.cpp's file differs from a Hugging Face checkpoint in four ways, each undone here:
 
 1. Names: `blk.N.attn_q.weight` for `model.layers.N.self_attn.q_proj.weight` (`hf_name`);
-   qwen3moe's routed experts come stacked per layer (`blk.N.ffn_gate_exps.weight`
-   [E, I, H], `ffn_up_exps`, `ffn_down_exps` [E, H, I]) and become one extent per
-   expert (`RadWriter.add_expert`), their slices of the three stacks.
+   qwen3moe's and qwen3next's routed experts come stacked per layer
+   (`blk.N.ffn_gate_exps.weight` [E, I, H], `ffn_up_exps`, `ffn_down_exps` [E, H, I])
+   and become one extent per expert (`RadWriter.add_expert`), their slices of the
+   three stacks. What llama.cpp changes in a Qwen3-Next besides names (the q/k/v/z
+   split, norms stored as 1 + w, -exp(A_log)) is undone by `gguf_qwen3next.py`.
 2. Storage: block-quantized tensors (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) are kept as
    they are with `compact` (their bytes copied, the format in the header: the layouts
    are ggml's, `kernels/formats.py`), else dequantized to fp32 with
@@ -35,6 +37,7 @@ import torch
 
 from radianced.kernels.compact import CompactWeight
 from radianced.model.config import ModelConfig, UnsupportedModel
+from radianced.model import gguf_qwen3next as qwen3next
 from radianced.model.gguf_config import model_config
 from radianced.model.gguf_tokenizer import gguf_tokenizer
 from radianced.model.quantize import fits, plain_format, quantize
@@ -70,12 +73,12 @@ _QWEN3MOE_NAMES = {  # qwen3moe: no dense MLP; q/k norms, the router, the stacke
 }
 _EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _ATTENTION_BIASES = {"attn_q", "attn_k", "attn_v", "attn_output"}
-_NAME = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<part>\w+)\.(?P<kind>weight|bias)")
+_NAME = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<part>\w+)(?:\.(?P<kind>weight|bias))?")
 
 
 def convert_gguf(src: Path, dst: Path, dtype: str | None = None, compact: bool = False,
                  formats: dict[str, str] | None = None) -> None:
-    """Write the llama or qwen3moe GGUF `src` as the `.rad` `dst`.
+    """Write the llama, qwen3moe or qwen3next GGUF `src` as the `.rad` `dst`.
 
     `dtype`: None keeps F32/F16/BF16 tensors as stored and dequantizes block types to
     fp32; "bf16" or "fp32" casts every tensor to it. `compact` (dtype None only) keeps
@@ -107,11 +110,22 @@ def convert_gguf(src: Path, dst: Path, dtype: str | None = None, compact: bool =
         generation={},
         source=str(src),
     ) as writer:
-        stacks: dict[int, dict[str, Any]] = {}  # layer -> the expert stacks read so far
+        stacks: dict[int, dict[str, Any]] = {}  # layer -> the expert stacks (or qwen3next's qkv and gate) so far
         for t in reader.tensors:
             m = _NAME.fullmatch(t.name)
+            if m["part"] in ("attn_qkv", "attn_gate"):  # qwen3next: in_proj_qkvz comes in two
+                pair = stacks.setdefault(-1 - int(m["layer"]), {})
+                pair[m["part"]] = _load(t, cfg, compact, DTYPES.get(dtype))
+                if len(pair) == 2:
+                    qkvz = qwen3next.join_qkvz(pair["attn_qkv"], pair["attn_gate"], cfg)
+                    _write(writer, hf_name(t.name, arch), qkvz, formats or {})
+                    del stacks[-1 - int(m["layer"])]
+                continue
             if m["part"] not in _EXPERT_STACKS:
-                _add_tensor(writer, t, cfg, arch, compact, DTYPES.get(dtype), formats or {})
+                value = _load(t, cfg, compact, DTYPES.get(dtype))
+                if arch == "qwen3next":
+                    value = qwen3next.restore(m["part"], value, cfg)
+                _write(writer, hf_name(t.name, arch), value, formats or {})
                 continue
             layer = stacks.setdefault(int(m["layer"]), {})
             layer[m["part"]] = t
@@ -139,8 +153,11 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
     names = _QWEN3MOE_NAMES if arch == "qwen3moe" else _BLOCK_NAMES
     if m and m["layer"] is None and part in _GLOBAL_NAMES and m["kind"] == "weight":
         return f"{_GLOBAL_NAMES[part]}.weight"
-    if m and m["layer"] is not None and arch == "qwen3moe" and part in _EXPERT_STACKS and m["kind"] == "weight":
+    if m and m["layer"] is not None and arch != "llama" and part in _EXPERT_STACKS and m["kind"] == "weight":
         return f"model.layers.{m['layer']}.mlp.experts."
+    if m and m["layer"] is not None and arch == "qwen3next":
+        if (name := qwen3next.hf_name(m["layer"], part, m["kind"])) is not None:
+            return name
     if m and m["layer"] is not None and part in names:
         if m["kind"] == "weight" or part in _ATTENTION_BIASES:
             return f"model.layers.{m['layer']}.{names[part]}.{m['kind']}"
@@ -194,18 +211,20 @@ def load_tensor(t, cfg: ModelConfig | None, dtype: torch.dtype | None = None) ->
     return x.contiguous()
 
 
-def _add_tensor(writer: RadWriter, t, cfg: ModelConfig, arch: str, compact: bool, dtype: torch.dtype | None,
-                formats: dict[str, str]) -> None:
-    """Write one non-expert GGUF tensor: requantized if `formats` gives its class a format, else its blocks
-    kept (`compact`), else dequantized / cast."""
-    name = hf_name(t.name, arch)
-    fmt = plain_format(name, tuple(int(d) for d in reversed(t.shape.tolist())), formats)
+def _load(t, cfg: ModelConfig, compact: bool, dtype: torch.dtype | None) -> torch.Tensor | CompactWeight:
+    """One non-expert GGUF tensor in HF layout: its blocks kept (`compact`), else dequantized / cast."""
+    return load_blocks(t, cfg) if compact and t.tensor_type in QUANT_TYPES else load_tensor(t, cfg, dtype)
+
+
+def _write(writer: RadWriter, name: str, value: torch.Tensor | CompactWeight, formats: dict[str, str]) -> None:
+    """Write tensor `name`, requantized if `formats` gives its class a format."""
+    fmt = plain_format(name, tuple(value.shape), formats)
     if fmt is not None:
-        writer.add_compact(name, quantize(load_tensor(t, cfg).float(), fmt))
-    elif compact and t.tensor_type in QUANT_TYPES:
-        writer.add_compact(name, load_blocks(t, cfg))
+        value = quantize(value.dequantize() if isinstance(value, CompactWeight) else value.float(), fmt)
+    if isinstance(value, CompactWeight):
+        writer.add_compact(name, value)
     else:
-        writer.add_tensor(name, load_tensor(t, cfg, dtype))
+        writer.add_tensor(name, value)
 
 
 def _add_experts(writer: RadWriter, layer: int, stacks: dict[str, Any], compact: bool,

@@ -1,9 +1,10 @@
-"""The `ModelConfig` a GGUF file's metadata describes (`llama` and `qwen3moe` architectures).
+"""The `ModelConfig` a GGUF file's metadata describes (`llama`, `qwen3moe` and `qwen3next` architectures).
 
 llama.cpp writes the config as `<arch>.<key>` metadata. qwen3moe adds the experts
 (`expert_count`, `expert_used_count`, `expert_feed_forward_length`) and always
 renormalizes the top-k weights (its graph passes norm_w = true; transformers' GGUF
-loader sets `norm_topk_prob` for the same reason).
+loader sets `norm_topk_prob` for the same reason). qwen3next adds the DeltaNet
+shapes, the shared expert and partial rotary (`gguf_qwen3next.config_fields`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from typing import Any
 import numpy as np
 
 from radianced.model.config import ModelConfig, UnsupportedModel
+from radianced.model.gguf_qwen3next import config_fields
 
-ARCHITECTURES = {"llama": "llama", "qwen3moe": "qwen3_moe"}  # GGUF architecture -> radianced family
+ARCHITECTURES = {"llama": "llama", "qwen3moe": "qwen3_moe", "qwen3next": "qwen3_next"}  # GGUF architecture -> radianced family
 
 
 def _f32(x: float) -> float:
@@ -24,7 +26,7 @@ def _f32(x: float) -> float:
 
 
 def model_config(meta: dict[str, Any], tensors: list) -> ModelConfig:
-    """The `ModelConfig` a llama or qwen3moe GGUF describes; refuses what radianced cannot run."""
+    """The `ModelConfig` a llama, qwen3moe or qwen3next GGUF describes; refuses what radianced cannot run."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise UnsupportedModel(
@@ -52,16 +54,18 @@ def model_config(meta: dict[str, Any], tensors: list) -> ModelConfig:
     heads = need(p + "attention.head_count")
     head_dim = meta.get(p + "attention.key_length") or hidden // heads
     rotary = meta.get(p + "rope.dimension_count", head_dim)
-    if rotary != head_dim:
+    if rotary != head_dim and arch != "qwen3next":
         raise UnsupportedModel(f"partial rotary ({rotary} of {head_dim} dims per head) is not supported for {arch}")
     embed = next((t for t in tensors if t.name == "token_embd.weight"), None)
     if embed is None:
         raise UnsupportedModel("the GGUF has no token_embd.weight tensor")
     bos = meta.get("tokenizer.ggml.bos_token_id")
     moe = {}
-    if arch == "qwen3moe":
+    if arch != "llama":
         moe = dict(num_experts=experts, num_experts_per_tok=need(p + "expert_used_count"),
                    moe_intermediate_size=need(p + "expert_feed_forward_length"), norm_topk_prob=True)
+    if arch == "qwen3next":
+        moe |= config_fields(meta, p, head_dim, need(p + "block_count"))
     return ModelConfig(
         family=ARCHITECTURES[arch],
         vocab_size=int(embed.shape[1]),  # ggml order: [hidden, vocab]
@@ -74,7 +78,7 @@ def model_config(meta: dict[str, Any], tensors: list) -> ModelConfig:
         rope_theta=_f32(meta.get(p + "rope.freq_base", 10000.0)),
         max_position_embeddings=meta.get(p + "context_length", 2048),
         tie_word_embeddings="output.weight" not in names,
-        attention_bias=any(n.endswith(".bias") for n in names),
+        attention_bias=any(n.endswith(".bias") and ".attn_" in n for n in names),  # not qwen3next's ssm_dt.bias
         intermediate_size=need(p + "feed_forward_length") if arch == "llama" else meta.get(p + "feed_forward_length", 0),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=_eos_ids(meta),
