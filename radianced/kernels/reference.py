@@ -128,13 +128,14 @@ def silu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store k, v: [T, Hkv, D] at flat slots [T] (slot = block * S + offset; < 0 = skip)."""
+    """Store k, v: [T, Hkv, D] at flat slots [T] (slot = block * S + offset; < 0 = skip), rounded to the
+    cache's dtype when it differs (`radiancectl quality --kv-cache-dtype` measures that rounding)."""
     _, n, s = k_cache.shape[:3]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     block, off = slots // s, slots % s
-    k_cache[block // n, block % n, off] = k[keep]
-    v_cache[block // n, block % n, off] = v[keep]
+    k_cache[block // n, block % n, off] = k[keep].to(k_cache.dtype)
+    v_cache[block // n, block % n, off] = v[keep].to(v_cache.dtype)
 
 
 def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -1,4 +1,4 @@
-"""`radiancectl quality A.rad --against B.rad`: how far a model's next-token distributions are from a reference's.
+"""`radiancectl quality A.rad --against B.rad [--text FILE] [--kv-cache-dtype D]`: how far a model's next-token distributions are from a reference's.
 
 Both models read the same real text, teacher-forced (every position predicts the
 text's next token from the text before it), in independent windows of WINDOW
@@ -28,6 +28,7 @@ from pathlib import Path
 # torch is imported inside the functions that compute: radiancectl builds every subcommand's parser
 # (`add_arguments`) at start, and a `radiancectl status` should not pay for importing torch.
 
+KV_DTYPES = {"auto": None, "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # torch dtype names
 WINDOW = 512  # tokens per teacher-forced window (each window starts with an empty context)
 DEFAULT_TEXT = ("typing_extensions", "LICENSE")  # (distribution, file name) of the default text
 
@@ -81,6 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--against", required=True, metavar="REF.rad", help="the reference .rad (same tokenizer)")
     p.add_argument("--text", default=None, metavar="FILE",
                    help="UTF-8 text to read (default: typing_extensions' LICENSE, about 3,000 tokens)")
+    p.add_argument("--kv-cache-dtype", choices=tuple(KV_DTYPES), default="auto",
+                   help="the measured model's KV cache dtype (auto: its activations'; the reference always uses auto)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with RadFile.open(args.model) as model, RadFile.open(args.against) as ref:
             name = str(text) if args.text else f"{DEFAULT_TEXT[1]} of {DEFAULT_TEXT[0]}"
-            q = measure(model, ref, text.read_text(encoding="utf-8"), name)
+            q = measure(model, ref, text.read_text(encoding="utf-8"), name, kv_dtype=KV_DTYPES[args.kv_cache_dtype])
     except (ValueError, UnicodeDecodeError) as e:
         print(f"radiancectl quality: error: {e}", file=sys.stderr)
         return 1
@@ -99,8 +102,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def window_logits(model, cfg, windows: list[list[int]]):
-    """Teacher-forced fp32 logits [sum(len) , V] of every position of each window (each from an empty context)."""
+def window_logits(model, cfg, windows: list[list[int]], kv_dtype: str | None = None):
+    """Teacher-forced fp32 logits [sum(len), V] of every position of each window (each from an empty context);
+    the KV cache in torch dtype `kv_dtype` (a name; None: the model's activation dtype)."""
     import torch
 
     from radianced.kv.blocks import BlockAllocator
@@ -110,7 +114,7 @@ def window_logits(model, cfg, windows: list[list[int]]):
     block = 16
     per_window = -(-max(map(len, windows)) // block)
     cache = KVCache.allocate(cfg, num_blocks=per_window + 1, block_size=block, num_state_slots=1,
-                             dtype=model.norm.weight.dtype)
+                             dtype=getattr(torch, kv_dtype) if kv_dtype else model.norm.weight.dtype)
     out = []
     for w in windows:  # one window per forward: the cache holds one window
         alloc = BlockAllocator.fixed(cache.num_blocks, block)
@@ -124,8 +128,9 @@ def window_logits(model, cfg, windows: list[list[int]]):
     return torch.cat(out)
 
 
-def measure(model_rad, ref_rad, text: str, text_name: str, window: int = WINDOW) -> Quality:
-    """`model_rad` against `ref_rad` (open `RadFile`s of one vocabulary) over `text`, on the CPU."""
+def measure(model_rad, ref_rad, text: str, text_name: str, window: int = WINDOW, kv_dtype: str | None = None) -> Quality:
+    """`model_rad` against `ref_rad` (open `RadFile`s of one vocabulary) over `text`, on the CPU; the model's KV
+    cache in `kv_dtype` (a torch dtype name, None for its activations' dtype), the reference's in its own."""
     import torch
 
     from radianced.model.loader import load_model
@@ -139,7 +144,7 @@ def measure(model_rad, ref_rad, text: str, text_name: str, window: int = WINDOW)
     windows = [w for w in windows if len(w) > 1]
     if not windows:
         raise ValueError(f"{text_name} has {len(ids)} tokens; quality needs at least 2")
-    logq = torch.log_softmax(window_logits(load_model(model_rad), model_rad.model, windows), -1)
+    logq = torch.log_softmax(window_logits(load_model(model_rad), model_rad.model, windows, kv_dtype), -1)
     logp = torch.log_softmax(window_logits(load_model(ref_rad), ref_rad.model, windows), -1)
     keep = torch.cat([torch.arange(len(w) - 1) + sum(map(len, windows[:i])) for i, w in enumerate(windows)])
     targets = torch.tensor([t for w in windows for t in w[1:]])

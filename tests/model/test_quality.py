@@ -67,3 +67,15 @@ def test_quality_refuses_models_of_different_vocabularies(tiny_pair, tmp_path, c
 def test_the_default_text_is_a_licence_a_package_ships():
     text = default_text().read_text()
     assert "PYTHON SOFTWARE FOUNDATION LICENSE" in text and len(text) > 10_000
+
+
+def test_a_lower_precision_kv_cache_is_measured_against_the_full_one(tiny_pair, tmp_path, capsys):
+    """One tool for weights and KV dtypes: the same model with a bf16 cache against its fp32 self."""
+    ref, _ = tiny_pair
+    with RadFile.open(ref) as a, RadFile.open(ref) as b:
+        q = measure(a, b, TEXT, "text", window=64, kv_dtype="bfloat16")
+    assert 0 < q.mean_kl < 1e-3 and q.top1 > 0.9
+    (tmp_path / "t.txt").write_text(TEXT)
+    assert main(["quality", str(ref), "--against", str(ref), "--text", str(tmp_path / "t.txt"),
+                 "--kv-cache-dtype", "bf16"]) == 0
+    assert "| mean KL | 0.000000 |" not in capsys.readouterr().out
