@@ -94,3 +94,19 @@ def test_quantize_refuses_a_bad_spec(tmp_path):
     with pytest.raises(ConvertError, match="CLASS=SCHEME"):
         convert(src, tmp_path / "x.rad", quantize="experts=int3")
     assert not (tmp_path / "x.rad").exists()
+
+
+def test_radiancectl_convert_wires_compact_and_quantize(tmp_path, capsys):
+    from radianced.ctl import main
+    from tests.model.test_gguf_qwen3moe import write_qwen3moe_gguf
+
+    src = make_tiny("qwen3_moe", tmp_path / "src")
+    assert main(["convert", str(src), str(tmp_path / "q.rad"), "--quantize", "experts=int4,layers=fp8"]) == 0
+    gguf_src = write_qwen3moe_gguf(tmp_path / "m.gguf")
+    assert main(["convert", str(gguf_src), str(tmp_path / "c.rad"), "--compact"]) == 0
+    with RadFile.open(tmp_path / "q.rad") as q, RadFile.open(tmp_path / "c.rad") as c:
+        assert {e.dtype for e in q.header.experts} == {"q4_0"}
+        assert q.tensor_entry("model.layers.0.self_attn.o_proj.weight").dtype == "fp8_b128"
+        assert c.expert_entry(0, 0).dtype == "q8_0"
+    assert main(["convert", str(src), str(tmp_path / "x.rad"), "--quantize", "weights=int4"]) == 1
+    assert "CLASS=SCHEME" in capsys.readouterr().err
