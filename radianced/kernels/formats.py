@@ -105,3 +105,18 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     WeightFormat("fp8_b128", None, 1, 1, 8.0 + 32 / FP8_BLOCK ** 2),
 )}
 COMPACT = tuple(name for name, f in FORMATS.items() if f.compact)
+
+
+def expert_formats(name: str) -> tuple[str, str]:
+    """(gate/up format, down format) of an expert extent's format name: "q4_k" for three pieces of one
+    format, "q4_k+q6_k" when down differs (a GGUF Q4_K_M stores ffn_down_exps as Q6_K beside Q4_K
+    gate/up stacks). ValueError for a name that is not one or two known formats."""
+    parts = name.split("+")
+    if len(parts) > 2 or any(p not in FORMATS for p in parts) or (len(parts) == 2 and parts[0] == parts[1]):
+        raise ValueError(f"unknown expert format {name!r}")
+    return parts[0], parts[-1]
+
+
+def is_compact(name: str) -> bool:
+    """Whether a tensor or expert format name (`expert_formats`) stores anything compact."""
+    return any(FORMATS[p].compact for p in expert_formats(name))

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from radianced.kernels.compact import CompactWeight, dense
-from radianced.kernels.formats import FORMATS
+from radianced.kernels.formats import FORMATS, expert_formats
 
 # -- norms ------------------------------------------------------------------
 
@@ -239,7 +239,8 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tab
     Each distinct routed expert's row is read once and applied to all of its
     tokens; outputs are weighted and summed per token. Returns [T, H], or
     `residual + that` when a residual ([T, H]) is given. `weight_format` names the format
-    of a byte slab's extents (`kernels/formats.py`): the rows are then uint8, each extent
+    of a byte slab's extents (`formats.expert_formats`: "q4_0", or "q4_k+q6_k" when down
+    differs): the rows are then uint8, each extent
     three pieces at the start of its row, a compact piece dequantized to x's dtype when
     its expert runs.
     """
@@ -275,12 +276,17 @@ def _expert_pieces(rows: torch.Tensor, inter: int, hidden: int, weight_format: s
     if weight_format is None:
         gate, up, down = rows.split(inter * hidden, dim=1)
         return tuple(lambda i, p=p, s=s: p[i].view(s) for p, s in zip((gate, up, down), shapes))
-    f = FORMATS[weight_format]
-    sizes = [f.nbytes(s) for s in shapes]
+    gate_up, down = expert_formats(weight_format)
+    fmts = (FORMATS[gate_up], FORMATS[gate_up], FORMATS[down])
+    sizes = [f.nbytes(s) for f, s in zip(fmts, shapes)]
     parts = rows[:, :sum(sizes)].split(sizes, dim=1)  # a byte slab's rows may be wider than this layer's extents
-    if not f.compact:  # a plain layer in a byte slab that also holds compact layers
-        return tuple(lambda i, p=p, s=s: p[i].contiguous().view(f.dtype).view(s) for p, s in zip(parts, shapes))
-    return tuple(lambda i, p=p, s=s: CompactWeight(weight_format, s, p[i]) for p, s in zip(parts, shapes))
+
+    def piece(p: torch.Tensor, f, s: tuple[int, int]):
+        if not f.compact:  # a plain layer in a byte slab that also holds compact layers
+            return lambda i: p[i].contiguous().view(f.dtype).view(s)
+        return lambda i: CompactWeight(f.name, s, p[i])
+
+    return tuple(piece(p, f, s) for p, f, s in zip(parts, fmts, shapes))
 
 
 def route_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool, table: torch.Tensor,

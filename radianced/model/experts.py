@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from radianced.kernels.formats import FORMATS
+from radianced.kernels.formats import is_compact
 
 
 class ExpertSource(Protocol):
@@ -69,7 +69,7 @@ class ResidentExperts:
         """Copy every expert extent of a `.rad` (checksums verified) into one slab, layer-major;
         compact extents stay compact (`dtype` then does not apply)."""
         entries = sorted(rad.header.experts, key=lambda e: (e.layer, e.expert))
-        if not any(FORMATS[e.dtype].compact for e in entries):
+        if not any(is_compact(e.dtype) for e in entries):
             return cls._build([(e.layer, e.expert, rad.expert(e.layer, e.expert, verify=True)) for e in entries],
                               device, dtype)
         slab = torch.zeros((len(entries), max(e.nbytes for e in entries)), dtype=torch.uint8, device=device)
@@ -81,7 +81,7 @@ class ResidentExperts:
                    {e.layer: e.dtype for e in entries})
 
     def weight_format(self, layer: int) -> str | None:
-        """The format of `layer`'s extents in a byte slab (a key of formats.FORMATS); None for a slab in a dtype."""
+        """The format of `layer`'s extents in a byte slab (formats.expert_formats reads it); None for a slab in a dtype."""
         return self._formats.get(layer)
 
     @classmethod

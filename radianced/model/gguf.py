@@ -166,8 +166,9 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
 
 def check_tensors(reader: gguf.GGUFReader, arch: str = "llama", compact: bool = False) -> None:
     """Refuse, before writing anything, a tensor of a type we do not read or a name we cannot map, and
-    (with `compact`) a layer whose expert stacks differ in type: one extent holds one format."""
-    stack_types: dict[str, set] = {}
+    (with `compact`) a layer whose gate and up stacks differ in type, or whose down stack is a float
+    beside quantized gate/up: an extent holds one format, or gate/up and down in two compact ones."""
+    stack_types: dict[str, dict[str, Any]] = {}
     for t in reader.tensors:
         if t.tensor_type not in FLOAT_TYPES and t.tensor_type not in QUANT_TYPES:
             supported = ", ".join(q.name for q in (*FLOAT_TYPES, *QUANT_TYPES))
@@ -176,12 +177,15 @@ def check_tensors(reader: gguf.GGUFReader, arch: str = "llama", compact: bool = 
                 f"supported types: {supported} (re-quantize the file, e.g. to Q8_0)"
             )
         if hf_name(t.name, arch).endswith(".experts."):
-            stack_types.setdefault(t.name.split(".")[1], set()).add(t.tensor_type)
+            stack_types.setdefault(t.name.split(".")[1], {})[t.name.split(".")[2]] = t.tensor_type
     for layer, types in stack_types.items():
-        if compact and len(types) > 1:
+        gate, up, down = (types.get(s) for s in _EXPERT_STACKS)
+        mixed = gate != up or (gate != down and (down not in QUANT_TYPES or gate not in QUANT_TYPES))
+        if compact and mixed:
+            names = ", ".join(f"{s} {q.name}" for s, q in types.items())
             raise UnsupportedModel(
-                f"GGUF layer {layer}'s expert stacks are stored as {', '.join(sorted(q.name for q in types))}; "
-                f"a compact expert holds one format (convert without --compact to dequantize them)")
+                f"GGUF layer {layer}'s expert stacks are stored as {names}; a compact expert holds gate and up "
+                f"in one format and down in that or another block format (convert without --compact to dequantize)")
 
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:

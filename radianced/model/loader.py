@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radianced.kernels.compact import CompactWeight
-from radianced.kernels.formats import FORMATS
+from radianced.kernels.formats import FORMATS, is_compact
 from radianced.model.config import ModelConfig
 from radianced.model.experts import ExpertSource, ResidentExperts
 from radianced.model.layers import CausalLM, Weights
@@ -47,7 +47,7 @@ def load_model(rad: RadFile, device: torch.device | str = "cpu", dtype: torch.dt
     only: the reference ops dequantize them per use; the Triton kernels do not read them yet.
     """
     compact = [t.name for t in rad.header.tensors if FORMATS[t.dtype].compact]
-    compact += [f"experts of layer {e.layer}" for e in rad.header.experts[:1] if FORMATS[e.dtype].compact]
+    compact += [f"experts of layer {e.layer}" for e in rad.header.experts[:1] if is_compact(e.dtype)]
     if compact and torch.device(device).type != "cpu":
         raise RadError(f"{rad.path}: {compact[0]} is stored compact ({len(compact)} such), which runs on the CPU "
                        f"only for now; convert the model without --compact / --quantize to serve it on {device}")

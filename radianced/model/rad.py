@@ -17,7 +17,7 @@ import torch
 import xxhash
 
 from radianced.kernels.compact import CompactWeight
-from radianced.kernels.formats import FORMATS
+from radianced.kernels.formats import FORMATS, expert_formats
 from radianced.model.config import ModelConfig
 from radianced.model.rad_format import (
     ALIGN, DTYPES, RAD_VERSION, ExpertEntry, Header, Preamble, RadError, TensorEntry, expert_piece_bytes,
@@ -97,9 +97,10 @@ class RadFile:
         if verify:
             self._check(e.offset, e.nbytes, e.checksum, f"expert (layer {layer}, expert {expert})")
         gate, up, _ = expert_piece_bytes(e.dtype, e.intermediate, e.hidden)
-        return (self._piece(e.offset, e.dtype, (e.intermediate, e.hidden)),
-                self._piece(e.offset + gate, e.dtype, (e.intermediate, e.hidden)),
-                self._piece(e.offset + gate + up, e.dtype, (e.hidden, e.intermediate)))
+        gate_up_fmt, down_fmt = expert_formats(e.dtype)
+        return (self._piece(e.offset, gate_up_fmt, (e.intermediate, e.hidden)),
+                self._piece(e.offset + gate, gate_up_fmt, (e.intermediate, e.hidden)),
+                self._piece(e.offset + gate + up, down_fmt, (e.hidden, e.intermediate)))
 
     def expert_bytes(self, layer: int, expert: int, verify: bool = True) -> torch.Tensor:
         """The whole extent of expert (layer, expert) as a zero-copy [nbytes] uint8 view."""
@@ -191,17 +192,14 @@ def _read_header(path: Path, f, size: int) -> Header:
 
 def _check_extents(path: Path, header: Header, size: int) -> None:
     """Every extent aligned, sized for its shape, and inside the file; names the first one that is not."""
-    items = []  # (offset, nbytes, format, the shapes its bytes hold, what)
-    for t in header.tensors:
-        items.append((t.offset, t.nbytes, t.dtype, [t.shape], f"tensor {t.name}"))
-    for e in header.experts:
-        i, h = e.intermediate, e.hidden
-        items.append((e.offset, e.nbytes, e.dtype, [(i, h), (i, h), (h, i)], f"expert (layer {e.layer}, expert {e.expert})"))
-    for offset, nbytes, dtype, shapes, what in sorted(items, key=lambda item: item[:2]):
-        if dtype not in FORMATS:
-            raise RadError(f"{path}: {what} has unknown dtype {dtype!r}; re-convert with this radianced")
+    items = [(t.offset, t.nbytes, t.dtype, t, f"tensor {t.name}") for t in header.tensors]
+    items += [(e.offset, e.nbytes, e.dtype, e, f"expert (layer {e.layer}, expert {e.expert})") for e in header.experts]
+    for offset, nbytes, dtype, entry, what in sorted(items, key=lambda item: item[:2]):
         try:
-            expected = sum(tensor_nbytes(dtype, shape) for shape in shapes)
+            pieces = [(entry.dtype, entry.shape)] if isinstance(entry, TensorEntry) else _expert_pieces(entry)
+            expected = sum(tensor_nbytes(fmt, shape) for fmt, shape in pieces)
+        except KeyError:
+            raise RadError(f"{path}: {what} has unknown dtype {dtype!r}; re-convert with this radianced") from None
         except ValueError as err:
             raise RadError(f"{path}: {what}: {err}") from None
         if nbytes != expected:
@@ -211,3 +209,13 @@ def _check_extents(path: Path, header: Header, size: int) -> None:
         if offset + nbytes > size:
             raise RadError(f"{path}: {what} (bytes {offset}..{offset + nbytes}) runs past the end of the file "
                            f"({size} bytes): the file is truncated. Copy it again or re-run radiancectl convert")
+
+
+def _expert_pieces(e: ExpertEntry) -> list[tuple[str, tuple[int, int]]]:
+    """(format, shape) of an extent's gate, up and down; KeyError for an unknown extent format."""
+    try:
+        gate_up, down = expert_formats(e.dtype)
+    except ValueError:
+        raise KeyError(e.dtype) from None
+    i, h = e.intermediate, e.hidden
+    return [(gate_up, (i, h)), (gate_up, (i, h)), (down, (h, i))]

@@ -20,7 +20,9 @@ Every tensor and extent records its format in `dtype`: a plain torch dtype
 format (q8_0 / q4_0 / q4_1 / q4_k / q5_k / q6_k / fp8_b128, layouts in
 `kernels/formats.py`). A compact expert piece holds its own scales, so the
 extent stays one read with everything needed to use it; its bytes are
-`formats.FORMATS[dtype].nbytes(shape)` per piece. Files written before compact
+`formats.FORMATS[dtype].nbytes(shape)` per piece. An expert whose down piece has
+another format than gate and up (a GGUF Q4_K_M: Q4_K gate/up, Q6_K down) records
+"gate_up+down", e.g. "q4_k+q6_k". Files written before compact
 formats hold only plain dtypes and read as they always did.
 
 `rad_writer.RadWriter` writes this layout, `rad.RadFile` reads it.
@@ -35,7 +37,7 @@ from typing import ClassVar
 import msgspec
 import torch
 
-from radianced.kernels.formats import FORMATS
+from radianced.kernels.formats import FORMATS, expert_formats
 from radianced.model.config import ModelConfig
 
 RAD_VERSION = 1
@@ -103,7 +105,7 @@ class ExpertEntry(msgspec.Struct, frozen=True):
 
     layer: int
     expert: int
-    dtype: str  # the pieces' format, a key of formats.FORMATS
+    dtype: str  # the pieces' format, a key of formats.FORMATS, or "GATE_UP+DOWN" (formats.expert_formats)
     intermediate: int  # I
     hidden: int  # H
     offset: int
@@ -129,9 +131,11 @@ def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
 
 
 def expert_piece_bytes(dtype: str, intermediate: int, hidden: int) -> tuple[int, int, int]:
-    """Bytes of an expert extent's gate [I, H], up [I, H] and down [H, I] in format `dtype`."""
-    gate = tensor_nbytes(dtype, (intermediate, hidden))
-    return gate, gate, tensor_nbytes(dtype, (hidden, intermediate))
+    """Bytes of an expert extent's gate [I, H], up [I, H] and down [H, I] in extent format `dtype`
+    (`formats.expert_formats`: "q4_k", or "q4_k+q6_k" with down in the second)."""
+    gate_up, down = expert_formats(dtype)
+    gate = tensor_nbytes(gate_up, (intermediate, hidden))
+    return gate, gate, tensor_nbytes(down, (hidden, intermediate))
 
 
 def align_up(n: int) -> int:

@@ -93,7 +93,8 @@ class RadWriter:
 
     def add_expert(self, layer: int, expert: int, gate: Piece, up: Piece, down: Piece) -> None:
         """Write routed expert (layer, expert) as one extent: gate [I, H] | up [I, H] | down [H, I],
-        three tensors of one dtype or three `CompactWeight`s of one format (scales inside each piece)."""
+        three tensors of one dtype or three `CompactWeight`s (scales inside each piece): gate and up of
+        one format, down of that format or another compact one (recorded as "gate_up+down")."""
         what = f"expert (layer {layer}, expert {expert})"
         if (layer, expert) in self._expert_ids:
             self._fail(f"{what} added twice")
@@ -101,12 +102,14 @@ class RadWriter:
             self._fail(f"{what}: expected gate [I, H], up [I, H], down [H, I]; got gate {list(gate.shape)}, "
                        f"up {list(up.shape)}, down {list(down.shape)}")
         kinds = [p.fmt if isinstance(p, CompactWeight) else p.dtype for p in (gate, up, down)]
-        if len(set(kinds)) > 1:
+        mixed_down = all(isinstance(p, CompactWeight) for p in (gate, up, down)) and kinds[0] == kinds[1]
+        if len(set(kinds)) > 1 and not mixed_down:
             word, fix = (("dtypes", "cast them to one dtype") if all(isinstance(k, torch.dtype) for k in kinds)
                          else ("formats", "give all three in one format"))
             self._fail(f"{what}: gate/up/down {word} differ ({', '.join(map(str, kinds))}); {fix}")
         if isinstance(gate, CompactWeight):
-            dname, pieces, dtype = gate.fmt, [gate.data, up.data, down.data], torch.uint8
+            dname = gate.fmt if down.fmt == gate.fmt else f"{gate.fmt}+{down.fmt}"
+            pieces, dtype = [gate.data, up.data, down.data], torch.uint8
         else:
             dname, pieces, dtype = self._dtype_name(gate.dtype, what), [gate, up, down], gate.dtype
         inter, hidden = gate.shape

@@ -8,6 +8,7 @@ import torch
 
 from radianced.kernels import reference
 from radianced.kernels.compact import CompactWeight, RowStack, cat_rows
+from radianced.kernels.formats import expert_formats, is_compact
 from radianced.model.quantize import quantize
 
 FORMATS = ("q8_0", "q4_0", "fp8_b128")
@@ -44,11 +45,13 @@ def test_reference_ops_take_compact_weights(fmt):
                        reference.silu_mlp(x, gate.dequantize(), up.dequantize(), down.dequantize()))
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", [*FORMATS, "q4_0+q8_0", "fp8_b128+q4_0"])
 def test_reference_moe_reads_compact_extents_through_the_table(fmt):
     g = torch.Generator().manual_seed(3)
     inter, hidden, experts = 32, 64, 4
-    pieces = [[quantize(torch.randn(*s, generator=g), fmt) for s in ((inter, hidden), (inter, hidden), (hidden, inter))]
+    gate_up, down = expert_formats(fmt)
+    pieces = [[quantize(torch.randn(*s, generator=g), f)
+               for s, f in (((inter, hidden), gate_up), ((inter, hidden), gate_up), ((hidden, inter), down))]
               for _ in range(experts)]
     slab = torch.stack([torch.cat([p.data.reshape(-1) for p in e]) for e in pieces])  # uint8 [E, extent bytes]
     dense = torch.stack([torch.cat([p.dequantize().reshape(-1) for p in e]) for e in pieces])
@@ -59,3 +62,12 @@ def test_reference_moe_reads_compact_extents_through_the_table(fmt):
     got = reference.moe(x, ids, weights, table, slab[[1, 3, 0, 2]], inter, weight_format=fmt)
     want = reference.moe(x, ids, weights, table, dense[[1, 3, 0, 2]], inter)
     assert torch.equal(got, want)
+
+
+def test_expert_format_names():
+    assert expert_formats("q4_k") == ("q4_k", "q4_k")
+    assert expert_formats("q4_k+q6_k") == ("q4_k", "q6_k")
+    assert is_compact("q4_k+q6_k") and not is_compact("bf16")
+    for bad in ("q4_k+q4_k", "q9_0", "q4_k+q6_k+q8_0"):
+        with pytest.raises(ValueError, match="unknown expert format"):
+            expert_formats(bad)

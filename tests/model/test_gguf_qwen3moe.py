@@ -65,7 +65,7 @@ def write_qwen3moe_gguf(path, stack_types=EXPERT_TYPES, down_type=None):
         if "_exps" in name:
             layer = int(name.split(".")[1])
             qtype = down_type if down_type is not None and "down" in name else stack_types[layer]
-        if qtype is None:
+        if qtype is None or qtype == Q.F32:
             w.add_tensor(name, t.numpy())
         else:
             w.add_tensor(name, gguf.quants.quantize(t.numpy(), qtype), raw_dtype=qtype)
@@ -111,8 +111,27 @@ def test_each_compact_expert_is_its_slice_of_the_stacks(qwen3moe_gguf, tmp_path)
                     assert isinstance(got, CompactWeight) and torch.equal(got.dequantize(), want)
 
 
-def test_compact_refuses_experts_whose_stacks_differ_in_type(tmp_path):
+def test_a_down_stack_in_another_block_type_stays_compact_beside_gate_and_up(tmp_path):
+    """A Q4_K_M file stores ffn_down_exps in another type than gate/up: the extent records both formats."""
+    from transformers import AutoModelForCausalLM
+
     src = write_qwen3moe_gguf(tmp_path / "mixed.gguf", down_type=Q.Q8_0)
+    convert_gguf(src, tmp_path / "c.rad", None, compact=True)
+    convert_gguf(src, tmp_path / "f.rad", None)
+    with RadFile.open(tmp_path / "c.rad") as c, RadFile.open(tmp_path / "f.rad") as f:
+        assert [c.expert_entry(i, 0).dtype for i in range(3)] == ["q8_0", "q4_0+q8_0", "q4_1+q8_0"]
+        gate, up, down = c.expert(2, 1)
+        assert (gate.fmt, up.fmt, down.fmt) == ("q4_1", "q4_1", "q8_0")
+        for got, want in zip(c.expert(2, 1), f.expert(2, 1)):
+            assert torch.equal(got.dequantize(), want)
+        hf = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32,
+                                                  moe_intermediate_size=INTER).eval()
+        cache = KVCache.allocate(c.model, num_blocks=8, block_size=16, num_state_slots=2, dtype=torch.float32)
+        compare_prefill_rows(load_model(c), cache, hf, PROMPTS, tol=1e-5)
+
+
+def test_compact_refuses_a_float_down_stack_beside_quantized_gate_and_up(tmp_path):
+    src = write_qwen3moe_gguf(tmp_path / "mixed.gguf", down_type=Q.F32)
     with pytest.raises(UnsupportedModel, match="expert stacks are stored as"):
         convert_gguf(src, tmp_path / "m.rad", None, compact=True)
     convert_gguf(src, tmp_path / "m.rad", None)  # dequantized, they convert
