@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from radianced.bench import command as bench
+from radianced.model import quality  # imports no torch until it runs
 from radianced.model.config import UnsupportedModel
 
 
@@ -35,6 +36,8 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("dst", help="the .rad file to write (replaced only when the conversion finishes)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                    help="cast every tensor to this dtype (default: keep the source dtypes)")
+    p.add_argument("--compact", action="store_true", help="keep a GGUF's quantized blocks (CPU only for now)")
+    p.add_argument("--quantize", metavar="CLASS=SCHEME,...", help="e.g. experts=int4,layers=fp8 (model/quantize.py)")
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -42,7 +45,7 @@ def _convert(args: argparse.Namespace) -> int:
     from radianced.model.rad import RadFile
 
     start = time.monotonic()
-    convert(args.src, args.dst, args.dtype)
+    convert(args.src, args.dst, args.dtype, compact=args.compact, quantize=args.quantize)
     with RadFile.open(args.dst) as rad:
         summary = _summary(rad)
     print(f"{args.dst}: {summary}, converted in {time.monotonic() - start:.1f} s")
@@ -352,6 +355,7 @@ def _summary(rad) -> str:
 
 COMMANDS: list[Command] = [
     Command("convert", "convert a Hugging Face folder or a .gguf file to .rad", _convert_args, _convert),
+    Command("quality", "KL / top-1 / perplexity of a .rad against a reference .rad (Markdown)", quality.add_arguments, quality.run),
     Command("verify", "check a .rad file: header, extents and every checksum", _verify_args, _verify),
     Command("plan", "print the start-up receipt (the card split) for a model and a card", _plan_args, _plan),
     Command("profile", "run prompts through a MoE model and write its expert profile (slot pre-fill order); "

@@ -2,7 +2,9 @@
 
 - **Weights** by class (`WEIGHT_CLASSES`), as stored (`ModelFacts.from_header`)
   or as a config implies them (`ModelFacts.from_config`); routed experts are
-  counted from their extents.
+  counted from their extents. A stored class also records its formats (a plain
+  dtype or a compact format, `kernels/formats.py`): compact weights are counted
+  at their compact bytes, and an expert slot is the compact extent.
 - **Activations** of a step of T = `--max-num-batched-tokens` tokens with R
   sampled rows (the budget charges these as its workspace):
     logits      R x vocab x (act + 20) bytes: the lm_head output in the model
@@ -32,7 +34,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 from radianced.card import MiB, align_up
@@ -49,6 +51,9 @@ DELTANET_CHUNK = 64  # chunk length of the chunked gated delta rule
 MAX_SMS = 256
 ATTENTION_MAX_SPLITS = 32  # kernels/attention.MAX_SPLITS (tests/kernels/test_attention.py holds them equal)
 FP32 = 4
+
+# bytes per element of the plain `.rad` dtypes (rad_format.DTYPES); a compact format has no element size
+PLAIN_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "f8_e4m3": 1}
 
 WEIGHT_CLASSES = ("embeddings", "lm_head", "attention", "norms", "router", "shared experts",
                   "dense MLP", "mtp", "other")
@@ -90,8 +95,13 @@ class ModelFacts:
     weights: bytes of every class of `WEIGHT_CLASSES`, in that order (routed
     experts excluded; the MTP head's own experts included in "mtp").
     act_bytes: bytes of one activation / KV element (the stored dtype of the
-    embeddings: the dtype the model computes in).
+    embeddings: the dtype the model computes in; of the final norm when the
+    embeddings are compact, as the model does).
     expert_*: the routed (layer, expert) extents of the decoder layers.
+    formats: per class that has stored weights, the formats they are stored in
+    (`.rad` dtype names, most bytes first), e.g. ("embeddings", ("q8_0",)); empty for
+    facts built from a config.
+    expert_formats: the formats of the routed extents, most bytes first.
     """
 
     model: ModelConfig
@@ -100,39 +110,62 @@ class ModelFacts:
     expert_count: int = 0
     expert_extent_bytes: int = 0
     expert_total_bytes: int = 0
+    # descriptions for the receipt: facts from a config and from a header with the same bytes compare equal
+    formats: tuple[tuple[str, tuple[str, ...]], ...] = field(default=(), compare=False)
+    expert_formats: tuple[str, ...] = field(default=(), compare=False)
 
     def weight(self, cls: str) -> int:
         return dict(self.weights)[cls]
 
+    def weight_lines(self) -> list[str]:
+        """One receipt line per stored class and one for the expert slot, each naming format and bytes:
+        "weights attention: 12.3 MiB (q4_1, f32)", "expert slot: 2.53 MiB (q4_0) x 6144 experts"."""
+        formats = dict(self.formats)
+        lines = [f"weights {c}: {n / MiB:.2f} MiB ({', '.join(formats[c])})" for c, n in self.weights if c in formats]
+        if self.expert_count:
+            lines.append(f"expert slot: {self.expert_extent_bytes / MiB:.2f} MiB ({', '.join(self.expert_formats)}) "
+                         f"x {self.expert_count} experts")
+        return lines
+
     @classmethod
     def from_rows(cls, model: ModelConfig, tensors: Iterable[tuple[str, str, tuple[int, ...], int]],
-                  experts: Iterable[tuple[int, int, int]]) -> ModelFacts:
+                  experts: Iterable[tuple]) -> ModelFacts:
         """From the stored tensors (name, dtype, shape, nbytes) and expert extents
-        (layer, expert, nbytes). Raises ValueError when the embeddings are missing."""
+        (layer, expert, nbytes[, dtype]: an extent without one names no format). Raises
+        ValueError when the embeddings are missing."""
         sums = dict.fromkeys(WEIGHT_CLASSES, 0)
-        act = 0
-        for name, _dtype, shape, nbytes in tensors:
+        by_format: dict[str, dict[str, int]] = {}  # class -> format -> bytes
+        embed = norm = None
+        for name, dtype, _shape, nbytes in tensors:
             c = weight_class(name)
             if c is not None:
                 sums[c] += nbytes
-            if c == "embeddings":
-                act = nbytes // math.prod(shape)
-        if act == 0:
+                fmts = by_format.setdefault(c, {})
+                fmts[dtype] = fmts.get(dtype, 0) + nbytes
+            embed = dtype if c == "embeddings" else embed
+            norm = dtype if name == "model.norm.weight" else norm
+        if embed is None:
             raise ValueError("the model has no token embeddings (model.embed_tokens.weight)")
+        act = PLAIN_BYTES.get(embed) or PLAIN_BYTES.get(norm or "", 4)
         count = extent = total = 0
-        for layer, _expert, nbytes in experts:
+        expert_fmts: dict[str, int] = {}
+        for layer, _expert, nbytes, *dtype in experts:
             if layer >= model.num_hidden_layers:  # the MTP head's experts
                 sums["mtp"] += nbytes
                 continue
             count, extent, total = count + 1, max(extent, nbytes), total + nbytes
-        return cls(model, act, tuple(sums.items()), count, extent, total)
+            for name in dtype:
+                expert_fmts[name] = expert_fmts.get(name, 0) + nbytes
+        return cls(model, act, tuple(sums.items()), count, extent, total,
+                   tuple((c, _by_bytes(f)) for c, f in by_format.items()), _by_bytes(expert_fmts))
 
     @classmethod
     def from_header(cls, header) -> ModelFacts:
         """From a `.rad` header: `.model`, `.tensors` (.name .dtype .shape .nbytes),
-        `.experts` (.layer .expert .nbytes)."""
+        `.experts` (.layer .expert .nbytes, and .dtype where it has one)."""
         return cls.from_rows(header.model, ((t.name, t.dtype, tuple(t.shape), t.nbytes) for t in header.tensors),
-                             ((e.layer, e.expert, e.nbytes) for e in header.experts))
+                             ((e.layer, e.expert, e.nbytes, *([e.dtype] if hasattr(e, "dtype") else []))
+                              for e in header.experts))
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, dtype_bytes: int, expert_dtype_bytes: int | None = None) -> ModelFacts:
@@ -145,6 +178,11 @@ class ModelFacts:
         extent = 3 * cfg.hidden_size * cfg.moe_intermediate_size * eb
         count = len(cfg.moe_layers) * cfg.num_experts
         return cls(cfg, dtype_bytes, tuple(sums.items()), count, extent if count else 0, count * extent)
+
+
+def _by_bytes(formats: dict[str, int]) -> tuple[str, ...]:
+    """Format names, most bytes first."""
+    return tuple(sorted(formats, key=lambda f: -formats[f]))
 
 
 def _class_elements(m: ModelConfig) -> tuple[dict[str, int], int]:

@@ -43,7 +43,7 @@ from radianced.kv.cache import KVCache, RecurrentState
 from radianced.kv.prefix import PrefixCache
 from radianced.kv.reclaimer import KVReclaimer
 from radianced.kv.state import CheckpointSlots
-from radianced.model.loader import load_model
+from radianced.model.loader import activation_dtype, load_model
 from radianced.model.rad import RadFile
 from radianced.model.tokenizer import Tokenizer
 from radianced.receipt import Receipt
@@ -179,7 +179,7 @@ class Engine:
         for line in receipt.lines():
             log.info(line)
         arena = Arena.from_receipt(receipt, device)
-        dtype = rad.tensor("model.embed_tokens.weight", verify=False).dtype
+        dtype = activation_dtype(rad)
         resources: list = []
         experts = build_expert_slab(rad, arena, receipt, dtype, cfg, resources) if rad.header.experts else None
         group = receipt.groups[0]

@@ -12,6 +12,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from radianced.kernels.compact import CompactWeight, dense
+from radianced.kernels.formats import FORMATS, expert_formats
+
 # -- norms ------------------------------------------------------------------
 
 
@@ -91,7 +94,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """A projection with an optional RMSNorm before it and residual add after it:
     `residual + (rms_norm(x) @ weight^T + bias)`.
 
-    x: [T, K]; weight: [N, K]; bias: [N] or None; residual: [T, N] or None; norm:
+    x: [T, K]; weight: [N, K] (or a compact matrix, `kernels/compact.py`, dequantized
+    to x's dtype for this call); bias: [N] or None; residual: [T, N] or None; norm:
     (weight [K], eps, zero_centred) as `rms_norm` takes them, or None; all in x's
     dtype. Returns a new [T, N] in x's dtype, converted to `out_dtype` when given (the
     lm_head's fp32 logits), or (that, the normed x [T, K]) with `keep_normed`.
@@ -100,7 +104,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     if norm is not None:
         x = rms_norm(x, *norm)
-    y = F.linear(x, weight, bias)
+    y = F.linear(x, dense(weight, x.dtype), bias)
     y = y if residual is None else residual + y
     if out_dtype is not None:
         y = y.to(out_dtype)
@@ -111,8 +115,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def silu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """`down(silu(gate(x)) * up(x))`. x: [T, H]; gate, up: [I, H]; down: [H, I]."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    """`down(silu(gate(x)) * up(x))`. x: [T, H]; gate, up: [I, H]; down: [H, I] (dense, or compact
+    matrices dequantized to x's dtype one at a time)."""
+    gate, up = dense(gate, x.dtype), dense(up, x.dtype)
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), dense(down, x.dtype))
 
 
 # -- paged KV ---------------------------------------------------------------
@@ -122,13 +128,14 @@ def silu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store k, v: [T, Hkv, D] at flat slots [T] (slot = block * S + offset; < 0 = skip)."""
+    """Store k, v: [T, Hkv, D] at flat slots [T] (slot = block * S + offset; < 0 = skip), rounded to the
+    cache's dtype when it differs (`radiancectl quality --kv-cache-dtype` measures that rounding)."""
     _, n, s = k_cache.shape[:3]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     block, off = slots // s, slots % s
-    k_cache[block // n, block % n, off] = k[keep]
-    v_cache[block // n, block % n, off] = v[keep]
+    k_cache[block // n, block % n, off] = k[keep].to(k_cache.dtype)
+    v_cache[block // n, block % n, off] = v[keep].to(v_cache.dtype)
 
 
 def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -223,7 +230,7 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtyp
 
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
         slab: torch.Tensor, inter: int, host: torch.Tensor | None = None, *,
-        residual: torch.Tensor | None = None) -> torch.Tensor:
+        residual: torch.Tensor | None = None, weight_format: str | None = None) -> torch.Tensor:
     """Routed SiLU experts, tokens grouped by expert, weights found through the table.
 
     x: [T, H]; topk_ids, topk_weights: [T, k]; table: [E]: entry >= 0 is a row of
@@ -231,7 +238,11 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tab
     [R', 3 * I * H] (the host pool: an overflow read). A row = gate [I, H] | up [I, H] | down [H, I].
     Each distinct routed expert's row is read once and applied to all of its
     tokens; outputs are weighted and summed per token. Returns [T, H], or
-    `residual + that` when a residual ([T, H]) is given.
+    `residual + that` when a residual ([T, H]) is given. `weight_format` names the format
+    of a byte slab's extents (`formats.expert_formats`: "q4_0", or "q4_k+q6_k" when down
+    differs): the rows are then uint8, each extent
+    three pieces at the start of its row, a compact piece dequantized to x's dtype when
+    its expert runs.
     """
     t, k = topk_ids.shape
     hidden = x.shape[1]
@@ -244,7 +255,7 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tab
         rows = torch.empty((len(experts), slab.shape[1]), dtype=slab.dtype, device=slab.device)
         rows[in_slot] = slab.index_select(0, where[in_slot])
         rows[~in_slot] = host.index_select(0, -1 - where[~in_slot]).to(slab.device)
-    gate, up, down = rows.split(inter * hidden, dim=1)
+    pieces = _expert_pieces(rows, inter, hidden, weight_format)
     order = torch.argsort(inverse, stable=True)  # assignments grouped by expert
     token = order // k
     weight = topk_weights.flatten()[order]
@@ -252,19 +263,40 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tab
     start = 0
     for i, count in enumerate(torch.bincount(inverse, minlength=len(experts)).tolist()):
         idx = token[start:start + count]
-        h = silu_mlp(x[idx], gate[i].view(inter, hidden), up[i].view(inter, hidden), down[i].view(hidden, inter))
+        h = silu_mlp(x[idx], *(piece(i) for piece in pieces))
         out.index_add_(0, idx, h * weight[start:start + count, None])
         start += count
     return out if residual is None else residual + out
 
 
+def _expert_pieces(rows: torch.Tensor, inter: int, hidden: int, weight_format: str | None):
+    """(gate, up, down) getters: row i -> that expert's [I, H], [I, H], [H, I] matrix (a view, or a
+    `CompactWeight` over its bytes)."""
+    shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
+    if weight_format is None:
+        gate, up, down = rows.split(inter * hidden, dim=1)
+        return tuple(lambda i, p=p, s=s: p[i].view(s) for p, s in zip((gate, up, down), shapes))
+    gate_up, down = expert_formats(weight_format)
+    fmts = (FORMATS[gate_up], FORMATS[gate_up], FORMATS[down])
+    sizes = [f.nbytes(s) for f, s in zip(fmts, shapes)]
+    parts = rows[:, :sum(sizes)].split(sizes, dim=1)  # a byte slab's rows may be wider than this layer's extents
+
+    def piece(p: torch.Tensor, f, s: tuple[int, int]):
+        if not f.compact:  # a plain layer in a byte slab that also holds compact layers
+            return lambda i: p[i].contiguous().view(f.dtype).view(s)
+        return lambda i: CompactWeight(f.name, s, p[i])
+
+    return tuple(piece(p, f, s) for p, f, s in zip(parts, fmts, shapes))
+
+
 def route_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool, table: torch.Tensor,
               slab: torch.Tensor, inter: int, host: torch.Tensor | None = None, *,
-              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              residual: torch.Tensor | None = None, weight_format: str | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`route` then `moe`: the routed experts of router logits [T, E]. Returns (`moe`'s result,
     ids [T, k] int64, weights [T, k] in x's dtype) with ids and weights as `route` returns them."""
     ids, weights = route(logits, top_k, renormalize, x.dtype)
-    return moe(x, ids, weights, table, slab, inter, host, residual=residual), ids, weights
+    return moe(x, ids, weights, table, slab, inter, host, residual=residual, weight_format=weight_format), ids, weights
 
 
 # == Gated DeltaNet (Qwen3-Next linear attention) =============================

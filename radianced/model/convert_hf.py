@@ -6,6 +6,12 @@ using only the safetensors headers, then streams: one tensor (or one expert's
 three pieces) is read, optionally cast, written and dropped before the next.
 Large tensors go through in row blocks of at most CHUNK_BYTES, so the
 converter's own memory stays near one block whatever the model size.
+
+Compact outputs (`model/quantize.py`): a block-scaled FP8 matrix (an F8_E4M3
+`weight` with its `weight_scale_inv`) is kept as fp8_b128, its bytes as they
+are, unless `--dtype` casts it (dequantized, then cast) or `--quantize` gives
+its class another format; `--quantize` requantizes the classes it names. A
+matrix that becomes compact is read whole (quantization needs all of it).
 """
 
 from __future__ import annotations
@@ -19,17 +25,24 @@ import torch
 from safetensors import SafetensorError
 from tqdm import tqdm
 
+from radianced.kernels.compact import CompactWeight, dense
+from radianced.kernels.dequant import pack_fp8_b128
 from radianced.model.convert import CASTS, ConvertError
 from radianced.model.hf_plan import ExpertPieces, PlainTensor, plan_hf
 from radianced.model.hf_source import ST_DTYPES, Shards, read_folder
+from radianced.model.quantize import fits, plain_format, quantize
 from radianced.model.rad_format import DTYPE_NAMES
 from radianced.model.rad_writer import RadWriter
 
 CHUNK_BYTES = 64 << 20  # largest row block read at once
 
 
-def convert_hf(src: Path, dst: Path, dtype: str | None = None) -> None:
-    """Hugging Face folder -> `.rad`; validates everything before writing, then streams."""
+def convert_hf(src: Path, dst: Path, dtype: str | None = None, formats: dict[str, str] | None = None) -> None:
+    """Hugging Face folder -> `.rad`; validates everything before writing, then streams.
+
+    `formats`: class -> compact format (`quantize.parse_quantize`), or None to requantize nothing.
+    """
+    formats = formats or {}
     folder = read_folder(src)
     shards = Shards(src)
     model, plan = plan_hf(folder.model, shards)
@@ -42,10 +55,14 @@ def convert_hf(src: Path, dst: Path, dtype: str | None = None) -> None:
                      disable=not sys.stderr.isatty(), file=sys.stderr) as bar:
             for item in plan:
                 if isinstance(item, PlainTensor):
-                    out_dtype = cast or ST_DTYPES[shards.tensors[item.name].dtype]
-                    w.add_tensor_chunks(item.name, out_dtype, item.shape, _row_blocks(shards, item, cast))
+                    fmt = plain_format(item.name, item.shape, formats)
+                    if fmt is not None or f"{item.name}_scale_inv" in shards.tensors:
+                        _add_matrix(w, item.name, _matrix(shards, item.name, fmt, cast))
+                    else:
+                        out_dtype = cast or ST_DTYPES[shards.tensors[item.name].dtype]
+                        w.add_tensor_chunks(item.name, out_dtype, item.shape, _row_blocks(shards, item, cast))
                 else:
-                    w.add_expert(item.layer, item.expert, *_expert_pieces(shards, item, cast))
+                    w.add_expert(item.layer, item.expert, *_expert_pieces(shards, item, cast, formats))
                 shards.release_if_due()
                 bar.update()
     except SafetensorError as e:
@@ -93,15 +110,42 @@ def _row_blocks(shards: Shards, item: PlainTensor, cast: torch.dtype | None) -> 
         shards.release_if_due()  # within a large tensor too: its pages leave as the blocks are written
 
 
-def _expert_pieces(shards: Shards, item: ExpertPieces, cast: torch.dtype | None):
-    """gate [I, H], up [I, H], down [H, I] of one expert; for a fused layout only its slice is read."""
-    x, e = item.prefix, item.expert
-    if item.fused:
-        gate_up = shards.read(f"{x}gate_up_proj", e)  # [2I, H], gate first
-        gate, up = gate_up[:item.inter], gate_up[item.inter:]
-        down = shards.read(f"{x}down_proj", e)  # [H, I]
+def _add_matrix(w: RadWriter, name: str, t: torch.Tensor | CompactWeight) -> None:
+    if isinstance(t, CompactWeight):
+        w.add_compact(name, t)
     else:
-        gate, up, down = (shards.read(f"{x}{e}.{w}_proj.weight") for w in ("gate", "up", "down"))
+        w.add_tensor(name, t)
+
+
+def _matrix(shards: Shards, name: str, fmt: str | None, cast: torch.dtype | None) -> torch.Tensor | CompactWeight:
+    """Matrix `name` whole: requantized to `fmt` if given, else as stored (FP8 with its scales kept
+    compact), cast if asked (a compact one dequantized first)."""
+    t: torch.Tensor | CompactWeight = shards.read(name)
+    if f"{name}_scale_inv" in shards.tensors:
+        t = CompactWeight("fp8_b128", tuple(t.shape), pack_fp8_b128(t, shards.read(f"{name}_scale_inv")))
+    if fmt is not None:
+        return t if isinstance(t, CompactWeight) and t.fmt == fmt else quantize(dense(t, torch.float32), fmt)
+    if cast is None:
+        return t
+    return t.dequantize(cast) if isinstance(t, CompactWeight) else t.to(cast)
+
+
+def _expert_pieces(shards: Shards, item: ExpertPieces, cast: torch.dtype | None, formats: dict[str, str]):
+    """gate [I, H], up [I, H], down [H, I] of one expert; for a fused layout only its slice is read.
+    Requantized when `formats` names the experts' class and both shapes fit the format."""
+    x, e = item.prefix, item.expert
+    if not item.fused:
+        fmt = formats.get("experts")
+        h = shards.tensors[f"{x}{e}.down_proj.weight"].shape[0]
+        if fmt is not None and not (fits(fmt, (item.inter, h)) and fits(fmt, (h, item.inter))):
+            fmt = None
+        return tuple(_matrix(shards, f"{x}{e}.{w}_proj.weight", fmt, cast) for w in ("gate", "up", "down"))
+    gate_up = shards.read(f"{x}gate_up_proj", e)  # [2I, H], gate first
+    gate, up = gate_up[:item.inter], gate_up[item.inter:]
+    down = shards.read(f"{x}down_proj", e)  # [H, I]
     if cast is not None:
         gate, up, down = gate.to(cast), up.to(cast), down.to(cast)
+    fmt = formats.get("experts")
+    if fmt is not None and fits(fmt, tuple(gate.shape)) and fits(fmt, tuple(down.shape)):
+        return quantize(gate, fmt), quantize(up, fmt), quantize(down, fmt)
     return gate, up, down

@@ -3,7 +3,8 @@
 The model never holds expert weights. It asks an `ExpertSource` for a layer's
 table (the seed of the device pointer table): `table(layer)[e]` is the row of
 expert e in `slab`, where each row is one expert extent laid out as in the
-`.rad` file: gate [I, H] | up [I, H] | down [H, I]. The tiers package
+`.rad` file: gate [I, H] | up [I, H] | down [H, I] (for a compact format, the
+extent's bytes: three compact pieces with their scales). The tiers package
 implements the source with slots, a host pool and a disk tier; `ResidentExperts`
 here keeps every expert in one slab (the CPU and `--placement resident`).
 """
@@ -14,6 +15,8 @@ from typing import Protocol
 
 import torch
 
+from radianced.kernels.formats import is_compact
+
 
 class ExpertSource(Protocol):
     slab: torch.Tensor  # [rows, 3 * I * H]: VRAM slots
@@ -22,6 +25,10 @@ class ExpertSource(Protocol):
     # calls it with a layer's ids before that layer's experts are read; otherwise once the launches
     # that route and read them are queued (one launch fewer at T == 1, kernels/moe.py `route_moe`).
     stages_experts: bool
+
+    # A source whose slab holds compact extents also has `weight_format(layer) -> str | None` (the
+    # format of that layer's extents; ResidentExperts). The tiers' sources hold plain dtypes only
+    # until they move compact extents, and have none: the MoE then reads the slab in its dtype.
 
     def table(self, layer: int) -> torch.Tensor:
         """[E] int64: where each expert of `layer` is: slab row (>= 0) or host row -1 - entry (< 0).
@@ -40,21 +47,42 @@ class ExpertSource(Protocol):
 
 
 class ResidentExperts:
-    """Every routed expert in one slab; the table maps (layer, expert) to its fixed row."""
+    """Every routed expert in one slab; the table maps (layer, expert) to its fixed row.
+
+    A `.rad` with compact experts (`kernels/formats.py`) gets a uint8 slab [rows, widest
+    extent's bytes], each extent copied as the file holds it, and `weight_format(layer)`
+    names the format of that layer's extents (formats may differ by layer: a GGUF stores
+    each layer's expert stacks in its own type); the reference MoE dequantizes an expert
+    when it runs. Otherwise the slab holds the weights in their dtype and no format is named.
+    """
 
     host = None  # every expert has a slot
     stages_experts = False
 
-    def __init__(self, slab: torch.Tensor, tables: dict[int, torch.Tensor]):
+    def __init__(self, slab: torch.Tensor, tables: dict[int, torch.Tensor], formats: dict[int, str] | None = None):
         self.slab = slab
         self._tables = tables
+        self._formats = formats or {}
 
     @classmethod
     def from_rad(cls, rad, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> ResidentExperts:
-        """Copy every expert extent of a `.rad` (checksums verified) into one slab, layer-major."""
+        """Copy every expert extent of a `.rad` (checksums verified) into one slab, layer-major;
+        compact extents stay compact (`dtype` then does not apply)."""
         entries = sorted(rad.header.experts, key=lambda e: (e.layer, e.expert))
-        return cls._build([(e.layer, e.expert, rad.expert(e.layer, e.expert, verify=True)) for e in entries],
-                          device, dtype)
+        if not any(is_compact(e.dtype) for e in entries):
+            return cls._build([(e.layer, e.expert, rad.expert(e.layer, e.expert, verify=True)) for e in entries],
+                              device, dtype)
+        slab = torch.zeros((len(entries), max(e.nbytes for e in entries)), dtype=torch.uint8, device=device)
+        tables: dict[int, list[int]] = {}
+        for row, e in enumerate(entries):
+            slab[row, :e.nbytes] = rad.expert_bytes(e.layer, e.expert, verify=True)
+            tables.setdefault(e.layer, []).append(row)
+        return cls(slab, {layer: torch.tensor(r, dtype=torch.int64, device=slab.device) for layer, r in tables.items()},
+                   {e.layer: e.dtype for e in entries})
+
+    def weight_format(self, layer: int) -> str | None:
+        """The format of `layer`'s extents in a byte slab (formats.expert_formats reads it); None for a slab in a dtype."""
+        return self._formats.get(layer)
 
     @classmethod
     def from_weights(cls, layers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],

@@ -156,8 +156,12 @@ def _layer_experts(cfg: ModelConfig, p: str, rad_layer: int, src: dict[str, Sour
 
 
 def _check_source(cfg: ModelConfig, shards: Shards, shapes: dict[str, tuple[int, ...]]) -> None:
-    """Every tensor of `shapes` in the source with that shape, and no source tensor left over."""
+    """Every tensor of `shapes` in the source with that shape, and no source tensor left over. A block-scaled
+    FP8 matrix's `weight_scale_inv` [ceil(N/128), ceil(K/128)] belongs to its weight (shape checked too)."""
     src, folder = shards.tensors, shards.folder
+    for name, shape in list(shapes.items()):
+        if f"{name}_scale_inv" in src and len(shape) == 2:
+            shapes[f"{name}_scale_inv"] = (-(-shape[0] // 128), -(-shape[1] // 128))
     for name, shape in shapes.items():
         if name not in src:
             raise ConvertError(f"{folder}: tensor {name} is missing (no safetensors file in the folder has it); "

@@ -56,10 +56,10 @@ def read_folder(path: Path) -> HFFolder:
     if not cfg_path.is_file():
         raise ConvertError(f"{path}: config.json is missing; is this a Hugging Face model folder?")
     hf = _read_json(cfg_path)
-    if "quantization_config" in hf:
+    if "quantization_config" in hf and not _block_fp8(hf["quantization_config"]):
         method = hf["quantization_config"].get("quant_method", "?")
-        raise ConvertError(f"{cfg_path}: quantized checkpoints ({method}) are not supported; "
-                           f"convert the bf16 release of this model")
+        raise ConvertError(f"{cfg_path}: quantized checkpoints ({method}) are not supported, except block-scaled "
+                           f"FP8 (quant_method fp8, weight_block_size [128, 128]); convert the bf16 release of this model")
     try:
         model = ModelConfig.from_hf(hf)
     except UnsupportedModel as e:
@@ -73,6 +73,12 @@ def read_folder(path: Path) -> HFFolder:
     gen_path = path / "generation_config.json"
     generation = _read_json(gen_path) if gen_path.is_file() else {}
     return HFFolder(path, hf, model, tok_path.read_text(encoding="utf-8"), _chat_template(path), generation)
+
+
+def _block_fp8(q: dict) -> bool:
+    """Whether a quantization_config is Hugging Face's block-scaled FP8 in 128 x 128 blocks (kept as fp8_b128)."""
+    return (q.get("quant_method") == "fp8" and list(q.get("weight_block_size") or []) == [128, 128]
+            and q.get("fmt", "e4m3") == "e4m3")
 
 
 def _read_json(path: Path) -> dict:

@@ -2,7 +2,9 @@
 
 Blocks hold their weights as tensors fetched by name from a `Weights` getter
 (the `.rad` file, zero-copy) and call ops through `radianced.kernels.ops`, the
-one switch between Triton kernels and the torch reference.
+one switch between Triton kernels and the torch reference. A matrix stored in a
+compact format arrives as a `CompactWeight` and stays one: the reference ops
+dequantize it per use (the CPU backend; the Triton kernels do not take them yet).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from radianced.kernels import ops
+from radianced.kernels.compact import CompactWeight, cat_rows, dense
 from radianced.kv.cache import KVCache
 from radianced.model.batch import ForwardBatch
 from radianced.model.config import ModelConfig
@@ -66,7 +69,7 @@ class Attention:
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         # q, k and v in one matmul: [q | k | v] rows, split after (one launch, one weight stream)
         projections = ("q_proj", "k_proj", "v_proj")
-        self.wqkv = torch.cat([w(p + n + ".weight") for n in projections])
+        self.wqkv = cat_rows([w(p + n + ".weight") for n in projections])
         self.bqkv = torch.cat([w(p + n + ".bias") for n in projections]) if cfg.attention_bias else None
         kv = self.kv_heads * self.head_dim
         self.split = (self.wqkv.shape[0] - 2 * kv, kv, kv)
@@ -123,10 +126,13 @@ class DenseMLP:
 
 
 class Embedding:
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight  # [V, hidden]
+    def __init__(self, weight: torch.Tensor | CompactWeight, dtype: torch.dtype):
+        """weight: [V, hidden]; dtype: the activations' dtype, what a compact table's rows become."""
+        self.weight, self.dtype = weight, dtype
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, CompactWeight):
+            return self.weight.rows(ids, self.dtype)  # only the looked-up rows are dequantized
         return F.embedding(ids, self.weight)
 
 
@@ -182,17 +188,20 @@ class MoE:
         logits, x = self.router(x, norm)
         fused = residual if self.shared is None else None
         top_k, renormalize, experts = self.router.top_k, self.router.renormalize, self.experts
+        # Only ResidentExperts holds compact extents yet (the reference op reads them): see ExpertSource
+        fmt = experts.weight_format(self.layer) if hasattr(experts, "weight_format") else None
+        compact = {} if fmt is None else {"weight_format": fmt}
         if experts.stages_experts:
             ids, weights = ops.route(logits, top_k, renormalize, x.dtype)
             experts.prepare(self.layer, ids)
             out = ops.moe(x, ids, weights, experts.table(self.layer), experts.slab, self.inter, experts.host,
-                          residual=fused)
+                          residual=fused, **compact)
         else:
             out, ids, _ = ops.route_moe(x, logits, top_k, renormalize, experts.table(self.layer), experts.slab,
-                                        self.inter, experts.host, residual=fused)
+                                        self.inter, experts.host, residual=fused, **compact)
             experts.prepare(self.layer, ids)
         if self.shared is not None:
-            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
+            out = out + torch.sigmoid(F.linear(x, dense(self.shared_gate, x.dtype))) * self.shared(x)
             if residual is not None:
                 out = residual + out
         return out
@@ -207,10 +216,11 @@ class CausalLM:
 
     def __init__(self, cfg: ModelConfig, w: Weights, layers: list, zero_centred: bool = False):
         self.cfg = cfg
-        self.embed = Embedding(w("model.embed_tokens.weight"))
+        final_norm = w("model.norm.weight")  # its dtype is the activations' (compact weights have none)
+        self.embed = Embedding(w("model.embed_tokens.weight"), final_norm.dtype)
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
         self.layers = layers
-        self.norm = RMSNorm(w("model.norm.weight"), cfg.rms_norm_eps, zero_centred)
+        self.norm = RMSNorm(final_norm, cfg.rms_norm_eps, zero_centred)
         self.lm_head = LMHead(self.embed.weight if cfg.tie_word_embeddings else w("lm_head.weight"))
 
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:

@@ -6,12 +6,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radianced.kernels.compact import CompactWeight
+from radianced.kernels.formats import FORMATS, is_compact
 from radianced.model.config import ModelConfig
 from radianced.model.experts import ExpertSource, ResidentExperts
 from radianced.model.layers import CausalLM, Weights
 from radianced.model.llama import build_llama
 from radianced.model.qwen3_moe import build_qwen3_moe
 from radianced.model.qwen3_next import build_qwen3_next
+from radianced.model.rad_format import RadError
 
 if TYPE_CHECKING:
     from radianced.model.rad import RadFile
@@ -28,15 +31,31 @@ def build_model(cfg: ModelConfig, weights: Weights, experts: ExpertSource | None
     raise ValueError(f"family {cfg.family!r} has no model")
 
 
+def activation_dtype(rad: RadFile) -> torch.dtype:
+    """The dtype a `.rad`'s model computes in (and its KV cache holds): its embeddings', or its final
+    norm's when the embeddings are compact (`CausalLM` gathers compact rows into that dtype)."""
+    embed = rad.tensor("model.embed_tokens.weight", verify=False)
+    return embed.dtype if isinstance(embed, torch.Tensor) else rad.tensor("model.norm.weight", verify=False).dtype
+
+
 def load_model(rad: RadFile, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                experts: ExpertSource | None = None) -> CausalLM:
     """The model of a `.rad`; every tensor checksum-verified as it is loaded, cast to `dtype` if given.
 
-    A MoE model without an `experts` source gets every expert resident.
+    A MoE model without an `experts` source gets every expert resident. Compact tensors
+    stay compact (`CompactWeight`: `dtype` does not apply to them) and run on the CPU
+    only: the reference ops dequantize them per use; the Triton kernels do not read them yet.
     """
+    compact = [t.name for t in rad.header.tensors if FORMATS[t.dtype].compact]
+    compact += [f"experts of layer {e.layer}" for e in rad.header.experts[:1] if is_compact(e.dtype)]
+    if compact and torch.device(device).type != "cpu":
+        raise RadError(f"{rad.path}: {compact[0]} is stored compact ({len(compact)} such), which runs on the CPU "
+                       f"only for now; convert the model without --compact / --quantize to serve it on {device}")
 
-    def weights(name: str) -> torch.Tensor:
+    def weights(name: str) -> torch.Tensor | CompactWeight:
         t = rad.tensor(name, verify=True)
+        if isinstance(t, CompactWeight):
+            return t.to(device)
         return t.to(device=device, dtype=dtype or t.dtype)
 
     if experts is None and rad.header.experts:

@@ -16,9 +16,12 @@ import msgspec
 import torch
 import xxhash
 
+from radianced.kernels.compact import CompactWeight
+from radianced.kernels.formats import FORMATS, expert_formats
 from radianced.model.config import ModelConfig
 from radianced.model.rad_format import (
-    ALIGN, DTYPES, RAD_VERSION, ExpertEntry, Header, Preamble, RadError, TensorEntry, itemsize,
+    ALIGN, DTYPES, RAD_VERSION, ExpertEntry, Header, Preamble, RadError, TensorEntry, expert_piece_bytes,
+    tensor_nbytes,
 )
 
 
@@ -70,12 +73,13 @@ class RadFile:
                            f"was it converted from the right model?)")
         return entry
 
-    def tensor(self, name: str, verify: bool = True) -> torch.Tensor:
-        """A zero-copy view; with `verify`, its checksum is checked first."""
+    def tensor(self, name: str, verify: bool = True) -> torch.Tensor | CompactWeight:
+        """A zero-copy view (a `CompactWeight` over the bytes for a compact format); with `verify`, its
+        checksum is checked first."""
         e = self.tensor_entry(name)
         if verify:
             self._check(e.offset, e.nbytes, e.checksum, f"tensor {name}")
-        return self._view(e.offset, e.dtype, e.shape)
+        return self._piece(e.offset, e.dtype, e.shape)
 
     # -- experts --------------------------------------------------------------
 
@@ -87,14 +91,23 @@ class RadFile:
         return e
 
     def expert(self, layer: int, expert: int, verify: bool = True):
-        """(gate [I, H], up [I, H], down [H, I]): zero-copy views into the one extent."""
+        """(gate [I, H], up [I, H], down [H, I]): zero-copy views into the one extent (`CompactWeight`s
+        for a compact format)."""
         e = self.expert_entry(layer, expert)
         if verify:
             self._check(e.offset, e.nbytes, e.checksum, f"expert (layer {layer}, expert {expert})")
-        piece = e.nbytes // 3
-        return (self._view(e.offset, e.dtype, (e.intermediate, e.hidden)),
-                self._view(e.offset + piece, e.dtype, (e.intermediate, e.hidden)),
-                self._view(e.offset + 2 * piece, e.dtype, (e.hidden, e.intermediate)))
+        gate, up, _ = expert_piece_bytes(e.dtype, e.intermediate, e.hidden)
+        gate_up_fmt, down_fmt = expert_formats(e.dtype)
+        return (self._piece(e.offset, gate_up_fmt, (e.intermediate, e.hidden)),
+                self._piece(e.offset + gate, gate_up_fmt, (e.intermediate, e.hidden)),
+                self._piece(e.offset + gate + up, down_fmt, (e.hidden, e.intermediate)))
+
+    def expert_bytes(self, layer: int, expert: int, verify: bool = True) -> torch.Tensor:
+        """The whole extent of expert (layer, expert) as a zero-copy [nbytes] uint8 view."""
+        e = self.expert_entry(layer, expert)
+        if verify:
+            self._check(e.offset, e.nbytes, e.checksum, f"expert (layer {layer}, expert {expert})")
+        return self._view(e.offset, torch.uint8, (e.nbytes,))
 
     # -- whole file -----------------------------------------------------------
 
@@ -123,12 +136,20 @@ class RadFile:
             raise RadError(f"{self.path}: the file is closed")
         return self._mm
 
-    def _view(self, offset: int, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def _piece(self, offset: int, fmt: str, shape: tuple[int, ...]) -> torch.Tensor | CompactWeight:
+        """A tensor in format `fmt` at `offset`: a dense view, or a `CompactWeight` over its bytes."""
+        if not FORMATS[fmt].compact:
+            return self._view(offset, DTYPES[fmt], shape)
+        nbytes = tensor_nbytes(fmt, shape)
+        data = self._view(offset, torch.uint8, (nbytes,))
+        return CompactWeight(fmt, tuple(shape), data if fmt == "fp8_b128" else data.view(shape[0], -1))
+
+    def _view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         count = math.prod(shape)
         if count == 0:
-            return torch.empty(shape, dtype=DTYPES[dtype])
+            return torch.empty(shape, dtype=dtype)
         # frombuffer keeps a reference to the mmap object, so the view outlives close()
-        return torch.frombuffer(self._mapping(), dtype=DTYPES[dtype], count=count, offset=offset).view(shape)
+        return torch.frombuffer(self._mapping(), dtype=dtype, count=count, offset=offset).view(shape)
 
     def _check(self, offset: int, nbytes: int, checksum: int, what: str) -> None:
         with memoryview(self._mapping()) as mv, mv[offset:offset + nbytes] as piece:
@@ -171,19 +192,30 @@ def _read_header(path: Path, f, size: int) -> Header:
 
 def _check_extents(path: Path, header: Header, size: int) -> None:
     """Every extent aligned, sized for its shape, and inside the file; names the first one that is not."""
-    items = []
-    for t in header.tensors:
-        items.append((t.offset, t.nbytes, t.dtype, math.prod(t.shape), f"tensor {t.name}"))
-    for e in header.experts:
-        items.append((e.offset, e.nbytes, e.dtype, 3 * e.intermediate * e.hidden,
-                      f"expert (layer {e.layer}, expert {e.expert})"))
-    for offset, nbytes, dtype, count, what in sorted(items):
-        if dtype not in DTYPES:
-            raise RadError(f"{path}: {what} has unknown dtype {dtype!r}; re-convert with this radianced")
-        if nbytes != count * itemsize(dtype):
-            raise RadError(f"{path}: {what} records {nbytes} bytes but its shape needs {count * itemsize(dtype)}")
+    items = [(t.offset, t.nbytes, t.dtype, t, f"tensor {t.name}") for t in header.tensors]
+    items += [(e.offset, e.nbytes, e.dtype, e, f"expert (layer {e.layer}, expert {e.expert})") for e in header.experts]
+    for offset, nbytes, dtype, entry, what in sorted(items, key=lambda item: item[:2]):
+        try:
+            pieces = [(entry.dtype, entry.shape)] if isinstance(entry, TensorEntry) else _expert_pieces(entry)
+            expected = sum(tensor_nbytes(fmt, shape) for fmt, shape in pieces)
+        except KeyError:
+            raise RadError(f"{path}: {what} has unknown dtype {dtype!r}; re-convert with this radianced") from None
+        except ValueError as err:
+            raise RadError(f"{path}: {what}: {err}") from None
+        if nbytes != expected:
+            raise RadError(f"{path}: {what} records {nbytes} bytes but its shape needs {expected}")
         if offset % ALIGN or offset < ALIGN:
             raise RadError(f"{path}: {what} starts at byte {offset}, not on a {ALIGN}-byte boundary after the preamble")
         if offset + nbytes > size:
             raise RadError(f"{path}: {what} (bytes {offset}..{offset + nbytes}) runs past the end of the file "
                            f"({size} bytes): the file is truncated. Copy it again or re-run radiancectl convert")
+
+
+def _expert_pieces(e: ExpertEntry) -> list[tuple[str, tuple[int, int]]]:
+    """(format, shape) of an extent's gate, up and down; KeyError for an unknown extent format."""
+    try:
+        gate_up, down = expert_formats(e.dtype)
+    except ValueError:
+        raise KeyError(e.dtype) from None
+    i, h = e.intermediate, e.hidden
+    return [(gate_up, (i, h)), (gate_up, (i, h)), (down, (h, i))]

@@ -11,9 +11,19 @@ Layout (all integers little-endian):
 
 The header sits at the end so a converter can stream tensor by tensor without
 knowing the index in advance. A routed expert (layer, expert) is ONE extent:
-gate [I, H] | up [I, H] | down [H, I], same dtype, no padding between the
+gate [I, H] | up [I, H] | down [H, I], same format, no padding between the
 pieces, so a single read fetches it. Each tensor and extent carries the xxh3_64
 of its bytes.
+
+Every tensor and extent records its format in `dtype`: a plain torch dtype
+(f32 / f16 / bf16 / f8_e4m3, as files before compact weights had) or a compact
+format (q8_0 / q4_0 / q4_1 / q4_k / q5_k / q6_k / fp8_b128, layouts in
+`kernels/formats.py`). A compact expert piece holds its own scales, so the
+extent stays one read with everything needed to use it; its bytes are
+`formats.FORMATS[dtype].nbytes(shape)` per piece. An expert whose down piece has
+another format than gate and up (a GGUF Q4_K_M: Q4_K gate/up, Q6_K down) records
+"gate_up+down", e.g. "q4_k+q6_k". Files written before compact
+formats hold only plain dtypes and read as they always did.
 
 `rad_writer.RadWriter` writes this layout, `rad.RadFile` reads it.
 """
@@ -27,6 +37,7 @@ from typing import ClassVar
 import msgspec
 import torch
 
+from radianced.kernels.formats import FORMATS, expert_formats
 from radianced.model.config import ModelConfig
 
 RAD_VERSION = 1
@@ -82,7 +93,7 @@ class Preamble:
 
 class TensorEntry(msgspec.Struct, frozen=True):
     name: str
-    dtype: str  # a key of DTYPES
+    dtype: str  # its format: a key of formats.FORMATS (a plain dtype is also a key of DTYPES)
     shape: tuple[int, ...]
     offset: int  # absolute file offset, a multiple of ALIGN
     nbytes: int
@@ -94,11 +105,11 @@ class ExpertEntry(msgspec.Struct, frozen=True):
 
     layer: int
     expert: int
-    dtype: str
+    dtype: str  # the pieces' format, a key of formats.FORMATS, or "GATE_UP+DOWN" (formats.expert_formats)
     intermediate: int  # I
     hidden: int  # H
     offset: int
-    nbytes: int  # 3 * I * H * itemsize
+    nbytes: int  # the three pieces' bytes (`expert_piece_bytes`), 3 * I * H * itemsize for a plain dtype
     checksum: int
 
 
@@ -114,9 +125,17 @@ class Header(msgspec.Struct, kw_only=True):
     experts: list[ExpertEntry]
 
 
-def itemsize(dtype: str) -> int:
-    """Bytes per element of a `.rad` dtype name (a key of DTYPES)."""
-    return torch.empty((), dtype=DTYPES[dtype]).element_size()
+def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of `shape` in format `dtype` (a key of formats.FORMATS)."""
+    return FORMATS[dtype].nbytes(tuple(shape))
+
+
+def expert_piece_bytes(dtype: str, intermediate: int, hidden: int) -> tuple[int, int, int]:
+    """Bytes of an expert extent's gate [I, H], up [I, H] and down [H, I] in extent format `dtype`
+    (`formats.expert_formats`: "q4_k", or "q4_k+q6_k" with down in the second)."""
+    gate_up, down = expert_formats(dtype)
+    gate = tensor_nbytes(gate_up, (intermediate, hidden))
+    return gate, gate, tensor_nbytes(down, (hidden, intermediate))
 
 
 def align_up(n: int) -> int:

@@ -7,7 +7,6 @@ the writer closes. A `.rad` appears at its path only when it is complete.
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Iterable
@@ -16,11 +15,14 @@ import msgspec
 import torch
 import xxhash
 
+from radianced.kernels.compact import CompactWeight
 from radianced.model.config import ModelConfig
 from radianced.model.rad_format import (
     ALIGN, DTYPE_NAMES, DTYPES, RAD_VERSION, ExpertEntry, Header, Preamble, RadError, TensorEntry, align_up,
-    itemsize,
+    expert_piece_bytes, tensor_nbytes,
 )
+
+Piece = torch.Tensor | CompactWeight
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
@@ -80,34 +82,41 @@ class RadWriter:
         For a tensor too large to hold whole (or whole twice, when casting): the
         pieces are written as they come and must add up to exactly `shape`.
         """
-        if not isinstance(name, str) or not name:
-            self._fail(f"tensor name must be a non-empty string, got {name!r}")
-        if name in self._names:
-            self._fail(f"tensor {name} added twice")
+        self._check_name(name)
         dname = self._dtype_name(dtype, f"tensor {name}")
-        expected = math.prod(shape) * itemsize(dname)
-        offset = self._start_extent()
-        written, h = self._write_pieces(chunks, dtype, f"tensor {name}")
-        if written != expected:
-            self._fail(f"tensor {name}: pieces hold {written} bytes, shape {list(shape)} needs {expected}")
-        self._names.add(name)
-        self._tensors.append(TensorEntry(name, dname, tuple(int(s) for s in shape), offset, written, h))
+        self._add(name, dname, shape, *self._write_pieces(chunks, dtype, f"tensor {name}"))
 
-    def add_expert(self, layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
-        """Write routed expert (layer, expert) as one extent: gate [I, H] | up [I, H] | down [H, I]."""
+    def add_compact(self, name: str, w: CompactWeight) -> None:
+        """Write the compact matrix `w` as tensor `name`: its bytes as they are, its format in the header."""
+        self._check_name(name)
+        self._add(name, w.fmt, w.shape, *self._write_pieces([w.data], torch.uint8, f"tensor {name}"))
+
+    def add_expert(self, layer: int, expert: int, gate: Piece, up: Piece, down: Piece) -> None:
+        """Write routed expert (layer, expert) as one extent: gate [I, H] | up [I, H] | down [H, I],
+        three tensors of one dtype or three `CompactWeight`s (scales inside each piece): gate and up of
+        one format, down of that format or another compact one (recorded as "gate_up+down")."""
         what = f"expert (layer {layer}, expert {expert})"
         if (layer, expert) in self._expert_ids:
             self._fail(f"{what} added twice")
-        if gate.dim() != 2 or up.shape != gate.shape or down.shape != gate.shape[::-1]:
+        if len(gate.shape) != 2 or tuple(up.shape) != tuple(gate.shape) or tuple(down.shape) != tuple(gate.shape)[::-1]:
             self._fail(f"{what}: expected gate [I, H], up [I, H], down [H, I]; got gate {list(gate.shape)}, "
                        f"up {list(up.shape)}, down {list(down.shape)}")
-        if not (gate.dtype == up.dtype == down.dtype):
-            self._fail(f"{what}: gate/up/down dtypes differ ({gate.dtype}, {up.dtype}, {down.dtype}); "
-                       f"cast them to one dtype")
-        dname = self._dtype_name(gate.dtype, what)
+        kinds = [p.fmt if isinstance(p, CompactWeight) else p.dtype for p in (gate, up, down)]
+        mixed_down = all(isinstance(p, CompactWeight) for p in (gate, up, down)) and kinds[0] == kinds[1]
+        if len(set(kinds)) > 1 and not mixed_down:
+            word, fix = (("dtypes", "cast them to one dtype") if all(isinstance(k, torch.dtype) for k in kinds)
+                         else ("formats", "give all three in one format"))
+            self._fail(f"{what}: gate/up/down {word} differ ({', '.join(map(str, kinds))}); {fix}")
+        if isinstance(gate, CompactWeight):
+            dname = gate.fmt if down.fmt == gate.fmt else f"{gate.fmt}+{down.fmt}"
+            pieces, dtype = [gate.data, up.data, down.data], torch.uint8
+        else:
+            dname, pieces, dtype = self._dtype_name(gate.dtype, what), [gate, up, down], gate.dtype
         inter, hidden = gate.shape
-        offset = self._start_extent()
-        written, h = self._write_pieces([gate, up, down], gate.dtype, what)
+        offset, written, h = self._write_pieces(pieces, dtype, what)
+        if written != sum(expert_piece_bytes(dname, inter, hidden)):
+            self._fail(f"{what}: pieces hold {written} bytes, {dname} [{inter}, {hidden}] x 3 needs "
+                       f"{sum(expert_piece_bytes(dname, inter, hidden))}")
         self._expert_ids.add((layer, expert))
         self._experts.append(ExpertEntry(layer, expert, dname, inter, hidden, offset, written, h))
 
@@ -150,6 +159,23 @@ class RadWriter:
 
     # -- internals ------------------------------------------------------------
 
+    def _check_name(self, name: str) -> None:
+        if not isinstance(name, str) or not name:
+            self._fail(f"tensor name must be a non-empty string, got {name!r}")
+        if name in self._names:
+            self._fail(f"tensor {name} added twice")
+
+    def _add(self, name: str, dname: str, shape: tuple[int, ...], start: int, written: int, h: int) -> None:
+        """Record tensor `name` written at `start`, after checking its bytes against its format and shape."""
+        try:
+            expected = tensor_nbytes(dname, shape)
+        except ValueError as e:
+            self._fail(f"tensor {name}: {e}")
+        if written != expected:
+            self._fail(f"tensor {name}: pieces hold {written} bytes, shape {list(shape)} needs {expected}")
+        self._names.add(name)
+        self._tensors.append(TensorEntry(name, dname, tuple(int(s) for s in shape), start, written, h))
+
     def _dtype_name(self, dtype: torch.dtype, what: str) -> str:
         if dtype not in DTYPE_NAMES:
             self._fail(f"{what} has dtype {dtype}, which a .rad cannot hold; cast it to one of "
@@ -165,16 +191,17 @@ class RadWriter:
             self._write(bytes(pad))
         return self._pos
 
-    def _write_pieces(self, pieces: Iterable[torch.Tensor], dtype: torch.dtype, what: str) -> tuple[int, int]:
+    def _write_pieces(self, pieces: Iterable[torch.Tensor], dtype: torch.dtype, what: str) -> tuple[int, int, int]:
+        """Write `pieces` from the next ALIGN boundary: (where they start, bytes written, their xxh3_64)."""
         h = xxhash.xxh3_64()
-        start = self._pos
+        start = self._start_extent()
         for p in pieces:
             if p.dtype != dtype:
                 self._fail(f"{what}: a piece has dtype {p.dtype}, expected {dtype}")
             data = _as_bytes(p.detach().to("cpu").contiguous())
             h.update(data)
             self._write(data)
-        return self._pos - start, h.intdigest()
+        return start, self._pos - start, h.intdigest()
 
     def _write(self, data) -> None:
         try:

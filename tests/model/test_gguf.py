@@ -331,9 +331,9 @@ def test_unsupported_architecture_is_refused_naming_llama(tiny_gguf, tmp_path):
 
 
 def test_unsupported_tensor_type_is_refused_naming_tensor_and_type(tiny_gguf, tmp_path):
-    q4k = np.zeros((4, 144), dtype=np.uint8)  # 4 rows of one Q4_K block (256 values) each
-    src, _ = tiny_gguf(extra_tensors={"blk.0.attn_extra.weight": (q4k, Q.Q4_K)})
-    with pytest.raises(UnsupportedModel, match=r"'blk\.0\.attn_extra\.weight' is stored as Q4_K"):
+    q2k = np.zeros((4, 84), dtype=np.uint8)  # 4 rows of one Q2_K block (256 values) each (Q4_K is read now)
+    src, _ = tiny_gguf(extra_tensors={"blk.0.attn_extra.weight": (q2k, Q.Q2_K)})
+    with pytest.raises(UnsupportedModel, match=r"'blk\.0\.attn_extra\.weight' is stored as Q2_K"):
         convert_gguf(src, tmp_path / "out.rad", None)
     assert list(tmp_path.glob("out.rad*")) == []
 

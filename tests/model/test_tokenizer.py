@@ -14,7 +14,7 @@ import pytest
 from tokenizers import pre_tokenizers
 
 from radianced.model.config import UnsupportedModel
-from radianced.model.gguf import gguf_tokenizer
+from radianced.model.gguf_tokenizer import gguf_tokenizer
 from radianced.model.rad import RadFile
 from radianced.model.tokenizer import ChatTemplateError, Tokenizer
 

@@ -1,0 +1,62 @@
+"""A llama GGUF converted with its blocks kept compact: the bytes in the `.rad` are the file's, in HF row
+order, and the model's logits equal transformers' (which dequantizes at load) to fp32 rounding."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from radianced.kernels.compact import CompactWeight
+from radianced.kv.cache import KVCache
+from radianced.model.gguf import convert_gguf
+from radianced.model.loader import load_model
+from radianced.model.rad import RadFile
+from tests.model.test_gguf import hf_model, rad_tensors, write_tiny_gguf
+from tests.oracle import compare_prefill_rows
+
+Q = gguf.GGMLQuantizationType
+QUANTIZED = {
+    "token_embd.weight": Q.Q8_0, "attn_q.weight": Q.Q4_1, "attn_k.weight": Q.Q4_0, "attn_v.weight": Q.Q8_0,
+    "attn_output.weight": Q.Q4_0, "ffn_gate.weight": Q.Q4_1, "ffn_up.weight": Q.Q8_0, "ffn_down.weight": Q.Q4_1,
+}
+
+
+def test_compact_tensors_dequantize_to_the_fp32_conversion_bit_for_bit(tmp_path):
+    src, _ = write_tiny_gguf(tmp_path / "t.gguf", types=QUANTIZED, untied=True)
+    convert_gguf(src, tmp_path / "fp32.rad", None)
+    convert_gguf(src, tmp_path / "compact.rad", None, compact=True)
+    dense, compact = rad_tensors(tmp_path / "fp32.rad"), rad_tensors(tmp_path / "compact.rad")
+    assert set(dense) == set(compact)
+    kept = {n: t for n, t in compact.items() if isinstance(t, CompactWeight)}
+    assert len(kept) == 1 + 7 * 2  # the embeddings and 7 matrices per layer (lm_head is F32 here)
+    for name, t in compact.items():
+        got = t.dequantize() if isinstance(t, CompactWeight) else t
+        assert torch.equal(got, dense[name]), name
+    with RadFile.open(tmp_path / "compact.rad") as rad:
+        assert rad.tensor_entry("model.layers.0.self_attn.q_proj.weight").dtype == "q4_1"
+
+
+def test_compact_model_matches_transformers_prefill(tmp_path):
+    src, _ = write_tiny_gguf(tmp_path / "t.gguf", types=QUANTIZED)
+    convert_gguf(src, tmp_path / "compact.rad", None, compact=True)
+    with RadFile.open(tmp_path / "compact.rad") as rad:
+        model = load_model(rad)
+        cache = KVCache.allocate(rad.model, num_blocks=8, block_size=16, num_state_slots=2, dtype=torch.float32)
+        compare_prefill_rows(model, cache, hf_model(src), [[5, 9, 40, 41, 200, 7], [3, 100, 250]], tol=1e-5)
+
+
+def test_compact_refuses_a_cast(tmp_path):
+    src, _ = write_tiny_gguf(tmp_path / "t.gguf", types=QUANTIZED)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        convert_gguf(src, tmp_path / "x.rad", "bf16", compact=True)
+
+
+def test_a_compact_model_is_refused_on_a_gpu(tmp_path):
+    from radianced.model.rad_format import RadError
+
+    src, _ = write_tiny_gguf(tmp_path / "t.gguf", types=QUANTIZED)
+    convert_gguf(src, tmp_path / "compact.rad", None, compact=True)
+    with RadFile.open(tmp_path / "compact.rad") as rad, pytest.raises(RadError, match="CPU only"):
+        load_model(rad, device="meta")

@@ -1,0 +1,81 @@
+"""`radiancectl quality`: teacher-forced KL / top-1 / perplexity of a model against a reference, as Markdown."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from radianced.ctl import main
+from radianced.model.convert import convert
+from radianced.model.quality import default_text, measure
+from radianced.model.rad import RadFile
+from radianced.model.tiny import make_tiny
+
+TEXT = ("Permission is hereby granted, free of charge, to any person obtaining a copy of this software "
+        "and associated documentation files, to deal in the Software without restriction. ") * 6
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    out = tmp_path_factory.mktemp("quality")
+    src = make_tiny("qwen3_moe", out / "src")
+    convert(src, out / "ref.rad")
+    convert(src, out / "int8.rad", quantize="experts=int8,layers=int8")
+    return out / "ref.rad", out / "int8.rad"
+
+
+def test_a_model_against_itself_has_zero_kl_and_full_agreement(tiny_pair):
+    ref, _ = tiny_pair
+    with RadFile.open(ref) as a, RadFile.open(ref) as b:
+        q = measure(a, b, TEXT, "text", window=64)
+    assert q.windows == math.ceil(q.tokens / 64) and q.positions == q.tokens - q.windows
+    assert q.mean_kl == pytest.approx(0, abs=1e-6) and q.p99_kl == pytest.approx(0, abs=1e-6)
+    assert q.top1 == 1.0 and q.ppl == pytest.approx(q.ref_ppl)
+
+
+def test_requantized_model_has_small_positive_kl_and_the_kl_is_the_definition(tiny_pair):
+    ref, int8 = tiny_pair
+    with RadFile.open(int8) as a, RadFile.open(ref) as b:
+        q = measure(a, b, TEXT, "text", window=64)
+    assert 0 < q.mean_kl <= q.p99_kl and q.mean_kl < 0.05
+    assert 0.8 < q.top1 <= 1.0
+    # KL of two known distributions, through the same formula
+    p, r = torch.tensor([[0.5, 0.25, 0.25]]).log(), torch.tensor([[0.25, 0.5, 0.25]]).log()
+    assert float((p.exp() * (p - r)).sum()) == pytest.approx(0.25 * math.log(2))
+
+
+def test_radiancectl_quality_prints_a_markdown_table(tiny_pair, tmp_path, capsys):
+    ref, int8 = tiny_pair
+    (tmp_path / "t.txt").write_text(TEXT)
+    assert main(["quality", str(int8), "--against", str(ref), "--text", str(tmp_path / "t.txt")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| metric | value |\n|---|---|\n")
+    for metric in ("mean KL", "p99 KL", "top-1 agreement", "perplexity", "reference perplexity", "Δ perplexity"):
+        assert f"| {metric} | " in out
+
+
+def test_quality_refuses_models_of_different_vocabularies(tiny_pair, tmp_path, capsys):
+    ref, _ = tiny_pair
+    convert(make_tiny("llama", tmp_path / "l", vocab_size=300), tmp_path / "other.rad")
+    (tmp_path / "t.txt").write_text(TEXT)
+    assert main(["quality", str(tmp_path / "other.rad"), "--against", str(ref), "--text", str(tmp_path / "t.txt")]) == 1
+    assert "vocabulary" in capsys.readouterr().err
+
+
+def test_the_default_text_is_a_licence_a_package_ships():
+    text = default_text().read_text()
+    assert "PYTHON SOFTWARE FOUNDATION LICENSE" in text and len(text) > 10_000
+
+
+def test_a_lower_precision_kv_cache_is_measured_against_the_full_one(tiny_pair, tmp_path, capsys):
+    """One tool for weights and KV dtypes: the same model with a bf16 cache against its fp32 self."""
+    ref, _ = tiny_pair
+    with RadFile.open(ref) as a, RadFile.open(ref) as b:
+        q = measure(a, b, TEXT, "text", window=64, kv_dtype="bfloat16")
+    assert 0 < q.mean_kl < 1e-3 and q.top1 > 0.9
+    (tmp_path / "t.txt").write_text(TEXT)
+    assert main(["quality", str(ref), "--against", str(ref), "--text", str(tmp_path / "t.txt"),
+                 "--kv-cache-dtype", "bf16"]) == 0
+    assert "| mean KL | 0.000000 |" not in capsys.readouterr().out
