@@ -269,6 +269,7 @@ def _plan(card: Card, facts: ModelFacts, cfg: Config) -> Receipt:
         expert_floor=split.expert_floor, kv_buffer_pages=split.kv_buffer_pages, groups=groups,
         kv_max_pages=kv_max, kv_pool_tokens=pool_tokens, max_model_len=L, max_num_seqs=S,
         full_sessions=sessions, worst_case_percent=100 * pool_tokens // (S * L),
+        expert_formats=facts.expert_formats,
     )
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from radianced.card import Card, MiB
 from radianced.config import Config
+from radianced.kernels.formats import is_compact
 from radianced.model.config import ModelConfig
 from radianced.receipt import Part, fmt_mib
 from radianced.sizing import (
@@ -104,14 +105,22 @@ def _weights(facts: ModelFacts, cfg: Config) -> tuple[tuple[Part, ...], tuple[Pa
                 host.append(Part("embeddings", n, "--embedding-placement ram"))
                 n = 0
         elif c == "lm_head" and tied:
-            card.append(Part("lm_head", w["embeddings"], "tied to the embeddings: one copy"))
+            card.append(Part("lm_head", w["embeddings"], ", ".join(
+                ("tied to the embeddings: one copy",) + _compact_formats(facts, "embeddings"))))
             continue
         elif c == "mtp" and n and not cfg.speculative:
             idle.append(Part("mtp", n, "drafts only with --speculative"))
             continue
         if n:
-            card.append(Part(c, n))
+            card.append(Part(c, n, ", ".join(_compact_formats(facts, c))))
     return tuple(card), tuple(host), tuple(idle)
+
+
+def _compact_formats(facts: ModelFacts, cls: str) -> tuple[str, ...]:
+    """The formats a weight class is stored in, where one of them is compact (the receipt names
+    them then); () for plain dtypes, whose receipt lines stay as they were."""
+    formats = dict(facts.formats).get(cls, ())
+    return formats if any(is_compact(f) for f in formats) else ()
 
 
 def _workspace(facts: ModelFacts, card: Card, cfg: Config) -> tuple[Part, ...]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from radianced.card import PAGE_ALIGN, GiB, KiB, MiB, align_up
+from radianced.kernels.formats import is_compact
 from radianced.sizing import PagingGroup, kv_token_bytes
 
 
@@ -62,6 +63,8 @@ class Receipt:
     staging_rows: pinned host rows for expert reads from the file (charged in `host_weights`).
     alloc_granule: the card's allocation unit (`Card.alloc_granule`).
     experts: routed (layer, expert) extents of the decoder layers; expert_extent: the largest.
+    expert_formats: the formats the extents are stored in, most bytes first (named on the expert
+        slot's line where one is compact: `kernels/formats.py`).
     experts_pinned, experts_host, experts_disk: where the experts' homes are: slots pinned on the
         card, the host pool, the model file; they add up to `experts`.
     host_pool: bytes of the host pool (`--host-pool-mib`; 0 for a dense model).
@@ -110,6 +113,7 @@ class Receipt:
     max_num_seqs: int
     full_sessions: int
     worst_case_percent: int
+    expert_formats: tuple[str, ...] = ()
 
     # -- totals ----------------------------------------------------------------
 
@@ -180,7 +184,8 @@ class Receipt:
         out.append(f"arena allocation: {fmt_mib(self.arena_alloc_bytes)} (the pages{buffers} "
                    f"in whole {fmt_unit(self.alloc_granule)} allocator units)")
         if self.experts:
-            out += [f"expert slot: {fmt_mib(self.expert_extent)} extent -> {fmt_mib(self.expert_slot)} slot "
+            out += [f"expert slot: {fmt_mib(self.expert_extent)} extent{_compact(self.expert_formats)} -> "
+                    f"{fmt_mib(self.expert_slot)} slot "
                     f"(rounded up to {PAGE_ALIGN // KiB} KiB)",
                     f"experts: {self.experts} routed ({fmt_gib(self.experts * self.expert_extent)}): "
                     f"{self.experts_pinned} pinned on card, {self.experts_host} in host pool, "
@@ -204,3 +209,8 @@ class Receipt:
                 f"({self.max_num_seqs} seqs x {self.max_model_len} tokens) = {self.full_sessions} "
                 f"full-length session{'' if self.full_sessions == 1 else 's'}"]
         return out
+
+
+def _compact(formats: tuple[str, ...]) -> str:
+    """' (q4_0, q8_0)' where any of `formats` is compact, else '' (plain dtypes say nothing)."""
+    return f" ({', '.join(formats)})" if any(is_compact(f) for f in formats) else ""

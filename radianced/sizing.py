@@ -116,16 +116,6 @@ class ModelFacts:
     def weight(self, cls: str) -> int:
         return dict(self.weights)[cls]
 
-    def weight_lines(self) -> list[str]:
-        """One receipt line per stored class and one for the expert slot, each naming format and bytes:
-        "weights attention: 12.3 MiB (q4_1, f32)", "expert slot: 2.53 MiB (q4_0) x 6144 experts"."""
-        formats = dict(self.formats)
-        lines = [f"weights {c}: {n / MiB:.2f} MiB ({', '.join(formats[c])})" for c, n in self.weights if c in formats]
-        if self.expert_count:
-            lines.append(f"expert slot: {self.expert_extent_bytes / MiB:.2f} MiB ({', '.join(self.expert_formats)}) "
-                         f"x {self.expert_count} experts")
-        return lines
-
     @classmethod
     def from_rows(cls, model: ModelConfig, tensors: Iterable[tuple[str, str, tuple[int, ...], int]],
                   experts: Iterable[tuple]) -> ModelFacts:

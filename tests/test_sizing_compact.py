@@ -1,11 +1,14 @@
-"""The budget's model facts follow compact bytes: each class names its formats, the expert slot is the
-compact extent, and compact embeddings leave the activation size to the final norm's dtype."""
+"""The budget's model facts follow compact bytes: each class names its formats (and the receipt names
+the compact ones), the expert slot is the compact extent, and compact embeddings leave the activation
+size to the final norm's dtype."""
 
 from __future__ import annotations
 
 import gguf
 
-from radianced.card import MiB
+from radianced.budget import plan
+from radianced.card import Card, MiB
+from radianced.config import Config
 from radianced.model.gguf import convert_gguf
 from radianced.model.rad import RadFile
 from radianced.sizing import ModelFacts
@@ -28,9 +31,10 @@ def test_compact_experts_set_the_slot_and_every_class_names_its_formats(tmp_path
     assert compact.expert_formats == ("q4_0", "q8_0") and full.expert_formats == ("f32",)
     assert dict(compact.formats)["attention"] == ("f32",)
     assert compact.act_bytes == full.act_bytes == 4
-    lines = compact.weight_lines()
-    assert f"expert slot: {q8_extent / MiB:.2f} MiB (q4_0, q8_0) x 12 experts" in lines
-    assert any(line.startswith("weights embeddings: ") and line.endswith("(f32)") for line in lines)
+    lines = plan(Card.from_mib(1024), compact, Config(placement="resident")).lines()
+    assert any(line.startswith(f"expert slot: {q8_extent / MiB:.2f} MiB extent (q4_0, q8_0) -> ") for line in lines)
+    full_lines = plan(Card.from_mib(1024), full, Config(placement="resident")).lines()
+    assert not any("(f32" in line for line in full_lines)  # plain dtypes are not named: the receipt as before
 
 
 def test_compact_embeddings_take_the_activation_size_from_the_final_norm(tmp_path):
@@ -45,3 +49,6 @@ def test_compact_embeddings_take_the_activation_size_from_the_final_norm(tmp_pat
     assert facts.act_bytes == 4
     assert dict(facts.formats)["embeddings"] == ("q8_0",)
     assert facts.weight("embeddings") == embed.nbytes == embed.shape[0] * embed.shape[1] // 32 * 34
+    lines = plan(Card.from_mib(1024), facts, Config(embedding_placement="vram")).lines()
+    assert "weights lm_head: 0.02 MiB (tied to the embeddings: one copy, q8_0)" in lines
+    assert "weights attention: 0.02 MiB (q4_0, q4_1, q8_0)" in lines and "weights norms: 0.00 MiB" in lines

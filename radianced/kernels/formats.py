@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 FP8_BLOCK = 128  # fp8_b128's scale block: 128 x 128 values
 
@@ -49,21 +51,29 @@ class WeightFormat:
     """One way of storing a tensor.
 
     name: the name the `.rad` header records (`TensorEntry.dtype`).
-    dtype: the torch dtype of a plain (dense) format; None for a compact one.
+    torch_name: the torch dtype's name of a plain (dense) format (`dtype` resolves it, so the table
+        imports no torch: the budget reads it); None for a compact one.
     block: values per block along a row (GGUF formats; 1 for dense and fp8_b128).
     block_bytes: bytes per block (the element size for dense formats).
     bits: average bits per weight, for receipts (scales included; fp8_b128's per 128 x 128 block).
     """
 
     name: str
-    dtype: torch.dtype | None
+    torch_name: str | None
     block: int
     block_bytes: int
     bits: float
 
     @property
+    def dtype(self) -> torch.dtype | None:
+        """The torch dtype of a plain format; None for a compact one."""
+        import torch
+
+        return None if self.torch_name is None else getattr(torch, self.torch_name)
+
+    @property
     def compact(self) -> bool:
-        return self.dtype is None
+        return self.torch_name is None
 
     def nbytes(self, shape: tuple[int, ...]) -> int:
         """Bytes a tensor of `shape` takes in this format; ValueError when the shape does not fit it."""
@@ -92,10 +102,10 @@ def _align16(n: int) -> int:
 
 
 FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
-    WeightFormat("f32", torch.float32, 1, 4, 32.0),
-    WeightFormat("f16", torch.float16, 1, 2, 16.0),
-    WeightFormat("bf16", torch.bfloat16, 1, 2, 16.0),
-    WeightFormat("f8_e4m3", torch.float8_e4m3fn, 1, 1, 8.0),
+    WeightFormat("f32", "float32", 1, 4, 32.0),
+    WeightFormat("f16", "float16", 1, 2, 16.0),
+    WeightFormat("bf16", "bfloat16", 1, 2, 16.0),
+    WeightFormat("f8_e4m3", "float8_e4m3fn", 1, 1, 8.0),
     WeightFormat("q8_0", None, 32, 34, 8.5),
     WeightFormat("q4_0", None, 32, 18, 4.5),
     WeightFormat("q4_1", None, 32, 20, 5.0),
