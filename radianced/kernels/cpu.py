@@ -111,20 +111,24 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q_lens = starts[1:] - starts[:-1]  # [B]
     b, (_, n, s, hkv, d) = len(lens), k_cache.shape
     t, hq = q.shape[:2]
+    if t == 0:
+        return torch.empty_like(q)
     q_max, ctx = int(q_lens.max()), int(lens.max())  # host reads: free on the CPU
     blocks = block_tables[:, : (ctx + s - 1) // s].long()  # [B, nb]
     k = _gather_blocks(k_cache, blocks)[:, :ctx]  # [B, C, Hkv, D]
     v = _gather_blocks(v_cache, blocks)[:, :ctx]
-    # token row r of sequence b sits at padded row b * Qmax + (r - start_b)
-    seq = torch.repeat_interleave(torch.arange(b), q_lens, output_size=t)  # [T]
-    at = seq * q_max + torch.arange(t) - starts[seq]
-    qp = q.new_zeros(b * q_max, hq, d).index_copy_(0, at, q).view(b, q_max, hq, d)
+    padded = t != b * q_max  # decode (one row each) and equal chunks need no padding
+    if padded:  # token row r of sequence b sits at padded row b * Qmax + (r - start_b)
+        seq = torch.repeat_interleave(torch.arange(b), q_lens, output_size=t)  # [T]
+        at = seq * q_max + torch.arange(t) - starts[seq]
+        q = q.new_zeros(b * q_max, hq, d).index_copy_(0, at, q)
     q_pos = lens[:, None] - q_lens[:, None] + torch.arange(q_max)  # [B, Qmax]: absolute positions
     key = torch.arange(ctx)
     mask = (key <= q_pos[..., None]) & (key < lens[:, None, None])  # [B, Qmax, C]
-    out = F.scaled_dot_product_attention(qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask[:, None], scale=scale, enable_gqa=hq != hkv)
-    return out.transpose(1, 2).reshape(b * q_max, hq, d).index_select(0, at)  # [T, Hq, D]
+    out = F.scaled_dot_product_attention(q.view(b, q_max, hq, d).transpose(1, 2), k.transpose(1, 2),
+                                         v.transpose(1, 2), attn_mask=mask[:, None], scale=scale,
+                                         enable_gqa=hq != hkv).transpose(1, 2).reshape(b * q_max, hq, d)
+    return out.index_select(0, at) if padded else out  # [T, Hq, D]
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
