@@ -30,6 +30,10 @@ import threading
 import time
 from pathlib import Path
 
+# Before the imports below load torch (and its OpenMP runtime, which reads this once): idle OpenMP
+# threads sleep instead of spinning, so torch's threads leave the event loop its turn (cpu_threads).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import uvloop
 
 from radianced.budget import PlanError

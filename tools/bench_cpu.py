@@ -13,7 +13,8 @@ For each torch thread count (RADIANCED_CPU_THREADS for the daemon, torch.set_num
   (1 / TPOT), TTFT; the daemon's RSS at idle and its peak under load (psutil, every 50 ms);
   /health's worst latency while a 1,500-token prompt prefills (the event loop's responsiveness);
 - transformers `generate` (fp32, the same GGUF, greedy, `--tokens` new tokens, min_new_tokens
-  the same) at batch 1 and 8 on one 40-token prompt, run after the daemon has stopped.
+  the same) at batch 1 and 8 on one 40-token prompt, run after the daemon has stopped, with
+  OpenMP's idle threads sleeping as the daemon's do (OMP_WAIT_POLICY=PASSIVE unless set).
 
 Writes DIR/bench_cpu.json and DIR/bench_cpu.md (the table, printed last). llama.cpp is not run.
 """
@@ -30,6 +31,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the daemon's setting (daemon.py), for transformers too
 
 import httpx
 import psutil
@@ -185,6 +188,7 @@ def main() -> int:
     model = ensure_default_model()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "tokens": args.tokens,
+              "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
               "machine": f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores, "
                          f"load average {os.getloadavg()[0]:.1f} at start", "runs": []}
     for threads in (int(t) for t in args.threads.split(",")):
