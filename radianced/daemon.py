@@ -15,7 +15,7 @@ fatal engine error fails the live requests (500) and exits 1, so systemd
 restarts the unit; so does any start-up failure, with one line saying why.
 
 Environment: RADIANCED_CPU_THREADS=N sets torch's CPU threads (default on the CPU
-backend: every usable core, OpenMP's idle threads sleeping; tests use 1).
+backend: every usable core, OpenMP's idle threads spinning only briefly; tests use 1).
 """
 
 from __future__ import annotations
@@ -78,17 +78,19 @@ def main(cfg: Config) -> int:
 def cpu_threads() -> int:
     """torch's CPU threads: $RADIANCED_CPU_THREADS, else every core this process may use.
 
-    The event loop keeps its turn because OpenMP's idle threads sleep (OMP_WAIT_POLICY=PASSIVE,
-    set above before torch loads) instead of spinning. Measured on this 2-core machine, shared
-    with other jobs, SmolLM2-135M fp32 through HTTP (tools/bench_cpu.py, 128 tokens a request;
-    bench/results/2026-12-02-cpu-2748a69-cpu.md):
-        1 thread:            b1 12.6 tok/s, c=8 42.2 tok/s, /health worst 14.9 ms in a 1,500-token prefill
-        2 threads (passive): b1 13.7 tok/s, c=8 61.1 tok/s, /health worst  9.3 ms
-        2 threads (spinning, OMP_WAIT_POLICY=ACTIVE): b1 0.5 tok/s, c=8 3.4 tok/s (64 tokens a request)
-    With the other core busy (load average 2-3) two threads still gave c=8 43.7 against 39.3 tok/s
-    and b1 12.2 against 13.8 tok/s. Spinning threads crowd out the loop and the step worker
-    (OpenMP's default spins a while too: 1.0 tok/s with 2 threads, 6.9 with 1, before the
-    policy was set)."""
+    The event loop and the step worker keep their turn because OpenMP's idle threads spin only
+    briefly before they sleep (GOMP_SPINCOUNT=20000, set above before torch loads). Measured
+    on this 2-core machine (shared with other jobs: each row's transformers figure is from the
+    same run), SmolLM2-135M fp32 through HTTP, tools/bench_cpu.py, 128 tokens a request
+    (bench/results/2026-12-02-cpu-18e622f-cpu.md unless said):
+        1 thread:                      b1 12.3 tok/s, c=8 45.4 tok/s, /health worst  7.1 ms
+        2 threads, spin 20,000:        b1 19.7 tok/s, c=8 79.2 tok/s, /health worst 10.0 ms
+        2 threads, OMP_WAIT_POLICY=PASSIVE (sleep at once): b1 13.7, c=8 61.1 tok/s, 9.3 ms
+        2 threads, OMP_WAIT_POLICY=ACTIVE (spin forever):   b1 0.5, c=8 3.4 tok/s (64 tokens)
+    (/health: the worst answer during a 1,500-token prefill.) OpenMP's default, 300,000 rounds,
+    had given 1.0 tok/s with 2 threads against 6.9 with 1: spinning threads crowd out the
+    Python threads. With the other core busy (load average 2-3, PASSIVE) two threads still
+    gave c=8 43.7 against 39.3 tok/s, and b1 12.2 against 13.8."""
     given = os.environ.get("RADIANCED_CPU_THREADS")
     if given:
         return max(1, int(given))
