@@ -85,7 +85,7 @@ def cpu_threads() -> int:
     (bench/results/2026-12-02-cpu-18e622f-cpu.md unless said):
         1 thread:                      b1 12.3 tok/s, c=8 45.4 tok/s, /health worst  7.1 ms
         2 threads, spin 20,000:        b1 19.7 tok/s, c=8 79.2 tok/s, /health worst 10.0 ms
-        2 threads, OMP_WAIT_POLICY=PASSIVE (sleep at once): b1 13.7, c=8 61.1 tok/s, 9.3 ms
+        2 threads, OMP_WAIT_POLICY=PASSIVE (sleep at once): b1 13.7, c=8 61.1 tok/s, 9.3 ms (at 2748a69)
         2 threads, OMP_WAIT_POLICY=ACTIVE (spin forever):   b1 0.5, c=8 3.4 tok/s (64 tokens)
     (/health: the worst answer during a 1,500-token prefill.) OpenMP's default, 300,000 rounds,
     had given 1.0 tok/s with 2 threads against 6.9 with 1: spinning threads crowd out the
