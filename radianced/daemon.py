@@ -15,7 +15,7 @@ fatal engine error fails the live requests (500) and exits 1, so systemd
 restarts the unit; so does any start-up failure, with one line saying why.
 
 Environment: RADIANCED_CPU_THREADS=N sets torch's CPU threads (default on the CPU
-backend: the usable cores less one, for the event loop; tests use 1).
+backend: every usable core, OpenMP's idle threads spinning only briefly; tests use 1).
 """
 
 from __future__ import annotations
@@ -29,6 +29,12 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+# Before the imports below load torch (and its OpenMP runtime, libgomp, which reads this once): an
+# idle OpenMP thread spins 20,000 rounds (tens of microseconds) before it sleeps, not 300,000, so
+# torch's threads leave the event loop and the step worker their turn (cpu_threads has the numbers).
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
 import uvloop
 
@@ -70,14 +76,25 @@ def main(cfg: Config) -> int:
 
 
 def cpu_threads() -> int:
-    """torch's CPU threads: $RADIANCED_CPU_THREADS, else one less than the cores this process
-    may use. The event loop needs a core of its own: with as many torch threads as cores,
-    OpenMP's spinning threads crowd it out (SmolLM2 on 2 cores: 1.0 tok/s with 2 threads,
-    6.9 tok/s with 1)."""
+    """torch's CPU threads: $RADIANCED_CPU_THREADS, else every core this process may use.
+
+    The event loop and the step worker keep their turn because OpenMP's idle threads spin only
+    briefly before they sleep (GOMP_SPINCOUNT=20000, set above before torch loads). Measured
+    on this 2-core machine (shared with other jobs: each row's transformers figure is from the
+    same run), SmolLM2-135M fp32 through HTTP, tools/bench_cpu.py, 128 tokens a request
+    (bench/results/2026-12-02-cpu-18e622f-cpu.md unless said):
+        1 thread:                      b1 12.3 tok/s, c=8 45.4 tok/s, /health worst  7.1 ms
+        2 threads, spin 20,000:        b1 19.7 tok/s, c=8 79.2 tok/s, /health worst 10.0 ms
+        2 threads, OMP_WAIT_POLICY=PASSIVE (sleep at once): b1 13.7, c=8 61.1 tok/s, 9.3 ms (at 2748a69)
+        2 threads, OMP_WAIT_POLICY=ACTIVE (spin forever):   b1 0.5, c=8 3.4 tok/s (64 tokens)
+    (/health: the worst answer during a 1,500-token prefill.) OpenMP's default, 300,000 rounds,
+    had given 1.0 tok/s with 2 threads against 6.9 with 1: spinning threads crowd out the
+    Python threads. With the other core busy (load average 2-3, PASSIVE) two threads still
+    gave c=8 43.7 against 39.3 tok/s, and b1 12.2 against 13.8."""
     given = os.environ.get("RADIANCED_CPU_THREADS")
     if given:
         return max(1, int(given))
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    return len(os.sched_getaffinity(0))
 
 
 class Daemon:

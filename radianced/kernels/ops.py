@@ -1,10 +1,11 @@
-"""The one switch between Triton kernels (CUDA) and the torch reference (CPU).
+"""The one switch between the op sets: Triton kernels (CUDA), the host backend's ops (CPU)
+and the fp32 torch reference (the oracle).
 
 Model code calls `ops.<name>` (looked up at call time), so binding these names
 once at model load switches every layer; no layer branches on the backend.
-`select(device)` does that binding; until it is called every name is the
-reference op (the CPU backend, and the tests). Ops without a Triton kernel yet
-stay the reference on every device.
+`select(device)` does that binding; until it is called every name is the CPU
+op (the host backend, and the tests that run a model). Ops with no kernel of a
+set stay the reference there.
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ import importlib
 
 import torch
 
-from radianced.kernels import reference
+from radianced.kernels import cpu, reference
 
-rms_norm = reference.rms_norm
+rms_norm = cpu.rms_norm
 gated_rms_norm = reference.gated_rms_norm
 rotary_inv_freq = reference.rotary_inv_freq  # made once per device: torch everywhere
-linear = reference.linear
+linear = cpu.linear
 silu_mlp = reference.silu_mlp
-rotary_paged_attention = reference.rotary_paged_attention
+rotary_paged_attention = cpu.rotary_paged_attention
 moe = reference.moe
 route = reference.route
 route_moe = reference.route_moe
@@ -41,23 +42,30 @@ _TRITON = (
     ("deltanet", "gated_delta_rule_chunked"), ("deltanet", "gated_delta_rule_decode"),
 )
 _SWITCHED = tuple(name for _, name in _TRITON)
+# Bound to the host backend's ops (kernels/cpu.py) on the CPU; the others stay the reference there.
+_CPU = ("rms_norm", "linear", "rotary_paged_attention")
 
 
-def select(device: torch.device | str, deterministic: bool = False) -> str:
-    """Bind the op names for `device`'s backend: Triton kernels on CUDA, the reference elsewhere.
+def select(device: torch.device | str, deterministic: bool = False, oracle: bool = False) -> str:
+    """Bind the op names for `device`'s backend: Triton kernels on CUDA, the host backend's ops
+    (kernels/cpu.py) elsewhere, or the fp32 reference ops anywhere with `oracle` (the tests' baseline).
 
     Call once at model load, before the first forward (and before any CUDA graph
     capture), from the thread that will run the model. `deterministic` (the
     `--deterministic` flag) makes the MoE scatter (`moe`, `route_moe`) a
     fixed-order sum instead of atomics. Rebinding is global to the process: one
     backend per process.
-    Returns "triton" or "reference".
+    Returns "triton", "cpu" or "reference".
     """
     g = globals()
-    if torch.device(device).type != "cuda":
-        for name in _SWITCHED:
+    if oracle or torch.device(device).type != "cuda":
+        for name in _SWITCHED + _CPU:
             g[name] = getattr(reference, name)
-        return "reference"
+        if oracle:
+            return "reference"
+        for name in _CPU:
+            g[name] = getattr(cpu, name)
+        return "cpu"
     # Imported here so the CPU path (and the CPU oracle tests) never import triton (nor fla).
     for module, name in _TRITON:
         g[name] = getattr(importlib.import_module(f"radianced.kernels.{module}"), name)

@@ -1,0 +1,220 @@
+"""Issue 23's CPU benchmark: radianced through HTTP against transformers on the same weights, on
+this machine, in one run, each against the bytes floor measured in the same run.
+
+    python tools/bench_cpu.py --out DIR [--threads 1,2] [--tokens 128] [--concurrency 1,2,4,8]
+
+For each torch thread count (RADIANCED_CPU_THREADS for the daemon, torch.set_num_threads here):
+- the machine's memory read bandwidth: the best of five sums over a 512 MiB fp32 buffer
+  (bytes / time); the b1 floor is that over the bytes a token reads (every weight once: the
+  fp32 model's parameter bytes, tied embeddings counted once);
+- radianced (`python -m radianced.cli` on the default model, SmolLM2-135M from its bundled GGUF,
+  fp32) through HTTP: c = 1, 2, 4, 8 concurrent streamed greedy completions of `--tokens` tokens
+  (ignore_eos) on distinct prompts; aggregate tok/s (tokens / wall), per-request decode tok/s
+  (1 / TPOT), TTFT; the daemon's RSS at idle and its peak under load (psutil, every 50 ms);
+  /health's worst latency while a 1,500-token prompt prefills (the event loop's responsiveness);
+- transformers `generate` (fp32, the same GGUF, greedy, `--tokens` new tokens, min_new_tokens
+  the same) at batch 1 and 8 on one 40-token prompt, run after the daemon has stopped, in a
+  process of its own with OpenMP's settings as given (the daemon applies its own defaults:
+  daemon.py; transformers is fastest with OpenMP's: on this shared 2-core machine 19.7 tok/s
+  at b1 with 2 threads against 11.9 with OMP_WAIT_POLICY=PASSIVE).
+
+Writes DIR/bench_cpu.json and DIR/bench_cpu.md (the table, printed last). llama.cpp is not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import torch
+
+from radianced.bench.client import completion_body, stream_request
+from radianced.bench.daemon_process import ChildDaemon
+from radianced.bench.workloads import prompt_ids
+from radianced.model.default import bundled_gguf, ensure_default_model
+
+PROMPT_TOKENS = 40
+LONG_PROMPT_TOKENS = 1500  # the prefill /health is timed against
+BANDWIDTH_BYTES = 512 * 2**20
+
+
+def read_bandwidth(threads: int) -> float:
+    """GB/s of `x.sum()` over a buffer far larger than the caches: the best of five."""
+    torch.set_num_threads(threads)
+    x = torch.ones(BANDWIDTH_BYTES // 4)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(5))
+    return BANDWIDTH_BYTES / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+class RssWatch:
+    """The peak RSS (MiB) of a process, sampled every 50 ms on a thread until `stop`."""
+
+    def __init__(self, pid: int):
+        self.proc, self.peak, self._stop = psutil.Process(pid), 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, self.proc.memory_info().rss / 2**20)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+async def _concurrent(url: str, c: int, tokens: int, seed: str) -> dict:
+    """c streamed greedy completions at once; aggregate and per-request rates."""
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        bodies = [completion_body(prompt_ids(PROMPT_TOKENS, f"{seed}-{i}"), tokens) for i in range(c)]
+        start = time.perf_counter()
+        samples = await asyncio.gather(*(stream_request(http, "/v1/completions", b) for b in bodies))
+        wall = time.perf_counter() - start
+    bad = [s.error for s in samples if not s.ok]
+    if bad:
+        raise RuntimeError(f"c={c}: {len(bad)} requests failed: {bad[0]}")
+    total = sum(s.tokens_received for s in samples)
+    tpots = [s.tpot_s for s in samples if s.tpot_s]
+    return {"c": c, "tokens": total, "wall_s": wall, "aggregate_tok_s": total / wall,
+            "per_request_tok_s": len(tpots) / sum(tpots), "ttft_ms": 1000 * sum(s.ttft_s for s in samples) / c}
+
+
+async def _health_during_prefill(url: str) -> float:
+    """The worst /health latency (ms) while one long prompt prefills (max_tokens 1)."""
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http, \
+            httpx.AsyncClient(base_url=url, timeout=60) as probe:
+        body = completion_body(prompt_ids(LONG_PROMPT_TOKENS, "long"), 1)
+        task = asyncio.create_task(stream_request(http, "/v1/completions", body))
+        worst = 0.0
+        await asyncio.sleep(0.05)
+        while not task.done():
+            t = time.perf_counter()
+            assert (await probe.get("/health")).status_code == 200
+            worst = max(worst, time.perf_counter() - t)
+            await asyncio.sleep(0.01)
+        await task
+    return 1000 * worst
+
+
+def bench_daemon(model: Path, threads: int, tokens: int, concurrency: list[int]) -> dict:
+    os.environ["RADIANCED_CPU_THREADS"] = str(threads)
+    daemon = ChildDaemon.start(["--model", str(model)])
+    try:
+        asyncio.run(_concurrent(daemon.url, 1, 8, "warm"))
+        time.sleep(1.0)
+        proc = psutil.Process(daemon.proc.pid)
+        idle = proc.memory_info().rss / 2**20
+        watch = RssWatch(daemon.proc.pid)
+        rows = [asyncio.run(_concurrent(daemon.url, c, tokens, f"t{threads}c{c}")) for c in concurrency]
+        peak = watch.stop()
+        health = asyncio.run(_health_during_prefill(daemon.url))
+    finally:
+        daemon.stop()
+    return {"threads": threads, "rows": rows, "rss_idle_mib": idle, "rss_peak_mib": peak,
+            "health_worst_ms_during_prefill": health}
+
+
+def bench_transformers(threads: int, tokens: int) -> dict:
+    """transformers `generate` on the bundled GGUF (fp32) at batch 1 and 8: tok/s and the model's bytes."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    gguf = bundled_gguf()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights once
+    prompt = torch.tensor([prompt_ids(PROMPT_TOKENS, "hf")])
+    out = {"weight_bytes": weight_bytes}
+    for b in (1, 8):
+        ids = prompt.repeat(b, 1)
+        kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                  attention_mask=torch.ones_like(ids), pad_token_id=0)
+        with torch.inference_mode():
+            model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+            t = time.perf_counter()
+            model.generate(ids, **kw)
+        out[f"b{b}_tok_s"] = b * tokens / (time.perf_counter() - t)
+    return out
+
+
+def transformers_subprocess(threads: int, tokens: int) -> dict:
+    """`bench_transformers` in a child process: its own threads and memory, OpenMP's settings as given."""
+    out = subprocess.run([sys.executable, __file__, "--transformers-only", "--threads", str(threads),
+                          "--tokens", str(tokens), "--out", "-"], capture_output=True, text=True,
+                         check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# CPU bench {result['date']} at {result['commit']} on {result['machine']}", "",
+             f"SmolLM2-135M fp32, {result['tokens']} tokens a request, greedy, through HTTP streaming. "
+             f"OpenMP settings given: {result['openmp_env'] or 'none'} (the daemon's defaults: daemon.py).", ""]
+    for run in result["runs"]:
+        d, hf, bw = run["daemon"], run["transformers"], run["read_gb_s"]
+        floor = bw * 1e9 / hf["weight_bytes"]
+        lines += [f"## {run['threads']} torch thread(s)", "",
+                  f"Read bandwidth {bw:.1f} GB/s; a token reads {hf['weight_bytes'] / 1e6:.0f} MB: "
+                  f"b1 floor {floor:.1f} tok/s. RSS idle {d['rss_idle_mib']:.0f} MiB, peak under load "
+                  f"{d['rss_peak_mib']:.0f} MiB. /health worst during a {LONG_PROMPT_TOKENS}-token prefill: "
+                  f"{d['health_worst_ms_during_prefill']:.1f} ms.", "",
+                  "| c | aggregate tok/s | per request tok/s | TTFT ms | transformers tok/s | ratio |",
+                  "|---|---|---|---|---|---|"]
+        for r in d["rows"]:
+            theirs = hf.get(f"b{r['c']}_tok_s")
+            hf_cell, ratio = (f"{theirs:.1f} (b{r['c']})", f"{r['aggregate_tok_s'] / theirs:.2f}x") if theirs else ("", "")
+            lines.append(f"| {r['c']} | {r['aggregate_tok_s']:.1f} | {r['per_request_tok_s']:.1f} | "
+                         f"{r['ttft_ms']:.0f} | {hf_cell} | {ratio} |")
+        b1 = d["rows"][0]["per_request_tok_s"]
+        lines += ["", f"b1 decode {b1:.1f} tok/s = {b1 / floor:.0%} of the bytes floor.", ""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--threads", default="1,2", help="torch thread counts to run, comma-separated")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--concurrency", default="1,2,4,8")
+    ap.add_argument("--transformers-only", action="store_true", help=argparse.SUPPRESS)  # the child's part
+    args = ap.parse_args()
+    if args.transformers_only:
+        print(json.dumps(bench_transformers(int(args.threads), args.tokens)))
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = ensure_default_model()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "tokens": args.tokens,
+              "openmp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_"))},
+              "machine": f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores, "
+                         f"load average {os.getloadavg()[0]:.1f} at start", "runs": []}
+    for threads in (int(t) for t in args.threads.split(",")):
+        run = {"threads": threads, "read_gb_s": read_bandwidth(threads),
+               "daemon": bench_daemon(model, threads, args.tokens, [int(c) for c in args.concurrency.split(",")]),
+               "transformers": transformers_subprocess(threads, args.tokens)}
+        result["runs"].append(run)
+        (args.out / "bench_cpu.json").write_text(json.dumps(result, indent=2))
+    md = markdown(result)
+    (args.out / "bench_cpu.md").write_text(md + "\n")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
