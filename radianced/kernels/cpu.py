@@ -117,7 +117,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     starts = torch.as_tensor(query_start, dtype=torch.int64)
     lens = torch.as_tensor(seq_lens, dtype=torch.int64)
     q_lens = starts[1:] - starts[:-1]  # [B]
-    b, (_, n, s, hkv, d) = len(lens), k_cache.shape
+    b, (_, _, s, hkv, d) = len(lens), k_cache.shape
     t, hq = q.shape[:2]
     if t == 0:
         return torch.empty_like(q)

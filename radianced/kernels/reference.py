@@ -1,7 +1,8 @@
 """The fp32 torch truth for every op.
 
-Each function here is the reference a Triton kernel in this package is tested
-against, and the op the CPU backend runs. Shapes are in the docstrings; T is the
+Each function here is the reference a Triton kernel and the CPU backend's op
+(kernels/cpu.py) are tested against; the CPU backend runs the ones it has no op
+of its own for. Shapes are in the docstrings; T is the
 number of tokens in a step (all sequences flattened), B the number of sequences.
 """
 
