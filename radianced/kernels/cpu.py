@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from radianced.kernels import reference
+from radianced.kernels.compact import dense
 
 # -- norms ------------------------------------------------------------------
 
@@ -51,10 +52,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            keep_normed: bool = False, out_dtype: torch.dtype | None = None,
            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`reference.linear` (same arguments and rounding) with its norm fused (`rms_norm` above)
-    and the residual added in place into F.linear's fresh result."""
+    and the residual added in place into F.linear's fresh result. A compact weight is
+    dequantized to x's dtype for the call, as the reference does."""
     if norm is not None:
         x = rms_norm(x, *norm)
-    y = F.linear(x, weight, bias)
+    y = F.linear(x, dense(weight, x.dtype), bias)
     if residual is not None:
         y = y.add_(residual)  # residual + y: the same one rounding, no second [T, N] buffer
     if out_dtype is not None:
@@ -93,15 +95,16 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fre
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """`reference.write_kv`; the mask of skipped slots (< 0) is built only when there is one."""
+    """`reference.write_kv` (k and v rounded to the cache's dtype where it differs); the mask of
+    skipped slots (< 0) is built only when there is one."""
     _, n, s = k_cache.shape[:3]
     if bool((slot_mapping < 0).any()):  # a host read: free on the CPU
         keep = slot_mapping >= 0
         slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
     block, off = slot_mapping // s, slot_mapping % s
     page, inside = block // n, block % n
-    k_cache.index_put_((page, inside, off), k)
-    v_cache.index_put_((page, inside, off), v)
+    k_cache.index_put_((page, inside, off), k.to(k_cache.dtype))  # a no-op where the dtypes match
+    v_cache.index_put_((page, inside, off), v.to(v_cache.dtype))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -123,8 +126,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return torch.empty_like(q)
     q_max, ctx = int(q_lens.max()), int(lens.max())  # host reads: free on the CPU
     blocks = block_tables[:, : (ctx + s - 1) // s].long()  # [B, nb]
-    k = _gather_blocks(k_cache, blocks)[:, :ctx]  # [B, C, Hkv, D]
-    v = _gather_blocks(v_cache, blocks)[:, :ctx]
+    k = _gather_blocks(k_cache, blocks)[:, :ctx].to(q.dtype)  # [B, C, Hkv, D]; a cache of another dtype is read in q's
+    v = _gather_blocks(v_cache, blocks)[:, :ctx].to(q.dtype)
     padded = t != b * q_max  # decode (one row each) and equal chunks need no padding
     if padded:  # token row r of sequence b sits at padded row b * Qmax + (r - start_b)
         seq = torch.repeat_interleave(torch.arange(b), q_lens, output_size=t)  # [T]
