@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from radianced.server.limits import MAX_BODY_BYTES
 from tests.server.conftest import SMALL_NAME, client
-from tests.server.test_http_fuzz import CHAT, COMPLETION, PLAUSIBLE_CHAT, PLAUSIBLE_COMPLETION
+from tests.server.test_http_fuzz import CHAT, COMPLETION, PLAUSIBLE_CHAT, PLAUSIBLE_COMPLETION, post_never_5xx
 
 DEEP = "\x00deep\x00"  # a placeholder string, swapped for the raw nested JSON after encoding
 
@@ -58,26 +58,16 @@ FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCh
                                                                       HealthCheck.data_too_large])
 
 
-def _post(daemon, path: str, body: bytes) -> None:
-    with client(daemon, timeout=30) as c:  # a hang fails here
-        r = c.post(path, content=body, headers={"Content-Type": "application/json"})
-    assert r.status_code < 500, (body[:300], len(body), r.status_code, r.text[:500])
-    if r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"):
-        assert r.text.endswith("data: [DONE]\n\n"), r.text
-    elif r.status_code != 200:
-        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
-
-
 @FUZZ
 @given(body=hostile(COMPLETION, PLAUSIBLE_COMPLETION, "prompt"))
 def test_hostile_completions_never_5xx(small_daemon, body):
-    _post(small_daemon, "/v1/completions", body)
+    post_never_5xx(small_daemon, "/v1/completions", body)
 
 
 @FUZZ
 @given(body=hostile(CHAT, PLAUSIBLE_CHAT, "messages"))
 def test_hostile_chat_completions_never_5xx(small_daemon, body):
-    _post(small_daemon, "/v1/chat/completions", body)
+    post_never_5xx(small_daemon, "/v1/chat/completions", body)
 
 
 def test_the_daemon_answers_normally_after_the_hostile_fuzz(small_daemon):
