@@ -111,6 +111,26 @@ def _token_pieces(choice: dict) -> list[str]:
     return [c["token"] for c in lp.get("content") or ()]
 
 
+async def sse_lines(resp: httpx.Response):
+    """The lines of an event stream as the SSE spec splits them: on CR, LF or CRLF only.
+
+    Not `aiter_lines`: it splits as `str.splitlines` does, also on U+0085, U+2028 and U+2029,
+    which a JSON string may carry raw, cutting one event in two.
+    """
+    pending = b""
+    async for data in resp.aiter_bytes():
+        lines = (pending + data).splitlines(keepends=True)  # bytes split on CR, LF and CRLF only
+        pending = b""
+        if lines and not lines[-1].endswith((b"\n", b"\r")):
+            pending = lines.pop()
+        elif lines and lines[-1].endswith(b"\r"):
+            pending = lines.pop()  # a CR at a chunk's end may be the first half of a CRLF
+        for line in lines:
+            yield line.rstrip(b"\r\n")
+    if pending:
+        yield pending.rstrip(b"\r\n")
+
+
 async def stream_request(http: httpx.AsyncClient, path: str, body: dict) -> Sample:
     """POST `body` (stream: true) to `path` and read it to the end; never raises for HTTP or transport
     errors (they become the sample's status and error)."""
@@ -123,9 +143,9 @@ async def stream_request(http: httpx.AsyncClient, path: str, body: dict) -> Samp
             if status != 200:
                 r.error = (await resp.aread()).decode(errors="replace")[:500]
             else:
-                async for line in resp.aiter_lines():
-                    if line.startswith("data: "):
-                        r.event(line[6:], time.perf_counter())
+                async for line in sse_lines(resp):
+                    if line.startswith(b"data: "):
+                        r.event(line[6:].decode(), time.perf_counter())
     except httpx.HTTPError as e:
         r.error = f"{type(e).__name__}: {e}"
     end = time.perf_counter()

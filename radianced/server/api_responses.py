@@ -217,7 +217,16 @@ def encode(obj: msgspec.Struct) -> bytes:
     return _encoder.encode(obj)
 
 
+# Characters JSON may carry raw but `str.splitlines` (httpx's `aiter_lines`, many SSE readers) takes for line
+# ends: escaped, so one event stays one line for every client.
+_LINE_SEPARATORS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
 def sse(obj: msgspec.Struct) -> bytes:
-    """One server-sent event carrying `obj` as JSON."""
-    return b"data: " + _encoder.encode(obj) + b"\n\n"
+    """One server-sent event carrying `obj` as JSON, on one line whichever line ends a client splits on."""
+    data = _encoder.encode(obj)
+    for raw, escaped in _LINE_SEPARATORS:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
 

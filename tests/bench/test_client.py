@@ -22,12 +22,19 @@ USAGE = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3, "t
                                   "prompt_tokens_details": {"cached_tokens": 4}}}
 
 
-async def _send(body: bytes, status: int = 200, path: str = "/v1/completions", request: dict | None = None):
+async def _send(body: bytes, status: int = 200, path: str = "/v1/completions", request: dict | None = None,
+                piece: int | None = None):
+    """The sample of one request answered with `body`, sent whole or `piece` bytes at a time."""
     seen = []
+
+    async def pieces():
+        for i in range(0, len(body), piece):
+            yield body[i:i + piece]
 
     def handler(req: httpx.Request) -> httpx.Response:
         seen.append(json.loads(req.content))
-        return httpx.Response(status, content=body, headers={"content-type": "text/event-stream"})
+        return httpx.Response(status, content=body if piece is None else pieces(),
+                              headers={"content-type": "text/event-stream"})
 
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://bench") as http:
         sample = await stream_request(http, path, request or completion_body([1, 2, 3], 3))
@@ -80,3 +87,12 @@ async def test_a_refused_connection_is_status_0():
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://bench") as http:
         s = await stream_request(http, "/v1/completions", completion_body("x", 1))
     assert (s.status, s.e2e_s, s.ok, s.cut_short) == (0, None, False, False) and "ConnectError" in s.error
+
+
+async def test_a_line_separator_inside_a_token_does_not_cut_the_event():
+    raw = _sse(_completion_chunk("a\u2028b", ["a\u2028", "b"]), USAGE, b"[DONE]")
+    raw = raw.replace(b"\\u2028", "\u2028".encode())  # sent raw, as JSON allows
+    raw = raw.replace(b"\n\n", b"\r\n\r\n", 1)  # and one event ended by CRLF
+    for piece in (None, 1, 7):  # whole, a byte at a time (a CRLF split across reads), and odd pieces
+        s, _ = await _send(raw, piece=piece)
+        assert s.ok and s.pieces == ("a\u2028", "b") and s.tokens_received == 2

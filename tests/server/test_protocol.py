@@ -324,3 +324,11 @@ def test_responses_parse_with_the_openai_sdk_types():
     assert models == {"object": "list", "data": [{"id": "smol", "object": "model", "created": 7,
                                                   "owned_by": "radianced", "max_model_len": 2048}]}
     assert Model.model_validate(models["data"][0]).id == "smol"
+
+
+def test_an_sse_event_stays_one_line_for_a_client_that_splits_as_str_splitlines_does():
+    text = "a\u2028b\u2029c\x85d\u00e9"  # line separators a JSON string carries raw, and a plain non-ASCII letter
+    event = sse(completion_chunk("r5", "smol", 5, text))
+    assert event.endswith(b"\n\n") and len(event.decode().splitlines()) == 2  # the event's line and the blank line
+    assert json.loads(event[6:])["choices"][0]["text"] == text
+    assert "\u00e9".encode() in event  # only the separators are escaped
