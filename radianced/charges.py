@@ -6,7 +6,7 @@ headroom first and divides what is left (`FixedCharges.elastic`) by placement mo
 - **Headroom**: `--gpu-headroom-mib`, or card - `--gpu-memory-mib`.
 - **Resident weights** by class (`WEIGHT_CLASSES`), as stored. Embeddings stay
   in pinned host RAM unless `--embedding-placement vram`; a tied lm_head keeps
-  the one copy on the card. The MTP head is loaded only with `--speculative`.
+  the one copy on the card. The MTP head is loaded only when it drafts (`--speculative-method mtp`).
 - **Activation workspace** for a step of T = `--max-num-batched-tokens` tokens
   with R = min(T, seqs x (1 + drafts)) sampled rows:
     logits      R sampled rows (sizing.py: `logits_bytes`).
@@ -56,7 +56,7 @@ class FixedCharges:
     headroom_flag: the flag that set it, as the receipt prints it.
     weights: resident weights on the card, by class.
     host_weights: weights pinned in host RAM instead (the embeddings, unless on the card).
-    idle_weights: weights stored in the file and not loaded (the MTP head without --speculative).
+    idle_weights: weights stored in the file and not loaded (the MTP head unless it drafts).
     workspace: logits, activations, graph pool and libraries of one step.
     state: recurrent state, block tables and expert pointers of the live sequences.
     elastic: the card's free bytes less all of the above (may be negative): what the
@@ -108,8 +108,8 @@ def _weights(facts: ModelFacts, cfg: Config) -> tuple[tuple[Part, ...], tuple[Pa
             card.append(Part("lm_head", w["embeddings"], ", ".join(
                 ("tied to the embeddings: one copy",) + _compact_formats(facts, "embeddings"))))
             continue
-        elif c == "mtp" and n and not cfg.speculative:
-            idle.append(Part("mtp", n, "drafts only with --speculative"))
+        elif c == "mtp" and n and not cfg.drafts_with_mtp:
+            idle.append(Part("mtp", n, "drafts only with --speculative-method mtp"))
             continue
         if n:
             card.append(Part(c, n, ", ".join(_compact_formats(facts, c))))

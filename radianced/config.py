@@ -34,6 +34,7 @@ MiB = 1 << 20
 DEFAULT_HEADROOM_MIB = 96
 PLACEMENTS = ("auto", "expert_tiered", "resident")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_v4", "k6_v4")
+SPECULATIVE_METHODS = ("auto", "ngram", "mtp")  # --speculative-method
 TABLE_PLACEMENTS = ("vram", "ram")  # --embedding-placement, --vision-tower-placement
 NGRAM_PLACEMENT = re.compile(r"^(vram|ram|disk)$|^(ram|disk)=.+$")
 HOST_POOL_PLACEMENT = re.compile(r"^ram$|^ram=(\S.*)$")  # --host-pool-placement
@@ -44,7 +45,6 @@ KV_RESIDENT_MIN_TOKENS = 32768  # SPEC §6: a smaller ring is raised to this
 # these flags; `Config.from_args` refuses any other value. Delete a line when its
 # feature lands.
 NOT_YET_SUPPORTED: dict[str, tuple[str, object]] = {
-    "--speculative": ("speculative", 0),
     "--kv-resident": ("kv_resident", 0),
     "--tp": ("tp", 1),
     "--ngram-placement": ("ngram_placement", None),
@@ -98,6 +98,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     ngram_placement: str | None = None
     vision_tower_placement: str | None = None
     speculative: int = 0
+    speculative_method: str = "auto"  # auto: mtp where the model has MTP layers (once it lands), else ngram
     tp: int = 1
 
     def __post_init__(self) -> None:
@@ -114,6 +115,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     def state_copies(self) -> int:
         """Recurrent-state copies per live sequence: one, plus one per draft token."""
         return self.speculative + 1
+
+    @property
+    def drafts_with_mtp(self) -> bool:
+        """Drafting runs the model's MTP head (it is loaded, its KV paged)."""
+        return self.speculative > 0 and self.speculative_method == "mtp"
 
     @property
     def decode_tokens(self) -> int:
@@ -170,6 +176,9 @@ def refuse_not_landed(cfg: Config) -> None:
         if getattr(cfg, field) != off:
             shown = "unset" if off is None else off
             raise ConfigError(f"{flag}: not yet supported (leave it out; default {shown})")
+    if cfg.drafts_with_mtp:
+        raise ConfigError("--speculative-method mtp: not yet supported (use ngram; auto drafts with ngram "
+                          "until the MTP head lands)")
     if cfg.kv_cache_dtype not in LANDED_KV_CACHE_DTYPES:
         raise ConfigError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: not yet supported "
                           f"(use {' or '.join(LANDED_KV_CACHE_DTYPES)})")
@@ -198,6 +207,7 @@ _CHOICES: dict[str, tuple[str, tuple[str, ...]]] = {
     "placement": ("--placement", PLACEMENTS),
     "kv_cache_dtype": ("--kv-cache-dtype", KV_CACHE_DTYPES),
     "embedding_placement": ("--embedding-placement", TABLE_PLACEMENTS),
+    "speculative_method": ("--speculative-method", SPECULATIVE_METHODS),
 }
 
 
@@ -352,7 +362,11 @@ def _split_flags(g, d: Config) -> None:
                    help="token embeddings on the card or pinned in host RAM (default ram)")
     g.add_argument("--ngram-placement", help="n-gram table: vram, ram, disk, ram=DIR or disk=DIR")
     g.add_argument("--vision-tower-placement", choices=TABLE_PLACEMENTS, help="vision encoder placement")
-    g.add_argument("--speculative", type=int, default=d.speculative, help="draft tokens per step (MTP or n-gram)")
+    g.add_argument("--speculative", type=int, default=d.speculative,
+                   help="draft up to N tokens per step and verify them in the batch (default 0: off)")
+    g.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=d.speculative_method,
+                   help="ngram: prompt lookup over the sequence's own tokens; mtp: the model's MTP head; "
+                        "auto (default): mtp where the model has one, else ngram")
     g.add_argument("--tp", type=int, default=d.tp, help="tensor parallel over N GPUs")
 
 

@@ -52,7 +52,7 @@ class Receipt:
     headroom: bytes of the card left untouched; headroom_flag: the flag that set it, as printed.
     weights: resident weights on the card, by class.
     host_weights: pinned host RAM (embeddings kept there, the expert read staging).
-    idle_weights: stored in the file, not loaded (the MTP head without --speculative).
+    idle_weights: stored in the file, not loaded (the MTP head unless it drafts).
     workspace: the activation workspace of one step (logits, one layer, graph pool, libraries).
     state: fixed state for the live sequences (recurrent state, block tables, expert
         pointers), then the disk-tier buffers when there are any.

@@ -312,7 +312,7 @@ def paging_groups(facts: ModelFacts, cfg: Config) -> tuple[PagingGroup, ...]:
     if m.full_attention_layers:
         n = len(m.full_attention_layers)
         groups.append(PagingGroup("kv_attn", n, BLOCK_TOKENS, BLOCK_TOKENS * n * per_layer))
-    if cfg.speculative and m.num_mtp_layers:
+    if cfg.drafts_with_mtp and m.num_mtp_layers:
         groups.append(PagingGroup("kv_mtp", m.num_mtp_layers, BLOCK_TOKENS,
                                   BLOCK_TOKENS * m.num_mtp_layers * per_layer))
     return tuple(groups)

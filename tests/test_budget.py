@@ -364,12 +364,18 @@ def test_qwen3_next_recurrent_state_is_about_74_mib_per_sequence():
 
 
 def test_speculative_doubles_recurrent_state_and_adds_the_mtp_paging_group():
-    cfg = Config(max_model_len=32768, max_num_seqs=4, host_pool_mib=200000, speculative=1)  # parser refuses it today
+    cfg = Config(max_model_len=32768, max_num_seqs=4, host_pool_mib=200000, speculative=1,
+                 speculative_method="mtp")  # the parser refuses mtp today
     r = plan(Card.from_mib(80_000), ModelFacts.from_config(QWEN3_NEXT, 2), cfg)
     assert r.state[0].bytes == 2 * 4 * 73.6875 * MiB
     assert [g.name for g in r.groups] == ["kv_attn", "kv_mtp"]
     assert r.groups[1].token_bytes == 2 * 2 * 256 * 2
     assert "mtp" in [p.name for p in r.weights]
+    ngram = plan(Card.from_mib(80_000), ModelFacts.from_config(QWEN3_NEXT, 2),
+                 Config(max_model_len=32768, max_num_seqs=4, host_pool_mib=200000, speculative=3,
+                        speculative_method="ngram"))
+    assert ngram.state[0].bytes == 4 * 4 * 73.6875 * MiB  # N+1 copies of the state per sequence
+    assert [g.name for g in ngram.groups] == ["kv_attn"] and ngram.idle_weights[0].name == "mtp"
 
 
 # -- the pieces of plan: the fixed part, the room, one function per placement mode ------

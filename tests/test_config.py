@@ -85,13 +85,24 @@ def test_resident_contradicts_the_disk_tier_and_a_slot_cap():
 
 
 @pytest.mark.parametrize("flag, value", [
-    ("--speculative", "2"), ("--kv-resident", "65536"), ("--tp", "2"), ("--ngram-placement", "ram=/dev/shm"),
+    ("--kv-resident", "65536"), ("--tp", "2"), ("--ngram-placement", "ram=/dev/shm"),
     ("--vision-tower-placement", "vram"),
 ])
 def test_flags_of_later_issues_parse_and_are_refused_as_not_yet_supported(flag, value):
     assert flag in NOT_YET_SUPPORTED
     with pytest.raises(ConfigError, match=f"^{flag}: not yet supported"):
         parse_config([flag, value])
+
+
+def test_speculative_drafts_with_ngram_and_refuses_mtp_until_it_lands():
+    c = parse_config(["--speculative", "4"])
+    assert (c.speculative, c.speculative_method, c.drafts_with_mtp, c.state_copies) == (4, "auto", False, 5)
+    assert parse_config(["--speculative", "2", "--speculative-method", "ngram"]).speculative_method == "ngram"
+    with pytest.raises(ConfigError, match=r"^--speculative-method mtp: not yet supported \(use ngram"):
+        parse_config(["--speculative", "2", "--speculative-method", "mtp"])
+    assert parse_config(["--speculative-method", "mtp"]).speculative == 0  # no drafting: nothing refused
+    with pytest.raises(ConfigError, match="--speculative-method"):
+        parse_config(["--speculative-method", "eagle"])
 
 
 def test_the_off_value_of_an_unlanded_flag_passes():

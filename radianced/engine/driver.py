@@ -80,6 +80,7 @@ class EngineMetrics(Protocol):
     def add_generated_tokens(self, n: int) -> None: ...
     def add_prefix_hit_tokens(self, n: int) -> None: ...
     def add_expert_lookups(self, lookups: int, hits: int, overflow_bytes: int) -> None: ...
+    def add_drafts(self, drafted: int, accepted: int) -> None: ...
     def add_expert_disk_reads(self, nbytes: int, seconds: Sequence[float]) -> None: ...
     def set_arena_pages(self, tenant: str, pages: int) -> None: ...
     def add_pages_moved(self, src: str, dst: str, pages: int) -> None: ...
@@ -94,6 +95,7 @@ class NoMetrics:
     def add_generated_tokens(self, n: int) -> None: pass
     def add_prefix_hit_tokens(self, n: int) -> None: pass
     def add_expert_lookups(self, lookups: int, hits: int, overflow_bytes: int) -> None: pass
+    def add_drafts(self, drafted: int, accepted: int) -> None: pass
     def add_expert_disk_reads(self, nbytes: int, seconds: Sequence[float]) -> None: pass
     def set_arena_pages(self, tenant: str, pages: int) -> None: pass
     def add_pages_moved(self, src: str, dst: str, pages: int) -> None: pass
@@ -229,6 +231,9 @@ class AsyncEngine:
             plan = done.finished.plan
             self.scheduler.step_tokens = self.pacer.observe(plan.num_tokens, len(plan.seqs), seconds)
         self._count_experts(done.finished.plan, done.output)
+        for s, tokens in zip(done.finished.plan.seqs, done.output.token_ids):
+            if s.drafts:
+                self.metrics.add_drafts(len(s.drafts), len(tokens) - 1)
         self._dispatch(events)
         self._count_tiers()
         self.steps += 1
@@ -375,6 +380,10 @@ class AsyncEngine:
         log.info("%s: prompt %d tokens = %d reused + %d read in %.0f ms, %d generated in %.0f ms (%.1f tok/s) "
                  "[%s]", s.request.request_id, prompt, reused, prompt - reused,
                  (first - s.arrived) * 1e3, s.generated, decode_s * 1e3, rate, reason)
+        if self.scheduler.draft_policy is not None:
+            d = s.seq.draft_stats
+            log.info("%s: drafts accepted %d/%d (%.1f%%)", s.request.request_id, d.accepted, d.drafted,
+                     100.0 * d.accepted / d.drafted if d.drafted else 0.0)
         if self.engine.experts is not None:
             log.info("%s: %s", s.request.request_id, expert_line(*s.experts))
 

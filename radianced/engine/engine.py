@@ -30,13 +30,14 @@ import torch
 from radianced import budget
 from radianced.arena import KV, Arena, TenantPages
 from radianced.card import Card, detect_card
-from radianced.config import Config
+from radianced.config import Config, ConfigError
 from radianced.engine.graphs import DecodeGraphs
 from radianced.engine.plan import StepOutput, StepPlan
 from radianced.engine.request import Request
 from radianced.engine.runner import InFlight, Runner
 from radianced.engine.sampler import Sampler
 from radianced.engine.scheduler import Scheduler, SeqEvent
+from radianced.engine.speculation import TOKEN_COST, DraftPolicy
 from radianced.kernels import ops
 from radianced.kv.blocks import BlockAllocator
 from radianced.kv.cache import KVCache, RecurrentState
@@ -214,11 +215,25 @@ class Engine:
         prefix = PrefixCache(allocator, hybrid, CheckpointSlots(n_checkpoints) if hybrid else None)
         scheduler = Scheduler(allocator=allocator, max_num_seqs=cfg.max_num_seqs,
                               max_num_batched_tokens=cfg.max_num_batched_tokens, max_queue=cfg.max_queue,
-                              prefix=prefix, hybrid=hybrid, max_model_len=max_model_len)
+                              prefix=prefix, hybrid=hybrid, max_model_len=max_model_len,
+                              draft_policy=_draft_policy(cfg, hybrid, torch.device(device)))
         tokenizer = Tokenizer.from_header(rad.header)
         runner = Runner(model, KVCache(kv_storage, m.full_attention_layers, states), checkpoints,
                         Sampler(device, sampler_seed), experts if isinstance(experts, ExpertSlab) else None)
         return cls(scheduler, runner, tokenizer, pipelined=not cfg.sequential_steps)
+
+
+def _draft_policy(cfg: Config, hybrid: bool, device: torch.device) -> DraftPolicy | None:
+    """Speculative decoding's policy for --speculative (n-gram drafts), or None when it is off."""
+    if not cfg.speculative:
+        return None
+    if hybrid:
+        raise ConfigError(f"--speculative {cfg.speculative}: not yet supported on a hybrid model (Gated DeltaNet "
+                          "layers): verifying drafts needs the recurrent state after each draft position; "
+                          "leave --speculative out")
+    log.info("speculative decoding: up to %d n-gram drafts per sequence and step, adaptive (cost model r = %g "
+             "on %s)", cfg.speculative, TOKEN_COST[device.type], device.type)
+    return DraftPolicy(cfg.speculative, TOKEN_COST[device.type])
 
 
 def _decode_graphs(engine: Engine, cfg: Config, receipt: Receipt) -> DecodeGraphs | None:

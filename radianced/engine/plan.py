@@ -35,6 +35,9 @@ class ScheduledSeq:
         a decode of the token that plan samples for the sequence: token_ids is (PENDING,), the
         runner takes the id on the device from row `input_from` of the previous plan's sampled
         tokens (its sampling sequences in plan order), and output_token_ids ends with PENDING.
+    drafts: speculative decoding's drafted tokens, the tail of token_ids after the decode's last
+        token (engine/speculation.py). The step samples at all len(drafts)+1 positions, position j
+        with output_token_ids + drafts[:j] as its history, and yields the tokens `accepted` keeps.
     """
 
     seq_id: int
@@ -47,6 +50,7 @@ class ScheduledSeq:
     output_token_ids: tuple[int, ...] = ()
     params: Any = None
     input_from: int | None = None
+    drafts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +84,9 @@ class StepPlan:
 class StepOutput:
     """What a step produced, aligned with `plan.seqs`.
 
-    token_ids[i]: the token(s) sampled for plan.seqs[i]; () where it does not sample.
-    logprobs[i]: the sampler's logprobs payload for that row (opaque here), or None.
+    token_ids[i]: the tokens plan.seqs[i]'s step yields: () where it does not sample, one where it
+        samples, 1 to len(drafts)+1 where it drafted (the accepted drafts, then one sampled token).
+    logprobs[i]: the sampler's logprobs payloads (opaque here), one per token of token_ids[i], or None.
     expert_counts[i]: (lookups, hits, routed, routed_from_misses) of plan.seqs[i]'s routed
         experts in this step where it is a decode step (one token after the first sampled);
         None for other sequences. The whole field is None without an expert slab.

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from radianced.engine.speculation import DraftStats
 from radianced.kv.blocks import BlockTable
 
 
@@ -68,6 +69,7 @@ class Sequence:
         self.checkpoint: int | None = None  # hybrid: checkpoint slot this sequence owns
         self.checkpoint_tokens = 0  # tokens the owned checkpoint holds the state after (0: none yet)
         self.checkpoint_at = 0  # hybrid: block boundary where this admission's prompt checkpoint is taken
+        self.draft_stats = DraftStats()  # speculative decoding: its drafts and their acceptance
 
     @property
     def request_id(self) -> str:

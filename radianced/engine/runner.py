@@ -22,6 +22,7 @@ import torch
 
 from radianced.engine.plan import ScheduledSeq, StepOutput, StepPlan
 from radianced.engine.sampler import Sampler, SamplingRow, SamplingTensors, seeded_rows
+from radianced.engine.speculation import accepted
 from radianced.kv.cache import KVCache, RecurrentState
 from radianced.kv.state import StateCopy
 from radianced.model.batch import ForwardBatch, copy_rows, to_device_no_sync
@@ -37,7 +38,7 @@ class InFlight:
 
     plan: StepPlan
     query_start: tuple[int, ...]
-    decode: list[int]  # indices of plan.seqs that are decode steps (their expert counts)
+    decode: list[int]  # indices of plan.seqs that are decode steps, drafts or not (their expert counts)
     host: tuple | None  # (tokens [R], logprobs [R], top ids [R, N], top logprobs [R, N]) on the host
     done: torch.cuda.Event | None  # after the copies to `host` (CUDA)
     routing: StepRecord | None  # the slab's record of the step
@@ -69,7 +70,8 @@ class Runner:
         self._copy_states(plan.before)
         seqs = plan.seqs
         decode = [i for i, s in enumerate(seqs) if _is_decode(s)]
-        graph = self.graphs is not None and len(decode) == len(seqs) and self.graphs.bucket(len(seqs)) is not None
+        graph = self.graphs is not None and len(decode) == len(seqs) and not any(s.drafts for s in seqs) \
+            and self.graphs.bucket(len(seqs)) is not None
         query_start = tuple(range(len(seqs) + 1)) if graph else \
             tuple(itertools.accumulate((len(s.token_ids) for s in seqs), initial=0))
         pending = self._pending_inputs(seqs, query_start)
@@ -83,16 +85,18 @@ class Runner:
             else:
                 batch = ForwardBatch.build(
                     [list(s.token_ids) for s in seqs], [s.context_before for s in seqs],
-                    [list(s.block_table[0]) for s in seqs], self.cache.block_size, logits=[s.sample for s in seqs],
+                    [list(s.block_table[0]) for s in seqs], self.cache.block_size,
+                    logits=[(1 + len(s.drafts)) * s.sample for s in seqs],
                     state_slots=[s.state_slot for s in seqs] if self.cache.states is not None else None,
                     device=self.device)
                 if pending is not None:
                     copy_rows(batch.input_ids, *pending)
                 with torch.inference_mode():
-                    logits = self.model.forward(batch, self.cache)  # [R, V]: one row per sampling sequence
+                    logits = self.model.forward(batch, self.cache)  # [R, V]: a row per sampled position
             # Queued behind the forward: the sampling tensors are built (host work, copied without a
             # sync) while the device runs it.
-            rows = [SamplingRow(s.params, s.output_token_ids, s.prompt_token_ids) for s in seqs if s.sample]
+            rows = [SamplingRow(s.params, s.output_token_ids + s.drafts[:j], s.prompt_token_ids)
+                    for s in seqs if s.sample for j in range(len(s.drafts) + 1)]
             if rows:
                 picked = self.sampler.sample(logits, self._sampling_tensors(rows, self._pending_outputs(seqs, pending)))
         finally:
@@ -151,8 +155,8 @@ class Runner:
         if pending is None or not any(s.input_from is not None and getattr(s.params, "has_penalties", False)
                                       for s in seqs):
             return None
-        sample_row = {i: r for r, i in enumerate(i for i, s in enumerate(seqs) if s.sample)}
-        rows = [sample_row[i] for i, s in enumerate(seqs) if s.input_from is not None]
+        first_rows = itertools.accumulate(((1 + len(s.drafts)) * s.sample for s in seqs), initial=0)
+        rows = [r for r, s in zip(first_rows, seqs) if s.input_from is not None]
         return to_device_no_sync(torch.tensor(rows, dtype=torch.int64), self.device), pending[1]
 
     def _sampling_tensors(self, rows: list[SamplingRow],
@@ -182,24 +186,27 @@ class Runner:
         return tuple(message if i in failed else None for i in range(len(query_start) - 1))
 
     def _output(self, seqs: tuple[ScheduledSeq, ...], host: tuple) -> StepOutput:
-        """Per scheduled sequence: its sampled token (or none) and logprobs payload
-        (chosen token's logprob, [(id, logprob)] of its top-N)."""
+        """Per scheduled sequence: the tokens its step yields (none; its sampled one; or, where it
+        drafted, the drafts its samples accept and one more) and their logprobs payloads (chosen
+        token's logprob, [(id, logprob)] of its top-N)."""
         tokens, logprobs, top_ids, top_logprobs = host
-        tokens = iter(tokens.tolist())
+        tokens = tokens.tolist()
         want = logprobs is not None
         if want:
-            lp = iter(zip(logprobs.tolist(), top_ids.tolist(), top_logprobs.tolist()))
-        out_tokens, out_lp = [], []
+            lp = list(zip(logprobs.tolist(), top_ids.tolist(), top_logprobs.tolist()))
+        out_tokens, out_lp, row = [], [], 0
         for s in seqs:
             if not s.sample:
                 out_tokens.append(())
                 out_lp.append(None)
                 continue
-            out_tokens.append((next(tokens),))
+            kept = accepted(tokens[row:row + len(s.drafts) + 1], s.drafts)
+            out_tokens.append(kept)
+            n = s.params.logprobs
             if want:
-                chosen, ids, values = next(lp)
-                n = s.params.logprobs
-                out_lp.append(None if n is None else (chosen, list(zip(ids[:n], values[:n]))))
+                out_lp.append(None if n is None else tuple(
+                    (chosen, list(zip(ids[:n], values[:n]))) for chosen, ids, values in lp[row:row + len(kept)]))
+            row += len(s.drafts) + 1
         return StepOutput(tuple(out_tokens), tuple(out_lp) if want else None)
 
     def _copy_states(self, copies: tuple[StateCopy, ...]) -> None:
@@ -214,8 +221,9 @@ class Runner:
 
 
 def _is_decode(s: ScheduledSeq) -> bool:
-    """A decode step of a sequence: one token, the last one sampled, fed back to sample the next."""
-    return s.sample and len(s.token_ids) == 1 and len(s.output_token_ids) > 0
+    """A decode step of a sequence: the last token sampled fed back (with its drafts, if any) to sample
+    the next."""
+    return s.sample and len(s.token_ids) == 1 + len(s.drafts) and len(s.output_token_ids) > 0
 
 
 def _to_host_no_wait(t: torch.Tensor) -> torch.Tensor:

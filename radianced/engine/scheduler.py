@@ -35,6 +35,15 @@ would be needed, or the in-flight plan saves recurrent-state checkpoints (their
 hand-over to the prefix cache happens in its update). Penalties pipeline: the
 runner counts a PENDING output from the previous step's tokens on the device.
 
+Speculative decoding (`draft_policy`, engine/speculation.py): a decoding
+sequence may feed drafted tokens after its last one (`ScheduledSeq.drafts`);
+their blocks are taken with the chunk's, never by preempting anyone. `update()`
+lands the 1 to N+1 tokens the step yields, counts the accepted drafts as
+computed, and frees the blocks that only rejected drafts reached. A plan ahead
+never drafts (a draft needs the pending token), and a plan with drafts is not
+planned ahead of (what it yields decides where its sequences continue): where
+a sequence the in-flight plan samples for would draft, `schedule_ahead` drains.
+
 Device writes of a plan ahead land in stream order after the in-flight plan's
 and before any later plan's, so blocks and slots that `update()` or `cancel()`
 free while a plan is in flight are safe to hand out to the next `schedule()`;
@@ -55,6 +64,7 @@ from typing import Any
 from radianced.engine.kv_manager import KVManager
 from radianced.engine.plan import PENDING, ScheduledSeq, StepOutput, StepPlan
 from radianced.engine.request import FinishReason, Request, Sequence, SeqStatus
+from radianced.engine.speculation import DraftPolicy
 from radianced.kv.blocks import BlockAllocator
 from radianced.kv.prefix import PrefixCache
 from radianced.kv.state import StateCopy, StateSlots
@@ -80,6 +90,7 @@ class SeqEvent:
 class _Chunk:
     seq: Sequence
     n: int
+    drafts: tuple[int, ...]  # drafted tokens fed after the chunk's (a decode's last token)
     before: list[StateCopy]  # state resets and checkpoint restores, before the forward
     after: list[StateCopy]  # checkpoint saves, after it
 
@@ -87,9 +98,10 @@ class _Chunk:
 class Scheduler:
     def __init__(self, *, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
                  max_queue: int, prefix: PrefixCache | None = None, hybrid: bool = False,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, draft_policy: DraftPolicy | None = None):
         """max_model_len: a sequence ends ("length") when it holds this many tokens,
-        whatever its max_tokens (which may be None: up to the context)."""
+        whatever its max_tokens (which may be None: up to the context). draft_policy: speculative
+        decoding's (None: off)."""
         if min(max_num_seqs, max_num_batched_tokens, max_queue) < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_queue must be at least 1")
         if prefix is not None and prefix.hybrid != hybrid:
@@ -103,6 +115,7 @@ class Scheduler:
         self.step_tokens = max_num_batched_tokens  # the next step's budget: the flag's, or less (engine/pacing.py)
         self.max_queue = max_queue
         self.max_model_len = max_model_len
+        self.draft_policy = draft_policy
         self.state_slots = StateSlots(max_num_seqs) if hybrid else None
         self.kv = KVManager(allocator, prefix, self.state_slots)
         self.waiting: deque[Sequence] = deque()
@@ -183,6 +196,8 @@ class Scheduler:
             raise RuntimeError(f"schedule_ahead() needs exactly one plan in flight, not {len(self._in_flight)}")
         if self._in_flight[0].after:
             return None  # checkpoint saves in flight: update() decides whether the prefix cache takes them
+        if self.draft_policy is not None and self._drafting_ahead(self._in_flight[0]):
+            return None
         order = self._running_order()
         budget, need = self.step_tokens, 0
         for seq in order:  # the blocks the plan will take: without preemption or it is not made
@@ -194,6 +209,35 @@ class Scheduler:
         if not self.allocator.can_allocate(need):
             return None
         return self._schedule()
+
+    def _drafting_ahead(self, in_flight: StepPlan) -> bool:
+        """The in-flight plan drafts, or a sequence it samples for would draft in the next step."""
+        for s in in_flight.seqs:
+            seq = self._by_seq.get(s.seq_id)
+            if s.drafts or s.sample and seq is not None and self.draft_policy.num_drafts_for(
+                    seq.draft_stats, len(self.running), self._draft_limit(seq, 1)):
+                return True
+        return False
+
+    def _draft_limit(self, seq: Sequence, budget: int) -> int:
+        """The most drafts a decode of `seq` may feed: its step yields at most drafts + 1 tokens, which
+        must stay within max_tokens and max_model_len, and the drafts take budget."""
+        left = budget - 1
+        if seq.params.max_tokens is not None:
+            left = min(left, seq.params.max_tokens - seq.num_output_tokens - 1)
+        if self.max_model_len is not None:
+            left = min(left, self.max_model_len - seq.num_tokens - 1)
+        return left
+
+    def _drafts(self, seq: Sequence, n: int, budget: int) -> tuple[int, ...]:
+        """The drafts a decode of `seq` feeds in this step, if its blocks can be had without preempting."""
+        if self.draft_policy is None or seq.is_prefilling or n != 1 or self._pending(seq):
+            return ()
+        drafts = self.draft_policy.drafts(seq.token_ids, seq.draft_stats, len(self.running),
+                                          self._draft_limit(seq, budget))
+        if drafts and not self.allocator.can_append(seq.block_table, seq.num_computed_tokens + n + len(drafts)):
+            return ()
+        return drafts
 
     def _pending(self, seq: Sequence) -> bool:
         """The sequence's last token is what a plan in flight samples."""
@@ -236,9 +280,10 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is SeqStatus.RUNNING:
-                self.allocator.append(seq.block_table, seq.num_computed_tokens + n)
-                chunks[seq.seq_id] = self._plan_chunk(seq, n)
-                budget -= n
+                drafts = self._drafts(seq, n, budget)
+                self.allocator.append(seq.block_table, seq.num_computed_tokens + n + len(drafts))
+                chunks[seq.seq_id] = self._plan_chunk(seq, n, drafts=drafts)
+                budget -= n + len(drafts)
         while not preempted and self.waiting and budget and len(self.running) < self.max_num_seqs:
             chunk = self._admit(self.waiting[0], budget)
             if chunk is None:
@@ -270,15 +315,24 @@ class Scheduler:
                 events.append(SeqEvent(seq.request_id, seq.seq_id, (), FinishReason.ERROR,
                                        error=output.errors[i]))
                 continue
-            end = s.context_before + len(s.token_ids)
+            end = s.context_before + len(s.token_ids) - len(s.drafts)
+            tokens, reason = self._land(seq, end, output.token_ids[i]) if s.sample else ((), None)
+            if s.drafts:
+                seq.draft_stats.record(len(s.drafts), len(tokens) - 1)
+                end += len(tokens) - 1  # the accepted drafts' KV is the sequence's
+                seq.num_computed_tokens = end
             self.kv.cache_blocks(seq, end)
             if seq.checkpoint is not None and saved.get(seq.state_slot) == seq.checkpoint:
                 seq.checkpoint_tokens = end
                 if not s.sample:
                     self.kv.hand_over_checkpoint(seq, self._in_flight)  # the prompt's: others may use it now
-            if s.sample:
-                events.append(self._land_token(seq, end, output.token_ids[i],
-                                               None if output.logprobs is None else output.logprobs[i]))
+            if reason is not None:
+                self._finish(seq, reason)
+            elif s.drafts:
+                self.allocator.truncate(seq.block_table, seq.num_tokens)  # blocks only rejected drafts reached
+            logprobs = output.logprobs[i] if output.logprobs is not None else None
+            events += [SeqEvent(seq.request_id, seq.seq_id, (t,), reason if j == len(tokens) - 1 else None,
+                                None if logprobs is None else logprobs[j]) for j, t in enumerate(tokens)]
         return events
 
     # -- pieces of a step ---------------------------------------------------------
@@ -307,13 +361,14 @@ class Scheduler:
         bisect.insort(self.running, seq, key=lambda s: s.seq_id)
         return self._plan_chunk(seq, n, before)
 
-    def _plan_chunk(self, seq: Sequence, n: int, before: list[StateCopy] | None = None) -> _Chunk:
+    def _plan_chunk(self, seq: Sequence, n: int, before: list[StateCopy] | None = None,
+                    drafts: tuple[int, ...] = ()) -> _Chunk:
         end = seq.num_computed_tokens + n
-        return _Chunk(seq, n, before or [], self.kv.checkpoint_saves(seq, end, sample=end == seq.num_tokens))
+        return _Chunk(seq, n, drafts, before or [], self.kv.checkpoint_saves(seq, end, sample=end == seq.num_tokens))
 
     def _emit(self, chunks, preempted: list[int]) -> StepPlan:
         self._preempted += preempted
-        seqs = tuple(self._scheduled(c.seq, c.n, self._sample_rows) for c in chunks)
+        seqs = tuple(self._scheduled(c.seq, c.n, self._sample_rows, c.drafts) for c in chunks)
         if not seqs:
             return StepPlan()
         for c in chunks:  # the plan's tokens count as computed (queued), a sampled one is PENDING
@@ -333,14 +388,14 @@ class Scheduler:
         return plan
 
     @staticmethod
-    def _scheduled(seq: Sequence, n: int, sample_rows: dict[int, int]) -> ScheduledSeq:
+    def _scheduled(seq: Sequence, n: int, sample_rows: dict[int, int], drafts: tuple[int, ...]) -> ScheduledSeq:
         """sample_rows: the previous plan's sampled-token rows (where a PENDING input comes from)."""
         start = seq.num_computed_tokens
         sample = start + n == seq.num_tokens
         pending = seq.token_ids[start] == PENDING  # then n == 1: the pending token is the last
         return ScheduledSeq(
             seq_id=seq.seq_id,
-            token_ids=tuple(seq.token_ids[start:start + n]),
+            token_ids=tuple(seq.token_ids[start:start + n]) + drafts,
             context_before=start,
             block_table=seq.block_table.frozen(),
             state_slot=seq.state_slot,
@@ -349,6 +404,7 @@ class Scheduler:
             output_token_ids=tuple(seq.token_ids[seq.num_prompt_tokens:]) if sample else (),
             params=seq.params,
             input_from=sample_rows[seq.seq_id] if pending else None,
+            drafts=drafts,
         )
 
     def _preempt(self, seq: Sequence, chunks: dict[int, _Chunk]) -> int:
@@ -364,20 +420,22 @@ class Scheduler:
         self.waiting.appendleft(seq)
         return chunk.n if chunk else 0
 
-    def _land_token(self, seq: Sequence, at: int, tokens: tuple[int, ...], logprobs: Any) -> SeqEvent:
-        """Put the token sampled for position `at` in place of its PENDING one; finish the
-        sequence if it stops it or reaches max_tokens / max_model_len."""
-        if len(tokens) != 1 or seq.token_ids[at] != PENDING:
-            raise ValueError(f"sequence {seq.seq_id} was to sample one token at {at}, got {tokens}")
-        t = seq.token_ids[at] = tokens[0]
-        reason = None
-        if t in seq.request.stop_token_ids:
-            reason = FinishReason.STOP
-        elif self._at_length(seq, at + 1):
-            reason = FinishReason.LENGTH
-        if reason is not None:
-            self._finish(seq, reason)
-        return SeqEvent(seq.request_id, seq.seq_id, tokens, reason, logprobs)
+    def _land(self, seq: Sequence, at: int, tokens: tuple[int, ...]) -> tuple[tuple[int, ...], FinishReason | None]:
+        """Put the tokens a step sampled for positions `at`, `at`+1, ... in place of the PENDING one at `at`
+        (a verify step yields several); the ones landed (up to the first that ends the sequence) and
+        why it ends, if it does. The caller finishes it."""
+        if not tokens or seq.token_ids[at] != PENDING or len(tokens) > 1 and len(seq.token_ids) != at + 1:
+            raise ValueError(f"sequence {seq.seq_id} was to sample at {at}, got {tokens}")
+        for j, t in enumerate(tokens):  # a plan ahead never follows one that drafts: more than one lands last
+            if j:
+                seq.token_ids.append(t)
+            else:
+                seq.token_ids[at] = t
+            if t in seq.request.stop_token_ids:
+                return tokens[:j + 1], FinishReason.STOP
+            if self._at_length(seq, at + j + 1):
+                return tokens[:j + 1], FinishReason.LENGTH
+        return tokens, None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         # Its blocks may still be written by a plan in flight (its discarded result, or a

@@ -229,7 +229,7 @@ class BlockPool:
 class BlockAllocator:
     """Logical KV blocks over one `BlockPool` per paging group, all fed by one `PageSource`.
 
-    Paired verbs: `can_allocate`/`allocate`, `can_append`/`append`, `free`.
+    Paired verbs: `can_allocate`/`allocate`, `can_append`/`append` and its undo `truncate`, `free`.
     Each either does all of its work or raises `OutOfBlocks` having changed nothing.
     Allocation takes free blocks first, then leases pages, and only then evicts
     cached blocks (through `reclaimer`) for the part the pages cannot cover.
@@ -327,6 +327,19 @@ class BlockAllocator:
     def append(self, table: BlockTable, tokens: int) -> None:
         """Grow `table` until it holds `tokens` tokens (all or nothing)."""
         table._extend(self.allocate(self.blocks_for(tokens) - len(table)))
+
+    def truncate(self, table: BlockTable, tokens: int) -> None:
+        """Shrink `table` to the blocks that hold `tokens` tokens, dropping its hold on the rest (tail
+        first): a verify step's blocks that only rejected drafts reached. Never fails."""
+        keep = self.blocks_for(tokens)
+        if keep >= len(table):
+            return
+        blocks = [table[i] for i in range(len(table) - 1, keep - 1, -1)]
+        for ids in table._ids:
+            del ids[keep:]
+        self.drop(blocks)
+        if self.reclaimer is not None:
+            self.reclaimer.released(blocks)
 
     def free(self, table: BlockTable) -> None:
         """Drop the table's hold on all its blocks (tail first, so the prefix cache evicts

@@ -61,12 +61,12 @@ class ForwardBatch:
 
     @staticmethod
     def build(token_ids: list[list[int]], context_before: list[int], block_tables: list[list[int]],
-              block_size: int, logits: str | list[bool] = "last", state_slots: list[int] | None = None,
+              block_size: int, logits: str | list[int] = "last", state_slots: list[int] | None = None,
               device: torch.device | str = "cpu") -> ForwardBatch:
         """Lay out B sequences' new tokens; sequence b already has context_before[b] tokens cached.
 
         logits="last" asks for each sequence's last row, "all" for every row, and a
-        list of B flags for the last row of the sequences flagged True.
+        list of B counts for that many of each sequence's last rows (a bool: its last row or none).
         """
         lens_q = [len(toks) for toks in token_ids]
         starts = [0, *itertools.accumulate(lens_q)]
@@ -78,8 +78,10 @@ class ForwardBatch:
                                  f"position {last} (block {last // block_size})")
             if logits == "all":
                 rows.extend(range(starts[b], starts[b + 1]))
-            elif n and (logits == "last" or logits[b]):
+            elif n and logits == "last":
                 rows.append(starts[b + 1] - 1)
+            elif n:
+                rows.extend(range(starts[b + 1] - min(int(logits[b]), n), starts[b + 1]))
         width = max((len(t) for t in block_tables), default=0) or 1
         tables_np = np.zeros((len(block_tables), width), dtype=np.int32)
         for b, t in enumerate(block_tables):

@@ -67,6 +67,14 @@ class Metrics:
                                   registry=r)
         self._pages_moved = Counter("radiance_arena_pages_moved", "Arena pages one tenant took back from another "
                                     "(lending), by from and to tenant.", ["from", "to"], registry=r)
+        self._drafted = Counter("radiance_spec_draft_tokens", "Drafted tokens verified (speculative decoding).",
+                                registry=r)
+        self._accepted = Counter("radiance_spec_accepted_tokens", "Drafted tokens the verify step accepted.",
+                                 registry=r)
+        self._drafted_at = Counter("radiance_spec_draft_tokens_by_position", "Drafted tokens verified, by their "
+                                   "position among a step's drafts (1: the first).", ["position"], registry=r)
+        self._accepted_at = Counter("radiance_spec_accepted_tokens_by_position", "Drafted tokens accepted, by their "
+                                    "position among a step's drafts (1: the first).", ["position"], registry=r)
         self._step = Histogram("radiance_step_duration_seconds", "Wall time of one engine step.",
                                buckets=TOKEN_BUCKETS, registry=r)
 
@@ -110,6 +118,15 @@ class Metrics:
         self._disk_bytes.inc(nbytes)
         for t in seconds:
             self._disk_read.observe(t)
+
+    def add_drafts(self, drafted: int, accepted: int) -> None:
+        """One sequence's verify step: `drafted` drafts, of which the first `accepted` were accepted."""
+        self._drafted.inc(drafted)
+        self._accepted.inc(accepted)
+        for position in range(1, drafted + 1):
+            self._drafted_at.labels(position=str(position)).inc()
+            if position <= accepted:
+                self._accepted_at.labels(position=str(position)).inc()
 
     def set_arena_pages(self, tenant: str, pages: int) -> None:
         self._arena_pages.labels(tenant=tenant).set(pages)

@@ -1,0 +1,127 @@
+"""Speculative decoding's rules: when a sequence drafts, how many tokens, and which survive.
+
+A decode step of a drafting sequence feeds its last token and N drafted tokens
+(`ScheduledSeq.drafts`) and samples at all N+1 positions, each with the
+history that assumes the drafts before it. `accepted` keeps the longest prefix
+of drafts that the samples reproduce, plus the first sample that differs (or
+the bonus sample after the last draft): 1 to N+1 tokens for one step.
+
+Why this is exact. The drafts are proposals with one-hot probability (n-gram
+lookup proposes tokens, not distributions). The standard rejection rule
+accepts draft d with probability min(1, p(d)/q(d)) = p(d) and, on rejection,
+samples from the residual max(0, p - q) renormalized: p without d. Sampling t
+from p and accepting d where t == d does exactly that: P(t == d) = p(d), and a
+t != d is a draw from p conditioned on not being d. Greedy rows are the same
+rule with p one-hot at the argmax: the output equals decoding without drafts,
+token for token. Seeded rows draw position j's noise from (seed, output index),
+as plain decoding does, so a seeded request's output is unchanged too.
+
+When drafting pays (`DraftPolicy`). A verify step of B sequences with n drafts
+each moves the same weights as a plain step and computes B(1+n) tokens; its
+cost relative to a plain step is modelled as c(n) = (1 + r B (1+n)) / (1 + r B),
+with r the compute of one token relative to one step's fixed cost (reading the
+weights), measured per backend (`TOKEN_COST`). With a per-draft acceptance a,
+the step yields E(n) = (1 - a^(n+1)) / (1 - a) tokens. A sequence drafts the n
+(at most --speculative) that maximizes E(n) / c(n), and none where no n beats
+1: so fewer as the batch grows, and none at low acceptance. Its acceptance is
+estimated from its own history (a prior of 2 accepted in 4 drafted, so a new
+sequence tries); a sequence that stopped drafting probes again every
+`PROBE_EVERY` steps, so a text that turns repetitive is noticed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from radianced.engine import ngram
+
+# r of the cost model, per device type. cpu: SmolLM2-135M fp32 on 2 cores, a 5-token step costs 2.5 plain
+# steps (tools/time_verify.py). cuda: a decode step at batch 1 is bound by reading the weights; not yet measured
+# on the H200 (issue 22), the value assumes one token's compute is 2% of that read.
+TOKEN_COST = {"cpu": 0.6, "cuda": 0.02}
+PRIOR_ACCEPTED, PRIOR_DRAFTED = 2.0, 4.0
+DECAY = 0.9  # weight of a sequence's older steps in its acceptance estimate, per step
+PROBE_EVERY = 16  # steps a sequence waits before drafting again after its estimate said no
+
+
+def accepted(sampled: Sequence[int], drafts: Sequence[int]) -> tuple[int, ...]:
+    """The tokens a verify step yields: samples while they equal the draft they verify, then the first
+    sample that differs or the one after the last draft. sampled: len(drafts) + 1 samples, sampled[j] at
+    the position drafts[j] was proposed for."""
+    n = 0
+    while n < len(drafts) and sampled[n] == drafts[n]:
+        n += 1
+    return tuple(sampled[:n + 1])
+
+
+def expected_tokens(acceptance: float, n: int) -> float:
+    """Tokens a step with n drafts yields when each draft is accepted with probability `acceptance`
+    (given the ones before it were)."""
+    return float(n + 1) if acceptance >= 1.0 else (1.0 - acceptance ** (n + 1)) / (1.0 - acceptance)
+
+
+def step_cost(n: int, batch: int, token_cost: float) -> float:
+    """A step with n drafts per sequence over one without, for `batch` sequences."""
+    return (1.0 + token_cost * batch * (n + 1)) / (1.0 + token_cost * batch)
+
+
+def best_num_drafts(acceptance: float, limit: int, batch: int, token_cost: float) -> int:
+    """The n in 0..limit with the most tokens per unit of step time (0: drafting does not pay)."""
+    return max(range(limit + 1), key=lambda n: (expected_tokens(acceptance, n) / step_cost(n, batch, token_cost), -n))
+
+
+@dataclass(slots=True)
+class DraftStats:
+    """One sequence's drafting so far (the scheduler keeps it on the Sequence)."""
+
+    drafted: int = 0  # drafts verified, all steps
+    accepted: int = 0  # of them accepted
+    recent_drafted: float = PRIOR_DRAFTED  # decayed counts: the acceptance estimate's terms
+    recent_accepted: float = PRIOR_ACCEPTED
+    idle_steps: int = 0  # steps since it last drafted, while its estimate says no
+
+    @property
+    def acceptance(self) -> float:
+        return self.recent_accepted / self.recent_drafted
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A verify step of `drafted` drafts accepted `accepted` of them."""
+        self.drafted += drafted
+        self.accepted += accepted
+        self.recent_drafted = DECAY * self.recent_drafted + drafted
+        self.recent_accepted = DECAY * self.recent_accepted + accepted
+
+
+@dataclass(frozen=True)
+class DraftPolicy:
+    """What `--speculative N --speculative-method ngram` drafts for a sequence in a step.
+
+    num_drafts: N, the most drafts per sequence and step.
+    token_cost: r of the cost model (`TOKEN_COST` of the device type).
+    adaptive: choose n by the cost model (off: always N where the drafter proposes N; for measuring).
+    propose: the drafter: (history, n) -> up to n drafted tokens (n-gram lookup; tests and the forced-draft
+        benchmark replay known continuations).
+    """
+
+    num_drafts: int
+    token_cost: float
+    adaptive: bool = True
+    propose: Callable[[Sequence[int], int], tuple[int, ...]] = ngram.propose
+
+    def num_drafts_for(self, stats: DraftStats, batch: int, limit: int) -> int:
+        """How many drafts a sequence asks for in a step of `batch` decoding sequences, at most
+        `limit` (what max_tokens, the context and the step's budget leave). Changes nothing."""
+        n = min(self.num_drafts, limit)
+        if n <= 0 or not self.adaptive:
+            return max(n, 0)
+        best = best_num_drafts(stats.acceptance, n, batch, self.token_cost)
+        if best == 0 and stats.idle_steps + 1 >= PROBE_EVERY:
+            best = 1  # probe: one draft tells whether the text turned predictable
+        return best
+
+    def drafts(self, token_ids: Sequence[int], stats: DraftStats, batch: int, limit: int) -> tuple[int, ...]:
+        """The drafts of a sequence with history `token_ids` (its last token is computed next)."""
+        n = self.num_drafts_for(stats, batch, limit)
+        stats.idle_steps = 0 if n else stats.idle_steps + 1
+        return self.propose(token_ids, n) if n else ()
