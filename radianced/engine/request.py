@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from radianced.engine.plan import PENDING
 from radianced.engine.speculation import DraftStats
 from radianced.kv.blocks import BlockTable
 
@@ -95,6 +96,35 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """More than the last sampled token is left to compute."""
         return self.num_computed_tokens < len(self.token_ids) - 1
+
+    @property
+    def pending(self) -> bool:
+        """Its last token is what a plan in flight samples."""
+        return self.token_ids[-1] == PENDING
+
+    def at_length(self, tokens: int, max_model_len: int | None) -> bool:
+        """With `tokens` tokens (prompt and output) it reaches max_tokens or max_model_len."""
+        max_tokens = self.params.max_tokens
+        return max_tokens is not None and tokens - self.num_prompt_tokens >= max_tokens \
+            or max_model_len is not None and tokens >= max_model_len
+
+    def land(self, at: int, tokens: tuple[int, ...], max_model_len: int | None,
+             ) -> tuple[tuple[int, ...], FinishReason | None]:
+        """Put the tokens a step sampled for positions `at`, `at`+1, ... in place of the PENDING one at
+        `at` (a verify step yields several); the ones landed (up to the first that ends the sequence:
+        a stop token, max_tokens, max_model_len) and why it ends, if it does. The scheduler finishes it."""
+        if not tokens or self.token_ids[at] != PENDING or len(tokens) > 1 and len(self.token_ids) != at + 1:
+            raise ValueError(f"sequence {self.seq_id} was to sample at {at}, got {tokens}")
+        for j, t in enumerate(tokens):  # a plan ahead never follows one that drafts: more than one lands last
+            if j:
+                self.token_ids.append(t)
+            else:
+                self.token_ids[at] = t
+            if t in self.request.stop_token_ids:
+                return tokens[:j + 1], FinishReason.STOP
+            if self.at_length(at + j + 1, max_model_len):
+                return tokens[:j + 1], FinishReason.LENGTH
+        return tokens, None
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id}, {self.request_id!r}, {self.status.value}, "

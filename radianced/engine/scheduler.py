@@ -212,50 +212,23 @@ class Scheduler:
 
     def _drafting_ahead(self, in_flight: StepPlan) -> bool:
         """The in-flight plan drafts, or a sequence it samples for would draft in the next step."""
-        for s in in_flight.seqs:
-            seq = self._by_seq.get(s.seq_id)
-            if s.drafts or s.sample and seq is not None and self.draft_policy.num_drafts_for(
-                    seq.draft_stats, len(self.running), self._draft_limit(seq, 1)):
-                return True
-        return False
-
-    def _draft_limit(self, seq: Sequence, budget: int) -> int:
-        """The most drafts a decode of `seq` may feed: its step yields at most drafts + 1 tokens, which
-        must stay within max_tokens and max_model_len, and the drafts take budget."""
-        left = budget - 1
-        if seq.params.max_tokens is not None:
-            left = min(left, seq.params.max_tokens - seq.num_output_tokens - 1)
-        if self.max_model_len is not None:
-            left = min(left, self.max_model_len - seq.num_tokens - 1)
-        return left
+        seqs = [self._by_seq.get(s.seq_id) for s in in_flight.seqs if s.sample]
+        return any(s.drafts for s in in_flight.seqs) or any(
+            seq is not None and self.draft_policy.would_draft(seq, len(self.running), self.step_tokens,
+                                                              self.max_model_len) for seq in seqs)
 
     def _drafts(self, seq: Sequence, n: int, budget: int) -> tuple[int, ...]:
         """The drafts a decode of `seq` feeds in this step, if its blocks can be had without preempting."""
-        if self.draft_policy is None or seq.is_prefilling or n != 1 or self._pending(seq):
+        if self.draft_policy is None or seq.is_prefilling or n != 1 or seq.pending:
             return ()
-        drafts = self.draft_policy.drafts(seq.token_ids, seq.draft_stats, len(self.running),
-                                          self._draft_limit(seq, budget))
+        drafts = self.draft_policy.drafts(seq, len(self.running), budget, self.max_model_len)
         if drafts and not self.allocator.can_append(seq.block_table, seq.num_computed_tokens + n + len(drafts)):
             return ()
         return drafts
 
-    def _pending(self, seq: Sequence) -> bool:
-        """The sequence's last token is what a plan in flight samples."""
-        return seq.token_ids[-1] == PENDING
-
-    def _done_when_pending_lands(self, seq: Sequence) -> bool:
-        """Its pending token reaches max_tokens or max_model_len: it ends whatever the token."""
-        return self._pending(seq) and self._at_length(seq, seq.num_tokens)
-
-    def _at_length(self, seq: Sequence, tokens: int) -> bool:
-        """With `tokens` tokens (prompt and output) the sequence reaches max_tokens or max_model_len."""
-        max_tokens = seq.params.max_tokens
-        return max_tokens is not None and tokens - seq.num_prompt_tokens >= max_tokens \
-            or self.max_model_len is not None and tokens >= self.max_model_len
-
     def _running_order(self) -> list[Sequence]:
         """Running sequences in the order they take budget: decodes, then prefills, oldest first."""
-        live = [s for s in self.running if not self._done_when_pending_lands(s)]
+        live = [s for s in self.running if not (s.pending and s.at_length(s.num_tokens, self.max_model_len))]
         return [s for s in live if not s.is_prefilling] + [s for s in live if s.is_prefilling]
 
     def _schedule(self) -> StepPlan:
@@ -316,9 +289,9 @@ class Scheduler:
                                        error=output.errors[i]))
                 continue
             end = s.context_before + len(s.token_ids) - len(s.drafts)
-            tokens, reason = self._land(seq, end, output.token_ids[i]) if s.sample else ((), None)
+            tokens, reason = seq.land(end, output.token_ids[i], self.max_model_len) if s.sample else ((), None)
             if s.drafts:
-                seq.draft_stats.record(len(s.drafts), len(tokens) - 1)
+                seq.draft_stats.record(len(s.drafts), len(output.token_ids[i]) - 1)  # before a stop cut it
                 end += len(tokens) - 1  # the accepted drafts' KV is the sequence's
                 seq.num_computed_tokens = end
             self.kv.cache_blocks(seq, end)
@@ -419,23 +392,6 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         return chunk.n if chunk else 0
-
-    def _land(self, seq: Sequence, at: int, tokens: tuple[int, ...]) -> tuple[tuple[int, ...], FinishReason | None]:
-        """Put the tokens a step sampled for positions `at`, `at`+1, ... in place of the PENDING one at `at`
-        (a verify step yields several); the ones landed (up to the first that ends the sequence) and
-        why it ends, if it does. The caller finishes it."""
-        if not tokens or seq.token_ids[at] != PENDING or len(tokens) > 1 and len(seq.token_ids) != at + 1:
-            raise ValueError(f"sequence {seq.seq_id} was to sample at {at}, got {tokens}")
-        for j, t in enumerate(tokens):  # a plan ahead never follows one that drafts: more than one lands last
-            if j:
-                seq.token_ids.append(t)
-            else:
-                seq.token_ids[at] = t
-            if t in seq.request.stop_token_ids:
-                return tokens[:j + 1], FinishReason.STOP
-            if self._at_length(seq, at + j + 1):
-                return tokens[:j + 1], FinishReason.LENGTH
-        return tokens, None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         # Its blocks may still be written by a plan in flight (its discarded result, or a

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from radianced.engine import ngram
 
@@ -111,7 +112,7 @@ class DraftPolicy:
 
     def num_drafts_for(self, stats: DraftStats, batch: int, limit: int) -> int:
         """How many drafts a sequence asks for in a step of `batch` decoding sequences, at most
-        `limit` (what max_tokens, the context and the step's budget leave). Changes nothing."""
+        `limit`. Changes nothing."""
         n = min(self.num_drafts, limit)
         if n <= 0 or not self.adaptive:
             return max(n, 0)
@@ -120,8 +121,35 @@ class DraftPolicy:
             best = 1  # probe: one draft tells whether the text turned predictable
         return best
 
-    def drafts(self, token_ids: Sequence[int], stats: DraftStats, batch: int, limit: int) -> tuple[int, ...]:
-        """The drafts of a sequence with history `token_ids` (its last token is computed next)."""
-        n = self.num_drafts_for(stats, batch, limit)
+    def would_draft(self, seq: Drafting, batch: int, budget: int, max_model_len: int | None) -> bool:
+        """Would `drafts` ask the drafter for tokens (changes nothing)?"""
+        return self.num_drafts_for(seq.draft_stats, batch, draft_limit(seq, budget, max_model_len)) > 0
+
+    def drafts(self, seq: Drafting, batch: int, budget: int, max_model_len: int | None) -> tuple[int, ...]:
+        """The drafts of a decoding sequence (its last token is computed next) in a step of `batch`
+        decoding sequences with `budget` tokens left."""
+        stats = seq.draft_stats
+        n = self.num_drafts_for(stats, batch, draft_limit(seq, budget, max_model_len))
         stats.idle_steps = 0 if n else stats.idle_steps + 1
-        return self.propose(token_ids, n) if n else ()
+        return self.propose(seq.token_ids, n) if n else ()
+
+
+class Drafting(Protocol):
+    """What the policy reads of a sequence (engine/request.py's `Sequence`)."""
+
+    token_ids: list[int]
+    draft_stats: DraftStats
+    params: Any  # its max_tokens
+    num_output_tokens: int
+    num_tokens: int
+
+
+def draft_limit(seq: Drafting, budget: int, max_model_len: int | None) -> int:
+    """The most drafts a decode of `seq` may feed: its step yields at most drafts + 1 tokens, which must
+    stay within max_tokens and max_model_len, and the drafts take the step's budget."""
+    left = budget - 1
+    if seq.params.max_tokens is not None:
+        left = min(left, seq.params.max_tokens - seq.num_output_tokens - 1)
+    if max_model_len is not None:
+        left = min(left, max_model_len - seq.num_tokens - 1)
+    return left

@@ -1,0 +1,260 @@
+"""Speculative decoding: drafts verified in the batch leave every output as it was without them.
+
+Random tiny weights accept few n-gram drafts, so most tests draft with an oracle that replays a
+run without speculation (every draft right), or one that corrupts some drafts (part accepted):
+the verify step, the rollback of rejected drafts and the block bookkeeping then run at known
+acceptance. The n-gram drafter runs too, on the same workloads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from radianced.config import Config, ConfigError
+from radianced.engine import ngram
+from radianced.engine.engine import Engine
+from radianced.engine.sampling_params import SamplingParams
+from radianced.engine.speculation import (PROBE_EVERY, DraftPolicy, DraftStats, accepted, best_num_drafts,
+                                          draft_limit, expected_tokens, step_cost)
+from radianced.kv.blocks import BlockAllocator
+from tests.engine.conftest import prompts, request, small_engine
+from tests.engine.test_pipeline import drive, same
+
+SPEC_FAMILIES = ("llama", "qwen3_moe")  # hybrid models refuse --speculative until the per-position state lands
+
+
+class Oracle:
+    """Drafts the continuation a run without speculation produced; `wrong_every`: every k-th
+    proposal has its second draft replaced (so a step accepts one draft, then is corrected)."""
+
+    def __init__(self, runs: dict[tuple[int, ...], tuple[int, ...]], wrong_every: int = 0, only=None):
+        self.runs, self.wrong_every, self.only = runs, wrong_every, only
+        self.calls = 0
+
+    def __call__(self, history, n):
+        for prompt, out in self.runs.items():
+            if tuple(history[:len(prompt)]) == prompt and (self.only is None or prompt in self.only):
+                done = len(history) - len(prompt)
+                drafts = list(out[done:done + n])
+                self.calls += 1
+                if self.wrong_every and self.calls % self.wrong_every == 0 and len(drafts) > 1:
+                    drafts[1] = (drafts[1] + 1) % 50
+                return tuple(drafts)
+        return ()
+
+
+def _spec(engine, n, propose, adaptive=False):
+    engine.scheduler.draft_policy = DraftPolicy(n, 0.6, adaptive=adaptive, propose=propose)
+    return engine
+
+
+def _added(engine):
+    """The scheduler's Sequence of every request added to `engine` from now on."""
+    seqs = []
+    add = engine.add
+    engine.add = lambda r: seqs.append(add(r)) or seqs[-1]
+    return seqs
+
+
+def _launched(engine):
+    plans = []
+    launch = engine.runner.launch
+    engine.runner.launch = lambda plan: plans.append(plan) or launch(plan)
+    return plans
+
+
+def _workload(rad, **params):
+    ps = prompts(rad.model.vocab_size, (5, 17, 30, 9), seed=31)
+
+    def arrivals(e):
+        return {0: [request(e, f"r{i}", p, max_tokens=10 + 3 * i, **params) for i, p in enumerate(ps[:2])],
+                3: [request(e, f"r{i + 2}", p, max_tokens=12, **params) for i, p in enumerate(ps[2:])]}
+    return ps, arrivals
+
+
+def _runs(ps, result):
+    return {tuple(p): result[f"r{i}"][0] for i, p in enumerate(ps)}
+
+
+# -- the rules -------------------------------------------------------------------
+
+
+def test_accepted_keeps_the_matching_drafts_and_one_sample_more():
+    assert accepted((5, 6, 7), (5, 6)) == (5, 6, 7)  # both accepted, then the bonus sample
+    assert accepted((5, 9, 7), (5, 6)) == (5, 9)  # the second draft rejected: its sample replaces it
+    assert accepted((4, 6, 7), (5, 6)) == (4,)  # a later match after a rejection counts nothing
+    assert accepted((3,), ()) == (3,)
+
+
+def test_the_cost_model_drafts_more_at_high_acceptance_and_fewer_in_a_big_batch():
+    assert expected_tokens(0.0, 4) == 1 and expected_tokens(1.0, 4) == 5
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert step_cost(0, 8, 0.6) == 1 and step_cost(4, 1, 0.6) == pytest.approx(2.5)  # the CPU's measured 2.5x
+    assert best_num_drafts(0.9, 4, 1, 0.6) == 4
+    assert best_num_drafts(0.3, 4, 1, 0.6) == 0  # 1.3 tokens for 1.375 steps: no
+    assert best_num_drafts(0.9, 4, 1, 0.02) == 4 and best_num_drafts(0.9, 4, 64, 0.6) == 0
+
+
+class _Seq:
+    """A decoding sequence as the policy reads it."""
+
+    def __init__(self, max_tokens=None):
+        self.token_ids, self.draft_stats = [1, 2], DraftStats()
+        self.params = SamplingParams(max_tokens=max_tokens)
+        self.num_output_tokens, self.num_tokens = 1, 2
+
+
+def test_a_sequence_below_break_even_stops_drafting_and_probes_again():
+    policy = DraftPolicy(4, 0.6, propose=lambda history, n: (1,) * n)
+    seq = _Seq()
+    stats = seq.draft_stats
+    assert policy.drafts(seq, 1, 11, None) == (1,)  # the prior (0.5) buys one draft
+    for _ in range(6):
+        stats.record(4, 0)
+    assert stats.acceptance < 0.2 and not policy.would_draft(seq, 1, 11, None)
+    asked = [len(policy.drafts(seq, 1, 11, None)) for _ in range(2 * PROBE_EVERY)]
+    assert asked == ([0] * (PROBE_EVERY - 1) + [1]) * 2
+    for _ in range(20):
+        stats.record(4, 4)
+    assert policy.drafts(seq, 1, 11, None) == (1, 1, 1, 1) and policy.drafts(seq, 1, 3, None) == (1, 1)
+
+
+def test_drafts_stay_within_max_tokens_the_context_and_the_budget():
+    seq = _Seq(max_tokens=4)  # 1 output so far: a step may yield 3 more tokens, so 2 drafts
+    assert draft_limit(seq, 100, None) == 2 and draft_limit(seq, 2, None) == 1
+    assert draft_limit(seq, 100, 4) == 1  # 2 tokens of a 4-token context: 2 more, 1 of them drafted
+    assert DraftPolicy(4, 0.6, adaptive=False, propose=lambda h, n: (7,) * n).drafts(seq, 1, 100, 4) == (7,)
+
+
+# -- outputs unchanged -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", SPEC_FAMILIES)
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_greedy_outputs_and_logprobs_are_unchanged_by_verified_drafts(tiny_rads, family, n):
+    rad = tiny_rads[family]
+    ps, arrivals = _workload(rad, logprobs=2)
+    base = drive(small_engine(rad), arrivals(small_engine(rad)), False)
+    for oracle in (Oracle(_runs(ps, base)), Oracle(_runs(ps, base), wrong_every=2)):
+        e = _spec(small_engine(rad), n, oracle)
+        seqs = _added(e)
+        assert same(drive(e, arrivals(e), False), base)
+        drafted, kept = sum(s.draft_stats.drafted for s in seqs), sum(s.draft_stats.accepted for s in seqs)
+        assert kept > 0 and (drafted > kept) == bool(oracle.wrong_every and n > 1)
+    e = _spec(small_engine(rad), n, ngram.propose)
+    assert same(drive(e, arrivals(e), False), base)
+
+
+@pytest.mark.parametrize("family", SPEC_FAMILIES)
+def test_all_drafts_right_takes_fewer_steps_and_frees_every_block(tiny_rads, family):
+    rad = tiny_rads[family]
+    ps, arrivals = _workload(rad)
+    base = drive(small_engine(rad), arrivals(small_engine(rad)), False)
+    plain = _launched(e0 := small_engine(rad))
+    drive(e0, arrivals(e0), False)
+    e = _spec(small_engine(rad), 4, Oracle(_runs(ps, base)))
+    plans = _launched(e)
+    assert same(drive(e, arrivals(e), False), base)  # drive asserts every block is free at the end
+    assert len(plans) < len(plain) / 2
+
+
+@pytest.mark.parametrize("family", SPEC_FAMILIES)
+def test_a_mixed_batch_where_some_draft_and_pipelined_driving(tiny_rads, family):
+    rad = tiny_rads[family]
+    ps, arrivals = _workload(rad, logprobs=1)
+    base = drive(small_engine(rad), arrivals(small_engine(rad)), False)
+    oracle = Oracle(_runs(ps, base), wrong_every=3, only={tuple(ps[0]), tuple(ps[2])})
+    e = _spec(small_engine(rad), 3, oracle)
+    plans = _launched(e)
+    assert same(drive(e, arrivals(e), True), base)
+    mixed = [p for p in plans if any(s.drafts for s in p.seqs) and any(s.sample and not s.drafts for s in p.seqs)]
+    assert mixed and any(s.input_from is not None for p in plans for s in p.seqs)  # it also pipelined
+
+
+@pytest.mark.parametrize("family", SPEC_FAMILIES)
+def test_stop_tokens_max_tokens_and_penalties_inside_a_verify_step(tiny_rads, family):
+    rad = tiny_rads[family]
+    ps = prompts(rad.model.vocab_size, (12, 23, 7), seed=32)
+    probe = drive(small_engine(rad), {0: [request(small_engine(rad), f"r{i}", p, max_tokens=16)
+                                          for i, p in enumerate(ps)]}, False)
+    stop = probe["r0"][0][6]
+
+    def arrivals(e):
+        return {0: [request(e, "r0", ps[0], max_tokens=16, stop_token_ids=[stop]),
+                    request(e, "r1", ps[1], max_tokens=7, repetition_penalty=1.3, frequency_penalty=0.5),
+                    request(e, "r2", ps[2], max_tokens=16, presence_penalty=0.7, logprobs=3)]}
+    base = drive(small_engine(rad), arrivals(small_engine(rad)), False)
+    assert base["r0"][2] == "stop" and len(base["r1"][0]) == 7
+    runs = {tuple(p): probe[f"r{i}"][0] + (1,) * 8 for i, p in enumerate(ps)}  # r0's run drafts past the stop
+    runs[tuple(ps[1])] = base["r1"][0] + (1,) * 8  # and r1's past max_tokens
+    runs[tuple(ps[2])] = base["r2"][0]
+    e = _spec(small_engine(rad), 4, Oracle(runs))
+    plans = _launched(e)
+    assert same(drive(e, arrivals(e), False), base)
+    r1 = [s for p in plans for s in p.seqs if s.seq_id == 1 and s.sample]
+    assert all(len(s.output_token_ids) + len(s.drafts) < 7 for s in r1)  # drafts never cross max_tokens
+
+
+@pytest.mark.parametrize("family", SPEC_FAMILIES)
+def test_prefix_hits_and_preemption_with_drafts(tiny_rads, family):
+    rad = tiny_rads[family]
+    shared = prompts(rad.model.vocab_size, (40,), seed=33)[0]
+    tails = prompts(rad.model.vocab_size, (5, 9, 3, 11), seed=34)
+    ps = [shared + t for t in tails]
+
+    def arrivals(e):
+        return {0: [request(e, "r0", ps[0], max_tokens=30)],
+                4: [request(e, f"r{i}", p, max_tokens=30) for i, p in enumerate(ps[1:], 1)]}
+    make = lambda: small_engine(rad, num_blocks=7, max_num_batched_tokens=64)  # noqa: E731
+    base = drive(make(), arrivals(make()), False)
+    e = _spec(make(), 4, Oracle(_runs(ps, base), wrong_every=2))
+    seqs = _added(e)
+    assert same(drive(e, arrivals(e), False), base)
+    assert any(s.num_preemptions for s in seqs) and any(s.num_reused_tokens for s in seqs)
+    assert sum(s.draft_stats.accepted for s in seqs) > 0
+
+
+@pytest.mark.parametrize("family", SPEC_FAMILIES)
+def test_seeded_sampling_gives_the_same_tokens_with_drafts(tiny_rads, family):
+    rad = tiny_rads[family]
+    ps, arrivals = _workload(rad, temperature=0.8, top_k=20, seed=11)
+    base = drive(small_engine(rad), arrivals(small_engine(rad)), False)
+    e = _spec(small_engine(rad), 3, Oracle(_runs(ps, base), wrong_every=2))
+    assert same(drive(e, arrivals(e), False), base)
+
+
+def test_unseeded_sampling_keeps_its_distribution(tiny_rads):
+    """Chi-square over the first three tokens' joint outcomes: 300 runs with drafts (an oracle
+    that always proposes the same guesses) against 300 without."""
+    rad = tiny_rads["llama"]
+    prompt = prompts(rad.model.vocab_size, (6,), seed=35)[0]
+    params = dict(temperature=1.5, top_k=3, max_tokens=3, ignore_eos=True)
+    guess = drive(small_engine(rad), {0: [request(small_engine(rad), "g", prompt, **params)]}, False)["g"][0]
+
+    def outcomes(spec: bool, seed: int) -> Counter:
+        e = small_engine(rad, max_num_seqs=30, max_num_batched_tokens=400, seed=seed)
+        if spec:
+            _spec(e, 2, lambda history, n: guess[len(history) - len(prompt):][:n])
+        reqs = [request(e, f"r{i}", prompt, **params) for i in range(300)]
+        return Counter(t for t, _, _ in drive(e, {4 * k: reqs[20 * k:20 * k + 20] for k in range(15)}, False).values())
+
+    a, b = outcomes(False, 1), outcomes(True, 2)
+    assert b[guess] > 0
+    keys = [k for k in a.keys() | b.keys() if a[k] + b[k] >= 10]
+    rest_a, rest_b = 300 - sum(a[k] for k in keys), 300 - sum(b[k] for k in keys)
+    cells = [(a[k], b[k]) for k in keys] + ([(rest_a, rest_b)] if rest_a + rest_b else [])
+    chi2 = sum((x - y) ** 2 / (x + y) for x, y in cells if x + y)  # two samples of equal size
+    dof = len(cells) - 1
+    assert chi2 < dof + 3.5 * math.sqrt(2 * dof), (chi2, dof)  # about p < 0.001 for these dof
+
+
+def test_a_hybrid_model_refuses_speculative_with_the_reason(tiny_rads):
+    rad = tiny_rads["qwen3_next"]
+    m = rad.model
+    storage = torch.zeros((8, 1, len(m.full_attention_layers), 2, 16, m.num_key_value_heads, m.head_dim))
+    with pytest.raises(ConfigError, match="--speculative 2: not yet supported on a hybrid model"):
+        Engine.assemble(rad, Config(speculative=2, max_num_batched_tokens=48), storage, BlockAllocator.fixed(8, 16))
