@@ -8,6 +8,10 @@ budget charges (charges.py): all of them on the compute device, except the token
 embedding table under `--embedding-placement ram` on a GPU, which stays in host RAM,
 pinned, and is read row by row inside the step (kernels/embedding.py) — unless the
 lm_head is tied to it: its one copy is then on the card, where the lm_head reads it.
+
+The price of joining on the host: every layer's [q | k | v] is a host copy until it is
+placed, e.g. Qwen3-30B-A3B's 48 x 20 MiB = 960 MiB of RAM for the length of the load
+(the file's own views cost no RAM beyond the page cache).
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ def activation_dtype(rad: RadFile) -> torch.dtype:
     return embed.dtype if isinstance(embed, torch.Tensor) else rad.tensor("model.norm.weight", verify=False).dtype
 
 
-def embeddings_on_host(cfg: ModelConfig, embedding_placement: str, device: torch.device | str) -> bool:
+def _embeddings_on_host(cfg: ModelConfig, embedding_placement: str, device: torch.device | str) -> bool:
     """Whether the table stays in host RAM: `ram` on a device other than the CPU (where host RAM is the
     device's memory), and no lm_head tied to it."""
     return embedding_placement == "ram" and torch.device(device).type != "cpu" and not cfg.tie_word_embeddings
@@ -98,7 +102,7 @@ def load_plan(rad: RadFile, embedding_placement: str = "vram", device: torch.dev
         return rad.tensor(name, verify=False).to("meta")
 
     build_model(rad.model, read)  # MoE blocks only keep the expert source: None is never read here
-    host = embeddings_on_host(rad.model, embedding_placement, device)
+    host = _embeddings_on_host(rad.model, embedding_placement, device)
     return LoadPlan(tuple(n for n in names if not (host and n == EMBEDDINGS)),
                     (EMBEDDINGS,) if host and EMBEDDINGS in names else ())
 
@@ -128,7 +132,7 @@ def load_model(rad: RadFile, device: torch.device | str = "cpu", dtype: torch.dt
     if torch.device(device).type == "cpu":
         model.placed = Placed(0, 0)
         return model
-    host_table = model.embed.weight if embeddings_on_host(rad.model, embedding_placement, device) else None
+    host_table = model.embed.weight if load_plan(rad, embedding_placement, device).host else None
     moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(host tensor) -> (it, its placed copy)
 
     def place(t: torch.Tensor) -> torch.Tensor:
@@ -173,7 +177,10 @@ def _placed(value, place):
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
     """`t` copied into anonymous host memory of its own size (whole pages) and registered with CUDA: a
-    kernel on the device reads its rows by address. The registration lasts as long as the copy."""
+    kernel on the device reads its rows by address. The registration lasts as long as the copy.
+
+    A copy, not the file's view: that mapping is read-only copy-on-write, and its pages are the page
+    cache's to evict; pinning them would lock file pages for as long as the daemon runs."""
     nbytes = _nbytes(t)
     memory = mmap.mmap(-1, max(PAGE, -(-nbytes // PAGE) * PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     table = torch.frombuffer(memory, dtype=torch.uint8)[:nbytes].view(t.dtype).view(t.shape)

@@ -7,6 +7,9 @@ by class, the bytes the receipt of a GPU card charges to the card, and the ones 
 host RAM are the receipt's host RAM lines. Then the loader is held to its plan: `load_model`
 on the meta device (a stand-in for the GPU: every copy is shape-only) moves exactly the
 plan's device bytes, holds the host table in host memory, and leaves no other weight behind.
+Every device tensor the loader makes is one `place` call that the model keeps, so moved bytes
+equal to the plan's also mean no transient device copy was made (a [q | k | v] joined on the
+card would add its parts' bytes).
 """
 
 from __future__ import annotations
