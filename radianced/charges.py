@@ -107,8 +107,10 @@ def _weights(facts: ModelFacts, cfg: Config, cuda: bool) -> tuple[tuple[Part, ..
                     Part(c, n, ", ".join((_embedding_reason(cfg, cuda),) + _compact_formats(facts, c))))
             continue
         if c == "lm_head" and tied:
+            ram = ("--embedding-placement ram does not move a tied table",) \
+                if cfg.embedding_placement == "ram" else ()
             card.append(Part("lm_head", w["embeddings"], ", ".join(
-                ("tied to the embeddings: one copy",) + _compact_formats(facts, "embeddings"))))
+                ("tied to the embeddings: one copy",) + ram + _compact_formats(facts, "embeddings"))))
             continue
         elif c == "mtp" and n and not cfg.speculative:
             idle.append(Part("mtp", n, "drafts only with --speculative"))
