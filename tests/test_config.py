@@ -37,7 +37,8 @@ def test_every_card_split_flag_parses_into_its_field():
     assert (c.embedding_placement, c.expert_slots, c.drain_timeout, c.card_mib) == ("vram", 100, 5.5, 32607)
     assert (c.host, c.port, c.http_socket, c.control_socket, c.api_key, c.max_queue, c.served_model_name) == \
         ("0.0.0.0", 9000, "/run/r.sock", "/run/c.sock", "k", 10, "qwen")
-    assert not c.lending and c.embedding_placement_on(cuda=False) == "vram"  # --deterministic turns lending off; the flag beats the default
+    assert not c.lending  # --deterministic turns lending off
+    assert c.embedding_placement_on(cuda=False) == "vram"  # the flag beats the CPU backend's default
 
 
 def test_gpu_memory_mib_is_the_headroom_written_as_a_claim():

@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from radianced.model.rad import RadFile
 
 EMBEDDINGS = "model.embed_tokens.weight"
-PAGE = 4096
 # Objects of these modules are walked for tensors to place; anything else the model holds (the
 # expert source, its config) is left as it is: the expert slab is placed by whoever built it.
 _UNWALKED = ("radianced.model.experts", "radianced.model.config")
@@ -141,13 +140,9 @@ def load_model(rad: RadFile, device: torch.device | str = "cpu", dtype: torch.dt
         return moved[id(t)][1]
 
     _place_attributes(model, place)
-    host_bytes = 0 if host_table is None else _nbytes(host_table)
-    model.placed = Placed(sum(_nbytes(t) for t, _ in moved.values()) - host_bytes, host_bytes)
+    host_bytes = 0 if host_table is None else host_table.nbytes
+    model.placed = Placed(sum(t.nbytes for t, _ in moved.values()) - host_bytes, host_bytes)
     return model
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _place_attributes(obj: object, place) -> None:
@@ -176,20 +171,19 @@ def _placed(value, place):
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    """`t` copied into anonymous host memory of its own size (whole pages) and registered with CUDA: a
+    """`t` copied into anonymous host memory of its own size and registered with CUDA: a
     kernel on the device reads its rows by address. The registration lasts as long as the copy.
 
     A copy, not the file's view: that mapping is read-only copy-on-write, and its pages are the page
     cache's to evict; pinning them would lock file pages for as long as the daemon runs."""
-    nbytes = _nbytes(t)
-    memory = mmap.mmap(-1, max(PAGE, -(-nbytes // PAGE) * PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    table = torch.frombuffer(memory, dtype=torch.uint8)[:nbytes].view(t.dtype).view(t.shape)
+    memory = mmap.mmap(-1, t.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # page-aligned, whole pages
+    table = torch.frombuffer(memory, dtype=t.dtype).view(t.shape)
     table.copy_(t)
     if torch.cuda.is_available():
         try:
             register_pinned(table, table, memory)
         except PinError as e:
-            raise RadError(f"cannot pin the embedding table ({nbytes / (1 << 20):.1f} MiB) in host RAM: {e}; raise "
+            raise RadError(f"cannot pin the embedding table ({t.nbytes / (1 << 20):.1f} MiB) in host RAM: {e}; raise "
                            f"the locked-memory limit (LimitMEMLOCK=infinity, ulimit -l) or give "
                            f"--embedding-placement vram") from None
     return table

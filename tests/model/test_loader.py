@@ -81,7 +81,7 @@ def _tensors_by_device(model) -> dict[str, int]:
     _placed(model, note)
     out: Counter = Counter()
     for t in seen.values():
-        out[t.device.type] += t.numel() * t.element_size()
+        out[t.device.type] += t.nbytes
     return dict(out)
 
 
