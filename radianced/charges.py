@@ -4,9 +4,12 @@ Pure: numbers in, `Part`s out (the receipt's lines). `budget.plan` checks the
 headroom first and divides what is left (`FixedCharges.elastic`) by placement mode.
 
 - **Headroom**: `--gpu-headroom-mib`, or card - `--gpu-memory-mib`.
-- **Resident weights** by class (`WEIGHT_CLASSES`), as stored. Embeddings stay
-  in pinned host RAM unless `--embedding-placement vram`; a tied lm_head keeps
-  the one copy on the card. The MTP head is loaded only when it drafts (`--speculative-method mtp`).
+- **Resident weights** by class (`WEIGHT_CLASSES`), as stored. Embeddings go where
+  `Config.embedding_placement_on` says (the flag, else vram on a GPU, ram on the
+  CPU backend): on the card, or pinned in host RAM with the step's rows gathered
+  over the link (kernels/embedding.py); a tied lm_head keeps the one copy on the
+  card either way. The loader places exactly this (model/loader.py `load_plan`).
+  The MTP head is loaded only when it drafts (`--speculative-method mtp`).
 - **Activation workspace** for a step of T = `--max-num-batched-tokens` tokens
   with R = min(T, seqs x (1 + drafts)) sampled rows:
     logits      R sampled rows (sizing.py: `logits_bytes`).
@@ -79,7 +82,7 @@ def fixed_charges(card: Card, facts: ModelFacts, cfg: Config, groups: tuple[Pagi
     headroom = cfg.headroom_bytes(card.total_bytes)
     flag = f"--gpu-memory-mib {cfg.gpu_memory_mib}" if cfg.gpu_memory_mib is not None \
         else f"--gpu-headroom-mib {cfg.headroom_mib}"
-    weights, host_weights, idle = _weights(facts, cfg)
+    weights, host_weights, idle = _weights(facts, cfg, card.cuda)
     workspace = _workspace(facts, card, cfg)
     state = tuple(_state(facts, cfg, groups, max_model_len))
     elastic = card.free_bytes - headroom - sum(p.bytes for p in weights + workspace + state)
@@ -91,7 +94,7 @@ def recurrent_state_charge(per_copy_bytes: int, seqs: int, speculative: int) -> 
     return per_copy_bytes * seqs * (speculative + 1)
 
 
-def _weights(facts: ModelFacts, cfg: Config) -> tuple[tuple[Part, ...], tuple[Part, ...], tuple[Part, ...]]:
+def _weights(facts: ModelFacts, cfg: Config, cuda: bool) -> tuple[tuple[Part, ...], tuple[Part, ...], tuple[Part, ...]]:
     """(on the card, pinned in host RAM, not loaded) by class."""
     w = dict(facts.weights)
     card, host, idle = [], [], []
@@ -99,14 +102,15 @@ def _weights(facts: ModelFacts, cfg: Config) -> tuple[tuple[Part, ...], tuple[Pa
     for c in WEIGHT_CLASSES:
         n = w[c]
         if c == "embeddings":
-            if tied:
-                n = 0  # lookups read the lm_head's copy on the card
-            elif not cfg.embeddings_on_card:
-                host.append(Part("embeddings", n, "--embedding-placement ram"))
-                n = 0
-        elif c == "lm_head" and tied:
+            if n and not tied:  # tied: lookups read the lm_head's copy on the card
+                (host if cfg.embedding_placement_on(cuda) == "ram" else card).append(
+                    Part(c, n, ", ".join((_embedding_reason(cfg, cuda),) + _compact_formats(facts, c))))
+            continue
+        if c == "lm_head" and tied:
+            ram = ("--embedding-placement ram does not move a tied table",) \
+                if cfg.embedding_placement == "ram" else ()
             card.append(Part("lm_head", w["embeddings"], ", ".join(
-                ("tied to the embeddings: one copy",) + _compact_formats(facts, "embeddings"))))
+                ("tied to the embeddings: one copy",) + ram + _compact_formats(facts, "embeddings"))))
             continue
         elif c == "mtp" and n and not cfg.drafts_with_mtp:
             idle.append(Part("mtp", n, "drafts only with --speculative-method mtp"))
@@ -114,6 +118,16 @@ def _weights(facts: ModelFacts, cfg: Config) -> tuple[tuple[Part, ...], tuple[Pa
         if n:
             card.append(Part(c, n, ", ".join(_compact_formats(facts, c))))
     return tuple(card), tuple(host), tuple(idle)
+
+
+def _embedding_reason(cfg: Config, cuda: bool) -> str:
+    """The receipt's word on the embedding placement in effect: the flag, or why the default is what it is."""
+    placement = cfg.embedding_placement_on(cuda)
+    if cfg.embedding_placement is not None:
+        return f"--embedding-placement {placement}"
+    if cuda:
+        return "--embedding-placement vram, the default on a GPU until ram is measured there"
+    return "--embedding-placement ram, the default on the CPU backend"
 
 
 def _compact_formats(facts: ModelFacts, cls: str) -> tuple[str, ...]:

@@ -94,7 +94,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     expert_slots: int | None = None  # None = as many as the budget allows
     kv_cache_dtype: str = "auto"
     kv_resident: int = 0
-    embedding_placement: str = "ram"
+    embedding_placement: str | None = None  # None: `embedding_placement_on` decides by the card
     ngram_placement: str | None = None
     vision_tower_placement: str | None = None
     speculative: int = 0
@@ -137,9 +137,14 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
         m = HOST_POOL_PLACEMENT.match(self.host_pool_placement)
         return m[1] if m else None
 
-    @property
-    def embeddings_on_card(self) -> bool:
-        return self.embedding_placement == "vram"
+    def embedding_placement_on(self, cuda: bool) -> str:
+        """The `--embedding-placement` in effect on a card: as given, else `vram` on a GPU and `ram` on the
+        CPU backend (where host RAM is the card). On a GPU `vram` is the placement every GPU check has
+        run; `ram` (the table pinned in host RAM, rows read over the link in the step) becomes the default
+        there once the H200 has measured it against `vram`."""
+        if self.embedding_placement is not None:
+            return self.embedding_placement
+        return "vram" if cuda else "ram"
 
     def headroom_bytes(self, card_total_bytes: int) -> int:
         """Bytes of the card left untouched: `--gpu-headroom-mib`, or card − `--gpu-memory-mib`.
@@ -206,7 +211,6 @@ _LIMITS: dict[str, tuple[str, int, int]] = {
 _CHOICES: dict[str, tuple[str, tuple[str, ...]]] = {
     "placement": ("--placement", PLACEMENTS),
     "kv_cache_dtype": ("--kv-cache-dtype", KV_CACHE_DTYPES),
-    "embedding_placement": ("--embedding-placement", TABLE_PLACEMENTS),
     "speculative_method": ("--speculative-method", SPECULATIVE_METHODS),
 }
 
@@ -223,9 +227,10 @@ def _check(c: Config) -> None:
     for field, (flag, choices) in _CHOICES.items():
         if getattr(c, field) not in choices:
             raise ConfigError(f"{flag} {getattr(c, field)!r}: choose one of {', '.join(choices)}")
-    if c.vision_tower_placement is not None and c.vision_tower_placement not in TABLE_PLACEMENTS:
-        raise ConfigError(f"--vision-tower-placement {c.vision_tower_placement!r}: "
-                          f"choose one of {', '.join(TABLE_PLACEMENTS)}")
+    for flag, value in (("--embedding-placement", c.embedding_placement),
+                        ("--vision-tower-placement", c.vision_tower_placement)):
+        if value is not None and value not in TABLE_PLACEMENTS:
+            raise ConfigError(f"{flag} {value!r}: choose one of {', '.join(TABLE_PLACEMENTS)}")
     _check_host_pool_placement(c)
     if c.ngram_placement is not None and not NGRAM_PLACEMENT.match(c.ngram_placement):
         raise ConfigError(f"--ngram-placement {c.ngram_placement!r}: choose vram, ram, disk, ram=DIR or disk=DIR")
@@ -359,7 +364,8 @@ def _split_flags(g, d: Config) -> None:
     g.add_argument("--kv-resident", type=int, default=d.kv_resident,
                    help="KV streaming ring in tokens (block-sparse attention models)")
     g.add_argument("--embedding-placement", choices=TABLE_PLACEMENTS, default=d.embedding_placement,
-                   help="token embeddings on the card or pinned in host RAM (default ram)")
+                   help="token embeddings on the card or pinned in host RAM, read over the link in each step "
+                        "(default: vram on a GPU, where ram is not yet measured; ram on the CPU backend)")
     g.add_argument("--ngram-placement", help="n-gram table: vram, ram, disk, ram=DIR or disk=DIR")
     g.add_argument("--vision-tower-placement", choices=TABLE_PLACEMENTS, help="vision encoder placement")
     g.add_argument("--speculative", type=int, default=d.speculative,

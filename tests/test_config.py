@@ -17,7 +17,8 @@ def test_defaults_are_the_documented_ones():
     c = parse_config([])
     assert c == Config()
     assert (c.model, c.max_model_len, c.placement, c.embedding_placement, c.kv_cache_dtype) == \
-        (None, 0, "auto", "ram", "auto")
+        (None, 0, "auto", None, "auto")
+    assert (c.embedding_placement_on(cuda=True), c.embedding_placement_on(cuda=False)) == ("vram", "ram")
     assert c.headroom_mib == DEFAULT_HEADROOM_MIB == 96
     assert c.headroom_bytes(8192 * MiB) == 96 * MiB
     assert c.lending and c.state_copies == 1 and c.decode_tokens == c.max_num_seqs
@@ -36,7 +37,8 @@ def test_every_card_split_flag_parses_into_its_field():
     assert (c.embedding_placement, c.expert_slots, c.drain_timeout, c.card_mib) == ("vram", 100, 5.5, 32607)
     assert (c.host, c.port, c.http_socket, c.control_socket, c.api_key, c.max_queue, c.served_model_name) == \
         ("0.0.0.0", 9000, "/run/r.sock", "/run/c.sock", "k", 10, "qwen")
-    assert not c.lending and c.embeddings_on_card  # --deterministic turns lending off
+    assert not c.lending  # --deterministic turns lending off
+    assert c.embedding_placement_on(cuda=False) == "vram"  # the flag beats the CPU backend's default
 
 
 def test_gpu_memory_mib_is_the_headroom_written_as_a_claim():
@@ -126,6 +128,13 @@ def test_bad_values_of_unlanded_flags_are_refused_as_bad_values_first():
         parse_config(["--ngram-placement", "tmpfs"])
     with pytest.raises(ConfigError, match="--speculative 17: must be between 0 and 16"):
         parse_config(["--speculative", "17"])
+
+
+def test_a_table_placement_outside_the_choices_is_refused_naming_the_flag():
+    for field, flag in (("embedding_placement", "--embedding-placement"),
+                        ("vision_tower_placement", "--vision-tower-placement")):
+        with pytest.raises(ConfigError, match=f"^{flag} 'disk': choose one of vram, ram$"):
+            Config(**{field: "disk"})
 
 
 def test_parser_errors_are_config_errors_not_exits():

@@ -15,7 +15,8 @@ the ceilings measured in the same run (DESIGN.md "Benchmarks", METHOD.md):
   planned with `budget.plan` against the card `mem_get_info` reports, its arena
   allocated from the receipt, experts and KV placed in arena pages, the model
   loaded: allocated bytes against the receipt, peak reserved after a full
-  `--max-num-batched-tokens` prefill;
+  `--max-num-batched-tokens` prefill; twice, with the embedding table on the
+  card (section "budget") and pinned in host RAM ("budget_embeddings_ram");
 - decode: a few Qwen3-30B-A3B-shaped layers with random bf16 weights made on
   the device, every expert resident, the reference ops (the "before" number for
   the Triton kernels): step time against (bytes of active weights + KV) / HBM.
@@ -56,6 +57,8 @@ import torch  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 BLOCK_TOKENS = 16
+# The budget section, once per --embedding-placement ("budget" keeps its name across runs' results).
+BUDGET_SECTIONS = {"budget": "vram", "budget_embeddings_ram": "ram"}
 
 
 class Skip(Exception):
@@ -372,8 +375,9 @@ def _disk_run(fd: int, path: Path, nbytes: int, chunk: int, threads, np) -> dict
 # -- budget vs reality (issue 4) ----------------------------------------------------------
 
 
-def section_budget(device, quick: bool, tmp: Path) -> dict:
-    """Plan a scaled-up tiny qwen3_moe on this card, allocate what the receipt says, and measure."""
+def section_budget(device, quick: bool, tmp: Path, embedding_placement: str) -> dict:
+    """Plan a scaled-up tiny qwen3_moe on this card, allocate what the receipt says, and measure; the
+    embedding table on the card (`vram`) or pinned in host RAM and read in the step (`ram`)."""
     from radianced.arena import EXPERTS, KV, Arena
     from radianced.budget import plan
     from radianced.card import Card, detect_card
@@ -418,11 +422,12 @@ def section_budget(device, quick: bool, tmp: Path) -> dict:
     in_use_mib = -(-(card.total_bytes - card.free_bytes) // MiB)
     # --gpu-memory-mib: radianced may use what is in use now plus `spare_mib`; the rest of the card
     # stays free, so going past the receipt shows up as a number instead of an out-of-memory error.
-    cfg = Config(placement="resident", embedding_placement="vram", gpu_memory_mib=in_use_mib + spare_mib,
+    cfg = Config(placement="resident", embedding_placement=embedding_placement, gpu_memory_mib=in_use_mib + spare_mib,
                  max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=tokens)
     receipt = plan(card, facts, cfg)
     budget_total = receipt.card_free - receipt.headroom  # weights + workspace + state + elastic
-    out["flags"] = {"placement": "resident", "embedding_placement": "vram", "gpu_memory_mib": cfg.gpu_memory_mib,
+    out["flags"] = {"placement": "resident", "embedding_placement": embedding_placement,
+                    "gpu_memory_mib": cfg.gpu_memory_mib,
                     "max_model_len": 4096, "max_num_seqs": 4, "max_num_batched_tokens": tokens}
     out["receipt"] = receipt.lines()
     out["backend"] = backend
@@ -463,9 +468,17 @@ def section_budget(device, quick: bool, tmp: Path) -> dict:
         pages[e.layer].append(page)
     experts = ResidentExperts(slab, {layer: torch.tensor(p, dtype=torch.int64, device=device)
                                      for layer, p in pages.items()})
-    model = load_model(rad, device=device, dtype=dtype, experts=experts)
+    model = load_model(rad, device=device, dtype=dtype, experts=experts, embedding_placement=embedding_placement)
     _sync(device)
     expected = receipt.weights_bytes + receipt.arena_alloc_bytes
+    host_charged = sum(p.bytes for p in receipt.host_weights if p.name == "embeddings")
+    # on the CPU nothing moves (host RAM is the card there): the comparison is a CUDA one
+    out["weights_placed"] = {"device_bytes": model.placed.device_bytes, "host_bytes": model.placed.host_bytes,
+                             "receipt_card_bytes": receipt.weights_bytes, "receipt_host_bytes": host_charged}
+    if base is not None and (model.placed.device_bytes, model.placed.host_bytes) != (receipt.weights_bytes,
+                                                                                      host_charged):
+        checks.append(f"the loader placed {model.placed} where the receipt charges {receipt.weights_bytes} B to "
+                      f"the card and {host_charged} B of embeddings to host RAM")
     if base is not None:
         startup = _allocated(device) - base
         out["startup"] = {"allocated_bytes": startup, "receipt_weights_plus_arena": expected,
@@ -540,12 +553,12 @@ def section_budget(device, quick: bool, tmp: Path) -> dict:
     return out
 
 
-def section_budget_fresh(device, quick: bool, tmp: Path) -> dict:
+def section_budget_fresh(device, quick: bool, tmp: Path, embedding_placement: str) -> dict:
     """`section_budget` in a fresh process, so that the card it reads and the memory it counts
     start as a daemon's would: nothing of the ceilings' allocations, handles or caches."""
-    result = tmp / "budget.json"
+    result = tmp / f"budget_{embedding_placement}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "budget-child", "--result", str(result),
-           "--tmp", str(tmp)] + (["--quick"] if quick else [])
+           "--tmp", str(tmp), "--embedding-placement", embedding_placement] + (["--quick"] if quick else [])
     r = subprocess.run(cmd, timeout=180)
     if not result.exists():
         raise RuntimeError(f"the budget process exited {r.returncode} without a result")
@@ -559,7 +572,7 @@ def section_budget_fresh(device, quick: bool, tmp: Path) -> dict:
 def cmd_budget_child(args) -> int:
     device = "cuda" if _cuda() else "cpu"
     try:
-        res = section_budget(device, args.quick or device == "cpu", Path(args.tmp))
+        res = section_budget(device, args.quick or device == "cpu", Path(args.tmp), args.embedding_placement)
     except Exception:  # noqa: BLE001 - handed to the parent, which records it
         res = {"child_traceback": traceback.format_exc(limit=12)}
     _write_json(Path(args.result), res)
@@ -745,7 +758,8 @@ def cmd_run(args) -> int:
         results["env"]["nvidia_smi_after_host_links"] = nvidia_smi()
     _section(ceil, path, "disk_odirect", ceiling_disk, 256 * MiB if quick else 2 * GiB)
     with tempfile.TemporaryDirectory(prefix="radianced-bench-") as tmp:
-        _section(results, path, "budget", section_budget_fresh, device, quick, Path(tmp))
+        for name, embeddings in BUDGET_SECTIONS.items():
+            _section(results, path, name, section_budget_fresh, device, quick, Path(tmp), embeddings)
     # the floors use the copy and matmul rates measured above, on the same device
     _section(results, path, "decode_reference", section_decode, device, quick,
              ceil["hbm_copy"].get("bytes_per_s"), ceil["matmul_bf16"].get("flop_per_s"))
@@ -843,6 +857,11 @@ def report_rows(bench: dict, junit: dict, tests: list[dict], rcs: dict) -> list[
         rows.append(("tests -m gpu", f"{junit['passed']} passed, {junit['failures'] + junit['errors']} failed, "
                      f"{junit['skipped']} skipped", "", "",
                      ("FAILED: " + ", ".join(junit["failed"])[:200]) if junit["failed"] else t_note))
+    gather = sorted((r for r in tests if r.get("test") == "embedding_gather"), key=lambda r: r["tokens"])
+    if gather:  # tests/gpu/test_embedding_placement.py: --embedding-placement ram's lookup against vram's
+        rows.append(("embedding lookup, table pinned in host RAM (graph replay, bf16, H 2048)",
+                     " / ".join(f"{r['tokens']} tok {r['host_table_us']:.1f} us" for r in gather),
+                     "table on the card: " + " / ".join(f"{r['card_table_us']:.1f} us" for r in gather), "", ""))
     tests = [r for r in tests if "family" in r]  # the family tests' rows; kernel tests record other rows
     by = {}
     for r in tests:
@@ -868,35 +887,8 @@ def report_rows(bench: dict, junit: dict, tests: list[dict], rcs: dict) -> list[
                      "target 95% (asserted 90%)", "",
                      "worst rel err " + " / ".join(f"{bf[f]['worst_rel_err']:.2f}" for f in fams if f in bf)))
 
-    # budget
-    b = bench.get("budget", {})
-    for check in b.get("checks_failed") or []:
-        rows.append(("budget check FAILED", "-", "", "", check[:200]))
-    if b.get("status") in ("ok", "failed"):
-        a = b.get("arena", {})
-        rows.append(("arena allocated vs receipt elastic line", _mib(a.get("allocated_bytes")),
-                     _mib(a.get("elastic_bytes")), "",
-                     f"within one page and one allocator unit ({_mib(a.get('slack_bytes'))}): "
-                     f"{'yes' if a.get('within_one_page') else 'NO'}"))
-        s = b.get("startup")
-        if s:
-            rows.append(("allocated after start-up vs receipt weights + arena", _mib(s["allocated_bytes"]),
-                         _mib(s["receipt_weights_plus_arena"]), f"gap {s['gap_bytes'] / MiB:+.3f} MiB",
-                         f"within 1 MiB: {'yes' if s['within_1_mib'] else 'NO'}"))
-        for key, p in b.get("prefill", {}).items():
-            if "error" in p:
-                rows.append((f"prefill {key} (reference ops)", "-", "", "", p["error"][:150]))
-            elif "peak_reserved_bytes" in p:
-                rows.append((f"peak reserved, prefill {key} ({b.get('backend', 'reference')} ops)",
-                             _mib(p["peak_reserved_bytes"]),
-                             f"receipt total {_mib(p['budget_total_bytes'])}",
-                             f"{p['peak_reserved_minus_budget'] / MiB:+,.1f} MiB",
-                             f"step peak {_mib(p['step_peak_allocated_bytes'])} vs workspace line "
-                             f"{_mib(p['receipt_workspace_bytes'])}"))
-            else:
-                rows.append((f"prefill {key} (reference ops)", "ran", "", "", "no CUDA: no memory figures"))
-    else:
-        rows.append(("budget vs reality", "-", "", "", _status(b) or ""))
+    for name, embeddings in BUDGET_SECTIONS.items():
+        rows += _budget_rows(bench.get(name, {}), f"embeddings {embeddings}")
 
     d = bench.get("decode_reference", {})
     if d.get("status") == "ok":
@@ -910,6 +902,41 @@ def report_rows(bench: dict, junit: dict, tests: list[dict], rcs: dict) -> list[
                              f"{_mib(r['min_bytes'])} moved at least; spread {_ms(r['min_s'])}..{_ms(r['max_s'])}"))
     else:
         rows.append(("decode (reference ops)", "-", "", "", _status(d) or ""))
+    return rows
+
+
+def _budget_rows(b: dict, flag: str) -> list[tuple]:
+    """The report's rows of one budget section (`flag` says its embedding placement)."""
+    rows = [(f"budget check FAILED ({flag})", "-", "", "", check[:200]) for check in b.get("checks_failed") or []]
+    if b.get("status") not in ("ok", "failed"):
+        return rows + [(f"budget vs reality ({flag})", "-", "", "", _status(b) or "")]
+    a = b.get("arena", {})
+    rows.append((f"arena allocated vs receipt elastic line ({flag})", _mib(a.get("allocated_bytes")),
+                 _mib(a.get("elastic_bytes")), "",
+                 f"within one page and one allocator unit ({_mib(a.get('slack_bytes'))}): "
+                 f"{'yes' if a.get('within_one_page') else 'NO'}"))
+    w = b.get("weights_placed")
+    if w:
+        rows.append((f"weights placed on the card / in host RAM ({flag})",
+                     f"{_mib(w['device_bytes'])} / {_mib(w['host_bytes'])}",
+                     f"receipt {_mib(w['receipt_card_bytes'])} / {_mib(w['receipt_host_bytes'])}", "", ""))
+    s = b.get("startup")
+    if s:
+        rows.append((f"allocated after start-up vs receipt weights + arena ({flag})", _mib(s["allocated_bytes"]),
+                     _mib(s["receipt_weights_plus_arena"]), f"gap {s['gap_bytes'] / MiB:+.3f} MiB",
+                     f"within 1 MiB: {'yes' if s['within_1_mib'] else 'NO'}"))
+    for key, p in b.get("prefill", {}).items():
+        if "error" in p:
+            rows.append((f"prefill {key} ({flag})", "-", "", "", p["error"][:150]))
+        elif "peak_reserved_bytes" in p:
+            rows.append((f"peak reserved, prefill {key} ({b.get('backend', 'reference')} ops, {flag})",
+                         _mib(p["peak_reserved_bytes"]),
+                         f"receipt total {_mib(p['budget_total_bytes'])}",
+                         f"{p['peak_reserved_minus_budget'] / MiB:+,.1f} MiB",
+                         f"step peak {_mib(p['step_peak_allocated_bytes'])} vs workspace line "
+                         f"{_mib(p['receipt_workspace_bytes'])}"))
+        else:
+            rows.append((f"prefill {key} ({flag})", "ran", "", "", "no CUDA: no memory figures"))
     return rows
 
 
@@ -966,6 +993,7 @@ def main(argv=None) -> int:
     c.add_argument("--result", required=True)
     c.add_argument("--tmp", required=True)
     c.add_argument("--quick", action="store_true")
+    c.add_argument("--embedding-placement", choices=tuple(BUDGET_SECTIONS.values()), required=True)
     args = ap.parse_args(argv)
     if args.cmd == "budget-child":
         return cmd_budget_child(args)

@@ -29,7 +29,7 @@ import torch
 
 from radianced import budget
 from radianced.arena import KV, Arena, TenantPages
-from radianced.card import Card, detect_card
+from radianced.card import Card, MiB, detect_card
 from radianced.config import Config, ConfigError
 from radianced.engine.graphs import DecodeGraphs
 from radianced.engine.plan import StepOutput, StepPlan
@@ -205,7 +205,11 @@ class Engine:
         """Wire the model, caches, scheduler and runner over given KV storage
         ([P, N, L, 2, S, Hkv, D]) and its block allocator (tests give small pools)."""
         m = rad.model
-        model = load_model(rad, device, experts=experts)
+        cuda = torch.device(device).type == "cuda"
+        model = load_model(rad, device, experts=experts, embedding_placement=cfg.embedding_placement_on(cuda))
+        if cuda:
+            log.info(f"weights loaded: {model.placed.device_bytes / MiB:.2f} MiB on the card, "
+                     f"{model.placed.host_bytes / MiB:.2f} MiB pinned in host RAM")
         hybrid = bool(m.linear_attention_layers)
         dtype = kv_storage.dtype
         states = RecurrentState.allocate(m, cfg.max_num_seqs, dtype, device) if hybrid else None

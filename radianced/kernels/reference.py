@@ -210,6 +210,15 @@ def rotary_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     return paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale)
 
 
+# -- embeddings -------------------------------------------------------------
+
+
+def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` ([T] int) of `table` ([V, H], on any device): [T, H] in the table's dtype on the
+    ids' device (the embedding lookup of a table kept away from the compute device)."""
+    return F.embedding(ids.to(table.device), table).to(ids.device)
+
+
 # -- routed experts ---------------------------------------------------------
 
 

@@ -127,12 +127,15 @@ class DenseMLP:
 
 class Embedding:
     def __init__(self, weight: torch.Tensor | CompactWeight, dtype: torch.dtype):
-        """weight: [V, hidden]; dtype: the activations' dtype, what a compact table's rows become."""
+        """weight: [V, hidden], on the compute device or, with `--embedding-placement ram` on a GPU,
+        pinned in host RAM (model/loader.py); dtype: the activations' dtype, what a compact table's rows become."""
         self.weight, self.dtype = weight, dtype
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, CompactWeight):
             return self.weight.rows(ids, self.dtype)  # only the looked-up rows are dequantized
+        if self.weight.device != ids.device:  # the table in host RAM: the step's rows cross the link
+            return ops.gather_rows(self.weight, ids)
         return F.embedding(ids, self.weight)
 
 

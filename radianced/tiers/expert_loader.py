@@ -27,9 +27,9 @@ from collections.abc import Sequence
 
 import torch
 
+from radianced.kernels.pinned import PinError, register_pinned
 from radianced.tiers.aligned import align_up
 from radianced.tiers.disk import DiskReader, ReadResult
-from radianced.tiers.host import PinError, register_pinned
 
 Key = tuple[int, int]  # (layer, expert)
 

@@ -36,6 +36,7 @@ import msgspec
 import torch
 import xxhash
 
+from radianced.kernels.pinned import PinError, register_pinned
 from radianced.model.rad_format import DTYPES
 from radianced.tiers.aligned import ALIGN, align_up
 from radianced.tiers.disk import DEPTH, DiskError, DiskReader
@@ -44,7 +45,6 @@ from radianced.tiers.profile import model_checksum
 from radianced.tmpfs import tmpfs_refusal
 
 MiB = 1 << 20
-CUDA_HOST_REGISTER_PORTABLE, CUDA_HOST_REGISTER_MAPPED = 1, 2
 
 Key = tuple[int, int]
 
@@ -210,31 +210,6 @@ class HostPool:
                                 f"raise the locked-memory limit (LimitMEMLOCK=infinity, ulimit -l) or lower "
                                 f"--host-pool-mib") from None
         self.pinned = True
-
-
-class PinError(RuntimeError):
-    """cudaHostRegister refused the memory; the message is CUDA's error."""
-
-
-def register_pinned(owner: object, t: torch.Tensor, memory: object) -> weakref.finalize:
-    """Pin `t`'s host memory in place for CUDA (page-locked, mapped into the device's address space:
-    kernels read it over the link, copies from it run asynchronously) for as long as `owner` lives.
-
-    Returns the finalizer that unpins it: call it to unpin early (`close`); it also runs when
-    `owner` is collected unclosed. It holds `memory` (the mapping under t) until then, so pages are
-    never unmapped while registered: CUDA would refuse a later registration of those addresses.
-    Raises PinError with CUDA's error.
-    """
-    rt = torch.cuda.cudart()
-    err = rt.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(),
-                              CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
-    if err != rt.cudaError.success:
-        raise PinError(str(err))
-    return weakref.finalize(owner, _unregister, t.data_ptr(), memory)
-
-
-def _unregister(ptr: int, memory: object) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)  # `memory` was held alive until now
 
 
 def _fill(rad, keys: tuple[Key, ...], mm: mmap.mmap, row_bytes: int, depth: int, verify: bool,

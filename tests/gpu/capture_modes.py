@@ -29,10 +29,10 @@ from radianced.config import Config
 from radianced.engine.engine import Engine
 from radianced.engine.request import Request
 from radianced.engine.sampling_params import SamplingParams
+from radianced.kernels.pinned import register_pinned
 from radianced.model.convert import convert
 from radianced.model.rad import RadFile
 from radianced.model.tiny import make_tiny
-from radianced.tiers.host import register_pinned
 
 MODES = {
     "greedy": dict(temperature=0.0),

@@ -1,0 +1,59 @@
+"""The receipt's embedding lines: where the table is charged, and the reason the line gives.
+
+The flag wins; without it a GPU card charges the table to the card (`vram`, the placement
+the GPU checks have run, until `ram` is measured there) and the CPU backend to host RAM.
+A tied table is the lm_head's one copy on the card whatever the flag, and says so.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from radianced.card import Card
+from radianced.charges import fixed_charges
+from radianced.config import Config
+from radianced.model.config import ModelConfig
+from radianced.receipt import Part
+from radianced.sizing import ModelFacts, PagingGroup
+
+_TINY = dict(vocab_size=400, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=4096, num_hidden_layers=2,
+             intermediate_size=128)
+UNTIED = ModelFacts.from_config(ModelConfig(family="llama", **_TINY), 2)
+TIED = ModelFacts.from_config(ModelConfig(family="llama", tie_word_embeddings=True, **_TINY), 2)
+TABLE = 400 * 64 * 2
+GROUPS = (PagingGroup("kv_attn", 2, 16, 16 * 128),)
+
+
+def _charges(facts: ModelFacts, cuda: bool, **flags):
+    card = Card.from_mib(1024, cuda=cuda)
+    return fixed_charges(card, facts, Config(max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64, **flags),
+                         GROUPS, 256)
+
+
+def _embeddings(parts) -> list[Part]:
+    return [p for p in parts if p.name == "embeddings"]
+
+
+@pytest.mark.parametrize("cuda,flag,where,reason", [
+    (True, None, "card", "--embedding-placement vram, the default on a GPU until ram is measured there"),
+    (False, None, "host", "--embedding-placement ram, the default on the CPU backend"),
+    (True, "ram", "host", "--embedding-placement ram"),
+    (True, "vram", "card", "--embedding-placement vram"),
+    (False, "vram", "card", "--embedding-placement vram"),
+])
+def test_an_untied_table_goes_where_the_flag_or_the_default_says_and_the_line_says_why(cuda, flag, where, reason):
+    fixed = _charges(UNTIED, cuda, embedding_placement=flag)
+    on_card, in_host = _embeddings(fixed.weights), _embeddings(fixed.host_weights)
+    assert (on_card, in_host) == (([Part("embeddings", TABLE, reason)], []) if where == "card"
+                                  else ([], [Part("embeddings", TABLE, reason)]))
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+@pytest.mark.parametrize("flag,note", [(None, ""), ("vram", ""), ("ram", ", --embedding-placement ram does not "
+                                                                          "move a tied table")])
+def test_a_tied_table_is_the_lm_heads_one_copy_on_the_card_whatever_the_flag(cuda, flag, note):
+    fixed = _charges(TIED, cuda, embedding_placement=flag)
+    assert _embeddings(fixed.weights) == _embeddings(fixed.host_weights) == []
+    assert [p for p in fixed.weights if p.name == "lm_head"] == [
+        Part("lm_head", TABLE, "tied to the embeddings: one copy" + note)]
