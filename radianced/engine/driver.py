@@ -377,13 +377,12 @@ class AsyncEngine:
         prompt = len(s.request.prompt_token_ids)
         decode_s = now - first
         rate = (s.generated - 1) / decode_s if s.generated > 1 and decode_s > 0 else 0.0
-        log.info("%s: prompt %d tokens = %d reused + %d read in %.0f ms, %d generated in %.0f ms (%.1f tok/s) "
+        d = s.seq.draft_stats
+        share = 100.0 * d.accepted / d.drafted if d.drafted else 0.0
+        drafts = f"drafts accepted {d.accepted}/{d.drafted} ({share:.1f}%)"
+        log.info("%s: prompt %d tokens = %d reused + %d read in %.0f ms, %d generated in %.0f ms (%.1f tok/s), %s "
                  "[%s]", s.request.request_id, prompt, reused, prompt - reused,
-                 (first - s.arrived) * 1e3, s.generated, decode_s * 1e3, rate, reason)
-        if self.scheduler.draft_policy is not None:
-            d = s.seq.draft_stats
-            log.info("%s: drafts accepted %d/%d (%.1f%%)", s.request.request_id, d.accepted, d.drafted,
-                     100.0 * d.accepted / d.drafted if d.drafted else 0.0)
+                 (first - s.arrived) * 1e3, s.generated, decode_s * 1e3, rate, drafts, reason)
         if self.engine.experts is not None:
             log.info("%s: %s", s.request.request_id, expert_line(*s.experts))
 
