@@ -30,7 +30,7 @@ import torch
 from radianced import budget
 from radianced.arena import KV, Arena, TenantPages
 from radianced.card import Card, MiB, detect_card
-from radianced.config import Config, ConfigError
+from radianced.config import Config
 from radianced.engine.graphs import DecodeGraphs
 from radianced.engine.plan import StepOutput, StepPlan
 from radianced.engine.request import Request
@@ -212,7 +212,7 @@ class Engine:
                      f"{model.placed.host_bytes / MiB:.2f} MiB pinned in host RAM")
         hybrid = bool(m.linear_attention_layers)
         dtype = kv_storage.dtype
-        states = RecurrentState.allocate(m, cfg.max_num_seqs, dtype, device) if hybrid else None
+        states = RecurrentState.allocate(m, cfg.max_num_seqs, dtype, device, cfg.speculative) if hybrid else None
         # each decoding sequence keeps one checkpoint of its own; as many again stay cached for prefix hits
         n_checkpoints = 2 * cfg.max_num_seqs
         checkpoints = RecurrentState.allocate(m, n_checkpoints, dtype, device) if hybrid else None
@@ -220,21 +220,17 @@ class Engine:
         scheduler = Scheduler(allocator=allocator, max_num_seqs=cfg.max_num_seqs,
                               max_num_batched_tokens=cfg.max_num_batched_tokens, max_queue=cfg.max_queue,
                               prefix=prefix, hybrid=hybrid, max_model_len=max_model_len,
-                              draft_policy=_draft_policy(cfg, hybrid, torch.device(device)))
+                              draft_policy=_draft_policy(cfg, torch.device(device)))
         tokenizer = Tokenizer.from_header(rad.header)
         runner = Runner(model, KVCache(kv_storage, m.full_attention_layers, states), checkpoints,
                         Sampler(device, sampler_seed), experts if isinstance(experts, ExpertSlab) else None)
         return cls(scheduler, runner, tokenizer, pipelined=not cfg.sequential_steps)
 
 
-def _draft_policy(cfg: Config, hybrid: bool, device: torch.device) -> DraftPolicy | None:
+def _draft_policy(cfg: Config, device: torch.device) -> DraftPolicy | None:
     """Speculative decoding's policy for --speculative (n-gram drafts), or None when it is off."""
     if not cfg.speculative:
         return None
-    if hybrid:
-        raise ConfigError(f"--speculative {cfg.speculative}: not yet supported on a hybrid model (Gated DeltaNet "
-                          "layers): verifying drafts needs the recurrent state after each draft position; "
-                          "leave --speculative out")
     log.info("speculative decoding: up to %d n-gram drafts per sequence and step, adaptive (cost model r = %g "
              "on %s)", cfg.speculative, TOKEN_COST[device.type], device.type)
     return DraftPolicy(cfg.speculative, TOKEN_COST[device.type])

@@ -88,7 +88,7 @@ class Runner:
                     [list(s.block_table[0]) for s in seqs], self.cache.block_size,
                     logits=[(1 + len(s.drafts)) * s.sample for s in seqs],
                     state_slots=[s.state_slot for s in seqs] if self.cache.states is not None else None,
-                    device=self.device)
+                    device=self.device, drafts=[len(s.drafts) for s in seqs])
                 if pending is not None:
                     copy_rows(batch.input_ids, *pending)
                 with torch.inference_mode():
@@ -121,12 +121,23 @@ class Runner:
         counts = self.experts.count(step.routing) if step.routing is not None else None
         errors = self._failed_seqs(step.routing, step.query_start) if step.routing is not None else None
         out = StepOutput(tuple(() for _ in seqs)) if step.host is None else self._output(seqs, step.host)
+        if self.cache.states is not None:
+            self._keep_accepted_states(seqs, out.token_ids)
         if counts is None:
             return out
         per_seq: list = [None] * len(seqs)
         for i, c in zip(step.decode, counts):
             per_seq[i] = c
         return replace(out, expert_counts=tuple(per_seq), errors=errors)
+
+    def _keep_accepted_states(self, seqs: tuple[ScheduledSeq, ...], yielded: tuple[tuple[int, ...], ...]) -> None:
+        """A hybrid model's verify steps: the state after the last accepted position becomes the
+        sequence's (queued before any later step: a plan that drafts is never planned ahead of)."""
+        states = self.cache.states
+        for s, tokens in zip(seqs, yielded):
+            accepted = len(tokens) - 1
+            if s.drafts and accepted < len(s.drafts):
+                states.copy_slot(states.draft_slot(s.state_slot, accepted), states, s.state_slot)
 
     def _pending_inputs(self, seqs: tuple[ScheduledSeq, ...],
                         query_start: tuple[int, ...]) -> tuple[torch.Tensor | slice, torch.Tensor] | None:

@@ -214,14 +214,22 @@ class Scheduler:
         """The in-flight plan drafts, or a sequence it samples for would draft in the next step."""
         seqs = [self._by_seq.get(s.seq_id) for s in in_flight.seqs if s.sample]
         return any(s.drafts for s in in_flight.seqs) or any(
-            seq is not None and self.draft_policy.would_draft(seq, len(self.running), self.step_tokens,
-                                                              self.max_model_len) for seq in seqs)
+            seq is not None and self.draft_policy.would_draft(seq, len(self.running), self._draft_budget(
+                seq, self.step_tokens), self.max_model_len) for seq in seqs)
+
+    def _draft_budget(self, seq: Sequence, budget: int) -> int:
+        """The budget a decode of `seq` may take with its drafts. A hybrid model saves a checkpoint after
+        a plain step ending at a block boundary (the state after exactly that many tokens): its drafts
+        stop short of the next boundary, so the sequence lands on it."""
+        if self.hybrid and self.prefix is not None:
+            return min(budget, -(seq.num_computed_tokens + 1) % self.block_size)
+        return budget
 
     def _drafts(self, seq: Sequence, n: int, budget: int) -> tuple[int, ...]:
         """The drafts a decode of `seq` feeds in this step, if its blocks can be had without preempting."""
         if self.draft_policy is None or seq.is_prefilling or n != 1 or seq.pending:
             return ()
-        drafts = self.draft_policy.drafts(seq, len(self.running), budget, self.max_model_len)
+        drafts = self.draft_policy.drafts(seq, len(self.running), self._draft_budget(seq, budget), self.max_model_len)
         if drafts and not self.allocator.can_append(seq.block_table, seq.num_computed_tokens + n + len(drafts)):
             return ()
         return drafts

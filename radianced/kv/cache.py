@@ -57,24 +57,42 @@ class RecurrentState:
     conv: [L, slots, C, K-1] (the last K-1 conv inputs, model dtype) and
     recurrent: [L, slots, Hv, Dk, Dv] (fp32) for the L linear-attention layers.
     A sequence owns one slot index across all of them; `reset` zeroes it.
+
+    With speculative decoding (`drafts_per_seq` N > 0) the first `num_seqs` slots are the
+    sequences' and N more per sequence follow them (`draft_slot`): a verify step leaves the state
+    after its j-th position there, and the state after the position its drafts were accepted to
+    becomes the sequence's (`copy_slot`). N+1 copies per sequence: what the budget charges.
     """
 
-    def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor, layers: tuple[int, ...]):
+    def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor, layers: tuple[int, ...], drafts_per_seq: int = 0):
         self.conv, self.recurrent = conv, recurrent
+        self.drafts_per_seq = drafts_per_seq
+        self.num_seqs = conv.shape[1] // (1 + drafts_per_seq)
         self._index = {layer: i for i, layer in enumerate(layers)}
 
     @classmethod
-    def allocate(cls, cfg: ModelConfig, slots: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def allocate(cls, cfg: ModelConfig, slots: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 drafts_per_seq: int = 0):
+        """`slots` sequences' slots, and `drafts_per_seq` draft slots for each of them."""
         layers = cfg.linear_attention_layers
+        slots *= 1 + drafts_per_seq
         channels = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
         conv = torch.zeros((len(layers), slots, channels, cfg.linear_conv_kernel_dim - 1), dtype=dtype, device=device)
         recurrent = torch.zeros((len(layers), slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                  cfg.linear_value_head_dim), dtype=torch.float32, device=device)
-        return cls(conv, recurrent, layers)
+        return cls(conv, recurrent, layers, drafts_per_seq)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = self._index[layer]
         return self.conv[i], self.recurrent[i]
+
+    def draft_slot(self, slot: int, position: int) -> int:
+        """Where a verify step of sequence slot `slot` leaves the state after its `position`-th token
+        (0: the sequence's last token, j: its j-th draft)."""
+        if not 0 <= position < self.drafts_per_seq or not 0 <= slot < self.num_seqs:
+            raise IndexError(f"no draft slot {position} of state slot {slot} ({self.num_seqs} sequences x "
+                             f"{self.drafts_per_seq} drafts)")
+        return self.num_seqs + slot * self.drafts_per_seq + position
 
     def copy_slot(self, slot: int, dst: RecurrentState, dst_slot: int) -> None:
         """Copy this pool's `slot` into `dst`'s `dst_slot` (same model, e.g. state slot <-> checkpoint)."""

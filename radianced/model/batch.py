@@ -32,6 +32,8 @@ class ForwardBatch:
     (seq_lens_t int64 in the decode graphs' static batch), for kernels (no
     per-layer host -> device copy; capturable in a CUDA graph).
     The host tuples serve ops that loop per sequence on the CPU.
+    drafts: per sequence, how many of its last tokens are speculative drafts (a verify step; a
+    hybrid model keeps the state after each of its positions, kv/cache.py); () when none drafts.
     """
 
     input_ids: torch.Tensor
@@ -45,6 +47,7 @@ class ForwardBatch:
     seq_lens_t: torch.Tensor
     state_slots: torch.Tensor | None = None
     every_row: bool = False
+    drafts: tuple[int, ...] = ()
 
     @property
     def num_seqs(self) -> int:
@@ -62,7 +65,7 @@ class ForwardBatch:
     @staticmethod
     def build(token_ids: list[list[int]], context_before: list[int], block_tables: list[list[int]],
               block_size: int, logits: str | list[int] = "last", state_slots: list[int] | None = None,
-              device: torch.device | str = "cpu") -> ForwardBatch:
+              device: torch.device | str = "cpu", drafts: list[int] | None = None) -> ForwardBatch:
         """Lay out B sequences' new tokens; sequence b already has context_before[b] tokens cached.
 
         logits="last" asks for each sequence's last row, "all" for every row, and a
@@ -109,6 +112,7 @@ class ForwardBatch:
             query_start=tuple(starts), seq_lens=lens,
             query_start_t=starts_t, seq_lens_t=lens_t,
             state_slots=states_t[0] if states_t else None, every_row=rows == list(range(total)),
+            drafts=tuple(drafts) if drafts and any(drafts) else (),
         )
 
 

@@ -67,6 +67,9 @@ class GatedDeltaNet:
         out = torch.empty((t, self.nv, self.dv), dtype=x.dtype, device=x.device)
         for s, slot in enumerate(batch.state_slots.tolist()):  # host list: the reference loops per sequence
             lo, hi = batch.query_start[s], batch.query_start[s + 1]
+            if batch.drafts and batch.drafts[s]:
+                out[lo:hi] = self._verify(mixed[lo:hi], g[lo:hi], beta[lo:hi], slot, cache.states)
+                continue
             y, conv_states[slot] = ops.causal_conv1d_prefill(mixed[lo:hi], self.conv_weight, conv_states[slot])
             qs, ks, vs = y.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
             o, rec_states[slot] = ops.gated_delta_rule_chunked(
@@ -74,6 +77,26 @@ class GatedDeltaNet:
                 g[lo:hi], beta[lo:hi], rec_states[slot], use_qk_l2norm=True)  # q, k: raw key heads
             out[lo:hi] = o
         return self._output(out, z, t, residual)
+
+    def _verify(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slot: int, states) -> torch.Tensor:
+        """A verify step's tokens of one sequence (its last token, then its drafts): the decode ops
+        token by token, so each position's state is the one plain decoding reaches, and the state
+        after every position but the last is left in the sequence's draft slots (the runner keeps
+        the accepted one). Returns o: [T, Hv, V]."""
+        conv_states, rec_states = states.layer(self.layer)
+        slots = torch.tensor([slot], dtype=torch.int64, device=mixed.device)
+        o = torch.empty((mixed.shape[0], self.nv, self.dv), dtype=mixed.dtype, device=mixed.device)
+        for j in range(mixed.shape[0]):
+            y = ops.causal_conv1d_update(mixed[j:j + 1], self.conv_weight, conv_states, slots)
+            qs, ks, vs = y.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
+            o[j:j + 1] = ops.gated_delta_rule_decode(
+                qs.view(1, self.nk, self.dk), ks.view(1, self.nk, self.dk), vs.view(1, self.nv, self.dv),
+                g[j:j + 1], beta[j:j + 1], rec_states, slots, use_qk_l2norm=True)
+            if j < mixed.shape[0] - 1:
+                d = states.draft_slot(slot, j)
+                conv_states[d].copy_(conv_states[slot])
+                rec_states[d].copy_(rec_states[slot])
+        return o
 
     def _output(self, out: torch.Tensor, z: torch.Tensor, t: int, residual: torch.Tensor | None) -> torch.Tensor:
         """out: [T, Hv, V] -> gated norm by silu(z) -> out_proj (+ residual): [T, hidden]."""

@@ -33,11 +33,12 @@ def tiny_rads(tmp_path_factory) -> dict[str, RadFile]:
 
 
 def small_engine(rad: RadFile, num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 48,
-                 seed: int = 0) -> Engine:
+                 seed: int = 0, speculative: int = 0) -> Engine:
     m = rad.model
     storage = torch.zeros((num_blocks, 1, len(m.full_attention_layers), 2, BLOCK, m.num_key_value_heads,
                            m.head_dim))
-    cfg = Config(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_queue=64)
+    cfg = Config(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_queue=64,
+                 speculative=speculative)
     return Engine.assemble(rad, cfg, storage, BlockAllocator.fixed(num_blocks, BLOCK), sampler_seed=seed)
 
 

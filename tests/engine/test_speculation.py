@@ -24,7 +24,7 @@ from radianced.kv.blocks import BlockAllocator
 from tests.engine.conftest import prompts, request, small_engine
 from tests.engine.test_pipeline import drive, same
 
-SPEC_FAMILIES = ("llama", "qwen3_moe")  # hybrid models refuse --speculative until the per-position state lands
+SPEC_FAMILIES = ("llama", "qwen3_moe", "qwen3_next")
 
 
 class Oracle:
@@ -47,7 +47,9 @@ class Oracle:
         return ()
 
 
-def _spec(engine, n, propose, adaptive=False):
+def _spec(rad, n, propose, adaptive=False, **kwargs):
+    """An engine built with --speculative n, drafting with `propose` (every time it proposes, unless adaptive)."""
+    engine = small_engine(rad, speculative=n, **kwargs)
     engine.scheduler.draft_policy = DraftPolicy(n, 0.6, adaptive=adaptive, propose=propose)
     return engine
 
@@ -140,12 +142,12 @@ def test_greedy_outputs_and_logprobs_are_unchanged_by_verified_drafts(tiny_rads,
     ps, arrivals = _workload(rad, logprobs=2)
     base = drive(small_engine(rad), arrivals(small_engine(rad)), False)
     for oracle in (Oracle(_runs(ps, base)), Oracle(_runs(ps, base), wrong_every=2)):
-        e = _spec(small_engine(rad), n, oracle)
+        e = _spec(rad, n, oracle)
         seqs = _added(e)
         assert same(drive(e, arrivals(e), False), base)
         drafted, kept = sum(s.draft_stats.drafted for s in seqs), sum(s.draft_stats.accepted for s in seqs)
         assert kept > 0 and (drafted > kept) == bool(oracle.wrong_every and n > 1)
-    e = _spec(small_engine(rad), n, ngram.propose)
+    e = _spec(rad, n, ngram.propose)
     assert same(drive(e, arrivals(e), False), base)
 
 
@@ -156,10 +158,10 @@ def test_all_drafts_right_takes_fewer_steps_and_frees_every_block(tiny_rads, fam
     base = drive(small_engine(rad), arrivals(small_engine(rad)), False)
     plain = _launched(e0 := small_engine(rad))
     drive(e0, arrivals(e0), False)
-    e = _spec(small_engine(rad), 4, Oracle(_runs(ps, base)))
+    e = _spec(rad, 4, Oracle(_runs(ps, base)))
     plans = _launched(e)
     assert same(drive(e, arrivals(e), False), base)  # drive asserts every block is free at the end
-    assert len(plans) < len(plain) / 2
+    assert len(plans) <= 0.6 * len(plain)  # the hybrid's drafts stop short of block boundaries (checkpoints)
 
 
 @pytest.mark.parametrize("family", SPEC_FAMILIES)
@@ -168,7 +170,7 @@ def test_a_mixed_batch_where_some_draft_and_pipelined_driving(tiny_rads, family)
     ps, arrivals = _workload(rad, logprobs=1)
     base = drive(small_engine(rad), arrivals(small_engine(rad)), False)
     oracle = Oracle(_runs(ps, base), wrong_every=3, only={tuple(ps[0]), tuple(ps[2])})
-    e = _spec(small_engine(rad), 3, oracle)
+    e = _spec(rad, 3, oracle)
     plans = _launched(e)
     assert same(drive(e, arrivals(e), True), base)
     mixed = [p for p in plans if any(s.drafts for s in p.seqs) and any(s.sample and not s.drafts for s in p.seqs)]
@@ -192,7 +194,7 @@ def test_stop_tokens_max_tokens_and_penalties_inside_a_verify_step(tiny_rads, fa
     runs = {tuple(p): probe[f"r{i}"][0] + (1,) * 8 for i, p in enumerate(ps)}  # r0's run drafts past the stop
     runs[tuple(ps[1])] = base["r1"][0] + (1,) * 8  # and r1's past max_tokens
     runs[tuple(ps[2])] = base["r2"][0]
-    e = _spec(small_engine(rad), 4, Oracle(runs))
+    e = _spec(rad, 4, Oracle(runs))
     plans = _launched(e)
     assert same(drive(e, arrivals(e), False), base)
     r1 = [s for p in plans for s in p.seqs if s.seq_id == 1 and s.sample]
@@ -209,9 +211,9 @@ def test_prefix_hits_and_preemption_with_drafts(tiny_rads, family):
     def arrivals(e):
         return {0: [request(e, "r0", ps[0], max_tokens=30)],
                 4: [request(e, f"r{i}", p, max_tokens=30) for i, p in enumerate(ps[1:], 1)]}
-    make = lambda: small_engine(rad, num_blocks=7, max_num_batched_tokens=64)  # noqa: E731
-    base = drive(make(), arrivals(make()), False)
-    e = _spec(make(), 4, Oracle(_runs(ps, base), wrong_every=2))
+    small = dict(num_blocks=7, max_num_batched_tokens=64)
+    base = drive(small_engine(rad, **small), arrivals(small_engine(rad, **small)), False)
+    e = _spec(rad, 4, Oracle(_runs(ps, base), wrong_every=2), **small)
     seqs = _added(e)
     assert same(drive(e, arrivals(e), False), base)
     assert any(s.num_preemptions for s in seqs) and any(s.num_reused_tokens for s in seqs)
@@ -223,7 +225,7 @@ def test_seeded_sampling_gives_the_same_tokens_with_drafts(tiny_rads, family):
     rad = tiny_rads[family]
     ps, arrivals = _workload(rad, temperature=0.8, top_k=20, seed=11)
     base = drive(small_engine(rad), arrivals(small_engine(rad)), False)
-    e = _spec(small_engine(rad), 3, Oracle(_runs(ps, base), wrong_every=2))
+    e = _spec(rad, 3, Oracle(_runs(ps, base), wrong_every=2))
     assert same(drive(e, arrivals(e), False), base)
 
 
@@ -236,9 +238,9 @@ def test_unseeded_sampling_keeps_its_distribution(tiny_rads):
     guess = drive(small_engine(rad), {0: [request(small_engine(rad), "g", prompt, **params)]}, False)["g"][0]
 
     def outcomes(spec: bool, seed: int) -> Counter:
-        e = small_engine(rad, max_num_seqs=30, max_num_batched_tokens=400, seed=seed)
-        if spec:
-            _spec(e, 2, lambda history, n: guess[len(history) - len(prompt):][:n])
+        sizes = dict(max_num_seqs=30, max_num_batched_tokens=400, seed=seed)
+        e = _spec(rad, 2, lambda history, n: guess[len(history) - len(prompt):][:n], **sizes) if spec \
+            else small_engine(rad, **sizes)
         reqs = [request(e, f"r{i}", prompt, **params) for i in range(300)]
         return Counter(t for t, _, _ in drive(e, {4 * k: reqs[20 * k:20 * k + 20] for k in range(15)}, False).values())
 
@@ -252,9 +254,29 @@ def test_unseeded_sampling_keeps_its_distribution(tiny_rads):
     assert chi2 < dof + 3.5 * math.sqrt(2 * dof), (chi2, dof)  # about p < 0.001 for these dof
 
 
-def test_a_hybrid_model_refuses_speculative_with_the_reason(tiny_rads):
+def test_the_hybrids_state_after_a_partly_accepted_step_is_the_state_without_drafts(tiny_rads):
     rad = tiny_rads["qwen3_next"]
-    m = rad.model
-    storage = torch.zeros((8, 1, len(m.full_attention_layers), 2, 16, m.num_key_value_heads, m.head_dim))
-    with pytest.raises(ConfigError, match="--speculative 2: not yet supported on a hybrid model"):
-        Engine.assemble(rad, Config(speculative=2, max_num_batched_tokens=48), storage, BlockAllocator.fixed(8, 16))
+    ps = prompts(rad.model.vocab_size, (9,), seed=36)
+
+    def states_by_length(engine) -> dict[int, tuple]:
+        """The sequence's conv and recurrent state after each step, by how many tokens it holds."""
+        seqs, out = _added(engine), {}
+        engine.add(request(engine, "r0", ps[0], max_tokens=40))
+        while engine.scheduler.has_unfinished:
+            engine.step()
+            seq = seqs[0]
+            if seq.state_slot is not None:
+                st = engine.runner.cache.states
+                out[seq.num_computed_tokens] = (st.conv[:, seq.state_slot].clone(),
+                                                st.recurrent[:, seq.state_slot].clone())
+        return out
+
+    plain = states_by_length(small_engine(rad))
+    base = drive(small_engine(rad), {0: [request(small_engine(rad), "r0", ps[0], max_tokens=40)]}, False)
+    oracle = Oracle({tuple(ps[0]): base["r0"][0]}, wrong_every=2)
+    drafted = states_by_length(e := _spec(rad, 4, oracle))
+    common = sorted(plain.keys() & drafted.keys())
+    assert len(common) >= 5 and len(drafted) < len(plain)  # steps of several tokens, compared where both stood
+    for n in common:  # equal to fp32 rounding: a verify step's projections are matmuls over 5 rows, not 1
+        torch.testing.assert_close(drafted[n], plain[n], atol=2e-5, rtol=1e-5, msg=lambda m: f"at {n} tokens: {m}")
+    assert e.runner.cache.states.conv.shape[1] == 8 * 5  # 8 sequences x (1 + 4 drafts) copies
