@@ -1,0 +1,199 @@
+"""Issue 22's CPU measurements of speculative decoding, on the default model (SmolLM2-135M), in one run.
+
+    python tools/bench_spec.py --out DIR [--tokens 128] [--threads 2]
+
+1. Forced drafts (the engine, `Engine.build` on the CPU as the daemon builds it): a greedy
+   run without drafts is replayed with 4 drafts per step taken from it, all right (100%),
+   every other one wrong at its second draft (about 50%: one accepted), or all wrong (0%). Per
+   case: ms per step, tokens per step, ms per token, against the plain run. A verify step's
+   cost over a plain step gives the cost model's r (engine/speculation.py): c(4) =
+   (1 + 5r) / (1 + r) at batch 1.
+2. Served (the daemon through HTTP, streamed greedy chat completions at batch 1): an
+   input-grounded prompt (repeat a text shipped with Python, the Zen of Python, with one change)
+   and a free-writing prompt, each with `--speculative 4` (n-gram, adaptive) and without:
+   decode tok/s (tokens after the first over the time after the first), and the daemon's
+   acceptance from /metrics.
+
+Writes DIR/bench_spec.json and DIR/bench_spec.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import codecs
+import contextlib
+import io
+import json
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from radianced.bench.client import chat_body, stream_request  # noqa: E402
+from radianced.bench.daemon_process import ChildDaemon  # noqa: E402
+from radianced.card import Card  # noqa: E402
+from radianced.config import Config  # noqa: E402
+from radianced.engine.engine import Engine  # noqa: E402
+from radianced.engine.request import Request  # noqa: E402
+from radianced.engine.sampling_params import SamplingParams  # noqa: E402
+from radianced.engine.speculation import DraftPolicy  # noqa: E402
+from radianced.model.default import ensure_default_model  # noqa: E402
+from radianced.model.rad import RadFile  # noqa: E402
+from radianced.model.tokenizer import Tokenizer  # noqa: E402
+
+DRAFTS = 4
+
+
+def zen() -> str:
+    """The Zen of Python as the `this` module ships it (rot13 in its source; importing it prints it)."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        import this
+    return codecs.decode(this.s, "rot13")
+
+
+def grounded_prompt() -> str:
+    return ("Repeat the following text exactly, but write 'Python' in capital letters:\n\n" + zen())
+
+
+FREE_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+# -- 1. forced drafts ------------------------------------------------------------
+
+
+class Replay:
+    """Drafts from a known greedy continuation; `wrong`: which proposals get their second (or, for
+    'all', first) draft changed."""
+
+    def __init__(self, prompt: tuple[int, ...], out: list[int], wrong: str):
+        self.prompt, self.out, self.wrong, self.calls = prompt, out, wrong, 0
+
+    def __call__(self, history, n):
+        done = len(history) - len(self.prompt)
+        drafts = list(self.out[done:done + n])
+        self.calls += 1
+        if drafts and self.wrong == "all":
+            drafts[0] = (drafts[0] + 1) % 49152
+        elif len(drafts) > 1 and self.wrong == "half" and self.calls % 2 == 0:
+            drafts[1] = (drafts[1] + 1) % 49152
+        return tuple(drafts)
+
+
+def forced(rad: RadFile, prompt: list[int], tokens: int) -> list[dict]:
+    cfg = Config(max_num_seqs=1, max_model_len=4096)
+    engine = Engine.build(rad, cfg, Card.from_mib(4096), "cpu")
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+
+    def run(rid: str, policy: DraftPolicy | None) -> tuple[list[int], int, float]:
+        engine.scheduler.draft_policy = policy
+        engine.add(Request(rid, tuple(prompt), params))
+        engine.step()  # the prefill and the first token, not timed
+        out, steps, t0 = [], 0, time.perf_counter()
+        while engine.scheduler.has_unfinished:
+            out += [t for ev in engine.step() for t in ev.token_ids]
+            steps += 1
+        return out, steps, time.perf_counter() - t0
+
+    run("warm", None)
+    base, steps, seconds = run("plain", None)
+    rows = [{"case": "no drafts", "steps": steps, "tokens": len(base), "ms_per_step": 1e3 * seconds / steps,
+             "ms_per_token": 1e3 * seconds / len(base)}]
+    for wrong, name in (("none", "4 drafts, 100% right"), ("half", "4 drafts, every other step 1 right"),
+                        ("all", "4 drafts, 0% right")):
+        replay = Replay(tuple(prompt), [0] + base, wrong)  # the first output token came from the prefill
+        out, n, s = run(name, DraftPolicy(DRAFTS, 0.0, adaptive=False, propose=replay))
+        assert out == base, f"{name}: the replayed run differs from the plain one"
+        rows.append({"case": name, "steps": n, "tokens": len(out), "ms_per_step": 1e3 * s / n,
+                     "ms_per_token": 1e3 * s / len(out)})
+    return rows
+
+
+# -- 2. served -----------------------------------------------------------------------
+
+
+async def _one(url: str, prompt: str, tokens: int) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        await stream_request(http, "/v1/chat/completions", chat_body([{"role": "user", "content": "Hi"}], 8))
+        s = await stream_request(http, "/v1/chat/completions",
+                                 chat_body([{"role": "user", "content": prompt}], tokens))
+        metrics = (await http.get("/metrics")).text
+    assert s.ok, s.error
+    decode_s = s.e2e_s - s.ttft_s
+    found = dict(re.findall(r"^(radiance_spec_(?:draft|accepted)_tokens_total) (\S+)$", metrics, re.M))
+    return {"tokens": s.tokens_received, "ttft_ms": 1e3 * s.ttft_s,
+            "decode_tok_s": (s.tokens_received - 1) / decode_s if decode_s > 0 else 0.0,
+            "drafted": float(found.get("radiance_spec_draft_tokens_total", 0)),
+            "accepted": float(found.get("radiance_spec_accepted_tokens_total", 0)),
+            "text_head": "".join(s.pieces)[:120]}
+
+
+def served(model: Path, tokens: int) -> list[dict]:
+    rows = []
+    for name, prompt in (("input-grounded", grounded_prompt()), ("free writing", FREE_PROMPT)):
+        for spec in (0, DRAFTS):
+            daemon = ChildDaemon.start(["--model", str(model), "--speculative", str(spec)])
+            try:
+                row = asyncio.run(_one(daemon.url, prompt, tokens))
+            finally:
+                daemon.stop()
+            rows.append({"prompt": name, "speculative": spec, **row})
+    return rows
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# Speculative decoding on the CPU ({result['machine']}, {result['date']}, {result['threads']} threads)",
+             "", "## Forced drafts (engine, batch 1, greedy)", "",
+             "| case | steps | tokens | ms/step | ms/token | step vs plain |", "|---|---|---|---|---|---|"]
+    plain = result["forced"][0]["ms_per_step"]
+    for r in result["forced"]:
+        lines.append(f"| {r['case']} | {r['steps']} | {r['tokens']} | {r['ms_per_step']:.1f} | "
+                     f"{r['ms_per_token']:.1f} | {r['ms_per_step'] / plain:.2f}x |")
+    lines += ["", f"Cost model: a 5-token step costs c = {result['verify_cost']:.2f} plain steps, so r = "
+              f"{result['r']:.2f} (c = (1 + 5r) / (1 + r)).", "",
+              "## Served (HTTP, chat, greedy, batch 1)", "",
+              "| prompt | --speculative | tokens | TTFT ms | decode tok/s | accepted / drafted | vs off |",
+              "|---|---|---|---|---|---|---|"]
+    off = {r["prompt"]: r["decode_tok_s"] for r in result["served"] if r["speculative"] == 0}
+    for r in result["served"]:
+        acc = f"{r['accepted']:.0f} / {r['drafted']:.0f}" if r["speculative"] else "-"
+        lines.append(f"| {r['prompt']} | {r['speculative']} | {r['tokens']} | {r['ttft_ms']:.0f} | "
+                     f"{r['decode_tok_s']:.1f} | {acc} | {r['decode_tok_s'] / off[r['prompt']]:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    os.environ["RADIANCED_CPU_THREADS"] = str(args.threads)
+    torch.set_num_threads(args.threads)
+    model = ensure_default_model()
+    rad = RadFile.open(model)
+    tok = Tokenizer.from_header(rad.header)
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": grounded_prompt()}],
+                                                add_generation_prompt=True))
+    rows = forced(rad, prompt, args.tokens)
+    c = rows[-1]["ms_per_step"] / rows[0]["ms_per_step"]  # all wrong: the verify step's cost, one token
+    result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores",
+              "threads": args.threads, "forced": rows, "verify_cost": c, "r": (c - 1) / (5 - c),
+              "served": served(model, args.tokens)}
+    (args.out / "bench_spec.json").write_text(json.dumps(result, indent=1))
+    md = markdown(result)
+    (args.out / "bench_spec.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
