@@ -13,6 +13,9 @@ from radianced.card import Card
 from radianced.config import Config
 from radianced.engine.driver import NoMetrics
 from radianced.engine.engine import Engine
+from radianced.engine.request import Request
+from radianced.engine.sampling_params import SamplingParams
+from radianced.engine.speculation import DraftPolicy
 from tests.engine.conftest import prompts, serve_greedy
 
 LINE = re.compile(r"(\S+): decode expert cache hit rate: ([\d.]+)% \((\d+) hits / (\d+) lookups\); (\d+) more read "
@@ -92,3 +95,33 @@ async def test_a_dense_model_prints_no_expert_line(tiny_rads, caplog):
     metrics = await serve_greedy(engine, prompts(rad.model.vocab_size, (9,), seed=43), MAX_TOKENS, StepLog())
     assert _lines(caplog) == {} and metrics.steps == []
     assert any("prompt 9 tokens" in rec.getMessage() for rec in caplog.records)
+
+
+async def test_a_verify_steps_lookups_count_each_expert_its_rows_need_once(tiny_rads, caplog):
+    """With 4 drafts per step (all right: replayed from a plain run), a step's 5 rows route 5 x k
+    assignments per layer; the request's lookups count each distinct (layer, expert) of the step once."""
+    caplog.set_level(logging.INFO, logger="radianced.requests")
+    rad = tiny_rads["qwen3_moe"]
+    prompt = prompts(rad.model.vocab_size, (20,), seed=44)
+    base = moe_engine(rad)
+    base.add(Request("r0", tuple(prompt[0]), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)))
+    tokens = []
+    while base.scheduler.has_unfinished:
+        tokens += [t for ev in base.step() for t in ev.token_ids]
+
+    def oracle(history, n):
+        return tuple(tokens[len(history) - len(prompt[0]):][:n])
+
+    caplog.clear()
+    cfg = Config(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, host_pool_mib=1, expert_slots=6,
+                 speculative=4)
+    engine = Engine.build(rad, cfg, Card.from_mib(256))
+    engine.scheduler.draft_policy = DraftPolicy(4, 0.0, adaptive=False, propose=oracle)
+    metrics = await serve_greedy(engine, prompt, MAX_TOKENS, StepLog())
+    rate, h, l, o, opct, r = _lines(caplog)["r0"]
+    moe_layers, k = len(engine.experts.stats.lookups), rad.model.num_experts_per_tok
+    decode = metrics.steps[1:]
+    assert len(decode) == 2  # 7 tokens after the first: a step of 4 drafts (5 tokens), then one of 1 draft
+    assert r == (5 + 2) * moe_layers * k  # every row routed, the rows of accepted drafts included
+    assert l == sum(s[0] for s in decode) < r  # a step's rows share experts: each (layer, expert) once
+    assert l >= len(decode) * moe_layers * k and o == l - h
