@@ -25,8 +25,12 @@ the step yields E(n) = (1 - a^(n+1)) / (1 - a) tokens. A sequence drafts the n
 (at most --speculative) that maximizes E(n) / c(n), and none where no n beats
 1: so fewer as the batch grows, and none at low acceptance. Its acceptance is
 estimated from its own history (a prior of 2 accepted in 4 drafted, so a new
-sequence tries); a sequence that stopped drafting probes again every
-`PROBE_EVERY` steps, so a text that turns repetitive is noticed.
+sequence tries). A sequence also pauses when the drafter found nothing the
+last `NO_MATCH_PAUSE` times it was asked (free writing rarely repeats itself):
+a sequence that may draft holds the pipeline (engine/scheduler.py drains for
+it), so asking in vain costs the overlap of host and device. A paused sequence
+probes again every `PROBE_EVERY` steps, so a text that turns repetitive is
+noticed.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from radianced.engine import ngram
 TOKEN_COST = {"cpu": 0.6, "cuda": 0.02}
 PRIOR_ACCEPTED, PRIOR_DRAFTED = 2.0, 4.0
 DECAY = 0.9  # weight of a sequence's older steps in its acceptance estimate, per step
-PROBE_EVERY = 16  # steps a sequence waits before drafting again after its estimate said no
+PROBE_EVERY = 16  # steps a paused sequence waits before it asks the drafter again
+NO_MATCH_PAUSE = 4  # the drafter found nothing this many times in a row: pause
 
 
 def accepted(sampled: Sequence[int], drafts: Sequence[int]) -> tuple[int, ...]:
@@ -80,7 +85,8 @@ class DraftStats:
     accepted: int = 0  # of them accepted
     recent_drafted: float = PRIOR_DRAFTED  # decayed counts: the acceptance estimate's terms
     recent_accepted: float = PRIOR_ACCEPTED
-    idle_steps: int = 0  # steps since it last drafted, while its estimate says no
+    idle_steps: int = 0  # steps since it last asked the drafter, while paused
+    no_match: int = 0  # times in a row the drafter proposed nothing
 
     @property
     def acceptance(self) -> float:
@@ -116,7 +122,8 @@ class DraftPolicy:
         n = min(self.num_drafts, limit)
         if n <= 0 or not self.adaptive:
             return max(n, 0)
-        best = best_num_drafts(stats.acceptance, n, batch, self.token_cost)
+        best = 0 if stats.no_match >= NO_MATCH_PAUSE else best_num_drafts(stats.acceptance, n, batch,
+                                                                           self.token_cost)
         if best == 0 and stats.idle_steps + 1 >= PROBE_EVERY:
             best = 1  # probe: one draft tells whether the text turned predictable
         return best
@@ -131,7 +138,11 @@ class DraftPolicy:
         stats = seq.draft_stats
         n = self.num_drafts_for(stats, batch, draft_limit(seq, budget, max_model_len))
         stats.idle_steps = 0 if n else stats.idle_steps + 1
-        return self.propose(seq.token_ids, n) if n else ()
+        if not n:
+            return ()
+        drafts = self.propose(seq.token_ids, n)
+        stats.no_match = 0 if drafts else stats.no_match + 1
+        return drafts
 
 
 class Drafting(Protocol):

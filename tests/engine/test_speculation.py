@@ -18,7 +18,7 @@ from radianced.config import Config, ConfigError
 from radianced.engine import ngram
 from radianced.engine.engine import Engine
 from radianced.engine.sampling_params import SamplingParams
-from radianced.engine.speculation import (PROBE_EVERY, DraftPolicy, DraftStats, accepted, best_num_drafts,
+from radianced.engine.speculation import (NO_MATCH_PAUSE, PROBE_EVERY, DraftPolicy, DraftStats, accepted, best_num_drafts,
                                           draft_limit, expected_tokens, step_cost)
 from radianced.kv.blocks import BlockAllocator
 from tests.engine.conftest import prompts, request, small_engine
@@ -280,3 +280,18 @@ def test_the_hybrids_state_after_a_partly_accepted_step_is_the_state_without_dra
     for n in common:  # equal to fp32 rounding: a verify step's projections are matmuls over 5 rows, not 1
         torch.testing.assert_close(drafted[n], plain[n], atol=2e-5, rtol=1e-5, msg=lambda m: f"at {n} tokens: {m}")
     assert e.runner.cache.states.conv.shape[1] == 8 * 5  # 8 sequences x (1 + 4 drafts) copies
+
+
+def test_a_sequence_the_drafter_finds_nothing_for_pauses_and_probes_again():
+    found = []
+    policy = DraftPolicy(4, 0.6, propose=lambda history, n: found[-1][:n] if found else ())
+    seq = _Seq()
+    for _ in range(NO_MATCH_PAUSE):  # asked, and nothing found
+        assert policy.would_draft(seq, 1, 11, None) and policy.drafts(seq, 1, 11, None) == ()
+    # paused: the pipeline is not held for it, until the probe is due
+    for _ in range(PROBE_EVERY - 1):
+        assert not policy.would_draft(seq, 1, 11, None) and policy.drafts(seq, 1, 11, None) == ()
+    assert policy.would_draft(seq, 1, 11, None)
+    found.append((5, 6, 7))
+    assert policy.drafts(seq, 1, 11, None) == (5,)  # the probe finds something: no longer paused
+    assert seq.draft_stats.no_match == 0 and policy.would_draft(seq, 1, 11, None)
