@@ -112,7 +112,7 @@ def _weights(facts: ModelFacts, cfg: Config, cuda: bool) -> tuple[tuple[Part, ..
             card.append(Part("lm_head", w["embeddings"], ", ".join(
                 ("tied to the embeddings: one copy",) + ram + _compact_formats(facts, "embeddings"))))
             continue
-        elif c == "mtp" and n and not cfg.drafts_with_mtp:
+        elif c == "mtp" and n and not cfg.drafts_with_mtp(facts.model.num_mtp_layers):
             idle.append(Part("mtp", n, "drafts only with --speculative-method mtp"))
             continue
         if n:

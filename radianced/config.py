@@ -98,7 +98,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     ngram_placement: str | None = None
     vision_tower_placement: str | None = None
     speculative: int = 0
-    speculative_method: str = "auto"  # auto: mtp where the model has MTP layers (once it lands), else ngram
+    speculative_method: str = "auto"  # auto: mtp where the model has MTP layers, else ngram
     tp: int = 1
 
     def __post_init__(self) -> None:
@@ -116,10 +116,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
         """Recurrent-state copies per live sequence: one, plus one per draft token."""
         return self.speculative + 1
 
-    @property
-    def drafts_with_mtp(self) -> bool:
-        """Drafting runs the model's MTP head (it is loaded, its KV paged)."""
-        return self.speculative > 0 and self.speculative_method == "mtp"
+    def drafts_with_mtp(self, num_mtp_layers: int) -> bool:
+        """Drafting runs the model's MTP head (it is loaded, its KV paged), for a model with
+        `num_mtp_layers` MTP layers: `mtp`, or `auto` where the model has them."""
+        return self.speculative > 0 and num_mtp_layers > 0 and self.speculative_method in ("mtp", "auto")
 
     @property
     def decode_tokens(self) -> int:
@@ -181,9 +181,6 @@ def refuse_not_landed(cfg: Config) -> None:
         if getattr(cfg, field) != off:
             shown = "unset" if off is None else off
             raise ConfigError(f"{flag}: not yet supported (leave it out; default {shown})")
-    if cfg.drafts_with_mtp:
-        raise ConfigError("--speculative-method mtp: not yet supported (use ngram; auto drafts with ngram "
-                          "until the MTP head lands)")
     if cfg.kv_cache_dtype not in LANDED_KV_CACHE_DTYPES:
         raise ConfigError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: not yet supported "
                           f"(use {' or '.join(LANDED_KV_CACHE_DTYPES)})")

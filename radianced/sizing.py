@@ -304,17 +304,15 @@ def kv_token_bytes(groups: Iterable[PagingGroup]) -> Fraction:
 
 
 def paging_groups(facts: ModelFacts, cfg: Config) -> tuple[PagingGroup, ...]:
-    """kv_attn (the full-attention layers) and, when drafting with MTP, kv_mtp."""
+    """kv_attn: the full-attention layers and, when drafting with MTP, the MTP layers (full attention of the
+    same geometry at the same positions: one more layer in every block)."""
     m = facts.model
     kv_elem = facts.act_bytes  # --kv-cache-dtype auto
     per_layer = 2 * m.num_key_value_heads * m.head_dim * kv_elem
     groups = []
     if m.full_attention_layers:
-        n = len(m.full_attention_layers)
+        n = len(m.full_attention_layers) + (m.num_mtp_layers if cfg.drafts_with_mtp(m.num_mtp_layers) else 0)
         groups.append(PagingGroup("kv_attn", n, BLOCK_TOKENS, BLOCK_TOKENS * n * per_layer))
-    if cfg.drafts_with_mtp and m.num_mtp_layers:
-        groups.append(PagingGroup("kv_mtp", m.num_mtp_layers, BLOCK_TOKENS,
-                                  BLOCK_TOKENS * m.num_mtp_layers * per_layer))
     return tuple(groups)
 
 

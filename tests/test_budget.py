@@ -363,14 +363,13 @@ def test_qwen3_next_recurrent_state_is_about_74_mib_per_sequence():
     assert r.idle_weights[0].name == "mtp"  # no --speculative: the MTP head stays in the file
 
 
-def test_speculative_doubles_recurrent_state_and_adds_the_mtp_paging_group():
-    cfg = Config(max_model_len=32768, max_num_seqs=4, host_pool_mib=200000, speculative=1,
-                 speculative_method="mtp")  # the parser refuses mtp today
+def test_speculative_doubles_recurrent_state_and_pages_the_mtp_layer_with_the_attention_layers():
+    cfg = Config(max_model_len=32768, max_num_seqs=4, host_pool_mib=200000, speculative=1)  # auto: the MTP head
     r = plan(Card.from_mib(80_000), ModelFacts.from_config(QWEN3_NEXT, 2), cfg)
     assert r.state[0].bytes == 2 * 4 * 73.6875 * MiB
-    assert [g.name for g in r.groups] == ["kv_attn", "kv_mtp"]
-    assert r.groups[1].token_bytes == 2 * 2 * 256 * 2
-    assert "mtp" in [p.name for p in r.weights]
+    assert [(g.name, g.layers) for g in r.groups] == [("kv_attn", 12 + 1)]
+    assert r.groups[0].token_bytes == 13 * 2 * 2 * 256 * 2  # the MTP layer: one more layer of the same geometry
+    assert "mtp" in [p.name for p in r.weights] and not r.idle_weights
     ngram = plan(Card.from_mib(80_000), ModelFacts.from_config(QWEN3_NEXT, 2),
                  Config(max_model_len=32768, max_num_seqs=4, host_pool_mib=200000, speculative=3,
                         speculative_method="ngram"))

@@ -96,13 +96,13 @@ def test_flags_of_later_issues_parse_and_are_refused_as_not_yet_supported(flag, 
         parse_config([flag, value])
 
 
-def test_speculative_drafts_with_ngram_and_refuses_mtp_until_it_lands():
+def test_speculative_drafts_with_the_mtp_head_where_the_model_has_one():
     c = parse_config(["--speculative", "4"])
-    assert (c.speculative, c.speculative_method, c.drafts_with_mtp, c.state_copies) == (4, "auto", False, 5)
-    assert parse_config(["--speculative", "2", "--speculative-method", "ngram"]).speculative_method == "ngram"
-    with pytest.raises(ConfigError, match=r"^--speculative-method mtp: not yet supported \(use ngram"):
-        parse_config(["--speculative", "2", "--speculative-method", "mtp"])
-    assert parse_config(["--speculative-method", "mtp"]).speculative == 0  # no drafting: nothing refused
+    assert (c.speculative, c.speculative_method, c.state_copies) == (4, "auto", 5)
+    assert c.drafts_with_mtp(1) and not c.drafts_with_mtp(0)  # auto: mtp where the model has MTP layers
+    ngram = parse_config(["--speculative", "2", "--speculative-method", "ngram"])
+    assert not ngram.drafts_with_mtp(1)
+    assert not parse_config(["--speculative-method", "mtp"]).drafts_with_mtp(1)  # no drafting: nothing to run
     with pytest.raises(ConfigError, match="--speculative-method"):
         parse_config(["--speculative-method", "eagle"])
 

@@ -76,8 +76,8 @@ class Replay:
     def __init__(self, prompt: tuple[int, ...], out: list[int], wrong: str):
         self.prompt, self.out, self.wrong, self.calls = prompt, out, wrong, 0
 
-    def __call__(self, history, n):
-        done = len(history) - len(self.prompt)
+    def __call__(self, seq, n):
+        done = len(seq.token_ids) - len(self.prompt)
         drafts = list(self.out[done:done + n])
         self.calls += 1
         if drafts and self.wrong == "all":

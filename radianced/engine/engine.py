@@ -30,14 +30,14 @@ import torch
 from radianced import budget
 from radianced.arena import KV, Arena, TenantPages
 from radianced.card import Card, MiB, detect_card
-from radianced.config import Config
+from radianced.config import Config, ConfigError
 from radianced.engine.graphs import DecodeGraphs
 from radianced.engine.plan import StepOutput, StepPlan
 from radianced.engine.request import Request
 from radianced.engine.runner import InFlight, Runner
 from radianced.engine.sampler import Sampler
 from radianced.engine.scheduler import Scheduler, SeqEvent
-from radianced.engine.speculation import TOKEN_COST, DraftPolicy
+from radianced.engine.speculation import TOKEN_COST, DraftPolicy, mtp_drafts, ngram_drafts
 from radianced.kernels import ops
 from radianced.kv.blocks import BlockAllocator
 from radianced.kv.cache import KVCache, RecurrentState
@@ -206,7 +206,9 @@ class Engine:
         ([P, N, L, 2, S, Hkv, D]) and its block allocator (tests give small pools)."""
         m = rad.model
         cuda = torch.device(device).type == "cuda"
-        model = load_model(rad, device, experts=experts, embedding_placement=cfg.embedding_placement_on(cuda))
+        mtp = _drafts_with_mtp(cfg, m.num_mtp_layers)
+        model = load_model(rad, device, experts=experts, embedding_placement=cfg.embedding_placement_on(cuda),
+                           mtp=mtp)
         if cuda:
             log.info(f"weights loaded: {model.placed.device_bytes / MiB:.2f} MiB on the card, "
                      f"{model.placed.host_bytes / MiB:.2f} MiB pinned in host RAM")
@@ -220,25 +222,37 @@ class Engine:
         scheduler = Scheduler(allocator=allocator, max_num_seqs=cfg.max_num_seqs,
                               max_num_batched_tokens=cfg.max_num_batched_tokens, max_queue=cfg.max_queue,
                               prefix=prefix, hybrid=hybrid, max_model_len=max_model_len,
-                              draft_policy=_draft_policy(cfg, torch.device(device)))
+                              draft_policy=_draft_policy(cfg, mtp, torch.device(device)))
         tokenizer = Tokenizer.from_header(rad.header)
-        runner = Runner(model, KVCache(kv_storage, m.full_attention_layers, states), checkpoints,
+        kv_layers = m.full_attention_layers + ((m.num_hidden_layers,) if mtp else ())  # the MTP layer's KV: one more
+        runner = Runner(model, KVCache(kv_storage, kv_layers, states), checkpoints,
                         Sampler(device, sampler_seed), experts if isinstance(experts, ExpertSlab) else None)
         return cls(scheduler, runner, tokenizer, pipelined=not cfg.sequential_steps)
 
 
-def _draft_policy(cfg: Config, device: torch.device) -> DraftPolicy | None:
-    """Speculative decoding's policy for --speculative (n-gram drafts), or None when it is off."""
+def _drafts_with_mtp(cfg: Config, num_mtp_layers: int) -> bool:
+    """Whether the MTP head drafts; ConfigError for `--speculative-method mtp` on a model without one."""
+    if cfg.speculative and cfg.speculative_method == "mtp" and not num_mtp_layers:
+        raise ConfigError("--speculative-method mtp: this model has no MTP layers; use ngram (or auto)")
+    return cfg.drafts_with_mtp(num_mtp_layers)
+
+
+def _draft_policy(cfg: Config, mtp: bool, device: torch.device) -> DraftPolicy | None:
+    """Speculative decoding's policy for --speculative (n-gram or MTP drafts), or None when it is off."""
     if not cfg.speculative:
         return None
-    log.info("speculative decoding: up to %d n-gram drafts per sequence and step, adaptive (cost model r = %g "
-             "on %s)", cfg.speculative, TOKEN_COST[device.type], device.type)
-    return DraftPolicy(cfg.speculative, TOKEN_COST[device.type])
+    what = "one MTP draft (the head is not chained yet)" if mtp else f"up to {cfg.speculative} n-gram drafts"
+    log.info("speculative decoding: %s per sequence and step, adaptive (cost model r = %g on %s)", what,
+             TOKEN_COST[device.type], device.type)
+    return DraftPolicy(cfg.speculative, TOKEN_COST[device.type], propose=mtp_drafts if mtp else ngram_drafts)
 
 
 def _decode_graphs(engine: Engine, cfg: Config, receipt: Receipt) -> DecodeGraphs | None:
     """Capture the decode graphs, or None where decode runs eagerly (said in the log)."""
     runner = engine.runner
+    if runner.model.mtp is not None:
+        log.info("decode graphs: none, decode runs eagerly: the MTP head drafts after every step")
+        return None
     if engine.experts is not None and engine.experts.placement.disk:
         log.info("decode graphs: none, decode runs eagerly: the disk tier reads experts with a host sync "
                  "in every routed layer")

@@ -38,6 +38,8 @@ class ScheduledSeq:
     drafts: speculative decoding's drafted tokens, the tail of token_ids after the decode's last
         token (engine/speculation.py). The step samples at all len(drafts)+1 positions, position j
         with output_token_ids + drafts[:j] as its history, and yields the tokens `accepted` keeps.
+    next_token_id: where the chunk does not sample, the token after it (what the MTP head reads at its
+        last row); None where it samples.
     """
 
     seq_id: int
@@ -51,6 +53,7 @@ class ScheduledSeq:
     params: Any = None
     input_from: int | None = None
     drafts: tuple[int, ...] = ()
+    next_token_id: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +93,8 @@ class StepOutput:
     expert_counts[i]: (lookups, hits, routed, routed_from_misses) of plan.seqs[i]'s routed
         experts in this step where it is a decode step (one token after the first sampled);
         None for other sequences. The whole field is None without an expert slab.
+    drafts[i]: the MTP head's drafts for plan.seqs[i]'s next step, from the position its last yielded
+        token follows; () where it does not sample. The whole field is None without an MTP head.
     errors[i]: why plan.seqs[i]'s results are void (an expert it routed to could not be read
         from disk), or None; the whole field is None when nothing failed. Such a sequence's
         sampled token and the KV of this step's tokens must not be used.
@@ -99,3 +104,4 @@ class StepOutput:
     logprobs: tuple[Any, ...] | None = None
     expert_counts: tuple[tuple[int, int, int, int] | None, ...] | None = None
     errors: tuple[str | None, ...] | None = None
+    drafts: tuple[tuple[int, ...], ...] | None = None

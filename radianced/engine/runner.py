@@ -23,6 +23,7 @@ import torch
 from radianced.engine.plan import ScheduledSeq, StepOutput, StepPlan
 from radianced.engine.sampler import Sampler, SamplingRow, SamplingTensors, seeded_rows
 from radianced.engine.speculation import accepted
+from radianced.kernels import ops
 from radianced.kv.cache import KVCache, RecurrentState
 from radianced.kv.state import StateCopy
 from radianced.model.batch import ForwardBatch, copy_rows, to_device_no_sync
@@ -42,6 +43,7 @@ class InFlight:
     host: tuple | None  # (tokens [R], logprobs [R], top ids [R, N], top logprobs [R, N]) on the host
     done: torch.cuda.Event | None  # after the copies to `host` (CUDA)
     routing: StepRecord | None  # the slab's record of the step
+    mtp: tuple[ForwardBatch, torch.Tensor] | None = None  # (the batch, its final-normed hidden [T, H]): MTP reads it
 
 
 class Runner:
@@ -77,7 +79,7 @@ class Runner:
         pending = self._pending_inputs(seqs, query_start)
         if self.experts is not None:
             self.experts.begin_step([(query_start[i], query_start[i + 1]) for i in decode], query_start[-1])
-        picked, routing = None, None
+        picked, routing, mtp = None, None, None
         try:
             if graph:  # every sequence feeds one token and samples: query_start is 0, 1, ..., B
                 logits = self.graphs.run([s.token_ids[0] for s in seqs], [s.context_before for s in seqs],
@@ -92,7 +94,10 @@ class Runner:
                 if pending is not None:
                     copy_rows(batch.input_ids, *pending)
                 with torch.inference_mode():
-                    logits = self.model.forward(batch, self.cache)  # [R, V]: a row per sampled position
+                    logits = self.model.forward(batch, self.cache, hidden=self.model.mtp is not None)
+                if self.model.mtp is not None:
+                    logits, hidden = logits
+                    mtp = (batch, hidden)
             # Queued behind the forward: the sampling tensors are built (host work, copied without a
             # sync) while the device runs it.
             rows = [SamplingRow(s.params, s.output_token_ids + s.drafts[:j], s.prompt_token_ids)
@@ -111,7 +116,7 @@ class Runner:
             if self.device.type == "cuda":
                 done = torch.cuda.Event()
                 done.record()
-        return InFlight(plan, query_start, decode, host, done, routing)
+        return InFlight(plan, query_start, decode, host, done, routing, mtp)
 
     def collect(self, step: InFlight) -> StepOutput:
         """Wait for a launched step (steps are collected in launch order) and return its output."""
@@ -123,12 +128,40 @@ class Runner:
         out = StepOutput(tuple(() for _ in seqs)) if step.host is None else self._output(seqs, step.host)
         if self.cache.states is not None:
             self._keep_accepted_states(seqs, out.token_ids)
+        if step.mtp is not None and step.host is not None:
+            out = replace(out, drafts=self._mtp_drafts(step, out.token_ids))
         if counts is None:
             return out
         per_seq: list = [None] * len(seqs)
         for i, c in zip(step.decode, counts):
             per_seq[i] = c
         return replace(out, expert_counts=tuple(per_seq), errors=errors)
+
+    def _mtp_drafts(self, step: InFlight, yielded: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+        """Run the MTP head over the step's rows (model/mtp.py: each row's hidden state with the token
+        after it: the next row's input, the row's own sample where it sampled, or the chunk's
+        `next_token_id`), writing its KV; its draft for each sampling sequence, read at the row of the
+        last token the step yields (where a verify step's accepted drafts end)."""
+        batch, hidden = step.mtp
+        samples = step.host[0].tolist()
+        next_ids, rows, r = [], [], 0
+        for i, s in enumerate(step.plan.seqs):
+            lo, inputs = step.query_start[i], list(s.token_ids)
+            if s.sample:
+                k = len(s.drafts) + 1  # the sampled rows: the last k
+                next_ids += inputs[1:len(inputs) - k + 1] + samples[r:r + k]
+                rows.append(lo + len(inputs) - k + len(yielded[i]) - 1)
+                r += k
+            else:
+                next_ids += inputs[1:] + [s.next_token_id]
+        if not rows:
+            return tuple(() for _ in step.plan.seqs)
+        mtp = self.model.mtp
+        with torch.inference_mode():
+            ids = to_device_no_sync(torch.tensor(next_ids, dtype=torch.int64), self.device)
+            x = mtp(ids, hidden, self.model.rotary.at(batch.positions), batch, self.cache)
+            drafts = iter(ops.argmax(mtp.logits(x[torch.tensor(rows, device=self.device)])).tolist())
+        return tuple((next(drafts),) if s.sample else () for s in step.plan.seqs)
 
     def _keep_accepted_states(self, seqs: tuple[ScheduledSeq, ...], yielded: tuple[tuple[int, ...], ...]) -> None:
         """A hybrid model's verify steps: the state after the last accepted position becomes the

@@ -298,6 +298,8 @@ class Scheduler:
                 continue
             end = s.context_before + len(s.token_ids) - len(s.drafts)
             tokens, reason = seq.land(end, output.token_ids[i], self.max_model_len) if s.sample else ((), None)
+            if reason is None and s.sample and output.drafts is not None:  # for the history these tokens end
+                seq.draft_stats.proposed = (end + len(tokens), output.drafts[i])
             if s.drafts:
                 seq.draft_stats.record(len(s.drafts), len(output.token_ids[i]) - 1)  # before a stop cut it
                 end += len(tokens) - 1  # the accepted drafts' KV is the sequence's
@@ -386,6 +388,7 @@ class Scheduler:
             params=seq.params,
             input_from=sample_rows[seq.seq_id] if pending else None,
             drafts=drafts,
+            next_token_id=None if sample else seq.token_ids[start + n],
         )
 
     def _preempt(self, seq: Sequence, chunks: dict[int, _Chunk]) -> int:

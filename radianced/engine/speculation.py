@@ -87,6 +87,7 @@ class DraftStats:
     recent_accepted: float = PRIOR_ACCEPTED
     idle_steps: int = 0  # steps since it last asked the drafter, while paused
     no_match: int = 0  # times in a row the drafter proposed nothing
+    proposed: tuple[int, tuple[int, ...]] = (0, ())  # the MTP head's drafts, for a history of this many tokens
 
     @property
     def acceptance(self) -> float:
@@ -100,6 +101,39 @@ class DraftStats:
         self.recent_accepted = DECAY * self.recent_accepted + accepted
 
 
+class Drafting(Protocol):
+    """What the policy reads of a sequence (engine/request.py's `Sequence`)."""
+
+    token_ids: list[int]
+    draft_stats: DraftStats
+    params: Any  # its max_tokens
+    num_output_tokens: int
+    num_tokens: int
+
+
+def ngram_drafts(seq: Drafting, n: int) -> tuple[int, ...]:
+    """`--speculative-method ngram`: prompt lookup over the sequence's own tokens (engine/ngram.py)."""
+    return ngram.propose(seq.token_ids, n)
+
+
+def mtp_drafts(seq: Drafting, n: int) -> tuple[int, ...]:
+    """`--speculative-method mtp`: what the MTP head proposed after the sequence's last step (the runner
+    runs it; `StepOutput.drafts`), if it was for the history the sequence has now."""
+    at, drafts = seq.draft_stats.proposed
+    return drafts[:n] if at == len(seq.token_ids) else ()
+
+
+def draft_limit(seq: Drafting, budget: int, max_model_len: int | None) -> int:
+    """The most drafts a decode of `seq` may feed: its step yields at most drafts + 1 tokens, which must
+    stay within max_tokens and max_model_len, and the drafts take the step's budget."""
+    left = budget - 1
+    if seq.params.max_tokens is not None:
+        left = min(left, seq.params.max_tokens - seq.num_output_tokens - 1)
+    if max_model_len is not None:
+        left = min(left, max_model_len - seq.num_tokens - 1)
+    return left
+
+
 @dataclass(frozen=True)
 class DraftPolicy:
     """What `--speculative N --speculative-method ngram` drafts for a sequence in a step.
@@ -107,14 +141,14 @@ class DraftPolicy:
     num_drafts: N, the most drafts per sequence and step.
     token_cost: r of the cost model (`TOKEN_COST` of the device type).
     adaptive: choose n by the cost model (off: always N where the drafter proposes N; for measuring).
-    propose: the drafter: (history, n) -> up to n drafted tokens (n-gram lookup; tests and the forced-draft
-        benchmark replay known continuations).
+    propose: the drafter: (sequence, n) -> up to n drafted tokens to follow its history (`ngram_drafts`,
+        `mtp_drafts`; tests and the forced-draft benchmark replay known continuations).
     """
 
     num_drafts: int
     token_cost: float
     adaptive: bool = True
-    propose: Callable[[Sequence[int], int], tuple[int, ...]] = ngram.propose
+    propose: Callable[[Drafting, int], tuple[int, ...]] = ngram_drafts
 
     def num_drafts_for(self, stats: DraftStats, batch: int, limit: int) -> int:
         """How many drafts a sequence asks for in a step of `batch` decoding sequences, at most
@@ -140,27 +174,6 @@ class DraftPolicy:
         stats.idle_steps = 0 if n else stats.idle_steps + 1
         if not n:
             return ()
-        drafts = self.propose(seq.token_ids, n)
+        drafts = self.propose(seq, n)
         stats.no_match = 0 if drafts else stats.no_match + 1
         return drafts
-
-
-class Drafting(Protocol):
-    """What the policy reads of a sequence (engine/request.py's `Sequence`)."""
-
-    token_ids: list[int]
-    draft_stats: DraftStats
-    params: Any  # its max_tokens
-    num_output_tokens: int
-    num_tokens: int
-
-
-def draft_limit(seq: Drafting, budget: int, max_model_len: int | None) -> int:
-    """The most drafts a decode of `seq` may feed: its step yields at most drafts + 1 tokens, which must
-    stay within max_tokens and max_model_len, and the drafts take the step's budget."""
-    left = budget - 1
-    if seq.params.max_tokens is not None:
-        left = min(left, seq.params.max_tokens - seq.num_output_tokens - 1)
-    if max_model_len is not None:
-        left = min(left, max_model_len - seq.num_tokens - 1)
-    return left

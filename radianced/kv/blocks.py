@@ -1,8 +1,8 @@
 """KV blocks of the paged cache: ref-counted blocks per paging group, leased page by page.
 
 - A *paging group* is a set of layers with one KV layout; they share a token
-  axis and a block table ("kv_attn" = the full-attention layers today; "kv_mtp"
-  when drafting). Each group has its own `BlockPool`.
+  axis and a block table ("kv_attn" = the full-attention layers, and the MTP
+  layers when they draft: the one group today). Each group has its own `BlockPool`.
 - A *block* holds `block_size` consecutive tokens of one group.
 - A *page* is the arena's unit. Page p of a group holds that group's blocks
   p*N .. p*N+N-1 (N = the group's blocks per page), which is how `KVCache`

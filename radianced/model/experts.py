@@ -65,10 +65,13 @@ class ResidentExperts:
         self._formats = formats or {}
 
     @classmethod
-    def from_rad(cls, rad, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> ResidentExperts:
-        """Copy every expert extent of a `.rad` (checksums verified) into one slab, layer-major;
-        compact extents stay compact (`dtype` then does not apply)."""
-        entries = sorted(rad.header.experts, key=lambda e: (e.layer, e.expert))
+    def from_rad(cls, rad, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+                 layers: range | None = None) -> ResidentExperts:
+        """Copy every expert extent of `layers` of a `.rad` (default: the decoder layers', not the MTP
+        head's) (checksums verified) into one slab, layer-major; compact extents stay compact (`dtype`
+        then does not apply)."""
+        layers = range(rad.model.num_hidden_layers) if layers is None else layers
+        entries = sorted((e for e in rad.header.experts if e.layer in layers), key=lambda e: (e.layer, e.expert))
         if not any(is_compact(e.dtype) for e in entries):
             return cls._build([(e.layer, e.expert, rad.expert(e.layer, e.expert, verify=True)) for e in entries],
                               device, dtype)

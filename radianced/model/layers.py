@@ -225,11 +225,14 @@ class CausalLM:
         self.layers = layers
         self.norm = RMSNorm(final_norm, cfg.rms_norm_eps, zero_centred)
         self.lm_head = LMHead(self.embed.weight if cfg.tie_word_embeddings else w("lm_head.weight"))
+        self.mtp = None  # the MTP head where it drafts (model/mtp.py, Qwen3-Next)
 
-    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        """Run the step; returns logits [R, V] (fp32) for batch.logits_rows."""
+    def forward(self, batch: ForwardBatch, cache: KVCache, hidden: bool = False):
+        """Run the step; returns logits [R, V] (fp32) for batch.logits_rows, and with `hidden` also the
+        final-normed hidden states [T, hidden] of every row (what the MTP head reads)."""
         x = self.embed(batch.input_ids)  # [T, hidden]
         rope = self.rotary.at(batch.positions)
         for layer in self.layers:
             x = layer(x, rope, batch, cache)
-        return self.lm_head(x if batch.every_row else x[batch.logits_rows], self.norm)
+        logits = self.lm_head(x if batch.every_row else x[batch.logits_rows], self.norm)
+        return (logits, self.norm(x)) if hidden else logits

@@ -67,14 +67,18 @@ class Placed:
     host_bytes: int
 
 
-def build_model(cfg: ModelConfig, weights: Weights, experts: ExpertSource | None = None) -> CausalLM:
-    """The family's model over a `Weights` getter (name -> tensor) and, for MoE families, an expert source."""
+def build_model(cfg: ModelConfig, weights: Weights, experts: ExpertSource | None = None, mtp: bool = False,
+                mtp_experts: ExpertSource | None = None) -> CausalLM:
+    """The family's model over a `Weights` getter (name -> tensor) and, for MoE families, an expert source;
+    with `mtp`, its MTP head too (`model.mtp`; its routed experts from `mtp_experts`)."""
+    if mtp and not cfg.num_mtp_layers:
+        raise RadError(f"this {cfg.family} model has no MTP layers: draft with --speculative-method ngram")
     if cfg.family == "llama":
         return build_llama(cfg, weights)
     if cfg.family == "qwen3_moe":
         return build_qwen3_moe(cfg, weights, experts)
     if cfg.family == "qwen3_next":
-        return build_qwen3_next(cfg, weights, experts)
+        return build_qwen3_next(cfg, weights, experts, mtp, mtp_experts)
     raise ValueError(f"family {cfg.family!r} has no model")
 
 
@@ -91,25 +95,27 @@ def _embeddings_on_host(cfg: ModelConfig, embedding_placement: str, device: torc
     return embedding_placement == "ram" and torch.device(device).type != "cpu" and not cfg.tie_word_embeddings
 
 
-def load_plan(rad: RadFile, embedding_placement: str = "vram", device: torch.device | str = "cuda") -> LoadPlan:
-    """The plan `load_model(rad, device, embedding_placement=...)` follows, found without a device: the
-    family's model is built over shape-only (meta) views and every name it reads is recorded."""
+def load_plan(rad: RadFile, embedding_placement: str = "vram", device: torch.device | str = "cuda",
+              mtp: bool = False) -> LoadPlan:
+    """The plan `load_model(rad, device, embedding_placement=..., mtp=...)` follows, found without a device:
+    the family's model is built over shape-only (meta) views and every name it reads is recorded."""
     names: list[str] = []
 
     def read(name: str) -> torch.Tensor | CompactWeight:
         names.append(name)
         return rad.tensor(name, verify=False).to("meta")
 
-    build_model(rad.model, read)  # MoE blocks only keep the expert source: None is never read here
+    build_model(rad.model, read, mtp=mtp)  # MoE blocks only keep the expert source: None is never read here
     host = _embeddings_on_host(rad.model, embedding_placement, device)
     return LoadPlan(tuple(n for n in names if not (host and n == EMBEDDINGS)),
                     (EMBEDDINGS,) if host and EMBEDDINGS in names else ())
 
 
 def load_model(rad: RadFile, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-               experts: ExpertSource | None = None, embedding_placement: str = "vram") -> CausalLM:
+               experts: ExpertSource | None = None, embedding_placement: str = "vram", mtp: bool = False) -> CausalLM:
     """The model of a `.rad`; every tensor checksum-verified as it is loaded, cast to `dtype` if given,
-    and placed as `load_plan` says (`model.placed` says how many bytes went where).
+    and placed as `load_plan` says (`model.placed` says how many bytes went where). `mtp`: with the MTP
+    head, its routed experts resident (the budget's "mtp" class).
 
     A MoE model without an `experts` source gets every expert resident. Compact tensors
     stay compact (`CompactWeight`: `dtype` does not apply to them) and run on the CPU
@@ -127,11 +133,15 @@ def load_model(rad: RadFile, device: torch.device | str = "cpu", dtype: torch.dt
 
     if experts is None and rad.header.experts:
         experts = ResidentExperts.from_rad(rad, device, dtype)
-    model = build_model(rad.model, weights, experts)
+    mtp_experts = None
+    if mtp and rad.header.experts and rad.model.num_mtp_layers:  # build_model refuses a model without
+        first = rad.model.num_hidden_layers
+        mtp_experts = ResidentExperts.from_rad(rad, device, dtype, range(first, first + 1))
+    model = build_model(rad.model, weights, experts, mtp, mtp_experts)
     if torch.device(device).type == "cpu":
         model.placed = Placed(0, 0)
         return model
-    host_table = model.embed.weight if load_plan(rad, embedding_placement, device).host else None
+    host_table = model.embed.weight if load_plan(rad, embedding_placement, device, mtp).host else None
     moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(host tensor) -> (it, its placed copy)
 
     def place(t: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,8 @@ layer followed by routed experts plus a sigmoid-gated shared expert.
 
 Norms are zero-centred (x * (1 + w)) except the DeltaNet output norm, which is
 the ordinary kind, gated by silu(z). Full attention has per-head q/k norms,
-partial RoPE and an output gate. The `mtp.*` weights stay in the file for the
-speculative-decoding issue; this forward does not read them.
+partial RoPE and an output gate. The `mtp.*` weights are the MTP head's
+(model/mtp.py), built when it drafts.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from radianced.model.batch import ForwardBatch
 from radianced.model.config import ModelConfig
 from radianced.model.experts import ExpertSource
 from radianced.model.layers import MoE, Attention, CausalLM, DenseMLP, RMSNorm, Weights
+from radianced.model.mtp import MTPHead, mtp_layer_config, mtp_layer_weights
 
 
 class GatedDeltaNet:
@@ -120,6 +121,12 @@ class Qwen3NextLayer:
         return self.mlp(x, residual=x, norm=self.post_norm)
 
 
-def build_qwen3_next(cfg: ModelConfig, w: Weights, experts: ExpertSource) -> CausalLM:
-    return CausalLM(cfg, w, [Qwen3NextLayer(cfg, i, w, experts) for i in range(cfg.num_hidden_layers)],
-                    zero_centred=True)
+def build_qwen3_next(cfg: ModelConfig, w: Weights, experts: ExpertSource, mtp: bool = False,
+                     mtp_experts: ExpertSource | None = None) -> CausalLM:
+    """mtp: also build the MTP head (`model.mtp`), its routed experts from `mtp_experts`."""
+    model = CausalLM(cfg, w, [Qwen3NextLayer(cfg, i, w, experts) for i in range(cfg.num_hidden_layers)],
+                     zero_centred=True)
+    if mtp:
+        layer = Qwen3NextLayer(mtp_layer_config(cfg), cfg.num_hidden_layers, mtp_layer_weights(cfg, w), mtp_experts)
+        model.mtp = MTPHead(cfg, w, layer, model.embed, model.lm_head)
+    return model

@@ -95,11 +95,13 @@ _FAMILY_CONFIGS = {
 }
 
 
-def make_tiny(family: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+def make_tiny(family: str, out_dir: str | Path, seed: int = 0, mtp_layers: int = 0, **overrides) -> Path:
     """Write a tiny random `family` checkpoint with its tokenizer into `out_dir`.
 
     `overrides` replace config fields (e.g. `layer_types=[...]`, `attention_bias=True`,
-    `num_hidden_layers=2`); for qwen3_next, `layer_types` also sets the layer count.
+    `num_hidden_layers=2`); for qwen3_next, `layer_types` also sets the layer count, and
+    `mtp_layers` adds that many random MTP layers (`mtp.*`, as Qwen3-Next-80B ships them, in
+    `mtp.safetensors`: transformers has no MTP and loads the model without them).
     The global torch RNG is left as it was. Returns `out_dir` as a Path.
     Raises ValueError for an unknown family.
     """
@@ -117,6 +119,8 @@ def make_tiny(family: str, out_dir: str | Path, seed: int = 0, **overrides) -> P
         _perturb(model, family, torch.Generator().manual_seed(seed + 1))
     model.save_pretrained(out)
     _use_hub_spelling(out / "config.json")
+    if mtp_layers:
+        _write_mtp(model, family, mtp_layers, out, torch.Generator().manual_seed(seed + 2))
     GenerationConfig(
         bos_token_id=ENDOFTEXT_ID,
         eos_token_id=[IM_END_ID, ENDOFTEXT_ID],
@@ -134,6 +138,34 @@ def _config(family: str, overrides: dict):
         fields["layer_types"] = list(fields.get("layer_types") or DEFAULT_LAYER_TYPES)
         fields["num_hidden_layers"] = len(fields["layer_types"])
     return AutoConfig.for_model(family, **fields)
+
+
+def _write_mtp(model: torch.nn.Module, family: str, layers: int, out: Path, gen: torch.Generator) -> None:
+    """Random MTP weights beside the model's: `mtp.fc` [H, 2H], its three norms (zero-centred), and per MTP
+    layer a full-attention decoder layer shaped as the model's (its first full-attention layer's
+    tensors, randomized), with `num_nextn_predict_layers` in config.json."""
+    from safetensors.torch import save_file
+
+    if family != "qwen3_next":
+        raise ValueError(f"{family} has no MTP layers; only qwen3_next does")
+    cfg = model.config
+    h = cfg.hidden_size
+    first = cfg.layer_types.index("full_attention")
+    state = model.state_dict()
+    prefix = f"model.layers.{first}."
+    tensors = {"mtp.fc.weight": 0.02 * torch.randn((h, 2 * h), generator=gen)}
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = 0.1 * torch.randn((h,), generator=gen)
+    for j in range(layers):
+        for name, t in state.items():
+            if name.startswith(prefix):
+                noise = torch.randn(t.shape, generator=gen) * (t.float().std() if t.numel() > 1 else 0.1)
+                tensors[f"mtp.layers.{j}." + name[len(prefix):]] = (t.float() + noise).to(t.dtype).contiguous()
+    save_file(tensors, out / "mtp.safetensors")
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    config["num_nextn_predict_layers"] = layers
+    path.write_text(json.dumps(dict(sorted(config.items())), indent=2) + "\n")
 
 
 def _use_hub_spelling(path: Path) -> None:

@@ -109,8 +109,8 @@ async def test_a_verify_steps_lookups_count_each_expert_its_rows_need_once(tiny_
     while base.scheduler.has_unfinished:
         tokens += [t for ev in base.step() for t in ev.token_ids]
 
-    def oracle(history, n):
-        return tuple(tokens[len(history) - len(prompt[0]):][:n])
+    def oracle(seq, n):
+        return tuple(tokens[len(seq.token_ids) - len(prompt[0]):][:n])
 
     caplog.clear()
     cfg = Config(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, host_pool_mib=1, expert_slots=6,

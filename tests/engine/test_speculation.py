@@ -14,13 +14,16 @@ from collections import Counter
 import pytest
 import torch
 
-from radianced.config import Config, ConfigError
 from radianced.engine import ngram
-from radianced.engine.engine import Engine
 from radianced.engine.sampling_params import SamplingParams
-from radianced.engine.speculation import (NO_MATCH_PAUSE, PROBE_EVERY, DraftPolicy, DraftStats, accepted, best_num_drafts,
-                                          draft_limit, expected_tokens, step_cost)
-from radianced.kv.blocks import BlockAllocator
+from radianced.engine.speculation import (NO_MATCH_PAUSE, PROBE_EVERY, DraftPolicy, DraftStats, accepted,
+                                          best_num_drafts, draft_limit, expected_tokens, mtp_drafts, step_cost)
+from radianced.kv.cache import KVCache
+from radianced.model.batch import ForwardBatch
+from radianced.model.convert import convert
+from radianced.model.loader import load_model
+from radianced.model.rad import RadFile
+from radianced.model.tiny import make_tiny
 from tests.engine.conftest import prompts, request, small_engine
 from tests.engine.test_pipeline import drive, same
 
@@ -50,7 +53,8 @@ class Oracle:
 def _spec(rad, n, propose, adaptive=False, **kwargs):
     """An engine built with --speculative n, drafting with `propose` (every time it proposes, unless adaptive)."""
     engine = small_engine(rad, speculative=n, **kwargs)
-    engine.scheduler.draft_policy = DraftPolicy(n, 0.6, adaptive=adaptive, propose=propose)
+    engine.scheduler.draft_policy = DraftPolicy(n, 0.6, adaptive=adaptive,
+                                                propose=lambda seq, k: propose(seq.token_ids, k))
     return engine
 
 
@@ -147,7 +151,7 @@ def test_greedy_outputs_and_logprobs_are_unchanged_by_verified_drafts(tiny_rads,
         assert same(drive(e, arrivals(e), False), base)
         drafted, kept = sum(s.draft_stats.drafted for s in seqs), sum(s.draft_stats.accepted for s in seqs)
         assert kept > 0 and (drafted > kept) == bool(oracle.wrong_every and n > 1)
-    e = _spec(rad, n, ngram.propose)
+    e = _spec(rad, n, ngram.propose)  # what ngram_drafts calls
     assert same(drive(e, arrivals(e), False), base)
 
 
@@ -295,3 +299,54 @@ def test_a_sequence_the_drafter_finds_nothing_for_pauses_and_probes_again():
     found.append((5, 6, 7))
     assert policy.drafts(seq, 1, 11, None) == (5,)  # the probe finds something: no longer paused
     assert seq.draft_stats.no_match == 0 and policy.would_draft(seq, 1, 11, None)
+
+
+# -- the MTP head ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mtp_rad(tmp_path_factory):
+    src = make_tiny("qwen3_next", tmp_path_factory.mktemp("mtp"), mtp_layers=1)
+    convert(src, src / "model.rad")
+    return RadFile.open(src / "model.rad")
+
+
+def _mtp_draft_logits(rad, ids: list[int]) -> torch.Tensor:
+    """The MTP head's logits at every position of `ids`, in one prefill (tests/model/test_mtp.py checks
+    this pass against transformers' pieces)."""
+    model = load_model(rad, mtp=True)
+    m, blocks = rad.model, -(-len(ids) // 16)
+    states = KVCache.allocate(m, num_blocks=1, block_size=16, num_state_slots=1, dtype=torch.float32).states
+    cache = KVCache(torch.zeros((blocks, 1, len(m.full_attention_layers) + 1, 2, 16, m.num_key_value_heads,
+                                 m.head_dim)), m.full_attention_layers + (m.num_hidden_layers,), states)
+    batch = ForwardBatch.build([ids], [0], [list(range(blocks))], 16, logits="all", state_slots=[0])
+    with torch.inference_mode():
+        _, hidden = model.forward(batch, cache, hidden=True)
+        return model.mtp.logits(model.mtp(torch.tensor(ids[1:] + [0]), hidden, model.rotary.at(batch.positions),
+                                          batch, cache))
+
+
+def test_mtp_drafts_leave_greedy_outputs_unchanged_and_are_the_heads_drafts_over_the_whole_text(mtp_rad):
+    ps, arrivals = _workload(mtp_rad, logprobs=1)
+    base = drive(small_engine(mtp_rad), arrivals(small_engine(mtp_rad)), False)
+    e = small_engine(mtp_rad, speculative=2)
+    assert e.runner.model.mtp is not None and e.scheduler.draft_policy.propose is mtp_drafts
+    e.scheduler.draft_policy = DraftPolicy(2, 0.6, adaptive=False, propose=mtp_drafts)  # draft every step
+    seqs, proposals = _added(e), {}
+    update = e.scheduler.update
+
+    def recorded(plan, output):
+        events = update(plan, output)
+        for s in seqs:
+            at, drafts = s.draft_stats.proposed
+            if drafts:
+                proposals.setdefault(s.request_id, {})[at] = drafts
+        return events
+    e.scheduler.update = recorded
+    assert same(drive(e, arrivals(e), False), base)
+    assert sum(s.draft_stats.drafted for s in seqs) > 20
+    for i, p in enumerate(ps):  # every proposal is the head's draft at that point of the finished text
+        text = list(p) + list(base[f"r{i}"][0])
+        want = _mtp_draft_logits(mtp_rad, text).argmax(-1).tolist()
+        assert all(drafts == (want[at - 2],) for at, drafts in proposals[f"r{i}"].items()), i
+    assert sum(map(len, proposals.values())) >= 20  # after prefills, decode steps and verify steps
