@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from radianced.kernels import cpu_packed, reference
-from radianced.kernels.compact import CompactWeight, dense
+from radianced.kernels.compact import CompactWeight, RowStack, dense
 
 # -- norms ------------------------------------------------------------------
 
@@ -75,8 +75,11 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor | CompactWeight, bias: torch.T
     weight by F.linear, a compact one dequantized to x's dtype for the call as the reference does."""
     if isinstance(weight, CompactWeight) and weight.packed is not None:
         y = cpu_packed.matmul(x, weight.packed)
-        return y if bias is None else y.add_(bias)
-    return F.linear(x, dense(weight, x.dtype), bias)
+    elif isinstance(weight, RowStack) and any(isinstance(p, CompactWeight) and p.packed for p in weight.parts):
+        y = torch.cat([_matmul(x, p) for p in weight.parts], dim=-1)  # [q | k | v] of several formats
+    else:
+        return F.linear(x, dense(weight, x.dtype), bias)
+    return y if bias is None else y.add_(bias)
 
 
 # -- rotary -----------------------------------------------------------------

@@ -100,6 +100,8 @@ def test_packing_is_made_once_kept_by_cat_rows_and_left_to_formats_that_have_one
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(3))
     assert torch.equal(cpu.linear(x, joined), torch.cat([cpu.linear(x, a), cpu.linear(x, b)], dim=-1))
     assert a.packed_for_cpu() is a  # already packed: not packed again
+    mixed = cat_rows([a, compact("q8_0", 16, 64, seed=7).packed_for_cpu()])  # a RowStack: each part's kernel
+    assert torch.equal(cpu.linear(x, mixed), torch.cat([cpu.linear(x, p) for p in mixed.parts], dim=-1))
     unpacked = cat_rows([compact("q4_1", 20, 64, seed=1), b])
     assert unpacked.packed is None and unpacked.to("cpu").packed is None
     k = CompactWeight("q4_k", (16, 256), torch.zeros(16 * 144, dtype=torch.uint8))
