@@ -5,10 +5,12 @@ this machine, in one run, each against the bytes floor measured in the same run.
 
 For each torch thread count (RADIANCED_CPU_THREADS for the daemon, torch.set_num_threads here):
 - the machine's memory read bandwidth: the best of five sums over a 512 MiB fp32 buffer
-  (bytes / time); the b1 floor is that over the bytes a token reads (every weight once: the
-  fp32 model's parameter bytes, tied embeddings counted once);
-- radianced (`python -m radianced.cli` on the default model, SmolLM2-135M from its bundled GGUF,
-  fp32) through HTTP: c = 1, 2, 4, 8 concurrent streamed greedy completions of `--tokens` tokens
+  (bytes / time); each b1 floor is that over the bytes a token reads (every weight once):
+  transformers' fp32 parameter bytes (tied embeddings once), and radianced's as the host
+  backend holds the default model (`served_bytes`: int4 packings, the fp32 lm_head, no
+  embedding table: a token gathers one row);
+- radianced (`python -m radianced.cli` on the default model, SmolLM2-135M from its bundled GGUF
+  with its Q4_1 / Q8_0 blocks kept: model/default.py) through HTTP: c = 1, 2, 4, 8 concurrent streamed greedy completions of `--tokens` tokens
   (ignore_eos) on distinct prompts; aggregate tok/s (tokens / wall), per-request decode tok/s
   (1 / TPOT), TTFT; the daemon's RSS at idle and its peak under load (psutil, every 50 ms);
   /health's worst latency while a 1,500-token prompt prefills (the event loop's responsiveness);
@@ -41,7 +43,10 @@ import torch
 from radianced.bench.client import completion_body, stream_request
 from radianced.bench.daemon_process import ChildDaemon
 from radianced.bench.workloads import prompt_ids
+from radianced.kernels.compact import CompactWeight, RowStack
 from radianced.model.default import bundled_gguf, ensure_default_model
+from radianced.model.loader import load_model
+from radianced.model.rad import RadFile
 
 PROMPT_TOKENS = 40
 LONG_PROMPT_TOKENS = 1500  # the prefill /health is timed against
@@ -55,6 +60,31 @@ def read_bandwidth(threads: int) -> float:
     x.sum()
     best = min(_timed(x.sum) for _ in range(5))
     return BANDWIDTH_BYTES / best / 1e9
+
+
+def served_bytes(model_path: Path) -> int:
+    """Bytes of weights one decode token reads in the host backend's model of `model_path`: each matrix
+    and norm of the layers and the head once, in the form the loader made (a packed compact weight's
+    int4 packing, a dense one's elements); the embedding table is not counted (one row a token)."""
+    with RadFile.open(model_path) as rad:
+        model = load_model(rad)
+        seen: dict[int, int] = {}
+        for obj in [*model.layers, model.norm, model.lm_head]:
+            _count(obj, seen)
+    return sum(seen.values())
+
+
+def _count(obj, seen: dict[int, int]) -> None:
+    if isinstance(obj, torch.Tensor):
+        seen[id(obj)] = obj.numel() * obj.element_size()
+    elif isinstance(obj, CompactWeight):
+        seen[id(obj)] = obj.packed.nbytes if obj.packed is not None else obj.nbytes
+    elif isinstance(obj, RowStack):
+        for p in obj.parts:
+            _count(p, seen)
+    elif hasattr(obj, "__dict__"):
+        for v in vars(obj).values():
+            _count(v, seen)
 
 
 def _timed(fn) -> float:
@@ -164,14 +194,17 @@ def transformers_subprocess(threads: int, tokens: int) -> dict:
 
 def markdown(result: dict) -> str:
     lines = [f"# CPU bench {result['date']} at {result['commit']} on {result['machine']}", "",
-             f"SmolLM2-135M fp32, {result['tokens']} tokens a request, greedy, through HTTP streaming. "
+             f"SmolLM2-135M, {result['tokens']} tokens a request, greedy, through HTTP streaming: radianced on the "
+             f"default model (the GGUF's Q4_1 / Q8_0 blocks kept, int4-packed at load, fp32 lm_head), "
+             f"transformers on the same GGUF dequantized to fp32. "
              f"OpenMP settings given: {result['openmp_env'] or 'none'} (the daemon's defaults: daemon.py).", ""]
     for run in result["runs"]:
         d, hf, bw = run["daemon"], run["transformers"], run["read_gb_s"]
-        floor = bw * 1e9 / hf["weight_bytes"]
+        floor, hf_floor = bw * 1e9 / result["served_bytes"], bw * 1e9 / hf["weight_bytes"]
         lines += [f"## {run['threads']} torch thread(s)", "",
-                  f"Read bandwidth {bw:.1f} GB/s; a token reads {hf['weight_bytes'] / 1e6:.0f} MB: "
-                  f"b1 floor {floor:.1f} tok/s. RSS idle {d['rss_idle_mib']:.0f} MiB, peak under load "
+                  f"Read bandwidth {bw:.1f} GB/s; a token reads {result['served_bytes'] / 1e6:.0f} MB in radianced "
+                  f"(b1 floor {floor:.1f} tok/s), {hf['weight_bytes'] / 1e6:.0f} MB in transformers "
+                  f"(b1 floor {hf_floor:.1f} tok/s). RSS idle {d['rss_idle_mib']:.0f} MiB, peak under load "
                   f"{d['rss_peak_mib']:.0f} MiB. /health worst during a {LONG_PROMPT_TOKENS}-token prefill: "
                   f"{d['health_worst_ms_during_prefill']:.1f} ms.", "",
                   "| c | aggregate tok/s | per request tok/s | TTFT ms | transformers tok/s | ratio |",
@@ -199,8 +232,10 @@ def main() -> int:
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     model = ensure_default_model()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    served = served_bytes(model)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "tokens": args.tokens,
+    result = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "tokens": args.tokens, "served_bytes": served,
               "openmp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_"))},
               "machine": f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores, "
                          f"load average {os.getloadavg()[0]:.1f} at start", "runs": []}

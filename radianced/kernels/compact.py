@@ -7,17 +7,20 @@ activations' dtype for the one call and drop the copy, so resident memory stays
 at the compact bytes (SmolLM2-135M in Q4_1: 98 MB, not the 515 MiB of fp32).
 An embedding lookup dequantizes only the rows it gathers.
 
-Dequantizing per use costs a pass over the weight per call; torch's low-bit
-CPU matmuls (`aten._weight_int8pack_mm`, `_weight_int4pack_mm`) want their own
-packed layouts and scales and belong to the fast host backend, not here.
+Dequantizing per use costs a pass over the weight per call (12 ms for one Q4_1
+3072 x 576 matrix on this CPU, more than an fp32 matmul over it). So on the CPU the
+loader adds the host backend's form beside the bytes once (`packed_for_cpu`): torch's
+int4 kernel layout (`cpu_packed.py`), which the host backend's linear reads
+(`kernels/cpu.py`) while the reference ops keep dequantizing the bytes (the oracle).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from radianced.kernels.cpu_packed import PACKABLE, PackedInt4, pack
 from radianced.kernels.dequant import dequantize, dequantize_rows, split_fp8_b128
 from radianced.kernels.formats import FORMATS, FP8_BLOCK
 
@@ -30,11 +33,15 @@ class CompactWeight:
     shape: (N, K), the dense matrix's shape.
     data: its bytes (uint8), exactly `FORMATS[fmt].nbytes(shape)` of them: [N, row_bytes] for
         the GGUF formats, flat for fp8_b128. Often a zero-copy view of the `.rad`'s mapping.
+    packed: the same matrix in torch's int4 CPU layout (`cpu_packed.PackedInt4`), made once at load
+        (`packed_for_cpu`) for the host backend's linear; None where it was not made (other devices,
+        formats without one, the reference ops' inputs).
     """
 
     fmt: str
     shape: tuple[int, int]
     data: torch.Tensor
+    packed: PackedInt4 | None = None
 
     def __post_init__(self):
         expected = FORMATS[self.fmt].nbytes(self.shape)
@@ -65,7 +72,15 @@ class CompactWeight:
         return out.to(dtype).reshape(*ids.shape, k)
 
     def to(self, device: torch.device | str) -> CompactWeight:
+        """The bytes on `device`; a CPU packing (if any) stays behind (`packed_for_cpu` makes it again)."""
         return CompactWeight(self.fmt, self.shape, self.data.to(device))
+
+    def packed_for_cpu(self) -> CompactWeight:
+        """This weight with its int4 packing beside the bytes, made now: for a CPU weight in a format
+        that has one (`cpu_packed.PACKABLE`); any other is returned as it is."""
+        if self.packed is not None or self.fmt not in PACKABLE or self.device.type != "cpu":
+            return self
+        return replace(self, packed=pack(self.fmt, self.shape, self.data))
 
 
 def _fp8_rows(values: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -78,14 +93,16 @@ def _fp8_rows(values: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor) ->
 def cat_rows(parts: list[torch.Tensor | CompactWeight]) -> torch.Tensor | CompactWeight | RowStack:
     """Matrices stacked along N (Attention's [q | k | v]): `torch.cat` for dense parts, the
     bytes concatenated for GGUF parts of one format (their rows are independent), else a
-    `RowStack` that dequantizes part by part (fp8_b128, whose scale blocks span 128 rows)."""
+    `RowStack` that dequantizes part by part (fp8_b128, whose scale blocks span 128 rows).
+    Packed parts give a packed whole (packed again over the joined bytes: this runs at load)."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)
     fmts = {p.fmt if isinstance(p, CompactWeight) else None for p in parts}
     if len(fmts) == 1 and None not in fmts and "fp8_b128" not in fmts:
         k = parts[0].shape[1]
         data = torch.cat([p.data.reshape(p.shape[0], -1) for p in parts])
-        return CompactWeight(parts[0].fmt, (data.shape[0], k), data)
+        joined = CompactWeight(parts[0].fmt, (data.shape[0], k), data)
+        return joined.packed_for_cpu() if all(p.packed is not None for p in parts) else joined
     return RowStack(tuple(parts))
 
 

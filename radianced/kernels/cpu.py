@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radianced.kernels import reference
-from radianced.kernels.compact import dense
+from radianced.kernels import cpu_packed, reference
+from radianced.kernels.compact import CompactWeight, RowStack, dense
 
 # -- norms ------------------------------------------------------------------
 
@@ -51,17 +51,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            residual: torch.Tensor | None = None, norm: reference.Norm | None = None,
            keep_normed: bool = False, out_dtype: torch.dtype | None = None,
            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """`reference.linear` (same arguments and rounding) with its norm fused (`rms_norm` above)
-    and the residual added in place into F.linear's fresh result. A compact weight is
-    dequantized to x's dtype for the call, as the reference does."""
+    """`reference.linear` (same arguments) with its norm fused (`rms_norm` above) and the residual
+    added in place into the matmul's fresh result. The matmul is `_matmul`: the reference's rounding
+    for a dense weight, the int4 kernel's (bf16 in, bf16 out: cpu_packed.py) for a packed one."""
     if norm is not None:
         x = rms_norm(x, *norm)
-    y = F.linear(x, dense(weight, x.dtype), bias)
+    y = _matmul(x, weight, bias)
     if residual is not None:
         y = y.add_(residual)  # residual + y: the same one rounding, no second [T, N] buffer
     if out_dtype is not None:
         y = y.to(out_dtype)
     return (y, x) if keep_normed else y
+
+
+def silu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """`reference.silu_mlp`, `down(silu(gate(x)) * up(x))`, with each matmul through `_matmul`."""
+    return _matmul(F.silu(_matmul(x, gate)) * _matmul(x, up), down)
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor | CompactWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W.T (+ bias) in x's dtype, a fresh tensor: a compact weight packed at load through
+    torch's int4 kernel (`cpu_packed.matmul`: 4-5x fp32 F.linear at decode on this CPU), any other
+    weight by F.linear, a compact one dequantized to x's dtype for the call as the reference does."""
+    if isinstance(weight, CompactWeight) and weight.packed is not None:
+        y = cpu_packed.matmul(x, weight.packed)
+    elif isinstance(weight, RowStack) and any(isinstance(p, CompactWeight) and p.packed for p in weight.parts):
+        y = torch.cat([_matmul(x, p) for p in weight.parts], dim=-1)  # [q | k | v] of several formats
+    else:
+        return F.linear(x, dense(weight, x.dtype), bias)
+    return y if bias is None else y.add_(bias)
 
 
 # -- rotary -----------------------------------------------------------------

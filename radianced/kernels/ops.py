@@ -21,7 +21,7 @@ rms_norm = cpu.rms_norm
 gated_rms_norm = reference.gated_rms_norm
 rotary_inv_freq = reference.rotary_inv_freq  # made once per device: torch everywhere
 linear = cpu.linear
-silu_mlp = reference.silu_mlp
+silu_mlp = cpu.silu_mlp
 rotary_paged_attention = cpu.rotary_paged_attention
 moe = reference.moe
 route = reference.route
@@ -45,7 +45,7 @@ _TRITON = (
 )
 _SWITCHED = tuple(name for _, name in _TRITON)
 # Bound to the host backend's ops (kernels/cpu.py) on the CPU; the others stay the reference there.
-_CPU = ("rms_norm", "linear", "rotary_paged_attention")
+_CPU = ("rms_norm", "linear", "silu_mlp", "rotary_paged_attention")
 
 
 def select(device: torch.device | str, deterministic: bool = False, oracle: bool = False) -> str:
@@ -68,6 +68,8 @@ def select(device: torch.device | str, deterministic: bool = False, oracle: bool
         for name in _CPU:
             g[name] = getattr(cpu, name)
         return "cpu"
+    for name in _CPU:  # the host backend's ops that the Triton set has no kernel for stay the reference
+        g[name] = getattr(reference, name)
     # Imported here so the CPU path (and the CPU oracle tests) never import triton (nor fla).
     for module, name in _TRITON:
         g[name] = getattr(importlib.import_module(f"radianced.kernels.{module}"), name)

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from radianced.kernels import ops
 from radianced.model.default import bundled_gguf
 from radianced.model.gguf import convert_gguf
 
@@ -55,3 +56,12 @@ def smollm2_hf_tokenizer(smollm2_gguf):
 
     return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
 
+
+@pytest.fixture
+def oracle_ops():
+    """The reference ops bound for one test: a compact format's exactness against transformers is the
+    reference's (fp32 dequantization per use); the host backend's int4 path rounds to bf16 and has its
+    own tests (tests/kernels/test_cpu_packed.py, the packed rows of the SmolLM2 and tiny GGUF tests)."""
+    ops.select("cpu", oracle=True)
+    yield
+    ops.select("cpu")

@@ -152,7 +152,7 @@ def test_the_gguf_converts_to_the_folders_tensors_and_logits(folder, tmp_path):
     assert err < 1e-5, err
 
 
-def test_compact_blocks_survive_the_qkvz_join(folder, tmp_path):
+def test_compact_blocks_survive_the_qkvz_join(folder, tmp_path, oracle_ops):
     quantized = {"attn_qkv.weight": Q.Q8_0, "attn_gate.weight": Q.Q8_0, "ssm_out.weight": Q.Q4_1,
                  "_exps.weight": Q.Q4_0, "attn_q.weight": Q.Q8_0}
     src = write_qwen3next_gguf(tmp_path / "q.gguf", folder, quantized)

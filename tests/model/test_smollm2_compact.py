@@ -1,9 +1,11 @@
 """SmolLM2's Q4_1 GGUF converted with its blocks kept compact, against transformers' fp32 load of the same file.
 
 transformers dequantizes the GGUF at load; ours keeps the Q4_1 (and Q8_0) bytes in
-memory and dequantizes each matrix per use with the bit-exact reference dequantizers,
-so the logits agree to fp32 rounding (1e-4 of max |logit|) and greedy decoding is
-identical for 64 tokens.
+memory. The reference ops dequantize each matrix per use with the bit-exact reference
+dequantizers, so the logits agree to fp32 rounding (1e-4 of max |logit|); the host
+backend runs the int4 kernel over the packing made at load (bf16 in and out:
+kernels/cpu_packed.py), which moves the logits by a few percent of max |logit|. Greedy
+decoding is identical for 64 tokens on both.
 """
 
 from __future__ import annotations
@@ -36,17 +38,21 @@ def test_the_q4_1_blocks_stay_compact_in_the_file_and_in_memory(smollm2_compact,
         formats = {t.dtype for t in rad.header.tensors}
         assert "q4_1" in formats and not formats & {"f16", "bf16"}
         model = load_model(rad)
-        assert isinstance(model.layers[0].mlp.gate, CompactWeight)
+        assert isinstance(model.layers[0].mlp.gate, CompactWeight) and model.layers[0].mlp.gate.packed is not None
+        assert isinstance(model.embed.weight, CompactWeight) and model.lm_head.weight.dtype == torch.float32
     assert smollm2_compact.stat().st_size < smollm2_gguf.stat().st_size * 1.1  # ~98 MB, not 515 MiB
 
 
-def test_logits_and_64_greedy_tokens_match_transformers(smollm2_compact, smollm2_hf):
+@pytest.mark.parametrize("oracle,tol", [(True, 1e-4), (False, 0.05)], ids=["reference-ops", "host-int4"])
+def test_logits_and_64_greedy_tokens_match_transformers(smollm2_compact, smollm2_hf, request, oracle, tol):
+    if oracle:
+        request.getfixturevalue("oracle_ops")
     with RadFile.open(smollm2_compact) as rad:
         tok = Tokenizer.from_header(rad.header)
         prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTION}]))
         model = load_model(rad)
         cache = KVCache.allocate(rad.model, num_blocks=16, block_size=16, num_state_slots=1, dtype=torch.float32)
-        result = compare_with_reference(model, cache, smollm2_hf, [prompt], STEPS, tol=1e-4)
+        result = compare_with_reference(model, cache, smollm2_hf, [prompt], STEPS, tol=tol)
     assert result.ties == 0  # every greedy token equal, none excused as a tie
 
 
