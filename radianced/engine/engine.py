@@ -227,6 +227,8 @@ class Engine:
         kv_layers = m.full_attention_layers + ((m.num_hidden_layers,) if mtp else ())  # the MTP layer's KV: one more
         runner = Runner(model, KVCache(kv_storage, kv_layers, states), checkpoints,
                         Sampler(device, sampler_seed), experts if isinstance(experts, ExpertSlab) else None)
+        if mtp:
+            runner.mtp_drafts = scheduler.lookahead = cfg.speculative  # chained drafts: N, and their KV's room
         return cls(scheduler, runner, tokenizer, pipelined=not cfg.sequential_steps)
 
 
@@ -241,7 +243,7 @@ def _draft_policy(cfg: Config, mtp: bool, device: torch.device) -> DraftPolicy |
     """Speculative decoding's policy for --speculative (n-gram or MTP drafts), or None when it is off."""
     if not cfg.speculative:
         return None
-    what = "one MTP draft (the head is not chained yet)" if mtp else f"up to {cfg.speculative} n-gram drafts"
+    what = f"up to {cfg.speculative} {'MTP' if mtp else 'n-gram'} drafts"
     log.info("speculative decoding: %s per sequence and step, adaptive (cost model r = %g on %s)", what,
              TOKEN_COST[device.type], device.type)
     return DraftPolicy(cfg.speculative, TOKEN_COST[device.type], propose=mtp_drafts if mtp else ngram_drafts)

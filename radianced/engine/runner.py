@@ -56,6 +56,7 @@ class Runner:
         self.vocab_size = model.cfg.vocab_size
         self.device = cache.storage.device
         self.graphs = None  # DecodeGraphs (engine/graphs.py) once captured: decode steps replay them
+        self.mtp_drafts = 1  # drafts the MTP head chains per sequence and step (--speculative)
         self._last_tokens: torch.Tensor | None = None  # [R] the last launched step's sampled ids (device)
         self._sampling: tuple[list, SamplingTensors] | None = None  # (rows' params, their tensors): last step's
 
@@ -156,12 +157,33 @@ class Runner:
                 next_ids += inputs[1:] + [s.next_token_id]
         if not rows:
             return tuple(() for _ in step.plan.seqs)
-        mtp = self.model.mtp
+        mtp, sampling = self.model.mtp, [s for s in step.plan.seqs if s.sample]
         with torch.inference_mode():
             ids = to_device_no_sync(torch.tensor(next_ids, dtype=torch.int64), self.device)
             x = mtp(ids, hidden, self.model.rotary.at(batch.positions), batch, self.cache)
-            drafts = iter(ops.argmax(mtp.logits(x[torch.tensor(rows, device=self.device)])).tolist())
-        return tuple((next(drafts),) if s.sample else () for s in step.plan.seqs)
+            x = x[to_device_no_sync(torch.tensor(rows, dtype=torch.int64), self.device)]
+            drafts = [ops.argmax(mtp.logits(x))]
+            positions = batch.positions[to_device_no_sync(torch.tensor(rows, dtype=torch.int64), self.device)]
+            drafts += self._chain(sampling, positions.tolist(), x, drafts[0])
+        chains = iter(zip(*(t.tolist() for t in drafts)))  # per sampling sequence: its drafts in order
+        return tuple(tuple(next(chains)) if s.sample else () for s in step.plan.seqs)
+
+    def _chain(self, seqs: list[ScheduledSeq], positions: list[int], x: torch.Tensor,
+               first: torch.Tensor) -> list[torch.Tensor]:
+        """The MTP head's drafts after the first, chained (model/mtp.py): draft k reads the head's normed
+        output for draft k-1 and that draft, one position on, writing its KV there. As many as
+        `mtp_drafts` allows and every sequence's blocks cover (the scheduler's lookahead)."""
+        mtp, out, tokens = self.model.mtp, [], first
+        bs = self.cache.block_size
+        room = min(len(s.block_table[0]) * bs - p - 1 for s, p in zip(seqs, positions))
+        for k in range(1, min(self.mtp_drafts, room + 1)):
+            at = [p + k for p in positions]
+            batch = ForwardBatch.build([[0]] * len(seqs), at, [list(s.block_table[0]) for s in seqs], bs,
+                                       device=self.device)  # its input ids are unread: the head reads `tokens`
+            x = mtp(tokens, mtp.chained(x), self.model.rotary.at(batch.positions), batch, self.cache)
+            tokens = ops.argmax(mtp.logits(x))
+            out.append(tokens)
+        return out
 
     def _keep_accepted_states(self, seqs: tuple[ScheduledSeq, ...], yielded: tuple[tuple[int, ...], ...]) -> None:
         """A hybrid model's verify steps: the state after the last accepted position becomes the

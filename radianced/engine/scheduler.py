@@ -116,6 +116,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.max_model_len = max_model_len
         self.draft_policy = draft_policy
+        self.lookahead = 0  # positions after a running sequence's step its blocks cover (MTP's chained drafts)
         self.state_slots = StateSlots(max_num_seqs) if hybrid else None
         self.kv = KVManager(allocator, prefix, self.state_slots)
         self.waiting: deque[Sequence] = deque()
@@ -262,7 +263,10 @@ class Scheduler:
                     break
             if seq.status is SeqStatus.RUNNING:
                 drafts = self._drafts(seq, n, budget)
-                self.allocator.append(seq.block_table, seq.num_computed_tokens + n + len(drafts))
+                end = seq.num_computed_tokens + n + len(drafts)
+                if self.lookahead and self.allocator.can_append(seq.block_table, end + self.lookahead):
+                    end += self.lookahead  # where the MTP head's chained drafts write their KV
+                self.allocator.append(seq.block_table, end)
                 chunks[seq.seq_id] = self._plan_chunk(seq, n, drafts=drafts)
                 budget -= n + len(drafts)
         while not preempted and self.waiting and budget and len(self.running) < self.max_num_seqs:

@@ -348,5 +348,7 @@ def test_mtp_drafts_leave_greedy_outputs_unchanged_and_are_the_heads_drafts_over
     for i, p in enumerate(ps):  # every proposal is the head's draft at that point of the finished text
         text = list(p) + list(base[f"r{i}"][0])
         want = _mtp_draft_logits(mtp_rad, text).argmax(-1).tolist()
-        assert all(drafts == (want[at - 2],) for at, drafts in proposals[f"r{i}"].items()), i
+        # the first draft is the head's at that point; the second is chained from the head's own output
+        assert all(drafts[0] == want[at - 2] and len(drafts) <= 2 for at, drafts in proposals[f"r{i}"].items()), i
+    assert any(len(d) == 2 for got in proposals.values() for d in got.values())
     assert sum(map(len, proposals.values())) >= 20  # after prefills, decode steps and verify steps
