@@ -146,6 +146,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     blocks = block_tables[:, : (ctx + s - 1) // s].long()  # [B, nb]
     k = _gather_blocks(k_cache, blocks)[:, :ctx].to(q.dtype)  # [B, C, Hkv, D]; a cache of another dtype is read in q's
     v = _gather_blocks(v_cache, blocks)[:, :ctx].to(q.dtype)
+    if int(lens.min()) < ctx:  # a shorter context's tail is whatever its pages held (an expert's bytes, read as
+        past = (torch.arange(ctx) >= lens[:, None])[..., None, None]  # floats: NaN, inf): masking alone lets
+        k, v = k.masked_fill(past, 0), v.masked_fill(past, 0)  # 0 * NaN through, so they are zeroed
     padded = t != b * q_max  # decode (one row each) and equal chunks need no padding
     if padded:  # token row r of sequence b sits at padded row b * Qmax + (r - start_b)
         seq = torch.repeat_interleave(torch.arange(b), q_lens, output_size=t)  # [T]

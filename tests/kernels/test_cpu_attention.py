@@ -61,6 +61,24 @@ def test_paged_attention_matches_the_reference(case, tensors):
     assert got.shape == want.shape and rel_err(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("case", ["decode_batch", "mixed_prefill_and_decode", "sequence_without_new_tokens"])
+def test_what_lies_past_a_context_never_reaches_the_output_even_nan(case):
+    """KV pages share the arena with expert pages: the unwritten tail of a block, and the padding
+    blocks of a shorter context, hold whatever was there (a compact expert's bytes read as floats
+    include NaN and inf)."""
+    q_lens, ctx_lens, hq, hkv, d = CASES[case]
+    q, k_cache, v_cache, tables, starts, lens = _layout(q_lens, ctx_lens, hq, hkv, d)
+    want = reference.paged_attention(q, k_cache, v_cache, tables, starts, lens, d ** -0.5)
+    written = {(int(row[t // BLOCK]), t % BLOCK) for row, n in zip(tables, lens) for t in range(n)}
+    for block in range(k_cache.shape[0] * PER_PAGE):
+        for slot in range(BLOCK):
+            if (block, slot) not in written:  # every token slot no context holds: NaN or inf
+                for cache in (k_cache, v_cache):
+                    cache[block // PER_PAGE, block % PER_PAGE, slot] = float("nan") if slot % 2 else float("inf")
+    got = cpu.paged_attention(q, k_cache, v_cache, tables, starts, lens, d ** -0.5)
+    assert torch.isfinite(got).all() and rel_err(got, want) < 1e-5
+
+
 @pytest.mark.parametrize("case", ["decode_batch", "mixed_prefill_and_decode", "prefill_chunk_after_context"])
 @pytest.mark.parametrize("qk_norm", [None, "plain", "zero_centred"])
 @pytest.mark.parametrize("partial_rotary", [False, True])
