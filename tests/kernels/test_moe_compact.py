@@ -158,3 +158,28 @@ def test_extent_layout_is_the_rad_extent():
     assert (layout.gate_up, layout.down) == ("q4_0", "q8_0")
     plain = moe_kernels.extent_layout(None, I, H)
     assert (plain.gate_up, plain.up_offset, plain.down_offset, plain.size) == ("", I * H, 2 * I * H, 3 * I * H)
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_the_moe_layer_passes_its_sources_format_to_the_ops_cuda_binds(t):
+    """model/layers.py's MoE over a compact ResidentExperts: with the ops `select("cuda")` binds (the
+    Triton router, linear and route_moe, here interpreted) as with the CPU's (the reference MoE)."""
+    from types import SimpleNamespace
+
+    from radianced.kernels import ops
+    from radianced.model.experts import ResidentExperts
+    from radianced.model.layers import MoE
+
+    experts = CompactExperts("q4_1", t=t, seed=6)
+    cfg = SimpleNamespace(moe_intermediate_size=I, num_experts_per_tok=2, norm_topk_prob=True,
+                          shared_expert_intermediate_size=0)
+    router = torch.randn((E, H), generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    source = ResidentExperts(experts.slab, {0: experts.table}, {0: "q4_1"})
+    layer = MoE(cfg, 0, {"model.layers.0.mlp.gate.weight": router}.__getitem__, source)
+    want = layer(experts.x).cpu()
+    try:
+        assert ops.select("cuda") == "triton" and ops.route_moe is moe_kernels.route_moe
+        got = layer(experts.x).cpu()
+    finally:
+        ops.select("cpu")
+    assert rel_err(got, want) < 1e-4
