@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from radianced.card import PAGE_ALIGN, GiB, KiB, MiB, align_up
-from radianced.kernels.formats import is_compact
+from radianced.kernels.formats import expert_formats, is_compact
 from radianced.sizing import PagingGroup, kv_token_bytes
 
 
@@ -211,6 +211,28 @@ class Receipt:
         return out
 
 
+# What a slot holds per weight, for the expert slot's line (layouts: kernels/formats.py).
+_QUANTS = {
+    "q8_0": "int8, an fp16 scale per 32",
+    "q4_0": "int4, an fp16 scale per 32",
+    "q4_1": "int4, an fp16 scale and min per 32",
+    "q4_k": "int4, 6-bit scales and mins per 32 under fp16 ones per 256",
+    "q5_k": "int5, 6-bit scales and mins per 32 under fp16 ones per 256",
+    "q6_k": "int6, an int8 scale per 16 under an fp16 one per 256",
+    "fp8_b128": "fp8 E4M3, an fp32 scale per 128 x 128",
+}
+
+
 def _compact(formats: tuple[str, ...]) -> str:
-    """' (q4_0, q8_0)' where any of `formats` is compact, else '' (plain dtypes say nothing)."""
-    return f" ({', '.join(formats)})" if any(is_compact(f) for f in formats) else ""
+    """' (q4_0: int4, an fp16 scale per 32; ...)' where any of the expert `formats` is compact, else ''
+    (plain dtypes say nothing); an extent whose down piece differs says both pieces."""
+    if not any(is_compact(f) for f in formats):
+        return ""
+    return f" ({'; '.join(_describe(f) for f in formats)})"
+
+
+def _describe(fmt: str) -> str:
+    gate_up, down = expert_formats(fmt)
+    if gate_up == down:
+        return f"{fmt}: {_QUANTS.get(fmt, fmt)}"
+    return f"gate/up {gate_up}: {_QUANTS.get(gate_up, gate_up)}, down {down}: {_QUANTS.get(down, down)}"

@@ -32,7 +32,8 @@ def test_compact_experts_set_the_slot_and_every_class_names_its_formats(tmp_path
     assert dict(compact.formats)["attention"] == ("f32",)
     assert compact.act_bytes == full.act_bytes == 4
     lines = plan(Card.from_mib(1024), compact, Config(placement="resident")).lines()
-    assert any(line.startswith(f"expert slot: {q8_extent / MiB:.2f} MiB extent (q4_0, q8_0) -> ") for line in lines)
+    assert any(line.startswith(f"expert slot: {q8_extent / MiB:.2f} MiB extent (q4_0: int4, an fp16 scale per 32; "
+                               f"q8_0: int8, an fp16 scale per 32) -> ") for line in lines)
     full_lines = plan(Card.from_mib(1024), full, Config(placement="resident")).lines()
     assert not any("(f32" in line for line in full_lines)  # plain dtypes are not named: the receipt as before
 

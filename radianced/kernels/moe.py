@@ -33,7 +33,13 @@ reach them: `slab + table[e] * row_stride` for table[e] >= 0 and
 `host + (-1 - table[e]) * row_stride` for table[e] < 0 (`moe`: the table of
 `tiers/slab.py`, VRAM slots and the pinned host pool), or the raw address
 `expert_ptr[e]` (`moe_ptr`: DESIGN.md's pointer table). A row is gate [I, H] |
-up [I, H] | down [H, I] in the activation dtype.
+up [I, H] | down [H, I] in the activation dtype, or, with a `weight_format`, one
+compact extent as the `.rad` stores it (kernels/formats.py: the same three
+pieces, each with its scales inside), read as bytes and dequantized in registers
+(`_weight_tile`, the format a constexpr: one kernel family, a specialization per
+format). Each weight tile is dequantized in fp32 as `dequant.py` does, then
+rounded to the activations' dtype for the dot, as the reference rounds a
+dequantized weight; the bytes read per expert are the compact extent's.
 
 BLOCK_M is next_pow2(T) up to 64. An expert serves at most T tokens (one per
 token), so for T <= 64 each expert is one tile and every weight byte is read
@@ -51,12 +57,15 @@ import triton
 import triton.language as tl
 
 from radianced.kernels import arrival, pdl, router
+from radianced.kernels.formats import FORMATS, expert_formats
 
 # Experts up to which `route_moe` ranks them inside the gate/up programs at T == 1. Ranking is E^2
 # comparisons in every program, before its weight loads: at 4 warps 128 a thread for E = 128
 # (Qwen3-MoE), 512 for E = 256, 2048 for E = 512 (Qwen3-Next), likely more than the route launch
 # it would save; larger routers keep that launch. A guess from the counts, not measured.
 ROUTE_FUSED_MAX_EXPERTS = 256
+# Expert formats `_weight_tile` dequantizes (kernels/formats.py); a byte slab may also hold plain layers.
+KERNEL_FORMATS = ("q8_0", "q4_0", "q4_1", "fp8_b128", "bf16", "f16", "f32")
 # Assignments (T * k) up to which one counting-sort program groups them; above, torch.sort.
 GROUP_FUSED_MAX = 1024
 # (assignments per chunk, tiles per chunk, warps) of the grouping programs. On the H200 the counting
@@ -90,6 +99,39 @@ def moe_config(num_tokens: int, dtype: torch.dtype) -> MoEConfig:
 def max_tiles(num_assignments: int, num_experts: int, block_m: int) -> int:
     """Upper bound of sum_e ceil(count_e / BLOCK_M) over any routing of A assignments."""
     return num_assignments // block_m + min(num_experts, num_assignments)
+
+
+@dataclass(frozen=True)
+class ExtentLayout:
+    """Where an expert row holds its three matrices, and in which format (the kernels' FMT).
+
+    gate_up, down: the FMT of gate and up, and of down: "" for a slab in the activations' dtype,
+        else a `.rad` format name (`formats.expert_formats` of the extent's format).
+    up_offset, down_offset: where up and down start in the row, in the slab's elements (bytes of
+        a byte slab).
+    size: the row's elements the extent takes (3 * I * H, or the compact extent's bytes).
+    """
+
+    gate_up: str
+    down: str
+    up_offset: int
+    down_offset: int
+    size: int
+
+
+def extent_layout(weight_format: str | None, inter: int, hidden: int) -> ExtentLayout:
+    """The layout of an extent of `weight_format` (None: gate | up | down in the activations' dtype);
+    ValueError naming a format the kernels do not read or a shape it does not fit."""
+    if weight_format is None:
+        n = inter * hidden
+        return ExtentLayout("", "", n, 2 * n, 3 * n)
+    gate_up, down = expert_formats(weight_format)
+    for f in dict.fromkeys((gate_up, down)):
+        if f not in KERNEL_FORMATS:
+            raise ValueError(f"expert format {weight_format!r}: the Triton MoE reads {', '.join(KERNEL_FORMATS)}, "
+                             f"not {f} (convert with --quantize experts=int8, int4 or fp8)")
+    piece = FORMATS[gate_up].nbytes((inter, hidden))
+    return ExtentLayout(gate_up, down, piece, 2 * piece, 2 * piece + FORMATS[down].nbytes((hidden, inter)))
 
 
 # -- kernels ---------------------------------------------------------------------------------------
@@ -191,6 +233,61 @@ def _expert_base(w_ptr, table_ptr, expert, stride_row, host_ptr, stride_host_row
 
 
 @triton.jit
+def _weight_tile(piece, n, k, mask, N, K, FMT: tl.constexpr):
+    """W[n, k] ([BLOCK_N, BLOCK_K]) of a matrix W [N, K] whose bytes start at `piece`, in format FMT
+    (kernels/formats.py), dequantized in registers: "" for a slab in the activations' dtype (`piece`
+    is typed), else a `.rad` format name and `piece` a byte pointer. The compact formats compute
+    as `dequant.py` does, in fp32: q8_0 d * q; q4_0 d * (q - 8); q4_1 d * q + m (blocks of 32
+    values along a row: fp16 d [| fp16 m] | the values); fp8_b128 v * scale_inv of its 128 x 128
+    block (the fp32 scales [ceil(N/128), ceil(K/128)] first, then the E4M3 values row-major)."""
+    if FMT == "":
+        return tl.load(piece + n[:, None] * K + k[None, :], mask=mask, other=0.0)
+    elif FMT == "bf16":
+        return tl.load(piece.to(tl.pointer_type(tl.bfloat16)) + n[:, None] * K + k[None, :], mask=mask, other=0.0)
+    elif FMT == "f16":
+        return tl.load(piece.to(tl.pointer_type(tl.float16)) + n[:, None] * K + k[None, :], mask=mask, other=0.0)
+    elif FMT == "f32":
+        return tl.load(piece.to(tl.pointer_type(tl.float32)) + n[:, None] * K + k[None, :], mask=mask, other=0.0)
+    elif FMT == "fp8_b128":
+        sk = (K + 127) // 128
+        scale = tl.load((piece + ((n[:, None] // 128) * sk + k[None, :] // 128) * 4).to(tl.pointer_type(tl.float32)),
+                        mask=mask, other=0.0)
+        values = piece + ((N + 127) // 128) * sk * 4 + n[:, None] * K + k[None, :]
+        v = tl.load(values.to(tl.pointer_type(tl.float8e4nv)), mask=mask, other=0.0).to(tl.float32)
+        return v * scale
+    elif FMT == "q8_0":
+        block = _gguf_block(piece, n, k, K, 34)
+        d = tl.load(block.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+        q = tl.load((block + 2 + k[None, :] % 32).to(tl.pointer_type(tl.int8)), mask=mask, other=0).to(tl.float32)
+        return q * d
+    elif FMT == "q4_0":
+        block = _gguf_block(piece, n, k, K, 18)
+        d = tl.load(block.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+        return d * (_nibble(block + 2, k, mask) - 8).to(tl.float32)
+    else:
+        tl.static_assert(FMT == "q4_1", "the MoE kernels read q8_0, q4_0, q4_1, fp8_b128 and plain dtypes")
+        block = _gguf_block(piece, n, k, K, 20)
+        d = tl.load(block.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+        m = tl.load((block + 2).to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+        return d * _nibble(block + 4, k, mask).to(tl.float32) + m
+
+
+@triton.jit
+def _gguf_block(piece, n, k, K, BLOCK_BYTES: tl.constexpr):
+    """Byte pointers [BLOCK_N, BLOCK_K] to the 32-value block holding W[n, k] (rows of K // 32 blocks)."""
+    return piece + n[:, None] * (K // 32 * BLOCK_BYTES) + (k[None, :] // 32) * BLOCK_BYTES
+
+
+@triton.jit
+def _nibble(qs, k, mask):
+    """Value k % 32 of a block's 16 bytes of nibbles at `qs` (int32 in [0, 16)): ggml puts values
+    0..15 in the low nibbles of bytes 0..15 and values 16..31 in their high nibbles."""
+    j = k[None, :] % 32
+    byte = tl.load(qs + j % 16, mask=mask, other=0).to(tl.int32)
+    return (byte >> ((j // 16) * 4)) & 0x0F
+
+
+@triton.jit
 def _assignment_rows(tile, BLOCK_M: tl.constexpr):
     """(rows [BLOCK_M], their mask, their assignments) of tile i = assignment i (T == 1): one row."""
     rows = tile + tl.arange(0, BLOCK_M)
@@ -220,13 +317,15 @@ def _tile_rows(tile_info_ptr, order_ptr, tile, BLOCK_M: tl.constexpr, PER_ASSIGN
 @triton.jit
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, table_ptr, order_ptr, tile_info_ptr, h_ptr, host_ptr, logits_ptr, topk_weights_ptr,
-    hidden, inter, top_k, num_experts, stride_x, stride_row, stride_host_row,
-    TABLE_IS_PTR: tl.constexpr, HAS_HOST: tl.constexpr, PER_ASSIGNMENT: tl.constexpr,
+    hidden, inter, top_k, num_experts, stride_x, stride_row, stride_host_row, up_offset,
+    TABLE_IS_PTR: tl.constexpr, HAS_HOST: tl.constexpr, PER_ASSIGNMENT: tl.constexpr, FMT: tl.constexpr,
     ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """h[row, n] = silu(x[tok] . gate[n]) * (x[tok] . up[n]) for the tile's sorted rows; h: [A, I].
+    gate [I, H] starts the expert's row, up [I, H] `up_offset` further (elements of w_ptr), both in FMT
+    (`_weight_tile`), rounded to x's dtype for the dot as the reference rounds a dequantized weight.
     ROUTE (T == 1): tile i's expert is the one of rank i among the logits [E] (`route`'s order),
     and program (i, 0) stores it to tile_info_ptr[i] (the ids [k] the down launch reads) and its
     weight to topk_weights_ptr[i]."""
@@ -245,8 +344,6 @@ def _moe_gate_up_kernel(
                         TABLE_IS_PTR, HAS_HOST)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter
-    gate_ptr = base + n[:, None] * hidden  # gate [I, H]
-    up_ptr = base + (inter + n[:, None]) * hidden  # up [I, H], after gate
     x_row = x_ptr + tok[:, None].to(tl.int64) * stride_x
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -255,8 +352,8 @@ def _moe_gate_up_kernel(
         k_ok = k < hidden
         x = tl.load(x_row + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         w_mask = n_ok[:, None] & k_ok[None, :]
-        wg = tl.load(gate_ptr + k[None, :], mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K]
-        wu = tl.load(up_ptr + k[None, :], mask=w_mask, other=0.0)
+        wg = _weight_tile(base, n, k, w_mask, inter, hidden, FMT).to(x.dtype)  # [BLOCK_N, BLOCK_K]
+        wu = _weight_tile(base + up_offset, n, k, w_mask, inter, hidden, FMT).to(x.dtype)
         acc_gate = tl.dot(x, tl.trans(wg), acc_gate, input_precision=DOT_PRECISION)
         acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision=DOT_PRECISION)
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up
@@ -268,16 +365,18 @@ def _moe_gate_up_kernel(
 def _moe_down_kernel(
     h_ptr, w_ptr, table_ptr, order_ptr, tile_info_ptr, topk_weights_ptr, out_ptr, host_ptr,
     residual_ptr, sum_ptr, counter_ptr, hidden, inter, top_k,
-    stride_row, stride_host_row, stride_res,
-    TABLE_IS_PTR: tl.constexpr, HAS_HOST: tl.constexpr, PER_ASSIGNMENT: tl.constexpr, DETERMINISTIC: tl.constexpr,
+    stride_row, stride_host_row, stride_res, down_offset,
+    TABLE_IS_PTR: tl.constexpr, HAS_HOST: tl.constexpr, PER_ASSIGNMENT: tl.constexpr, FMT: tl.constexpr,
+    DETERMINISTIC: tl.constexpr,
     SUM_LAST: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """y = weight * (h[row] . down[n]); atomically added to out[tok] (fp32 [T, H]), or, DETERMINISTIC,
-    stored to out[assignment] (fp32 [A, H]) for an ordered sum over k afterwards. SUM_LAST (T == 1,
-    PER_ASSIGNMENT and DETERMINISTIC): the last of the k programs of a column block to finish does
-    that sum for the block (`_sum_rows`, the residual added) into sum_ptr ([1, H], x's dtype)."""
+    """y = weight * (h[row] . down[n]) (down [H, I] `down_offset` into the expert's row, in FMT);
+    atomically added to out[tok] (fp32 [T, H]), or, DETERMINISTIC, stored to out[assignment]
+    (fp32 [A, H]) for an ordered sum over k afterwards. SUM_LAST (T == 1, PER_ASSIGNMENT and
+    DETERMINISTIC): the last of the k programs of a column block to finish does that sum for the
+    block (`_sum_rows`, the residual added) into sum_ptr ([1, H], x's dtype)."""
     pdl.wait(PDL)
     expert, rows, row_ok, assignment = _tile_rows(tile_info_ptr, order_ptr, tl.program_id(0), BLOCK_M,
                                                   PER_ASSIGNMENT)
@@ -287,14 +386,13 @@ def _moe_down_kernel(
                         TABLE_IS_PTR, HAS_HOST)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
-    down_ptr = base + 2 * inter * hidden + n[:, None] * inter  # down [H, I], after gate and up
     h_row = h_ptr + rows[:, None].to(tl.int64) * inter
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < inter
         h = tl.load(h_row + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        w = tl.load(down_ptr + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        w = _weight_tile(base + down_offset, n, k, n_ok[:, None] & k_ok[None, :], hidden, inter, FMT).to(h.dtype)
         acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
     weight = tl.load(topk_weights_ptr + assignment, mask=row_ok, other=0.0).to(tl.float32)
     y = acc * weight[:, None]
@@ -368,7 +466,7 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int,
 
 def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
                 w_ref: torch.Tensor, stride_row: int, table_is_ptr: bool, inter: int, deterministic: bool,
-                cfg: MoEConfig | None = None, host: torch.Tensor | None = None,
+                layout: ExtentLayout, cfg: MoEConfig | None = None, host: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, logits: torch.Tensor | None = None,
                 renormalize: bool = False) -> torch.Tensor:
     """The launches of `moe`. With `logits` ([1, E], T == 1) the gate/up programs route: they write
@@ -397,8 +495,8 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     _moe_gate_up_kernel[(tiles, up_blocks)](
         x, w_ref, table, order, tile_info, h, w_ref if host is None else host, logits if route else x, weights,
         hidden, inter, top_k, num_experts, x.stride(0), stride_row, 0 if host is None else host.stride(0),
-        TABLE_IS_PTR=table_is_ptr, HAS_HOST=host is not None, PER_ASSIGNMENT=per_assignment,
-        ROUTE=route, RENORMALIZE=renormalize, BLOCK_E=block_e,
+        layout.up_offset, TABLE_IS_PTR=table_is_ptr, HAS_HOST=host is not None, PER_ASSIGNMENT=per_assignment,
+        FMT=layout.gate_up, ROUTE=route, RENORMALIZE=renormalize, BLOCK_E=block_e,
         BLOCK_C=min(block_e, router.ROUTE_CHUNK // block_e),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k_up,
         DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -414,8 +512,8 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         h, w_ref, table, order, tile_info, weights, y, w_ref if host is None else host,
         out if residual is None else residual, out, arrival.counters(dev, column_blocks) if per_assignment else y,
         hidden, inter, top_k, stride_row, 0 if host is None else host.stride(0),
-        0 if residual is None else residual.stride(0),
-        TABLE_IS_PTR=table_is_ptr, HAS_HOST=host is not None, PER_ASSIGNMENT=per_assignment,
+        0 if residual is None else residual.stride(0), layout.down_offset,
+        TABLE_IS_PTR=table_is_ptr, HAS_HOST=host is not None, PER_ASSIGNMENT=per_assignment, FMT=layout.down,
         DETERMINISTIC=deterministic, SUM_LAST=per_assignment, HAS_RESIDUAL=residual is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down,
         DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -468,26 +566,37 @@ def _check_routing(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
             raise ValueError(f"{name} is on {tensor.device}, x on {x.device}")
 
 
-def _check_row_size(hidden: int, inter: int) -> None:
-    if 3 * inter * hidden >= 2 ** 31:
-        raise ValueError(f"an expert row of {3 * inter * hidden} elements is over the kernels' 2^31 offset limit")
+def _check_row_size(layout: ExtentLayout) -> None:
+    if layout.size >= 2 ** 31:
+        raise ValueError(f"an expert row of {layout.size} elements is over the kernels' 2^31 offset limit")
 
 
-def _check_slab(x: torch.Tensor, slab: torch.Tensor, host: torch.Tensor | None, inter: int) -> None:
+def _check_slab(x: torch.Tensor, slab: torch.Tensor, host: torch.Tensor | None, inter: int,
+                layout: ExtentLayout, weight_format: str | None) -> None:
     hidden = x.shape[1]
-    if slab.dim() != 2 or slab.shape[1] != 3 * inter * hidden or slab.stride(1) != 1:
-        raise ValueError(f"slab must be [R, 3 * I * H] = [R, {3 * inter * hidden}] with contiguous rows, "
-                         f"got {tuple(slab.shape)} strides {slab.stride()}")
-    if slab.dtype != x.dtype or slab.device != x.device:
-        raise ValueError(f"slab is {slab.dtype} on {slab.device}; x is {x.dtype} on {x.device}")
+    if layout.gate_up == "":
+        if slab.dim() != 2 or slab.shape[1] != 3 * inter * hidden or slab.stride(1) != 1:
+            raise ValueError(f"slab must be [R, 3 * I * H] = [R, {3 * inter * hidden}] with contiguous rows, "
+                             f"got {tuple(slab.shape)} strides {slab.stride()}")
+        if slab.dtype != x.dtype or slab.device != x.device:
+            raise ValueError(f"slab is {slab.dtype} on {slab.device}; x is {x.dtype} on {x.device}")
+    else:  # a byte slab: one extent at the start of each row, rows 16-byte aligned for the scales' loads
+        if slab.dim() != 2 or slab.dtype != torch.uint8 or slab.shape[1] < layout.size or slab.stride(1) != 1 \
+                or slab.stride(0) % 16:
+            raise ValueError(f"a slab of {weight_format} extents must be uint8 [R, >= {layout.size}] (an extent's "
+                             f"bytes at I = {inter}, H = {hidden}) with contiguous rows 16 bytes apart, got "
+                             f"{slab.dtype} {tuple(slab.shape)} strides {slab.stride()}")
+        if slab.device != x.device:
+            raise ValueError(f"slab is on {slab.device}; x on {x.device}")
     if host is not None:
-        if host.dim() != 2 or host.shape[1] != slab.shape[1] or host.stride(1) != 1 or host.dtype != slab.dtype:
+        if host.dim() != 2 or host.shape[1] != slab.shape[1] or host.stride(1) != 1 or host.dtype != slab.dtype \
+                or layout.gate_up != "" and host.stride(0) % 16:
             raise ValueError(f"host must be [R', {slab.shape[1]}] {slab.dtype} with contiguous rows like slab, "
                              f"got {tuple(host.shape)} {host.dtype} strides {host.stride()}")
         if x.device.type == "cuda" and host.device.type == "cpu" and not host.is_pinned():
             raise ValueError("host is pageable CPU memory; the kernels read it over the link only when it is "
                              "pinned (allocate the host pool with pin_memory=True)")
-    _check_row_size(hidden, inter)
+    _check_row_size(layout)
 
 
 def _empty_result(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -497,7 +606,8 @@ def _empty_result(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tenso
 
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
         slab: torch.Tensor, inter: int, host: torch.Tensor | None = None, *,
-        deterministic: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+        deterministic: bool = False, residual: torch.Tensor | None = None,
+        weight_format: str | None = None) -> torch.Tensor:
     """Routed SiLU experts read through the expert table (Triton); contract of `reference.moe`.
 
     x: [T, H] (bf16, fp16 or fp32); topk_ids: [T, k] int, every id in [0, E);
@@ -511,21 +621,27 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tab
     summed over k in order (bitwise reproducible; [T * k, H] fp32 of workspace).
     `residual` ([T, H] like x): returns `residual + result` (each rounded to x's
     dtype, as torch rounds `x + moe(x)`) in the same launch as the final sum.
+    `weight_format` (`formats.expert_formats`: q8_0, q4_0, q4_1, fp8_b128, or two of
+    them, gate/up + down) says slab and host are uint8 rows of compact extents, as the
+    `.rad` stores them (rows may be wider than one extent; 16-byte aligned): the
+    kernels dequantize each weight tile in registers (`_weight_tile`).
     No host sync; the table may change between calls.
     """
     _check_x(x, residual)
     _check_routing(x, topk_ids, topk_weights)
     _check_table(x, table, "table")
-    _check_slab(x, slab, host, inter)
+    layout = extent_layout(weight_format, inter, x.shape[1])
+    _check_slab(x, slab, host, inter, layout, weight_format)
     if x.shape[0] == 0:
         return _empty_result(x, residual)
     return _launch_moe(x, topk_ids, topk_weights.contiguous(), table, slab, slab.stride(0), False, inter,
-                       deterministic, host=host, residual=residual)
+                       deterministic, layout, host=host, residual=residual)
 
 
 def route_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool, table: torch.Tensor,
               slab: torch.Tensor, inter: int, host: torch.Tensor | None = None, *, deterministic: bool = False,
-              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              residual: torch.Tensor | None = None, weight_format: str | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`router.route` then `moe` (Triton); contract of `reference.route_moe`.
 
     logits: [T, E] router logits (rows with a unit last stride, on x's device), E
@@ -545,18 +661,20 @@ def route_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bo
                          f"experts) on {x.device}, got {tuple(logits.shape)} on {logits.device}")
     if x.shape[0] != 1 or table.shape[0] > ROUTE_FUSED_MAX_EXPERTS:
         ids, weights = router.route(logits, top_k, renormalize, x.dtype)
-        return moe(x, ids, weights, table, slab, inter, host, deterministic=deterministic, residual=residual), \
-            ids, weights
-    _check_slab(x, slab, host, inter)
+        return moe(x, ids, weights, table, slab, inter, host, deterministic=deterministic, residual=residual,
+                   weight_format=weight_format), ids, weights
+    layout = extent_layout(weight_format, inter, x.shape[1])
+    _check_slab(x, slab, host, inter, layout, weight_format)
     ids = torch.empty((1, top_k), dtype=torch.int64, device=x.device)
     weights = torch.empty((1, top_k), dtype=x.dtype, device=x.device)
-    out = _launch_moe(x, ids, weights, table, slab, slab.stride(0), False, inter, deterministic, host=host,
+    out = _launch_moe(x, ids, weights, table, slab, slab.stride(0), False, inter, deterministic, layout, host=host,
                       residual=residual, logits=logits, renormalize=renormalize)
     return out, ids, weights
 
 
 def moe_ptr(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_ptr: torch.Tensor,
-            inter: int, *, deterministic: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+            inter: int, *, deterministic: bool = False, residual: torch.Tensor | None = None,
+            weight_format: str | None = None) -> torch.Tensor:
     """`moe` with the table holding raw addresses (DESIGN.md idea 3: `expert_ptr[layer, expert]`).
 
     expert_ptr: [E] int64 on x's device; entry e is the device address of expert
@@ -564,17 +682,20 @@ def moe_ptr(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     aligned: a VRAM slot or pinned host memory mapped into the device's address
     space (with unified addressing, a pinned tensor's `data_ptr()`). The kernels
     cannot check these addresses: a wrong one faults or reads garbage.
+    With `weight_format` each address is a compact extent's first byte (16-byte aligned).
     Other arguments and the result as in `moe`.
     """
     _check_x(x, residual)
     _check_routing(x, topk_ids, topk_weights)
     _check_table(x, expert_ptr, "expert_ptr")
-    _check_row_size(x.shape[1], inter)
+    layout = extent_layout(weight_format, inter, x.shape[1])
+    _check_row_size(layout)
     if x.shape[0] == 0:
         return _empty_result(x, residual)
-    return _launch_moe(x, topk_ids, topk_weights.contiguous(), expert_ptr, x, 0, True, inter, deterministic,
-                       residual=residual)
+    w_ref = x if weight_format is None else x.view(torch.uint8)  # the element type the addresses point at
+    return _launch_moe(x, topk_ids, topk_weights.contiguous(), expert_ptr, w_ref, 0, True, inter, deterministic,
+                       layout, residual=residual)
 
 
-__all__ = ["ROUTE_FUSED_MAX_EXPERTS", "MoEConfig", "moe_config", "max_tiles", "group_by_expert", "moe", "moe_ptr",
-           "route_moe"]
+__all__ = ["ROUTE_FUSED_MAX_EXPERTS", "KERNEL_FORMATS", "ExtentLayout", "MoEConfig", "extent_layout", "moe_config",
+           "max_tiles", "group_by_expert", "moe", "moe_ptr", "route_moe"]

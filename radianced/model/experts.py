@@ -26,9 +26,11 @@ class ExpertSource(Protocol):
     # that route and read them are queued (one launch fewer at T == 1, kernels/moe.py `route_moe`).
     stages_experts: bool
 
-    # A source whose slab holds compact extents also has `weight_format(layer) -> str | None` (the
-    # format of that layer's extents; ResidentExperts). The tiers' sources hold plain dtypes only
-    # until they move compact extents, and have none: the MoE then reads the slab in its dtype.
+    def weight_format(self, layer: int) -> str | None:
+        """The format of `layer`'s extents when the slab (and host) are uint8 rows of compact
+        extents (`formats.expert_formats` reads it; the MoE ops dequantize them); None when they
+        hold the weights in the activations' dtype."""
+        ...
 
     def table(self, layer: int) -> torch.Tensor:
         """[E] int64: where each expert of `layer` is: slab row (>= 0) or host row -1 - entry (< 0).
@@ -50,7 +52,8 @@ class ResidentExperts:
     """Every routed expert in one slab; the table maps (layer, expert) to its fixed row.
 
     A `.rad` with compact experts (`kernels/formats.py`) gets a uint8 slab [rows, widest
-    extent's bytes], each extent copied as the file holds it, and `weight_format(layer)`
+    extent's bytes rounded up to 16: the Triton MoE's aligned rows], each extent copied as the
+    file holds it, and `weight_format(layer)`
     names the format of that layer's extents (formats may differ by layer: a GGUF stores
     each layer's expert stacks in its own type); the reference MoE dequantizes an expert
     when it runs. Otherwise the slab holds the weights in their dtype and no format is named.
@@ -75,7 +78,8 @@ class ResidentExperts:
         if not any(is_compact(e.dtype) for e in entries):
             return cls._build([(e.layer, e.expert, rad.expert(e.layer, e.expert, verify=True)) for e in entries],
                               device, dtype)
-        slab = torch.zeros((len(entries), max(e.nbytes for e in entries)), dtype=torch.uint8, device=device)
+        width = (max(e.nbytes for e in entries) + 15) // 16 * 16
+        slab = torch.zeros((len(entries), width), dtype=torch.uint8, device=device)
         tables: dict[int, list[int]] = {}
         for row, e in enumerate(entries):
             slab[row, :e.nbytes] = rad.expert_bytes(e.layer, e.expert, verify=True)
@@ -84,7 +88,6 @@ class ResidentExperts:
                    {e.layer: e.dtype for e in entries})
 
     def weight_format(self, layer: int) -> str | None:
-        """The format of `layer`'s extents in a byte slab (formats.expert_formats reads it); None for a slab in a dtype."""
         return self._formats.get(layer)
 
     @classmethod

@@ -191,9 +191,8 @@ class MoE:
         logits, x = self.router(x, norm)
         fused = residual if self.shared is None else None
         top_k, renormalize, experts = self.router.top_k, self.router.renormalize, self.experts
-        # Only ResidentExperts holds compact extents yet (the reference op reads them): see ExpertSource
-        fmt = experts.weight_format(self.layer) if hasattr(experts, "weight_format") else None
-        compact = {} if fmt is None else {"weight_format": fmt}
+        fmt = experts.weight_format(self.layer)
+        compact = {} if fmt is None else {"weight_format": fmt}  # the op reads the extents as bytes
         if experts.stages_experts:
             ids, weights = ops.route(logits, top_k, renormalize, x.dtype)
             experts.prepare(self.layer, ids)

@@ -7,6 +7,11 @@ the file with the disk tier), fills the host pool, measures the links the
 placement will use (PCIe for overflow and disk reads, O_DIRECT for the disk
 tier), and leases and fills the slab's start slots. Its start-up lines go to
 the engine's log, after the receipt's.
+
+Compact experts (`kernels/formats.py`) stay compact in every tier: slots, host
+pool rows and disk reads hold the extent's bytes as the file does (a uint8 slab
+as wide as the receipt's extent), and the slab names each layer's format
+(`weight_format`) for the MoE op to dequantize.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 from radianced.arena import Arena
 from radianced.budget import Receipt
 from radianced.config import Config
+from radianced.kernels.formats import is_compact
 from radianced.model.rad import RadFile
 from radianced.tiers.disk import DiskReader
 from radianced.tiers.expert_loader import ExpertLoader
@@ -47,21 +53,33 @@ def build_expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch
                                ram_dir=cfg.host_pool_ram_dir)
         resources.append(pool)
         log.info(pool.line())
-        host = pool.tensor[:, :pool.elems]  # a view: keeps the pool's memory alive
+        host = pool.tensor  # (a view of it, below, keeps the pool's memory alive)
     if placement.host or placement.disk:  # what overflow and disk reads will cost: measured, not assumed
         log.info(probe_pcie().line())
     if placement.disk:
         log.info(probe_disk(rad.path).line())
+    dtype, formats = _rows(rad, dtype)
     width = receipt.expert_extent // dtype.itemsize
+    host = None if host is None else host[:, :width]
     loader = ExpertLoader(DiskReader.from_rad(rad), arena.paged_view(dtype, (width,)), receipt.expert_extent,
                           receipt.staging_rows)
     resources.append(loader)
     if placement.disk:
         log.info("disk tier: %d experts stay in %s, read with O_DIRECT when a step routes them "
                  "(buffers: 2 x %d slots)", len(placement.disk), rad.path, len(arena.reserved) // 2)
-    slab = ExpertSlab(arena, width, dtype, placement, host, loader, rad.model.num_experts, cfg.expert_slots)
+    slab = ExpertSlab(arena, width, dtype, placement, host, loader, rad.model.num_experts, cfg.expert_slots,
+                      formats)
     log.info(slab.fill_line(ranked=ranking is not None))
     return slab
+
+
+def _rows(rad: RadFile, dtype: torch.dtype) -> tuple[torch.dtype, dict[int, str]]:
+    """(the slab's dtype, the format of each layer's extents for `weight_format`): `dtype` and none
+    for plain experts; uint8 and every layer's format when any extent is compact (byte rows:
+    layers may differ in format and extent size, a row holds the widest)."""
+    if not any(is_compact(e.dtype) for e in rad.header.experts):
+        return dtype, {}
+    return torch.uint8, {e.layer: e.dtype for e in rad.header.experts}
 
 
 def _profile_ranking(rad: RadFile) -> list[Key] | None:

@@ -8,6 +8,11 @@ and registers the memory with CUDA when a GPU is present (`cudaHostRegister`,
 portable and mapped: the pointer table can hold its addresses). On the CPU
 backend the pool is plain memory and everything else is the same.
 
+Rows hold the extents as the file does: gate | up | down in the experts' dtype,
+or, for compact experts (`kernels/formats.py`), the extent's bytes (uint8 rows,
+extents of several formats side by side: a row holds the widest), which the
+MoE ops dequantize when they read them.
+
 Backing:
 
 - anonymous memory (default): private to this process;
@@ -36,6 +41,7 @@ import msgspec
 import torch
 import xxhash
 
+from radianced.kernels.formats import is_compact
 from radianced.kernels.pinned import PinError, register_pinned
 from radianced.model.rad_format import DTYPES
 from radianced.tiers.aligned import ALIGN, align_up
@@ -86,7 +92,7 @@ class HostPool:
         self.keys = keys
         self.row_bytes = row_bytes
         self.dtype = dtype
-        self.elems = elems  # 3 * I * H
+        self.elems = elems  # 3 * I * H, or the widest compact extent's bytes
         self.pinned = pinned
         self.path = path  # the tmpfs file, or None for anonymous memory
         self.filled_here = filled_here  # False: another process had filled the shared file
@@ -117,14 +123,7 @@ class HostPool:
         HostPoolError when memory, the tmpfs or the model file fails.
         """
         keys = tuple((int(k[0]), int(k[1])) for k in keys)
-        entries = [rad.expert_entry(*k) for k in keys]
-        dtype_name = entries[0].dtype if entries else "f32"
-        nbytes = entries[0].nbytes if entries else 0
-        for e in entries:
-            if (e.dtype, e.nbytes) != (dtype_name, nbytes):
-                raise HostPoolError(f"{rad.path}: expert (layer {e.layer}, expert {e.expert}) is {e.nbytes} bytes "
-                                    f"of {e.dtype}, others {nbytes} bytes of {dtype_name}: one pool holds one shape")
-        dtype = DTYPES[dtype_name]
+        dtype, nbytes = _row_type(rad, keys)
         elems = nbytes // max(1, torch.empty((), dtype=dtype).element_size())
         row_bytes = row_bytes or max(ALIGN, align_up(nbytes))
         if row_bytes % ALIGN or row_bytes < align_up(nbytes):
@@ -168,7 +167,8 @@ class HostPool:
         return self._rows[(layer, expert)]
 
     def row(self, layer: int, expert: int) -> torch.Tensor:
-        """[3 * I * H] view of the expert's extent: gate [I, H] | up [I, H] | down [H, I]."""
+        """[elems] view of the expert's row: gate [I, H] | up [I, H] | down [H, I] (compact: the extent's
+        bytes, then up to the widest extent what the 4 KiB read brought along: never read as weights)."""
         return self.tensor[self._rows[(layer, expert)], :self.elems]
 
     def buffer(self, row: int) -> memoryview:
@@ -210,6 +210,21 @@ class HostPool:
                                 f"raise the locked-memory limit (LimitMEMLOCK=infinity, ulimit -l) or lower "
                                 f"--host-pool-mib") from None
         self.pinned = True
+
+
+def _row_type(rad, keys: tuple[Key, ...]) -> tuple[torch.dtype, int]:
+    """(the rows' dtype, the bytes of the widest extent): uint8 when any extent is compact (extents
+    of several formats and sizes may share the pool), else the one dtype and size of them all."""
+    entries = [rad.expert_entry(*k) for k in keys]
+    if any(is_compact(e.dtype) for e in entries):
+        return torch.uint8, max(e.nbytes for e in entries)
+    dtype_name = entries[0].dtype if entries else "f32"
+    nbytes = entries[0].nbytes if entries else 0
+    for e in entries:
+        if (e.dtype, e.nbytes) != (dtype_name, nbytes):
+            raise HostPoolError(f"{rad.path}: expert (layer {e.layer}, expert {e.expert}) is {e.nbytes} bytes "
+                                f"of {e.dtype}, others {nbytes} bytes of {dtype_name}: one pool holds one shape")
+    return DTYPES[dtype_name], nbytes
 
 
 def _fill(rad, keys: tuple[Key, ...], mm: mmap.mmap, row_bytes: int, depth: int, verify: bool,

@@ -3,7 +3,8 @@
 Implements the model's `ExpertSource`. For every routed layer `table(layer)[e]`
 says where expert e's weights are right now:
 
-    entry >= 0   slot `entry`: row `entry` of `slab` (the arena's pages as [P, 3*I*H]), or
+    entry >= 0   slot `entry`: row `entry` of `slab` (the arena's pages as [P, 3*I*H], or as
+                 [P, extent bytes] uint8 for compact experts: `weight_format`), or
                  during a step a row of the disk tier's buffers (the arena's reserved pages)
     entry <  0   host row `-1 - entry` of `host` (the pinned host pool: an overflow read)
     MISSING      a disk-homed expert without a slot: nothing may read it until a step routes it
@@ -80,13 +81,16 @@ class SlabError(RuntimeError):
 class ExpertSlab:
     def __init__(self, arena: Arena, width: int, dtype: torch.dtype, placement: Placement,
                  host: torch.Tensor | None, loader: ExpertLoader | None, num_experts: int,
-                 max_slots: int | None = None):
-        """width: elements of one expert extent; host: [placement.count(HOST), width] rows in
-        placement.host_row order; loader: reads extents from the model file into slab rows (the
-        pinned experts, disk-homed ones; needed when the placement has any); max_slots:
-        --expert-slots (None: as many as the arena lends). Leases and fills every start slot."""
+                 max_slots: int | None = None, formats: dict[int, str] | None = None):
+        """width: elements of one expert extent (the widest); dtype: the extents' (uint8 for compact
+        ones); host: [placement.count(HOST), width] rows in placement.host_row order; loader: reads
+        extents from the model file into slab rows (the pinned experts, disk-homed ones; needed when
+        the placement has any); max_slots: --expert-slots (None: as many as the arena lends);
+        formats: per routed layer, its extents' format when they are compact (`weight_format`).
+        Leases and fills every start slot."""
         _check_homes(arena, placement, loader)
         self.arena, self.placement, self.host, self.loader = arena, placement, host, loader
+        self._formats = formats or {}
         self.slab = arena.paged_view(dtype, (width,))  # [P + reserved, width]
         self.max_slots, self.num_experts = max_slots, num_experts
         self.extent_bytes = width * dtype.itemsize  # what one overflow read moves over the link
@@ -127,6 +131,9 @@ class ExpertSlab:
 
     def table(self, layer: int) -> torch.Tensor:
         return self._tables[layer]
+
+    def weight_format(self, layer: int) -> str | None:
+        return self._formats.get(layer)
 
     def prepare(self, layer: int, expert_ids: torch.Tensor) -> None:
         """Record the step's routing of `layer` ([T, k] ids) for `end_step` to count. Without disk
@@ -334,7 +341,7 @@ class ExpertSlab:
         the host); returns that expert. Raises SlabError on a mismatch."""
         key = next(k for k, p in self._slot_of.items() if p == slot)
         extent = self.loader.reader.extents[key]
-        data = self.slab[slot].view(torch.uint8).cpu().numpy()
+        data = self.slab[slot].view(torch.uint8)[:extent.nbytes].cpu().numpy()  # rows fit the widest extent
         if xxhash.xxh3_64_intdigest(data) != extent.checksum:
             raise SlabError(f"slot {slot} (layer {key[0]}, expert {key[1]}) does not match the model file's "
                             f"checksum after the start fill: the card's memory or the copy is faulty")

@@ -156,6 +156,9 @@ class _RoutingLog:
     def table(self, layer: int) -> torch.Tensor:
         return self.inner.table(layer)
 
+    def weight_format(self, layer: int) -> str | None:
+        return self.inner.weight_format(layer)
+
     def prepare(self, layer: int, expert_ids: torch.Tensor) -> None:
         self.routed.setdefault(layer, []).append(expert_ids.clone())
         self.inner.prepare(layer, expert_ids)
@@ -214,6 +217,9 @@ class _StagedExperts:
 
     def table(self, layer: int) -> torch.Tensor:
         return self._tables[layer]
+
+    def weight_format(self, layer: int) -> None:
+        return None
 
     def prepare(self, layer: int, expert_ids: torch.Tensor) -> None:
         routed = expert_ids.unique()
