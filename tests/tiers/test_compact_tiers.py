@@ -24,11 +24,10 @@ from tests.engine.conftest import prompts, request, run_all, small_engine
 
 LAYERS, EXPERTS, INTER, HIDDEN = 3, 16, 32, 64
 EXTENT = {"q8_0": 3 * INTER * HIDDEN // 32 * 34, "q4_0": 3 * INTER * HIDDEN // 32 * 18}
-# One sequence at a time: the CPU's batched paged attention (kernels/cpu.py) gathers padding blocks
-# and the unwritten tail of a block and masks them in SDPA, and a masked key or value that is NaN or Inf
-# still poisons the sum (0 * NaN, inf + -inf). KV pages share the arena with expert pages, whose compact
-# bytes read as fp32 are NaN and Inf in places; plain expert weights never are (reported to the lead).
-CFG = dict(max_model_len=256, max_num_seqs=1, max_num_batched_tokens=64)
+# Several sequences at once: KV pages share the arena with expert pages, whose compact bytes read as fp32
+# are NaN and inf in places; the CPU's batched attention zeroes what lies past each context (it once
+# only masked it, and 0 * NaN poisoned the sum: this test's int8 model then gave [0, 0, ...]).
+CFG = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
 
 
 @pytest.fixture(scope="module", params=[("int8", "q8_0"), ("int4", "q4_0")], ids=["int8", "int4"])
