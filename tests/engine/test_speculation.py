@@ -326,6 +326,27 @@ def _mtp_draft_logits(rad, ids: list[int]) -> torch.Tensor:
                                           batch, cache))
 
 
+def _mtp_chain_oracle(rad, history: list[int]) -> tuple[int, int]:
+    """The head's two chained drafts after `history` (its last token not yet computed), step by step: the
+    main model over history[:-1], the head's rows with the tokens after them, its draft at the last row,
+    then one chained step at the last token's position reading the head's normed output and that draft."""
+    model = load_model(rad, mtp=True)
+    m, n = rad.model, len(history)
+    blocks = -(-(n + 1) // 16)
+    states = KVCache.allocate(m, num_blocks=1, block_size=16, num_state_slots=1, dtype=torch.float32).states
+    cache = KVCache(torch.zeros((blocks, 1, len(m.full_attention_layers) + 1, 2, 16, m.num_key_value_heads,
+                                 m.head_dim)), m.full_attention_layers + (m.num_hidden_layers,), states)
+    table = list(range(blocks))
+    batch = ForwardBatch.build([history[:-1]], [0], [table], 16, logits="all", state_slots=[0])
+    with torch.inference_mode():
+        _, hidden = model.forward(batch, cache, hidden=True)
+        x = model.mtp(torch.tensor(history[1:]), hidden, model.rotary.at(batch.positions), batch, cache)[-1:]
+        first = model.mtp.logits(x).argmax(-1)
+        step = ForwardBatch.build([[0]], [n - 1], [table], 16)
+        x = model.mtp(first, model.mtp.chained(x), model.rotary.at(step.positions), step, cache)
+        return int(first), int(model.mtp.logits(x).argmax(-1))
+
+
 def test_mtp_drafts_leave_greedy_outputs_unchanged_and_are_the_heads_drafts_over_the_whole_text(mtp_rad):
     ps, arrivals = _workload(mtp_rad, logprobs=1)
     base = drive(small_engine(mtp_rad), arrivals(small_engine(mtp_rad)), False)
@@ -350,5 +371,9 @@ def test_mtp_drafts_leave_greedy_outputs_unchanged_and_are_the_heads_drafts_over
         want = _mtp_draft_logits(mtp_rad, text).argmax(-1).tolist()
         # the first draft is the head's at that point; the second is chained from the head's own output
         assert all(drafts[0] == want[at - 2] and len(drafts) <= 2 for at, drafts in proposals[f"r{i}"].items()), i
-    assert any(len(d) == 2 for got in proposals.values() for d in got.values())
+    chained = [(i, at, d) for i in range(len(ps)) for at, d in proposals[f"r{i}"].items() if len(d) == 2]
+    assert chained
+    for i, at, drafts in chained[:6]:  # the chained draft too, recomputed one step at a time
+        text = list(ps[i]) + list(base[f"r{i}"][0])
+        assert drafts == _mtp_chain_oracle(mtp_rad, text[:at]), (i, at)
     assert sum(map(len, proposals.values())) >= 20  # after prefills, decode steps and verify steps
