@@ -14,6 +14,9 @@ from collections import Counter
 import pytest
 import torch
 
+from radianced.card import Card
+from radianced.config import Config
+from radianced.engine.engine import Engine
 from radianced.engine import ngram
 from radianced.engine.sampling_params import SamplingParams
 from radianced.engine.speculation import (NO_MATCH_PAUSE, PROBE_EVERY, DraftPolicy, DraftStats, accepted,
@@ -377,3 +380,14 @@ def test_mtp_drafts_leave_greedy_outputs_unchanged_and_are_the_heads_drafts_over
         text = list(ps[i]) + list(base[f"r{i}"][0])
         assert drafts == _mtp_chain_oracle(mtp_rad, text[:at]), (i, at)
     assert sum(map(len, proposals.values())) >= 20  # after prefills, decode steps and verify steps
+
+
+@pytest.mark.parametrize("speculative", [0, 3])
+def test_the_receipt_charges_the_n_plus_one_state_copies_the_engine_allocates(tiny_rads, speculative):
+    cfg = Config(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, speculative=speculative,
+                 speculative_method="ngram")
+    engine = Engine.build(tiny_rads["qwen3_next"], cfg, Card.from_mib(256))
+    states = engine.runner.cache.states
+    (recurrent,) = [p for p in engine.receipt.state if p.name == "recurrent"]
+    assert recurrent.bytes == states.conv.nbytes + states.recurrent.nbytes
+    assert states.conv.shape[1] == 4 * (speculative + 1)

@@ -18,9 +18,9 @@ TEXT = ("Beautiful is better than ugly. Explicit is better than implicit. Simple
 MESSAGES = [{"role": "user", "content": f"Repeat this text exactly:\n\n{TEXT}"}]
 
 
-def _answer(d, stream: bool) -> str:
+def _answer(d, stream: bool, **extra) -> str:
     api = openai.OpenAI(base_url=f"{d.url}/v1", api_key="unused", max_retries=0)
-    kwargs = dict(model="smollm2-135m-instruct", temperature=0, max_tokens=48, messages=MESSAGES)
+    kwargs = dict(model="smollm2-135m-instruct", temperature=0, max_tokens=48, messages=MESSAGES, **extra)
     if not stream:
         return api.chat.completions.create(**kwargs).choices[0].message.content
     return "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(stream=True, **kwargs)
@@ -41,12 +41,15 @@ def test_drafts_are_accepted_and_the_greedy_text_is_the_same_as_without():
     plain = start_daemon(None, *flags)
     try:
         expected = _answer(plain, stream=False)
+        stopped = _answer(plain, stream=True, stop=["Simple is"], logprobs=True)
     finally:
         assert plain.stop() == 0
     spec = start_daemon(None, *flags, "--speculative", "4")
     try:
         assert _answer(spec, stream=False) == expected and _answer(spec, stream=True) == expected
         m = _counters(spec)
+        assert _answer(spec, stream=True, stop=["Simple is"], logprobs=True) == stopped  # a stop string inside drafts
+        assert "Simple is" not in stopped and stopped in expected
     finally:
         assert spec.stop() == 0
     assert 0 < m["radiance_spec_accepted_tokens_total"] <= m["radiance_spec_draft_tokens_total"]
@@ -56,4 +59,4 @@ def test_drafts_are_accepted_and_the_greedy_text_is_the_same_as_without():
     assert sum(by_position) == m["radiance_spec_accepted_tokens_total"]
     assert "speculative decoding: up to 4 n-gram drafts per sequence and step" in spec.log()
     lines = re.findall(r"drafts accepted (\d+)/(\d+) \((\d+\.\d)%\)", spec.log())
-    assert len(lines) == 2 and all(0 < int(a) <= int(d) for a, d, _ in lines)  # one line per request
+    assert len(lines) == 3 and all(0 < int(a) <= int(d) for a, d, _ in lines)  # one line per request
