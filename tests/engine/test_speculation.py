@@ -27,7 +27,7 @@ from radianced.model.convert import convert
 from radianced.model.loader import load_model
 from radianced.model.rad import RadFile
 from radianced.model.tiny import make_tiny
-from tests.engine.conftest import prompts, request, small_engine
+from tests.engine.conftest import prompts, request, run_all, small_engine
 from tests.engine.test_pipeline import drive, same
 
 SPEC_FAMILIES = ("llama", "qwen3_moe", "qwen3_next")
@@ -391,3 +391,22 @@ def test_the_receipt_charges_the_n_plus_one_state_copies_the_engine_allocates(ti
     (recurrent,) = [p for p in engine.receipt.state if p.name == "recurrent"]
     assert recurrent.bytes == states.conv.nbytes + states.recurrent.nbytes
     assert states.conv.shape[1] == 4 * (speculative + 1)
+
+
+@pytest.mark.parametrize("flags", [dict(), dict(expert_slots=8, host_pool_mib=16)], ids=["lending", "tiers"])
+def test_the_mtp_head_drafts_beside_the_expert_tiers_in_the_engine_the_daemon_builds(mtp_rad, flags):
+    """Engine.build, as the daemon builds it: the MTP layer's experts resident (the receipt's mtp class), the
+    decoder layers' in the slab and the host pool; the MTP layer's KV one more layer of the pool."""
+    def build(speculative: int) -> Engine:
+        return Engine.build(mtp_rad, Config(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+                                            speculative=speculative, **flags), Card.from_mib(256))
+    ps = prompts(mtp_rad.model.vocab_size, (9, 30), seed=3)
+    plain, drafting = build(0), build(2)
+    assert drafting.runner.model.mtp is not None and plain.runner.model.mtp is None
+    assert [g.layers for g in drafting.receipt.groups] == [g.layers + 1 for g in plain.receipt.groups]
+    assert "mtp" in [p.name for p in drafting.receipt.weights]
+    assert "mtp" in [p.name for p in plain.receipt.idle_weights]
+    seqs = _added(drafting)
+    same_tokens = [run_all(e, [request(e, f"r{i}", p, max_tokens=12) for i, p in enumerate(ps)])
+                   for e in (plain, drafting)]
+    assert same_tokens[0] == same_tokens[1] and sum(s.draft_stats.drafted for s in seqs) > 0
