@@ -406,6 +406,8 @@ def test_the_mtp_head_drafts_beside_the_expert_tiers_in_the_engine_the_daemon_bu
     assert [g.layers for g in drafting.receipt.groups] == [g.layers + 1 for g in plain.receipt.groups]
     assert "mtp" in [p.name for p in drafting.receipt.weights]
     assert "mtp" in [p.name for p in plain.receipt.idle_weights]
+    assert drafting.scheduler.draft_policy.propose is mtp_drafts
+    drafting.scheduler.draft_policy = DraftPolicy(2, 0.6, adaptive=False, propose=mtp_drafts)  # draft every step
     seqs = _added(drafting)
     same_tokens = [run_all(e, [request(e, f"r{i}", p, max_tokens=12) for i, p in enumerate(ps)])
                    for e in (plain, drafting)]
