@@ -311,7 +311,7 @@ def paging_groups(facts: ModelFacts, cfg: Config) -> tuple[PagingGroup, ...]:
     per_layer = 2 * m.num_key_value_heads * m.head_dim * kv_elem
     groups = []
     if m.full_attention_layers:
-        n = len(m.full_attention_layers) + (m.num_mtp_layers if cfg.drafts_with_mtp(m.num_mtp_layers) else 0)
+        n = len(m.full_attention_layers) + (1 if cfg.drafts_with_mtp(m.num_mtp_layers) else 0)  # its first MTP layer
         groups.append(PagingGroup("kv_attn", n, BLOCK_TOKENS, BLOCK_TOKENS * n * per_layer))
     return tuple(groups)
 

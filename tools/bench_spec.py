@@ -5,14 +5,14 @@
 1. Forced drafts (the engine, `Engine.build` on the CPU as the daemon builds it): a greedy
    run without drafts is replayed with 4 drafts per step taken from it, all right (100%),
    every other one wrong at its second draft (about 50%: one accepted), or all wrong (0%). Per
-   case: ms per step, tokens per step, ms per token, against the plain run. A verify step's
-   cost over a plain step gives the cost model's r (engine/speculation.py): c(4) =
-   (1 + 5r) / (1 + r) at batch 1.
+   case: the median step time over `--rounds` interleaved rounds, tokens per step, ms per token.
+   A verify step's cost over a plain step (the all-wrong case: 5 tokens, one kept) gives the cost
+   model's r (engine/speculation.py): c(4) = (1 + 5r) / (1 + r) at batch 1.
 2. Served (the daemon through HTTP, streamed greedy chat completions at batch 1): an
    input-grounded prompt (repeat a text shipped with Python, the Zen of Python, with one change)
-   and a free-writing prompt, each with `--speculative 4` (n-gram, adaptive) and without:
-   decode tok/s (tokens after the first over the time after the first), and the daemon's
-   acceptance from /metrics.
+   and a free-writing prompt, with `--speculative 4` (n-gram, adaptive) and without, daemons
+   alternating for `--rounds` rounds: the median decode tok/s (tokens after the first over the
+   time after the first), and the request's drafted and accepted counts from /metrics.
 
 Writes DIR/bench_spec.json and DIR/bench_spec.md.
 """
@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -87,64 +88,93 @@ class Replay:
         return tuple(drafts)
 
 
-def forced(rad: RadFile, prompt: list[int], tokens: int) -> list[dict]:
+def forced(rad: RadFile, prompt: list[int], tokens: int, rounds: int) -> list[dict]:
+    """Per case, the median step time over every timed step of `rounds` interleaved rounds (a shared
+    machine's bursts land on some steps of some cases, not on one case's whole run)."""
     cfg = Config(max_num_seqs=1, max_model_len=4096)
     engine = Engine.build(rad, cfg, Card.from_mib(4096), "cpu")
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
 
-    def run(rid: str, policy: DraftPolicy | None) -> tuple[list[int], int, float]:
+    def run(rid: str, policy: DraftPolicy | None) -> tuple[list[int], list[float]]:
         engine.scheduler.draft_policy = policy
         engine.add(Request(rid, tuple(prompt), params))
         engine.step()  # the prefill and the first token, not timed
-        out, steps, t0 = [], 0, time.perf_counter()
+        out, times = [], []
         while engine.scheduler.has_unfinished:
+            t0 = time.perf_counter()
             out += [t for ev in engine.step() for t in ev.token_ids]
-            steps += 1
-        return out, steps, time.perf_counter() - t0
+            times.append(time.perf_counter() - t0)
+        return out, times
 
     run("warm", None)
-    base, steps, seconds = run("plain", None)
-    rows = [{"case": "no drafts", "steps": steps, "tokens": len(base), "ms_per_step": 1e3 * seconds / steps,
-             "ms_per_token": 1e3 * seconds / len(base)}]
-    for wrong, name in (("none", "4 drafts, 100% right"), ("half", "4 drafts, every other step 1 right"),
-                        ("all", "4 drafts, 0% right")):
-        replay = Replay(tuple(prompt), [0] + base, wrong)  # the first output token came from the prefill
-        out, n, s = run(name, DraftPolicy(DRAFTS, 0.0, adaptive=False, propose=replay))
-        assert out == base, f"{name}: the replayed run differs from the plain one"
-        rows.append({"case": name, "steps": n, "tokens": len(out), "ms_per_step": 1e3 * s / n,
-                     "ms_per_token": 1e3 * s / len(out)})
+    base, _ = run("base", None)
+    cases = {"no drafts": None, "4 drafts, 100% right": "none", "4 drafts, every other step 1 right": "half",
+             "4 drafts, 0% right": "all"}
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    steps: dict[str, int] = {}
+    for r in range(rounds):
+        for name, wrong in cases.items():
+            policy = None if wrong is None else DraftPolicy(
+                DRAFTS, 0.0, adaptive=False, propose=Replay(tuple(prompt), [0] + base, wrong))  # [0]: the prefill's
+            out, t = run(f"{name} {r}", policy)
+            assert out == base, f"{name}: the replayed run differs from the plain one"
+            times[name] += t
+            steps[name] = len(t)
+    rows = []
+    for name in cases:
+        step = statistics.median(times[name])
+        rows.append({"case": name, "steps": steps[name], "tokens": len(base), "ms_per_step": 1e3 * step,
+                     "ms_per_token": 1e3 * step * steps[name] / len(base)})
     return rows
 
 
 # -- 2. served -----------------------------------------------------------------------
 
 
-async def _one(url: str, prompt: str, tokens: int) -> dict:
+def _spec_counts(metrics: str) -> tuple[float, float]:
+    found = dict(re.findall(r"^(radiance_spec_(?:draft|accepted)_tokens_total) (\S+)$", metrics, re.M))
+    return (float(found.get("radiance_spec_draft_tokens_total", 0)),
+            float(found.get("radiance_spec_accepted_tokens_total", 0)))
+
+
+async def _prompts(url: str, prompts: dict[str, str], tokens: int) -> dict[str, dict]:
+    """Each prompt once, after a warm-up request: decode tok/s (tokens after the first over the time after
+    the first), TTFT, and the request's drafted and accepted counts (the /metrics delta)."""
+    out = {}
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
         await stream_request(http, "/v1/chat/completions", chat_body([{"role": "user", "content": "Hi"}], 8))
-        s = await stream_request(http, "/v1/chat/completions",
-                                 chat_body([{"role": "user", "content": prompt}], tokens))
-        metrics = (await http.get("/metrics")).text
-    assert s.ok, s.error
-    decode_s = s.e2e_s - s.ttft_s
-    found = dict(re.findall(r"^(radiance_spec_(?:draft|accepted)_tokens_total) (\S+)$", metrics, re.M))
-    return {"tokens": s.tokens_received, "ttft_ms": 1e3 * s.ttft_s,
-            "decode_tok_s": (s.tokens_received - 1) / decode_s if decode_s > 0 else 0.0,
-            "drafted": float(found.get("radiance_spec_draft_tokens_total", 0)),
-            "accepted": float(found.get("radiance_spec_accepted_tokens_total", 0)),
-            "text_head": "".join(s.pieces)[:120]}
+        for name, prompt in prompts.items():
+            before = _spec_counts((await http.get("/metrics")).text)
+            s = await stream_request(http, "/v1/chat/completions",
+                                     chat_body([{"role": "user", "content": prompt}], tokens))
+            after = _spec_counts((await http.get("/metrics")).text)
+            assert s.ok, s.error
+            decode_s = s.e2e_s - s.ttft_s
+            out[name] = {"tokens": s.tokens_received, "ttft_ms": 1e3 * s.ttft_s,
+                         "decode_tok_s": (s.tokens_received - 1) / decode_s if decode_s > 0 else 0.0,
+                         "drafted": after[0] - before[0], "accepted": after[1] - before[1],
+                         "text_head": "".join(s.pieces)[:120]}
+    return out
 
 
-def served(model: Path, tokens: int) -> list[dict]:
-    rows = []
-    for name, prompt in (("input-grounded", grounded_prompt()), ("free writing", FREE_PROMPT)):
+def served(model: Path, tokens: int, rounds: int) -> list[dict]:
+    """Both prompts through a daemon without and with --speculative 4, `rounds` times alternating;
+    the median of each (prompt, speculative) over the rounds."""
+    prompts = {"input-grounded": grounded_prompt(), "free writing": FREE_PROMPT}
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for _ in range(rounds):
         for spec in (0, DRAFTS):
             daemon = ChildDaemon.start(["--model", str(model), "--speculative", str(spec)])
             try:
-                row = asyncio.run(_one(daemon.url, prompt, tokens))
+                for name, row in asyncio.run(_prompts(daemon.url, prompts, tokens)).items():
+                    runs.setdefault((name, spec), []).append(row)
             finally:
                 daemon.stop()
-            rows.append({"prompt": name, "speculative": spec, **row})
+    rows = []
+    for (name, spec), got in runs.items():
+        mid = sorted(got, key=lambda r: r["decode_tok_s"])[len(got) // 2]
+        rows.append({"prompt": name, "speculative": spec, **mid,
+                     "decode_tok_s_all": [r["decode_tok_s"] for r in got]})
     return rows
 
 
@@ -174,6 +204,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved repeats; medians are reported")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ["RADIANCED_CPU_THREADS"] = str(args.threads)
@@ -183,11 +214,11 @@ def main() -> int:
     tok = Tokenizer.from_header(rad.header)
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": grounded_prompt()}],
                                                 add_generation_prompt=True))
-    rows = forced(rad, prompt, args.tokens)
+    rows = forced(rad, prompt, args.tokens, args.rounds)
     c = rows[-1]["ms_per_step"] / rows[0]["ms_per_step"]  # all wrong: the verify step's cost, one token
     result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores",
               "threads": args.threads, "forced": rows, "verify_cost": c, "r": (c - 1) / (5 - c),
-              "served": served(model, args.tokens)}
+              "served": served(model, args.tokens, args.rounds)}
     (args.out / "bench_spec.json").write_text(json.dumps(result, indent=1))
     md = markdown(result)
     (args.out / "bench_spec.md").write_text(md)

@@ -228,7 +228,8 @@ class Engine:
         runner = Runner(model, KVCache(kv_storage, kv_layers, states), checkpoints,
                         Sampler(device, sampler_seed), experts if isinstance(experts, ExpertSlab) else None)
         if mtp:
-            runner.mtp_drafts = scheduler.lookahead = cfg.speculative  # chained drafts: N, and their KV's room
+            runner.mtp_drafts = cfg.speculative  # chained drafts: N, the last written at p + N - 1, so
+            scheduler.lookahead = cfg.speculative - 1  # N - 1 positions past a step's own for their KV
         return cls(scheduler, runner, tokenizer, pipelined=not cfg.sequential_steps)
 
 

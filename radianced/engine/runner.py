@@ -129,7 +129,7 @@ class Runner:
         out = StepOutput(tuple(() for _ in seqs)) if step.host is None else self._output(seqs, step.host)
         if self.cache.states is not None:
             self._keep_accepted_states(seqs, out.token_ids)
-        if step.mtp is not None and step.host is not None:
+        if step.mtp is not None:
             out = replace(out, drafts=self._mtp_drafts(step, out.token_ids))
         if counts is None:
             return out
@@ -139,51 +139,60 @@ class Runner:
         return replace(out, expert_counts=tuple(per_seq), errors=errors)
 
     def _mtp_drafts(self, step: InFlight, yielded: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
-        """Run the MTP head over the step's rows (model/mtp.py: each row's hidden state with the token
-        after it: the next row's input, the row's own sample where it sampled, or the chunk's
-        `next_token_id`), writing its KV; its draft for each sampling sequence, read at the row of the
-        last token the step yields (where a verify step's accepted drafts end)."""
+        """Run the MTP head over every row of the step (model/mtp.py: each row's hidden state with the
+        token after it: the next row's input, the row's own sample where it sampled, or the chunk's
+        `next_token_id`), writing its KV even where nothing samples; its drafts for each sampling
+        sequence, read at the row of the last token the step yields (where a verify step's accepted
+        drafts end) and chained from there."""
         batch, hidden = step.mtp
-        samples = step.host[0].tolist()
-        next_ids, rows, r = [], [], 0
+        samples = step.host[0].tolist() if step.host is not None else []
+        next_ids, rows, positions, r = [], [], [], 0
         for i, s in enumerate(step.plan.seqs):
-            lo, inputs = step.query_start[i], list(s.token_ids)
+            inputs = list(s.token_ids)
             if s.sample:
                 k = len(s.drafts) + 1  # the sampled rows: the last k
                 next_ids += inputs[1:len(inputs) - k + 1] + samples[r:r + k]
-                rows.append(lo + len(inputs) - k + len(yielded[i]) - 1)
+                row = len(inputs) - k + len(yielded[i]) - 1  # within the sequence's rows
+                rows.append(step.query_start[i] + row)
+                positions.append(s.context_before + row)
                 r += k
             else:
                 next_ids += inputs[1:] + [s.next_token_id]
-        if not rows:
-            return tuple(() for _ in step.plan.seqs)
-        mtp, sampling = self.model.mtp, [s for s in step.plan.seqs if s.sample]
+        mtp = self.model.mtp
         with torch.inference_mode():
             ids = to_device_no_sync(torch.tensor(next_ids, dtype=torch.int64), self.device)
             x = mtp(ids, hidden, self.model.rotary.at(batch.positions), batch, self.cache)
+            if not rows:
+                return tuple(() for _ in step.plan.seqs)
             x = x[to_device_no_sync(torch.tensor(rows, dtype=torch.int64), self.device)]
-            drafts = [ops.argmax(mtp.logits(x))]
-            positions = batch.positions[to_device_no_sync(torch.tensor(rows, dtype=torch.int64), self.device)]
-            drafts += self._chain(sampling, positions.tolist(), x, drafts[0])
-        chains = iter(zip(*(t.tolist() for t in drafts)))  # per sampling sequence: its drafts in order
-        return tuple(tuple(next(chains)) if s.sample else () for s in step.plan.seqs)
+            chains = iter(self._chain([s for s in step.plan.seqs if s.sample], positions, x))
+        return tuple(next(chains) if s.sample else () for s in step.plan.seqs)
 
-    def _chain(self, seqs: list[ScheduledSeq], positions: list[int], x: torch.Tensor,
-               first: torch.Tensor) -> list[torch.Tensor]:
-        """The MTP head's drafts after the first, chained (model/mtp.py): draft k reads the head's normed
-        output for draft k-1 and that draft, one position on, writing its KV there. As many as
-        `mtp_drafts` allows and every sequence's blocks cover (the scheduler's lookahead)."""
-        mtp, out, tokens = self.model.mtp, [], first
-        bs = self.cache.block_size
-        room = min(len(s.block_table[0]) * bs - p - 1 for s, p in zip(seqs, positions))
-        for k in range(1, min(self.mtp_drafts, room + 1)):
-            at = [p + k for p in positions]
-            batch = ForwardBatch.build([[0]] * len(seqs), at, [list(s.block_table[0]) for s in seqs], bs,
+    def _chain(self, seqs: list[ScheduledSeq], positions: list[int], x: torch.Tensor) -> list[tuple[int, ...]]:
+        """Each sequence's drafts from the head's rows x at `positions`: the first, then chained
+        (model/mtp.py): draft k reads the head's normed output for draft k-1 and that draft, one position
+        on, writing its KV there; as many as `mtp_drafts` allows and the sequence's blocks cover (the
+        scheduler's lookahead)."""
+        mtp, bs = self.model.mtp, self.cache.block_size
+        tokens = ops.argmax(mtp.logits(x))
+        drafts = [[t] for t in tokens.tolist()]
+        rooms = [len(s.block_table[0]) * bs - 1 - p for s, p in zip(seqs, positions)]
+        live = list(range(len(seqs)))
+        for k in range(1, self.mtp_drafts):
+            keep = [j for j, i in enumerate(live) if rooms[i] >= k]
+            if not keep:
+                break
+            if len(keep) < len(live):
+                at = to_device_no_sync(torch.tensor(keep, dtype=torch.int64), self.device)
+                x, tokens, live = x[at], tokens[at], [live[j] for j in keep]
+            batch = ForwardBatch.build([[0]] * len(live), [positions[i] + k for i in live],
+                                       [list(seqs[i].block_table[0]) for i in live], bs,
                                        device=self.device)  # its input ids are unread: the head reads `tokens`
             x = mtp(tokens, mtp.chained(x), self.model.rotary.at(batch.positions), batch, self.cache)
             tokens = ops.argmax(mtp.logits(x))
-            out.append(tokens)
-        return out
+            for i, t in zip(live, tokens.tolist()):
+                drafts[i].append(t)
+        return [tuple(d) for d in drafts]
 
     def _keep_accepted_states(self, seqs: tuple[ScheduledSeq, ...], yielded: tuple[tuple[int, ...], ...]) -> None:
         """A hybrid model's verify steps: the state after the last accepted position becomes the

@@ -209,7 +209,7 @@ class Scheduler:
             budget -= n
         if not self.allocator.can_allocate(need):
             return None
-        return self._schedule()
+        return self._schedule(ahead=True)
 
     def _drafting_ahead(self, in_flight: StepPlan) -> bool:
         """The in-flight plan drafts, or a sequence it samples for would draft in the next step."""
@@ -240,7 +240,9 @@ class Scheduler:
         live = [s for s in self.running if not (s.pending and s.at_length(s.num_tokens, self.max_model_len))]
         return [s for s in live if not s.is_prefilling] + [s for s in live if s.is_prefilling]
 
-    def _schedule(self) -> StepPlan:
+    def _schedule(self, ahead: bool = False) -> StepPlan:
+        """ahead: a plan made while one is in flight: no drafts and no lookahead (the blocks counted
+        by `schedule_ahead` are exactly the chunks' own, so nobody in flight can be preempted)."""
         budget = self.step_tokens
         chunks: dict[int, _Chunk] = {}  # seq_id -> chunk, in plan order
         preempted: list[int] = []
@@ -262,11 +264,8 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is SeqStatus.RUNNING:
-                drafts = self._drafts(seq, n, budget)
-                end = seq.num_computed_tokens + n + len(drafts)
-                if self.lookahead and self.allocator.can_append(seq.block_table, end + self.lookahead):
-                    end += self.lookahead  # where the MTP head's chained drafts write their KV
-                self.allocator.append(seq.block_table, end)
+                drafts = () if ahead else self._drafts(seq, n, budget)
+                self.allocator.append(seq.block_table, seq.num_computed_tokens + n + len(drafts))
                 chunks[seq.seq_id] = self._plan_chunk(seq, n, drafts=drafts)
                 budget -= n + len(drafts)
         while not preempted and self.waiting and budget and len(self.running) < self.max_num_seqs:
@@ -275,7 +274,19 @@ class Scheduler:
                 break
             chunks[chunk.seq.seq_id] = chunk
             budget -= chunk.n
+        if self.lookahead and not ahead:
+            self._take_lookahead(chunks.values())
         return self._emit(chunks.values(), preempted)
+
+    def _take_lookahead(self, chunks) -> None:
+        """After every chunk has its blocks: the positions after each sampling chunk where the MTP head's
+        chained drafts write their KV, from blocks free now (never evicting cached ones nor preempting)."""
+        for c in chunks:
+            if c.seq.num_computed_tokens + c.n == c.seq.num_tokens:  # it samples
+                end = c.seq.num_tokens + len(c.drafts)
+                extra = self.allocator.blocks_for(end + self.lookahead) - len(c.seq.block_table)
+                if extra > 0 and self.allocator.can_allocate(extra, exclude=self.allocator.evictable()):
+                    self.allocator.append(c.seq.block_table, end + self.lookahead)
 
     def update(self, plan: StepPlan, output: StepOutput) -> list[SeqEvent]:
         """Apply a step's results: cache the full blocks it completed, put sampled tokens in
@@ -304,8 +315,9 @@ class Scheduler:
             tokens, reason = seq.land(end, output.token_ids[i], self.max_model_len) if s.sample else ((), None)
             if reason is None and s.sample and output.drafts is not None:  # for the history these tokens end
                 seq.draft_stats.proposed = (end + len(tokens), output.drafts[i])
-            if s.drafts:
+            if s.sample and self.draft_policy is not None:
                 seq.draft_stats.record(len(s.drafts), len(output.token_ids[i]) - 1)  # before a stop cut it
+            if s.drafts:
                 end += len(tokens) - 1  # the accepted drafts' KV is the sequence's
                 seq.num_computed_tokens = end
             self.kv.cache_blocks(seq, end)
@@ -398,6 +410,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence, chunks: dict[int, _Chunk]) -> int:
         """Send a running sequence back to the front of the waiting queue, to be
         recomputed; returns the budget its chunk in this plan held."""
+        while seq.pending:  # (schedule_ahead counts its blocks, so it should never come to this) the token
+            seq.token_ids.pop()  # in flight is dropped with the step's result; the recompute samples it again
         chunk = chunks.pop(seq.seq_id, None)
         self.running.remove(seq)
         self.kv.release(seq, self._in_flight)
@@ -406,7 +420,7 @@ class Scheduler:
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
-        return chunk.n if chunk else 0
+        return chunk.n + len(chunk.drafts) if chunk else 0
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         # Its blocks may still be written by a plan in flight (its discarded result, or a

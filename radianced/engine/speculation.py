@@ -85,7 +85,7 @@ class DraftStats:
     accepted: int = 0  # of them accepted
     recent_drafted: float = PRIOR_DRAFTED  # decayed counts: the acceptance estimate's terms
     recent_accepted: float = PRIOR_ACCEPTED
-    idle_steps: int = 0  # steps since it last asked the drafter, while paused
+    idle_steps: int = 0  # steps landed without drafts since it last asked the drafter
     no_match: int = 0  # times in a row the drafter proposed nothing
     proposed: tuple[int, tuple[int, ...]] = (0, ())  # the MTP head's drafts, for a history of this many tokens
 
@@ -94,7 +94,12 @@ class DraftStats:
         return self.recent_accepted / self.recent_drafted
 
     def record(self, drafted: int, accepted: int) -> None:
-        """A verify step of `drafted` drafts accepted `accepted` of them."""
+        """A step of the sequence that sampled landed: `drafted` drafts, `accepted` of them accepted. A step
+        without drafts counts towards the next probe (steps made ahead of one in flight count too: a
+        paused sequence lets the pipeline run, and its probe drains it)."""
+        if not drafted:
+            self.idle_steps += 1
+            return
         self.drafted += drafted
         self.accepted += accepted
         self.recent_drafted = DECAY * self.recent_drafted + drafted
@@ -171,9 +176,9 @@ class DraftPolicy:
         decoding sequences with `budget` tokens left."""
         stats = seq.draft_stats
         n = self.num_drafts_for(stats, batch, draft_limit(seq, budget, max_model_len))
-        stats.idle_steps = 0 if n else stats.idle_steps + 1
         if not n:
             return ()
+        stats.idle_steps = 0
         drafts = self.propose(seq, n)
         stats.no_match = 0 if drafts else stats.no_match + 1
         return drafts

@@ -37,7 +37,7 @@ def small_engine(rad: RadFile, num_blocks: int = 64, max_num_seqs: int = 8, max_
     m = rad.model
     cfg = Config(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_queue=64,
                  speculative=speculative)
-    layers = len(m.full_attention_layers) + (m.num_mtp_layers if cfg.drafts_with_mtp(m.num_mtp_layers) else 0)
+    layers = len(m.full_attention_layers) + (1 if cfg.drafts_with_mtp(m.num_mtp_layers) else 0)
     storage = torch.zeros((num_blocks, 1, layers, 2, BLOCK, m.num_key_value_heads, m.head_dim))
     return Engine.assemble(rad, cfg, storage, BlockAllocator.fixed(num_blocks, BLOCK), sampler_seed=seed)
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from radianced.engine.plan import PENDING, ScheduledSeq, StateCopy, StepOutput, StepPlan
 from radianced.engine.request import FinishReason, Request, SeqStatus
 from radianced.engine.scheduler import QueueFull, Scheduler, SeqEvent
+from radianced.engine.speculation import NO_MATCH_PAUSE, PROBE_EVERY, DraftPolicy
 from radianced.kv.blocks import BlockAllocator
 from radianced.kv.prefix import PrefixCache
 from radianced.kv.state import CheckpointSlots
@@ -498,3 +499,53 @@ def test_any_workload_runs_as_if_each_request_ran_alone(work, hybrid, prefix, sp
         assert sched.state_slots.num_taken == 0
         if sched.prefix is not None:
             assert sched.prefix.checkpoints.num_taken == sched.prefix.num_checkpoints
+
+
+@pytest.mark.parametrize("num_blocks", range(3, 12))
+def test_a_plan_ahead_with_mtp_lookahead_never_preempts_a_sequence_in_flight(num_blocks):
+    """The lookahead (blocks for the MTP head's chained drafts) is taken after every chunk has its own
+    blocks, from free blocks only, and never in a plan made ahead: that plan's blocks are exactly what
+    `schedule_ahead` counted, so no sequence a step in flight samples for is preempted (it once was,
+    and its PENDING token came back as an input id of -1)."""
+    for lookahead in (0, 2, 4):
+        for lens in ([3, 3], [4, 3], [3, 4, 5], [2, 6, 3]):
+            sched = make(blocks=num_blocks, max_num_seqs=8)
+            sched.lookahead = lookahead
+            for i, n in enumerate(lens):
+                sched.add(req(f"r{i}", n, max_tokens=40))
+            plan = sched.schedule()
+            for _ in range(60):
+                ahead = sched.schedule_ahead()
+                if ahead is not None:
+                    sampled = {s.seq_id for s in plan.seqs if s.sample}
+                    assert not sampled & set(ahead.preempted_seq_ids), (num_blocks, lookahead, lens)
+                sched.update(plan, StepOutput(tuple((7,) if s.sample else () for s in plan.seqs)))
+                assert all(PENDING not in s.token_ids for s in sched.waiting)
+                plan = ahead if ahead is not None else (sched.schedule() if sched.has_unfinished else None)
+                if plan is None or plan.is_empty:
+                    break
+                assert all(PENDING not in s.token_ids[:-1] for s in plan.seqs if s.input_from is None)
+
+
+def test_a_paused_drafter_probes_again_while_the_steps_pipeline():
+    """The drafter finds nothing 4 times: the sequence pauses and the steps pipeline (plans made ahead);
+    those steps count towards the probe, which drains the pipeline and finds drafts again."""
+    calls = []
+
+    def propose(seq, n):
+        calls.append(seq.num_tokens)
+        return () if len(calls) <= NO_MATCH_PAUSE else (7,) * n
+
+    sched = Scheduler(allocator=BlockAllocator.fixed(64, BS), max_num_seqs=4, max_num_batched_tokens=64,
+                      max_queue=4, draft_policy=DraftPolicy(2, 0.02, propose=propose))
+    sched.add(req("a", 3, max_tokens=120))
+    plan, ahead_plans, drafting = sched.schedule(), 0, 0
+    while plan is not None and not plan.is_empty:
+        ahead = sched.schedule_ahead()
+        sched.update(plan, StepOutput(tuple(((7,) * (len(s.drafts) + 1) if s.sample else ()) for s in plan.seqs)))
+        ahead_plans += ahead is not None
+        plan = ahead if ahead is not None else (sched.schedule() if sched.has_unfinished else None)
+        drafting += bool(plan is not None and any(s.drafts for s in plan.seqs))
+    assert calls[:NO_MATCH_PAUSE] == [4, 5, 6, 7]  # asked every step until it paused
+    assert ahead_plans >= PROBE_EVERY - 1  # paused: the steps ran ahead ...
+    assert calls[NO_MATCH_PAUSE] == 7 + PROBE_EVERY and drafting > 20  # ... until the probe, then it drafts

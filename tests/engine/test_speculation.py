@@ -125,7 +125,10 @@ def test_a_sequence_below_break_even_stops_drafting_and_probes_again():
     for _ in range(6):
         stats.record(4, 0)
     assert stats.acceptance < 0.2 and not policy.would_draft(seq, 1, 11, None)
-    asked = [len(policy.drafts(seq, 1, 11, None)) for _ in range(2 * PROBE_EVERY)]
+    asked = []
+    for _ in range(2 * PROBE_EVERY):  # each step: the drafts asked, then the step lands (no draft accepted)
+        asked.append(len(policy.drafts(seq, 1, 11, None)))
+        stats.record(asked[-1], 0)
     assert asked == ([0] * (PROBE_EVERY - 1) + [1]) * 2
     for _ in range(20):
         stats.record(4, 4)
@@ -295,9 +298,10 @@ def test_a_sequence_the_drafter_finds_nothing_for_pauses_and_probes_again():
     seq = _Seq()
     for _ in range(NO_MATCH_PAUSE):  # asked, and nothing found
         assert policy.would_draft(seq, 1, 11, None) and policy.drafts(seq, 1, 11, None) == ()
-    # paused: the pipeline is not held for it, until the probe is due
+    # paused: the pipeline is not held for it, until the probe is due; steps made ahead count towards it
     for _ in range(PROBE_EVERY - 1):
-        assert not policy.would_draft(seq, 1, 11, None) and policy.drafts(seq, 1, 11, None) == ()
+        assert not policy.would_draft(seq, 1, 11, None)
+        seq.draft_stats.record(0, 0)  # a step of it landed, planned ahead without drafts
     assert policy.would_draft(seq, 1, 11, None)
     found.append((5, 6, 7))
     assert policy.drafts(seq, 1, 11, None) == (5,)  # the probe finds something: no longer paused
@@ -351,9 +355,11 @@ def _mtp_chain_oracle(rad, history: list[int]) -> tuple[int, int]:
 
 
 def test_mtp_drafts_leave_greedy_outputs_unchanged_and_are_the_heads_drafts_over_the_whole_text(mtp_rad):
+    """Prompts longer than a step's budget: chunks that sample nothing write the head's KV too."""
     ps, arrivals = _workload(mtp_rad, logprobs=1)
-    base = drive(small_engine(mtp_rad), arrivals(small_engine(mtp_rad)), False)
-    e = small_engine(mtp_rad, speculative=2)
+    small = dict(max_num_seqs=4, max_num_batched_tokens=16)
+    base = drive(small_engine(mtp_rad, **small), arrivals(small_engine(mtp_rad, **small)), False)
+    e = small_engine(mtp_rad, speculative=2, **small)
     assert e.runner.model.mtp is not None and e.scheduler.draft_policy.propose is mtp_drafts
     e.scheduler.draft_policy = DraftPolicy(2, 0.6, adaptive=False, propose=mtp_drafts)  # draft every step
     seqs, proposals = _added(e), {}
@@ -412,3 +418,25 @@ def test_the_mtp_head_drafts_beside_the_expert_tiers_in_the_engine_the_daemon_bu
     same_tokens = [run_all(e, [request(e, f"r{i}", p, max_tokens=12) for i, p in enumerate(ps)])
                    for e in (plain, drafting)]
     assert same_tokens[0] == same_tokens[1] and sum(s.draft_stats.drafted for s in seqs) > 0
+
+
+def test_the_heads_kv_is_written_by_a_chunk_that_samples_nothing(mtp_rad):
+    """A prompt longer than the step's budget: its first chunk samples nothing, and the head still writes
+    its KV for every row of it (the next chunk's rows attend to it), as one pass over the prompt does."""
+    m = mtp_rad.model
+    prompt = prompts(m.vocab_size, (40,), seed=9)[0]
+    e = small_engine(mtp_rad, speculative=2, max_num_seqs=4, max_num_batched_tokens=16)
+    seqs = _added(e)
+    e.add(request(e, "r0", prompt, max_tokens=2))
+    assert e.step() == [] and seqs[0].num_computed_tokens == 16  # the first chunk: nothing sampled
+    model = load_model(mtp_rad, mtp=True)
+    states = KVCache.allocate(m, num_blocks=1, block_size=16, num_state_slots=1, dtype=torch.float32).states
+    cache = KVCache(torch.zeros((1, 1, len(m.full_attention_layers) + 1, 2, 16, m.num_key_value_heads, m.head_dim)),
+                    m.full_attention_layers + (m.num_hidden_layers,), states)
+    batch = ForwardBatch.build([prompt[:16]], [0], [[0]], 16, logits="all", state_slots=[0])
+    with torch.inference_mode():
+        _, hidden = model.forward(batch, cache, hidden=True)
+        model.mtp(torch.tensor(prompt[1:17]), hidden, model.rotary.at(batch.positions), batch, cache)
+    block = seqs[0].block_table.ids()[0]
+    for got, want in zip(e.runner.cache.layer(m.num_hidden_layers), cache.layer(m.num_hidden_layers)):
+        torch.testing.assert_close(got[block, 0], want[0, 0], atol=1e-5, rtol=1e-5)
