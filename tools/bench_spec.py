@@ -42,6 +42,7 @@ from radianced.bench.client import chat_body, stream_request  # noqa: E402
 from radianced.bench.daemon_process import ChildDaemon  # noqa: E402
 from radianced.card import Card  # noqa: E402
 from radianced.config import Config  # noqa: E402
+from radianced.engine.drafting import DraftPlanner  # noqa: E402
 from radianced.engine.engine import Engine  # noqa: E402
 from radianced.engine.request import Request  # noqa: E402
 from radianced.engine.sampling_params import SamplingParams  # noqa: E402
@@ -96,7 +97,7 @@ def forced(rad: RadFile, prompt: list[int], tokens: int, rounds: int) -> list[di
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
 
     def run(rid: str, policy: DraftPolicy | None) -> tuple[list[int], list[float]]:
-        engine.scheduler.draft_policy = policy
+        engine.scheduler.drafting = None if policy is None else DraftPlanner(policy, engine.scheduler.allocator)
         engine.add(Request(rid, tuple(prompt), params))
         engine.step()  # the prefill and the first token, not timed
         out, times = [], []

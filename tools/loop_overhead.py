@@ -31,7 +31,6 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from radianced.engine.driver import AsyncEngine  # noqa: E402
 from radianced.engine.engine import Engine  # noqa: E402
 from radianced.engine.plan import StepOutput  # noqa: E402
 from radianced.engine.request import Request  # noqa: E402

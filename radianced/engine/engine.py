@@ -37,6 +37,7 @@ from radianced.engine.request import Request
 from radianced.engine.runner import InFlight, Runner
 from radianced.engine.sampler import Sampler
 from radianced.engine.scheduler import Scheduler, SeqEvent
+from radianced.engine.drafting import DraftPlanner
 from radianced.engine.speculation import TOKEN_COST, DraftPolicy, mtp_drafts, ngram_drafts
 from radianced.kernels import ops
 from radianced.kv.blocks import BlockAllocator
@@ -221,15 +222,17 @@ class Engine:
         prefix = PrefixCache(allocator, hybrid, CheckpointSlots(n_checkpoints) if hybrid else None)
         scheduler = Scheduler(allocator=allocator, max_num_seqs=cfg.max_num_seqs,
                               max_num_batched_tokens=cfg.max_num_batched_tokens, max_queue=cfg.max_queue,
-                              prefix=prefix, hybrid=hybrid, max_model_len=max_model_len,
-                              draft_policy=_draft_policy(cfg, mtp, torch.device(device)))
+                              prefix=prefix, hybrid=hybrid, max_model_len=max_model_len)
+        if cfg.speculative:
+            scheduler.drafting = DraftPlanner(_draft_policy(cfg, mtp, torch.device(device)), allocator, max_model_len,
+                                              BLOCK_TOKENS if hybrid else None,
+                                              lookahead=cfg.speculative - 1 if mtp else 0)  # the chain's last at p+N-1
         tokenizer = Tokenizer.from_header(rad.header)
         kv_layers = m.full_attention_layers + ((m.num_hidden_layers,) if mtp else ())  # the MTP layer's KV: one more
         runner = Runner(model, KVCache(kv_storage, kv_layers, states), checkpoints,
                         Sampler(device, sampler_seed), experts if isinstance(experts, ExpertSlab) else None)
         if mtp:
-            runner.mtp_drafts = cfg.speculative  # chained drafts: N, the last written at p + N - 1, so
-            scheduler.lookahead = cfg.speculative - 1  # N - 1 positions past a step's own for their KV
+            runner.mtp_drafts = cfg.speculative  # chained drafts per sequence and step
         return cls(scheduler, runner, tokenizer, pipelined=not cfg.sequential_steps)
 
 
@@ -240,10 +243,8 @@ def _drafts_with_mtp(cfg: Config, num_mtp_layers: int) -> bool:
     return cfg.drafts_with_mtp(num_mtp_layers)
 
 
-def _draft_policy(cfg: Config, mtp: bool, device: torch.device) -> DraftPolicy | None:
-    """Speculative decoding's policy for --speculative (n-gram or MTP drafts), or None when it is off."""
-    if not cfg.speculative:
-        return None
+def _draft_policy(cfg: Config, mtp: bool, device: torch.device) -> DraftPolicy:
+    """Speculative decoding's policy for --speculative N (n-gram or MTP drafts)."""
     what = f"up to {cfg.speculative} {'MTP' if mtp else 'n-gram'} drafts"
     log.info("speculative decoding: %s per sequence and step, adaptive (cost model r = %g on %s)", what,
              TOKEN_COST[device.type], device.type)

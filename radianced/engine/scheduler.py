@@ -35,14 +35,10 @@ would be needed, or the in-flight plan saves recurrent-state checkpoints (their
 hand-over to the prefix cache happens in its update). Penalties pipeline: the
 runner counts a PENDING output from the previous step's tokens on the device.
 
-Speculative decoding (`draft_policy`, engine/speculation.py): a decoding
-sequence may feed drafted tokens after its last one (`ScheduledSeq.drafts`);
-their blocks are taken with the chunk's, never by preempting anyone. `update()`
-lands the 1 to N+1 tokens the step yields, counts the accepted drafts as
-computed, and frees the blocks that only rejected drafts reached. A plan ahead
-never drafts (a draft needs the pending token), and a plan with drafts is not
-planned ahead of (what it yields decides where its sequences continue): where
-a sequence the in-flight plan samples for would draft, `schedule_ahead` drains.
+Speculative decoding (`drafting`, engine/drafting.py says which decodes draft and
+what blocks they take): `update()` lands the 1 to N+1 tokens a verify step yields,
+counts the accepted drafts as computed, and frees the blocks that only rejected
+drafts reached. A plan ahead never drafts, and a drafting plan is never planned ahead of.
 
 Device writes of a plan ahead land in stream order after the in-flight plan's
 and before any later plan's, so blocks and slots that `update()` or `cancel()`
@@ -64,7 +60,7 @@ from typing import Any
 from radianced.engine.kv_manager import KVManager
 from radianced.engine.plan import PENDING, ScheduledSeq, StepOutput, StepPlan
 from radianced.engine.request import FinishReason, Request, Sequence, SeqStatus
-from radianced.engine.speculation import DraftPolicy
+from radianced.engine.drafting import DraftPlanner
 from radianced.kv.blocks import BlockAllocator
 from radianced.kv.prefix import PrefixCache
 from radianced.kv.state import StateCopy, StateSlots
@@ -98,10 +94,9 @@ class _Chunk:
 class Scheduler:
     def __init__(self, *, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
                  max_queue: int, prefix: PrefixCache | None = None, hybrid: bool = False,
-                 max_model_len: int | None = None, draft_policy: DraftPolicy | None = None):
+                 max_model_len: int | None = None):
         """max_model_len: a sequence ends ("length") when it holds this many tokens,
-        whatever its max_tokens (which may be None: up to the context). draft_policy: speculative
-        decoding's (None: off)."""
+        whatever its max_tokens (which may be None: up to the context)."""
         if min(max_num_seqs, max_num_batched_tokens, max_queue) < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_queue must be at least 1")
         if prefix is not None and prefix.hybrid != hybrid:
@@ -115,8 +110,7 @@ class Scheduler:
         self.step_tokens = max_num_batched_tokens  # the next step's budget: the flag's, or less (engine/pacing.py)
         self.max_queue = max_queue
         self.max_model_len = max_model_len
-        self.draft_policy = draft_policy
-        self.lookahead = 0  # positions after a running sequence's step its blocks cover (MTP's chained drafts)
+        self.drafting: DraftPlanner | None = None  # speculative decoding (None: off)
         self.state_slots = StateSlots(max_num_seqs) if hybrid else None
         self.kv = KVManager(allocator, prefix, self.state_slots)
         self.waiting: deque[Sequence] = deque()
@@ -197,7 +191,9 @@ class Scheduler:
             raise RuntimeError(f"schedule_ahead() needs exactly one plan in flight, not {len(self._in_flight)}")
         if self._in_flight[0].after:
             return None  # checkpoint saves in flight: update() decides whether the prefix cache takes them
-        if self.draft_policy is not None and self._drafting_ahead(self._in_flight[0]):
+        if self.drafting is not None and self.drafting.holds_pipeline(
+                self._in_flight[0], (self._by_seq.get(s.seq_id) for s in self._in_flight[0].seqs if s.sample),
+                len(self.running), self.step_tokens):
             return None
         order = self._running_order()
         budget, need = self.step_tokens, 0
@@ -210,30 +206,6 @@ class Scheduler:
         if not self.allocator.can_allocate(need):
             return None
         return self._schedule(ahead=True)
-
-    def _drafting_ahead(self, in_flight: StepPlan) -> bool:
-        """The in-flight plan drafts, or a sequence it samples for would draft in the next step."""
-        seqs = [self._by_seq.get(s.seq_id) for s in in_flight.seqs if s.sample]
-        return any(s.drafts for s in in_flight.seqs) or any(
-            seq is not None and self.draft_policy.would_draft(seq, len(self.running), self._draft_budget(
-                seq, self.step_tokens), self.max_model_len) for seq in seqs)
-
-    def _draft_budget(self, seq: Sequence, budget: int) -> int:
-        """The budget a decode of `seq` may take with its drafts. A hybrid model saves a checkpoint after
-        a plain step ending at a block boundary (the state after exactly that many tokens): its drafts
-        stop short of the next boundary, so the sequence lands on it."""
-        if self.hybrid and self.prefix is not None:
-            return min(budget, -(seq.num_computed_tokens + 1) % self.block_size)
-        return budget
-
-    def _drafts(self, seq: Sequence, n: int, budget: int) -> tuple[int, ...]:
-        """The drafts a decode of `seq` feeds in this step, if its blocks can be had without preempting."""
-        if self.draft_policy is None or seq.is_prefilling or n != 1 or seq.pending:
-            return ()
-        drafts = self.draft_policy.drafts(seq, len(self.running), self._draft_budget(seq, budget), self.max_model_len)
-        if drafts and not self.allocator.can_append(seq.block_table, seq.num_computed_tokens + n + len(drafts)):
-            return ()
-        return drafts
 
     def _running_order(self) -> list[Sequence]:
         """Running sequences in the order they take budget: decodes, then prefills, oldest first."""
@@ -264,7 +236,8 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is SeqStatus.RUNNING:
-                drafts = () if ahead else self._drafts(seq, n, budget)
+                drafts = () if ahead or self.drafting is None else self.drafting.drafts(seq, n, budget,
+                                                                                        len(self.running))
                 self.allocator.append(seq.block_table, seq.num_computed_tokens + n + len(drafts))
                 chunks[seq.seq_id] = self._plan_chunk(seq, n, drafts=drafts)
                 budget -= n + len(drafts)
@@ -274,19 +247,10 @@ class Scheduler:
                 break
             chunks[chunk.seq.seq_id] = chunk
             budget -= chunk.n
-        if self.lookahead and not ahead:
-            self._take_lookahead(chunks.values())
+        if self.drafting is not None and self.drafting.lookahead and not ahead:
+            self.drafting.take_lookahead((c.seq, c.seq.num_tokens + len(c.drafts)) for c in chunks.values()
+                                         if c.seq.num_computed_tokens + c.n == c.seq.num_tokens)
         return self._emit(chunks.values(), preempted)
-
-    def _take_lookahead(self, chunks) -> None:
-        """After every chunk has its blocks: the positions after each sampling chunk where the MTP head's
-        chained drafts write their KV, from blocks free now (never evicting cached ones nor preempting)."""
-        for c in chunks:
-            if c.seq.num_computed_tokens + c.n == c.seq.num_tokens:  # it samples
-                end = c.seq.num_tokens + len(c.drafts)
-                extra = self.allocator.blocks_for(end + self.lookahead) - len(c.seq.block_table)
-                if extra > 0 and self.allocator.can_allocate(extra, exclude=self.allocator.evictable()):
-                    self.allocator.append(c.seq.block_table, end + self.lookahead)
 
     def update(self, plan: StepPlan, output: StepOutput) -> list[SeqEvent]:
         """Apply a step's results: cache the full blocks it completed, put sampled tokens in
@@ -315,7 +279,7 @@ class Scheduler:
             tokens, reason = seq.land(end, output.token_ids[i], self.max_model_len) if s.sample else ((), None)
             if reason is None and s.sample and output.drafts is not None:  # for the history these tokens end
                 seq.draft_stats.proposed = (end + len(tokens), output.drafts[i])
-            if s.sample and self.draft_policy is not None:
+            if s.sample and self.drafting is not None:
                 seq.draft_stats.record(len(s.drafts), len(output.token_ids[i]) - 1)  # before a stop cut it
             if s.drafts:
                 end += len(tokens) - 1  # the accepted drafts' KV is the sequence's

@@ -116,7 +116,7 @@ async def test_a_verify_steps_lookups_count_each_expert_its_rows_need_once(tiny_
     cfg = Config(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, host_pool_mib=1, expert_slots=6,
                  speculative=4)
     engine = Engine.build(rad, cfg, Card.from_mib(256))
-    engine.scheduler.draft_policy = DraftPolicy(4, 0.0, adaptive=False, propose=oracle)
+    engine.scheduler.drafting.policy = DraftPolicy(4, 0.0, adaptive=False, propose=oracle)
     metrics = await serve_greedy(engine, prompt, MAX_TOKENS, StepLog())
     rate, h, l, o, opct, r = _lines(caplog)["r0"]
     moe_layers, k = len(engine.experts.stats.lookups), rad.model.num_experts_per_tok

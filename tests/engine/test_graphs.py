@@ -8,7 +8,6 @@ on the GPU: tests/gpu/test_decode_graphs.py.)
 from __future__ import annotations
 
 import pytest
-import torch
 
 from radianced.card import Card
 from radianced.config import Config

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from radianced.engine.plan import PENDING, ScheduledSeq, StateCopy, StepOutput, StepPlan
 from radianced.engine.request import FinishReason, Request, SeqStatus
 from radianced.engine.scheduler import QueueFull, Scheduler, SeqEvent
+from radianced.engine.drafting import DraftPlanner
 from radianced.engine.speculation import NO_MATCH_PAUSE, PROBE_EVERY, DraftPolicy
 from radianced.kv.blocks import BlockAllocator
 from radianced.kv.prefix import PrefixCache
@@ -510,7 +511,8 @@ def test_a_plan_ahead_with_mtp_lookahead_never_preempts_a_sequence_in_flight(num
     for lookahead in (0, 2, 4):
         for lens in ([3, 3], [4, 3], [3, 4, 5], [2, 6, 3]):
             sched = make(blocks=num_blocks, max_num_seqs=8)
-            sched.lookahead = lookahead
+            sched.drafting = DraftPlanner(DraftPolicy(4, 0.0, propose=lambda seq, n: ()), sched.allocator,
+                                          lookahead=lookahead)  # MTP's room, drafts aside
             for i, n in enumerate(lens):
                 sched.add(req(f"r{i}", n, max_tokens=40))
             plan = sched.schedule()
@@ -537,7 +539,8 @@ def test_a_paused_drafter_probes_again_while_the_steps_pipeline():
         return () if len(calls) <= NO_MATCH_PAUSE else (7,) * n
 
     sched = Scheduler(allocator=BlockAllocator.fixed(64, BS), max_num_seqs=4, max_num_batched_tokens=64,
-                      max_queue=4, draft_policy=DraftPolicy(2, 0.02, propose=propose))
+                      max_queue=4)
+    sched.drafting = DraftPlanner(DraftPolicy(2, 0.02, propose=propose), sched.allocator)
     sched.add(req("a", 3, max_tokens=120))
     plan, ahead_plans, drafting = sched.schedule(), 0, 0
     while plan is not None and not plan.is_empty:

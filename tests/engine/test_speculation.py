@@ -56,7 +56,7 @@ class Oracle:
 def _spec(rad, n, propose, adaptive=False, **kwargs):
     """An engine built with --speculative n, drafting with `propose` (every time it proposes, unless adaptive)."""
     engine = small_engine(rad, speculative=n, **kwargs)
-    engine.scheduler.draft_policy = DraftPolicy(n, 0.6, adaptive=adaptive,
+    engine.scheduler.drafting.policy = DraftPolicy(n, 0.6, adaptive=adaptive,
                                                 propose=lambda seq, k: propose(seq.token_ids, k))
     return engine
 
@@ -360,8 +360,8 @@ def test_mtp_drafts_leave_greedy_outputs_unchanged_and_are_the_heads_drafts_over
     small = dict(max_num_seqs=4, max_num_batched_tokens=16)
     base = drive(small_engine(mtp_rad, **small), arrivals(small_engine(mtp_rad, **small)), False)
     e = small_engine(mtp_rad, speculative=2, **small)
-    assert e.runner.model.mtp is not None and e.scheduler.draft_policy.propose is mtp_drafts
-    e.scheduler.draft_policy = DraftPolicy(2, 0.6, adaptive=False, propose=mtp_drafts)  # draft every step
+    assert e.runner.model.mtp is not None and e.scheduler.drafting.policy.propose is mtp_drafts
+    e.scheduler.drafting.policy = DraftPolicy(2, 0.6, adaptive=False, propose=mtp_drafts)  # draft every step
     seqs, proposals = _added(e), {}
     update = e.scheduler.update
 
@@ -412,8 +412,8 @@ def test_the_mtp_head_drafts_beside_the_expert_tiers_in_the_engine_the_daemon_bu
     assert [g.layers for g in drafting.receipt.groups] == [g.layers + 1 for g in plain.receipt.groups]
     assert "mtp" in [p.name for p in drafting.receipt.weights]
     assert "mtp" in [p.name for p in plain.receipt.idle_weights]
-    assert drafting.scheduler.draft_policy.propose is mtp_drafts
-    drafting.scheduler.draft_policy = DraftPolicy(2, 0.6, adaptive=False, propose=mtp_drafts)  # draft every step
+    assert drafting.scheduler.drafting.policy.propose is mtp_drafts
+    drafting.scheduler.drafting.policy = DraftPolicy(2, 0.6, adaptive=False, propose=mtp_drafts)  # draft every step
     seqs = _added(drafting)
     same_tokens = [run_all(e, [request(e, f"r{i}", p, max_tokens=12) for i, p in enumerate(ps)])
                    for e in (plain, drafting)]

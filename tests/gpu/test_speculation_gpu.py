@@ -15,7 +15,6 @@ import gc
 import time
 
 import pytest
-import torch
 
 from radianced.card import Card
 from radianced.config import Config
@@ -83,7 +82,7 @@ def test_forced_drafts_give_the_plain_tokens_and_their_step_times_are_recorded(t
     for wrong in ("none", "half", "all"):
         engine = _engine(rad, 4)
         replay = Replay(tuple(prompt), base, wrong)
-        engine.scheduler.draft_policy = DraftPolicy(4, 0.0, adaptive=False, propose=replay)
+        engine.scheduler.drafting.policy = DraftPolicy(4, 0.0, adaptive=False, propose=replay)
         out, times = _run(engine, prompt)
         _release(engine)
         assert out == base, wrong
@@ -102,7 +101,7 @@ def test_the_mtp_head_drafts_on_the_device_and_the_tokens_are_the_plain_ones(tmp
     _release(plain)
     engine = _engine(rad, 2)
     assert engine.runner.model.mtp is not None and engine.runner.graphs is None
-    engine.scheduler.draft_policy = DraftPolicy(2, 0.0, adaptive=False, propose=mtp_drafts)
+    engine.scheduler.drafting.policy = DraftPolicy(2, 0.0, adaptive=False, propose=mtp_drafts)
     out, times = _run(engine, prompt)
     _release(engine)
     assert out == base

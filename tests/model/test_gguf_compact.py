@@ -4,7 +4,6 @@ order, and the model's logits equal transformers' (which dequantizes at load) to
 from __future__ import annotations
 
 import gguf
-import numpy as np
 import pytest
 import torch
 

@@ -11,7 +11,6 @@ import torch
 from safetensors.torch import load_file
 
 from radianced.kernels.compact import CompactWeight
-from radianced.kv.cache import KVCache
 from radianced.model.convert import convert
 from radianced.model.gguf import convert_gguf
 from radianced.model.loader import load_model
