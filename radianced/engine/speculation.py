@@ -41,10 +41,11 @@ from typing import Any, Protocol
 
 from radianced.engine import ngram
 
-# r of the cost model, per device type. cpu: SmolLM2-135M fp32 on 2 cores, a 5-token step costs 2.5 plain
-# steps (tools/time_verify.py). cuda: a decode step at batch 1 is bound by reading the weights; not yet measured
-# on the H200 (issue 22), the value assumes one token's compute is 2% of that read.
-TOKEN_COST = {"cpu": 0.6, "cuda": 0.02}
+# r of the cost model, per device type. cpu: SmolLM2-135M fp32 on 2 cores at batch 1, a 5-token verify step
+# takes 71.7 ms against a plain step's 48.8 (1.47x: tools/bench_spec.py, bench/results/2026-12-02-cpu-*-spec.md),
+# so r = (c - 1) / (5 - c) = 0.13. cuda: a decode step at batch 1 is bound by reading the weights; not yet
+# measured on the H200 (issue 22): the value assumes one token's compute is 2% of that read.
+TOKEN_COST = {"cpu": 0.13, "cuda": 0.02}
 PRIOR_ACCEPTED, PRIOR_DRAFTED = 2.0, 4.0
 DECAY = 0.9  # weight of a sequence's older steps in its acceptance estimate, per step
 PROBE_EVERY = 16  # steps a paused sequence waits before it asks the drafter again
