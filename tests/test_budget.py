@@ -213,7 +213,8 @@ def test_smollm2_bf16_receipt_by_hand():
     assert r.worst_case_percent == 100 * 2019 * 80 // (16 * 8192) == 123
     lines = r.lines()
     assert "card: 4096.00 MiB total, 4000.00 MiB free, 96.00 MiB in use elsewhere" in lines
-    assert "kv_attn 360.00 KiB per 16-token block (22.50 KiB per token, 30 layers), 5 blocks per page" in lines
+    assert ("kv_attn 360.00 KiB per 16-token block in auto: the activations' dtype, 2 bytes an element "
+            "(22.50 KiB per token, 30 layers), 5 blocks per page") in lines
     assert "expert cache: none (dense model: every page holds KV)" in lines
     assert lines[-1] == "kv: the pool backs 123% of the worst case (16 seqs x 8192 tokens) = 19 full-length sessions"
 
