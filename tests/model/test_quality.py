@@ -73,7 +73,7 @@ def test_a_lower_precision_kv_cache_is_measured_against_the_full_one(tiny_pair, 
     """One tool for weights and KV dtypes: the same model with a bf16 cache against its fp32 self."""
     ref, _ = tiny_pair
     with RadFile.open(ref) as a, RadFile.open(ref) as b:
-        q = measure(a, b, TEXT, "text", window=64, kv_dtype="bfloat16")
+        q = measure(a, b, TEXT, "text", window=64, kv_dtype="bf16")
     assert 0 < q.mean_kl < 1e-3 and q.top1 > 0.9
     (tmp_path / "t.txt").write_text(TEXT)
     assert main(["quality", str(ref), "--against", str(ref), "--text", str(tmp_path / "t.txt"),
