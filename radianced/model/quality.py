@@ -227,10 +227,10 @@ def kv_table(rad, text: str, text_name: str, dtypes: list[str], window: int = WI
 
 def kv_token_bytes(facts, kv_dtype: str) -> float:
     """Bytes one context token costs in the KV cache in `kv_dtype` (a plain torch dtype: its element size)."""
-    from radianced.sizing import BLOCK_TOKENS, PLAIN_BYTES, kv_block_bytes
+    from radianced.sizing import BLOCK_TOKENS, kv_block_bytes
 
     layers = len(facts.model.full_attention_layers)
     if kv_dtype in KV_FORMAT_NAMES:
         return kv_block_bytes(facts.model, layers, kv_dtype, facts.act_bytes) / BLOCK_TOKENS
-    elem = facts.act_bytes if kv_dtype == "auto" else PLAIN_BYTES[{"fp32": "f32", "bf16": "bf16", "fp16": "f16"}[kv_dtype]]
+    elem = {"auto": facts.act_bytes, "fp32": 4, "bf16": 2, "fp16": 2}[kv_dtype]
     return kv_block_bytes(facts.model, layers, "auto", elem) / BLOCK_TOKENS

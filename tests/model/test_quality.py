@@ -79,3 +79,29 @@ def test_a_lower_precision_kv_cache_is_measured_against_the_full_one(tiny_pair, 
     assert main(["quality", str(ref), "--against", str(ref), "--text", str(tmp_path / "t.txt"),
                  "--kv-cache-dtype", "bf16"]) == 0
     assert "| mean KL | 0.000000 |" not in capsys.readouterr().out
+
+
+def test_without_against_the_kv_table_has_one_row_per_dtype_with_the_receipts_bytes(tiny_pair, tmp_path, capsys):
+    from radianced.sizing import kv_block_bytes
+
+    ref, _ = tiny_pair
+    (tmp_path / "t.txt").write_text(TEXT)
+    assert main(["quality", str(ref), "--text", str(tmp_path / "t.txt"), "--kv-cache-dtype", "fp8,k6_v4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2:4] == ["| dtype | bytes/token | pool vs fp8 | mean KL | p99 KL | top-1 vs auto | perplexity |",
+                          "|---|---|---|---|---|---|---|"]
+    with RadFile.open(ref) as rad:
+        m = rad.model
+        per = {d: kv_block_bytes(m, len(m.full_attention_layers), d, 4) / 16 for d in ("fp8", "k6_v4")}
+    fp8, k6 = (line.split(" | ") for line in lines[4:6])
+    assert (fp8[0], fp8[1], fp8[2]) == ("| fp8", f"{per['fp8']:,.1f}", "1.00x")
+    assert (k6[0], k6[1], k6[2]) == ("| k6_v4", f"{per['k6_v4']:,.1f}", f"{per['fp8'] / per['k6_v4']:.2f}x")
+    assert 0 < float(fp8[3]) < 0.05 and len(lines) == 6
+
+
+def test_a_bad_kv_dtype_list_is_refused_with_the_choices(tiny_pair, capsys):
+    ref, _ = tiny_pair
+    assert main(["quality", str(ref), "--kv-cache-dtype", "fp8,int3"]) == 1
+    assert "--kv-cache-dtype int3: choose from auto, fp32, bf16, fp16, fp8, fp8_v4, k6_v4" in capsys.readouterr().err
+    assert main(["quality", str(ref), "--against", str(ref), "--kv-cache-dtype", "fp8,k6_v4"]) == 1
+    assert "takes one dtype" in capsys.readouterr().err
