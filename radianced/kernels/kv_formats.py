@@ -49,7 +49,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FP8_MAX = 448.0  # E4M3's largest finite value
-FP8_HEADROOM = 16.0  # the block's first token's amax maps to FP8_MAX / FP8_HEADROOM (measured: see above)
 GROUP = 32  # dims per scale of an int plane
 
 
@@ -63,29 +62,28 @@ class PlaneFormat:
 
     name: "fp8", "int6" or "int4" (the module docstring gives each one's layout).
     bits: bits per element.
+    delta: a block's tokens after its first are stored as their residual from the first token's
+        dequantized value (K planes: see the module docstring); the first token is stored as itself.
     """
 
     name: str
     bits: int
-
-    @property
-    def block_scaled(self) -> bool:
-        """One scale per (block, head) (fp8) rather than per (token, head, group)."""
-        return self.name == "fp8"
+    delta: bool = False
 
     def code_bytes(self, d: int) -> int:
         """Bytes of one token's codes of one head of `d` dims (the packing pads the last byte)."""
         return {"fp8": d, "int6": 3 * -(-d // 4), "int4": -(-d // 2)}[self.name]
 
     def scale_shape(self, s: int, hkv: int, d: int) -> tuple[int, ...]:
-        """The scales of one block of `s` tokens: [Hkv] or [S, Hkv, groups]."""
-        return (hkv,) if self.block_scaled else (s, hkv, -(-d // GROUP))
+        """The fp16 scales of one block of `s` tokens: [S, Hkv, 1] for fp8 (a float format needs no finer
+        one), [S, Hkv, groups, 2] (step and min of each GROUP dims) for an int plane."""
+        return (s, hkv, 1) if self.name == "fp8" else (s, hkv, -(-d // GROUP), 2)
 
     def scale_bytes(self, s: int, hkv: int, d: int) -> int:
-        n = 1
+        n = 2
         for x in self.scale_shape(s, hkv, d):
             n *= x
-        return n * (4 if self.block_scaled else 2)
+        return n
 
 
 @dataclass(frozen=True)
@@ -120,10 +118,13 @@ class KVFormat:
         return layers * self.layer_bytes(s, hkv, d)
 
 
-FP8, INT6, INT4 = PlaneFormat("fp8", 8), PlaneFormat("int6", 6), PlaneFormat("int4", 4)
+FP8, INT4 = PlaneFormat("fp8", 8), PlaneFormat("int4", 4)
+FP8_DELTA, INT6_DELTA = PlaneFormat("fp8", 8, delta=True), PlaneFormat("int6", 6, delta=True)
+_K = "K as the residual from its block's first token"
+_INT = f"an fp16 step and min per token, head and {GROUP} dims"
 KV_FORMATS = {
-    "fp8": KVFormat("fp8", FP8, FP8, "fp8 E4M3, a scale per block and head"),
-    "fp8_v4": KVFormat("fp8_v4", FP8, INT4, "K fp8 E4M3 with a scale per block and head, V int4 with an fp16 "
-                                            f"scale per token, head and {GROUP} dims"),
-    "k6_v4": KVFormat("k6_v4", INT6, INT4, f"K int6 and V int4, an fp16 scale per token, head and {GROUP} dims"),
+    "fp8": KVFormat("fp8", FP8_DELTA, FP8, f"fp8 E4M3, an fp16 scale per token and head; {_K}"),
+    "fp8_v4": KVFormat("fp8_v4", FP8_DELTA, INT4, f"K fp8 E4M3 with an fp16 scale per token and head, V int4 with "
+                                                  f"{_INT}; {_K}"),
+    "k6_v4": KVFormat("k6_v4", INT6_DELTA, INT4, f"K int6 and V int4, {_INT}; {_K}"),
 }

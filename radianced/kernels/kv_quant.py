@@ -9,32 +9,31 @@ from __future__ import annotations
 
 import torch
 
-from radianced.kernels.kv_formats import FP8_HEADROOM, FP8_MAX, GROUP, PlaneFormat
-
-
-def scale_dtype(fmt: PlaneFormat) -> torch.dtype:
-    """fp32 for a scale per (block, head), fp16 for one per (token, head, group)."""
-    return torch.float32 if fmt.block_scaled else torch.float16
-
+from radianced.kernels.kv_formats import FP8_MAX, GROUP, PlaneFormat
 
 # -- fp8 ----------------------------------------------------------------------
 
 
-def fp8_block_scale(first: torch.Tensor) -> torch.Tensor:
-    """The scale [..., Hkv] (fp32) of a block whose offset-0 token is `first` [..., Hkv, D]."""
-    amax = first.float().abs().amax(-1)
-    return torch.where(amax > 0, amax * (FP8_HEADROOM / FP8_MAX), torch.ones_like(amax))
+def fp8_scale(x: torch.Tensor) -> torch.Tensor:
+    """The fp16 scale [..., 1] of x [..., D]: amax / 448 rounded to fp16, one step up where the rounding
+    went below (so x / scale never passes 448: nothing saturates); 0 for an all-zero x."""
+    amax = x.float().abs().amax(-1, keepdim=True)
+    scale = (amax / FP8_MAX).to(torch.float16)
+    up = torch.nextafter(scale, torch.tensor(float("inf"), dtype=torch.float16))
+    return torch.where(scale.float() * FP8_MAX < amax, up, scale)
 
 
-def fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Codes (uint8, E4M3 bits) of x [..., D] with scale [...] (saturating at +-448)."""
-    y = (x.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX)
-    return y.to(torch.float8_e4m3fn).view(torch.uint8)
+def fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (codes uint8 [..., D] (E4M3 bits), fp16 scales [..., 1]), against the stored scale."""
+    scale = fp8_scale(x)
+    s = scale.float()
+    y = torch.where(s > 0, x.float() / torch.where(s > 0, s, 1), 0).clamp(-FP8_MAX, FP8_MAX)
+    return y.to(torch.float8_e4m3fn).view(torch.uint8), scale
 
 
-def fp8_dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """fp32 values of codes [..., D] (uint8) with scale [...]."""
-    return codes.view(torch.float8_e4m3fn).float() * scale[..., None]
+def fp8_dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 values of codes [..., D] (uint8) with fp16 scales [..., 1]."""
+    return codes.view(torch.float8_e4m3fn).float() * scales.float()
 
 
 # -- int6 / int4 ---------------------------------------------------------------
@@ -45,7 +44,7 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     int4 two to a byte (even dim low), int6 four to three bytes (24 bits little-endian, dim 0 lowest)."""
     per = 2 if bits == 4 else 4
     d = q.shape[-1]
-    q = torch.nn.functional.pad(q.to(torch.int32), (0, -d % per)).view(*q.shape[:-1], -1, per)
+    q = torch.nn.functional.pad(q.to(torch.int32), (0, -d % per)).view(*q.shape[:-1], -(-d // per), per)
     word = sum(q[..., i] << (bits * i) for i in range(per))  # [..., D / per]
     nbytes = per * bits // 8
     return torch.stack([(word >> (8 * i)) & 0xFF for i in range(nbytes)], -1).flatten(-2).to(torch.uint8)
@@ -55,36 +54,47 @@ def unpack(codes: torch.Tensor, bits: int, d: int) -> torch.Tensor:
     """`pack`'s inverse: int32 [..., d]."""
     per = 2 if bits == 4 else 4
     nbytes = per * bits // 8
-    b = codes.to(torch.int32).view(*codes.shape[:-1], -1, nbytes)
+    b = codes.to(torch.int32).view(*codes.shape[:-1], codes.shape[-1] // nbytes, nbytes)
     word = sum(b[..., i] << (8 * i) for i in range(nbytes))
     mask = (1 << bits) - 1
     return torch.stack([(word >> (bits * i)) & mask for i in range(per)], -1).flatten(-2)[..., :d]
 
 
-def _grouped(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] as [..., groups, GROUP] (zero-padded)."""
+def _grouped(x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    """x [..., D] as [..., groups, GROUP] (padded with `fill`)."""
     d = x.shape[-1]
-    return torch.nn.functional.pad(x, (0, -d % GROUP)).view(*x.shape[:-1], -1, GROUP)
+    return torch.nn.functional.pad(x, (0, -d % GROUP), value=fill).view(*x.shape[:-1], -(-d // GROUP), GROUP)
 
 
 def int_quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (packed codes uint8 [..., code_bytes], fp16 scales [..., groups]). The scale is
-    amax / qmax rounded to fp16 first, so the codes are exact against the scale that is stored."""
-    qmax = (1 << (bits - 1)) - 1
+    """x [..., D] -> (packed codes uint8 [..., code_bytes], fp16 scales [..., groups, 2]: each group's
+    (step, min)). Asymmetric: codes 0..2**bits - 1 span the group's min..max. Step and min are rounded
+    to fp16 first, so the codes are exact against what is stored."""
+    top = (1 << bits) - 1
     d = x.shape[-1]
-    g = _grouped(x.float())
-    scale = (g.abs().amax(-1) / qmax).to(torch.float16)  # [..., groups]
-    s = scale.float()[..., None]
-    q = torch.where(s > 0, g / torch.where(s > 0, s, 1), 0).round().clamp(-qmax, qmax)
-    q = q.flatten(-2)[..., :d].to(torch.int32) + (qmax + 1)
-    return pack(q, bits), scale
+    x = x.float()
+    lo = _grouped(x, float("inf")).amin(-1).to(torch.float16)  # [..., groups]
+    step = ((_grouped(x, float("-inf")).amax(-1) - lo.float()) / top).to(torch.float16)
+    s, m = step.float()[..., None], lo.float()[..., None]
+    q = torch.where(s > 0, (_grouped(x) - m) / torch.where(s > 0, s, 1), 0).round().clamp(0, top)
+    return pack(q.flatten(-2)[..., :d], bits), torch.stack([step, lo], -1)
 
 
 def int_dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, d: int) -> torch.Tensor:
-    """fp32 values [..., d] of packed codes with fp16 scales [..., groups]."""
-    q = unpack(codes, bits, d) - (1 << (bits - 1))
-    g = _grouped(q.float()) * scales.float()[..., None]
+    """fp32 values [..., d] of packed codes with fp16 (step, min) [..., groups, 2]: q * step + min."""
+    g = _grouped(unpack(codes, bits, d).float()) * scales[..., 0].float()[..., None] + scales[..., 1].float()[..., None]
     return g.flatten(-2)[..., :d]
+
+
+def quantize(fmt: PlaneFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] in `fmt`, each row on its own: (codes uint8 [..., code_bytes], fp16 scales [..., 1] (fp8) or
+    [..., groups, 2] (int))."""
+    return fp8_quantize(x) if fmt.name == "fp8" else int_quantize(x, fmt.bits)
+
+
+def dequantize(fmt: PlaneFormat, codes: torch.Tensor, scales: torch.Tensor, d: int) -> torch.Tensor:
+    """`quantize`'s fp32 values [..., d]."""
+    return fp8_dequantize(codes, scales) if fmt.name == "fp8" else int_dequantize(codes, scales, fmt.bits, d)
 
 
 # -- a plane over the cache ------------------------------------------------------
@@ -94,8 +104,8 @@ class KVPlane:
     """One layer's K or V over every block of the cache, quantized: what the attention ops take in
     place of a plain [P, N, S, Hkv, D] cache view.
 
-    codes: uint8 [P, N, S, Hkv, code_bytes]; scales: [P, N, Hkv] fp32 (fp8) or
-    [P, N, S, Hkv, groups] fp16 (int); both views into the blocks' bytes.
+    codes: uint8 [P, N, S, Hkv, code_bytes]; scales: fp16 [P, N, S, Hkv, 1] (fp8) or
+    [P, N, S, Hkv, groups, 2] (int); both views into the blocks' bytes.
     """
 
     def __init__(self, fmt: PlaneFormat, codes: torch.Tensor, scales: torch.Tensor, head_dim: int):
@@ -107,26 +117,30 @@ class KVPlane:
         return (*self.codes.shape[:4], self.head_dim)
 
     def store(self, slots: torch.Tensor, x: torch.Tensor) -> None:
-        """Quantize x [T, Hkv, D] into flat slots [T] (all >= 0, distinct). An fp8 block takes its scale
-        from its token at offset 0 when that token is among these (set first, so the block's other
-        tokens here use it); a block begun by an earlier write keeps its scale."""
+        """Quantize x [T, Hkv, D] into flat slots [T] (all >= 0, distinct). A delta plane stores a
+        block's offset-0 tokens first, as themselves; every other token is the residual from its
+        block's first token as stored (written now or by an earlier write): never re-quantized."""
         _, n, s = self.codes.shape[:3]
         block, off = slots // s, slots % s
         page, inside = block // n, block % n
-        if self.fmt.block_scaled:
+        if self.fmt.delta:
             first = off == 0
-            self.scales[page[first], inside[first]] = fp8_block_scale(x[first])
-            self.codes[page, inside, off] = fp8_quantize(x, self.scales[page, inside])
-        else:
-            codes, scales = int_quantize(x, self.fmt.bits)
-            self.codes[page, inside, off] = codes
-            self.scales[page, inside, off] = scales
+            self._put(page[first], inside[first], off[first], x[first])
+            rest = ~first
+            page, inside, off, x = page[rest], inside[rest], off[rest], x[rest].float()
+            x = x - dequantize(self.fmt, self.codes[page, inside, 0], self.scales[page, inside, 0], self.head_dim)
+        self._put(page, inside, off, x)
+
+    def _put(self, page: torch.Tensor, inside: torch.Tensor, off: torch.Tensor, x: torch.Tensor) -> None:
+        codes, scales = quantize(self.fmt, x)
+        self.codes[page, inside, off] = codes
+        self.scales[page, inside, off] = scales
 
     def blocks(self, blocks: torch.Tensor) -> torch.Tensor:
         """The dequantized blocks `blocks` [...] (flat ids): fp32 [..., S, Hkv, D]."""
         n = self.codes.shape[1]
         page, inside = blocks // n, blocks % n
-        codes, scales = self.codes[page, inside], self.scales[page, inside]
-        if self.fmt.block_scaled:
-            return fp8_dequantize(codes, scales[..., None, :])
-        return int_dequantize(codes, scales, self.fmt.bits, self.head_dim)
+        out = dequantize(self.fmt, self.codes[page, inside], self.scales[page, inside], self.head_dim)
+        if self.fmt.delta:  # the first token's value is the others' base
+            out[..., 1:, :, :] += out[..., :1, :, :]
+        return out

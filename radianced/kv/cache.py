@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from radianced.kernels.kv_formats import KV_FORMATS, KVFormat
-from radianced.kernels.kv_quant import KVPlane, scale_dtype
+from radianced.kernels.kv_quant import KVPlane
 from radianced.model.config import ModelConfig
 
 
@@ -98,8 +98,8 @@ def _planes(storage: torch.Tensor, layers: int, fmt: KVFormat, s: int, hkv: int,
 
         k_codes = piece(kc, kn).view(p, n, s, hkv, fmt.k.code_bytes(d))
         v_codes = piece(vc, vn).view(p, n, s, hkv, fmt.v.code_bytes(d))
-        k_scales = piece(ks, ksn).view(scale_dtype(fmt.k)).view(p, n, *fmt.k.scale_shape(s, hkv, d))
-        v_scales = piece(vs, vsn).view(scale_dtype(fmt.v)).view(p, n, *fmt.v.scale_shape(s, hkv, d))
+        k_scales = piece(ks, ksn).view(torch.float16).view(p, n, *fmt.k.scale_shape(s, hkv, d))
+        v_scales = piece(vs, vsn).view(torch.float16).view(p, n, *fmt.v.scale_shape(s, hkv, d))
         out.append((KVPlane(fmt.k, k_codes, k_scales, d), KVPlane(fmt.v, v_codes, v_scales, d)))
     return out
 

@@ -1,5 +1,6 @@
 """The quantized KV formats' math (kernels/kv_quant.py): exact round trips, the packed bit layouts,
-the fp8 block scale's rule, and the CPU attention against the reference over one quantized cache."""
+the fp8 scale's rule, K's residual from its block's first token, and the CPU attention against the
+reference over one quantized cache."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import pytest
 import torch
 
 from radianced.kernels import cpu, reference
-from radianced.kernels.kv_formats import FP8_HEADROOM, FP8_MAX, KV_FORMATS
+from radianced.kernels.kv_formats import FP8_MAX, KV_FORMATS
 from radianced.kernels.kv_quant import (
-    fp8_block_scale, fp8_dequantize, fp8_quantize, int_dequantize, int_quantize, pack, unpack,
+    dequantize, fp8_dequantize, fp8_quantize, fp8_scale, int_dequantize, int_quantize, pack, quantize, unpack,
 )
 from radianced.kv.cache import KVCache
 from tests.kernels.compare import rel_err
@@ -37,48 +38,68 @@ def test_pack_unpack_every_code_at_odd_dims(bits, d):
 @pytest.mark.parametrize("bits", [4, 6])
 @pytest.mark.parametrize("d", [5, 40, 64, 70])
 def test_int_round_trip_is_exact_on_its_grid(bits, d):
-    """Values on the grid (codes x an fp16 scale, each group reaching +-qmax) come back bit for bit, with
-    the same codes and scales."""
-    qmax = (1 << (bits - 1)) - 1
+    """Values on the grid (codes x an fp16 step + an fp16 min, each group reaching codes 0 and 2**bits - 1)
+    come back bit for bit, with the same codes, steps and mins; odd dims: the last group is partial."""
+    top = (1 << bits) - 1
     g = torch.Generator().manual_seed(bits * 100 + d)
     groups = -(-d // 32)
-    codes = torch.randint(-qmax, qmax + 1, (9, 2, groups * 32), generator=g)
-    codes[..., ::32] = qmax  # every group's amax is qmax x its scale
-    scales = (torch.rand((9, 2, groups), generator=g) * 3 + 0.01).to(torch.float16)
-    x = (codes.view(9, 2, groups, 32).float() * scales.float()[..., None]).flatten(-2)[..., :d]
-    packed, got_scales = int_quantize(x, bits)
-    assert torch.equal(got_scales, scales)
-    assert torch.equal(int_dequantize(packed, got_scales, bits, d), x)
+    codes = torch.randint(0, top + 1, (9, 2, d), generator=g)
+    for i in range(groups):  # every group spans its codes' whole range
+        codes[..., 32 * i], codes[..., min(32 * i + 1, d - 1)] = 0, top
+    if d % 32 == 1:
+        codes[..., -1] = 0  # a one-dim last group: its min is its value, its step 0
+    step = (torch.rand((9, 2, groups), generator=g) * 0.2 + 0.01).to(torch.float16)
+    low = (torch.randn((9, 2, groups), generator=g) * 3).to(torch.float16)
+    per_dim = torch.arange(d) // 32
+    x = codes.float() * step.float()[..., per_dim] + low.float()[..., per_dim]
+    packed, scales = int_quantize(x, bits)
+    assert scales.shape == (9, 2, groups, 2) and scales.dtype == torch.float16
+    assert torch.equal(scales[..., 1], low) and torch.equal(scales[..., 0], step)
+    assert torch.equal(unpack(packed, bits, d), codes)
+    assert torch.equal(int_dequantize(packed, scales, bits, d), x)
     assert packed.shape[-1] == (3 * -(-d // 4) if bits == 6 else -(-d // 2))
 
 
 @pytest.mark.parametrize("bits", [4, 6])
 def test_int_error_is_at_most_half_a_step_and_requantizing_is_a_no_op(bits):
+    """Off the grid: within half a step of the stored (step, min), plus the fp16 rounding of the min; a
+    constant head (step 0) comes back as its fp16 value; a partial last group ignores the padding."""
     g = torch.Generator().manual_seed(7)
-    x = torch.randn((20, 3, 45), generator=g) * 5
-    x[0, 0] = 0  # an all-zero head: scale 0, values 0
+    x = torch.rand((20, 3, 45), generator=g) * 5 + 7  # 45 dims: a group of 32 and one of 13, all in [7, 12)
+    x[0, 0] = 1.5  # a constant head
     packed, scales = int_quantize(x, bits)
     y = int_dequantize(packed, scales, bits, 45)
-    step = scales.float().repeat_interleave(32, -1)[..., :45]
-    assert bool(((y - x).abs() <= step / 2 + 1e-6 * x.abs()).all())
-    assert torch.equal(y[0, 0], torch.zeros(45))
+    per_dim = torch.arange(45) // 32
+    step, low = scales[..., 0].float()[..., per_dim], scales[..., 1].float()[..., per_dim]
+    true_low = torch.stack([x[..., :32].amin(-1), x[..., 32:].amin(-1)], -1)[..., per_dim]
+    assert bool(((y - x).abs() <= step / 2 + (low - true_low).abs() + 1e-6 * x.abs()).all())
+    assert torch.equal(y[0, 0], torch.full((45,), 1.5)) and bool((scales[0, 0, :, 0] == 0).all())
+    assert bool((scales[1:, :, 1, 1] >= 7).all())  # the 13-dim group's min is its own, not the padding's 0
     again, again_scales = int_quantize(y, bits)
     assert torch.equal(again, packed) and torch.equal(again_scales, scales)
 
 
-def test_fp8_round_trip_is_exact_on_its_grid_and_saturates_past_448():
+def test_fp8_round_trip_is_exact_on_its_grid():
+    """Every finite E4M3 value, 448 among them (so the scale is amax / 448 = 1/8, exact in fp16)."""
     grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-    grid = grid[grid.isfinite()]
-    scale = torch.tensor(0.125)  # a power of two: x / scale is exact
-    x = grid * scale
-    assert torch.equal(fp8_dequantize(fp8_quantize(x, scale), scale), x)
-    big = torch.tensor([1000.0, -1000.0]) * scale
-    assert fp8_dequantize(fp8_quantize(big, scale), scale).tolist() == [FP8_MAX * 0.125, -FP8_MAX * 0.125]
+    x = (grid[grid.isfinite()] * 0.125).view(2, -1)  # two rows of 127, each reaching +-448 / 8
+    codes, scales = fp8_quantize(x)
+    assert scales.dtype == torch.float16 and scales.tolist() == [[0.125], [0.125]]
+    assert torch.equal(fp8_dequantize(codes, scales), x)
 
 
-def test_fp8_block_scale_maps_the_first_tokens_amax_inside_the_range_with_headroom():
-    first = torch.tensor([[1.0, -8.0, 2.0], [0.0, 0.0, 0.0]])  # [Hkv, D]; head 1 all zero
-    assert torch.equal(fp8_block_scale(first), torch.tensor([8.0 * (FP8_HEADROOM / FP8_MAX), 1.0]))  # fp32
+def test_fp8_scale_is_amax_over_448_in_fp16_rounded_up_so_nothing_saturates():
+    x = torch.tensor([[1.0, -3.0, 2.0], [0.0, 0.0, 0.0], [1e-9, 0.0, 0.0], [0.1, 0.2, 0.3001]])
+    scale = fp8_scale(x)
+    assert scale.dtype == torch.float16 and scale.shape == (4, 1)
+    assert bool((scale.float().squeeze(-1) * FP8_MAX >= x.abs().amax(-1)).all())
+    nearest = (x.abs().amax(-1, keepdim=True) / FP8_MAX).to(torch.float16)
+    up = torch.nextafter(nearest, torch.tensor(float("inf"), dtype=torch.float16))
+    assert torch.equal(scale, torch.where(nearest.float() * FP8_MAX < x.abs().amax(-1, keepdim=True), up, nearest))
+    assert scale[1].item() == 0.0 and torch.equal(fp8_dequantize(*fp8_quantize(x[1:2])), x[1:2])  # all-zero head
+    assert scale[2].item() > 0  # below fp16's smallest step: its smallest step, not 0
+    y = fp8_dequantize(*fp8_quantize(x))
+    assert bool(((y - x).abs() <= x.abs() / 16 + scale.float() * 2 ** -9).all())  # half an E4M3 step, or subnormal
 
 
 def _cache(kv_dtype: str, blocks_per_page: int, pages: int, hkv: int, d: int) -> KVCache:
@@ -88,26 +109,31 @@ def _cache(kv_dtype: str, blocks_per_page: int, pages: int, hkv: int, d: int) ->
 
 
 @pytest.mark.parametrize("kv_dtype", list(KV_FORMATS))
-def test_a_plane_stores_what_the_formulas_say_and_an_fp8_block_keeps_its_first_tokens_scale(kv_dtype):
-    """Odd block count (7 blocks, 3 a page, 5 dims): tokens 0..20 of one block chain written in two writes;
-    the second write's tokens of block 1 take the scale block 1 got from its token 0 in the first."""
+def test_a_plane_stores_what_the_formulas_say_and_k_is_the_residual_from_its_blocks_first_token(kv_dtype):
+    """Odd block count (9 blocks, 3 a page, 5 dims): tokens 0..20 of one block chain written in two writes,
+    the second starting mid-block: K's tokens of a block after its first are the residual from the first's
+    stored value, read back from the cache when an earlier write stored it; V's are themselves."""
     cache = _cache(kv_dtype, 3, 3, 2, 5)
     k_plane, v_plane = cache.layer(1)
+    assert k_plane.fmt.delta and not v_plane.fmt.delta
     g = torch.Generator().manual_seed(1)
-    x = torch.randn((21, 2, 5), generator=g)
-    x[17] *= 100  # far past block 1's first token: saturates in fp8
+    x = torch.randn((21, 2, 5), generator=g) + torch.tensor([20.0, -9.0, 0.0, 0.0, 3.0])  # K's constant channels
     slots = torch.tensor([4 * BLOCK + i for i in range(16)] + [6 * BLOCK + i for i in range(5)])  # blocks 4, 6
     reference.write_kv(k_plane, v_plane, x[:18], x[:18], slots[:18])
     reference.write_kv(k_plane, v_plane, x[18:], x[18:], slots[18:])
     for plane in (k_plane, v_plane):
         got = plane.blocks(torch.tensor([4, 6])).flatten(0, 1)[:21]
-        if plane.fmt.block_scaled:
-            scales = torch.stack([fp8_block_scale(x[0]), fp8_block_scale(x[16])])  # [2 blocks, Hkv]
-            per_token = scales[(slots // BLOCK - 4) // 2]  # block 4 -> 0, block 6 -> 1
-            want = fp8_dequantize(fp8_quantize(x, per_token), per_token)
+        first = dequantize(plane.fmt, *quantize(plane.fmt, x), 5)  # every token as itself
+        if plane.fmt.delta:
+            base = first[[0] * 16 + [16] * 5]  # each token's block's first token, as stored
+            want = base + dequantize(plane.fmt, *quantize(plane.fmt, x - base), 5)
+            want[[0, 16]] = first[[0, 16]]
         else:
-            want = int_dequantize(*int_quantize(x, plane.fmt.bits), plane.fmt.bits, 5)
+            want = first
         assert torch.equal(got, want)
+    later = [i for i in range(21) if i not in (0, 16)]  # what the residual buys a block's later tokens
+    k_err = (k_plane.blocks(torch.tensor([4, 6])).flatten(0, 1)[later] - x[later]).abs().mean()
+    assert k_err < (dequantize(k_plane.fmt, *quantize(k_plane.fmt, x[later]), 5) - x[later]).abs().mean() / 2
     other = KVCache(cache.storage.clone(), (0, 1), fmt=cache.fmt, geometry=(BLOCK, 2, 5))
     assert torch.equal(other.layer(0)[0].blocks(torch.arange(9)), torch.zeros(9, BLOCK, 2, 5))  # layer 0 untouched
 
