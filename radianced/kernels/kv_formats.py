@@ -81,11 +81,15 @@ class PlaneFormat:
     bits: bits per element.
     delta: a block's tokens after its first are stored as their residual from the first token's
         dequantized value (K planes: see the module docstring); the first token is stored as itself.
+    rotated: each token-head is stored in the orthonormal DCT-II basis (`x @ C.T`; read back `y @ C`):
+        int4 V (see the module docstring). Attention is linear in V, so a kernel may instead apply `@ C`
+        once to its output.
     """
 
     name: str
     bits: int
     delta: bool = False
+    rotated: bool = False
 
     def code_bytes(self, d: int) -> int:
         """Bytes of one token's codes of one head of `d` dims (the packing pads the last byte)."""
@@ -135,13 +139,14 @@ class KVFormat:
         return layers * self.layer_bytes(s, hkv, d)
 
 
-FP8, INT4 = PlaneFormat("fp8", 8), PlaneFormat("int4", 4)
+FP8, INT4_ROTATED = PlaneFormat("fp8", 8), PlaneFormat("int4", 4, rotated=True)
 FP8_DELTA, INT6_DELTA = PlaneFormat("fp8", 8, delta=True), PlaneFormat("int6", 6, delta=True)
 _K = "K as the residual from its block's first token"
 _INT = f"an fp16 step and min per token, head and {GROUP} dims"
+_V4 = "V in the DCT basis"
 KV_FORMATS = {
     "fp8": KVFormat("fp8", FP8_DELTA, FP8, f"fp8 E4M3, an fp16 scale per token and head; {_K}"),
-    "fp8_v4": KVFormat("fp8_v4", FP8_DELTA, INT4, f"K fp8 E4M3 with an fp16 scale per token and head, V int4 with "
-                                                  f"{_INT}; {_K}"),
-    "k6_v4": KVFormat("k6_v4", INT6_DELTA, INT4, f"K int6 and V int4, {_INT}; {_K}"),
+    "fp8_v4": KVFormat("fp8_v4", FP8_DELTA, INT4_ROTATED, f"K fp8 E4M3 with an fp16 scale per token and head, V int4 with "
+                                                  f"{_INT}; {_K}; {_V4}"),
+    "k6_v4": KVFormat("k6_v4", INT6_DELTA, INT4_ROTATED, f"K int6 and V int4, {_INT}; {_K}; {_V4}"),
 }

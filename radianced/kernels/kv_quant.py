@@ -86,6 +86,17 @@ def int_dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, d: int)
     return g.flatten(-2)[..., :d]
 
 
+def dct_basis(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The orthonormal DCT-II matrix C [d, d] (fp32; C @ C.T = I): row k is sqrt(2/d) cos(pi (i + 1/2) k / d),
+    row 0 divided by sqrt(2). A rotated plane stores x @ C.T, which spreads a channel's outlier over the
+    head's dims before the int4 groups take their (step, min)."""
+    k = torch.arange(d, dtype=torch.float64)[:, None]
+    i = torch.arange(d, dtype=torch.float64)[None]
+    c = torch.cos(torch.pi * (i + 0.5) * k / d) * (2 / d) ** 0.5
+    c[0] /= 2 ** 0.5
+    return c.to(device=device, dtype=torch.float32)
+
+
 def quantize(fmt: PlaneFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] in `fmt`, each row on its own: (codes uint8 [..., code_bytes], fp16 scales [..., 1] (fp8) or
     [..., groups, 2] (int))."""
@@ -110,6 +121,7 @@ class KVPlane:
 
     def __init__(self, fmt: PlaneFormat, codes: torch.Tensor, scales: torch.Tensor, head_dim: int):
         self.fmt, self.codes, self.scales, self.head_dim = fmt, codes, scales, head_dim
+        self.basis = dct_basis(head_dim, codes.device) if fmt.rotated else None
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -123,6 +135,8 @@ class KVPlane:
         _, n, s = self.codes.shape[:3]
         block, off = slots // s, slots % s
         page, inside = block // n, block % n
+        if self.basis is not None:
+            x = x.float() @ self.basis.T
         if self.fmt.delta:
             first = off == 0
             self._put(page[first], inside[first], off[first], x[first])
@@ -143,4 +157,4 @@ class KVPlane:
         out = dequantize(self.fmt, self.codes[page, inside], self.scales[page, inside], self.head_dim)
         if self.fmt.delta:  # the first token's value is the others' base
             out[..., 1:, :, :] += out[..., :1, :, :]
-        return out
+        return out if self.basis is None else out @ self.basis

@@ -4,13 +4,15 @@ reference over one quantized cache."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from radianced.kernels import cpu, reference
 from radianced.kernels.kv_formats import FP8_MAX, KV_FORMATS
 from radianced.kernels.kv_quant import (
-    dequantize, fp8_dequantize, fp8_quantize, fp8_scale, int_dequantize, int_quantize, pack, quantize, unpack,
+    dct_basis, dequantize, fp8_dequantize, fp8_quantize, fp8_scale, int_dequantize, int_quantize, pack, quantize, unpack,
 )
 from radianced.kv.cache import KVCache
 from tests.kernels.compare import rel_err
@@ -102,6 +104,15 @@ def test_fp8_scale_is_amax_over_448_in_fp16_rounded_up_so_nothing_saturates():
     assert bool(((y - x).abs() <= x.abs() / 16 + scale.float() * 2 ** -9).all())  # half an E4M3 step, or subnormal
 
 
+@pytest.mark.parametrize("d", [5, 64])
+def test_the_dct_basis_is_orthonormal_with_the_mean_as_row_0(d):
+    c = dct_basis(d)
+    assert c.shape == (d, d) and c.dtype == torch.float32
+    assert torch.allclose(c @ c.T, torch.eye(d), atol=1e-6)
+    assert torch.allclose(c[0], torch.full((d,), d ** -0.5))
+    assert c[1, 0].item() == pytest.approx((2 / d) ** 0.5 * math.cos(math.pi / (2 * d)), rel=1e-6)
+
+
 def _cache(kv_dtype: str, blocks_per_page: int, pages: int, hkv: int, d: int) -> KVCache:
     fmt = KV_FORMATS[kv_dtype]
     storage = torch.zeros((pages, blocks_per_page, fmt.block_bytes(2, BLOCK, hkv, d)), dtype=torch.uint8)
@@ -112,15 +123,17 @@ def _cache(kv_dtype: str, blocks_per_page: int, pages: int, hkv: int, d: int) ->
 def test_a_plane_stores_what_the_formulas_say_and_k_is_the_residual_from_its_blocks_first_token(kv_dtype):
     """Odd block count (9 blocks, 3 a page, 5 dims): tokens 0..20 of one block chain written in two writes,
     the second starting mid-block: K's tokens of a block after its first are the residual from the first's
-    stored value, read back from the cache when an earlier write stored it; V's are themselves."""
+    stored value, read back from the cache when an earlier write stored it; V's are themselves, int4 V's
+    in the DCT basis (rotated on write, back on read)."""
     cache = _cache(kv_dtype, 3, 3, 2, 5)
     k_plane, v_plane = cache.layer(1)
-    assert k_plane.fmt.delta and not v_plane.fmt.delta
+    assert k_plane.fmt.delta and not v_plane.fmt.delta and v_plane.fmt.rotated == (v_plane.fmt.name == "int4")
     g = torch.Generator().manual_seed(1)
     x = torch.randn((21, 2, 5), generator=g) + torch.tensor([20.0, -9.0, 0.0, 0.0, 3.0])  # K's constant channels
     slots = torch.tensor([4 * BLOCK + i for i in range(16)] + [6 * BLOCK + i for i in range(5)])  # blocks 4, 6
-    reference.write_kv(k_plane, v_plane, x[:18], x[:18], slots[:18])
-    reference.write_kv(k_plane, v_plane, x[18:], x[18:], slots[18:])
+    writes = (slice(0, 18), slice(18, 21))
+    for w in writes:
+        reference.write_kv(k_plane, v_plane, x[w], x[w], slots[w])
     for plane in (k_plane, v_plane):
         got = plane.blocks(torch.tensor([4, 6])).flatten(0, 1)[:21]
         first = dequantize(plane.fmt, *quantize(plane.fmt, x), 5)  # every token as itself
@@ -128,6 +141,9 @@ def test_a_plane_stores_what_the_formulas_say_and_k_is_the_residual_from_its_blo
             base = first[[0] * 16 + [16] * 5]  # each token's block's first token, as stored
             want = base + dequantize(plane.fmt, *quantize(plane.fmt, x - base), 5)
             want[[0, 16]] = first[[0, 16]]
+        elif plane.fmt.rotated:  # rotated as each write did (same shapes, same bits)
+            c = dct_basis(5)
+            want = torch.cat([dequantize(plane.fmt, *quantize(plane.fmt, x[w] @ c.T), 5) for w in writes]) @ c
         else:
             want = first
         assert torch.equal(got, want)
