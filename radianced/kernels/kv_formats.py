@@ -9,13 +9,16 @@ A format stores K and V of each full-attention layer as *planes*, each in one of
     int4   asymmetric 4-bit codes 0..15, 2 to a byte, the even dim in the low nibble, an fp16
            (step, min) per (token, head, group of 32 dims)
 
-and every K plane is a *delta* plane: a block's token at offset 0 is stored as itself,
+Every K plane is a *delta* plane: a block's token at offset 0 is stored as itself,
 each later token of the block as its residual from that first token's stored value
-(K = first + residual on read). Bytes per token and head, against fp8:
+(K = first + residual on read). The int4 V plane is *rotated*: each token-head is
+stored as x @ C.T, C the orthonormal DCT-II basis (`kv_quant.dct_basis`), and read
+back as y @ C; attention is linear in V, so a kernel may apply `@ C` once to its
+output instead. Bytes per token and head, against fp8:
 
-    fp8     K fp8 delta,  V fp8    D + 2 + D + 2                 (bf16: 4D; 1.94x at D 64, 1.98x at 256)
-    fp8_v4  K fp8 delta,  V int4   0.80 of fp8 at D 64, 0.81 at D 256
-    k6_v4   K int6 delta, V int4   0.73 of fp8 at D 64, 0.74 at D 256
+    fp8     K fp8 delta,  V fp8            D + 2 + D + 2         (bf16: 4D; 1.94x at D 64, 1.98x at 256)
+    fp8_v4  K fp8 delta,  V int4 rotated   0.80 of fp8 at D 64, 0.81 at D 256
+    k6_v4   K int6 delta, V int4 rotated   0.73 of fp8 at D 64, 0.74 at D 256
 
 Every scale belongs to one token of one block, known when the token is written:
 a block is shared by every sequence whose prefix hashes to it, so nothing in it may
@@ -43,14 +46,17 @@ against the `auto` cache); mean KL / top-1:
   fp16 copy of the first token as the base (2D bytes per block more) 0.0048, not
   worth its bytes; a window-mean base 0.0093 (pre-RoPE quantization 0.0088, a
   Hadamard rotation of K 0.0083, rotation + delta 0.0046: the rotation costs a q
-  rotation in every kernel for 0.001). fp8 as kept: 0.0069 / 95.6% (the bar:
+  rotation in every kernel for 0.001). fp8 as kept: 0.0070 / 95.7% (the bar:
   <= 0.01, >= 95%).
 - V int4 dominates the narrow formats: symmetric (amax / 7, the first rule) V alone
-  0.0281; MSE-searched clipping 0.0328; asymmetric (step and min) 0.0167 for 2 bytes
-  per 32 dims more (0.0099 at 16 dims, but that is 6 bits a value); a Hadamard
-  rotation 0.0186, with asymmetric 0.0131 (not taken: it needs an output rotation
-  in every kernel). K int6: symmetric 0.0144, delta 0.0065, delta + asymmetric 0.0037.
-  As kept: fp8_v4 0.0220 / 92.7%, k6_v4 0.0208 / 93.2% (first rule: 0.0425, 0.0421).
+  0.0281; MSE-searched clipping 0.0328; symmetric in groups of 16 (the same 5 bits a
+  value as asymmetric in 32) 0.0199; asymmetric (step and min) 0.0167 for 2 bytes per
+  32 dims more (0.0099 at 16 dims, but that is 6 bits a value); asymmetric in a
+  Hadamard basis 0.0131, in the DCT basis 0.0125 (kept: the DCT has every size,
+  Hadamard only powers of two); token 0 unquantized on top of asymmetric 0.0145.
+  K int6: symmetric 0.0144, delta 0.0065, delta + asymmetric 0.0037. As kept:
+  fp8_v4 0.0175 / 93.5%, k6_v4 0.0159 / 93.6% (first rule: 0.0425, 0.0421); neither
+  reaches fp8's bar.
 - For scale: bf16 0.00008; int8 with a scale per 32 (llama.cpp's q8_0 KV, published
   0.00098) 0.00108 here.
 
