@@ -152,7 +152,7 @@ _INT = f"an fp16 step and min per token, head and {GROUP} dims"
 _V4 = "V in the DCT basis"
 KV_FORMATS = {
     "fp8": KVFormat("fp8", FP8_DELTA, FP8, f"fp8 E4M3, an fp16 scale per token and head; {_K}"),
-    "fp8_v4": KVFormat("fp8_v4", FP8_DELTA, INT4_ROTATED, f"K fp8 E4M3 with an fp16 scale per token and head, V int4 with "
-                                                  f"{_INT}; {_K}; {_V4}"),
+    "fp8_v4": KVFormat("fp8_v4", FP8_DELTA, INT4_ROTATED,
+                       f"K fp8 E4M3 with an fp16 scale per token and head, V int4 with {_INT}; {_K}; {_V4}"),
     "k6_v4": KVFormat("k6_v4", INT6_DELTA, INT4_ROTATED, f"K int6 and V int4, {_INT}; {_K}; {_V4}"),
 }

@@ -12,7 +12,8 @@ import torch
 from radianced.kernels import cpu, reference
 from radianced.kernels.kv_formats import FP8_MAX, KV_FORMATS
 from radianced.kernels.kv_quant import (
-    dct_basis, dequantize, fp8_dequantize, fp8_quantize, fp8_scale, int_dequantize, int_quantize, pack, quantize, unpack,
+    dct_basis, dequantize, fp8_dequantize, fp8_quantize, fp8_scale, int_dequantize, int_quantize, pack, quantize,
+    unpack,
 )
 from radianced.kv.cache import KVCache
 from tests.kernels.compare import rel_err
