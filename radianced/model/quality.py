@@ -22,10 +22,10 @@ p99 KL and top-1 against `auto` (llama.cpp's `--kl-divergence` method; for scale
 its published q8_0 KV cache has a mean KL of 0.00098 against f16), and the mean KL
 and top-1 over the same windows wrapped as chats in the model's template. Those
 columns are there because a chat's first token (SmolLM2's `<|im_start|>`) is the
-model's attention sink: measured on SmolLM2-135M, its K and V are not extreme
-(amax 0.1x to 1.5x the other tokens' median) but small, and the first quantized fp8
-rule (a block's scale from its offset-0 token) saturated the rest of block 0 (V
-amax up to 40x the sink's), so a cache could pass on prose and fail a chat.
+model's attention sink and every chat has it at position 0: measured on SmolLM2-135M,
+its K and V are small (amax 0.05x to 3x the other tokens' median), and the first fp8
+rule (a block's scale from its offset-0 token) saturated block 0's later tokens;
+that rule measured 0.0161 / 94.0% on prose and 0.0171 / 92.5% on chats.
 """
 
 from __future__ import annotations
