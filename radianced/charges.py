@@ -166,7 +166,8 @@ def _state(facts: ModelFacts, cfg: Config, groups: tuple[PagingGroup, ...], L: i
     if per_copy:
         copies = cfg.state_copies
         yield Part("recurrent", recurrent_state_charge(per_copy, S, cfg.speculative),
-                   f"{S} seqs x {copies} {'copy' if copies == 1 else 'copies'} x {fmt_mib(per_copy)}")
+                   f"{S} seqs x {copies} {'copy' if copies == 1 else 'copies'} x {fmt_mib(per_copy)}; fp32 state and "
+                   f"the conv window in the activations' dtype, whatever --kv-cache-dtype")
     entries = sum(g.blocks(L) for g in groups)
     yield Part("block tables", S * entries * BLOCK_TABLE_ENTRY, f"{S} seqs x {entries} blocks x {BLOCK_TABLE_ENTRY} B")
     if facts.expert_count:

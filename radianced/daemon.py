@@ -102,7 +102,7 @@ class Daemon:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.metrics = Metrics()
+        self.metrics = Metrics(kv_dtype=cfg.kv_cache_dtype)
         self.http = ServerState(self.metrics, body_timeout_s=cfg.timeout_body)
         self.model_path = cfg.model
         self.model_name = cfg.served_model_name or ""

@@ -198,7 +198,7 @@ class Receipt:
         else:
             out.append("expert cache: none (dense model: every page holds KV)")
         for g in self.groups:
-            out.append(f"{g.name} {fmt_kib(g.block_bytes)} per {g.block_tokens}-token block "
+            out.append(f"{g.name} {fmt_kib(g.block_bytes)} per {g.block_tokens}-token block in {g.dtype} "
                        f"({fmt_kib(g.token_bytes)} per token, {g.layers} layers), "
                        f"{self.blocks_per_page(g)} blocks per page")
         out += [f"kv per token: {fmt_kib(kv_token_bytes(self.groups))} in total",

@@ -213,7 +213,8 @@ def test_smollm2_bf16_receipt_by_hand():
     assert r.worst_case_percent == 100 * 2019 * 80 // (16 * 8192) == 123
     lines = r.lines()
     assert "card: 4096.00 MiB total, 4000.00 MiB free, 96.00 MiB in use elsewhere" in lines
-    assert "kv_attn 360.00 KiB per 16-token block (22.50 KiB per token, 30 layers), 5 blocks per page" in lines
+    assert ("kv_attn 360.00 KiB per 16-token block in auto: the activations' dtype, 2 bytes an element "
+            "(22.50 KiB per token, 30 layers), 5 blocks per page") in lines
     assert "expert cache: none (dense model: every page holds KV)" in lines
     assert lines[-1] == "kv: the pool backs 123% of the worst case (16 seqs x 8192 tokens) = 19 full-length sessions"
 
@@ -359,6 +360,12 @@ def test_qwen3_next_recurrent_state_is_about_74_mib_per_sequence():
     per_copy = 36 * (32 * 128 * 128 * 4 + (2 * 16 * 128 + 32 * 128) * 3 * 2)  # fp32 state + bf16 conv window
     assert per_copy == 73.6875 * MiB
     assert r.state[0].name == "recurrent" and r.state[0].bytes == 4 * per_copy
+    assert r.state[0].detail == ("4 seqs x 1 copy x 73.69 MiB; fp32 state and the conv window in the activations' "
+                                 "dtype, whatever --kv-cache-dtype")
+    fp8 = plan(Card.from_mib(80_000), ModelFacts.from_config(QWEN3_NEXT, 2),
+               flags("--max-model-len 32768 --max-num-seqs 4 --host-pool-mib 200000 --kv-cache-dtype fp8"))
+    assert fp8.state[0] == r.state[0]  # the state keeps its dtype where the KV halves
+    assert fp8.groups[0].token_bytes < r.groups[0].token_bytes
     assert r.groups[0].token_bytes == 24 * KiB  # 12 layers x 2 x 2 heads x 256 x 2 B
     assert r.idle_weights[0].name == "mtp"  # no --speculative: the MTP head stays in the file
 

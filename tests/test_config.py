@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from radianced.config import (
-    DEFAULT_HEADROOM_MIB, NOT_YET_SUPPORTED, Config, ConfigError, add_flags, parse_config,
+    DEFAULT_HEADROOM_MIB, KV_CACHE_DTYPES, NOT_YET_SUPPORTED, Config, ConfigError, add_flags, parse_config,
 )
 
 MiB = 1 << 20
@@ -113,9 +113,14 @@ def test_the_off_value_of_an_unlanded_flag_passes():
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "fp8_v4", "k6_v4"])
-def test_quantized_kv_cache_dtypes_are_listed_but_not_yet_supported(dtype):
-    with pytest.raises(ConfigError, match=f"^--kv-cache-dtype {dtype}: not yet supported \\(use auto\\)$"):
-        parse_config(["--kv-cache-dtype", dtype])
+def test_quantized_kv_cache_dtypes_are_accepted(dtype):
+    assert parse_config(["--kv-cache-dtype", dtype]).kv_cache_dtype == dtype
+
+
+def test_every_quantized_kv_cache_dtype_has_a_format():
+    from radianced.kernels.kv_formats import KV_FORMATS
+
+    assert ("auto", *KV_FORMATS) == KV_CACHE_DTYPES
 
 
 def test_a_config_built_directly_may_carry_an_unlanded_feature_for_planning():

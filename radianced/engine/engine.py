@@ -41,7 +41,7 @@ from radianced.engine.drafting import DraftPlanner
 from radianced.engine.speculation import TOKEN_COST, DraftPolicy, mtp_drafts, ngram_drafts
 from radianced.kernels import ops
 from radianced.kv.blocks import BlockAllocator
-from radianced.kv.cache import KVCache, RecurrentState
+from radianced.kv.cache import KVCache, RecurrentState, kv_format
 from radianced.kv.prefix import PrefixCache
 from radianced.kv.reclaimer import KVReclaimer
 from radianced.kv.state import CheckpointSlots
@@ -176,6 +176,9 @@ class Engine:
         the host pool; in lending mode KV and experts take pages from each other.
         """
         m = rad.model
+        if torch.device(device).type == "cuda" and cfg.kv_cache_dtype != "auto":
+            raise ConfigError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: not yet supported on CUDA (the Triton "
+                              "attention reads auto caches only so far); use auto, or run on the CPU")
         ops.select(device, deterministic=cfg.deterministic)  # once, before the model loads
         receipt = budget.plan(card or detect_card(device), ModelFacts.from_header(rad.header), cfg)
         for line in receipt.lines():
@@ -186,7 +189,10 @@ class Engine:
         experts = build_expert_slab(rad, arena, receipt, dtype, cfg, resources) if rad.header.experts else None
         group = receipt.groups[0]
         bpp = receipt.blocks_per_page(group)
-        storage = arena.paged_view(dtype, (bpp, group.layers, 2, BLOCK_TOKENS, m.num_key_value_heads, m.head_dim))
+        if cfg.kv_cache_dtype == "auto":
+            storage = arena.paged_view(dtype, (bpp, group.layers, 2, BLOCK_TOKENS, m.num_key_value_heads, m.head_dim))
+        else:  # quantized blocks: codes and scales of all layers, the receipt's block_bytes each
+            storage = arena.paged_view(torch.uint8, (bpp, group.block_bytes))
         allocator = BlockAllocator(BLOCK_TOKENS, TenantPages(arena, KV), {group.name: bpp})
         if receipt.mode == "lending":
             arena.register(KV, KVReclaimer(allocator))
@@ -203,8 +209,9 @@ class Engine:
     def assemble(cls, rad: RadFile, cfg: Config, kv_storage: torch.Tensor, allocator: BlockAllocator,
                  device: torch.device | str = "cpu", experts=None, max_model_len: int | None = None,
                  sampler_seed: int | None = None) -> Engine:
-        """Wire the model, caches, scheduler and runner over given KV storage
-        ([P, N, L, 2, S, Hkv, D]) and its block allocator (tests give small pools)."""
+        """Wire the model, caches, scheduler and runner over given KV storage ([P, N, L, 2, S, Hkv, D], or
+        uint8 [P, N, block bytes] for a quantized `cfg.kv_cache_dtype`) and its block allocator (tests
+        give small pools)."""
         m = rad.model
         cuda = torch.device(device).type == "cuda"
         mtp = _drafts_with_mtp(cfg, m.num_mtp_layers)
@@ -214,7 +221,7 @@ class Engine:
             log.info(f"weights loaded: {model.placed.device_bytes / MiB:.2f} MiB on the card, "
                      f"{model.placed.host_bytes / MiB:.2f} MiB pinned in host RAM")
         hybrid = bool(m.linear_attention_layers)
-        dtype = kv_storage.dtype
+        dtype = kv_storage.dtype if cfg.kv_cache_dtype == "auto" else activation_dtype(rad)
         states = RecurrentState.allocate(m, cfg.max_num_seqs, dtype, device, cfg.speculative) if hybrid else None
         # each decoding sequence keeps one checkpoint of its own; as many again stay cached for prefix hits
         n_checkpoints = 2 * cfg.max_num_seqs
@@ -229,7 +236,9 @@ class Engine:
                                               lookahead=cfg.speculative - 1 if mtp else 0)  # the chain's last at p+N-1
         tokenizer = Tokenizer.from_header(rad.header)
         kv_layers = m.full_attention_layers + ((m.num_hidden_layers,) if mtp else ())  # the MTP layer's KV: one more
-        runner = Runner(model, KVCache(kv_storage, kv_layers, states), checkpoints,
+        cache = KVCache(kv_storage, kv_layers, states, kv_format(cfg.kv_cache_dtype),
+                        (BLOCK_TOKENS, m.num_key_value_heads, m.head_dim))
+        runner = Runner(model, cache, checkpoints,
                         Sampler(device, sampler_seed), experts if isinstance(experts, ExpertSlab) else None)
         if mtp:
             runner.mtp_drafts = cfg.speculative  # chained drafts per sequence and step

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from radianced.kernels import cpu_packed, reference
 from radianced.kernels.compact import CompactWeight, RowStack, dense
+from radianced.kernels.kv_quant import KVPlane
 
 # -- norms ------------------------------------------------------------------
 
@@ -111,14 +112,19 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fre
 # -- paged attention ----------------------------------------------------------
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def write_kv(k_cache: torch.Tensor | KVPlane, v_cache: torch.Tensor | KVPlane, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """`reference.write_kv` (k and v rounded to the cache's dtype where it differs); the mask of
-    skipped slots (< 0) is built only when there is one."""
-    _, n, s = k_cache.shape[:3]
+    """`reference.write_kv` (k and v rounded to the cache's dtype where it differs, or quantized into a
+    quantized cache's planes: `KVPlane.store`, batched already); the mask of skipped slots (< 0) is
+    built only when there is one."""
     if bool((slot_mapping < 0).any()):  # a host read: free on the CPU
         keep = slot_mapping >= 0
         slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
+    if isinstance(k_cache, KVPlane):
+        k_cache.store(slot_mapping, k)
+        v_cache.store(slot_mapping, v)
+        return
+    _, n, s = k_cache.shape[:3]
     block, off = slot_mapping // s, slot_mapping % s
     page, inside = block // n, block % n
     k_cache.index_put_((page, inside, off), k.to(k_cache.dtype))  # a no-op where the dtypes match
@@ -163,11 +169,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out.index_select(0, at) if padded else out  # [T, Hq, D]
 
 
-def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+def _gather_blocks(cache: torch.Tensor | KVPlane, blocks: torch.Tensor) -> torch.Tensor:
     """The blocks [B, nb] of a cache view [P, N, S, Hkv, D]: [B, nb * S, Hkv, D]. Pages and blocks
     merge into one axis of the strided view (a page is N blocks apart), so one `index_select`
-    does it: 100 us against 270 us for the two-axis index at SmolLM2's decode shapes (b8)."""
+    does it: 100 us against 270 us for the two-axis index at SmolLM2's decode shapes (b8). A
+    quantized plane's blocks come dequantized (fp32) in one batched gather."""
     _, n, s = cache.shape[:3]
+    if isinstance(cache, KVPlane):
+        return cache.blocks(blocks).flatten(1, 2)
     if cache.stride(0) != n * cache.stride(1):
         return cache[blocks // n, blocks % n].flatten(1, 2)
     return cache.flatten(0, 1).index_select(0, blocks.flatten()).view(*blocks.shape, s, *cache.shape[3:]).flatten(1, 2)

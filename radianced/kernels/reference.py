@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from radianced.kernels.compact import CompactWeight, dense
 from radianced.kernels.formats import FORMATS, expert_formats
+from radianced.kernels.kv_quant import KVPlane
 
 # -- norms ------------------------------------------------------------------
 
@@ -127,13 +128,18 @@ def silu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.
 # S tokens. Block id b lives at page b // N, position b % N inside the page.
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def write_kv(k_cache: torch.Tensor | KVPlane, v_cache: torch.Tensor | KVPlane, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store k, v: [T, Hkv, D] at flat slots [T] (slot = block * S + offset; < 0 = skip), rounded to the
-    cache's dtype when it differs (`radiancectl quality --kv-cache-dtype` measures that rounding)."""
-    _, n, s = k_cache.shape[:3]
+    cache's dtype when it differs (`radiancectl quality --kv-cache-dtype` measures that rounding), or
+    quantized into a quantized cache's planes (`KVPlane.store`: kernels/kv_formats.py)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
+    if isinstance(k_cache, KVPlane):
+        k_cache.store(slots, k[keep])
+        v_cache.store(slots, v[keep])
+        return
+    _, n, s = k_cache.shape[:3]
     block, off = slots // s, slots % s
     k_cache[block // n, block % n, off] = k[keep].to(k_cache.dtype)
     v_cache[block // n, block % n, off] = v[keep].to(v_cache.dtype)
@@ -150,10 +156,13 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     return q
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens of one sequence: [length, Hkv, D], from its block table [nb]."""
+def gather_kv(cache: torch.Tensor | KVPlane, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of one sequence: [length, Hkv, D], from its block table [nb]; a
+    quantized plane's dequantized (fp32), block by block."""
     _, n, s = cache.shape[:3]
     blocks = block_table[: (length + s - 1) // s].long()
+    if isinstance(cache, KVPlane):
+        return torch.cat([cache.blocks(b) for b in blocks])[:length]
     return cache[blocks // n, blocks % n].flatten(0, 1)[:length]
 
 

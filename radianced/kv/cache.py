@@ -11,44 +11,97 @@ from __future__ import annotations
 
 import torch
 
+from radianced.kernels.kv_formats import KV_FORMATS, KVFormat
+from radianced.kernels.kv_quant import KVPlane
 from radianced.model.config import ModelConfig
 
 
 class KVCache:
     """Paged K/V of the full-attention layers, one paging group.
 
-    Storage is [P, N, L, 2, S, Hkv, D]: P pages of N blocks; a block holds S
-    tokens of K and V for all L attention layers, so a block is one contiguous
-    piece of memory that can live in an arena page. `layer(i)` gives the
-    [P, N, S, Hkv, D] views the attention op reads.
+    With `--kv-cache-dtype auto` storage is [P, N, L, 2, S, Hkv, D] in the
+    activations' dtype: P pages of N blocks; a block holds S tokens of K and V for
+    all L attention layers, so a block is one contiguous piece of memory that can
+    live in an arena page. `layer(i)` gives the [P, N, S, Hkv, D] views the
+    attention op reads. A quantized format (kernels/kv_formats.py) keeps the same
+    contiguity in bytes: storage is uint8 [P, N, block_bytes] and `layer(i)` gives
+    its K and V as `KVPlane`s (codes and scales viewed inside each block).
     """
 
-    def __init__(self, storage: torch.Tensor, layers: tuple[int, ...], states: RecurrentState | None = None):
-        # storage: [P, N, L, 2, S, Hkv, D]
-        self.storage = storage
-        self.states = states
-        self.block_size = storage.shape[4]
+    def __init__(self, storage: torch.Tensor, layers: tuple[int, ...], states: RecurrentState | None = None,
+                 fmt: KVFormat | None = None, geometry: tuple[int, int, int] | None = None):
+        """storage: [P, N, L, 2, S, Hkv, D] (fmt None), or uint8 [P, N, fmt.block_bytes(L, S, Hkv, D)] with
+        geometry (S, Hkv, D)."""
+        self.storage, self.states, self.fmt = storage, states, fmt
         self.blocks_per_page = storage.shape[1]
         self._index = {layer: i for i, layer in enumerate(layers)}
+        if fmt is None:
+            self.block_size = storage.shape[4]
+            self._planes = None
+        else:
+            self.block_size = geometry[0]
+            self._planes = _planes(storage, len(layers), fmt, *geometry)
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, num_blocks: int, block_size: int, num_state_slots: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> KVCache:
-        """A standalone cache of num_blocks blocks (one block per page) and, for hybrid
-        models, num_state_slots recurrent-state slots."""
+                 dtype: torch.dtype, device: torch.device | str = "cpu", kv_dtype: str = "auto") -> KVCache:
+        """A standalone cache of num_blocks blocks (one block per page), its K/V in `kv_dtype` (a
+        `--kv-cache-dtype`; auto: `dtype`) and, for hybrid models, num_state_slots recurrent-state
+        slots (in `dtype` whatever `kv_dtype` is)."""
         layers = cfg.full_attention_layers
-        storage = torch.zeros((num_blocks, 1, len(layers), 2, block_size, cfg.num_key_value_heads, cfg.head_dim),
-                              dtype=dtype, device=device)
+        fmt = kv_format(kv_dtype)
+        geometry = (block_size, cfg.num_key_value_heads, cfg.head_dim)
+        if fmt is None:
+            storage = torch.zeros((num_blocks, 1, len(layers), 2, *geometry), dtype=dtype, device=device)
+        else:
+            storage = torch.zeros((num_blocks, 1, fmt.block_bytes(len(layers), *geometry)), dtype=torch.uint8,
+                                  device=device)
         states = RecurrentState.allocate(cfg, num_state_slots, dtype, device) if cfg.linear_attention_layers else None
-        return cls(storage, layers, states)
+        return cls(storage, layers, states, fmt, geometry)
 
     @property
     def num_blocks(self) -> int:
         return self.storage.shape[0] * self.storage.shape[1]
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def dtype_name(self) -> str:
+        """What the log and metrics call the cache's dtype: the format's name or the torch dtype's."""
+        return self.fmt.name if self.fmt is not None else str(self.storage.dtype).removeprefix("torch.")
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | tuple[KVPlane, KVPlane]:
         i = self._index[layer]
+        if self._planes is not None:
+            return self._planes[i]
         return self.storage[:, :, i, 0], self.storage[:, :, i, 1]
+
+
+def kv_format(kv_dtype: str) -> KVFormat | None:
+    """The format of a `--kv-cache-dtype` (None for auto); ValueError naming the choices otherwise."""
+    if kv_dtype == "auto":
+        return None
+    if kv_dtype not in KV_FORMATS:
+        raise ValueError(f"kv cache dtype {kv_dtype!r}: choose auto, {', '.join(KV_FORMATS)}")
+    return KV_FORMATS[kv_dtype]
+
+
+def _planes(storage: torch.Tensor, layers: int, fmt: KVFormat, s: int, hkv: int, d: int):
+    """Each layer's (K, V) planes viewed inside uint8 storage [P, N, block_bytes]."""
+    p, n = storage.shape[:2]
+    per_layer = fmt.layer_bytes(s, hkv, d)
+    (kc, kn), (vc, vn), (ks, ksn), (vs, vsn) = fmt.pieces(s, hkv, d)
+    out = []
+    for i in range(layers):
+        base = i * per_layer
+
+        def piece(at: int, nbytes: int) -> torch.Tensor:
+            return storage[:, :, base + at: base + at + nbytes]
+
+        k_codes = piece(kc, kn).view(p, n, s, hkv, fmt.k.code_bytes(d))
+        v_codes = piece(vc, vn).view(p, n, s, hkv, fmt.v.code_bytes(d))
+        k_scales = piece(ks, ksn).view(torch.float16).view(p, n, *fmt.k.scale_shape(s, hkv, d))
+        v_scales = piece(vs, vsn).view(torch.float16).view(p, n, *fmt.v.scale_shape(s, hkv, d))
+        out.append((KVPlane(fmt.k, k_codes, k_scales, d), KVPlane(fmt.v, v_codes, v_scales, d)))
+    return out
 
 
 class RecurrentState:

@@ -35,7 +35,8 @@ class Metrics:
     atomic); call from the event loop.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, kv_dtype: str = "auto") -> None:
+        """kv_dtype: the daemon's `--kv-cache-dtype`, named in radiance_kv_util's help."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self._requests = Counter("radiance_requests", "Requests answered, by HTTP status "
@@ -52,7 +53,8 @@ class Metrics:
                                     "Prompt tokens whose KV the prefix cache supplied.", registry=r)
         self._running = Gauge("radiance_sequences_running", "Sequences in the running batch.", registry=r)
         self._waiting = Gauge("radiance_sequences_waiting", "Sequences waiting for a slot.", registry=r)
-        self._kv_util = Gauge("radiance_kv_util", "Share of KV blocks in use (0 to 1).", registry=r)
+        self._kv_util = Gauge("radiance_kv_util", f"Share of KV blocks in use (0 to 1); the KV cache in {kv_dtype} "
+                              "(--kv-cache-dtype).", registry=r)
         self._expert_lookups = Counter("radiance_expert_lookups", "Routed-expert lookups: one per (step, layer, "
                                        "distinct expert the step routed).", registry=r)
         self._expert_hits = Counter("radiance_expert_hits", "Expert lookups that found the expert in a VRAM slot.",

@@ -98,3 +98,10 @@ def test_tier_metrics_disk_reads_arena_pages_and_moves():
     assert s[("radiance_arena_pages", (("tenant", "experts"),))] == 20.0
     assert s[("radiance_arena_pages_moved_total", (("from", "experts"), ("to", "kv")))] == 5.0
     assert s[("radiance_arena_pages_moved_total", (("from", "kv"), ("to", "experts")))] == 1.0
+
+
+def test_the_kv_util_help_names_the_kv_dtype():
+    for kv_dtype in ("auto", "fp8"):
+        text = Metrics(kv_dtype=kv_dtype).render()[0].decode()
+        assert (f"# HELP radiance_kv_util Share of KV blocks in use (0 to 1); the KV cache in {kv_dtype} "
+                "(--kv-cache-dtype).") in text.splitlines()
