@@ -194,9 +194,9 @@ def transformers_subprocess(threads: int, tokens: int) -> dict:
 
 def markdown(result: dict) -> str:
     lines = [f"# CPU bench {result['date']} at {result['commit']} on {result['machine']}", "",
-             f"SmolLM2-135M, {result['tokens']} tokens a request, greedy, through HTTP streaming: radianced on the "
-             f"default model (the GGUF's Q4_1 / Q8_0 blocks kept, int4-packed at load, fp32 lm_head), "
-             f"transformers on the same GGUF dequantized to fp32. "
+             f"SmolLM2-135M, {result['tokens']} tokens a request, greedy, through HTTP streaming: radianced on "
+             f"{result['model']} (a .rad with the GGUF's blocks kept is int4-packed at load with an fp32 lm_head; "
+             f"the default conversion is fp32), transformers on the same GGUF dequantized to fp32. "
              f"OpenMP settings given: {result['openmp_env'] or 'none'} (the daemon's defaults: daemon.py).", ""]
     for run in result["runs"]:
         d, hf, bw = run["daemon"], run["transformers"], run["read_gb_s"]
@@ -225,17 +225,20 @@ def main() -> int:
     ap.add_argument("--threads", default="1,2", help="torch thread counts to run, comma-separated")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--concurrency", default="1,2,4,8")
+    ap.add_argument("--model", type=Path, help="the .rad to serve (default: the default model; e.g. SmolLM2 "
+                                               "converted with --compact, for the host backend's int4 path)")
     ap.add_argument("--transformers-only", action="store_true", help=argparse.SUPPRESS)  # the child's part
     args = ap.parse_args()
     if args.transformers_only:
         print(json.dumps(bench_transformers(int(args.threads), args.tokens)))
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    model = ensure_default_model()
+    model = args.model or ensure_default_model()
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     served = served_bytes(model)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "tokens": args.tokens, "served_bytes": served,
+    result = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "tokens": args.tokens, "model": model.name,
+              "served_bytes": served,
               "openmp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_"))},
               "machine": f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores, "
                          f"load average {os.getloadavg()[0]:.1f} at start", "runs": []}
