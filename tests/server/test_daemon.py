@@ -80,12 +80,15 @@ async def _until_draining(c: httpx.AsyncClient) -> None:
 
 async def test_sigterm_lets_eight_streams_finish_refuses_new_requests_and_exits_0(tiny_model, sock_dir):
     notify = NotifySocket(os.path.join(sock_dir, "notify"))
-    d = start_daemon(tiny_model, "--drain-timeout", "30",
+    # streams long enough to outlast the polling below on a fast, quiet machine (100 tokens once finished
+    # within the first poll, and the daemon had exited before /health could say "draining")
+    d = start_daemon(tiny_model, "--drain-timeout", "30", "--max-model-len", "2048",
                      env={"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "200000"})
+    long = {**STREAM, "max_tokens": 1500}
     try:
         async with httpx.AsyncClient(base_url=d.url, timeout=60) as c:
             started = [asyncio.Event() for _ in range(8)]
-            streams = [asyncio.create_task(_stream(c, s)) for s in started]
+            streams = [asyncio.create_task(_stream(c, s, long)) for s in started]
             await asyncio.gather(*(s.wait() for s in started))
             await asyncio.sleep(0.3)  # a few watchdog periods while the engine works
             d.proc.send_signal(signal.SIGTERM)
@@ -98,7 +101,7 @@ async def test_sigterm_lets_eight_streams_finish_refuses_new_requests_and_exits_
         d.stop(signal.SIGKILL)
         notify.close()
     for events in results:
-        assert events[-1] == "[DONE]" and finish_reason(events) == "length" and completion_tokens(events) == 100
+        assert events[-1] == "[DONE]" and finish_reason(events) == "length" and completion_tokens(events) == 1500
     fields = notify.fields()
     assert fields.index("READY=1") > min(i for i, f in enumerate(fields) if f.startswith("EXTEND_TIMEOUT_USEC="))
     watchdogs = [i for i, f in enumerate(fields) if f == "WATCHDOG=1"]
