@@ -28,7 +28,7 @@
   `BLOCK_TOKENS` (16) tokens of one paging group: full-attention layers x 2
   (K and V) x kv_heads x head_dim x dtype bytes per token with `--kv-cache-dtype
   auto`; a quantized dtype's block is its codes and scales (kernels/kv_formats.py),
-  e.g. SmolLM2's 30 layers x 3 heads x 64 dims: 360 KiB auto bf16, 180.70 KiB fp8.
+  e.g. SmolLM2's 30 layers x 3 heads x 64 dims: 360 KiB auto bf16, 185.63 KiB fp8.
 """
 
 from __future__ import annotations
