@@ -198,9 +198,9 @@ class Receipt:
         else:
             out.append("expert cache: none (dense model: every page holds KV)")
         for g in self.groups:
+            layers = f"{g.layers} layers" + (", the MTP head's included" if g.mtp else "")
             out.append(f"{g.name} {fmt_kib(g.block_bytes)} per {g.block_tokens}-token block in {g.dtype} "
-                       f"({fmt_kib(g.token_bytes)} per token, {g.layers} layers), "
-                       f"{self.blocks_per_page(g)} blocks per page")
+                       f"({fmt_kib(g.token_bytes)} per token, {layers}), {self.blocks_per_page(g)} blocks per page")
         out += [f"kv per token: {fmt_kib(kv_token_bytes(self.groups))} in total",
                 f"kv pool: {self.kv_start_pages} pages ({fmt_mib(self.kv_start_pages * self.page_bytes)}) at start, "
                 f"up to {self.kv_max_pages} pages ({fmt_mib(self.kv_max_pages * self.page_bytes)}) "

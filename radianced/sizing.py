@@ -288,9 +288,10 @@ class PagingGroup:
     """Layers with one KV layout sharing the token axis; a block holds `block_tokens`
     tokens of K and V for all of them.
 
-    name: "kv_attn" or "kv_mtp". layers: how many layers. block_tokens: tokens a block holds.
-    block_bytes: one block, exactly what the cache allocates for it (quantized: codes and scales).
-    dtype: the receipt's words for what K and V are stored in (`--kv-cache-dtype`).
+    name: "kv_attn". layers: how many layers, the MTP head's included where it drafts (`mtp`).
+    block_tokens: tokens a block holds. block_bytes: one block, exactly what the cache allocates for it
+    (quantized: codes and scales). dtype: the receipt's words for what K and V are stored in
+    (`--kv-cache-dtype`).
     """
 
     name: str
@@ -298,6 +299,7 @@ class PagingGroup:
     block_tokens: int
     block_bytes: int
     dtype: str = field(default="auto", compare=False)  # words: groups of one layout compare equal
+    mtp: bool = field(default=False, compare=False)  # its last layer is the MTP head's
 
     @property
     def token_bytes(self) -> Fraction:
@@ -334,8 +336,9 @@ def paging_groups(facts: ModelFacts, cfg: Config) -> tuple[PagingGroup, ...]:
     words = kv_dtype_words(kv, act)
     groups = []
     if m.full_attention_layers:
-        n = len(m.full_attention_layers) + (1 if cfg.drafts_with_mtp(m.num_mtp_layers) else 0)
-        groups.append(PagingGroup("kv_attn", n, BLOCK_TOKENS, kv_block_bytes(m, n, kv, act), words))
+        mtp = cfg.drafts_with_mtp(m.num_mtp_layers)
+        n = len(m.full_attention_layers) + mtp
+        groups.append(PagingGroup("kv_attn", n, BLOCK_TOKENS, kv_block_bytes(m, n, kv, act), words, mtp))
     return tuple(groups)
 
 

@@ -374,7 +374,8 @@ def test_speculative_doubles_recurrent_state_and_pages_the_mtp_layer_with_the_at
     cfg = Config(max_model_len=32768, max_num_seqs=4, host_pool_mib=200000, speculative=1)  # auto: the MTP head
     r = plan(Card.from_mib(80_000), ModelFacts.from_config(QWEN3_NEXT, 2), cfg)
     assert r.state[0].bytes == 2 * 4 * 73.6875 * MiB
-    assert [(g.name, g.layers) for g in r.groups] == [("kv_attn", 12 + 1)]
+    assert [(g.name, g.layers, g.mtp) for g in r.groups] == [("kv_attn", 12 + 1, True)]
+    assert "13 layers, the MTP head's included" in " ".join(r.lines())
     assert r.groups[0].token_bytes == 13 * 2 * 2 * 256 * 2  # the MTP layer: one more layer of the same geometry
     assert "mtp" in [p.name for p in r.weights] and not r.idle_weights
     ngram = plan(Card.from_mib(80_000), ModelFacts.from_config(QWEN3_NEXT, 2),
