@@ -1,0 +1,118 @@
+"""Speculative decoding over the expert tiers (issue 22's device rows): n-gram drafts on a repetitive input.
+
+    python tools/bench_spec_tiers.py --out OUT [--quick]   # -> OUT/spec_tiers.json, OUT/spec_tiers.md
+
+The tiers benchmark's synthetic Qwen3-30B-A3B-shaped model (tools/bench_tiers.py's preset and
+`section_model`), every expert's home in the host pool, `--expert-slots` at 10% and 25% of the experts.
+At each point one greedy request on a repetitive prompt (a random 24-token phrase repeated, so n-gram
+lookup finds it) decodes with `--speculative 4` (n-gram, adaptive) and without: tok/s, the slab's miss
+bytes per generated token (what crossed PCIe for each token the user got), and the drafts accepted.
+A verify step reads each routed expert once for all its tokens, so the bytes per token fall with
+acceptance. Without CUDA (`--quick`, a dry run on a CPU) the sizes are tiny: it proves the code runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+import torch  # noqa: E402
+
+from radianced.engine.request import Request  # noqa: E402
+from radianced.engine.sampling_params import SamplingParams  # noqa: E402
+from radianced.model.rad import RadFile  # noqa: E402
+from radianced.tiers.placement import routed_experts  # noqa: E402
+from tools import gpu_bench  # noqa: E402
+from tools.bench_tiers import FULL, QUICK, _counters, engine_for, host_pool_mib, section_model, teardown  # noqa: E402
+
+COVERAGE = (0.10, 0.25)
+DRAFTS = 4
+PHRASE, REPEATS = 24, 6
+
+
+def _prompt(vocab: int) -> list[int]:
+    phrase = torch.randint(0, vocab, (PHRASE,), generator=torch.Generator().manual_seed(3)).tolist()
+    return phrase * REPEATS
+
+
+def _decode(engine, device: str, prompt: list[int], tokens: int) -> dict:
+    """One greedy request to its end: tok/s after the prefill, the slab's miss bytes per generated token."""
+    seq = engine.add(Request("r", tuple(prompt), SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)))
+    engine.step()  # prefill and the first token
+    gpu_bench._sync(device)
+    before, t0, got = _counters(engine), time.perf_counter(), 0
+    while engine.scheduler.has_unfinished:
+        got += sum(len(ev.token_ids) for ev in engine.step())
+    gpu_bench._sync(device)
+    seconds = time.perf_counter() - t0
+    lookups, hits = (b - a for a, b in zip(before[:2], _counters(engine)[:2]))
+    return {"tokens": got, "seconds": seconds, "tok_s": got / seconds,
+            "miss_bytes_per_token": (lookups - hits) * engine.experts.extent_bytes / got,
+            "drafted": seq.draft_stats.drafted, "accepted": seq.draft_stats.accepted}
+
+
+def point(rad: RadFile, p, device: str, share: float, tokens: int) -> dict:
+    slots = round(share * len(routed_experts(rad.header)))
+    row = {"share": share, "expert_slots": slots}
+    prompt = _prompt(rad.model.vocab_size)
+    for spec in (0, DRAFTS):
+        engine = engine_for(rad, p, device, host_pool_mib=host_pool_mib(rad), expert_slots=slots, speculative=spec)
+        try:
+            _decode(engine, device, prompt, 8)  # warm-up: slots settle, kernels compile
+            got = row[f"spec{spec}"] = _decode(engine, device, prompt, tokens)
+        finally:
+            teardown(engine)
+        print(f"   {share:.0%} slots, --speculative {spec}: {got['tok_s']:.1f} tok/s, "
+              f"{got['miss_bytes_per_token'] / 2**20:.2f} MiB over the link per token", flush=True)
+    return row
+
+
+def markdown(results: dict) -> str:
+    lines = [f"# Speculative decoding over the expert tiers ({results['device']}, {results['date']})", "",
+             "| slots | --speculative | tok/s | MiB over the link per token | accepted / drafted | speed-up "
+             "| bytes per token |", "|---|---|---|---|---|---|---|"]
+    for row in results["points"]:
+        off = row["spec0"]
+        for spec in (0, DRAFTS):
+            r = row[f"spec{spec}"]
+            lines.append(f"| {row['share']:.0%} | {spec} | {r['tok_s']:.1f} | {r['miss_bytes_per_token'] / 2**20:.2f} "
+                         f"| {r['accepted']} / {r['drafted']} | {r['tok_s'] / off['tok_s']:.2f}x | "
+                         f"{r['miss_bytes_per_token'] / max(off['miss_bytes_per_token'], 1e-9):.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--dir", default="/tmp", help="where the synthetic model is written")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    p = QUICK if args.quick or device == "cpu" else FULL
+    model = section_model(p, Path(args.dir), device)
+    rad = RadFile.open(model["path"])
+    results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+               "date": time.strftime("%Y-%m-%d"), "model": model, "points": []}
+    try:
+        for share in COVERAGE:
+            results["points"].append(point(rad, p, device, share, 16 if p is QUICK else args.tokens))
+            (args.out / "spec_tiers.json").write_text(json.dumps(results, indent=1))
+    finally:
+        rad.close()
+        Path(model["path"]).unlink(missing_ok=True)
+    md = markdown(results)
+    (args.out / "spec_tiers.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
