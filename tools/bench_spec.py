@@ -72,20 +72,21 @@ FREE_PROMPT = "Write a short story about a lighthouse keeper who finds a message
 
 
 class Replay:
-    """Drafts from a known greedy continuation; `wrong`: which proposals get their second (or, for
-    'all', first) draft changed."""
+    """A drafter (`DraftPolicy.propose`) replaying a known greedy output: `out[i]` is output token i.
+    `wrong`: "none"; "half", every other proposal's second draft changed; "all", every first. A changed
+    draft is the next id of the `vocab`, never the right one."""
 
-    def __init__(self, prompt: tuple[int, ...], out: list[int], wrong: str):
-        self.prompt, self.out, self.wrong, self.calls = prompt, out, wrong, 0
+    def __init__(self, prompt: tuple[int, ...], out: list[int], wrong: str, vocab: int):
+        self.prompt, self.out, self.wrong, self.vocab, self.calls = prompt, out, wrong, vocab, 0
 
     def __call__(self, seq, n):
         done = len(seq.token_ids) - len(self.prompt)
         drafts = list(self.out[done:done + n])
         self.calls += 1
         if drafts and self.wrong == "all":
-            drafts[0] = (drafts[0] + 1) % 49152
+            drafts[0] = (drafts[0] + 1) % self.vocab
         elif len(drafts) > 1 and self.wrong == "half" and self.calls % 2 == 0:
-            drafts[1] = (drafts[1] + 1) % 49152
+            drafts[1] = (drafts[1] + 1) % self.vocab
         return tuple(drafts)
 
 
@@ -115,8 +116,8 @@ def forced(rad: RadFile, prompt: list[int], tokens: int, rounds: int) -> list[di
     steps: dict[str, int] = {}
     for r in range(rounds):
         for name, wrong in cases.items():
-            policy = None if wrong is None else DraftPolicy(
-                DRAFTS, 0.0, adaptive=False, propose=Replay(tuple(prompt), [0] + base, wrong))  # [0]: the prefill's
+            replay = Replay(tuple(prompt), [0] + base, wrong, rad.model.vocab_size)  # [0]: the prefill's token
+            policy = None if wrong is None else DraftPolicy(DRAFTS, 0.0, adaptive=False, propose=replay)
             out, t = run(f"{name} {r}", policy)
             assert out == base, f"{name}: the replayed run differs from the plain one"
             times[name] += t

@@ -21,14 +21,13 @@ from radianced.engine import ngram
 from radianced.engine.sampling_params import SamplingParams
 from radianced.engine.speculation import (NO_MATCH_PAUSE, PROBE_EVERY, TOKEN_COST, DraftPolicy, DraftStats, accepted,
                                           best_num_drafts, draft_limit, expected_tokens, mtp_drafts, step_cost)
-from radianced.kv.cache import KVCache
 from radianced.model.batch import ForwardBatch
 from radianced.model.convert import convert
-from radianced.model.loader import load_model
 from radianced.model.rad import RadFile
 from radianced.model.tiny import make_tiny
 from tests.engine.conftest import prompts, request, run_all, small_engine
 from tests.engine.test_pipeline import drive, same
+from tests.model.test_mtp import mtp_pass
 
 SPEC_FAMILIES = ("llama", "qwen3_moe", "qwen3_next")
 
@@ -320,37 +319,22 @@ def mtp_rad(tmp_path_factory):
 
 
 def _mtp_draft_logits(rad, ids: list[int]) -> torch.Tensor:
-    """The MTP head's logits at every position of `ids`, in one prefill (tests/model/test_mtp.py checks
-    this pass against transformers' pieces)."""
-    model = load_model(rad, mtp=True)
-    m, blocks = rad.model, -(-len(ids) // 16)
-    states = KVCache.allocate(m, num_blocks=1, block_size=16, num_state_slots=1, dtype=torch.float32).states
-    cache = KVCache(torch.zeros((blocks, 1, len(m.full_attention_layers) + 1, 2, 16, m.num_key_value_heads,
-                                 m.head_dim)), m.full_attention_layers + (m.num_hidden_layers,), states)
-    batch = ForwardBatch.build([ids], [0], [list(range(blocks))], 16, logits="all", state_slots=[0])
+    """The MTP head's logits at every position of `ids` but the last, in one prefill (tests/model/test_mtp.py
+    checks this pass against transformers' pieces)."""
+    model, _, _, x = mtp_pass(rad, ids[:-1], ids[1:])
     with torch.inference_mode():
-        _, hidden = model.forward(batch, cache, hidden=True)
-        return model.mtp.logits(model.mtp(torch.tensor(ids[1:] + [0]), hidden, model.rotary.at(batch.positions),
-                                          batch, cache))
+        return model.mtp.logits(x)
 
 
 def _mtp_chain_oracle(rad, history: list[int]) -> tuple[int, int]:
     """The head's two chained drafts after `history` (its last token not yet computed), step by step: the
     main model over history[:-1], the head's rows with the tokens after them, its draft at the last row,
     then one chained step at the last token's position reading the head's normed output and that draft."""
-    model = load_model(rad, mtp=True)
-    m, n = rad.model, len(history)
-    blocks = -(-(n + 1) // 16)
-    states = KVCache.allocate(m, num_blocks=1, block_size=16, num_state_slots=1, dtype=torch.float32).states
-    cache = KVCache(torch.zeros((blocks, 1, len(m.full_attention_layers) + 1, 2, 16, m.num_key_value_heads,
-                                 m.head_dim)), m.full_attention_layers + (m.num_hidden_layers,), states)
-    table = list(range(blocks))
-    batch = ForwardBatch.build([history[:-1]], [0], [table], 16, logits="all", state_slots=[0])
+    model, cache, table, x = mtp_pass(rad, history[:-1], history[1:])
     with torch.inference_mode():
-        _, hidden = model.forward(batch, cache, hidden=True)
-        x = model.mtp(torch.tensor(history[1:]), hidden, model.rotary.at(batch.positions), batch, cache)[-1:]
+        x = x[-1:]
         first = model.mtp.logits(x).argmax(-1)
-        step = ForwardBatch.build([[0]], [n - 1], [table], 16)
+        step = ForwardBatch.build([[0]], [len(history) - 1], [table], 16)
         x = model.mtp(first, model.mtp.chained(x), model.rotary.at(step.positions), step, cache)
         return int(first), int(model.mtp.logits(x).argmax(-1))
 
@@ -430,14 +414,7 @@ def test_the_heads_kv_is_written_by_a_chunk_that_samples_nothing(mtp_rad):
     seqs = _added(e)
     e.add(request(e, "r0", prompt, max_tokens=2))
     assert e.step() == [] and seqs[0].num_computed_tokens == 16  # the first chunk: nothing sampled
-    model = load_model(mtp_rad, mtp=True)
-    states = KVCache.allocate(m, num_blocks=1, block_size=16, num_state_slots=1, dtype=torch.float32).states
-    cache = KVCache(torch.zeros((1, 1, len(m.full_attention_layers) + 1, 2, 16, m.num_key_value_heads, m.head_dim)),
-                    m.full_attention_layers + (m.num_hidden_layers,), states)
-    batch = ForwardBatch.build([prompt[:16]], [0], [[0]], 16, logits="all", state_slots=[0])
-    with torch.inference_mode():
-        _, hidden = model.forward(batch, cache, hidden=True)
-        model.mtp(torch.tensor(prompt[1:17]), hidden, model.rotary.at(batch.positions), batch, cache)
+    _, cache, _, _ = mtp_pass(mtp_rad, prompt[:16], prompt[1:17])
     block = seqs[0].block_table.ids()[0]
     for got, want in zip(e.runner.cache.layer(m.num_hidden_layers), cache.layer(m.num_hidden_layers)):
         torch.testing.assert_close(got[block, 0], want[0, 0], atol=1e-5, rtol=1e-5)

@@ -27,24 +27,9 @@ from radianced.model.rad import RadFile
 from radianced.model.tiny import make_tiny
 from tests.engine.conftest import prompts, tiny_rads  # noqa: F401 (fixture)
 from tests.gpu.conftest import gpu_device, record
+from tools.bench_spec import Replay
 
 TOKENS = 48
-
-
-class Replay:
-    """Drafts from a plain run's output; `wrong`: none, every other proposal's second, or every first."""
-
-    def __init__(self, prompt: tuple[int, ...], out: list[int], wrong: str):
-        self.prompt, self.out, self.wrong, self.calls = prompt, out, wrong, 0
-
-    def __call__(self, seq, n):
-        drafts = list(self.out[len(seq.token_ids) - len(self.prompt):][:n])
-        self.calls += 1
-        if drafts and self.wrong == "all":
-            drafts[0] = (drafts[0] + 1) % 7
-        elif len(drafts) > 1 and self.wrong == "half" and self.calls % 2:
-            drafts[1] = (drafts[1] + 1) % 7
-        return tuple(drafts)
 
 
 def _engine(rad: RadFile, speculative: int) -> Engine:
@@ -81,7 +66,7 @@ def test_forced_drafts_give_the_plain_tokens_and_their_step_times_are_recorded(t
     rows = {"plain_ms": 1e3 * sorted(plain_times)[len(plain_times) // 2]}
     for wrong in ("none", "half", "all"):
         engine = _engine(rad, 4)
-        replay = Replay(tuple(prompt), base, wrong)
+        replay = Replay(tuple(prompt), base, wrong, rad.model.vocab_size)
         engine.scheduler.drafting.policy = DraftPolicy(4, 0.0, adaptive=False, propose=replay)
         out, times = _run(engine, prompt)
         _release(engine)

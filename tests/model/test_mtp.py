@@ -56,19 +56,29 @@ def _oracle_logits(src, ids: list[int]) -> torch.Tensor:
         return hf.lm_head(norms["norm"](x))[0]
 
 
-def _ours(rad: RadFile, ids: list[int]) -> torch.Tensor:
+def mtp_pass(rad: RadFile, ids: list[int], next_ids: list[int]):
+    """One prefill of the main model over `ids` (positions 0..) and the MTP head over its rows, row p
+    reading next_ids[p], on a fresh fp32 cache that pages the MTP layer as one more attention layer (a block
+    to spare past the ids, for a chained step). Returns (model, cache, block table, the head's x [T, H])."""
     model = load_model(rad, mtp=True)
     m = rad.model
-    blocks = -(-len(ids) // BLOCK)
-    cache = KVCache.allocate(m, num_blocks=blocks, block_size=BLOCK, num_state_slots=1, dtype=torch.float32)
-    layers = len(m.full_attention_layers) + 1  # the MTP layer pages with the attention layers
+    blocks = len(ids) // BLOCK + 1
+    states = KVCache.allocate(m, num_blocks=1, block_size=BLOCK, num_state_slots=1, dtype=torch.float32).states
+    layers = len(m.full_attention_layers) + 1
     cache = KVCache(torch.zeros((blocks, 1, layers, 2, BLOCK, m.num_key_value_heads, m.head_dim)),
-                    m.full_attention_layers + (m.num_hidden_layers,), cache.states)
-    batch = ForwardBatch.build([ids], [0], [list(range(blocks))], BLOCK, logits="all", state_slots=[0])
+                    m.full_attention_layers + (m.num_hidden_layers,), states)
+    table = list(range(blocks))
+    batch = ForwardBatch.build([ids], [0], [table], BLOCK, logits="all", state_slots=[0])
     with torch.inference_mode():
         _, hidden = model.forward(batch, cache, hidden=True)
-        x = model.mtp(torch.tensor(ids[1:] + [0]), hidden, model.rotary.at(batch.positions), batch, cache)
-        return model.mtp.logits(x)[:-1]
+        x = model.mtp(torch.tensor(next_ids), hidden, model.rotary.at(batch.positions), batch, cache)
+    return model, cache, table, x
+
+
+def _ours(rad: RadFile, ids: list[int]) -> torch.Tensor:
+    model, _, _, x = mtp_pass(rad, ids[:-1], ids[1:])
+    with torch.inference_mode():
+        return model.mtp.logits(x)
 
 
 def test_the_mtp_heads_draft_logits_are_the_published_math_over_transformers_pieces(tiny_mtp):
