@@ -15,7 +15,7 @@ scheduler decides with them:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from radianced.engine.plan import StepPlan
@@ -45,15 +45,22 @@ class DraftPlanner:
             return ()
         return drafts
 
-    def holds_pipeline(self, in_flight: StepPlan, seqs: Iterable[Sequence | None], batch: int, budget: int) -> bool:
-        """The in-flight plan drafts, or one of `seqs` (those it samples for) would draft in the next step."""
+    def holds_pipeline(self, in_flight: StepPlan, live: Mapping[int, Sequence], batch: int, budget: int) -> bool:
+        """The in-flight plan drafts, or a sequence it samples for that is still `live` (by seq id) would draft
+        in the next step."""
         return any(s.drafts for s in in_flight.seqs) or any(
-            seq is not None and self.policy.would_draft(seq, batch, self._budget(seq, budget), self.max_model_len)
-            for seq in seqs)
+            s.sample and (seq := live.get(s.seq_id)) is not None
+            and self.policy.would_draft(seq, batch, self._budget(seq, budget), self.max_model_len)
+            for s in in_flight.seqs)
 
-    def take_lookahead(self, sampling: Iterable[tuple[Sequence, int]]) -> None:
-        """Blocks for `lookahead` positions after each (sequence, tokens its step ends at) that samples."""
-        for seq, end in sampling:
+    def take_lookahead(self, chunks: Iterable[tuple[Sequence, int, tuple[int, ...]]]) -> None:
+        """Blocks for `lookahead` positions after each (sequence, its chunk's tokens, its drafts) that samples."""
+        if not self.lookahead:
+            return
+        for seq, n, drafts in chunks:
+            if seq.num_computed_tokens + n != seq.num_tokens:
+                continue  # it does not sample: no chained drafts follow it
+            end = seq.num_tokens + len(drafts)
             extra = self.allocator.blocks_for(end + self.lookahead) - len(seq.block_table)
             if extra > 0 and self.allocator.can_allocate(extra, exclude=self.allocator.evictable()):
                 self.allocator.append(seq.block_table, end + self.lookahead)

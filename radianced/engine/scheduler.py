@@ -191,9 +191,8 @@ class Scheduler:
             raise RuntimeError(f"schedule_ahead() needs exactly one plan in flight, not {len(self._in_flight)}")
         if self._in_flight[0].after:
             return None  # checkpoint saves in flight: update() decides whether the prefix cache takes them
-        if self.drafting is not None and self.drafting.holds_pipeline(
-                self._in_flight[0], (self._by_seq.get(s.seq_id) for s in self._in_flight[0].seqs if s.sample),
-                len(self.running), self.step_tokens):
+        if self.drafting is not None and self.drafting.holds_pipeline(self._in_flight[0], self._by_seq,
+                                                                     len(self.running), self.step_tokens):
             return None
         order = self._running_order()
         budget, need = self.step_tokens, 0
@@ -247,9 +246,8 @@ class Scheduler:
                 break
             chunks[chunk.seq.seq_id] = chunk
             budget -= chunk.n
-        if self.drafting is not None and self.drafting.lookahead and not ahead:
-            self.drafting.take_lookahead((c.seq, c.seq.num_tokens + len(c.drafts)) for c in chunks.values()
-                                         if c.seq.num_computed_tokens + c.n == c.seq.num_tokens)
+        if self.drafting is not None and not ahead:
+            self.drafting.take_lookahead((c.seq, c.n, c.drafts) for c in chunks.values())
         return self._emit(chunks.values(), preempted)
 
     def update(self, plan: StepPlan, output: StepOutput) -> list[SeqEvent]:
