@@ -51,6 +51,19 @@ def tiny_tokens() -> tuple[list[str], list[int]]:
     return tokens, types
 
 
+def add_tiny_tokenizer(w, pre: str) -> int:
+    """The tiny byte-level tokenizer's fields on a GGUFWriter (`pre`: llama.cpp's pre-tokenizer name; end of
+    sequence id 2); returns the vocabulary's size."""
+    tokens, types = tiny_tokens()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(TINY_MERGES)
+    w.add_eos_token_id(2)
+    return len(tokens)
+
+
 def tiny_hf_weights(vocab: int, untied: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random llama weights in Hugging Face layout and names (fp32)."""
     g = torch.Generator().manual_seed(seed)
@@ -97,8 +110,8 @@ def write_tiny_gguf(path, *, arch: str = "llama", types: dict | None = None, unt
     stored as (default F32). `extra_tensors`: gguf name -> (raw numpy array, GGML type).
     Returns (path, the HF weights it encodes).
     """
-    tokens, token_types = tiny_tokens()
-    weights = tiny_hf_weights(len(tokens), untied=untied, seed=seed)
+    vocab = len(tiny_tokens()[0])
+    weights = tiny_hf_weights(vocab, untied=untied, seed=seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(TINY["layers"])
     w.add_context_length(256)
@@ -109,14 +122,9 @@ def write_tiny_gguf(path, *, arch: str = "llama", types: dict | None = None, unt
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_rope_dimension_count(TINY["hidden"] // TINY["heads"])
-    w.add_vocab_size(len(tokens))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types(token_types)
-    w.add_token_merges(TINY_MERGES)
+    w.add_vocab_size(vocab)
+    add_tiny_tokenizer(w, "smollm")
     w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
     w.add_add_bos_token(add_bos)
     w.add_chat_template(TINY_TEMPLATE)
     for hf, t in weights.items():

@@ -14,7 +14,7 @@ from radianced.model.config import UnsupportedModel
 from radianced.model.gguf import convert_gguf
 from radianced.model.loader import load_model
 from radianced.model.rad import RadFile
-from tests.model.test_gguf import TINY_MERGES, tiny_tokens
+from tests.model.test_gguf import add_tiny_tokenizer
 from tests.oracle import compare_prefill_rows
 
 Q = gguf.GGMLQuantizationType
@@ -39,7 +39,6 @@ def _weights(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def write_qwen3moe_gguf(path, stack_types=EXPERT_TYPES, down_type=None):
-    tokens, types = tiny_tokens()
     w = gguf.GGUFWriter(str(path), "qwen3moe")
     w.add_block_count(len(stack_types))
     w.add_context_length(256)
@@ -54,13 +53,8 @@ def write_qwen3moe_gguf(path, stack_types=EXPERT_TYPES, down_type=None):
     w.add_expert_count(E)
     w.add_expert_used_count(K)
     w.add_expert_feed_forward_length(INTER)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(TINY_MERGES)
-    w.add_eos_token_id(2)
-    for name, t in _weights(len(tokens)).items():
+    vocab = add_tiny_tokenizer(w, "qwen2")
+    for name, t in _weights(vocab).items():
         qtype = None
         if "_exps" in name:
             layer = int(name.split(".")[1])

@@ -16,7 +16,7 @@ from radianced.model.gguf import convert_gguf
 from radianced.model.loader import load_model
 from radianced.model.rad import RadFile
 from radianced.model.tiny import make_tiny
-from tests.model.test_gguf import TINY_MERGES, tiny_tokens
+from tests.model.test_gguf import add_tiny_tokenizer
 
 Q = gguf.GGMLQuantizationType
 PROMPTS = [[5, 9, 40, 41, 200, 7, 100, 12, 33, 71, 2, 90], [3, 100, 250]]
@@ -70,7 +70,6 @@ def write_qwen3next_gguf(path, folder, quantized: dict[str, int] | None = None):
     import json
 
     cfg = json.loads((folder / "config.json").read_text())
-    tokens, types = tiny_tokens()
     w = gguf.GGUFWriter(str(path), "qwen3next")
     layers = cfg["num_hidden_layers"]
     w.add_block_count(layers)
@@ -94,12 +93,7 @@ def write_qwen3next_gguf(path, folder, quantized: dict[str, int] | None = None):
     w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
     w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
     w.add_full_attention_interval(2)  # the tiny folder's layer_types: linear, full, linear, full
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(TINY_MERGES)
-    w.add_eos_token_id(2)
+    add_tiny_tokenizer(w, "qwen2")
     for name, t in _llama_cpp_tensors(folder, cfg).items():
         qtype = next((q for suffix, q in (quantized or {}).items() if name.endswith(suffix)), None)
         if qtype is None:
