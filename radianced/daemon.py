@@ -43,6 +43,7 @@ from radianced.card import Card
 from radianced.config import Config, ConfigError
 from radianced.engine.driver import AsyncEngine
 from radianced.engine.pacing import StepPacer
+from radianced.kernels.compiles import CompileLog
 from radianced.model.config import UnsupportedModel
 from radianced.model.rad import RadFile
 from radianced.model.rad_format import RadError
@@ -115,6 +116,8 @@ class Daemon:
         self._engine_task: asyncio.Task | None = None
         self._stop = asyncio.Event()
         self._hurry = asyncio.Event()
+        self.compiles: CompileLog | None = None  # on CUDA: every kernel variant built, by phase
+        self.kernel_cache: Path | None = None
 
     # -- life ---------------------------------------------------------------------------
 
@@ -170,6 +173,8 @@ class Daemon:
         self._engine_task = asyncio.create_task(engine.run())
         self.http.served = Served(engine, self.model_name, engine.engine.receipt.max_model_len,
                                   self._defaults, self._vocab_size)
+        if self.compiles is not None:
+            self.compiles.phase = "serving"  # from here a kernel build is a user's wait: counted, warned
         self.http.phase = Phase.READY
         notify.ready(f"serving {self.model_name}")
         log.info("ready: serving %s", self.model_name)
@@ -234,6 +239,10 @@ class Daemon:
         self._vocab_size = rad.model.vocab_size
         self.live_profile = LiveProfile.for_model(rad) if rad.header.experts else None
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda":  # before the first kernel: where binaries persist, and every build counted
+            self.kernel_cache = use_kernel_cache()
+            self.compiles = CompileLog.install()
+            self.compiles.listeners.append(lambda b: self.metrics.add_kernel_build(b.phase, b.kind))
         if device == "cpu" or "RADIANCED_CPU_THREADS" in os.environ:
             torch.set_num_threads(cpu_threads())
             log.info("torch CPU threads: %d", torch.get_num_threads())
@@ -243,12 +252,31 @@ class Daemon:
         start = time.monotonic()
         engine = Engine.build(rad, self.cfg, card, device)
         self.receipt = engine.receipt.lines()
+        if self.compiles is not None:
+            self.receipt.append(f"kernel cache: {self.kernel_cache} (Triton binaries and autotune results; "
+                                "a restart loads them instead of compiling)")
+            log.info(self.receipt[-1])
+            self._warm_up(engine, rad)
         # the prompt byte check's bound, computed here, off the loop (it reads the whole vocabulary)
         longest, context = engine.tokenizer.max_token_bytes, engine.receipt.max_model_len
         log.info("prompts over %d bytes are refused before tokenizing (--max-model-len %d, at most %d bytes a "
                  "token)", max_prompt_bytes(context, longest), context, longest)
         log.info("loaded %s on %s in %.1f s", self.model_name, device, time.monotonic() - start)
         return engine
+
+    def _warm_up(self, engine, rad: RadFile) -> None:
+        """Build every kernel variant a served step can meet (engine/warmup.py), before ready."""
+        from radianced.engine.warmup import warm_up
+
+        before = self.compiles.count()
+        cfg = self.cfg
+        r = warm_up(engine, cfg.max_num_batched_tokens, cfg.max_num_seqs, engine.receipt.max_model_len,
+                    cfg.speculative, rad.model.vocab_size)
+        built = self.compiles.builds[before:]
+        tuned = sum(1 for b in built if b.kind == "autotune")
+        log.info("warm-up: %d rounds, %d steps, %d prompt tokens in %.1f s; %d kernel variants built "
+                 "(%d compiles, %d autotuner keys), %d in all since start-up", r.rounds, r.steps, r.tokens,
+                 r.seconds, len(built), len(built) - tuned, tuned, self.compiles.count())
 
     def request_stop(self, why: str = "stop", again_hurries: bool = False) -> None:
         """Begin the drain. Once begun, a call with `again_hurries` (a second Ctrl-C) cuts it
@@ -302,6 +330,18 @@ class Daemon:
 
 class _StartFailed(Exception):
     """Start-up failed; the reason is logged."""
+
+
+def use_kernel_cache() -> Path:
+    """Where Triton keeps its binaries and autotune results (fla-core's included), made to persist:
+    $TRITON_CACHE_DIR if set, else `kernels` in radianced's cache folder (model/default.cache_dir)."""
+    from radianced.model.default import cache_dir
+
+    path = Path(os.environ.get("TRITON_CACHE_DIR") or cache_dir() / "kernels")
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TRITON_CACHE_DIR"] = str(path)
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # Triton's own autotune results on disk too
+    return path
 
 
 def _unlink(path: str) -> None:

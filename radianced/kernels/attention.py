@@ -55,6 +55,9 @@ LOG2E = 1.4426950408889634
 # tiles a split), 32 splits 7.4 / 7.4, 64 splits 7.8 / 8.1 (a wider merge), 8 splits 8.3 / 10.0.
 MAX_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 64
+# The step's counts are plain integers to the compiler: Triton would otherwise build a variant per
+# value class (== 1, divisible by 16) met on the request path (kernels/compiles.py).
+COUNTS = ["num_seqs", "num_tokens"]
 
 
 # -- heuristics ------------------------------------------------------------------------------------
@@ -114,7 +117,7 @@ def _find_seq(query_start_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=COUNTS)
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     block_tables_ptr, query_start_ptr, seq_lens_ptr,
@@ -238,7 +241,7 @@ def _paged_attention_kernel(
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=COUNTS)
 def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_tokens, stride_ot, stride_oh,
                          Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):

@@ -48,7 +48,7 @@ def _decode_block_v(v: int, programs_per_column_block: int) -> int:
 # -- kernels ---------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _gates_kernel(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, n, H: tl.constexpr,
                   BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -63,7 +63,7 @@ def _gates_kernel(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, n, H: t
     tl.store(beta_ptr + i, tl.sigmoid(b).to(beta_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _conv_prefill_kernel(x_ptr, w_ptr, state_ptr, y_ptr, new_state_ptr, T, C,
                          stride_xt, stride_wc, stride_sc, stride_yt,
                          HAS_STATE: tl.constexpr, W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,

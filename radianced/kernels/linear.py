@@ -102,7 +102,7 @@ def linear_config(t: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig | 
 # -- kernel ----------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _linear_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, num_rows, n, k,
                    stride_x, stride_w, stride_b, stride_r, stride_o,
                    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -133,7 +133,7 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, num_rows, n, k,
     tl.store(out_ptr + r64 * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, norm_w_ptr, normed_ptr, num_rows, n, k, eps,
                  stride_x, stride_w, stride_b, stride_r, stride_o, stride_normed,
                  HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr,

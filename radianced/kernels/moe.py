@@ -177,7 +177,7 @@ def _write_tile_info(tile_info_ptr, start, end, num_experts, num_tiles,
         tl.store(tile_info_ptr + i * 3 + 2, tl.where(valid, tl.minimum(row_hi, row_lo + BLOCK_M), 0), mask=i_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_assignments", "num_tiles"])
 def _moe_group_kernel(ids_ptr, order_ptr, tile_info_ptr, num_assignments, num_experts, num_tiles,
                       BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
                       PDL: tl.constexpr):
@@ -207,7 +207,7 @@ def _moe_group_kernel(ids_ptr, order_ptr, tile_info_ptr, num_assignments, num_ex
     _write_tile_info(tile_info_ptr, start, start + counts, num_experts, num_tiles, BLOCK_E, BLOCK_T, BLOCK_M)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_assignments", "num_tiles", "search_steps"])
 def _moe_align_kernel(sorted_ids_ptr, tile_info_ptr, num_assignments, num_experts, num_tiles, search_steps,
                       BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
     """One program: sorted expert ids [A] -> tile_info [num_tiles, 3] = (expert or -1, row lo, row hi)."""

@@ -40,7 +40,7 @@ def _tiles(rows: int, d: int) -> tuple[int, int, int]:
 # -- kernel ----------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, n_rows, eps,
                      stride_x, stride_g, stride_o,
                      D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,

@@ -102,10 +102,8 @@ class ForwardBatch:
         # three host-to-device copies: the int64 vectors as one, the int32 ones as one, the tables
         longs = [ids, pos, slots, np.asarray(rows, dtype=np.int64)] + \
             ([] if state_slots is None else [np.asarray(state_slots, dtype=np.int64)])
-        long_t = to_device_no_sync(torch.from_numpy(np.concatenate(longs)), device)
-        int_t = to_device_no_sync(torch.tensor(starts + list(lens), dtype=torch.int32), device)
-        ids_t, pos_t, slots_t, rows_t, *states_t = long_t.split([len(x) for x in longs])
-        starts_t, lens_t = int_t.split([len(starts), len(lens)])
+        ids_t, pos_t, slots_t, rows_t, *states_t = packed(longs, np.int64, device)
+        starts_t, lens_t = packed([starts, list(lens)], np.int32, device)
         return ForwardBatch(
             input_ids=ids_t, positions=pos_t, slot_mapping=slots_t,
             block_tables=to_device_no_sync(tables, device), logits_rows=rows_t,
@@ -114,6 +112,23 @@ class ForwardBatch:
             state_slots=states_t[0] if states_t else None, every_row=rows == list(range(total)),
             drafts=tuple(drafts) if drafts and any(drafts) else (),
         )
+
+
+ALIGN_BYTES = 16  # Triton specializes a pointer on 16-byte alignment: each view starts on it
+
+
+def packed(vectors: list, dtype: type, device: torch.device | str) -> list[torch.Tensor]:
+    """The vectors on `device` in one copy, as views of one tensor that each start on an
+    ALIGN_BYTES boundary: a view starting off it would make each kernel that reads it a variant
+    of its own, built when a step of that shape first comes (kernels/compiles.py)."""
+    per = ALIGN_BYTES // np.dtype(dtype).itemsize
+    sizes = [len(v) for v in vectors]
+    offsets = [0, *itertools.accumulate(-(-n // per) * per for n in sizes)]
+    flat = np.zeros(offsets[-1], dtype=dtype)
+    for v, at, n in zip(vectors, offsets, sizes):
+        flat[at:at + n] = v
+    whole = to_device_no_sync(torch.from_numpy(flat), device)
+    return [whole[at:at + n] for at, n in zip(offsets, sizes)]
 
 
 def to_device_no_sync(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:

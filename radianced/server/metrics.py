@@ -77,6 +77,11 @@ class Metrics:
                                    "position among a step's drafts (1: the first).", ["position"], registry=r)
         self._accepted_at = Counter("radiance_spec_accepted_tokens_by_position", "Drafted tokens accepted, by their "
                                     "position among a step's drafts (1: the first).", ["position"], registry=r)
+        self._kernel_builds = Counter("radiance_kernel_builds", "Kernel variants built in this process, by phase "
+                                      "(start-up; serving: a request waited for it) and kind (compile: a Triton "
+                                      "variant; autotune: an autotuner's new key).", ["phase", "kind"], registry=r)
+        for kind in ("compile", "autotune"):
+            self._kernel_builds.labels(phase="serving", kind=kind)  # exported as 0 from the start
         self._step = Histogram("radiance_step_duration_seconds", "Wall time of one engine step.",
                                buckets=TOKEN_BUCKETS, registry=r)
 
@@ -129,6 +134,9 @@ class Metrics:
             self._drafted_at.labels(position=str(position)).inc()
             if position <= accepted:
                 self._accepted_at.labels(position=str(position)).inc()
+
+    def add_kernel_build(self, phase: str, kind: str) -> None:
+        self._kernel_builds.labels(phase=phase, kind=kind).inc()
 
     def set_arena_pages(self, tenant: str, pages: int) -> None:
         self._arena_pages.labels(tenant=tenant).set(pages)

@@ -79,13 +79,14 @@ def sock_dir():
 
 
 def start_daemon(model: Path | None, *flags: str, env: dict[str, str] | None = None, wait_ready: bool = True,
-                 python_code: str | None = None) -> Daemon:
+                 python_code: str | None = None, timeout_s: float = STARTUP_TIMEOUT_S) -> Daemon:
     """Start `radianced --model MODEL FLAGS` on port 0; wait until it is ready (or only listening).
 
     model None serves the default model. --card-mib and --max-model-len default to
     the tiny model's CARD_MIB and MAX_MODEL_LEN unless `flags` set them.
 
-    python_code, when given, runs in the child before the CLI (to patch a fault in).
+    python_code, when given, runs in the child before the CLI (to patch a fault in). timeout_s bounds
+    the wait (a GPU daemon compiles its kernels before it is ready).
     """
     workdir = Path(tempfile.mkdtemp(prefix="rd-"))
     atexit.register(shutil.rmtree, workdir, True)  # the log outlives stop(): tests read it after
@@ -110,7 +111,7 @@ def start_daemon(model: Path | None, *flags: str, env: dict[str, str] | None = N
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env, cwd=workdir)
     d = Daemon(proc, "", log_path, control_socket)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     while not d.url:
         m = _LISTENING.search(d.log())
         if m:

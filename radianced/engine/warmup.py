@@ -1,0 +1,110 @@
+"""Start-up warm-up: every kernel variant a served step can meet, built before the daemon is ready.
+
+A Triton kernel compiles once per variant, and a variant first met on the request
+path costs 0.1-1 s of somebody's TTFT (kernels/compiles.py). The kernels keep
+the set of variants small and a function of the step's shape alone:
+
+- counts (tokens, sequences, assignments, rows) are plain integers to the
+  compiler (`do_not_specialize`), and a step's index vectors each start on a
+  16-byte boundary (`model.batch.packed`), so neither a count's value nor an
+  offset makes a variant;
+- what does (constexprs) comes from bucketed counts: the tile sizes of the
+  MoE, norm, linear and attention kernels follow the next power of two of the
+  step's tokens (clamped), and a decode-shaped step (a token per sequence) splits
+  its keys by its sequence count;
+- fla-core's prefill autotunes once per model (its keys hold head counts and
+  dims, not lengths).
+
+So `warm_up` serves, before ready, a bounded set of real requests through the
+engine (scheduler, batch, runner, sampler: the served path), random token ids:
+
+- one sequence of T tokens for T = 1, 2, 4, ... up to --max-num-batched-tokens
+  and the limit itself: a prefill step of each token bucket, then its decode;
+- B one-token sequences together for B = 2 .. --max-num-seqs: the decode-shaped
+  step of each sequence count (eager; decode graphs were captured already), then
+  B decodes;
+- the same with every sampling feature on (temperature, top-k/p, min-p,
+  penalties, logprobs, a seed) at B = 1 and 2, one greedy beside;
+- with --speculative, a repetitive prompt at B = 1 and 2, so verify steps run.
+
+Then it drops the prefix-cache blocks these left. `WarmupReport` is what the
+start-up log says. The GPU tests (tests/gpu/test_no_compile.py) hold the
+claim: no kernel build while serving prompts of random lengths.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+from radianced.engine.request import Request
+from radianced.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.01, seed=1, repetition_penalty=1.1,
+                         frequency_penalty=0.2, presence_penalty=0.1, logprobs=3, max_tokens=3, ignore_eos=True)
+SPECULATIVE = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@dataclass(frozen=True)
+class Round:
+    """Requests served together: their prompt lengths and parameters (one per request)."""
+
+    lengths: tuple[int, ...]
+    params: tuple[SamplingParams, ...]
+    repetitive: bool = False  # prompts repeat a short phrase: n-gram drafts find matches
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    rounds: int
+    steps: int
+    seconds: float
+    tokens: int  # prompt tokens prefilled
+
+
+def token_buckets(limit: int) -> list[int]:
+    """1, 2, 4, ... below `limit`, then `limit`: one step size in each power-of-two bucket."""
+    sizes, t = [], 1
+    while t < limit:
+        sizes.append(t)
+        t *= 2
+    return sizes + [limit]
+
+
+def plan_rounds(max_batched_tokens: int, max_num_seqs: int, max_model_len: int, speculative: int) -> list[Round]:
+    """The warm-up's requests (module docstring), each prompt fitting the context with room to decode."""
+    longest = min(max_batched_tokens, max_model_len - SPECULATIVE.max_tokens - 1)
+    rounds = [Round((t,), (GREEDY,)) for t in token_buckets(max(1, longest))]
+    rounds += [Round((1,) * b, (GREEDY,) * b) for b in range(2, max_num_seqs + 1)]
+    rounds += [Round((5,), (SAMPLED,))]
+    if max_num_seqs >= 2:
+        rounds += [Round((5, 7), (SAMPLED, GREEDY))]
+    if speculative:
+        rounds += [Round((48,) * b, (SPECULATIVE,) * b, repetitive=True) for b in range(1, min(2, max_num_seqs) + 1)]
+    return rounds
+
+
+def warm_up(engine, max_batched_tokens: int, max_num_seqs: int, max_model_len: int, speculative: int,
+            vocab_size: int) -> WarmupReport:
+    """Serve `plan_rounds`' requests on `engine` (stepped here; nothing else may step it yet), then
+    drop the prefix-cache blocks they left."""
+    rng = random.Random(0)
+    start, steps, tokens = time.perf_counter(), 0, 0
+    rounds = plan_rounds(max_batched_tokens, max_num_seqs, max_model_len, speculative)
+    for r, rnd in enumerate(rounds):
+        for i, (n, params) in enumerate(zip(rnd.lengths, rnd.params)):
+            if rnd.repetitive:
+                phrase = [rng.randrange(vocab_size) for _ in range(6)]
+                prompt = (phrase * (n // 6 + 1))[:n]
+            else:
+                prompt = [rng.randrange(vocab_size) for _ in range(n)]
+            engine.add(Request(f"warm-up-{r}-{i}", tuple(prompt), params))
+            tokens += n
+        while engine.scheduler.has_unfinished:
+            engine.step()
+            steps += 1
+    prefix = engine.scheduler.prefix
+    prefix.evict(prefix.evictable())
+    return WarmupReport(len(rounds), steps, time.perf_counter() - start, tokens)

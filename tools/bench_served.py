@@ -1,0 +1,202 @@
+"""Issue 18's rows: what a user of the HTTP API sees from a daemon started as users start it.
+
+    python tools/bench_served.py --out DIR [--layers 8] [--requests 200] [--bursts 25] [-- DAEMON FLAGS]
+
+On a synthetic Qwen3-30B-A3B-shaped `.rad` (tools/make_synthetic.py, Zipf 1.0) the
+daemon runs as a child process (`radianced.bench.daemon_process.ChildDaemon`), its
+flags those after `--` (default: --placement resident --max-num-seqs 8); every
+request goes over HTTP, streamed (`radianced.bench.client.stream_request`).
+
+- start-up: seconds to ready with an empty kernel cache (a fresh TRITON_CACHE_DIR),
+  then again on the same cache (a warm restart), and what the log says of warm-up;
+- TTFT: `--requests` prompts of lengths uniform in 1..4,000 one at a time, each
+  followed by a second prompt of the same length and other tokens (never a prefix
+  hit); then `--bursts` bursts of 8 such prompts (lengths uniform in 1..500) and
+  their twins. p50 / p99 / max of the first TTFTs, and of first / twin, the ratio a
+  kernel build on the request path would raise (target: p99 at most 1.2);
+- kernel builds while serving: /metrics' radiance_kernel_builds_total{phase=
+  "serving"} before and after (target 0);
+- c-sweep: 16 requests of 128 prompt and 128 output tokens at c = 1 and c = 8:
+  aggregate generated tok/s (target: c = 8 at least 3x c = 1);
+- prefill burst: 4 streams decoding 256 tokens; once they run, 8 prompts of 2,000
+  tokens arrive together; the running streams' ITL p50 and p99 while the burst
+  prefills (target: p99 at most 3x p50).
+
+Writes DIR/bench_served.json; prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from radianced.bench.client import completion_body, stream_request  # noqa: E402
+from radianced.bench.daemon_process import ChildDaemon  # noqa: E402
+from radianced.bench.scrape import Snapshot  # noqa: E402
+
+COMPLETIONS = "/v1/completions"
+BUILDS = "radiance_kernel_builds_total"
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def summary(xs: list[float]) -> dict:
+    return {"n": len(xs), "p50": pct(xs, 0.5), "p99": pct(xs, 0.99), "max": max(xs)} if xs else {"n": 0}
+
+
+class Prompts:
+    def __init__(self, vocab: int, seed: int = 0):
+        self.rng, self.vocab = random.Random(seed), vocab
+
+    def __call__(self, n: int) -> list[int]:
+        return [self.rng.randrange(32, self.vocab) for _ in range(n)]
+
+
+async def serving_builds(http: httpx.AsyncClient) -> float:
+    snap = Snapshot.parse((await http.get("/metrics")).text)
+    return sum(v for k, v in snap.by_label(BUILDS, "phase").items() if k == "serving")
+
+
+async def ttft_rows(http, prompts: Prompts, requests: int, bursts: int) -> dict:
+    rng = random.Random(1)
+    one, one_ratio = [], []
+    for _ in range(requests):
+        n = rng.randint(1, 4000)
+        first = await stream_request(http, COMPLETIONS, completion_body(prompts(n), 1))
+        twin = await stream_request(http, COMPLETIONS, completion_body(prompts(n), 1))
+        if first.ok and twin.ok:
+            one.append(first.ttft_s)
+            one_ratio.append(first.ttft_s / twin.ttft_s)
+    burst, burst_ratio = [], []
+    for _ in range(bursts):
+        lengths = [rng.randint(1, 500) for _ in range(8)]
+        firsts = await asyncio.gather(*(stream_request(http, COMPLETIONS, completion_body(prompts(n), 1))
+                                        for n in lengths))
+        twins = await asyncio.gather(*(stream_request(http, COMPLETIONS, completion_body(prompts(n), 1))
+                                       for n in lengths))
+        for a, b in zip(firsts, twins):
+            if a.ok and b.ok:
+                burst.append(a.ttft_s)
+                burst_ratio.append(a.ttft_s / b.ttft_s)
+    return {"one": summary(one), "one_ratio": summary(one_ratio), "burst": summary(burst),
+            "burst_ratio": summary(burst_ratio), "failed": 2 * requests + 16 * bursts - 2 * len(one) - 2 * len(burst)}
+
+
+async def sweep(http, prompts: Prompts, c: int, n: int = 16, prompt: int = 128, out: int = 128) -> dict:
+    gate = asyncio.Semaphore(c)
+
+    async def one():
+        async with gate:
+            return await stream_request(http, COMPLETIONS, completion_body(prompts(prompt), out))
+
+    start = time.perf_counter()
+    samples = await asyncio.gather(*(one() for _ in range(n)))
+    wall = time.perf_counter() - start
+    tokens = sum(s.tokens_received for s in samples)
+    return {"c": c, "requests": n, "tokens": tokens, "seconds": wall, "tok_s": tokens / wall,
+            "ok": sum(s.ok for s in samples)}
+
+
+async def prefill_burst(http, prompts: Prompts) -> dict:
+    streams = [asyncio.create_task(stream_request(http, COMPLETIONS, completion_body(prompts(64), 256)))
+               for _ in range(4)]
+    await asyncio.sleep(1.0)
+    t_burst = time.perf_counter()
+    burst = await asyncio.gather(*(stream_request(http, COMPLETIONS, completion_body(prompts(2000), 1))
+                                   for _ in range(8)))
+    t_end = time.perf_counter()
+    running = await asyncio.gather(*streams)
+    itl = [g for s in running for g in s.itl_s]
+    return {"itl_all": summary(itl), "burst_seconds": t_end - t_burst,
+            "burst_ttft": summary([s.ttft_s for s in burst if s.ok]),
+            "running_ok": sum(s.ok for s in running), "burst_ok": sum(s.ok for s in burst)}
+
+
+async def measure(url: str, args, vocab: int) -> dict:
+    prompts = Prompts(vocab)
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        before = await serving_builds(http)
+        res = {"ttft": await ttft_rows(http, prompts, args.requests, args.bursts)}
+        res["sweep"] = [await sweep(http, prompts, c) for c in (1, 8)]
+        res["prefill_burst"] = await prefill_burst(http, prompts)
+        res["serving_builds"] = await serving_builds(http) - before
+        res["serving_builds_before"] = before
+    return res
+
+
+def start(flags: list[str], cache: Path) -> tuple[ChildDaemon, float, list[str]]:
+    os.environ["TRITON_CACHE_DIR"] = str(cache)
+    t0 = time.monotonic()
+    d = ChildDaemon.start(flags)
+    seconds = time.monotonic() - t0
+    said = [ln for ln in d.log().splitlines() if re.search(r"warm-up|kernel cache|decode graphs|ready", ln)]
+    return d, seconds, said
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--bursts", type=int, default=25)
+    ap.add_argument("--model", type=Path, help="an existing .rad (default: write the synthetic model)")
+    ap.add_argument("flags", nargs=argparse.REMAINDER)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
+    flags = flags or ["--placement", "resident", "--max-num-seqs", "8"]
+    from radianced.model.rad import RadFile
+    with tempfile.TemporaryDirectory(dir="/var/tmp" if Path("/var/tmp").is_dir() else None) as d:
+        model = args.model
+        if model is None:
+            from tools.make_synthetic import make_synthetic
+            model = make_synthetic(Path(d) / "m.rad", layers=args.layers, zipf=1.0, progress=False)
+        vocab = RadFile.open(model).model.vocab_size
+        flags = ["--model", str(model), *flags]
+        result = {"flags": flags, "layers": args.layers}
+        cache = Path(d) / "kernels"
+        daemon, cold, said = start(flags, cache)
+        daemon.stop()
+        result["startup"] = {"cold_s": cold, "cold_log": said}
+        daemon, warm, said = start(flags, cache)
+        result["startup"].update(warm_s=warm, warm_log=said)
+        try:
+            result.update(asyncio.run(measure(daemon.url, args, vocab)))
+        finally:
+            result["exit"] = daemon.stop()
+            result["log_tail"] = daemon.log()[-4000:]
+    (args.out / "bench_served.json").write_text(json.dumps(result, indent=1))
+    t, s, pb = result["ttft"], result["sweep"], result["prefill_burst"]
+    print(f"start-up to ready: cold cache {cold:.1f} s, warm restart {warm:.1f} s")
+    for line in result["startup"]["warm_log"]:
+        print("   ", line[-200:])
+    for k in ("one", "one_ratio", "burst", "burst_ratio"):
+        v = t[k]
+        if v["n"]:
+            print(f"TTFT {k:12s} n={v['n']:4d} p50 {v['p50']:.3f} p99 {v['p99']:.3f} max {v['max']:.3f}")
+    print(f"failed requests: {t['failed']}; kernel builds while serving: {result['serving_builds']:.0f}")
+    print(f"c-sweep: c=1 {s[0]['tok_s']:.0f} tok/s, c=8 {s[1]['tok_s']:.0f} tok/s ({s[1]['tok_s'] / s[0]['tok_s']:.2f}x)")
+    i = pb["itl_all"]
+    print(f"prefill burst (8 x 2,000 tokens) under 4 decoding streams: ITL p50 {i['p50'] * 1e3:.1f} ms p99 "
+          f"{i['p99'] * 1e3:.1f} ms max {i['max'] * 1e3:.1f} ms ({i['p99'] / i['p50']:.2f}x); burst took "
+          f"{pb['burst_seconds']:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
