@@ -19,13 +19,18 @@ So `warm_up` serves, before ready, a bounded set of real requests through the
 engine (scheduler, batch, runner, sampler: the served path), random token ids:
 
 - one sequence of T tokens for T = 1, 2, 4, ... up to --max-num-batched-tokens
-  and the limit itself: a prefill step of each token bucket, then its decode;
+  and the limit itself, and one of T + 1: a prefill step of each token bucket,
+  then its decode (a hybrid model ends a prompt's first chunk on the last whole
+  block before its end, for its state checkpoint: T tokens run as T - 16 and 16
+  there, T + 1 as T and 1);
 - B one-token sequences together for B = 2 .. --max-num-seqs: the decode-shaped
   step of each sequence count (eager; decode graphs were captured already), then
   B decodes;
 - the same with every sampling feature on (temperature, top-k/p, min-p,
   penalties, logprobs, a seed) at B = 1 and 2, one greedy beside;
-- with --speculative, a repetitive prompt at B = 1 and 2, so verify steps run.
+- with --speculative, a repetitive prompt at B = 1 and 2, where n-gram drafts
+  find matches once the output repeats it (a verify step's shapes are a
+  prefill's: T tokens, logits at several rows, met above either way).
 
 Then it drops the prefix-cache blocks these left. `WarmupReport` is what the
 start-up log says. The GPU tests (tests/gpu/test_no_compile.py) hold the
@@ -75,14 +80,17 @@ def token_buckets(limit: int) -> list[int]:
 
 def plan_rounds(max_batched_tokens: int, max_num_seqs: int, max_model_len: int, speculative: int) -> list[Round]:
     """The warm-up's requests (module docstring), each prompt fitting the context with room to decode."""
-    longest = min(max_batched_tokens, max_model_len - SPECULATIVE.max_tokens - 1)
-    rounds = [Round((t,), (GREEDY,)) for t in token_buckets(max(1, longest))]
+    room = max(1, max_model_len - SPECULATIVE.max_tokens - 1)  # the longest prompt that leaves room to decode
+    longest = min(max_batched_tokens, room)
+    lengths = sorted({n for t in token_buckets(longest) for n in (t, t + 1) if n <= room})
+    rounds = [Round((n,), (GREEDY,)) for n in lengths]
     rounds += [Round((1,) * b, (GREEDY,) * b) for b in range(2, max_num_seqs + 1)]
     rounds += [Round((5,), (SAMPLED,))]
     if max_num_seqs >= 2:
         rounds += [Round((5, 7), (SAMPLED, GREEDY))]
     if speculative:
-        rounds += [Round((48,) * b, (SPECULATIVE,) * b, repetitive=True) for b in range(1, min(2, max_num_seqs) + 1)]
+        n = min(48, longest)
+        rounds += [Round((n,) * b, (SPECULATIVE,) * b, repetitive=True) for b in range(1, min(2, max_num_seqs) + 1)]
     return rounds
 
 

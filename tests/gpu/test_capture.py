@@ -71,6 +71,7 @@ class _Leaky:
     def __init__(self, model, forwards: int):
         self.model = model
         self.cfg = model.cfg
+        self.mtp = model.mtp
         self.owners = [pinned_cycle() for _ in range(forwards)]
 
     def forward(self, batch, cache):
