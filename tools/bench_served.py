@@ -175,6 +175,7 @@ def main() -> int:
         result["startup"] = {"cold_s": cold, "cold_log": said}
         daemon, warm, said = start(flags, cache)
         result["startup"].update(warm_s=warm, warm_log=said)
+        print(f"start-up to ready: cold cache {cold:.1f} s, warm restart {warm:.1f} s", flush=True)
         try:
             result.update(asyncio.run(measure(daemon.url, args, vocab)))
         finally:
@@ -182,7 +183,6 @@ def main() -> int:
             result["log_tail"] = daemon.log()[-4000:]
     (args.out / "bench_served.json").write_text(json.dumps(result, indent=1))
     t, s, pb = result["ttft"], result["sweep"], result["prefill_burst"]
-    print(f"start-up to ready: cold cache {cold:.1f} s, warm restart {warm:.1f} s")
     for line in result["startup"]["warm_log"]:
         print("   ", line[-200:])
     for k in ("one", "one_ratio", "burst", "burst_ratio"):
