@@ -11,8 +11,8 @@ request goes over HTTP, streamed (`radianced.bench.client.stream_request`).
   then again on the same cache (a warm restart), and what the log says of warm-up;
 - TTFT: `--requests` prompts of lengths uniform in 1..4,000 one at a time, each
   followed by a second prompt of the same length and other tokens (never a prefix
-  hit); then `--bursts` bursts of 8 such prompts (lengths uniform in 1..500) and
-  their twins. p50 / p99 / max of the first TTFTs, and of first / twin, the ratio a
+  hit; each pair's length and TTFTs are kept); then `--bursts` bursts of 8 such
+  prompts (lengths uniform in 1..500) and their twins. p50 / p99 / max of the first TTFTs, and of first / twin, the ratio a
   kernel build on the request path would raise (target: p99 at most 1.2);
 - kernel builds while serving: /metrics' radiance_kernel_builds_total{phase=
   "serving"} before and after (target 0);
@@ -74,7 +74,7 @@ async def serving_builds(http: httpx.AsyncClient) -> float:
 
 async def ttft_rows(http, prompts: Prompts, requests: int, bursts: int) -> dict:
     rng = random.Random(1)
-    one, one_ratio = [], []
+    one, one_ratio, pairs = [], [], []
     for _ in range(requests):
         n = rng.randint(1, 4000)
         first = await stream_request(http, COMPLETIONS, completion_body(prompts(n), 1))
@@ -82,6 +82,7 @@ async def ttft_rows(http, prompts: Prompts, requests: int, bursts: int) -> dict:
         if first.ok and twin.ok:
             one.append(first.ttft_s)
             one_ratio.append(first.ttft_s / twin.ttft_s)
+            pairs.append((n, first.ttft_s, twin.ttft_s))
     burst, burst_ratio = [], []
     for _ in range(bursts):
         lengths = [rng.randint(1, 500) for _ in range(8)]
@@ -93,7 +94,7 @@ async def ttft_rows(http, prompts: Prompts, requests: int, bursts: int) -> dict:
             if a.ok and b.ok:
                 burst.append(a.ttft_s)
                 burst_ratio.append(a.ttft_s / b.ttft_s)
-    return {"one": summary(one), "one_ratio": summary(one_ratio), "burst": summary(burst),
+    return {"one": summary(one), "one_ratio": summary(one_ratio), "pairs": pairs, "burst": summary(burst),
             "burst_ratio": summary(burst_ratio), "failed": 2 * requests + 16 * bursts - 2 * len(one) - 2 * len(burst)}
 
 
