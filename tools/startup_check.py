@@ -1,0 +1,113 @@
+"""Issue 18's start-up check: the daemon's own build on a card filled to what it may use, per flag set.
+
+    python tools/startup_check.py --out DIR [--layers 4] [--spare-mib 24576] [--only NAME ...]
+
+For each flag combination (placement auto / resident / --deterministic, embedding
+placement vram / ram, decode graphs on / off with --enforce-eager) a fresh process
+takes the card as a user's neighbour might: it allocates a filler so that only
+--spare-mib stays free, then runs the daemon's start-up itself (`Daemon._build`:
+the receipt from what the card reports, the arena, the loader, the decode graphs,
+the warm-up of engine/warmup.py) with the flags left at their defaults otherwise,
+on a synthetic Qwen3-30B-A3B of --layers layers (tools/make_synthetic.py).
+
+Per combination: whether it started; the peak reserved by torch beyond the filler
+against the receipt's total (weights + workspace + state + elastic: target, at
+most that); allocated after start-up beyond the filler against weights + state +
+the arena's allocation + the graph pool (the receipt's workspace line for it),
+the gap in MiB (target: within 1 MiB); the seconds to build and warm up.
+Writes DIR/startup_check.json; prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MiB = 2**20
+COMBOS = {f"{p}-emb_{e}-{g}": flags for p, pf in (("auto", []), ("resident", ["--placement", "resident"]),
+                                                  ("deterministic", ["--deterministic"]))
+          for e in ("vram", "ram") for g, gf in (("graphs", []), ("eager", ["--enforce-eager"]))
+          for flags in [[*pf, "--embedding-placement", e, *gf]]}
+
+
+def child(model: str, flags: list[str], spare_mib: int) -> dict:
+    """In a fresh process: fill the card to `spare_mib` free, build as the daemon does, measure."""
+    import time
+
+    import torch
+
+    from radianced.config import Config, add_flags
+    from radianced.daemon import Daemon
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    cfg = Config.from_args(parser.parse_args(["--model", model, *flags]))
+    torch.zeros(1, device="cuda")
+    free, _ = torch.cuda.mem_get_info()
+    filler = torch.empty(free - spare_mib * MiB, dtype=torch.uint8, device="cuda")
+    base_alloc = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    daemon = Daemon(cfg)
+    t0 = time.monotonic()
+    try:
+        engine = daemon._build()
+    except Exception as e:  # the row says why it did not start
+        return {"started": False, "error": f"{type(e).__name__}: {e}"[:600]}
+    seconds = time.monotonic() - t0
+    torch.cuda.synchronize()
+    r = engine.receipt
+    graph_pool = sum(p.bytes for p in r.workspace if "graph" in p.name)
+    expected = r.weights_bytes + r.state_bytes + r.arena_alloc_bytes + graph_pool
+    allocated = torch.cuda.memory_allocated() - base_alloc
+    peak = torch.cuda.max_memory_reserved() - filler.numel()
+    total = r.weights_bytes + r.workspace_bytes + r.state_bytes + r.elastic
+    return {"started": True, "seconds": seconds, "receipt": daemon.receipt,
+            "peak_reserved_bytes": peak, "receipt_total_bytes": total, "peak_within_receipt": peak <= total,
+            "allocated_bytes": allocated, "expected_allocated_bytes": expected,
+            "allocated_gap_mib": (allocated - expected) / MiB, "within_1_mib": abs(allocated - expected) <= MiB,
+            "warm_up": [ln for ln in daemon.receipt if ln.startswith("kernel cache")]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--spare-mib", type=int, default=24576)
+    ap.add_argument("--only", nargs="*", choices=sorted(COMBOS))
+    ap.add_argument("--child", nargs=2, metavar=("MODEL", "NAME"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child[0], COMBOS[args.child[1]], args.spare_mib)))
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    from tools.make_synthetic import make_synthetic
+    rows = {}
+    with tempfile.TemporaryDirectory(dir="/var/tmp" if Path("/var/tmp").is_dir() else None) as d:
+        model = make_synthetic(Path(d) / "m.rad", layers=args.layers, zipf=1.0, progress=False)
+        for name in args.only or COMBOS:
+            run = subprocess.run([sys.executable, __file__, "--child", str(model), name, "--spare-mib",
+                                  str(args.spare_mib)], capture_output=True, text=True, timeout=300)
+            lines = run.stdout.strip().splitlines()
+            rows[name] = json.loads(lines[-1]) if run.returncode == 0 and lines else {
+                "started": False, "error": f"exit {run.returncode}: {run.stderr[-600:]}"}
+            r = rows[name]
+            if r["started"]:
+                print(f"{name:34s} started in {r['seconds']:5.1f} s; peak reserved {r['peak_reserved_bytes'] / MiB:9.1f}"
+                      f" MiB of {r['receipt_total_bytes'] / MiB:9.1f} ({'ok' if r['peak_within_receipt'] else 'OVER'});"
+                      f" allocated - receipt {r['allocated_gap_mib']:+.2f} MiB", flush=True)
+            else:
+                print(f"{name:34s} DID NOT START: {r['error'][:300]}", flush=True)
+            (args.out / "startup_check.json").write_text(json.dumps({"layers": args.layers,
+                                                                     "spare_mib": args.spare_mib, "rows": rows},
+                                                                    indent=1))
+    return 0 if all(r["started"] and r["peak_within_receipt"] for r in rows.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
