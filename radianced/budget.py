@@ -369,7 +369,7 @@ def _fixes(card: Card, facts: ModelFacts, cfg: Config) -> list[str]:
     v = search("max_num_batched_tokens", cfg.decode_tokens, cfg.max_num_batched_tokens - 1, True)
     if v is not None:
         out.append(f"--max-num-batched-tokens {v}")
-    if cfg.embedding_placement_on(card.cuda) == "vram" and fits(embedding_placement="ram"):
+    if cfg.embedding_table == "vram" and fits(embedding_placement="ram"):
         out.append("--embedding-placement ram")
     if cfg.gpu_memory_mib is not None:
         v = search("gpu_memory_mib", cfg.gpu_memory_mib + 1, card.total_bytes // MiB, False)

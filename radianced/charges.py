@@ -5,8 +5,7 @@ headroom first and divides what is left (`FixedCharges.elastic`) by placement mo
 
 - **Headroom**: `--gpu-headroom-mib`, or card - `--gpu-memory-mib`.
 - **Resident weights** by class (`WEIGHT_CLASSES`), as stored. Embeddings go where
-  `Config.embedding_placement_on` says (the flag, else vram on a GPU, ram on the
-  CPU backend): on the card, or pinned in host RAM with the step's rows gathered
+  `Config.embedding_table` says (the flag, else ram): on the card, or pinned in host RAM with the step's rows gathered
   over the link (kernels/embedding.py); a tied lm_head keeps the one copy on the
   card either way. The loader places exactly this (model/loader.py `load_plan`).
   The MTP head is loaded only when it drafts (`--speculative-method mtp`).
@@ -103,7 +102,7 @@ def _weights(facts: ModelFacts, cfg: Config, cuda: bool) -> tuple[tuple[Part, ..
         n = w[c]
         if c == "embeddings":
             if n and not tied:  # tied: lookups read the lm_head's copy on the card
-                (host if cfg.embedding_placement_on(cuda) == "ram" else card).append(
+                (host if cfg.embedding_table == "ram" else card).append(
                     Part(c, n, ", ".join((_embedding_reason(cfg, cuda),) + _compact_formats(facts, c))))
             continue
         if c == "lm_head" and tied:
@@ -122,12 +121,11 @@ def _weights(facts: ModelFacts, cfg: Config, cuda: bool) -> tuple[tuple[Part, ..
 
 def _embedding_reason(cfg: Config, cuda: bool) -> str:
     """The receipt's word on the embedding placement in effect: the flag, or why the default is what it is."""
-    placement = cfg.embedding_placement_on(cuda)
     if cfg.embedding_placement is not None:
-        return f"--embedding-placement {placement}"
+        return f"--embedding-placement {cfg.embedding_placement}"
     if cuda:
-        return "--embedding-placement vram, the default on a GPU until ram is measured there"
-    return "--embedding-placement ram, the default on the CPU backend"
+        return "--embedding-placement ram, the default: the step's rows read over the link"
+    return "--embedding-placement ram, the default"
 
 
 def _compact_formats(facts: ModelFacts, cls: str) -> tuple[str, ...]:

@@ -394,7 +394,7 @@ def test_the_fixed_part_of_tiny_moe_leaves_the_rest_elastic():
     fixed = fixed_charges(Card(free, free), facts, cfg, (PagingGroup("kv_attn", 3, 16, 16 * 768),), 256)
     assert (fixed.headroom, fixed.headroom_flag, fixed.elastic) == (0, "--gpu-headroom-mib 0", 1000)
     assert fixed.host_weights == (
-        Part("embeddings", 400 * 64 * 4, "--embedding-placement ram, the default on the CPU backend"),)
+        Part("embeddings", 400 * 64 * 4, "--embedding-placement ram, the default"),)
     assert fixed.idle_weights == ()
     assert [p.name for p in fixed.workspace] == ["logits", "activations", "graph pool", "libraries"]
     # 2 seqs x 16 blocks of a 256-token sequence x int32; 3 MoE layers x 8 experts x int64

@@ -1,7 +1,7 @@
 """The receipt's embedding lines: where the table is charged, and the reason the line gives.
 
-The flag wins; without it a GPU card charges the table to the card (`vram`, the placement
-the GPU checks have run, until `ram` is measured there) and the CPU backend to host RAM.
+The flag wins; without it the table is charged to host RAM (`ram`, SPEC §2: on the H200 its rows cost a
+decode step what they cost from the card), on a GPU card and on the CPU backend alike.
 A tied table is the lm_head's one copy on the card whatever the flag, and says so.
 """
 
@@ -36,8 +36,8 @@ def _embeddings(parts) -> list[Part]:
 
 
 @pytest.mark.parametrize("cuda,flag,where,reason", [
-    (True, None, "card", "--embedding-placement vram, the default on a GPU until ram is measured there"),
-    (False, None, "host", "--embedding-placement ram, the default on the CPU backend"),
+    (True, None, "host", "--embedding-placement ram, the default: the step's rows read over the link"),
+    (False, None, "host", "--embedding-placement ram, the default"),
     (True, "ram", "host", "--embedding-placement ram"),
     (True, "vram", "card", "--embedding-placement vram"),
     (False, "vram", "card", "--embedding-placement vram"),

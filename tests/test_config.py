@@ -18,7 +18,7 @@ def test_defaults_are_the_documented_ones():
     assert c == Config()
     assert (c.model, c.max_model_len, c.placement, c.embedding_placement, c.kv_cache_dtype) == \
         (None, 0, "auto", None, "auto")
-    assert (c.embedding_placement_on(cuda=True), c.embedding_placement_on(cuda=False)) == ("vram", "ram")
+    assert c.embedding_table == "ram"
     assert c.headroom_mib == DEFAULT_HEADROOM_MIB == 96
     assert c.headroom_bytes(8192 * MiB) == 96 * MiB
     assert c.lending and c.state_copies == 1 and c.decode_tokens == c.max_num_seqs
@@ -38,7 +38,7 @@ def test_every_card_split_flag_parses_into_its_field():
     assert (c.host, c.port, c.http_socket, c.control_socket, c.api_key, c.max_queue, c.served_model_name) == \
         ("0.0.0.0", 9000, "/run/r.sock", "/run/c.sock", "k", 10, "qwen")
     assert not c.lending  # --deterministic turns lending off
-    assert c.embedding_placement_on(cuda=False) == "vram"  # the flag beats the CPU backend's default
+    assert c.embedding_table == "vram"  # the flag beats the default
 
 
 def test_gpu_memory_mib_is_the_headroom_written_as_a_claim():

@@ -215,7 +215,7 @@ class Engine:
         m = rad.model
         cuda = torch.device(device).type == "cuda"
         mtp = _drafts_with_mtp(cfg, m.num_mtp_layers)
-        model = load_model(rad, device, experts=experts, embedding_placement=cfg.embedding_placement_on(cuda),
+        model = load_model(rad, device, experts=experts, embedding_placement=cfg.embedding_table,
                            mtp=mtp)
         if cuda:
             log.info(f"weights loaded: {model.placed.device_bytes / MiB:.2f} MiB on the card, "

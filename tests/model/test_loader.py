@@ -53,7 +53,7 @@ def test_the_plan_puts_on_the_card_what_the_receipt_charges_there(tiny_rads, fam
     tied = rad.model.tie_word_embeddings
     for flags in COMBINATIONS:
         cfg, receipt = _receipt(rad, flags)
-        p = load_plan(rad, cfg.embedding_placement_on(cuda=True), "cuda")
+        p = load_plan(rad, cfg.embedding_table, "cuda")
         assert _by_class(rad, p.device, tied) == {part.name: part.bytes for part in receipt.weights}, flags
         assert sum(rad.tensor_entry(n).nbytes for n in p.device) == receipt.weights_bytes
         host = {part.name: part.bytes for part in receipt.host_weights if part.name == "embeddings"}
