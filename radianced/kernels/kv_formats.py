@@ -156,3 +156,5 @@ KV_FORMATS = {
                        f"K fp8 E4M3 with an fp16 scale per token and head, V int4 with {_INT}; {_K}; {_V4}"),
     "k6_v4": KVFormat("k6_v4", INT6_DELTA, INT4_ROTATED, f"K int6 and V int4, {_INT}; {_K}; {_V4}"),
 }
+# The formats the Triton kernels store and read (kernels/kv_fp8.py); the others run on the CPU only.
+TRITON_KV_DTYPES = ("fp8",)

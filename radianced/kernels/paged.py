@@ -21,10 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from radianced.kernels.kv_formats import FP8, FP8_DELTA, KV_FORMATS
+from radianced.kernels.kv_formats import FP8, FP8_DELTA, KV_FORMATS, TRITON_KV_DTYPES
 from radianced.kernels.kv_quant import KVPlane
-
-TRITON_KV_DTYPES = ("fp8",)  # the `--kv-cache-dtype`s other than auto that the Triton kernels store and read
 
 
 @triton.jit
@@ -100,4 +98,4 @@ def cache_views(k_cache: torch.Tensor | KVPlane, v_cache: torch.Tensor | KVPlane
     return CacheViews(k_cache.codes, v_cache.codes, k_cache.scales, v_cache.scales)
 
 
-__all__ = ["CacheViews", "TRITON_KV_DTYPES", "cache_views", "check_cache", "check_kv_write", "slot_offset"]
+__all__ = ["CacheViews", "cache_views", "check_cache", "check_kv_write", "slot_offset"]
