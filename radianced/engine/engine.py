@@ -40,6 +40,7 @@ from radianced.engine.scheduler import Scheduler, SeqEvent
 from radianced.engine.drafting import DraftPlanner
 from radianced.engine.speculation import TOKEN_COST, DraftPolicy, mtp_drafts, ngram_drafts
 from radianced.kernels import ops
+from radianced.kernels.kv_formats import TRITON_KV_DTYPES
 from radianced.kv.blocks import BlockAllocator
 from radianced.kv.cache import KVCache, RecurrentState, kv_format
 from radianced.kv.prefix import PrefixCache
@@ -177,8 +178,9 @@ class Engine:
         """
         m = rad.model
         if torch.device(device).type == "cuda" and cfg.kv_cache_dtype != "auto":
-            raise ConfigError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: not yet supported on CUDA (the Triton "
-                              "attention reads auto caches only so far); use auto, or run on the CPU")
+            raise ConfigError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: not yet supported on CUDA (Triton kernels "
+                              f"for {', '.join(TRITON_KV_DTYPES)} are written and await a check on a device; the "
+                              "others have none yet); use auto, or run on the CPU")
         ops.select(device, deterministic=cfg.deterministic)  # once, before the model loads
         receipt = budget.plan(card or detect_card(device), ModelFacts.from_header(rad.header), cfg)
         for line in receipt.lines():

@@ -31,6 +31,10 @@ The result is the same bits as
 `rope.rotary_write_kv` then `paged_attention`, which is what it runs for any
 other step (prefill, chunks, mixed batches).
 
+An fp8 cache (`--kv-cache-dtype fp8`) is read and written by the same launches:
+its codes stand where the values stand, and kernels/kv_fp8.py quantizes on the
+store and folds the per-token scales into the logits and into P.
+
 Softmax runs in fp32 with exp2 (the scale is folded with log2 e); products
 accumulate in fp32; fp32 inputs use IEEE products (no tf32).
 """
@@ -44,8 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
-from radianced.kernels import pdl, reference, rope
-from radianced.kernels.paged import check_cache, check_kv_write, slot_offset
+from radianced.kernels import kv_fp8, pdl, reference, rope
+from radianced.kernels.kv_quant import KVPlane
+from radianced.kernels.paged import CacheViews, cache_views, check_cache, check_kv_write, slot_offset
 
 LOG2E = 1.4426950408889634
 # Bounds on the split-KV (flash-decoding) heuristic. A split's keys are a whole number of BLOCK_N
@@ -117,6 +122,28 @@ def _find_seq(query_start_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
+@triton.jit
+def _store_fp8_token(k_new, v_new, slot, k_dst, v_dst, ks_ptr, vs_ptr, kvh, blocks_per_page, d, d_ok,
+                     stride_ks, stride_ksp, stride_ksn, stride_kss, stride_ksh,
+                     stride_vsp, stride_vsn, stride_vss, stride_vsh, dtype: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The decode prologue's store into an fp8 cache: k_new fp32 [1, BLOCK_D] rounded to `dtype` (as
+    `rotary_write_kv` rounds it) and stored as its residual from its block's first token (written by
+    an earlier launch, read back: a decode step writes one token of a block), v_new [BLOCK_D] as itself;
+    k_dst, v_dst: the codes of this token and KV head."""
+    one = tl.arange(0, 1)
+    ks_dst = ks_ptr + slot_offset(slot, blocks_per_page, stride_ksp, stride_ksn, stride_kss, BLOCK_SIZE) \
+        + kvh * stride_ksh
+    k_new = k_new.to(dtype).to(tl.float32)
+    off = slot % BLOCK_SIZE
+    if off > 0:
+        k_new = k_new - kv_fp8.load_rows(k_dst - off * stride_ks + one, ks_dst - off * stride_kss + one, one < 1, d,
+                                         d_ok)
+    kv_fp8.store_rows(k_new, k_dst + one, ks_dst + one, one < 1, d, d_ok)
+    vs_dst = vs_ptr + slot_offset(slot, blocks_per_page, stride_vsp, stride_vsn, stride_vss, BLOCK_SIZE) \
+        + kvh * stride_vsh
+    kv_fp8.store_rows(v_new.to(tl.float32)[None, :], v_dst + one, vs_dst + one, one < 1, d, d_ok)
+
+
 @triton.jit(do_not_specialize=COUNTS)
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
@@ -128,18 +155,21 @@ def _paged_attention_kernel(
     stride_bt,
     k_new_ptr, v_new_ptr, slot_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, eps,
     stride_knt, stride_knh, stride_vnt, stride_vnh,
+    ks_ptr, vs_ptr, stride_ksp, stride_ksn, stride_kss, stride_ksh, stride_vsp, stride_vsn, stride_vss, stride_vsh,
     Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr,
     ROT: tl.constexpr, NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr, LIBDEVICE: tl.constexpr,
-    PDL: tl.constexpr,
+    KV_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     """DECODE: one query row per sequence, tile b is sequence b's; q is the unrotated projection
     (k_new, v_new: the new token's k and v), rotated here, and the program whose keys hold the
     new token (the last, seq_len - 1) first stores its k and v at slot_mapping[b] (< 0: no write).
     Otherwise q is rotated and every key is in the cache; the k_new .. stride_vnh arguments and
-    ROT .. LIBDEVICE are unused."""
+    ROT .. LIBDEVICE are unused. KV_FP8: k_ptr, v_ptr hold E4M3 codes, ks_ptr, vs_ptr their fp16
+    scales (kernels/kv_fp8.py: the new token's K stored as its residual from its block's first
+    token, which an earlier launch wrote; the loop folds the scales into the logits and P)."""
     pdl.wait(PDL)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -171,7 +201,7 @@ def _paged_attention_kernel(
     if DECODE:
         pos = tl.load(pos_ptr + b)
         q = rope.rotate_rows(q_src, row_ok, pos, inv_freq_ptr, qw_ptr, eps, HEAD_DIM, ROT, BLOCK_D, NORM,
-                             ZERO_CENTRED, LIBDEVICE).to(k_ptr.dtype.element_ty)  # as rotary_write_kv rounds it
+                             ZERO_CENTRED, LIBDEVICE).to(out_ptr.dtype.element_ty)  # as rotary_write_kv rounds it
     else:
         q = tl.load(q_src[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
 
@@ -196,11 +226,17 @@ def _paged_attention_kernel(
                                          NORM, ZERO_CENTRED, LIBDEVICE)  # [1, BLOCK_D]
                 k_dst = k_ptr + slot_offset(slot, blocks_per_page, stride_kp, stride_kn, stride_ks, BLOCK_SIZE) \
                     + kvh * stride_kh
-                tl.store(k_dst + d[None, :], k_new.to(k_ptr.dtype.element_ty), mask=d_ok[None, :])
-                v_new = tl.load(v_new_ptr + b64 * stride_vnt + kvh * stride_vnh + d, mask=d_ok)
+                v_new = tl.load(v_new_ptr + b64 * stride_vnt + kvh * stride_vnh + d, mask=d_ok, other=0.0)
                 v_dst = v_ptr + slot_offset(slot, blocks_per_page, stride_vp, stride_vn, stride_vs, BLOCK_SIZE) \
                     + kvh * stride_vh
-                tl.store(v_dst + d, v_new.to(v_ptr.dtype.element_ty), mask=d_ok)
+                if KV_FP8:
+                    _store_fp8_token(k_new, v_new, slot, k_dst, v_dst, ks_ptr, vs_ptr, kvh, blocks_per_page, d, d_ok,
+                                     stride_ks, stride_ksp, stride_ksn, stride_kss, stride_ksh,
+                                     stride_vsp, stride_vsn, stride_vss, stride_vsh, out_ptr.dtype.element_ty,
+                                     BLOCK_SIZE)
+                else:
+                    tl.store(k_dst + d[None, :], k_new.to(k_ptr.dtype.element_ty), mask=d_ok[None, :])
+                    tl.store(v_dst + d, v_new.to(v_ptr.dtype.element_ty), mask=d_ok)
                 tl.debug_barrier()
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked row gives p = 0, not NaN
@@ -216,16 +252,29 @@ def _paged_attention_kernel(
         k_off = page * stride_kp + in_page * stride_kn + slot * stride_ks + kvh * stride_kh
         v_off = page * stride_vp + in_page * stride_vn + slot * stride_vs + kvh * stride_vh
         kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        if KV_FP8:
+            k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0)  # [BLOCK_N, BLOCK_D] codes
+            v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0)
+            ks = tl.load(ks_ptr + page * stride_ksp + in_page * stride_ksn + slot * stride_kss + kvh * stride_ksh,
+                         mask=k_ok, other=0.0)
+            vs = tl.load(vs_ptr + page * stride_vsp + in_page * stride_vsn + slot * stride_vss + kvh * stride_vsh,
+                         mask=k_ok, other=0.0)
+            s = kv_fp8.key_logits(q, k, ks, slot, DOT_PRECISION, BLOCK_SIZE) * scale_log2
+        else:
+            k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         visible = k_ok[None, :] & (keys[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if KV_FP8:
+            p_v, v = kv_fp8.scaled_values(p, v, vs, q.dtype)
+        else:
+            p_v = p.to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p_v, v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -282,9 +331,10 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is the default and means nothing for bf16
 
 
-def _launch_paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, out,
+def _launch_paged_attention(q, views: CacheViews, block_tables, query_start, seq_lens, scale, out,
                             cfg: AttentionConfig, prologue: _Prologue | None = None) -> None:
     """prologue: a decode step (one query row per sequence, q unrotated), grid (B, Hkv, splits)."""
+    k_cache, v_cache = views.k, views.v
     t, hq, d = q.shape
     hkv, block_size = k_cache.shape[3], k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -313,11 +363,11 @@ def _launch_paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_
         scale * LOG2E, num_seqs, t, k_cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:4], *v_cache.stride()[:4],
-        block_tables.stride(0), *fused,
+        block_tables.stride(0), *fused, *views.scale_args(),
         Q_HEADS=hq, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
-        NUM_SPLITS=splits, DOT_PRECISION=_dot_precision(k_cache.dtype), **constexprs,
+        NUM_SPLITS=splits, DOT_PRECISION=_dot_precision(out.dtype), KV_FP8=views.fp8, **constexprs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(q.device, grid[0] * grid[1] * grid[2]))
     if splits > 1:
         _merge_splits_kernel[(t, hq)](part_o, part_lse, out, t, out.stride(0), out.stride(1),
@@ -340,9 +390,10 @@ def _as_device_ints(x: Sequence[int] | torch.Tensor, device: torch.device, name:
     return torch.tensor(list(x), dtype=torch.int32, device=device)
 
 
-def _check_attention(q: torch.Tensor, dtype: torch.dtype, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor) -> None:
-    """Raise ValueError unless q: [T, Hq, D] (`dtype` once rotated) fits the caches and block_tables."""
+def _check_attention(q: torch.Tensor, dtype: torch.dtype, views: CacheViews, block_tables: torch.Tensor) -> None:
+    """Raise ValueError unless q: [T, Hq, D] (`dtype` once rotated) fits the caches and block_tables (an
+    fp8 cache: its codes' shape)."""
+    k_cache, v_cache = views.k, views.v
     if q.dim() != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
     check_cache("k_cache", k_cache, q)
@@ -354,7 +405,7 @@ def _check_attention(q: torch.Tensor, dtype: torch.dtype, k_cache: torch.Tensor,
                          f"with head dim {d} (q)")
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
-    if k_cache.dtype != dtype or v_cache.dtype != dtype:
+    if not views.fp8 and (k_cache.dtype != dtype or v_cache.dtype != dtype):
         raise ValueError(f"cache dtype {k_cache.dtype}/{v_cache.dtype} differs from q's {dtype}")
     if block_tables.device != q.device or block_tables.dim() != 2:
         raise ValueError(f"block_tables must be [B, max_blocks] on {q.device}")
@@ -373,14 +424,16 @@ def _lengths(query_start: Sequence[int] | torch.Tensor, seq_lens: Sequence[int] 
     return qs, sl, max_seq_len
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | KVPlane, v_cache: torch.Tensor | KVPlane,
+                    block_tables: torch.Tensor,
                     query_start: Sequence[int] | torch.Tensor, seq_lens: Sequence[int] | torch.Tensor,
                     scale: float, *, num_splits: int | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged context (Triton).
 
     Same contract as `reference.paged_attention`:
     q: [T, Hq, D] (bf16, fp16 or fp32; head dim contiguous); k_cache, v_cache:
-    [P, N, S, Hkv, D] views in q's dtype, already holding every context token;
+    [P, N, S, Hkv, D] views in q's dtype, or an fp8 cache's `KVPlane`s (kernels/kv_fp8.py), already
+    holding every context token;
     block_tables: [B, max_blocks] int32/int64 on q's device; query_start: [B+1]
     and seq_lens: [B], host sequences or integer tensors on q's device (tensors
     avoid the small host -> device copy this makes otherwise, and let the call be
@@ -389,7 +442,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Hq must be a multiple of Hkv (GQA). Returns a new [T, Hq, D] tensor in q's dtype.
     `num_splits` overrides the split-KV heuristic (tests, benchmarks).
     """
-    _check_attention(q, q.dtype, k_cache, v_cache, block_tables)
+    views = cache_views(k_cache, v_cache)
+    _check_attention(q, q.dtype, views, block_tables)
     if q.stride(2) != 1:
         q = q.contiguous()
     qs, sl, max_seq_len = _lengths(query_start, seq_lens, block_tables, q.device)
@@ -397,13 +451,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     if t == 0 or sl.shape[0] == 0:
         return out
-    cfg = attention_config(t, sl.shape[0], hq, k_cache.shape[3], d, q.device, max_seq_len, num_splits)
-    _launch_paged_attention(q, k_cache, v_cache, block_tables, qs, sl, scale, out, cfg)
+    cfg = attention_config(t, sl.shape[0], hq, views.k.shape[3], d, q.device, max_seq_len, num_splits)
+    _launch_paged_attention(q, views, block_tables, qs, sl, scale, out, cfg)
     return out
 
 
 def rotary_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                           inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           inv_freq: torch.Tensor, k_cache: torch.Tensor | KVPlane, v_cache: torch.Tensor | KVPlane,
                            slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                            query_start: Sequence[int] | torch.Tensor, seq_lens: Sequence[int] | torch.Tensor,
                            scale: float, *, q_weight: torch.Tensor | None = None,
@@ -417,7 +471,8 @@ def rotary_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     (views of the projection, last dim contiguous), positions, inv_freq, q_weight, k_weight,
     eps, zero_centred as in `rope.rotary_write_kv`, the caches and slot_mapping [T] as there;
     block_tables, query_start, seq_lens, scale and num_splits as in `paged_attention`. Mutates
-    the caches at slot_mapping. Returns a new [T, Hq, D] tensor in the caches' dtype.
+    the caches at slot_mapping. Returns a new [T, Hq, D] tensor in the caches' dtype (an fp8
+    cache: the dtype q is rotated to).
 
     `decode`: every sequence has exactly one query row (query_start is 0, 1, ..., B), as the
     host knows from its own tuple (checked when query_start is a host sequence; a tensor is
@@ -433,9 +488,10 @@ def rotary_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         return paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale,
                                num_splits=num_splits)
     weights = rope.norm_weights("rotary_paged_attention", q_weight, k_weight)
-    check_kv_write(k_cache, v_cache, k, v, slot_mapping)
+    views = cache_views(k_cache, v_cache)
+    check_kv_write(views.k, views.v, k, v, slot_mapping)
     q, k, dtype = rope.check_rotary(q, k, positions, inv_freq, weights, zero_centred)
-    _check_attention(q, dtype, k_cache, v_cache, block_tables)
+    _check_attention(q, dtype, views, block_tables)
     if not isinstance(query_start, torch.Tensor):
         reference.check_decode(query_start)
     qs, sl, max_seq_len = _lengths(query_start, seq_lens, block_tables, q.device)
@@ -449,7 +505,7 @@ def rotary_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     v = v if v.stride(2) == 1 else v.contiguous()
     cfg = attention_config(t, t, hq, k_cache.shape[3], d, q.device, max_seq_len, num_splits)
     prologue = _Prologue(k, v, slot_mapping, positions, inv_freq, weights, eps, zero_centred)
-    _launch_paged_attention(q, k_cache, v_cache, block_tables, qs, sl, scale, out, cfg, prologue)
+    _launch_paged_attention(q, views, block_tables, qs, sl, scale, out, cfg, prologue)
     return out
 
 

@@ -6,13 +6,23 @@ tokens; block id b lives at page b // N, position b % N inside the page (see
 `reference.write_kv`). Views may be strided (the KV storage interleaves layers
 and K/V), only the head dim must be contiguous. A flat slot is block * S + offset;
 a slot < 0 (a padding row of the decode graphs) is written nowhere.
+
+A quantized cache (`--kv-cache-dtype`, kernels/kv_formats.py) comes as two
+`kv_quant.KVPlane`s; the kernels take its codes as the views above (uint8, the
+head dim's bytes contiguous) and its per-token scales beside them (`CacheViews`).
+Of the formats, only `fp8` has Triton kernels (kernels/kv_fp8.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+
+from radianced.kernels.kv_formats import FP8, FP8_DELTA, KV_FORMATS, TRITON_KV_DTYPES
+from radianced.kernels.kv_quant import KVPlane
 
 
 @triton.jit
@@ -47,4 +57,45 @@ def check_kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor
                          f"on {slot_mapping.device}")
 
 
-__all__ = ["check_cache", "check_kv_write", "slot_offset"]
+@dataclass(frozen=True)
+class CacheViews:
+    """A layer's K and V as the Triton kernels take them.
+
+    k, v: [P, N, S, Hkv, D] views: values in the activations' dtype (auto), or an fp8 cache's E4M3
+        codes as uint8 (K as the residual from its block's first token: kernels/kv_formats.py).
+    k_scales, v_scales: an fp8 cache's fp16 scales [P, N, S, Hkv, 1], one per token and head; None
+        for auto.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scales: torch.Tensor | None = None
+    v_scales: torch.Tensor | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.k_scales is not None
+
+    def scale_args(self) -> tuple:
+        """The kernels' scale arguments: the two scale views and their [P, N, S, Hkv] strides (auto: the
+        value views and zero strides, unused)."""
+        if self.k_scales is None:
+            return (self.k, self.v) + (0,) * 8
+        return (self.k_scales, self.v_scales, *self.k_scales.stride()[:4], *self.v_scales.stride()[:4])
+
+
+def cache_views(k_cache: torch.Tensor | KVPlane, v_cache: torch.Tensor | KVPlane) -> CacheViews:
+    """The views of a layer's caches (tensors: auto; `KVPlane`s: a quantized cache). ValueError for a
+    quantized format that has no Triton kernels yet, naming the ones that do."""
+    if not isinstance(k_cache, KVPlane) and not isinstance(v_cache, KVPlane):
+        return CacheViews(k_cache, v_cache)
+    if not isinstance(k_cache, KVPlane) or not isinstance(v_cache, KVPlane) or (k_cache.fmt, v_cache.fmt) != \
+            (FP8_DELTA, FP8):
+        name = next((f.name for f in KV_FORMATS.values() if (f.k, f.v) == (getattr(k_cache, "fmt", None),
+                                                                          getattr(v_cache, "fmt", None))), "mixed")
+        raise ValueError(f"kv cache dtype {name}: the Triton kernels store and read "
+                         f"{', '.join(TRITON_KV_DTYPES)} (and auto) only so far; run {name} on the CPU")
+    return CacheViews(k_cache.codes, v_cache.codes, k_cache.scales, v_cache.scales)
+
+
+__all__ = ["CacheViews", "cache_views", "check_cache", "check_kv_write", "slot_offset"]

@@ -39,8 +39,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from radianced.kernels import pdl
-from radianced.kernels.paged import check_kv_write, slot_offset
+from radianced.kernels import kv_fp8, pdl
+from radianced.kernels.kv_quant import KVPlane
+from radianced.kernels.paged import CacheViews, cache_views, check_kv_write, slot_offset
 
 # -- kernel ----------------------------------------------------------------------------------------
 
@@ -111,11 +112,17 @@ def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, pos_ptr, 
                    stride_qt, stride_qh, stride_kt, stride_kh,
                    v_ptr, v_cache_ptr, slot_ptr, blocks_per_page, stride_vt, stride_vh,
                    stride_kp, stride_kn, stride_ks, stride_kch, stride_vp, stride_vn, stride_vs, stride_vch,
+                   ks_ptr, vs_ptr, stride_ksp, stride_ksn, stride_kss, stride_ksh,
+                   stride_vsp, stride_vsn, stride_vss, stride_vsh,
                    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_KV: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, ROT: tl.constexpr, NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr,
-                   LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+                   LIBDEVICE: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr):
     """Program (t, 0) rotates q's token t, (t, 1) k's; WRITE_KV: k goes to its KV slot (k_out_ptr is
-    the K cache), and program (t, 2) copies v to its slot; a slot < 0 writes nothing."""
+    the K cache), and program (t, 2) copies v to its slot; a slot < 0 writes nothing. KV_FP8: the
+    caches hold E4M3 codes and ks_ptr, vs_ptr their fp16 scales (kernels/kv_fp8.py); k is rounded
+    to q_out's dtype (as `rotary_qk` returns it), then quantized as the residual from its block's
+    first token, which is row t - offset of this launch when that row's slot is the block's first
+    (recomputed here from its input: no race with its own program), else read from the cache."""
     pdl.wait(PDL)
     t = tl.program_id(0)
     which = tl.program_id(1)
@@ -131,9 +138,14 @@ def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, pos_ptr, 
             return
         if which == 2:
             mask = (h < k_heads)[:, None] & d_ok
-            v = tl.load(v_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+            v = tl.load(v_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
             v_dst = v_cache_ptr + slot_offset(slot, blocks_per_page, stride_vp, stride_vn, stride_vs, BLOCK_SIZE)
-            tl.store(v_dst + h[:, None] * stride_vch + d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            if KV_FP8:
+                vs_dst = vs_ptr + slot_offset(slot, blocks_per_page, stride_vsp, stride_vsn, stride_vss, BLOCK_SIZE)
+                kv_fp8.store_rows(v.to(tl.float32), v_dst + h * stride_vch, vs_dst + h * stride_vsh, h < k_heads, d,
+                                  d < D)
+            else:
+                tl.store(v_dst + h[:, None] * stride_vch + d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
             return
         k_dst = k_out_ptr + slot_offset(slot, blocks_per_page, stride_kp, stride_kn, stride_ks, BLOCK_SIZE)
         stride_kd = stride_kch
@@ -146,8 +158,24 @@ def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, pos_ptr, 
     else:
         x = rotate_rows(k_ptr + t64 * stride_kt + h * stride_kh, h < k_heads, pos, inv_freq_ptr, kw_ptr, eps,
                         D, ROT, BLOCK_D, NORM, ZERO_CENTRED, LIBDEVICE)
-        tl.store(k_dst + h[:, None] * stride_kd + d[None, :], x.to(k_out_ptr.dtype.element_ty),
-                 mask=(h < k_heads)[:, None] & d_ok)
+        if KV_FP8:
+            x = x.to(q_out_ptr.dtype.element_ty).to(tl.float32)
+            ks_dst = ks_ptr + slot_offset(slot, blocks_per_page, stride_ksp, stride_ksn, stride_kss, BLOCK_SIZE)
+            off = slot % BLOCK_SIZE
+            if off > 0:  # the residual from the block's first token
+                row = tl.maximum(t64 - off, 0)
+                if (t64 >= off) & (tl.load(slot_ptr + row) == slot - off):  # written by this launch: row t - off
+                    first = rotate_rows(k_ptr + row * stride_kt + h * stride_kh, h < k_heads, tl.load(pos_ptr + row),
+                                        inv_freq_ptr, kw_ptr, eps, D, ROT, BLOCK_D, NORM, ZERO_CENTRED, LIBDEVICE)
+                    codes, scale = kv_fp8.quantize_rows(first.to(q_out_ptr.dtype.element_ty).to(tl.float32))
+                    x = x - kv_fp8.dequantize_rows(codes, scale)
+                else:  # by an earlier launch
+                    x = x - kv_fp8.load_rows(k_dst - off * stride_ks + h * stride_kd, ks_dst - off * stride_kss
+                                             + h * stride_ksh, h < k_heads, d, d < D)
+            kv_fp8.store_rows(x, k_dst + h * stride_kd, ks_dst + h * stride_ksh, h < k_heads, d, d < D)
+        else:
+            tl.store(k_dst + h[:, None] * stride_kd + d[None, :], x.to(k_out_ptr.dtype.element_ty),
+                     mask=(h < k_heads)[:, None] & d_ok)
 
 
 # -- launcher --------------------------------------------------------------------------------------
@@ -204,18 +232,20 @@ def rotary_constexprs(inv_freq: torch.Tensor, weights: tuple | None, zero_centre
 
 def _launch(q: torch.Tensor, k: torch.Tensor | None, positions: torch.Tensor, inv_freq: torch.Tensor,
             weights: tuple[torch.Tensor, torch.Tensor] | None, eps: float, zero_centred: bool,
-            kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
-    """kv: (v, k_cache, v_cache, slot_mapping): k and v go to their KV slots (k is not returned)."""
+            kv: tuple[torch.Tensor, CacheViews, torch.Tensor] | None = None):
+    """kv: (v, the caches' views, slot_mapping): k and v go to their KV slots (k is not returned)."""
     one = k is None
     q, k, out_dtype = check_rotary(q, k, positions, inv_freq, weights, zero_centred)
     q_out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     if kv is not None:
-        v, k_cache, v_cache, slots = kv
+        v, views, slots = kv
         v = v if v.stride(2) == 1 else v.contiguous()
-        k_out = k_cache  # k's destination: its slots
+        k_out, v_cache = views.k, views.v  # k's destination: its slots
+        scales = views.scale_args()
     else:
         k_out = q_out if one else torch.empty(k.shape, dtype=out_dtype, device=q.device)
         v, v_cache, slots = q, q_out, positions  # unused without WRITE_KV
+        scales = (q_out, q_out) + (0,) * 8
     if q.shape[0] == 0:
         return q_out, k_out
     qw, kw = weights if weights is not None else (inv_freq, inv_freq)  # unused without NORM
@@ -227,9 +257,10 @@ def _launch(q: torch.Tensor, k: torch.Tensor | None, positions: torch.Tensor, in
     _rotary_kernel[grid](
         q, k, q_out, k_out, qw.contiguous(), kw.contiguous(), positions.contiguous(), inv_freq.contiguous(),
         q.shape[1], k.shape[1], eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v, v_cache, slots, k_out.shape[1] if kv is not None else 1, v.stride(0), v.stride(1), *caches,
+        v, v_cache, slots, k_out.shape[1] if kv is not None else 1, v.stride(0), v.stride(1), *caches, *scales,
         D=d, BLOCK_H=block_h, BLOCK_D=block_d, WRITE_KV=kv is not None,
         BLOCK_SIZE=k_out.shape[2] if kv is not None else 1, **rotary_constexprs(inv_freq, weights, zero_centred),
+        KV_FP8=kv is not None and kv[1].fp8,
         num_warps=4 if block_h * block_d <= 2048 else 8, **pdl.launch(q.device, grid[0] * grid[1]))
     return q_out, k_out
 
@@ -263,7 +294,8 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fre
 
 
 def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                    inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    inv_freq: torch.Tensor, k_cache: torch.Tensor | KVPlane, v_cache: torch.Tensor | KVPlane,
+                    slot_mapping: torch.Tensor,
                     q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 1e-6,
                     zero_centred: bool = False) -> torch.Tensor:
     """`rotary_qk`, then k and v stored at their KV slots, in one launch (Triton); returns q.
@@ -271,11 +303,15 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     Same contract as `reference.rotary_write_kv`: q, k, positions, inv_freq and the norms as
     in `rotary_qk`; v: [T, Hkv, D] like k; caches and slot_mapping [T] as in
     `reference.write_kv` (a slot < 0 writes nothing; slots distinct). The cache
-    holds k as `rotary_qk` returns it, cast to the cache's dtype.
+    holds k as `rotary_qk` returns it, cast to the cache's dtype; an fp8 cache (`KVPlane`s) the bytes
+    `KVPlane.store` writes for that k and v, quantized in this launch. There a sequence's new rows
+    must be consecutive with consecutive slots (the engine's steps are), so that a block's first
+    token written in this launch is the row `offset` rows up (kernels/kv_fp8.py).
     """
     weights = norm_weights("rotary_write_kv", q_weight, k_weight)
-    check_kv_write(k_cache, v_cache, k, v, slot_mapping)
-    return _launch(q, k, positions, inv_freq, weights, eps, zero_centred, (v, k_cache, v_cache, slot_mapping))[0]
+    views = cache_views(k_cache, v_cache)
+    check_kv_write(views.k, views.v, k, v, slot_mapping)
+    return _launch(q, k, positions, inv_freq, weights, eps, zero_centred, (v, views, slot_mapping))[0]
 
 
 __all__ = ["apply_rotary", "check_rotary", "norm_weights", "rotary_constexprs", "rotary_qk", "rotary_write_kv",

@@ -80,6 +80,36 @@ def _interpreter_rounds_bf16() -> None:
     interpreter.InterpreterBuilder.cast_impl = cast_impl
 
 
+def _interpreter_converts_fp8() -> None:
+    """Triton 3.7's interpreter converts to E4M3 (fp8e4nv) by rounding half up without carrying a
+    rounded-up mantissa into the exponent (1.9375 becomes 1.0); the GPU's `cvt.rn.satfinite` rounds
+    to nearest even. Convert to and from E4M3 through torch instead, which rounds as the GPU does
+    (the fp8 KV cache's bytes are tested bit for bit against torch's)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
+    if getattr(to_fp, "fp8_torch", False):
+        return
+    dtypes = {  # tl dtype: (torch dtype, torch dtype of its bits, numpy dtype of the interpreter's data)
+        tl.float8e4nv: (torch.float8_e4m3fn, torch.uint8, np.uint8), tl.float32: (torch.float32,) * 2 + (np.float32,),
+        tl.float16: (torch.float16,) * 2 + (np.float16,), tl.bfloat16: (torch.bfloat16, torch.int16, np.uint16)}
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        a, b = src.dtype.scalar, dst_type.scalar
+        if tl.float8e4nv not in (a, b):
+            return to_fp(self, src, dst_type, rounding_mode)
+        (a_torch, a_bits, _), (b_torch, b_bits, b_np) = dtypes[a], dtypes[b]
+        x = torch.from_numpy(np.ascontiguousarray(src.data)).view(a_bits).view(a_torch)  # ndim >= 1
+        y = x.to(b_torch).view(b_bits).numpy().view(b_np).reshape(np.shape(src.data))
+        return interpreter.TensorHandle(y, b)
+
+    create_fp_to_fp.fp8_torch = True
+    interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+
+
 if INTERPRET:
     _interpreter_multiplies_bf16()
     _interpreter_rounds_bf16()
+    _interpreter_converts_fp8()
