@@ -63,9 +63,11 @@ class Round:
 
 @dataclass(frozen=True)
 class WarmupReport:
-    rounds: int
-    steps: int
-    seconds: float
+    """What the warm-up did (the start-up log's line; the kernel builds are counted by kernels/compiles.py)."""
+
+    rounds: int  # `Round`s served, one after another
+    steps: int  # engine steps they took
+    seconds: float  # wall time of the whole warm-up
     tokens: int  # prompt tokens prefilled
 
 

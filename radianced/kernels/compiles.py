@@ -71,7 +71,7 @@ class CompileLog:
         build = Build(kernel, kind, self.phase, detail, time.monotonic())
         self.builds.append(build)
         if self.phase != "start-up":
-            log.warning("kernel %s %s while %s: %s", kind, kernel, self.phase, detail)
+            log.warning("kernel %s %s while %s: %s", kind, kernel, self.phase, detail[:400])
         for listener in self.listeners:
             listener(build)
 
