@@ -243,6 +243,7 @@ class Daemon:
             self.kernel_cache = use_kernel_cache()
             self.compiles = CompileLog.install()
             self.compiles.listeners.append(lambda b: self.metrics.add_kernel_build(b.phase, b.kind))
+            self.metrics.watch_cuda_allocator(torch.device("cuda", torch.cuda.current_device()))
         if device == "cpu" or "RADIANCED_CPU_THREADS" in os.environ:
             torch.set_num_threads(cpu_threads())
             log.info("torch CPU threads: %d", torch.get_num_threads())

@@ -11,7 +11,8 @@ request goes over HTTP, streamed (`radianced.bench.client.stream_request`).
   then again on the same cache (a warm restart), and what the log says of warm-up;
 - TTFT: `--requests` prompts of lengths uniform in 1..4,000 one at a time, each
   followed by a second prompt of the same length and other tokens (never a prefix
-  hit; each pair's length and TTFTs are kept); then `--bursts` bursts of 8 such
+  hit; each pair's length and TTFTs are kept, with the CUDA allocator's cudaMalloc,
+  cudaFree and retry counts during each, from /metrics); then `--bursts` bursts of 8 such
   prompts (lengths uniform in 1..500) and their twins. p50 / p99 / max of the first TTFTs, and of first / twin, the ratio a
   kernel build on the request path would raise (target: p99 at most 1.2);
 - kernel builds while serving: /metrics' radiance_kernel_builds_total{phase=
@@ -47,7 +48,7 @@ from radianced.bench.daemon_process import ChildDaemon  # noqa: E402
 from radianced.bench.scrape import Snapshot  # noqa: E402
 
 COMPLETIONS = "/v1/completions"
-BUILDS = "radiance_kernel_builds_total"
+BUILDS = "radiance_kernel_builds_total"  # a sample's name as /metrics writes it (Snapshot.values' keys)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -69,7 +70,21 @@ class Prompts:
 
 async def serving_builds(http: httpx.AsyncClient) -> float:
     snap = Snapshot.parse((await http.get("/metrics")).text)
-    return sum(v for k, v in snap.by_label(BUILDS, "phase").items() if k == "serving")
+    return sum(v for (name, labels), v in snap.values.items() if name == BUILDS and ("phase", "serving") in labels)
+
+
+async def allocator(http: httpx.AsyncClient) -> tuple[float, float, float]:
+    """torch's CUDA allocator counters (cudaMalloc, cudaFree, retries) from the daemon's /metrics."""
+    snap = Snapshot.parse((await http.get("/metrics")).text)
+    return tuple(snap.total(f"radiance_cuda_allocator_{n}") for n in ("mallocs", "frees", "retries"))
+
+
+async def timed_with_allocator(http, prompt: list[int]):
+    """One streamed request of one token, and what the allocator did meanwhile (mallocs, frees, retries)."""
+    before = await allocator(http)
+    sample = await stream_request(http, COMPLETIONS, completion_body(prompt, 1))
+    after = await allocator(http)
+    return sample, [a - b for a, b in zip(after, before)]
 
 
 async def ttft_rows(http, prompts: Prompts, requests: int, bursts: int) -> dict:
@@ -77,12 +92,13 @@ async def ttft_rows(http, prompts: Prompts, requests: int, bursts: int) -> dict:
     one, one_ratio, pairs = [], [], []
     for _ in range(requests):
         n = rng.randint(1, 4000)
-        first = await stream_request(http, COMPLETIONS, completion_body(prompts(n), 1))
-        twin = await stream_request(http, COMPLETIONS, completion_body(prompts(n), 1))
+        first, first_alloc = await timed_with_allocator(http, prompts(n))
+        twin, twin_alloc = await timed_with_allocator(http, prompts(n))
         if first.ok and twin.ok:
             one.append(first.ttft_s)
             one_ratio.append(first.ttft_s / twin.ttft_s)
-            pairs.append((n, first.ttft_s, twin.ttft_s))
+            pairs.append({"n": n, "first": first.ttft_s, "twin": twin.ttft_s, "first_allocator": first_alloc,
+                          "twin_allocator": twin_alloc})
     burst, burst_ratio = [], []
     for _ in range(bursts):
         lengths = [rng.randint(1, 500) for _ in range(8)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 # Buckets reach down to a millisecond: a small model on a big card decodes a token in ~2 ms.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -135,6 +136,10 @@ class Metrics:
             if position <= accepted:
                 self._accepted_at.labels(position=str(position)).inc()
 
+    def watch_cuda_allocator(self, device) -> None:
+        """Export torch's CUDA caching allocator counters (`CudaAllocator`), read at each scrape."""
+        self.registry.register(CudaAllocator(device))
+
     def add_kernel_build(self, phase: str, kind: str) -> None:
         self._kernel_builds.labels(phase=phase, kind=kind).inc()
 
@@ -159,3 +164,24 @@ class Metrics:
     def render(self) -> tuple[bytes, str]:
         """The text exposition format and its Content-Type, for GET /metrics."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class CudaAllocator:
+    """torch's CUDA caching allocator as counters, read from `torch.cuda.memory_stats` at each scrape:
+    its cudaMalloc and cudaFree calls, and its retries (a cudaMalloc that failed, so the allocator freed
+    its whole cache, which waits for the device, and tried again). On a card the arena fills, a step of a
+    shape the cache cannot serve pays for these on the request path; growing counts while serving say so."""
+
+    def __init__(self, device) -> None:
+        self.device = device
+
+    def collect(self):
+        import torch
+
+        stats = torch.cuda.memory_stats(self.device)
+        for name, key, help_text in (
+                ("radiance_cuda_allocator_mallocs", "num_device_alloc", "cudaMalloc calls by torch's allocator."),
+                ("radiance_cuda_allocator_frees", "num_device_free", "cudaFree calls by torch's allocator."),
+                ("radiance_cuda_allocator_retries", "num_alloc_retries",
+                 "Allocations that failed once, emptied the allocator's cache (a device sync) and retried.")):
+            yield CounterMetricFamily(name, help_text, value=stats.get(key, 0))

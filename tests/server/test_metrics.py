@@ -105,3 +105,26 @@ def test_the_kv_util_help_names_the_kv_dtype():
         text = Metrics(kv_dtype=kv_dtype).render()[0].decode()
         assert (f"# HELP radiance_kv_util Share of KV blocks in use (0 to 1); the KV cache in {kv_dtype} "
                 "(--kv-cache-dtype).") in text.splitlines()
+
+
+def test_kernel_builds_are_exported_as_zero_while_serving_from_the_start():
+    m = Metrics()
+    assert samples(m)[("radiance_kernel_builds_total", (("kind", "compile"), ("phase", "serving")))] == 0.0
+    m.add_kernel_build("start-up", "compile")
+    m.add_kernel_build("serving", "autotune")
+    s = samples(m)
+    assert s[("radiance_kernel_builds_total", (("kind", "compile"), ("phase", "start-up")))] == 1.0
+    assert s[("radiance_kernel_builds_total", (("kind", "autotune"), ("phase", "serving")))] == 1.0
+
+
+def test_the_cuda_allocator_counters_are_read_at_each_scrape(monkeypatch):
+    """No GPU here: torch.cuda.memory_stats stands in, and each scrape reads it anew."""
+    stats = {"num_device_alloc": 5, "num_device_free": 2, "num_alloc_retries": 0}
+    monkeypatch.setattr("torch.cuda.memory_stats", lambda device: dict(stats))
+    m = Metrics()
+    m.watch_cuda_allocator("cuda:0")
+    s = samples(m)
+    assert [s[(f"radiance_cuda_allocator_{n}_total", ())] for n in ("mallocs", "frees", "retries")] == [5, 2, 0]
+    stats.update(num_device_alloc=9, num_alloc_retries=1)
+    s = samples(m)
+    assert [s[(f"radiance_cuda_allocator_{n}_total", ())] for n in ("mallocs", "frees", "retries")] == [9, 2, 1]
