@@ -37,7 +37,8 @@ PRODUCTS = ("q8_0", "q4_0", "fp8_b128")  # dequantized by a bare product: the ve
 def compact(fmt: str, n: int = N, k: int = K, seed: int = 0) -> CompactWeight:
     w = torch.randn((n, k), generator=torch.Generator().manual_seed(seed)) * k ** -0.5
     if fmt == "q4_1":  # not a --quantize scheme: a GGUF's Q4_1 blocks, as gguf writes them
-        cw = CompactWeight(fmt, (n, k), torch.from_numpy(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1)))
+        blocks = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1)
+        cw = CompactWeight(fmt, (n, k), torch.from_numpy(blocks))
     else:
         cw = quantize(w, fmt)
     return cw.to(DEVICE)
