@@ -40,6 +40,26 @@ kernel, cuBLAS and the fp32 cast took 155 (4.38 against 4.01 TB/s).
 faster: then torch's F.linear, and the residual add, run instead
 (`reference.linear`), as they do above 16 rows (prefill: a real GEMM).
 The launch has no host sync (graph-capturable).
+
+Compact weights (`CompactWeight` in q8_0, q4_0, q4_1 or fp8_b128: kernels/formats.py) are
+read as their bytes and dequantized in registers (kernels/weight_tiles.py, the format a
+constexpr), each tile in fp32 as `dequant.py` does, then rounded to x's dtype before the
+products, as the reference rounds a dequantized weight: within fp32 rounding of
+`reference.linear` on `CompactWeight.dequantize`. They have no cuBLAS path, so every T runs a
+kernel: the gemv at T = 1, the "dot" tiles above, and above 16 rows the same "dot" kernel with
+BLOCK_M rows a program over a second grid axis (up to 128; a tile-wise GEMM). That rather than
+dequantizing the whole matrix into a workspace per call and handing it to cuBLAS, because the
+rows past 16 are decode batches first (b32 is a graph-captured weight stream): q/k/v at
+2048 -> 5120 in q4_0 is 5.9 MB, where the workspace path reads it, writes the 21.0 MB bf16
+copy and cuBLAS reads that again (47.9 MB, 2.3x a bf16 weight's own bytes and 8x q4_0's), and
+the receipt would charge a workspace of the largest such matrix (and the decode graphs' pool
+a copy). The price is at long prefill: each M tile dequantizes the whole weight again (from
+L2), about 15 CUDA-core instructions and 2 gathered loads an element against 2 * BLOCK_M
+tensor-core FLOPs; at 4,096 rows that estimates to 32 passes x 10.5 M elements ~ 150 us of
+dequantization against ~90 us for the bf16 GEMM (85.9 GFLOP). Estimated, not measured:
+tests/gpu/test_linear_compact_gpu.py times T = 4,096 against bf16 cuBLAS, the number that
+would justify a workspace (or fp8 tensor-core) path above some T. RowStack weights ([q | k | v]
+of several formats) run one launch per part into column slices of one output.
 """
 
 from __future__ import annotations
@@ -47,17 +67,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from radianced.kernels import norm as norm_kernels
 from radianced.kernels import pdl
 from radianced.kernels import reference
+from radianced.kernels.compact import CompactWeight, RowStack
 from radianced.kernels.reference import Norm
+from radianced.kernels.weight_tiles import COMPACT_TILES, weight_tile
 
 SKINNY_MAX_ROWS = 16  # rows up to which the "dot" kernel runs: one 16-row tile (tl.dot's smallest M)
 ROW_BYTES_PER_STEP = 1024  # bytes of each weight row a "dot" program loads per K step (512 bf16 elements)
 CUBLAS_MIN_N = 4096  # from this many outputs cuBLAS beats the "dot" tiles at 1 < T <= 16
+COMPACT_MAX_BLOCK_M = 128  # rows a "dot" program takes of a compact weight's many-row GEMM
+COMPACT_MAX_BYTES = 2 ** 31  # weight_tiles.py's int32 byte offsets
 
 # -- heuristics ------------------------------------------------------------------------------------
 
@@ -69,16 +94,17 @@ class LinearConfig:
     num_warps: int
     num_stages: int
     kind: str = "dot"  # "dot": tensor-core tiles over a K loop; "gemv": whole rows in registers
+    block_m: int = SKINNY_MAX_ROWS  # "dot": rows of x per program (the grid's second axis covers T)
 
 
 GEMV_MAX_K = 8192  # "gemv" holds block_n whole weight rows in registers: K up to this
 GEMV_WIDE_N = 32768  # from this many outputs (an lm_head) a gemv program takes 4 rows, not 2
 
 
-def linear_config(t: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig | None:
-    """The kernel and tiles for T rows against an [N, K] weight of `dtype`, or None: torch's
-    F.linear (cuBLAS) does better. From the H200 sweep (tools/bench_kernels.py, Qwen3-30B-A3B's
-    q/k/v 2048 -> 5120, o_proj 4096 -> 2048 with the residual, router 2048 -> 128, bf16):
+def linear_config(t: int, n: int, k: int, dtype: torch.dtype, fmt: str | None = None) -> LinearConfig | None:
+    """The kernel and tiles for T rows against an [N, K] weight of `dtype` (or in compact format
+    `fmt`), or None: torch's F.linear (cuBLAS) does better. From the H200 sweep (tools/bench_kernels.py,
+    Qwen3-30B-A3B's q/k/v 2048 -> 5120, o_proj 4096 -> 2048 with the residual, router 2048 -> 128, bf16):
 
     - T = 1: "gemv", two rows a program, 8 warps: 7.7, 6.9 and 2.1 us, where cuBLAS takes 9.0,
       11.5 (with its separate add) and 5.3; the tensor-core tiles 9.2-9.7, 9.3-11 and 4.6-5.7.
@@ -90,13 +116,30 @@ def linear_config(t: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig | 
       9.4), so None. (Until session 5 this picked 512 bytes, 256 elements: o_proj 12.2 us, the
       router 6.0; bench/results/2026-11-29-h200-8e96349-kernels-linear-*.json.)
     - T > 16: None (prefill: a real GEMM).
+
+    A compact weight is never None (`_compact_config`).
     """
     if t == 1 and k <= GEMV_MAX_K:
         return LinearConfig(4 if n >= GEMV_WIDE_N else 2, 0, num_warps=8, num_stages=1, kind="gemv")
+    if fmt is not None:
+        return _compact_config(t, dtype)
     if t > SKINNY_MAX_ROWS or n >= CUBLAS_MIN_N:
         return None
     block_k = min(ROW_BYTES_PER_STEP // dtype.itemsize, max(16, triton.next_power_of_2(k)))
     return LinearConfig(16, block_k, num_warps=4, num_stages=3)
+
+
+def _compact_config(t: int, dtype: torch.dtype) -> LinearConfig:
+    """"dot" tiles for a compact weight at T > 1 (or K over GEMV_MAX_K). Not measured yet (no GPU was
+    lent when they were written; tests/gpu/test_linear_compact_gpu.py times them): up to 16 rows the
+    skinny tiles with 256-value K steps (each value dequantized in fp32 registers: half the dense
+    step's 512); above, BLOCK_M = next_pow2(T) up to COMPACT_MAX_BLOCK_M over 64 x 64 tiles, the
+    MoE kernel's prefill shape (kernels/moe.py `moe_config`), 8 warps at 128 rows."""
+    if t <= SKINNY_MAX_ROWS:
+        return LinearConfig(16, 256, num_warps=4, num_stages=3)
+    block_m = min(COMPACT_MAX_BLOCK_M, triton.next_power_of_2(t))
+    return LinearConfig(64, 64, num_warps=8 if block_m > 64 else 4,
+                        num_stages=2 if dtype == torch.float32 else 3, block_m=block_m)
 
 
 # -- kernel ----------------------------------------------------------------------------------------
@@ -105,10 +148,13 @@ def linear_config(t: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig | 
 @triton.jit(do_not_specialize=["num_rows"])
 def _linear_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, num_rows, n, k,
                    stride_x, stride_w, stride_b, stride_r, stride_o,
-                   HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                   FMT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """Program (i, j): outputs [j * BLOCK_M, +BLOCK_M) x [i * BLOCK_N, +BLOCK_N) over a K loop. FMT "":
+    the weight in x's dtype (rows `stride_w` apart); else `w_ptr` is a compact matrix's bytes, each
+    tile dequantized in fp32 (`weight_tile`) and rounded to x's dtype before the dot."""
     pdl.wait(PDL)
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < num_rows
     col_ok = cols < n
@@ -120,7 +166,11 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, num_rows, n, k,
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < k
         x = tl.load(x_row + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        w = tl.load(w_row + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        w_mask = col_ok[:, None] & k_ok[None, :]
+        if FMT == "":
+            w = tl.load(w_row + kk[None, :], mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K]
+        else:
+            w = weight_tile(w_ptr, cols, kk, w_mask, n, k, FMT).to(x.dtype)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols * stride_b, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -136,28 +186,33 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, num_rows, n, k,
 @triton.jit(do_not_specialize=["num_rows"])
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, norm_w_ptr, normed_ptr, num_rows, n, k, eps,
                  stride_x, stride_w, stride_b, stride_r, stride_o, stride_normed,
-                 HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
+                 FMT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
                  ZERO_CENTRED: tl.constexpr, KEEP_NORMED: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """CUDA-core products: a program loads its BLOCK_N whole weight rows at once (every load in
     flight together, no loop), then for each of the T rows of x multiplies and sums over K in fp32.
+    FMT: "" for a weight in x's dtype, else a compact format whose rows are dequantized in fp32
+    (`weight_tile`) and rounded to x's dtype, as the reference rounds them.
     NORM: each program RMS-normalizes x's whole row first, with kernels/norm.py's rounding steps
     (plain: `weight * round(x * rstd)`, zero-centred: `x * rstd * (1 + weight)`, each rounded to
     x's dtype); KEEP_NORMED: program 0 also stores the normed row. Under PDL the weight loads are
     issued before the grid wait: they overlap the previous kernel's tail. Results are rounded to
     x's dtype, then stored in out's."""
+    ty = x_ptr.dtype.element_ty
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n
     kk = tl.arange(0, BLOCK_K)
     k_ok = kk < k
-    w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_w + kk[None, :], mask=col_ok[:, None] & k_ok[None, :],
-                other=0.0)
+    w_mask = col_ok[:, None] & k_ok[None, :]
+    if FMT == "":
+        w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_w + kk[None, :], mask=w_mask, other=0.0)
+    else:
+        w = weight_tile(w_ptr, cols, kk, w_mask, n, k, FMT).to(ty)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols * stride_b, mask=col_ok, other=0.0).to(tl.float32)
     if NORM:
         norm_w = tl.load(norm_w_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
     pdl.wait(PDL)
-    ty = x_ptr.dtype.element_ty
     for t in range(num_rows):
         x = tl.load(x_ptr + t * stride_x + kk, mask=k_ok, other=0.0).to(tl.float32)
         if NORM:
@@ -179,88 +234,178 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, norm_w_ptr, normed_pt
         tl.store(out_ptr + t * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-# -- launcher --------------------------------------------------------------------------------------
+# -- launchers -------------------------------------------------------------------------------------
+
+Weight = torch.Tensor | CompactWeight
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None) -> None:
+def _operand(w: Weight) -> tuple[str, torch.Tensor, int]:
+    """(the kernels' FMT, the tensor w_ptr points at, its row stride): a compact weight's bytes (the
+    format addresses them itself), or the dense matrix."""
+    if isinstance(w, CompactWeight):
+        return w.fmt, w.data, 0
+    return "", w, w.stride(0)
+
+
+def _launch_gemv(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, residual: torch.Tensor | None,
+                 norm: Norm | None, keep_normed: bool, out: torch.Tensor, cfg: LinearConfig) -> torch.Tensor:
+    """The gemv kernel into out [T, N]; returns x's normed rows (a new tensor with `norm` and
+    `keep_normed`, else x)."""
+    t, k = x.shape
+    n = out.shape[1]
+    fmt, w_arg, stride_w = _operand(w)
+    fused = norm is not None
+    normed = torch.empty_like(x) if fused and keep_normed else x
+    programs = triton.cdiv(n, cfg.block_n)
+    _gemv_kernel[(programs,)](
+        x, w_arg, x if bias is None else bias, x if residual is None else residual, out,
+        norm[0] if fused else x, normed, t, n, k, norm[1] if fused else 0.0,
+        x.stride(0), stride_w, 0 if bias is None else bias.stride(0),
+        0 if residual is None else residual.stride(0), out.stride(0), normed.stride(0),
+        FMT=fmt, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, NORM=fused,
+        ZERO_CENTRED=fused and norm[2], KEEP_NORMED=fused and keep_normed, BLOCK_N=cfg.block_n,
+        BLOCK_K=triton.next_power_of_2(k), num_warps=cfg.num_warps, num_stages=1, **pdl.launch(x.device, programs),
+    )
+    return normed
+
+
+def _launch_dot(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, residual: torch.Tensor | None,
+                out: torch.Tensor, cfg: LinearConfig) -> None:
+    """The "dot" kernel into out [T, N] (rows may be strided: a column slice of a wider output)."""
+    t, k = x.shape
+    n = out.shape[1]
+    fmt, w_arg, stride_w = _operand(w)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(t, cfg.block_m))
+    _linear_kernel[grid](
+        x, w_arg, x if bias is None else bias, x if residual is None else residual, out, t, n, k,
+        x.stride(0), stride_w, 0 if bias is None else bias.stride(0),
+        0 if residual is None else residual.stride(0), out.stride(0),
+        FMT=fmt, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(x.device, grid[0] * grid[1]),
+    )
+
+
+def _project(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, residual: torch.Tensor | None,
+             out: torch.Tensor, cfg: LinearConfig | None) -> None:
+    """out [T, N] = residual + (x @ w^T + bias) by the kernel `cfg` (or `linear_config`) picks; where
+    that is torch's (a dense weight), its result copied in."""
+    t, k = x.shape
+    if t == 0:
+        return
+    cfg = cfg or linear_config(t, w.shape[0], k, x.dtype, _format(w))
+    if cfg is None:
+        out.copy_(reference.linear(x, w, bias, residual))
+    elif cfg.kind == "gemv" and k <= GEMV_MAX_K:
+        _launch_gemv(x, w, bias, residual, None, False, out, cfg)
+    else:
+        _launch_dot(x, w, bias, residual, out, cfg)
+
+
+def _format(w: Weight) -> str | None:
+    return w.fmt if isinstance(w, CompactWeight) else None
+
+
+def _check_weight(x: torch.Tensor, w: Weight) -> None:
+    k = x.shape[1]
+    if isinstance(w, CompactWeight):
+        if w.shape[1] != k:
+            raise ValueError(f"weight must be [N, K={k}], got a {w.fmt} matrix of shape {list(w.shape)}")
+        if w.fmt not in COMPACT_TILES:
+            raise ValueError(f"the Triton linear reads {', '.join(COMPACT_TILES)} weights, not {w.fmt} "
+                             f"({list(w.shape)}); convert with --quantize layers=int8, int4 or fp8")
+        if w.nbytes >= COMPACT_MAX_BYTES or not w.data.is_contiguous() or w.data.data_ptr() % 16:
+            raise ValueError(f"a {w.fmt} weight's bytes must be contiguous, 16-byte aligned and under 2^31 "
+                             f"(its scales are loaded as fp16 / fp32 at int32 offsets), got {w.nbytes} at "
+                             f"address {w.data.data_ptr():#x} strides {w.data.stride()}")
+        tensor = w.data
+    else:
+        if w.dim() != 2 or w.shape[1] != k or w.stride(1) != 1:
+            raise ValueError(f"weight must be [N, K={k}] with contiguous rows, got shape {tuple(w.shape)} "
+                             f"strides {w.stride()}")
+        if w.dtype != x.dtype:
+            raise ValueError(f"weight is {w.dtype}, x is {x.dtype}: all operands must share x's dtype")
+        tensor = w
+    if tensor.device != x.device:
+        raise ValueError(f"weight is on {tensor.device}, x on {x.device}")
+
+
+def _check(x: torch.Tensor, parts: tuple[Weight, ...], bias: torch.Tensor | None, residual: torch.Tensor | None,
+           norm: Norm | None) -> None:
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [T, K] with a contiguous last dim, got shape {tuple(x.shape)} "
                          f"strides {x.stride()}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x dtype {x.dtype} is not supported (bf16, fp16, fp32)")
     t, k = x.shape
-    if weight.dim() != 2 or weight.shape[1] != k or weight.stride(1) != 1:
-        raise ValueError(f"weight must be [N, K={k}] with contiguous rows, got shape {tuple(weight.shape)} "
-                         f"strides {weight.stride()}")
-    n = weight.shape[0]
+    for w in parts:
+        _check_weight(x, w)
+    n = sum(w.shape[0] for w in parts)
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"bias must be [N={n}], got shape {tuple(bias.shape)}")
     if residual is not None and (tuple(residual.shape) != (t, n) or residual.stride(1) != 1):
         raise ValueError(f"residual must be [T={t}, N={n}] with a contiguous last dim, got shape "
                          f"{tuple(residual.shape)} strides {residual.stride()}")
-    for name, tensor in (("weight", weight), ("bias", bias), ("residual", residual)):
+    for name, tensor in (("bias", bias), ("residual", residual)):
         if tensor is None:
             continue
         if tensor.device != x.device:
             raise ValueError(f"{name} is on {tensor.device}, x on {x.device}")
         if tensor.dtype != x.dtype:
             raise ValueError(f"{name} is {tensor.dtype}, x is {x.dtype}: all operands must share x's dtype")
+    if norm is not None and (norm[0].shape != (k,) or norm[0].dtype != x.dtype or norm[0].device != x.device):
+        raise ValueError(f"the norm weight must be [K={k}] {x.dtype} on {x.device}, got "
+                         f"{tuple(norm[0].shape)} {norm[0].dtype} on {norm[0].device}")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor | CompactWeight | RowStack, bias: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, norm: Norm | None = None, keep_normed: bool = False, *,
            out_dtype: torch.dtype | None = None,
            cfg: LinearConfig | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """`residual + (rms_norm(x) @ weight^T + bias)` (Triton for T <= SKINNY_MAX_ROWS, else torch);
+    """`residual + (rms_norm(x) @ weight^T + bias)` (Triton, or torch where `linear_config` says);
     contract of `reference.linear`.
 
-    x: [T, K] (last dim contiguous); weight: [N, K] (rows contiguous); bias: [N] or
-    None; residual: [T, N] (last dim contiguous) or None; norm: (weight [K] in x's
-    dtype, eps, zero_centred) or None; one dtype for all. Returns a new [T, N] in
-    x's dtype (its values rounded to x's dtype, stored as `out_dtype` when given),
-    or (that, the normed x) with `keep_normed`. The gemv kernel does the norm in
-    the same launch; the other paths run kernels/norm.py's first.
-    `cfg` overrides `linear_config` (benchmarks).
+    x: [T, K] (last dim contiguous); weight: [N, K] in x's dtype (rows contiguous), a
+    `CompactWeight` (q8_0, q4_0, q4_1, fp8_b128; its bytes on x's device, 16-byte aligned), or a
+    `RowStack` of those (one launch per part, into its columns); bias: [N] or None; residual:
+    [T, N] (last dim contiguous) or None; norm: (weight [K] in x's dtype, eps, zero_centred) or
+    None; one dtype for all dense operands. Returns a new [T, N] in x's dtype (its values rounded
+    to x's dtype, stored as `out_dtype` when given), or (that, the normed x) with `keep_normed`.
+    The gemv kernel does the norm in the same launch (one weight, T = 1); the other paths run
+    kernels/norm.py's first. `cfg` overrides `linear_config` (benchmarks; for every part).
     """
-    _check(x, weight, bias, residual)
-    if norm is not None and (norm[0].shape != (x.shape[1],) or norm[0].dtype != x.dtype
-                             or norm[0].device != x.device):
-        raise ValueError(f"the norm weight must be [K={x.shape[1]}] {x.dtype} on {x.device}, got "
-                         f"{tuple(norm[0].shape)} {norm[0].dtype} on {norm[0].device}")
+    parts = weight.parts if isinstance(weight, RowStack) else (weight,)
+    _check(x, parts, bias, residual, norm)
     t, k = x.shape
-    n = weight.shape[0]
-    cfg = cfg or linear_config(t, n, k, x.dtype)
-    gemv = t > 0 and cfg is not None and cfg.kind == "gemv" and k <= GEMV_MAX_K
-    if norm is not None and not gemv:
+    n = sum(w.shape[0] for w in parts)
+    if len(parts) == 1:
+        cfg = cfg or linear_config(t, n, k, x.dtype, _format(weight))
+        if cfg is None or (t == 0 and isinstance(weight, torch.Tensor)):  # torch's F.linear (cuBLAS)
+            x = x if norm is None else norm_kernels.rms_norm(x, *norm)
+            return reference.linear(x, weight, bias, residual, keep_normed=keep_normed, out_dtype=out_dtype)
+        if t > 0 and cfg.kind == "gemv" and k <= GEMV_MAX_K:
+            out = torch.empty((t, n), dtype=out_dtype or x.dtype, device=x.device)
+            normed = _launch_gemv(x, weight, bias, residual, norm, keep_normed, out, cfg)
+            return (out, normed) if keep_normed else out
+    if norm is not None:
         x = norm_kernels.rms_norm(x, *norm)  # its own launch, then the projection of the normed rows
-    if gemv:
-        out = torch.empty((t, n), dtype=out_dtype or x.dtype, device=x.device)
-        fused = norm is not None
-        normed = torch.empty_like(x) if fused and keep_normed else x
-        programs = triton.cdiv(n, cfg.block_n)
-        _gemv_kernel[(programs,)](
-            x, weight, x if bias is None else bias, x if residual is None else residual, out,
-            norm[0] if fused else x, normed, t, n, k, norm[1] if fused else 0.0,
-            x.stride(0), weight.stride(0), 0 if bias is None else bias.stride(0),
-            0 if residual is None else residual.stride(0), out.stride(0), normed.stride(0),
-            HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, NORM=fused,
-            ZERO_CENTRED=fused and norm[2], KEEP_NORMED=fused and keep_normed, BLOCK_N=cfg.block_n,
-            BLOCK_K=triton.next_power_of_2(k), num_warps=cfg.num_warps, num_stages=1, **pdl.launch(x.device, programs),
-        )
-        return (out, normed) if keep_normed else out
-    if t == 0 or cfg is None or t > SKINNY_MAX_ROWS:
-        return reference.linear(x, weight, bias, residual, keep_normed=keep_normed, out_dtype=out_dtype)
     out = torch.empty((t, n), dtype=out_dtype or x.dtype, device=x.device)
-    programs = triton.cdiv(n, cfg.block_n)
-    _linear_kernel[(programs,)](
-        x, weight, x if bias is None else bias, x if residual is None else residual, out, t, n, k,
-        x.stride(0), weight.stride(0), 0 if bias is None else bias.stride(0),
-        0 if residual is None else residual.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_M=SKINNY_MAX_ROWS,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(x.device, programs),
-    )
+    lo = 0
+    for w in parts:
+        hi = lo + w.shape[0]
+        _project(x, w, None if bias is None else bias[lo:hi], None if residual is None else residual[:, lo:hi],
+                 out[:, lo:hi], cfg)
+        lo = hi
     return (out, x) if keep_normed else out
 
 
-__all__ = ["SKINNY_MAX_ROWS", "LinearConfig", "linear", "linear_config"]
+def silu_mlp(x: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor:
+    """`reference.silu_mlp`, `down(silu(gate(x)) * up(x))`: dense weights go to it as they are (torch's
+    F.linear); a compact one makes each projection `linear` above, so no dense copy of it is made.
+    Rounding as the reference: each projection rounded to x's dtype, the SiLU and product in it."""
+    if all(isinstance(w, torch.Tensor) for w in (gate, up, down)):
+        return reference.silu_mlp(x, gate, up, down)
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+
+
+__all__ = ["SKINNY_MAX_ROWS", "LinearConfig", "linear", "linear_config", "silu_mlp"]

@@ -36,7 +36,7 @@ reach them: `slab + table[e] * row_stride` for table[e] >= 0 and
 up [I, H] | down [H, I] in the activation dtype, or, with a `weight_format`, one
 compact extent as the `.rad` stores it (kernels/formats.py: the same three
 pieces, each with its scales inside), read as bytes and dequantized in registers
-(`_weight_tile`, the format a constexpr: one kernel family, a specialization per
+(kernels/weight_tiles.py `weight_tile`, the format a constexpr: one kernel family, a specialization per
 format). Each weight tile is dequantized in fp32 as `dequant.py` does, then
 rounded to the activations' dtype for the dot, as the reference rounds a
 dequantized weight; the bytes read per expert are the compact extent's.
@@ -58,14 +58,15 @@ import triton.language as tl
 
 from radianced.kernels import arrival, pdl, router
 from radianced.kernels.formats import FORMATS, expert_formats
+from radianced.kernels.weight_tiles import COMPACT_TILES, PLAIN_TILES, weight_tile
 
 # Experts up to which `route_moe` ranks them inside the gate/up programs at T == 1. Ranking is E^2
 # comparisons in every program, before its weight loads: at 4 warps 128 a thread for E = 128
 # (Qwen3-MoE), 512 for E = 256, 2048 for E = 512 (Qwen3-Next), likely more than the route launch
 # it would save; larger routers keep that launch. A guess from the counts, not measured.
 ROUTE_FUSED_MAX_EXPERTS = 256
-# Expert formats `_weight_tile` dequantizes (kernels/formats.py); a byte slab may also hold plain layers.
-KERNEL_FORMATS = ("q8_0", "q4_0", "q4_1", "fp8_b128", "bf16", "f16", "f32")
+# Expert formats `weight_tile` dequantizes (kernels/formats.py); a byte slab may also hold plain layers.
+KERNEL_FORMATS = COMPACT_TILES + PLAIN_TILES
 # Assignments (T * k) up to which one counting-sort program groups them; above, torch.sort.
 GROUP_FUSED_MAX = 1024
 # (assignments per chunk, tiles per chunk, warps) of the grouping programs. On the H200 the counting
@@ -233,61 +234,6 @@ def _expert_base(w_ptr, table_ptr, expert, stride_row, host_ptr, stride_host_row
 
 
 @triton.jit
-def _weight_tile(piece, n, k, mask, N, K, FMT: tl.constexpr):
-    """W[n, k] ([BLOCK_N, BLOCK_K]) of a matrix W [N, K] whose bytes start at `piece`, in format FMT
-    (kernels/formats.py), dequantized in registers: "" for a slab in the activations' dtype (`piece`
-    is typed), else a `.rad` format name and `piece` a byte pointer. The compact formats compute
-    as `dequant.py` does, in fp32: q8_0 d * q; q4_0 d * (q - 8); q4_1 d * q + m (blocks of 32
-    values along a row: fp16 d [| fp16 m] | the values); fp8_b128 v * scale_inv of its 128 x 128
-    block (the fp32 scales [ceil(N/128), ceil(K/128)] first, then the E4M3 values row-major)."""
-    if FMT == "":
-        return tl.load(piece + n[:, None] * K + k[None, :], mask=mask, other=0.0)
-    elif FMT == "bf16":
-        return tl.load(piece.to(tl.pointer_type(tl.bfloat16)) + n[:, None] * K + k[None, :], mask=mask, other=0.0)
-    elif FMT == "f16":
-        return tl.load(piece.to(tl.pointer_type(tl.float16)) + n[:, None] * K + k[None, :], mask=mask, other=0.0)
-    elif FMT == "f32":
-        return tl.load(piece.to(tl.pointer_type(tl.float32)) + n[:, None] * K + k[None, :], mask=mask, other=0.0)
-    elif FMT == "fp8_b128":
-        sk = (K + 127) // 128
-        scale = tl.load((piece + ((n[:, None] // 128) * sk + k[None, :] // 128) * 4).to(tl.pointer_type(tl.float32)),
-                        mask=mask, other=0.0)
-        values = piece + ((N + 127) // 128) * sk * 4 + n[:, None] * K + k[None, :]
-        v = tl.load(values.to(tl.pointer_type(tl.float8e4nv)), mask=mask, other=0.0).to(tl.float32)
-        return v * scale
-    elif FMT == "q8_0":
-        block = _gguf_block(piece, n, k, K, 34)
-        d = tl.load(block.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
-        q = tl.load((block + 2 + k[None, :] % 32).to(tl.pointer_type(tl.int8)), mask=mask, other=0).to(tl.float32)
-        return q * d
-    elif FMT == "q4_0":
-        block = _gguf_block(piece, n, k, K, 18)
-        d = tl.load(block.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
-        return d * (_nibble(block + 2, k, mask) - 8).to(tl.float32)
-    else:
-        tl.static_assert(FMT == "q4_1", "the MoE kernels read q8_0, q4_0, q4_1, fp8_b128 and plain dtypes")
-        block = _gguf_block(piece, n, k, K, 20)
-        d = tl.load(block.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
-        m = tl.load((block + 2).to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
-        return d * _nibble(block + 4, k, mask).to(tl.float32) + m
-
-
-@triton.jit
-def _gguf_block(piece, n, k, K, BLOCK_BYTES: tl.constexpr):
-    """Byte pointers [BLOCK_N, BLOCK_K] to the 32-value block holding W[n, k] (rows of K // 32 blocks)."""
-    return piece + n[:, None] * (K // 32 * BLOCK_BYTES) + (k[None, :] // 32) * BLOCK_BYTES
-
-
-@triton.jit
-def _nibble(qs, k, mask):
-    """Value k % 32 of a block's 16 bytes of nibbles at `qs` (int32 in [0, 16)): ggml puts values
-    0..15 in the low nibbles of bytes 0..15 and values 16..31 in their high nibbles."""
-    j = k[None, :] % 32
-    byte = tl.load(qs + j % 16, mask=mask, other=0).to(tl.int32)
-    return (byte >> ((j // 16) * 4)) & 0x0F
-
-
-@triton.jit
 def _assignment_rows(tile, BLOCK_M: tl.constexpr):
     """(rows [BLOCK_M], their mask, their assignments) of tile i = assignment i (T == 1): one row."""
     rows = tile + tl.arange(0, BLOCK_M)
@@ -325,7 +271,7 @@ def _moe_gate_up_kernel(
 ):
     """h[row, n] = silu(x[tok] . gate[n]) * (x[tok] . up[n]) for the tile's sorted rows; h: [A, I].
     gate [I, H] starts the expert's row, up [I, H] `up_offset` further (elements of w_ptr), both in FMT
-    (`_weight_tile`), rounded to x's dtype for the dot as the reference rounds a dequantized weight.
+    (`weight_tile`), rounded to x's dtype for the dot as the reference rounds a dequantized weight.
     ROUTE (T == 1): tile i's expert is the one of rank i among the logits [E] (`route`'s order),
     and program (i, 0) stores it to tile_info_ptr[i] (the ids [k] the down launch reads) and its
     weight to topk_weights_ptr[i]."""
@@ -352,8 +298,8 @@ def _moe_gate_up_kernel(
         k_ok = k < hidden
         x = tl.load(x_row + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         w_mask = n_ok[:, None] & k_ok[None, :]
-        wg = _weight_tile(base, n, k, w_mask, inter, hidden, FMT).to(x.dtype)  # [BLOCK_N, BLOCK_K]
-        wu = _weight_tile(base + up_offset, n, k, w_mask, inter, hidden, FMT).to(x.dtype)
+        wg = weight_tile(base, n, k, w_mask, inter, hidden, FMT).to(x.dtype)  # [BLOCK_N, BLOCK_K]
+        wu = weight_tile(base + up_offset, n, k, w_mask, inter, hidden, FMT).to(x.dtype)
         acc_gate = tl.dot(x, tl.trans(wg), acc_gate, input_precision=DOT_PRECISION)
         acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision=DOT_PRECISION)
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up
@@ -392,7 +338,7 @@ def _moe_down_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < inter
         h = tl.load(h_row + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        w = _weight_tile(base + down_offset, n, k, n_ok[:, None] & k_ok[None, :], hidden, inter, FMT).to(h.dtype)
+        w = weight_tile(base + down_offset, n, k, n_ok[:, None] & k_ok[None, :], hidden, inter, FMT).to(h.dtype)
         acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
     weight = tl.load(topk_weights_ptr + assignment, mask=row_ok, other=0.0).to(tl.float32)
     y = acc * weight[:, None]
@@ -624,7 +570,7 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tab
     `weight_format` (`formats.expert_formats`: q8_0, q4_0, q4_1, fp8_b128, or two of
     them, gate/up + down) says slab and host are uint8 rows of compact extents, as the
     `.rad` stores them (rows may be wider than one extent; 16-byte aligned): the
-    kernels dequantize each weight tile in registers (`_weight_tile`).
+    kernels dequantize each weight tile in registers (`weight_tile`).
     No host sync; the table may change between calls.
     """
     _check_x(x, residual)

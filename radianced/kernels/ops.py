@@ -38,8 +38,8 @@ gated_delta_rule_decode = reference.gated_delta_rule_decode
 # Bound to Triton on CUDA: (module under radianced.kernels, op name). The others stay torch everywhere.
 _TRITON = (
     ("attention", "rotary_paged_attention"), ("moe", "moe"), ("moe", "route_moe"), ("router", "route"),
-    ("linear", "linear"), ("argmax", "argmax"), ("embedding", "gather_rows"), ("norm", "rms_norm"),
-    ("norm", "gated_rms_norm"),
+    ("linear", "linear"), ("linear", "silu_mlp"), ("argmax", "argmax"), ("embedding", "gather_rows"),
+    ("norm", "rms_norm"), ("norm", "gated_rms_norm"),
     ("deltanet", "deltanet_gates"), ("deltanet", "causal_conv1d_prefill"), ("deltanet", "causal_conv1d_update"),
     ("deltanet", "gated_delta_rule_chunked"), ("deltanet", "gated_delta_rule_decode"),
 )

@@ -4,7 +4,9 @@ Blocks hold their weights as tensors fetched by name from a `Weights` getter
 (the `.rad` file, zero-copy) and call ops through `radianced.kernels.ops`, the
 one switch between Triton kernels and the torch reference. A matrix stored in a
 compact format arrives as a `CompactWeight` and stays one: the reference ops
-dequantize it per use (the CPU backend; the Triton kernels do not take them yet).
+dequantize it per use, the host backend reads its int4 packing, and on CUDA the
+linear kernels dequantize it in registers (kernels/linear.py), so every projection
+goes through `ops.linear` / `ops.silu_mlp`, never F.linear on a dense copy.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from radianced.kernels import ops
-from radianced.kernels.compact import CompactWeight, cat_rows, dense
+from radianced.kernels.compact import CompactWeight, cat_rows
 from radianced.kv.cache import KVCache
 from radianced.model.batch import ForwardBatch
 from radianced.model.config import ModelConfig
@@ -203,7 +205,7 @@ class MoE:
                                         self.inter, experts.host, residual=fused, **compact)
             experts.prepare(self.layer, ids)
         if self.shared is not None:
-            out = out + torch.sigmoid(F.linear(x, dense(self.shared_gate, x.dtype))) * self.shared(x)
+            out = out + torch.sigmoid(ops.linear(x, self.shared_gate)) * self.shared(x)
             if residual is not None:
                 out = residual + out
         return out

@@ -131,13 +131,17 @@ def load_model(rad: RadFile, device: torch.device | str = "cpu", dtype: torch.dt
     stay compact (`CompactWeight`: `dtype` does not apply to them) and run on the CPU
     only: the reference ops dequantize them per use, the host backend reads the int4
     packing made here (`CompactWeight.packed_for_cpu`), and a compact lm_head is made dense here
-    (`_UNPACKED` says why); the Triton kernels do not read them yet.
+    (`_UNPACKED` says why). Off the CPU they are refused: the Triton kernels that read them
+    (kernels/moe.py for experts, kernels/linear.py for layers) have not run on a GPU yet.
     """
     compact = [t.name for t in rad.header.tensors if FORMATS[t.dtype].compact]
     compact += [f"experts of layer {e.layer}" for e in rad.header.experts[:1] if is_compact(e.dtype)]
     if compact and torch.device(device).type != "cpu":
         raise RadError(f"{rad.path}: {compact[0]} is stored compact ({len(compact)} such), which runs on the CPU "
-                       f"only for now; convert the model without --compact / --quantize to serve it on {device}")
+                       f"only for now: the Triton kernels for compact experts and layers (q8_0, q4_0, q4_1, "
+                       f"fp8_b128) are written but await their first check on a GPU. Serve it on the CPU "
+                       f"(CUDA_VISIBLE_DEVICES=), or convert the model without --compact / --quantize to serve it "
+                       f"on {device}")
 
     def weights(name: str) -> torch.Tensor | CompactWeight:
         t = rad.tensor(name, verify=True)

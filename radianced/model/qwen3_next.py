@@ -11,10 +11,8 @@ partial RoPE and an output gate. The `mtp.*` weights are the MTP head's
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from radianced.kernels import ops
-from radianced.kernels.compact import dense
 from radianced.kv.cache import KVCache
 from radianced.model.batch import ForwardBatch
 from radianced.model.config import ModelConfig
@@ -50,9 +48,9 @@ class GatedDeltaNet:
         if norm is not None:
             x = norm(x)
         t = x.shape[0]
-        qkvz = F.linear(x, dense(self.w_qkvz, x.dtype)).view(t, self.nk, 2 * self.dk + 2 * self.r * self.dv)
+        qkvz = ops.linear(x, self.w_qkvz).view(t, self.nk, 2 * self.dk + 2 * self.r * self.dv)
         q, k, v, z = qkvz.split([self.dk, self.dk, self.r * self.dv, self.r * self.dv], dim=-1)
-        b, a = F.linear(x, dense(self.w_ba, x.dtype)).view(t, self.nk, 2 * self.r).split([self.r, self.r], dim=-1)
+        b, a = ops.linear(x, self.w_ba).view(t, self.nk, 2 * self.r).split([self.r, self.r], dim=-1)
         mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)  # [T, C]
         g, beta = ops.deltanet_gates(a.reshape(t, self.nv), b.reshape(t, self.nv), self.a_log, self.dt_bias)
         conv_states, rec_states = cache.states.layer(self.layer)

@@ -1,4 +1,4 @@
-"""The Triton pointer-table MoE on compact expert extents (kernels/moe.py `_weight_tile`) against
+"""The Triton pointer-table MoE on compact expert extents (kernels/weight_tiles.py `weight_tile`) against
 `reference.moe` over the same bytes.
 
 Without CUDA the kernels run in Triton's interpreter on CPU tensors, so shapes stay small: H = 96
