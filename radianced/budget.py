@@ -296,13 +296,14 @@ def _check_headroom(card: Card, cfg: Config, fixed: FixedCharges) -> None:
 
 def _room(card: Card, facts: ModelFacts, cfg: Config, elastic: int, groups: tuple[PagingGroup, ...],
           page: int, L: int) -> Room:
-    m, E, T = facts.model, facts.expert_count, cfg.max_num_batched_tokens
+    m, E, T, per_layer = facts.model, facts.expert_count, cfg.max_num_batched_tokens, facts.experts_per_layer
     return Room(
         elastic=elastic, page_bytes=page, alloc_granule=card.alloc_granule, disk_buffer_pages=0, experts=E,
         slot_cap=E if cfg.expert_slots is None else min(E, cfg.expert_slots),
         host_slots=cfg.host_pool_mib * MiB // page if E else 0, host_pool_mib=cfg.host_pool_mib,
-        disk_tier=cfg.weights_disk_tier, buffer_experts=min(m.num_experts, m.num_experts_per_tok * T),
-        floor_experts=m.num_experts_per_tok * len(m.moe_layers), kv_seq_pages=kv_pages(groups, page, L),
+        disk_tier=cfg.weights_disk_tier, buffer_experts=min(per_layer, m.num_experts_per_tok * T),
+        floor_experts=min(m.num_experts_per_tok, per_layer) * len(m.moe_layers),
+        kv_seq_pages=kv_pages(groups, page, L),
         kv_step_pages=kv_pages(groups, page, T + cfg.max_num_seqs * BLOCK_TOKENS), max_model_len=L)
 
 

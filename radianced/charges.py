@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from radianced.card import Card, MiB
 from radianced.config import Config
 from radianced.kernels.formats import is_compact
-from radianced.model.config import ModelConfig
 from radianced.receipt import Part, fmt_mib
 from radianced.sizing import (
     SAMPLER_BYTES, WEIGHT_CLASSES, ModelFacts, PagingGroup, activation_bytes, logits_bytes, recurrent_bytes_per_copy,
@@ -139,18 +138,39 @@ def _workspace(facts: ModelFacts, card: Card, cfg: Config) -> tuple[Part, ...]:
     m, act, T = facts.model, facts.act_bytes, cfg.max_num_batched_tokens
     rows = min(T, cfg.decode_tokens)
     return (
-        Part("logits", logits_bytes(m, act, rows),
-             f"{rows} rows x {m.vocab_size} vocab x {act + SAMPLER_BYTES} B: lm_head output and sampler buffers"),
+        _logits(facts, rows),
         Part("activations", activation_bytes(m, act, T, card.cuda), f"one layer at {T} tokens"),
-        _graph_pool(m, act, rows, card, cfg),
+        _graph_pool(facts, rows, card, cfg),
         Part("libraries", LIBRARY_BYTES, "cuBLAS workspaces, Triton scratch"),
     )
 
 
-def _graph_pool(m: ModelConfig, act: int, rows: int, card: Card, cfg: Config) -> Part:
+def card_logits_bytes(facts: ModelFacts, rows: int) -> int:
+    """The logits of `rows` sampled rows on this card: all of them with the sampler's buffers on a
+    single card or card 0 (it gathers the others' and samples), only its lm_head rows' output on
+    the other cards of `--tp` (sharding.py)."""
+    if facts.share is None or facts.share.rank == 0:
+        return logits_bytes(facts.model, facts.act_bytes, rows)
+    first, stop = facts.share.vocab
+    return rows * (stop - first) * facts.act_bytes
+
+
+def _logits(facts: ModelFacts, rows: int) -> Part:
+    m, act, share = facts.model, facts.act_bytes, facts.share
+    if share is not None and share.rank:
+        return Part("logits", card_logits_bytes(facts, rows), f"{rows} rows x {share.vocab[1] - share.vocab[0]} "
+                                                             f"vocab rows x {act} B: this card's lm_head output, "
+                                                             f"gathered to card 0")
+    gathered = f", gathered from {share.tp} cards" if share is not None and share.tp > 1 else ""
+    return Part("logits", card_logits_bytes(facts, rows), f"{rows} rows x {m.vocab_size} vocab x "
+                                                         f"{act + SAMPLER_BYTES} B: lm_head output{gathered} and "
+                                                         f"sampler buffers")
+
+
+def _graph_pool(facts: ModelFacts, rows: int, card: Card, cfg: Config) -> Part:
     if cfg.enforce_eager:
         return Part("graph pool", 0, "none: --enforce-eager")
-    pool = activation_bytes(m, act, rows, card.cuda) + logits_bytes(m, act, rows)
+    pool = activation_bytes(facts.model, facts.act_bytes, rows, card.cuda) + card_logits_bytes(facts, rows)
     if not card.cuda:
         return Part("graph pool", pool, f"one layer and logits at {rows} tokens, for decode graphs")
     return Part("graph pool", pool + CAPTURE_WORKSPACE_BYTES,
@@ -169,6 +189,6 @@ def _state(facts: ModelFacts, cfg: Config, groups: tuple[PagingGroup, ...], L: i
     entries = sum(g.blocks(L) for g in groups)
     yield Part("block tables", S * entries * BLOCK_TABLE_ENTRY, f"{S} seqs x {entries} blocks x {BLOCK_TABLE_ENTRY} B")
     if facts.expert_count:
-        layers = len(m.moe_layers)
-        yield Part("expert pointers", layers * m.num_experts * EXPERT_POINTER,
-                   f"{layers} layers x {m.num_experts} experts x {EXPERT_POINTER} B")
+        layers, experts = len(m.moe_layers), facts.experts_per_layer
+        yield Part("expert pointers", layers * experts * EXPERT_POINTER,
+                   f"{layers} layers x {experts} experts x {EXPERT_POINTER} B")

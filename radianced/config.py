@@ -50,6 +50,11 @@ NOT_YET_SUPPORTED: dict[str, tuple[str, object]] = {
     "--ngram-placement": ("ngram_placement", None),
     "--vision-tower-placement": ("vision_tower_placement", None),
 }
+# Flags of NOT_YET_SUPPORTED that `radiancectl plan` already plans (`Config.from_args(planning=True)`):
+# flag -> what the daemon's refusal adds.
+PLANNED_ONLY: dict[str, str] = {
+    "--tp": "serving on several cards is not built yet; `radiancectl plan --tp N` prints each card's split",
+}
 
 
 class ConfigError(ValueError):
@@ -161,23 +166,28 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     # -- building ----------------------------------------------------------
 
     @classmethod
-    def from_args(cls, ns: argparse.Namespace) -> Config:
-        """The config of a namespace parsed with `add_flags`; refuses flags not yet supported.
+    def from_args(cls, ns: argparse.Namespace, planning: bool = False) -> Config:
+        """The config of a namespace parsed with `add_flags`; refuses flags not yet supported
+        (`planning`: except those `radiancectl plan` plans, PLANNED_ONLY).
 
         Attributes of `ns` that are not Config fields (a CLI's own flags) are ignored.
         Raises ConfigError.
         """
         cfg = cls(**{f: getattr(ns, f) for f in cls.__struct_fields__ if hasattr(ns, f)})
-        refuse_not_landed(cfg)
+        refuse_not_landed(cfg, planning)
         return cfg
 
 
-def refuse_not_landed(cfg: Config) -> None:
-    """Raise ConfigError for the first flag set whose feature has not landed."""
+def refuse_not_landed(cfg: Config, planning: bool = False) -> None:
+    """Raise ConfigError for the first flag set whose feature has not landed (`planning`: whose
+    plan has not landed either)."""
     for flag, (field, off) in NOT_YET_SUPPORTED.items():
-        if getattr(cfg, field) != off:
-            shown = "unset" if off is None else off
-            raise ConfigError(f"{flag}: not yet supported (leave it out; default {shown})")
+        if getattr(cfg, field) == off or (planning and flag in PLANNED_ONLY):
+            continue
+        if flag in PLANNED_ONLY:
+            raise ConfigError(f"{flag}: not yet supported: {PLANNED_ONLY[flag]} (leave it out; default {off})")
+        shown = "unset" if off is None else off
+        raise ConfigError(f"{flag}: not yet supported (leave it out; default {shown})")
 
 
 # -- validation --------------------------------------------------------------
@@ -366,7 +376,8 @@ def _split_flags(g, d: Config) -> None:
     g.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=d.speculative_method,
                    help="ngram: prompt lookup over the sequence's own tokens; mtp: the model's MTP head; "
                         "auto (default): mtp where the model has one, else ngram")
-    g.add_argument("--tp", type=int, default=d.tp, help="tensor parallel over N GPUs")
+    g.add_argument("--tp", type=int, default=d.tp,
+                   help="tensor parallel over N GPUs (radiancectl plan prints each card's split; serving: not yet)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -374,8 +385,9 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-def parse_config(argv: Sequence[str]) -> Config:
-    """Parse `argv` (flags only, no program name) into a Config; raises ConfigError."""
+def parse_config(argv: Sequence[str], planning: bool = False) -> Config:
+    """Parse `argv` (flags only, no program name) into a Config (`planning`: as `radiancectl plan`
+    does, see `Config.from_args`); raises ConfigError."""
     parser = _Parser(prog="radianced", add_help=False)
     add_flags(parser)
-    return Config.from_args(parser.parse_args(list(argv)))
+    return Config.from_args(parser.parse_args(list(argv)), planning)

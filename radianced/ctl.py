@@ -81,23 +81,21 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    """The start-up receipt for a model and a card, without loading weights."""
-    import torch
-
+    """The start-up receipt for a model and a card (with --tp N: each card's, and the total),
+    without loading weights."""
     from radianced.budget import plan
-    from radianced.card import Card, detect_card
     from radianced.config import Config
     from radianced.model.default import ensure_default_model
     from radianced.model.rad import RadFile
     from radianced.sizing import ModelFacts
+    from radianced.tp_plan import detect_cards, plan_cards
 
-    cfg = Config.from_args(args)
+    cfg = Config.from_args(args, planning=True)
     with RadFile.open(cfg.model or ensure_default_model()) as rad:
         facts = ModelFacts.from_header(rad.header)
-    # --card-mib describes a GPU: its arena is allocated in the CUDA allocator's units
-    card = Card.from_mib(cfg.card_mib, cuda=True) if cfg.card_mib \
-        else detect_card("cuda" if torch.cuda.is_available() else "cpu")
-    print("\n".join(plan(card, facts, cfg).lines()))
+    cards = detect_cards(cfg)
+    receipt = plan(cards[0], facts, cfg) if cfg.tp == 1 else plan_cards(cards, facts, cfg)
+    print("\n".join(receipt.lines()))
     return 0
 
 
@@ -282,7 +280,8 @@ COMMANDS: list[Command] = [
     Command("convert", "convert a Hugging Face folder or a .gguf file to .rad", _convert_args, _convert),
     Command("quality", "KL / top-1 / perplexity of a .rad against a reference .rad (Markdown)", quality.add_arguments, quality.run),
     Command("verify", "check a .rad file: header, extents and every checksum", _verify_args, _verify),
-    Command("plan", "print the start-up receipt (the card split) for a model and a card", _plan_args, _plan),
+    Command("plan", "print the start-up receipt (the card split) for a model and a card (--tp N: each card's)",
+            _plan_args, _plan),
     Command("profile", "run prompts through a MoE model and write its expert profile (slot pre-fill order); "
             "--save: the running daemon's live counts", _profile_args, _profile),
     Command("status", "the running daemon's state, queue, requests, expert hit rates and receipt", _status_args,

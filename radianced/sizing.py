@@ -34,7 +34,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -42,6 +42,7 @@ from radianced.card import MiB, align_up
 from radianced.config import Config
 from radianced.kernels.kv_formats import KV_FORMATS
 from radianced.model.config import ModelConfig
+from radianced.sharding import CardShare, split_kind
 
 BLOCK_TOKENS = 16  # tokens per KV block, every paging group
 DENSE_PAGE_BYTES = 2 * MiB  # a dense model's page: whole KV blocks up to this size
@@ -104,6 +105,10 @@ class ModelFacts:
     (`.rad` dtype names, most bytes first), e.g. ("embeddings", ("q8_0",)); empty for
     facts built from a config.
     expert_formats: the formats of the routed extents, most bytes first.
+    parts: the weights split by how `--tp` divides them: (class, `sharding.split_kind`, bytes),
+    the MTP head's routed experts as kind "experts"; they add up to `weights`.
+    share: the card's share when these are one card's facts (`sharding.shard_facts`), else None:
+    then `model` has the card's heads and columns, and the weights and experts are the card's.
     """
 
     model: ModelConfig
@@ -115,9 +120,16 @@ class ModelFacts:
     # descriptions for the receipt: facts from a config and from a header with the same bytes compare equal
     formats: tuple[tuple[str, tuple[str, ...]], ...] = field(default=(), compare=False)
     expert_formats: tuple[str, ...] = field(default=(), compare=False)
+    parts: tuple[tuple[str, str, int], ...] = field(default=(), compare=False)
+    share: CardShare | None = None
 
     def weight(self, cls: str) -> int:
         return dict(self.weights)[cls]
+
+    @property
+    def experts_per_layer(self) -> int:
+        """Routed experts of one MoE layer on this card: all of them, or the card's share."""
+        return self.share.experts[1] - self.share.experts[0] if self.share else self.model.num_experts
 
     @classmethod
     def from_rows(cls, model: ModelConfig, tensors: Iterable[tuple[str, str, tuple[int, ...], int]],
@@ -126,12 +138,14 @@ class ModelFacts:
         (layer, expert, nbytes[, dtype]: an extent without one names no format). Raises
         ValueError when the embeddings are missing."""
         sums = dict.fromkeys(WEIGHT_CLASSES, 0)
+        parts: dict[tuple[str, str], int] = {}
         by_format: dict[str, dict[str, int]] = {}  # class -> format -> bytes
         embed = norm = None
         for name, dtype, _shape, nbytes in tensors:
             c = weight_class(name)
             if c is not None:
                 sums[c] += nbytes
+                parts[c, split_kind(name)] = parts.get((c, split_kind(name)), 0) + nbytes
                 fmts = by_format.setdefault(c, {})
                 fmts[dtype] = fmts.get(dtype, 0) + nbytes
             embed = dtype if c == "embeddings" else embed
@@ -144,12 +158,14 @@ class ModelFacts:
         for layer, _expert, nbytes, *dtype in experts:
             if layer >= model.num_hidden_layers:  # the MTP head's experts
                 sums["mtp"] += nbytes
+                parts["mtp", "experts"] = parts.get(("mtp", "experts"), 0) + nbytes
                 continue
             count, extent, total = count + 1, max(extent, nbytes), total + nbytes
             for name in dtype:
                 expert_fmts[name] = expert_fmts.get(name, 0) + nbytes
         return cls(model, act, tuple(sums.items()), count, extent, total,
-                   tuple((c, _by_bytes(f)) for c, f in by_format.items()), _by_bytes(expert_fmts))
+                   tuple((c, _by_bytes(f)) for c, f in by_format.items()), _by_bytes(expert_fmts),
+                   tuple((c, k, n) for (c, k), n in parts.items()))
 
     @classmethod
     def from_header(cls, header) -> ModelFacts:
@@ -165,11 +181,16 @@ class ModelFacts:
         (routed experts in `expert_dtype_bytes`, default the same)."""
         eb = dtype_bytes if expert_dtype_bytes is None else expert_dtype_bytes
         elems, mtp_expert_elems = _class_elements(cfg)
-        sums = {c: n * dtype_bytes for c, n in elems.items()}
-        sums["mtp"] += mtp_expert_elems * eb
+        parts = {k: n * dtype_bytes for k, n in elems.items() if n}
+        if mtp_expert_elems:
+            parts["mtp", "experts"] = mtp_expert_elems * eb
+        sums = dict.fromkeys(WEIGHT_CLASSES, 0)
+        for (c, _kind), n in parts.items():
+            sums[c] += n
         extent = 3 * cfg.hidden_size * cfg.moe_intermediate_size * eb
         count = len(cfg.moe_layers) * cfg.num_experts
-        return cls(cfg, dtype_bytes, tuple(sums.items()), count, extent if count else 0, count * extent)
+        return cls(cfg, dtype_bytes, tuple(sums.items()), count, extent if count else 0, count * extent,
+                   parts=tuple((c, k, n) for (c, k), n in parts.items()))
 
 
 def _by_bytes(formats: dict[str, int]) -> tuple[str, ...]:
@@ -177,55 +198,67 @@ def _by_bytes(formats: dict[str, int]) -> tuple[str, ...]:
     return tuple(sorted(formats, key=lambda f: -formats[f]))
 
 
-def _class_elements(m: ModelConfig) -> tuple[dict[str, int], int]:
-    """Elements of every resident class, and of the MTP head's routed experts."""
+def _class_elements(m: ModelConfig) -> tuple[dict[tuple[str, str], int], int]:
+    """Elements of every resident class by split kind (`sharding.split_kind`), and of the MTP head's
+    routed experts."""
     H, E = m.hidden_size, m.num_experts
-    n = dict.fromkeys(WEIGHT_CLASSES, 0)
-    n["embeddings"] = m.vocab_size * H
-    n["lm_head"] = 0 if m.tie_word_embeddings else m.vocab_size * H
-    attn, qk_norms = _attention_elements(m)
+    n: dict[tuple[str, str], int] = {}
+
+    def add(cls: str, kind: str, elements: int) -> None:
+        n[cls, kind] = n.get((cls, kind), 0) + elements
+
+    add("embeddings", "vocab", m.vocab_size * H)
+    add("lm_head", "vocab", 0 if m.tie_word_embeddings else m.vocab_size * H)
     for i in range(m.num_hidden_layers):
-        n["norms"] += 2 * H
+        add("norms", "replicated", 2 * H)
         if m.layer_type(i) == "full_attention":
-            n["attention"] += attn
-            n["norms"] += qk_norms
+            _add_attention(m, add, "attention", "norms")
         else:
             key = m.linear_num_key_heads * m.linear_key_head_dim
             val = m.linear_num_value_heads * m.linear_value_head_dim
             nv = m.linear_num_value_heads
-            n["attention"] += (H * (2 * key + 2 * val) + H * 2 * nv  # in_proj_qkvz, in_proj_ba
-                               + (2 * key + val) * m.linear_conv_kernel_dim  # conv1d
-                               + 2 * nv + val * H)  # dt_bias, A_log, out_proj
-            n["norms"] += m.linear_value_head_dim
+            add("attention", "k_heads", H * (2 * key + 2 * val) + H * 2 * nv  # in_proj_qkvz, in_proj_ba
+                + (2 * key + val) * m.linear_conv_kernel_dim  # conv1d
+                + 2 * nv + val * H)  # dt_bias, A_log, out_proj
+            add("norms", "replicated", m.linear_value_head_dim)
         if m.is_moe_layer(i):
-            n["router"] += E * H
-            n["shared experts"] += _shared_elements(m)
+            add("router", "replicated", E * H)
+            _add_shared(m, add, "shared experts")
         else:
-            n["dense MLP"] += 3 * H * m.intermediate_size
-    n["norms"] += H
+            add("dense MLP", "columns", 3 * H * m.intermediate_size)
+    add("norms", "replicated", H)
     mtp_experts = 0
     if m.num_mtp_layers:
         # fc [H, 2H], pre_fc_norm_embedding, pre_fc_norm_hidden, norm; each layer a
         # gated-attention decoder layer with its own MoE
-        n["mtp"] = 2 * H * H + 3 * H + m.num_mtp_layers * (attn + qk_norms + 2 * H + E * H + _shared_elements(m))
+        add("mtp", "replicated", 2 * H * H + 3 * H)
+        for _ in range(m.num_mtp_layers):
+            _add_attention(m, add, "mtp", "mtp")
+            add("mtp", "replicated", 2 * H + E * H)
+            _add_shared(m, add, "mtp")
         mtp_experts = m.num_mtp_layers * E * 3 * H * m.moe_intermediate_size
     return n, mtp_experts
 
 
-def _attention_elements(m: ModelConfig) -> tuple[int, int]:
-    """(projections, q/k norms) of one full-attention layer."""
+def _add_attention(m: ModelConfig, add: Callable[[str, str, int], None], cls: str, norms: str) -> None:
+    """One full-attention layer: projections in `cls`, its q/k norms in `norms`."""
     H, d = m.hidden_size, m.head_dim
     q, kv = m.num_attention_heads * d, m.num_key_value_heads * d
     gated = 2 if m.family == "qwen3_next" else 1  # q_proj carries the output gate
-    attn = H * q * gated + 2 * H * kv + q * H
+    add(cls, "q_heads", H * q * gated + q * H)  # q_proj, o_proj
+    add(cls, "kv_heads", 2 * H * kv)
     if m.attention_bias:
-        attn += q * gated + 2 * kv + H
-    return attn, (0 if m.family == "llama" else 2 * d)
+        add(cls, "q_heads", q * gated)
+        add(cls, "kv_heads", 2 * kv)
+        add(cls, "replicated", H)  # o_proj's bias
+    add(norms, "replicated", 0 if m.family == "llama" else 2 * d)
 
 
-def _shared_elements(m: ModelConfig) -> int:
+def _add_shared(m: ModelConfig, add: Callable[[str, str, int], None], cls: str) -> None:
     Is = m.shared_expert_intermediate_size
-    return 3 * m.hidden_size * Is + m.hidden_size if Is else 0  # gate/up/down + shared_expert_gate
+    if Is:
+        add(cls, "shared_columns", 3 * m.hidden_size * Is)  # gate/up/down
+        add(cls, "replicated", m.hidden_size)  # shared_expert_gate
 
 
 # -- activations and state ---------------------------------------------------
