@@ -93,10 +93,12 @@ def recurrent_state_charge(per_copy_bytes: int, seqs: int, speculative: int) -> 
 
 
 def _weights(facts: ModelFacts, cfg: Config, cuda: bool) -> tuple[tuple[Part, ...], tuple[Part, ...], tuple[Part, ...]]:
-    """(on the card, pinned in host RAM, not loaded) by class."""
-    w = dict(facts.weights)
+    """(on the card, pinned in host RAM, not loaded) by class; on the CPU backend the bytes it holds
+    (`ModelFacts.cpu_weights`: compact matrices packed for its int4 kernel, a compact lm_head dense)."""
+    stored = dict(facts.weights)
+    w = dict(facts.cpu_weights or facts.weights) if not cuda else stored
     card, host, idle = [], [], []
-    tied = facts.model.tie_word_embeddings or w["lm_head"] == 0
+    tied = facts.model.tie_word_embeddings or stored["lm_head"] == 0
     for c in WEIGHT_CLASSES:
         n = w[c]
         if c == "embeddings":
@@ -107,14 +109,16 @@ def _weights(facts: ModelFacts, cfg: Config, cuda: bool) -> tuple[tuple[Part, ..
         if c == "lm_head" and tied:
             ram = ("--embedding-placement ram does not move a tied table",) \
                 if cfg.embedding_placement == "ram" else ()
-            card.append(Part("lm_head", w["embeddings"], ", ".join(
-                ("tied to the embeddings: one copy",) + ram + _compact_formats(facts, "embeddings"))))
+            copy = ("the compact table for lookups and a dense copy for the CPU's lm_head",) if n else ("one copy",)
+            card.append(Part("lm_head", w["embeddings"] + n, ", ".join(
+                (f"tied to the embeddings: {copy[0]}",) + ram + _compact_formats(facts, "embeddings"))))
             continue
         elif c == "mtp" and n and not cfg.drafts_with_mtp(facts.model.num_mtp_layers):
             idle.append(Part("mtp", n, "drafts only with --speculative-method mtp"))
             continue
         if n:
-            card.append(Part(c, n, ", ".join(_compact_formats(facts, c))))
+            held = ("held as the CPU's int4 packing" if c != "lm_head" else "held dense",) if n != stored[c] else ()
+            card.append(Part(c, n, ", ".join(_compact_formats(facts, c) + held)))
     return tuple(card), tuple(host), tuple(idle)
 
 

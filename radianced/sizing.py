@@ -40,6 +40,7 @@ from fractions import Fraction
 
 from radianced.card import MiB, align_up
 from radianced.config import Config
+from radianced.kernels.formats import is_compact
 from radianced.kernels.kv_formats import KV_FORMATS
 from radianced.model.config import ModelConfig
 from radianced.sharding import CardShare, split_kind
@@ -109,6 +110,9 @@ class ModelFacts:
     the MTP head's routed experts as kind "experts"; they add up to `weights`.
     share: the card's share when these are one card's facts (`sharding.shard_facts`), else None:
     then `model` has the card's heads and columns, and the weights and experts are the card's.
+    cpu_weights: per class, the bytes the host backend holds once loaded where that differs from
+    `weights` (compact matrices in its int4 packing, a compact lm_head dense: `cpu_packed.held_nbytes`;
+    a tied compact table's dense lm_head copy as "lm_head"); empty when nothing differs.
     """
 
     model: ModelConfig
@@ -122,6 +126,7 @@ class ModelFacts:
     expert_formats: tuple[str, ...] = field(default=(), compare=False)
     parts: tuple[tuple[str, str, int], ...] = field(default=(), compare=False)
     share: CardShare | None = None
+    cpu_weights: tuple[tuple[str, int], ...] = field(default=(), compare=False)
 
     def weight(self, cls: str) -> int:
         return dict(self.weights)[cls]
@@ -137,6 +142,7 @@ class ModelFacts:
         """From the stored tensors (name, dtype, shape, nbytes) and expert extents
         (layer, expert, nbytes[, dtype]: an extent without one names no format). Raises
         ValueError when the embeddings are missing."""
+        tensors = list(tensors)
         sums = dict.fromkeys(WEIGHT_CLASSES, 0)
         parts: dict[tuple[str, str], int] = {}
         by_format: dict[str, dict[str, int]] = {}  # class -> format -> bytes
@@ -153,6 +159,7 @@ class ModelFacts:
         if embed is None:
             raise ValueError("the model has no token embeddings (model.embed_tokens.weight)")
         act = PLAIN_BYTES.get(embed) or PLAIN_BYTES.get(norm or "", 4)
+        held = _cpu_held(model, tensors, sums, act)
         count = extent = total = 0
         expert_fmts: dict[str, int] = {}
         for layer, _expert, nbytes, *dtype in experts:
@@ -165,7 +172,7 @@ class ModelFacts:
                 expert_fmts[name] = expert_fmts.get(name, 0) + nbytes
         return cls(model, act, tuple(sums.items()), count, extent, total,
                    tuple((c, _by_bytes(f)) for c, f in by_format.items()), _by_bytes(expert_fmts),
-                   tuple((c, k, n) for (c, k), n in parts.items()))
+                   tuple((c, k, n) for (c, k), n in parts.items()), cpu_weights=held)
 
     @classmethod
     def from_header(cls, header) -> ModelFacts:
@@ -191,6 +198,19 @@ class ModelFacts:
         count = len(cfg.moe_layers) * cfg.num_experts
         return cls(cfg, dtype_bytes, tuple(sums.items()), count, extent if count else 0, count * extent,
                    parts=tuple((c, k, n) for (c, k), n in parts.items()))
+
+
+def _cpu_held(model: ModelConfig, tensors, stored: dict[str, int], act: int) -> tuple[tuple[str, int], ...]:
+    """`ModelFacts.cpu_weights` from the stored rows; () when every class is held as stored."""
+    from radianced.kernels.cpu_packed import held_nbytes
+
+    held = dict.fromkeys(stored, 0)
+    for name, dtype, shape, nbytes in tensors:
+        if (c := weight_class(name)) is not None:
+            held[c] += held_nbytes(name, dtype, shape, nbytes, act)
+            if name == "model.embed_tokens.weight" and model.tie_word_embeddings and is_compact(dtype):
+                held["lm_head"] += shape[0] * shape[1] * act  # the tied lm_head's dense copy
+    return () if held == stored else tuple(held.items())
 
 
 def _by_bytes(formats: dict[str, int]) -> tuple[str, ...]:

@@ -5,6 +5,7 @@ size to the final norm's dtype."""
 from __future__ import annotations
 
 import gguf
+import torch
 
 from radianced.budget import plan
 from radianced.card import Card, MiB
@@ -50,6 +51,54 @@ def test_compact_embeddings_take_the_activation_size_from_the_final_norm(tmp_pat
     assert facts.act_bytes == 4
     assert dict(facts.formats)["embeddings"] == ("q8_0",)
     assert facts.weight("embeddings") == embed.nbytes == embed.shape[0] * embed.shape[1] // 32 * 34
-    lines = plan(Card.from_mib(1024), facts, Config(embedding_placement="vram")).lines()
+    lines = plan(Card.from_mib(1024, cuda=True), facts, Config(embedding_placement="vram")).lines()
     assert "weights lm_head: 0.02 MiB (tied to the embeddings: one copy, q8_0)" in lines
     assert "weights attention: 0.02 MiB (q4_0, q4_1, q8_0)" in lines and "weights norms: 0.00 MiB" in lines
+
+
+def _held_bytes(obj, seen: set[int]) -> int:
+    """Bytes of every weight a loaded model holds (each object once): a compact matrix as its int4 packing
+    where it has one, else its stored bytes; a dense tensor as itself."""
+    from radianced.kernels.compact import CompactWeight, RowStack
+
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return obj.nbytes
+    if isinstance(obj, CompactWeight):
+        return obj.packed.nbytes if obj.packed is not None else obj.data.nbytes
+    if isinstance(obj, RowStack):
+        return sum(_held_bytes(p, seen) for p in obj.parts)
+    if isinstance(obj, dict):
+        return sum(_held_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_held_bytes(v, seen) for v in obj)
+    if type(obj).__module__.startswith("radianced.model.") and hasattr(obj, "__dict__"):
+        return sum(_held_bytes(v, seen) for k, v in vars(obj).items() if k not in ("cfg", "placed"))
+    return 0
+
+
+def test_the_cpu_receipt_charges_what_the_host_backend_holds(tmp_path):
+    """A compact GGUF on the CPU backend: q8_0 matrices packed for the int4 kernel (1.18x their stored bytes),
+    the tied q8_0 table kept for lookups and a dense fp32 copy made for the lm_head. The receipt's weights
+    are those bytes, and the loaded model holds exactly them; a GPU card's receipt keeps the stored bytes."""
+    from radianced.model.loader import load_model
+    from tests.model.test_gguf import write_tiny_gguf
+    from tests.model.test_gguf_compact import QUANTIZED
+
+    src, _ = write_tiny_gguf(tmp_path / "t.gguf", types=QUANTIZED)
+    convert_gguf(src, tmp_path / "c.rad", None, compact=True)
+    with RadFile.open(tmp_path / "c.rad") as rad:
+        facts = ModelFacts.from_header(rad.header)
+        cpu = plan(Card.from_mib(1024), facts, Config())
+        gpu = plan(Card.from_mib(1024, cuda=True), facts, Config(embedding_placement="vram"))
+        model = load_model(rad, "cpu")
+        held = _held_bytes(model, set())
+        vocab, hidden = rad.model.vocab_size, rad.model.hidden_size
+    assert held == cpu.weights_bytes + sum(p.bytes for p in cpu.host_weights)
+    lm_head = {p.name: p for p in cpu.weights}["lm_head"]
+    assert lm_head.bytes == facts.weight("embeddings") + vocab * hidden * 4
+    assert "a dense copy for the CPU's lm_head" in lm_head.detail
+    assert gpu.weights_bytes == sum(n for _, n in facts.weights)  # stored bytes on a card
+    assert cpu.weights_bytes > gpu.weights_bytes

@@ -52,6 +52,8 @@ from dataclasses import dataclass
 
 import torch
 
+from radianced.kernels.formats import is_compact
+
 GROUP = 32  # values per kernel group: one GGUF block
 PACKABLE = ("q4_0", "q4_1", "q8_0")
 _ROWS = 16  # the packed layout's N granularity: N is padded with zero rows to a multiple
@@ -76,6 +78,30 @@ class PackedInt4:
     @property
     def nbytes(self) -> int:
         return self.weight.numel() + 2 * self.scales_zeros.numel()
+
+
+# Compact matrices the loader does not pack (model/loader.py says why): the embedding table is only gathered
+# by rows, and a compact lm_head is made dense in the activations' dtype at load.
+UNPACKED = frozenset({"model.embed_tokens.weight", "lm_head.weight"})
+
+
+def packed_nbytes(fmt: str, shape: tuple[int, int]) -> int:
+    """The bytes `pack(fmt, shape, ...)` holds: N rounded up to 16 rows, K2 / 2 nibble bytes a row and a bf16
+    scale and zero per 32 of K2 (K2 = 2 K for q8_0)."""
+    n, k = shape
+    rows, k2 = -(-n // _ROWS) * _ROWS, 2 * k if fmt == "q8_0" else k
+    return rows * k2 // 2 + 2 * 2 * rows * (k2 // GROUP)
+
+
+def held_nbytes(name: str, fmt: str, shape: tuple[int, ...], stored: int, act_bytes: int) -> int:
+    """Bytes the host backend holds for a stored tensor once loaded (model/loader.py): a packable compact
+    matrix in this module's layout, a compact lm_head dense in the activations' dtype, the rest as stored
+    (the budget charges these on the CPU: sizing.ModelFacts.cpu_weights)."""
+    if not is_compact(fmt):
+        return stored
+    if name == "lm_head.weight":
+        return shape[0] * shape[1] * act_bytes
+    return stored if name in UNPACKED or fmt not in PACKABLE else packed_nbytes(fmt, (shape[0], shape[1]))
 
 
 def pack(fmt: str, shape: tuple[int, int], data: torch.Tensor) -> PackedInt4:

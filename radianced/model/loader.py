@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radianced.kernels.compact import CompactWeight
+from radianced.kernels.cpu_packed import UNPACKED
 from radianced.kernels.formats import FORMATS, is_compact
 from radianced.kernels.pinned import PinError, register_pinned
 from radianced.model.config import ModelConfig
@@ -41,15 +42,14 @@ EMBEDDINGS = "model.embed_tokens.weight"
 # expert source, its config) is left as it is: the expert slab is placed by whoever built it.
 _UNWALKED = ("radianced.model.experts", "radianced.model.config")
 
-# Compact matrices the loader does not pack for the CPU's int4 kernel: the embedding table is only
-# gathered by rows, and a compact lm_head is dequantized once at load to the activations' dtype and
-# kept dense: the kernel rounds its output to bf16, which moves SmolLM2's logits by up to 2^-9 of
+# Compact matrices the loader does not pack for the CPU's int4 kernel (`cpu_packed.UNPACKED`, where the
+# budget reads it too): the embedding table is only gathered by rows, and a compact lm_head is
+# dequantized once at load to the activations' dtype and kept dense: the kernel rounds its output to bf16, which moves SmolLM2's logits by up to 2^-9 of
 # their size (~0.05 at a logit of 20) and flipped near ties: with a packed lm_head the greedy answer
 # to "What is the capital of France?" left transformers' at its first token; with the dense fp32
 # head 3 prompts x 24 tokens matched it (the int4 layers alone move the logits 1-3% of max |logit|,
 # without changing an argmax there). Cost: SmolLM2's head reads 113 MB a token in fp32 instead of
 # 30 MB (4.4 ms against 1.8 ms a token on 2 threads).
-_UNPACKED = frozenset({"model.embed_tokens.weight", "lm_head.weight"})
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def load_model(rad: RadFile, device: torch.device | str = "cpu", dtype: torch.dt
     stay compact (`CompactWeight`: `dtype` does not apply to them) and run on the CPU
     only: the reference ops dequantize them per use, the host backend reads the int4
     packing made here (`CompactWeight.packed_for_cpu`), and a compact lm_head is made dense here
-    (`_UNPACKED` says why). Off the CPU they are refused: the Triton kernels that read them
+    (`UNPACKED` says why). Off the CPU they are refused: the Triton kernels that read them
     (kernels/moe.py for experts, kernels/linear.py for layers) have not run on a GPU yet.
     """
     compact = [t.name for t in rad.header.tensors if FORMATS[t.dtype].compact]
@@ -146,7 +146,7 @@ def load_model(rad: RadFile, device: torch.device | str = "cpu", dtype: torch.dt
     def weights(name: str) -> torch.Tensor | CompactWeight:
         t = rad.tensor(name, verify=True)
         if isinstance(t, CompactWeight):  # on the CPU (refused above elsewhere)
-            return t if name in _UNPACKED else t.packed_for_cpu()  # the host backend's int4 form, made once
+            return t if name in UNPACKED else t.packed_for_cpu()  # the host backend's int4 form, made once
         return t.to(dtype or t.dtype)  # on the host: no copy without a cast
 
     if experts is None and rad.header.experts:
@@ -157,7 +157,7 @@ def load_model(rad: RadFile, device: torch.device | str = "cpu", dtype: torch.dt
         mtp_experts = ResidentExperts.from_rad(rad, device, dtype, range(first, first + 1))
     model = build_model(rad.model, weights, experts, mtp, mtp_experts)
     if isinstance(model.lm_head.weight, CompactWeight):
-        model.lm_head.weight = model.lm_head.weight.dequantize(model.norm.weight.dtype)  # why: _UNPACKED
+        model.lm_head.weight = model.lm_head.weight.dequantize(model.norm.weight.dtype)  # why: UNPACKED
     if torch.device(device).type == "cpu":
         model.placed = Placed(0, 0)
         return model
