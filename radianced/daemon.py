@@ -269,10 +269,18 @@ class Daemon:
         """Build every kernel variant a served step can meet (engine/warmup.py), before ready."""
         from radianced.engine.warmup import warm_up
 
+        import torch
+
         before = self.compiles.count()
         cfg = self.cfg
-        r = warm_up(engine, cfg.max_num_batched_tokens, cfg.max_num_seqs, engine.receipt.max_model_len,
-                    cfg.speculative, rad.model.vocab_size)
+        try:
+            r = warm_up(engine, cfg.max_num_batched_tokens, cfg.max_num_seqs, engine.receipt.max_model_len,
+                        cfg.speculative, rad.model.vocab_size)
+        except torch.OutOfMemoryError as e:  # the receipt's workspace line fell short of a real step
+            raise PlanError(f"the warm-up's steps (up to --max-num-batched-tokens {cfg.max_num_batched_tokens} "
+                            f"tokens, --max-num-seqs {cfg.max_num_seqs}) ran out of card memory the receipt left "
+                            f"them ({str(e).splitlines()[0]}); lower --max-num-batched-tokens, or raise "
+                            "--gpu-headroom-mib") from None
         built = self.compiles.builds[before:]
         tuned = sum(1 for b in built if b.kind == "autotune")
         log.info("warm-up: %d rounds, %d steps, %d prompt tokens in %.1f s; %d kernel variants built "
