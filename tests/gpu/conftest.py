@@ -36,6 +36,19 @@ def record(entry: dict) -> None:
             f.write(json.dumps(entry, sort_keys=True) + "\n")
 
 
+def ms_per_call(fn, iters: int = 50) -> float:
+    """Milliseconds per call of `fn` on the current CUDA stream (one call first, then `iters` between events)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def pytest_collection_modifyitems(config, items):
     device = gpu_device()
     usable = device != "cuda" or torch.cuda.is_available()

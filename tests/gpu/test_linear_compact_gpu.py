@@ -20,7 +20,7 @@ import torch
 
 from radianced.kernels import reference
 from radianced.kernels.compact import CompactWeight
-from tests.gpu.conftest import gpu_device, record
+from tests.gpu.conftest import gpu_device, ms_per_call, record
 from tests.kernels.compare import rel_err
 
 SHAPES = {"qkv": (5120, 2048), "o_proj": (2048, 4096)}
@@ -49,18 +49,6 @@ def weights():
     return out
 
 
-def _ms_per_call(fn, iters: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 @pytest.mark.parametrize("t", [1, 8, 32, 4096])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "fp8_b128"])
@@ -80,8 +68,8 @@ def test_compact_linear_matches_the_reference_and_is_timed_against_bf16(linear, 
                             residual=None if residual is None else residual.float(),
                             norm=None if norm is None else (norm[0].float(), *norm[1:]))
     err = rel_err(out, want)
-    ms = _ms_per_call(lambda: linear.linear(x, w, residual=residual, norm=norm))
-    ms_bf16 = _ms_per_call(lambda: linear.linear(x, dense, residual=residual, norm=norm))
+    ms = ms_per_call(lambda: linear.linear(x, w, residual=residual, norm=norm))
+    ms_bf16 = ms_per_call(lambda: linear.linear(x, dense, residual=residual, norm=norm))
     cfg = linear.linear_config(t, n, k, torch.bfloat16, fmt)
     record({"test": "kernel_linear_compact", "format": fmt, "shape": shape, "n": n, "k": k, "tokens": t,
             "kind": cfg.kind, "block_m": cfg.block_m, "rel_err": err, "tolerance": 1e-2, "ms": ms,

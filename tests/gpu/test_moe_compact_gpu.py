@@ -16,7 +16,7 @@ import torch
 
 from radianced.kernels import reference
 from radianced.kernels.formats import FORMATS, FP8_BLOCK
-from tests.gpu.conftest import gpu_device, record
+from tests.gpu.conftest import gpu_device, ms_per_call, record
 from tests.kernels.compare import rel_err
 
 E, TOP_K, INTER, HIDDEN = 64, 8, 768, 2048
@@ -71,18 +71,6 @@ def _routing(t: int):
     return x, ids, (w / w.sum(-1, keepdim=True)).bfloat16()
 
 
-def _ms_per_call(fn, iters: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 @pytest.mark.parametrize("t", [1, 32])
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "fp8_b128"])
 def test_compact_moe_matches_the_reference_and_is_timed_against_bf16(moe, fmt, t):
@@ -92,8 +80,8 @@ def test_compact_moe_matches_the_reference_and_is_timed_against_bf16(moe, fmt, t
     want = reference.moe(x.float(), ids, w.float(), table, slab, INTER, weight_format=fmt)
     err = rel_err(got, want)
     dense = torch.randn((E, 3 * INTER * HIDDEN), device="cuda").mul_(HIDDEN ** -0.5).bfloat16()
-    ms = _ms_per_call(lambda: moe.moe(x, ids, w, table, slab, INTER, weight_format=fmt))
-    ms_bf16 = _ms_per_call(lambda: moe.moe(x, ids, w, table, dense, INTER))
+    ms = ms_per_call(lambda: moe.moe(x, ids, w, table, slab, INTER, weight_format=fmt))
+    ms_bf16 = ms_per_call(lambda: moe.moe(x, ids, w, table, dense, INTER))
     routed = int(torch.unique(ids).numel())
     extent = moe.extent_layout(fmt, INTER, HIDDEN).size
     record({"test": "kernel_moe_compact", "format": fmt, "tokens": t, "rel_err": err, "tolerance": 1e-2,
