@@ -78,6 +78,10 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
     from radianced.config import add_flags
 
     add_flags(p)
+    p.add_argument("--pcie-gbps", type=float, metavar="GB/S", default=None,
+                   help="host -> card link rate for the predicted tok/s (default: probed on CUDA)")
+    p.add_argument("--hbm-gbps", type=float, metavar="GB/S", default=None,
+                   help="card memory rate: adds the card's reads to the predicted tok/s")
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -90,6 +94,7 @@ def _plan(args: argparse.Namespace) -> int:
     from radianced.model.default import ensure_default_model
     from radianced.model.rad import RadFile
     from radianced.sizing import ModelFacts
+    from radianced.tiers.predict import plan_lines
 
     cfg = Config.from_args(args)
     with RadFile.open(cfg.model or ensure_default_model()) as rad:
@@ -97,7 +102,10 @@ def _plan(args: argparse.Namespace) -> int:
     # --card-mib describes a GPU: its arena is allocated in the CUDA allocator's units
     card = Card.from_mib(cfg.card_mib, cuda=True) if cfg.card_mib \
         else detect_card("cuda" if torch.cuda.is_available() else "cpu")
-    print("\n".join(plan(card, facts, cfg).lines()))
+    receipt = plan(card, facts, cfg)
+    print("\n".join(receipt.lines()))
+    for line in plan_lines(rad, receipt, pcie_gbps=args.pcie_gbps, hbm_gbps=args.hbm_gbps):  # the header, closed
+        print(line)
     return 0
 
 

@@ -1,0 +1,89 @@
+"""The steady-state prediction, exactly, on a hand-made profile of 2 MoE layers x 4 experts, top-2.
+
+Each layer counted 10 tokens (20 assignments): layer 0 routed its experts in
+8, 6, 4, 2 of them, layer 1 in 10, 5, 3, 2. So the shares p are .8 .6 .4 .2 and
+1 .5 .3 .2, and the rank by count is (1,0) (0,0) (0,1) (1,1) (0,2) (1,2) (0,3)
+(1,3) (the tie of the last two in file order). With 1 pinned, 5 in the host pool,
+2 on disk and 3 slots, the slots hold (1,0) (0,0) (0,1); the pool (1,1) (0,2)
+(1,2); the file (0,3) (1,3).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from radianced.tiers.placement import place
+from radianced.tiers.predict import predict, routing_shares
+from radianced.tiers.profile import Profile
+
+EXPERTS = [(layer, e) for layer in (0, 1) for e in range(4)]
+COUNTS = {(0, 0): 8, (0, 1): 6, (0, 2): 4, (0, 3): 2, (1, 0): 10, (1, 1): 5, (1, 2): 3, (1, 3): 2}
+EXTENT, RESIDENT = 1000, 10_000
+
+
+def _profile() -> Profile:
+    return Profile(7, (0, 1), 4, COUNTS, steps=10)
+
+
+def _placement(profile: Profile, slots: int = 3):
+    return place(EXPERTS, pinned=1, host=5, disk=2, slots=slots, ranking=profile.rank())
+
+
+def _predict(batch: int, slots: int = 3):
+    profile = _profile()
+    return predict(profile, _placement(profile, slots), top_k=2, extent_bytes=EXTENT, resident_bytes=RESIDENT,
+                   batch=batch)
+
+
+def test_shares_are_counts_over_the_layers_tokens():
+    assert routing_shares(_profile(), top_k=2).tolist() == [[.8, .6, .4, .2], [1.0, .5, .3, .2]]
+
+
+def test_batch_1_hits_the_slotted_experts_share_of_the_assignments():
+    assert _placement(_profile()).slots == ((1, 0), (0, 0), (0, 1))
+    pr = _predict(1)
+    assert (pr.batch, pr.slots, pr.profile_tokens) == (1, 3, 10)
+    assert pr.lookups == pytest.approx(4.0)  # every token: 2 layers x top-2
+    assert pr.hits == pytest.approx(1.0 + .8 + .6)
+    assert pr.hit_rate == pytest.approx((10 + 8 + 6) / 40)
+    assert pr.host_misses == pytest.approx(.5 + .4 + .3)  # (1,1) (0,2) (1,2)
+    assert pr.disk_misses == pytest.approx(.2 + .2)  # (0,3) (1,3)
+    assert pr.overflow_bytes_per_token == pytest.approx(1.6 * EXTENT)
+    assert pr.disk_bytes_per_token == pytest.approx(.4 * EXTENT)
+    assert pr.hbm_bytes_per_token == pytest.approx(RESIDENT + 2.4 * EXTENT)
+
+
+def test_batch_2_looks_up_each_expert_with_one_minus_its_miss_squared():
+    pr = _predict(2)
+    # 1 - (1 - p)^2: layer 0 .96 .84 .64 .36, layer 1 1 .75 .51 .36
+    assert pr.lookups == pytest.approx(.96 + .84 + .64 + .36 + 1 + .75 + .51 + .36)
+    assert pr.hits == pytest.approx(1 + .96 + .84)
+    assert pr.host_misses == pytest.approx(.75 + .64 + .51)
+    assert pr.disk_misses == pytest.approx(.36 + .36)
+    assert pr.overflow_bytes_per_token == pytest.approx((1.9 + .72) * EXTENT / 2)
+    assert pr.hbm_bytes_per_token == pytest.approx((RESIDENT + 2.8 * EXTENT) / 2)
+
+
+def test_tok_s_bounds_add_the_link_disk_and_card_times():
+    pr = _predict(1)  # 1600 B over the link, 400 B of it from disk, 12400 B from the card a token
+    assert pr.ceiling(0.0016) == pytest.approx(1000.0)  # 1.6e6 B/s over 1600 B
+    assert pr.serial(0.0016, 0.0124) == pytest.approx(500.0)  # 1 ms link + 1 ms card
+    assert pr.serial(0.0016, 0.0124, disk_gbps=0.0004) == pytest.approx(1000 / 3)  # + 1 ms disk
+
+
+def test_every_expert_in_a_slot_hits_everything_and_overflows_nothing():
+    pr = _predict(1, slots=8)
+    assert pr.hit_rate == pytest.approx(1.0)
+    assert pr.overflow_bytes_per_token == 0 and pr.ceiling(25.0) == float("inf")
+
+
+def test_refusals_name_what_is_wrong():
+    profile = _profile()
+    with pytest.raises(ValueError, match="batch 0"):
+        predict(profile, _placement(profile), top_k=2, extent_bytes=EXTENT, batch=0)
+    empty = Profile(7, (0, 1), 4, {(0, 0): 2})
+    with pytest.raises(ValueError, match="no tokens at MoE layer 1"):
+        predict(empty, _placement(empty), top_k=2, extent_bytes=EXTENT)
+    other = place([(5, e) for e in range(8)], pinned=1, host=7, disk=0, slots=2)
+    with pytest.raises(ValueError, match="not the same model"):
+        predict(profile, other, top_k=2, extent_bytes=EXTENT)
