@@ -76,11 +76,12 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
     from radianced.config import add_flags
+    from radianced.tiers.predict import gbps
 
     add_flags(p)
-    p.add_argument("--pcie-gbps", type=float, metavar="GB/S", default=None,
+    p.add_argument("--pcie-gbps", type=gbps, metavar="GB/S", default=None,
                    help="host -> card link rate for the predicted tok/s (default: probed on CUDA)")
-    p.add_argument("--hbm-gbps", type=float, metavar="GB/S", default=None,
+    p.add_argument("--hbm-gbps", type=gbps, metavar="GB/S", default=None,
                    help="card memory rate: adds the card's reads to the predicted tok/s")
 
 

@@ -168,14 +168,10 @@ def plan_lines(rad, receipt, *, pcie_gbps: float | None = None, hbm_gbps: float 
     header is all that is read, and the profile beside it): decode at batch 1 and at the receipt's
     --max-num-seqs. The link rate is `pcie_gbps`, else probed when CUDA is there (as start-up
     probes it), else the tok/s lines say to give one. Empty for a dense model. Raises
-    ProfileError for a profile that does not belong to the model, ConfigError for a rate not above 0."""
-    from radianced.config import ConfigError
+    ProfileError for a profile that does not belong to the model."""
     from radianced.tiers.placement import place_receipt, routed_experts
     from radianced.tiers.profile import profile_path
 
-    for flag, rate in (("--pcie-gbps", pcie_gbps), ("--hbm-gbps", hbm_gbps)):
-        if rate is not None and not rate > 0:
-            raise ConfigError(f"{flag} {rate}: give the rate in GB/s (1e9 bytes a second), above 0")
     if not receipt.experts:
         return []
     path = profile_path(rad.path)
@@ -196,6 +192,19 @@ def plan_lines(rad, receipt, *, pcie_gbps: float | None = None, hbm_gbps: float 
                 f"a step); overflow {_mib(pr.overflow_bytes_per_token)} a token ({_mib(pr.disk_bytes_per_token)} "
                 f"of it from disk)", "    " + _tok_s(pr, link, where, hbm_gbps, disk)]
     return out
+
+
+def gbps(text: str) -> float:
+    """An argparse type: a rate in GB/s, above 0 (the flag's error names the value and the unit)."""
+    import argparse
+
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = None
+    if rate is None or not 0 < rate < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give the rate in GB/s (1e9 bytes a second), a number above 0")
+    return rate
 
 
 def _tok_s(pr: Prediction, link: float | None, where: str, hbm_gbps: float | None, disk: float | None) -> str:
