@@ -40,12 +40,11 @@ alone. KV, activations and launch time are not counted: both are bounds.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from radianced.tiers.placement import DISK, HOST, Placement
+from radianced.tiers.placement import Placement
 from radianced.tiers.profile import Profile
 
 GB = 1e9  # link rates are in 1e9 bytes per second, as the probes report them
@@ -99,10 +98,13 @@ class Prediction:
         """Card bytes a generated token reads: the resident weights (once a step) and the hits."""
         return (self.resident_bytes + self.hits * self.extent_bytes) / self.batch
 
-    def ceiling(self, link_gbps: float) -> float:
-        """Tok/s the link allows: its rate over the overflow bytes per token (inf: no overflow)."""
-        per_token = self.overflow_bytes_per_token
-        return link_gbps * GB / per_token if per_token else float("inf")
+    def ceiling(self, link_gbps: float, disk_gbps: float | None = None) -> float:
+        """Tok/s the overflow allows: the link's rate over its bytes per token, or the disk's over
+        its own where that is slower (given a disk rate); inf: no overflow."""
+        seconds = self.overflow_bytes_per_token / (link_gbps * GB)
+        if disk_gbps:
+            seconds = max(seconds, self.disk_bytes_per_token / (disk_gbps * GB))
+        return 1 / seconds if seconds else float("inf")
 
     def serial(self, link_gbps: float, hbm_gbps: float, disk_gbps: float | None = None) -> float:
         """Tok/s with the times of the link, the disk (when given) and HBM added up, no overlap."""
@@ -210,18 +212,18 @@ def gbps(text: str) -> float:
 def _tok_s(pr: Prediction, link: float | None, where: str, hbm_gbps: float | None, disk: float | None) -> str:
     if link is None:
         return f"tok/s: needs a link rate: {where}"
+    disk_text = ""
+    if pr.disk_misses:
+        disk_text = (f", {disk:.2f} GB/s disk (probed)" if disk else
+                     " (the disk left out: the model file could not be probed with O_DIRECT)")
     if not pr.overflow_bytes_per_token:
         text = "tok/s: no overflow, the link does not bound it"
     else:
-        text = f"tok/s: at most {pr.ceiling(link):,.1f} at {link:.1f} GB/s PCIe ({where})"
+        text = f"tok/s: at most {pr.ceiling(link, disk):,.1f} at {link:.1f} GB/s PCIe ({where}){disk_text}"
     if hbm_gbps is None:
         return text + "; give --hbm-gbps for the bound with the card's reads added"
-    disk_text = ""
-    if pr.disk_misses:
-        disk_text = (f" and {_mib(pr.disk_bytes_per_token)} at {disk:.2f} GB/s disk" if disk else
-                     " (the disk's time left out: the model file could not be probed with O_DIRECT)")
     return (text + f"; {pr.serial(link, hbm_gbps, disk):,.1f} with {_mib(pr.hbm_bytes_per_token)} a token at "
-            f"{hbm_gbps:g} GB/s HBM{disk_text} added")
+            f"{hbm_gbps:g} GB/s HBM added")
 
 
 def _link_rate(pcie_gbps: float | None) -> tuple[float | None, str]:

@@ -80,6 +80,8 @@ def test_batch_2_looks_up_each_expert_with_one_minus_its_miss_squared():
 def test_tok_s_bounds_add_the_link_disk_and_card_times():
     pr = _predict(1)  # 1600 B over the link, 400 B of it from disk, 12400 B from the card a token
     assert pr.ceiling(0.0016) == pytest.approx(1000.0)  # 1.6e6 B/s over 1600 B
+    assert pr.ceiling(0.0016, disk_gbps=0.0008) == pytest.approx(1000.0)  # the disk's 400 B take .5 ms of 1
+    assert pr.ceiling(0.0016, disk_gbps=0.0002) == pytest.approx(500.0)  # ... and here 2 ms: the disk bounds it
     assert pr.serial(0.0016, 0.0124) == pytest.approx(500.0)  # 1 ms link + 1 ms card
     assert pr.serial(0.0016, 0.0124, disk_gbps=0.0004) == pytest.approx(1000 / 3)  # + 1 ms disk
 

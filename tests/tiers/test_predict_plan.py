@@ -9,6 +9,7 @@ the three experts 0 and 1 and the first two experts 2 in file order ((0,2),
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -90,3 +91,18 @@ def test_a_rate_not_above_zero_is_refused_naming_the_flag(model, capsys, rate):
     assert exit_.value.code == 2
     assert (f"argument --hbm-gbps: {rate!r}: give the rate in GB/s (1e9 bytes a second), a number above 0"
             in capsys.readouterr().err)
+
+
+def test_with_the_disk_tier_the_misses_come_from_disk_and_the_disk_rate_joins_the_bound(model, capsys):
+    _profile(model)
+    lines = _predicted(capsys, "--model", str(model), "--card-mib", "256", "--host-pool-mib", "0",
+                       "--weights-disk-tier", "--expert-slots", "8", "--max-num-seqs", "1", "--pcie-gbps", "25")
+    miss = .4 * EXTENT / 2**20
+    assert lines[1] == (f"  decode b1: hit rate 93.3% (5.60 of 6.00 lookups a step); overflow {miss:.3f} MiB a token "
+                        f"({miss:.3f} MiB of it from disk)")
+    m = re.fullmatch(r"    tok/s: at most ([\d,.]+) at 25\.0 GB/s PCIe \(--pcie-gbps\), ([\d.]+) GB/s disk \(probed\); "
+                     r"give --hbm-gbps for the bound with the card's reads added", lines[2])
+    assert m, lines[2]
+    disk = float(m[2]) * 1e9  # the O_DIRECT probe of the model file, printed to 0.01 GB/s
+    bytes_a_second = float(m[1].replace(",", "")) * .4 * EXTENT  # each token reads its miss from disk and over PCIe
+    assert bytes_a_second == pytest.approx(min(25e9, disk), abs=0.005e9 + 1e3)
