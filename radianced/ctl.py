@@ -291,7 +291,8 @@ COMMANDS: list[Command] = [
     Command("convert", "convert a Hugging Face folder or a .gguf file to .rad", _convert_args, _convert),
     Command("quality", "KL / top-1 / perplexity of a .rad against a reference .rad (Markdown)", quality.add_arguments, quality.run),
     Command("verify", "check a .rad file: header, extents and every checksum", _verify_args, _verify),
-    Command("plan", "print the start-up receipt (the card split) for a model and a card", _plan_args, _plan),
+    Command("plan", "print the start-up receipt (the card split) for a model and a card; with an expert profile, "
+            "the predicted hit rate, overflow and tok/s", _plan_args, _plan),
     Command("profile", "run prompts through a MoE model and write its expert profile (slot pre-fill order); "
             "--save: the running daemon's live counts", _profile_args, _profile),
     Command("status", "the running daemon's state, queue, requests, expert hit rates and receipt", _status_args,

@@ -106,3 +106,14 @@ def test_with_the_disk_tier_the_misses_come_from_disk_and_the_disk_rate_joins_th
     disk = float(m[2]) * 1e9  # the O_DIRECT probe of the model file, printed to 0.01 GB/s
     bytes_a_second = float(m[1].replace(",", "")) * .4 * EXTENT  # each token reads its miss from disk and over PCIe
     assert bytes_a_second == pytest.approx(min(25e9, disk), abs=0.005e9 + 1e3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_without_a_rate_plan_probes_the_link(model, capsys):
+    _profile(model)
+    lines = _predicted(capsys, "--model", str(model), *FLAGS, "--max-num-seqs", "1")
+    m = re.fullmatch(r"    tok/s: at most ([\d,.]+) at ([\d.]+) GB/s PCIe \(probed\); give --hbm-gbps for the bound "
+                     r"with the card's reads added", lines[2])
+    assert m, lines[2]
+    assert float(m[1].replace(",", "")) * .4 * EXTENT == pytest.approx(float(m[2]) * 1e9, abs=0.05e9 + 1e3)
