@@ -220,16 +220,18 @@ def gbps(text: str) -> float:
 
 
 def _tok_s(pr: Prediction, link: float | None, where: str, hbm_gbps: float | None, disk: float | None) -> str:
-    if link is None:
-        return f"tok/s: needs a link rate: {where}"
-    disk_text = ""
-    if pr.disk_misses:
-        disk_text = (f", {disk:.2f} GB/s disk (probed)" if disk else
-                     " (the disk left out: the model file could not be probed with O_DIRECT)")
+    """One prediction's tok/s line: the batch's sequences together."""
+    label = "tok/s" if pr.batch == 1 else f"tok/s of the {pr.batch} together"
     if not pr.overflow_bytes_per_token:
-        text = "tok/s: no overflow, the link does not bound it"
+        text, link = f"{label}: no overflow, the link does not bound it", float("inf")
+    elif link is None:
+        return f"{label}: needs a link rate: {where}"
     else:
-        text = f"tok/s: at most {pr.ceiling(link, disk):,.1f} at {link:.1f} GB/s PCIe ({where}){disk_text}"
+        disk_text = ""
+        if pr.disk_misses:
+            disk_text = (f", {disk:.2f} GB/s disk (probed)" if disk else
+                         " (the disk left out: the model file could not be probed with O_DIRECT)")
+        text = f"{label}: at most {pr.ceiling(link, disk):,.1f} at {link:.1f} GB/s PCIe ({where}){disk_text}"
     if hbm_gbps is None:
         return text + "; give --hbm-gbps for the bound with the card's reads added"
     return (text + f"; {pr.serial(link, hbm_gbps, disk):,.1f} with {_mib(pr.hbm_bytes_per_token)} a token at "

@@ -55,7 +55,7 @@ def test_plan_predicts_hit_rate_overflow_and_tok_s_at_b1_and_max_num_seqs(model,
         # lookups 3 x (1 + .9744 + .8704) = 8.5344, hits 3 + 3 x .9744 + 2 x .8704 = 7.664
         f"  decode b4: hit rate 89.8% (7.66 of 8.53 lookups a step); overflow {b4_miss / 2**20:.3f} MiB a token "
         f"(0.000 MiB of it from disk)",
-        f"    tok/s: at most {25e9 / b4_miss:,.1f} at 25.0 GB/s PCIe (--pcie-gbps); give --hbm-gbps for the bound "
+        f"    tok/s of the 4 together: at most {25e9 / b4_miss:,.1f} at 25.0 GB/s PCIe (--pcie-gbps); give --hbm-gbps for the bound "
         f"with the card's reads added",
     ]
 
@@ -75,6 +75,16 @@ def test_without_a_profile_plan_says_how_to_make_one(model, capsys):
     assert _predicted(capsys, "--model", str(model), *FLAGS) == [
         "predicted: no expert profile (m.rad.expert-profile.bin) beside the model: run radiancectl profile MODEL "
         "--prompts FILE to predict the hit rate, overflow and tok/s"]
+
+
+def test_with_every_expert_in_a_slot_nothing_overflows_and_no_link_rate_is_needed(model, capsys):
+    _profile(model)
+    lines = _predicted(capsys, "--model", str(model), *FLAGS[:4], "--placement", "resident", "--max-num-seqs", "1",
+                       "--hbm-gbps", "4000")
+    assert lines[1] == "  decode b1: hit rate 100.0% (6.00 of 6.00 lookups a step); overflow 0.000 MiB a token " \
+                       "(0.000 MiB of it from disk)"
+    assert re.fullmatch(r"    tok/s: no overflow, the link does not bound it; [\d,.]+ with [\d.]+ MiB a token at "
+                        r"4000 GB/s HBM added", lines[2]), lines[2]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the link is probed")
