@@ -55,8 +55,8 @@ def test_plan_predicts_hit_rate_overflow_and_tok_s_at_b1_and_max_num_seqs(model,
         # lookups 3 x (1 + .9744 + .8704) = 8.5344, hits 3 + 3 x .9744 + 2 x .8704 = 7.664
         f"  decode b4: hit rate 89.8% (7.66 of 8.53 lookups a step); overflow {b4_miss / 2**20:.3f} MiB a token "
         f"(0.000 MiB of it from disk)",
-        f"    tok/s of the 4 together: at most {25e9 / b4_miss:,.1f} at 25.0 GB/s PCIe (--pcie-gbps); give --hbm-gbps for the bound "
-        f"with the card's reads added",
+        f"    tok/s of the 4 together: at most {25e9 / b4_miss:,.1f} at 25.0 GB/s PCIe (--pcie-gbps); give "
+        f"--hbm-gbps for the bound with the card's reads added",
     ]
 
 
