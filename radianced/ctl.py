@@ -105,7 +105,7 @@ def _plan(args: argparse.Namespace) -> int:
         else detect_card("cuda" if torch.cuda.is_available() else "cpu")
     receipt = plan(card, facts, cfg)
     print("\n".join(receipt.lines()))
-    for line in plan_lines(rad, receipt, pcie_gbps=args.pcie_gbps, hbm_gbps=args.hbm_gbps):  # the header, closed
+    for line in plan_lines(rad, receipt, pcie_gbps=args.pcie_gbps, hbm_gbps=args.hbm_gbps):  # reads rad's header
         print(line)
     return 0
 

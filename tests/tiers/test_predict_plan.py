@@ -45,8 +45,8 @@ def test_plan_predicts_hit_rate_overflow_and_tok_s_at_b1_and_max_num_seqs(model,
     b1_miss = .4 * EXTENT  # (2,2) misses in 40% of the tokens: 3686.4 bytes a token
     b4_miss = (1 - .6 ** 4) * EXTENT / 4  # looked up in a step of 4 with 1 - .6^4 = .8704
     assert lines == [
-        "predicted (profile m.rad.expert-profile.bin: 9 ranked pairs; steady state: the 8 start slots hold the "
-        "profile's top-ranked experts):",
+        "predicted (profile m.rad.expert-profile.bin: 9 ranked pairs, 100 tokens; steady state: the 8 start slots "
+        "hold the profile's top-ranked experts):",
         # 3 layers x (1 + .6) + 2 x .4 of the 6 lookups; 560 of the 600 assignments
         f"  decode b1: hit rate 93.3% (5.60 of 6.00 lookups a step); overflow {b1_miss / 2**20:.3f} MiB a token "
         f"(0.000 MiB of it from disk)",
