@@ -195,14 +195,12 @@ def plan_lines(rad, receipt, *, pcie_gbps: float | None = None, hbm_gbps: float 
     resident = sum(p.bytes for p in receipt.weights if p.name != "embeddings")
     link, where = _link_rate(pcie_gbps)
     disk = _disk_rate(rad.path) if placement.disk and link else None
-    out = []
-    for batch in sorted({1, receipt.max_num_seqs}):
-        pr = predict(profile, placement, top_k=rad.model.num_experts_per_tok, extent_bytes=receipt.expert_extent,
-                     resident_bytes=resident, batch=batch)
-        if not out:
-            out.append(f"predicted ({profile.line(path)}, {pr.profile_tokens} tokens; steady state: the "
-                       f"{pr.slots} start slots hold the profile's top-ranked experts):")
-        out += [f"  decode b{batch}: hit rate {100 * pr.hit_rate:.1f}% ({pr.hits:.2f} of {pr.lookups:.2f} lookups "
+    preds = [predict(profile, placement, top_k=rad.model.num_experts_per_tok, extent_bytes=receipt.expert_extent,
+                     resident_bytes=resident, batch=batch) for batch in sorted({1, receipt.max_num_seqs})]
+    out = [f"predicted ({profile.line(path)}, {preds[0].profile_tokens} tokens; steady state: the "
+           f"{preds[0].slots} start slots hold the profile's top-ranked experts):"]
+    for pr in preds:
+        out += [f"  decode b{pr.batch}: hit rate {100 * pr.hit_rate:.1f}% ({pr.hits:.2f} of {pr.lookups:.2f} lookups "
                 f"a step); overflow {_mib(pr.overflow_bytes_per_token)} a token ({_mib(pr.disk_bytes_per_token)} "
                 f"of it from disk)", "    " + _tok_s(pr, link, where, hbm_gbps, disk)]
     return out
