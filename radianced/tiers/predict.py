@@ -193,7 +193,7 @@ def plan_lines(rad, receipt, *, pcie_gbps: float | None = None, hbm_gbps: float 
     profile = Profile.load_for(rad, path)
     placement = place_receipt(receipt, routed_experts(rad.header), ranking=profile.rank())
     resident = sum(p.bytes for p in receipt.weights if p.name != "embeddings")
-    link, where = _link_rate(pcie_gbps)
+    link, where = _link_rate(pcie_gbps) if placement.host or placement.disk else (None, "")  # none: all on the card
     disk = _disk_rate(rad.path) if placement.disk and link else None
     preds = [predict(profile, placement, top_k=rad.model.num_experts_per_tok, extent_bytes=receipt.expert_extent,
                      resident_bytes=resident, batch=batch) for batch in sorted({1, receipt.max_num_seqs})]
