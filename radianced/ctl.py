@@ -76,8 +76,13 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
     from radianced.config import add_flags
+    from radianced.tiers.predict import gbps
 
     add_flags(p)
+    p.add_argument("--pcie-gbps", type=gbps, metavar="GB/S", default=None,
+                   help="host -> card link rate for the predicted tok/s (default: probed on CUDA)")
+    p.add_argument("--hbm-gbps", type=gbps, metavar="GB/S", default=None,
+                   help="card memory rate: adds the card's reads to the predicted tok/s")
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -88,14 +93,20 @@ def _plan(args: argparse.Namespace) -> int:
     from radianced.model.default import ensure_default_model
     from radianced.model.rad import RadFile
     from radianced.sizing import ModelFacts
+    from radianced.tiers.predict import plan_lines
     from radianced.tp_plan import detect_cards, plan_cards
 
     cfg = Config.from_args(args, planning=True)
     with RadFile.open(cfg.model or ensure_default_model()) as rad:
         facts = ModelFacts.from_header(rad.header)
-    cards = detect_cards(cfg)
-    receipt = plan(cards[0], facts, cfg) if cfg.tp == 1 else plan_cards(cards, facts, cfg)
-    print("\n".join(receipt.lines()))
+        cards = detect_cards(cfg)
+        if cfg.tp > 1:  # each card's receipt and the total (the predictions are one card's for now)
+            print("\n".join(plan_cards(cards, facts, cfg).lines()))
+            return 0
+        receipt = plan(cards[0], facts, cfg)
+        print("\n".join(receipt.lines()))
+        for line in plan_lines(rad, receipt, pcie_gbps=args.pcie_gbps, hbm_gbps=args.hbm_gbps):
+            print(line)
     return 0
 
 
@@ -280,8 +291,8 @@ COMMANDS: list[Command] = [
     Command("convert", "convert a Hugging Face folder or a .gguf file to .rad", _convert_args, _convert),
     Command("quality", "KL / top-1 / perplexity of a .rad against a reference .rad (Markdown)", quality.add_arguments, quality.run),
     Command("verify", "check a .rad file: header, extents and every checksum", _verify_args, _verify),
-    Command("plan", "print the start-up receipt (the card split) for a model and a card (--tp N: each card's)",
-            _plan_args, _plan),
+    Command("plan", "print the start-up receipt (the card split) for a model and a card (--tp N: each card's); "
+            "with an expert profile, the predicted hit rate, overflow and tok/s", _plan_args, _plan),
     Command("profile", "run prompts through a MoE model and write its expert profile (slot pre-fill order); "
             "--save: the running daemon's live counts", _profile_args, _profile),
     Command("status", "the running daemon's state, queue, requests, expert hit rates and receipt", _status_args,
