@@ -177,10 +177,13 @@ class AsyncEngine:
         self._failed: BaseException | None = None
         self.steps = 0  # completed steps: the watchdog's sign of progress
         slab = engine.experts
-        # the slab's and the arena's cumulative counts already reported (the start fill's reads are not traffic)
+        # the slab's and the arena's cumulative counts already reported: what the start fill and the warm-up
+        # (daemon.py: requests served before ready) did is not traffic
         self._slab_seen = (slab.stats.total_lookups, slab.stats.total_hits) if slab is not None else None
         self._disk_seen = slab.stats.disk_bytes if slab is not None else 0
-        self._moved_seen: dict[tuple[str, str], int] = {}
+        if slab is not None:
+            slab.drain_disk_latencies()
+        self._moved_seen: dict[tuple[str, str], int] = dict(engine.arena.stats().moved) if engine.arena else {}
         self._count_tiers()  # the gauges from the start, not from the first step
 
     @property
