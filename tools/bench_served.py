@@ -1,6 +1,6 @@
 """Issue 18's rows: what a user of the HTTP API sees from a daemon started as users start it.
 
-    python tools/bench_served.py --out DIR [--layers 8] [--requests 200] [--bursts 25] [-- DAEMON FLAGS]
+    python tools/bench_served.py --out DIR [--layers 8] [--requests 200] [--bursts 25] [--env K=V] [-- FLAGS]
 
 On a synthetic Qwen3-30B-A3B-shaped `.rad` (tools/make_synthetic.py, Zipf 1.0) the
 daemon runs as a child process (`radianced.bench.daemon_process.ChildDaemon`), its
@@ -179,9 +179,17 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--bursts", type=int, default=25)
     ap.add_argument("--model", type=Path, help="an existing .rad (default: write the synthetic model)")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="set in the daemon's environment (repeatable), e.g. CUDA_MODULE_LOADING=EAGER: does "
+                         "the first/twin gap come from CUDA loading each library kernel at its first launch?")
     ap.add_argument("flags", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    for kv in args.env:
+        key, sep, value = kv.partition("=")
+        if not sep:
+            ap.error(f"--env wants KEY=VALUE, got {kv!r}")
+        os.environ[key] = value
     flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
     flags = flags or ["--placement", "resident", "--max-num-seqs", "8"]
     from radianced.model.rad import RadFile
@@ -192,7 +200,7 @@ def main() -> int:
             model = make_synthetic(Path(d) / "m.rad", layers=args.layers, zipf=1.0, progress=False)
         vocab = RadFile.open(model).model.vocab_size
         flags = ["--model", str(model), *flags]
-        result = {"flags": flags, "layers": args.layers}
+        result = {"flags": flags, "layers": args.layers, "env": args.env}
         cache = Path(d) / "kernels"
         daemon, cold, said = start(flags, cache)
         daemon.stop()
