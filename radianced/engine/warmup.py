@@ -28,9 +28,10 @@ engine (scheduler, batch, runner, sampler: the served path), random token ids:
   B decodes;
 - the same with every sampling feature on (temperature, top-k/p, min-p,
   penalties, logprobs, a seed) at B = 1 and 2, one greedy beside;
-- with --speculative, a repetitive prompt at B = 1 and 2, where n-gram drafts
-  find matches once the output repeats it (a verify step's shapes are a
-  prefill's: T tokens, logits at several rows, met above either way).
+- with --speculative, B = 1 and 2 sequences whose every decode step drafts N
+  tokens (`forced_drafting`: a random-weights model or an unmatched prompt would
+  leave n-gram drafting idle), so verify steps run, and a hybrid's per-position
+  state kernels with them.
 
 Then it drops the prefix-cache blocks these left. `WarmupReport` is what the
 start-up log says. The GPU tests (tests/gpu/test_no_compile.py) hold the
@@ -39,12 +40,15 @@ claim: no kernel build while serving prompts of random lengths.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass
 
+from radianced.engine.drafting import DraftPlanner
 from radianced.engine.request import Request
 from radianced.engine.sampling_params import SamplingParams
+from radianced.engine.speculation import ngram_drafts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.01, seed=1, repetition_penalty=1.1,
@@ -58,7 +62,7 @@ class Round:
 
     lengths: tuple[int, ...]
     params: tuple[SamplingParams, ...]
-    repetitive: bool = False  # prompts repeat a short phrase: n-gram drafts find matches
+    drafting: bool = False  # every decode step drafts --speculative N tokens (`forced_drafting`)
 
 
 @dataclass(frozen=True)
@@ -92,8 +96,16 @@ def plan_rounds(max_batched_tokens: int, max_num_seqs: int, max_model_len: int, 
         rounds += [Round((5, 7), (SAMPLED, GREEDY))]
     if speculative:
         n = min(48, longest)
-        rounds += [Round((n,) * b, (SPECULATIVE,) * b, repetitive=True) for b in range(1, min(2, max_num_seqs) + 1)]
+        rounds += [Round((n,) * b, (SPECULATIVE,) * b, drafting=True) for b in range(1, min(2, max_num_seqs) + 1)]
     return rounds
+
+
+def forced_drafting(planner: DraftPlanner) -> DraftPlanner:
+    """`planner` with every decode drafting its N tokens: not adaptive, and n-gram drafts proposed from the
+    sequence's own last tokens (a match is not needed to verify); the MTP head's drafts as they come."""
+    policy = planner.policy
+    propose = policy.propose if policy.propose is not ngram_drafts else (lambda seq, n: tuple(seq.token_ids[-n:]))
+    return dataclasses.replace(planner, policy=dataclasses.replace(policy, adaptive=False, propose=propose))
 
 
 def warm_up(engine, max_batched_tokens: int, max_num_seqs: int, max_model_len: int, speculative: int,
@@ -103,18 +115,20 @@ def warm_up(engine, max_batched_tokens: int, max_num_seqs: int, max_model_len: i
     rng = random.Random(0)
     start, steps, tokens = time.perf_counter(), 0, 0
     rounds = plan_rounds(max_batched_tokens, max_num_seqs, max_model_len, speculative)
+    scheduler = engine.scheduler
+    planner = scheduler.drafting
     for r, rnd in enumerate(rounds):
         for i, (n, params) in enumerate(zip(rnd.lengths, rnd.params)):
-            if rnd.repetitive:
-                phrase = [rng.randrange(vocab_size) for _ in range(6)]
-                prompt = (phrase * (n // 6 + 1))[:n]
-            else:
-                prompt = [rng.randrange(vocab_size) for _ in range(n)]
-            engine.add(Request(f"warm-up-{r}-{i}", tuple(prompt), params))
+            engine.add(Request(f"warm-up-{r}-{i}", tuple(rng.randrange(vocab_size) for _ in range(n)), params))
             tokens += n
-        while engine.scheduler.has_unfinished:
-            engine.step()
-            steps += 1
+        if rnd.drafting and planner is not None:
+            scheduler.drafting = forced_drafting(planner)
+        try:
+            while scheduler.has_unfinished:
+                engine.step()
+                steps += 1
+        finally:
+            scheduler.drafting = planner
     prefix = engine.scheduler.prefix
     prefix.evict(prefix.evictable())
     return WarmupReport(len(rounds), steps, time.perf_counter() - start, tokens)

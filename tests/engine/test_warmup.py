@@ -26,8 +26,8 @@ def test_token_buckets_are_the_powers_of_two_below_the_limit_then_the_limit(limi
 @pytest.mark.parametrize("speculative", [0, 2])
 def test_plan_of_a_small_engine(speculative):
     """8-token steps, 3 sequences, a 64-token context: a prefill of each bucket's size T and of T + 1
-    (a prompt may pass the step limit: it runs as two steps), 2 and 3 one-token sequences together, the sampled rounds, and the repetitive
-    rounds only when drafting."""
+    (a prompt may pass the step limit: it runs as two steps), 2 and 3 one-token sequences together,
+    the sampled rounds, and the forced-drafting rounds only with --speculative."""
     rounds = plan_rounds(8, 3, 64, speculative)
     want = [
         *(Round((n,), (GREEDY,)) for n in (1, 2, 3, 4, 5, 8, 9)),
@@ -35,8 +35,8 @@ def test_plan_of_a_small_engine(speculative):
         Round((5,), (SAMPLED,)), Round((5, 7), (SAMPLED, GREEDY)),
     ]
     if speculative:
-        want += [Round((8,), (SPECULATIVE,), repetitive=True),
-                 Round((8, 8), (SPECULATIVE, SPECULATIVE), repetitive=True)]
+        want += [Round((8,), (SPECULATIVE,), drafting=True),
+                 Round((8, 8), (SPECULATIVE, SPECULATIVE), drafting=True)]
     assert rounds == want
     assert all(n + p.max_tokens <= 64 for r in rounds for n, p in zip(r.lengths, r.params))
 
@@ -71,12 +71,13 @@ def record_plans(engine) -> list:
 
 def check_warm_up_leaves_no_trace(rad, speculative: int) -> list:
     """Warm up an engine (its plans are returned): its steps include a decode of each sequence count,
-    and no verify step unless drafting; then nothing is left running or cached, every block is
+    and no verify step unless drafting; then the scheduler drafts as configured again, nothing is left running or cached, every block is
     free again, the report counts the plan, and two greedy prompts and a seeded-sampled one give what a
     never-warmed engine gives."""
     engine = small_engine(rad, speculative=speculative)
     allocator = engine.scheduler.allocator
     free_before = free_blocks(allocator)
+    drafting = engine.scheduler.drafting
     plans = record_plans(engine)
     report = warm_up(engine, MAX_BATCHED, MAX_SEQS, MAX_MODEL_LEN, speculative, rad.model.vocab_size)
     del engine.scheduler.schedule  # the spy off: the plans are the warm-up's alone
@@ -89,6 +90,7 @@ def check_warm_up_leaves_no_trace(rad, speculative: int) -> list:
     assert speculative or not any(s.drafts for p in plans for s in p.seqs)
 
     assert not engine.scheduler.has_unfinished
+    assert engine.scheduler.drafting is drafting  # the forced drafting was the warm-up's alone
     assert engine.scheduler.prefix.num_cached == 0
     assert free_blocks(allocator) == free_before and allocator.num_used == 0
 
@@ -128,10 +130,8 @@ def test_warm_up_meets_every_token_bucket_in_one_step(tiny_rads, family):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_next"])
 def test_warm_up_with_drafts_leaves_no_trace(tiny_rads, family):
-    """--speculative 2 (n-gram drafts over the repetitive prompts). The tiny llama continues a phrase
-    once in each repetitive round, so a verify step runs there and its rejected drafts' blocks are
-    given back too; the tiny hybrid's random continuations leave the drafter no match (no verify step:
-    the n-gram warm-up only verifies where the model repeats the phrase)."""
+    """--speculative 2: the drafting rounds force 2 drafts on every decode step (random weights match
+    nothing), so verify steps run on both families, the hybrid's per-position states included, and
+    their rejected drafts' blocks are given back too."""
     plans = check_warm_up_leaves_no_trace(tiny_rads[family], speculative=2)
-    if family == "llama":
-        assert any(s.drafts for p in plans for s in p.seqs)
+    assert any(len(s.drafts) == 2 for p in plans for s in p.seqs)
