@@ -57,9 +57,10 @@ MODELS = {"default": CACHE / "smollm2-135m-instruct.rad", "q4_1": CACHE / "smoll
 TINY = ("llama", "qwen3_moe", "qwen3_next")
 CPU_OPS = ("rms_norm", "linear", "silu_mlp")  # bound through ops; the attention's pieces through cpu's globals:
 ATTENTION_PIECES = ("rotary_qk", "paged_attention")  # cpu.rotary_paged_attention stays eager around them
-# KV_WRITE: compiled, `write_kv`'s index_put_ into the k and v caches (two views of one arena) is a mutation of
-# aliased graph inputs, which AOTAutograd handles through a synthetic base (a copy of the whole storage): with it
-# compiled, the q4_1 b1 step took 1,128 ms against 34 ms eager (first run of this tool). So it runs eager.
+# KV_WRITE: compiled, `write_kv`'s index_put_ into the k and v caches (two views of one arena page tensor) is a
+# mutation of aliased graph inputs. With it compiled (this tool's first run, q4_1, the ops variant) the b1 step
+# took 1,128 ms against 34 ms eager; AOTAutograd's synthetic base for aliased mutated inputs (a copy of their
+# whole storage) is the likely cause, not profiled. So every variant leaves it eager.
 WRITE_KV = cpu.write_kv
 _EAGER_WRITE_KV = torch._dynamo.disable(WRITE_KV)
 EAGER = {n: getattr(cpu, n) for n in CPU_OPS + ATTENTION_PIECES}
@@ -86,7 +87,7 @@ class Variant:
         self.name = name
         self._ops = ({n: torch.compile(getattr(cpu, n), dynamic=True) for n in CPU_OPS + ATTENTION_PIECES}
                      if name == "ops" else {})
-        self._fn = None
+        self._fn, self._layer_fns = None, {}
 
     def on(self, engine: Engine) -> None:
         model = engine.runner.model
@@ -94,11 +95,11 @@ class Variant:
         if self.name == "ops":
             for n, f in self._ops.items():
                 setattr(ops if n in CPU_OPS else cpu, n, f)
-        elif self.name == "layer":
-            if self._fn is None:
-                self._fn = torch.compile(type(model.layers[0]).__call__, dynamic=True)
-            fn = self._fn
-            model.layers = [_Bound(fn, layer) for layer in model.layers]
+        elif self.name == "layer":  # one compiled __call__ per layer class (Qwen3-Next has two)
+            fns = self._layer_fns
+            for kind in {type(layer) for layer in model.layers} - fns.keys():
+                fns[kind] = torch.compile(kind.__call__, dynamic=True)
+            model.layers = [_Bound(fns[type(layer)], layer) for layer in model.layers]
         elif self.name == "model":
             if self._fn is None:
                 self._fn = torch.compile(type(model).forward, dynamic=True)
@@ -114,7 +115,7 @@ class Variant:
         elif self.name == "layer":
             model.layers = [b.layer for b in model.layers]
         elif self.name == "model":
-            del model.forward
+            model.__dict__.pop("forward")
 
 
 class _Bound:
@@ -218,13 +219,13 @@ def exactness(rad: RadFile, v: Variant | None, batch: int, steps: int = 64) -> d
         logits.append((out[0] if hidden else out).float().clone())
         return out
 
-    model.forward = record
+    model.forward = record  # an instance attribute over the class's forward (or over the model variant's)
     add(engine, batch, "x", [17 + 5 * i for i in range(batch)], max_tokens=steps)
     tokens: dict[str, list[int]] = {}
     while engine.scheduler.has_unfinished:
         for ev in engine.step():
             tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
-    del model.forward
+    model.forward = inner
     if v is not None:
         v.off(engine)
     return {"tokens": tokens, "logits": logits}
@@ -266,15 +267,22 @@ def tiny_rads(tmp: Path) -> dict[str, RadFile]:
     return out
 
 
-def worker(args) -> dict:
+def worker(args) -> None:
+    """Measure every model of --models; the result is written to --worker after each stage (a run cut
+    short keeps what it measured)."""
     torch.set_num_threads(2)
     torch._dynamo.config.recompile_limit = 512  # 30 layers each a constant of its own (its cache index)
     torch._dynamo.config.accumulated_recompile_limit = 4096
     res: dict = {"rss_start_mib": rss_mib()}
+
+    def save(res_: dict) -> None:
+        args.worker.write_text(json.dumps(res_, indent=1))
+
     names = args.variants.split(",")
     for m in args.models.split(","):
         if m == "tiny":
             res["tiny"] = tiny_exactness(names)
+            save(res)
             continue
         rad = RadFile.open(MODELS[m])
         variants = [Variant(n) for n in names]
@@ -282,19 +290,22 @@ def worker(args) -> dict:
         r = res[m] = {"rss_built_mib": rss_mib()}
         for b in map(int, args.batches.split(",")):
             r[f"first_b{b}"] = first_steps(engine, variants, b)
+            save(res)
             if args.cold:
                 drain_quick(engine)
                 continue
             r[f"rounds_b{b}"] = rounds(engine, variants, args.rounds, args.steps)
+            save(res)
             drain_quick(engine)
         if args.cold:
             continue
         r["explain_layer_b1"] = explain(engine)
         r["random_batches"] = {v.name: random_batches(engine, v, args.random) for v in variants if args.random}
         r["rss_after_mib"] = rss_mib()
+        save(res)
         base = exactness(rad, None, 8)
         r["exact_b8"] = {v.name: compare(base, exactness(rad, v, 8)) for v in variants}
-    return res
+        save(res)
 
 
 def drain_quick(engine: Engine) -> None:
@@ -324,7 +335,7 @@ def main() -> None:
     p.add_argument("--worker", type=Path, help="(worker) write the result here")
     args = p.parse_args()
     if args.worker:
-        args.worker.write_text(json.dumps(worker(args), indent=1))
+        worker(args)
         return
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"torch": torch.__version__, "load_before": os.getloadavg(), "argv": sys.argv[1:]}
@@ -337,26 +348,42 @@ def main() -> None:
                    "--batches", args.batches, "--variants", args.variants, "--rounds", str(args.rounds),
                    "--steps", str(args.steps), "--random", str(args.random)] + (["--cold"] if phase == "cold" else [])
             t = time.perf_counter()
-            subprocess.run(cmd, env=env, check=True)
-            result[phase] = {"seconds": time.perf_counter() - t, **json.loads(out.read_text())}
+            rc = subprocess.run(cmd, env=env).returncode  # a failed worker keeps the stages it saved
+            result[phase] = {"seconds": time.perf_counter() - t, "rc": rc,
+                             **(json.loads(out.read_text()) if out.exists() else {})}
     result["load_after"] = os.getloadavg()
     (args.out / "compile_cpu.json").write_text(json.dumps(result, indent=1))
     report(result)
 
 
 def report(result: dict) -> None:
-    for m, r in result["warm"].items():
-        if not isinstance(r, dict) or m == "tiny":
-            continue
-        for key, rr in r.items():
-            if key.startswith("rounds_"):
-                print(m, key, {n: round(x, 1) for n, x in rr["median_ms"].items()})
-            if key.startswith("first_"):
-                cold = result["cold"][m][key]
-                print(m, key, {n: (round(cold[n]["first_step_s"], 1), round(x["first_step_s"], 1))
-                               for n, x in rr.items() if isinstance(x, dict)}, "(cold s, warm s)")
-        print(m, "exact", r.get("exact_b8"), "random", r.get("random_batches"))
-    print("tiny", result["warm"].get("tiny"))
+    """Markdown tables of the run: step medians, first steps (compile), exactness, graphs and RSS."""
+    cold, warm = result["cold"], result["warm"]
+    print("| model | batch | variant | step ms (median) | vs eager | first step s, cold | first step s, warm "
+          "| graphs made (cold) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for m, r in warm.items():
+        for key in [k for k in r if isinstance(r, dict) and k.startswith("rounds_")]:
+            b = key.split("_")[1]
+            med = r[key]["median_ms"]
+            print(f"| {m} | {b} | eager | {med['eager']:.1f} | 1.00x | | | |")
+            for n, x in med.items():
+                if n == "eager":
+                    continue
+                c, w = cold.get(m, {}).get(f"first_{b}", {}).get(n, {}), r[f"first_{b}"][n]
+                print(f"| {m} | {b} | {n} | {x:.1f} | {med['eager'] / x:.2f}x | {c.get('first_step_s', float('nan')):.1f} "
+                      f"| {w['first_step_s']:.1f} | {c.get('graphs', '')} |")
+    print("\n| model | variant | greedy tokens identical (64 steps) | max rel err, fp32 logits |")
+    print("|---|---|---|---|")
+    rows = [(m, r["exact_b8"]) for m, r in warm.items() if isinstance(r, dict) and "exact_b8" in r]
+    rows += list(warm.get("tiny", {}).items())
+    for m, ex in rows:
+        for n, e in ex.items():
+            print(f"| {m} | {n} | {e['tokens_identical']} | {e['max_rel_err_logits']:.2e} |")
+    for m, r in warm.items():
+        if isinstance(r, dict) and "random_batches" in r:
+            print(f"\n{m}: random batches {r['random_batches']}; explain (layer 0, b1) {r.get('explain_layer_b1')}; "
+                  f"RSS MiB built {r['rss_built_mib']:.0f}, after all variants {r['rss_after_mib']:.0f}")
 
 
 if __name__ == "__main__":
