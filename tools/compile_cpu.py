@@ -333,7 +333,11 @@ def main() -> None:
     p.add_argument("--random", type=int, default=20, help="random batches served per variant (0: none)")
     p.add_argument("--cold", action="store_true", help="(worker) first steps only")
     p.add_argument("--worker", type=Path, help="(worker) write the result here")
+    p.add_argument("--report", type=Path, help="print the tables of a compile_cpu.json and exit")
     args = p.parse_args()
+    if args.report:
+        report(json.loads(args.report.read_text()))
+        return
     if args.worker:
         worker(args)
         return
@@ -362,8 +366,8 @@ def report(result: dict) -> None:
     print("| model | batch | variant | step ms (median) | vs eager | first step s, cold | first step s, warm "
           "| graphs made (cold) |")
     print("|---|---|---|---|---|---|---|---|")
-    for m, r in warm.items():
-        for key in [k for k in r if isinstance(r, dict) and k.startswith("rounds_")]:
+    for m, r in ((m, r) for m, r in warm.items() if isinstance(r, dict) and m != "tiny"):
+        for key in [k for k in r if k.startswith("rounds_")]:
             b = key.split("_")[1]
             med = r[key]["median_ms"]
             print(f"| {m} | {b} | eager | {med['eager']:.1f} | 1.00x | | | |")
