@@ -35,10 +35,9 @@ would be needed, or the in-flight plan saves recurrent-state checkpoints (their
 hand-over to the prefix cache happens in its update). Penalties pipeline: the
 runner counts a PENDING output from the previous step's tokens on the device.
 
-Speculative decoding (`drafting`, engine/drafting.py says which decodes draft and
-what blocks they take): `update()` lands the 1 to N+1 tokens a verify step yields,
-counts the accepted drafts as computed, and frees the blocks that only rejected
-drafts reached. A plan ahead never drafts, and a drafting plan is never planned ahead of.
+Speculative decoding (`drafting`: engine/drafting.py says which decodes draft, with what blocks):
+`update()` lands the 1 to N+1 tokens a verify step yields, counts accepted drafts as computed, frees
+blocks only rejected drafts reached. No plan ahead drafts, nor is made while a drafting one is in flight.
 
 Device writes of a plan ahead land in stream order after the in-flight plan's
 and before any later plan's, so blocks and slots that `update()` or `cancel()`
@@ -57,10 +56,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from radianced.engine.drafting import DraftPlanner
 from radianced.engine.kv_manager import KVManager
 from radianced.engine.plan import PENDING, ScheduledSeq, StepOutput, StepPlan
 from radianced.engine.request import FinishReason, Request, Sequence, SeqStatus
-from radianced.engine.drafting import DraftPlanner
 from radianced.kv.blocks import BlockAllocator
 from radianced.kv.prefix import PrefixCache
 from radianced.kv.state import StateCopy, StateSlots
@@ -387,7 +386,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         # Its blocks may still be written by a plan in flight (its discarded result, or a
         # cancelled step): they go to plans queued after it, in stream order.
-        while seq.token_ids[-1] == PENDING:
+        while seq.pending:
             seq.token_ids.pop()
         self.running.remove(seq)
         self.kv.release(seq, self._in_flight)
