@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -37,6 +38,7 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -46,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from radianced.bench.client import completion_body, stream_request  # noqa: E402
 from radianced.bench.daemon_process import ChildDaemon  # noqa: E402
 from radianced.bench.scrape import Snapshot  # noqa: E402
+from radianced.bench.workloads import prompt_ids  # noqa: E402
 
 COMPLETIONS = "/v1/completions"
 BUILDS = "radiance_kernel_builds_total"  # a sample's name as /metrics writes it (Snapshot.values' keys)
@@ -60,12 +63,11 @@ def summary(xs: list[float]) -> dict:
     return {"n": len(xs), "p50": pct(xs, 0.5), "p99": pct(xs, 0.99), "max": max(xs)} if xs else {"n": 0}
 
 
-class Prompts:
-    def __init__(self, vocab: int, seed: int = 0):
-        self.rng, self.vocab = random.Random(seed), vocab
-
-    def __call__(self, n: int) -> list[int]:
-        return [self.rng.randrange(32, self.vocab) for _ in range(n)]
+def prompt_source() -> Callable[[int], list[int]]:
+    """n -> a fresh prompt of n token ids each call (the serving bench's `prompt_ids` under a counter):
+    no prompt is a prefix-cache hit for another."""
+    seeds = itertools.count()
+    return lambda n: prompt_ids(n, f"served-{next(seeds)}")
 
 
 async def serving_builds(http: httpx.AsyncClient) -> float:
@@ -87,7 +89,7 @@ async def timed_with_allocator(http, prompt: list[int]):
     return sample, [a - b for a, b in zip(after, before)]
 
 
-async def ttft_rows(http, prompts: Prompts, requests: int, bursts: int) -> dict:
+async def ttft_rows(http, prompts: Callable[[int], list[int]], requests: int, bursts: int) -> dict:
     rng = random.Random(1)
     one, one_ratio, pairs = [], [], []
     for _ in range(requests):
@@ -114,7 +116,7 @@ async def ttft_rows(http, prompts: Prompts, requests: int, bursts: int) -> dict:
             "burst_ratio": summary(burst_ratio), "failed": 2 * requests + 16 * bursts - 2 * len(one) - 2 * len(burst)}
 
 
-async def sweep(http, prompts: Prompts, c: int, n: int = 16, prompt: int = 128, out: int = 128) -> dict:
+async def sweep(http, prompts: Callable[[int], list[int]], c: int, n: int = 16, prompt: int = 128, out: int = 128) -> dict:
     gate = asyncio.Semaphore(c)
 
     async def one():
@@ -129,7 +131,7 @@ async def sweep(http, prompts: Prompts, c: int, n: int = 16, prompt: int = 128, 
             "ok": sum(s.ok for s in samples)}
 
 
-async def prefill_burst(http, prompts: Prompts) -> dict:
+async def prefill_burst(http, prompts: Callable[[int], list[int]]) -> dict:
     streams = [asyncio.create_task(stream_request(http, COMPLETIONS, completion_body(prompts(64), 1024)))
                for _ in range(4)]
     await asyncio.sleep(0.3)  # their prefill done, their decode well under way (1,024 tokens: ~2 s on the H200)
@@ -151,8 +153,8 @@ async def prefill_burst(http, prompts: Prompts) -> dict:
             "running_ok": sum(s.ok for s in running), "burst_ok": sum(s.ok for s in burst)}
 
 
-async def measure(url: str, args, vocab: int) -> dict:
-    prompts = Prompts(vocab)
+async def measure(url: str, args) -> dict:
+    prompts = prompt_source()
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
         before = await serving_builds(http)
         res = {"ttft": await ttft_rows(http, prompts, args.requests, args.bursts)}
@@ -192,13 +194,11 @@ def main() -> int:
         os.environ[key] = value
     flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
     flags = flags or ["--placement", "resident", "--max-num-seqs", "8"]
-    from radianced.model.rad import RadFile
     with tempfile.TemporaryDirectory(dir="/var/tmp" if Path("/var/tmp").is_dir() else None) as d:
         model = args.model
         if model is None:
             from tools.make_synthetic import make_synthetic
             model = make_synthetic(Path(d) / "m.rad", layers=args.layers, zipf=1.0, progress=False)
-        vocab = RadFile.open(model).model.vocab_size
         flags = ["--model", str(model), *flags]
         result = {"flags": flags, "layers": args.layers, "env": args.env}
         cache = Path(d) / "kernels"
@@ -209,7 +209,7 @@ def main() -> int:
         result["startup"].update(warm_s=warm, warm_log=said)
         print(f"start-up to ready: cold cache {cold:.1f} s, warm restart {warm:.1f} s", flush=True)
         try:
-            result.update(asyncio.run(measure(daemon.url, args, vocab)))
+            result.update(asyncio.run(measure(daemon.url, args)))
         finally:
             result["exit"] = daemon.stop()
             result["log_tail"] = daemon.log()[-4000:]
