@@ -93,6 +93,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     enforce_eager: bool = False  # no CUDA graphs: every step runs op by op
     sequential_steps: bool = False  # plan a step only after the previous one finished (no pipelining)
     max_step_seconds: float = 0.5  # a step's tokens are capped at what the measured prefill rate does in this
+    itl_factor: float = 2.5  # a step with decodes takes at most this many decode steps' time (engine/pacing.py)
     weights_disk_tier: bool = False
     expert_slots: int | None = None  # None = as many as the budget allows
     kv_cache_dtype: str = "auto"
@@ -245,6 +246,8 @@ def _check(c: Config) -> None:
     if not isinstance(c.max_step_seconds, (int, float)) or not math.isfinite(c.max_step_seconds) \
             or not 0 <= c.max_step_seconds <= 3600:
         raise ConfigError(f"--max-step-seconds {c.max_step_seconds}: must be between 0 (no cap) and 3600 seconds")
+    if not isinstance(c.itl_factor, (int, float)) or not (c.itl_factor == 0 or 1 < c.itl_factor <= 1000):
+        raise ConfigError(f"--itl-factor {c.itl_factor}: must be 0 (no cap) or above 1 (at most 1000)")
     if c.api_key is not None and c.api_key_file is not None:
         raise ConfigError("--api-key and --api-key-file both give the API key: keep --api-key-file")
     if c.gpu_headroom_mib is not None and c.gpu_memory_mib is not None:
@@ -354,6 +357,10 @@ def _split_flags(g, d: Config) -> None:
                    help="cap a step's tokens at what the measured prefill rate computes in this time, so a new "
                         f"request or a cancel waits about that long on a slow device (0: the "
                         f"--max-num-batched-tokens budget alone; default {d.max_step_seconds:g})")
+    g.add_argument("--itl-factor", type=float, default=d.itl_factor,
+                   help="while sequences decode, a step that also prefills takes at most this many decode steps' "
+                        "time, measured, so running streams keep their inter-token latency while new prompts "
+                        f"prefill in chunks (0: the token budget alone; default {d.itl_factor:g})")
     g.add_argument("--sequential-steps", action="store_true",
                    help="plan each step after the previous one finished, instead of while it runs "
                         "(slower; for debugging and measuring)")

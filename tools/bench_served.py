@@ -1,6 +1,7 @@
 """Issue 18's rows: what a user of the HTTP API sees from a daemon started as users start it.
 
-    python tools/bench_served.py --out DIR [--layers 8] [--requests 200] [--bursts 25] [--env K=V] [-- FLAGS]
+    python tools/bench_served.py --out DIR [--layers 8] [--requests 200] [--bursts 25] [--env K=V] [--name N]
+                                 [-- FLAGS]
 
 On a synthetic Qwen3-30B-A3B-shaped `.rad` (tools/make_synthetic.py, Zipf 1.0) the
 daemon runs as a child process (`radianced.bench.daemon_process.ChildDaemon`), its
@@ -23,7 +24,7 @@ request goes over HTTP, streamed (`radianced.bench.client.stream_request`).
   of 2,000 tokens arrive together; the running streams' ITL p50 and p99 while the burst
   prefills, against their median over the whole run (target: p99 at most 3x p50).
 
-Writes DIR/bench_served.json; prints a table.
+Writes DIR/NAME.json (default bench_served.json); prints a table.
 """
 
 from __future__ import annotations
@@ -184,6 +185,7 @@ def main() -> int:
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="set in the daemon's environment (repeatable), e.g. CUDA_MODULE_LOADING=EAGER: does "
                          "the first/twin gap come from CUDA loading each library kernel at its first launch?")
+    ap.add_argument("--name", default="bench_served", help="the result file's name, DIR/NAME.json")
     ap.add_argument("flags", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -213,7 +215,7 @@ def main() -> int:
         finally:
             result["exit"] = daemon.stop()
             result["log_tail"] = daemon.log()[-4000:]
-    (args.out / "bench_served.json").write_text(json.dumps(result, indent=1))
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
     t, s, pb = result["ttft"], result["sweep"], result["prefill_burst"]
     for line in result["startup"]["warm_log"]:
         print("   ", line[-200:])

@@ -232,7 +232,8 @@ class AsyncEngine:
         self.metrics.observe_step(seconds)
         if self.pacer is not None:
             plan = done.finished.plan
-            self.scheduler.step_tokens = self.pacer.observe(plan.num_tokens, len(plan.seqs), seconds)
+            decoding = sum(not s.is_prefilling for s in self.scheduler.running)
+            self.scheduler.step_tokens = self.pacer.observe(plan.num_tokens, len(plan.seqs), seconds, decoding)
         self._count_experts(done.finished.plan, done.output)
         for s, tokens in zip(done.finished.plan.seqs, done.output.token_ids):
             if s.drafts:

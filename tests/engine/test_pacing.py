@@ -1,6 +1,7 @@
 """The step pacer (engine/pacing.py) and the driver with it: a long prefill runs in steps of
 about --max-step-seconds, so a cancel or a newcomer waits one such step (issue 19, finding 4:
-a cancelled 6,000-token prompt held the next request 15.8 s on a 2-core CPU)."""
+a cancelled 6,000-token prompt held the next request 15.8 s on a 2-core CPU); while sequences
+decode, a step that also prefills takes at most --itl-factor decode steps' time (issue 18)."""
 
 from __future__ import annotations
 
@@ -36,16 +37,39 @@ def test_decode_steps_leave_the_budget_alone_and_the_floor_holds():
     assert StepPacer(16, 0.5, 24).floor == 16  # the floor never exceeds the flag
 
 
-@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(max_step_seconds=-1.0), dict(floor=0)])
+def test_beside_decodes_a_prefill_takes_what_fits_in_the_itl_factor_of_a_decode_step():
+    pacer = StepPacer(2048, 0.5, 20, itl_factor=3.0)
+    assert pacer.observe(4, 4, 0.002, decoding=4) == 20  # a decode step: the baseline; a block beside it (floored)
+    # 5 sequences and 23 tokens more (the prefill's) in 3 ms: 1 ms beyond the decode step, 2 ms of room:
+    # 92 fit, and the allowance grows at most to twice the 23
+    assert pacer.observe(5 + 23, 5, 0.003, decoding=4) == 4 + 46
+    assert pacer.observe(5 + 46, 5, 0.004, decoding=4) == 4 + 92  # 46 took 2 ms beyond: 92 fit in 4
+    assert pacer.observe(5 + 92, 5, 0.010, decoding=4) == 4 + 46  # 92 took 8 ms: 46
+    assert pacer.observe(5 + 46, 5, 0.050, decoding=4) == 20  # 46 took 48 ms: 3 fit, the floor
+    assert pacer.next_budget(0) == 510  # nobody decodes: the step-time cap alone (51 tokens in 50 ms)
+    assert pacer.observe(2048, 1, 0.020, decoding=0) == 2048  # a prefill alone: the flag's budget
+    assert pacer.next_budget(4) == 4 + 454  # its 2,047 tokens took 18 ms beyond a decode step: 454 in 4 ms
+
+
+def test_without_an_itl_factor_or_a_decode_step_seen_the_budget_is_the_step_time_cap():
+    assert StepPacer(2048, 0.5, 20).observe(4, 4, 0.002, decoding=4) == 2048
+    pacer = StepPacer(2048, 0.5, 4, itl_factor=2.0)
+    assert pacer.observe(1000, 1, 0.5, decoding=1) == 1000  # no decode step measured yet
+    assert pacer.observe(2, 2, 0.01, decoding=2) == 2 + 16  # now one: a block beside the decodes
+
+
+@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(max_step_seconds=-1.0), dict(floor=0),
+                                 dict(itl_factor=1.0), dict(itl_factor=-2.0)])
 def test_bad_pacer_arguments_are_refused(bad):
     with pytest.raises(ValueError):
-        StepPacer(**{"max_tokens": 64, "max_step_seconds": 0.5, "floor": 8, **bad})
+        StepPacer(**{"max_tokens": 64, "max_step_seconds": 0.5, "floor": 8, "itl_factor": 2.5, **bad})
 
 
 def test_the_daemons_pacer_floor_is_a_decode_for_every_sequence_and_a_block():
-    cfg = Config(max_num_seqs=4, max_num_batched_tokens=2048, max_step_seconds=0.25)
+    cfg = Config(max_num_seqs=4, max_num_batched_tokens=2048, max_step_seconds=0.25, itl_factor=4.0)
     pacer = StepPacer.for_config(cfg)
-    assert (pacer.max_tokens, pacer.max_step_seconds, pacer.floor) == (2048, 0.25, 4 + BLOCK_TOKENS)
+    assert (pacer.max_tokens, pacer.max_step_seconds, pacer.floor, pacer.itl_factor) == \
+        (2048, 0.25, 4 + BLOCK_TOKENS, 4.0)
 
 
 async def test_a_long_prefill_is_cut_into_paced_steps_so_a_cancel_waits_one_short_step(tiny_rads):
@@ -76,3 +100,31 @@ async def test_a_long_prefill_is_cut_into_paced_steps_so_a_cancel_waits_one_shor
             assert sizes[:5] == [96, 96, 96, 96, 16]
         task.cancel()
     assert tokens[True] == tokens[False] and len(tokens[True]) == 6
+
+
+async def test_the_driver_tells_the_pacer_how_many_sequences_decode_next(tiny_rads):
+    """A stream decodes while a 300-token prompt prefills: each finished step reports the running
+    sequences that decode next (1 while the newcomer prefills, 2 once its last chunk ran), and the budget it returns is the plan's."""
+    rad = tiny_rads["llama"]
+    seen = []
+
+    class Recording(StepPacer):
+        def observe(self, tokens, sequences, seconds, decoding=0):
+            seen.append((tokens, sequences, decoding))
+            return 40
+
+    engine = small_engine(rad, max_num_batched_tokens=96)
+    trace = Trace(engine)
+    ae = AsyncEngine(engine, pacer=Recording(96, 0.5, 20, itl_factor=2.5))
+    task = asyncio.create_task(ae.run())
+    long_run = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    first = ae.submit(prompts(rad.model.vocab_size, (8,), seed=41)[0], long_run)
+    while len(trace.plans) < 3:
+        await asyncio.sleep(0.001)
+    second = ae.submit(prompts(rad.model.vocab_size, (300,), seed=42)[0], SamplingParams(max_tokens=1))
+    [c async for c in second]
+    first.close()
+    task.cancel()
+    mixed = [d for t, s, d in seen if s == 2 and t > 2]
+    assert len(mixed) > 3 and set(mixed[:-2]) == {1} and 2 in mixed, str(seen)  # after its last chunk: both
+    assert max(p.num_tokens for p in trace.plans[4:]) <= 40  # the pacer's budget, from the second paced step
