@@ -283,9 +283,9 @@ class Daemon:
                             "--gpu-headroom-mib") from None
         built = self.compiles.builds[before:]
         tuned = sum(1 for b in built if b.kind == "autotune")
-        log.info("warm-up: %d rounds, %d steps, %d prompt tokens in %.1f s; %d kernel variants built "
-                 "(%d compiles, %d autotuner keys), %d in all since start-up", r.rounds, r.steps, r.tokens,
-                 r.seconds, len(built), len(built) - tuned, tuned, self.compiles.count())
+        log.info("warm-up: %d rounds, %d steps, %d prompt tokens, %d cuBLAS row buckets in %.1f s; %d kernel "
+                 "variants built (%d compiles, %d autotuner keys), %d in all since start-up", r.rounds, r.steps,
+                 r.tokens, r.gemms, r.seconds, len(built), len(built) - tuned, tuned, self.compiles.count())
 
     def request_stop(self, why: str = "stop", again_hurries: bool = False) -> None:
         """Begin the drain. Once begun, a call with `again_hurries` (a second Ctrl-C) cuts it

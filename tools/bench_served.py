@@ -154,16 +154,21 @@ async def prefill_burst(http, prompts: Callable[[int], list[int]]) -> dict:
             "running_ok": sum(s.ok for s in running), "burst_ok": sum(s.ok for s in burst)}
 
 
-async def measure(url: str, args) -> dict:
+async def measure(url: str, args, res: dict) -> None:
+    """Each part's rows into `res` as it ends (a run cut short keeps what it measured), with its time."""
     prompts = prompt_source()
-    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
         before = await serving_builds(http)
-        res = {"ttft": await ttft_rows(http, prompts, args.requests, args.bursts)}
-        res["sweep"] = [await sweep(http, prompts, c) for c in (1, 8)]
-        res["prefill_burst"] = await prefill_burst(http, prompts)
-        res["serving_builds"] = await serving_builds(http) - before
         res["serving_builds_before"] = before
-    return res
+        for name, part in (("ttft", lambda: ttft_rows(http, prompts, args.requests, args.bursts)),
+                           ("sweep1", lambda: sweep(http, prompts, 1)),
+                           ("sweep8", lambda: sweep(http, prompts, 8)),
+                           ("prefill_burst", lambda: prefill_burst(http, prompts))):
+            t0 = time.perf_counter()
+            res[name] = await part()
+            res["serving_builds"] = await serving_builds(http) - before
+            print(f"  {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+    res["sweep"] = [res.pop("sweep1"), res.pop("sweep8")]
 
 
 def start(flags: list[str], cache: Path) -> tuple[ChildDaemon, float, list[str]]:
@@ -211,11 +216,11 @@ def main() -> int:
         result["startup"].update(warm_s=warm, warm_log=said)
         print(f"start-up to ready: cold cache {cold:.1f} s, warm restart {warm:.1f} s", flush=True)
         try:
-            result.update(asyncio.run(measure(daemon.url, args)))
+            asyncio.run(measure(daemon.url, args, result))
         finally:
             result["exit"] = daemon.stop()
             result["log_tail"] = daemon.log()[-4000:]
-    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+            (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
     t, s, pb = result["ttft"], result["sweep"], result["prefill_burst"]
     for line in result["startup"]["warm_log"]:
         print("   ", line[-200:])

@@ -230,10 +230,10 @@ class AsyncEngine:
         """A finished step: its time (and the next step's budget), its tokens to their streams,
         the tiers' counts."""
         self.metrics.observe_step(seconds)
-        if self.pacer is not None:
-            plan = done.finished.plan
-            decoding = sum(not s.is_prefilling for s in self.scheduler.running)
-            self.scheduler.step_tokens = self.pacer.observe(plan.num_tokens, len(plan.seqs), seconds, decoding)
+        if self.pacer is not None and done.output.seconds is not None:  # the step's own time, not the round's
+            plan, decoding = done.finished.plan, sum(not s.is_prefilling for s in self.scheduler.running)
+            self.scheduler.step_tokens = self.pacer.observe(plan.num_tokens, len(plan.seqs), done.output.seconds,
+                                                            decoding)
         self._count_experts(done.finished.plan, done.output)
         for s, tokens in zip(done.finished.plan.seqs, done.output.token_ids):
             if s.drafts:

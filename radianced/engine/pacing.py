@@ -18,10 +18,13 @@ Two caps, both from the steps the daemon runs:
   --max-num-batched-tokens; Sarathi-Serve sizes its chunks to the decode latency the same way).
   Until a step with both has been measured, the allowance starts at one block and grows.
 
-Rates come from steps that prefill (more tokens than sequences); a decode step's time
-(mostly fixed cost) is the baseline. Each cap grows at most twofold a step, so one short
-step never sends the next one over its target. The floor is a step that still decodes
-every live sequence and moves a prefill on by a block.
+Rates come from steps that prefill (more tokens than sequences), each timed on its own
+(engine/step_timer.py); a decode step's time (mostly fixed cost) is the baseline. A prefill
+token's time beyond it follows a costlier step at once and a cheaper one halfway (a chunk late
+in a long prompt attends to more context and costs more than an early one; with the tiny
+models on the CPU, an average let the late chunks' steps run 10x a decode step). Each cap grows at
+most twofold a step, so one short step never sends the next one over its target. The floor
+is a step that still decodes every live sequence and moves a prefill on by a block.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class StepPacer:
         self.itl_factor = itl_factor
         self.budget = max_tokens  # the step-time cap
         self.decode_seconds = 0.0  # the latest decode-only step's time (0: none yet)
+        self.token_seconds: float | None = None  # a prefill token's time beyond a decode step's (averaged)
         self.prefill_beside_decodes = BLOCK_TOKENS  # prefill tokens a step with decodes may take
 
     def observe(self, tokens: int, sequences: int, seconds: float, decoding: int = 0) -> int:
@@ -58,9 +62,11 @@ class StepPacer:
                 fits = int(tokens * self.max_step_seconds / seconds)
                 self.budget = max(self.floor, min(self.max_tokens, fits, 2 * max(tokens, self.budget)))
             if self.decode_seconds:
-                prefill, beyond = tokens - sequences, seconds - self.decode_seconds
+                prefill = tokens - sequences
+                cost = max(0.0, seconds - self.decode_seconds) / prefill
+                self.token_seconds = cost if self.token_seconds is None else max(cost, (self.token_seconds + cost) / 2)
                 room = (self.itl_factor - 1) * self.decode_seconds
-                fits = int(prefill * room / beyond) if beyond > 0 else self.max_tokens
+                fits = int(room / self.token_seconds) if self.token_seconds else self.max_tokens
                 self.prefill_beside_decodes = max(1, min(fits, 2 * max(prefill, self.prefill_beside_decodes)))
         return self.next_budget(decoding)
 

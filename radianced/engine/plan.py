@@ -98,6 +98,8 @@ class StepOutput:
     errors[i]: why plan.seqs[i]'s results are void (an expert it routed to could not be read
         from disk), or None; the whole field is None when nothing failed. Such a sequence's
         sampled token and the KV of this step's tokens must not be used.
+    seconds: the step's own time on its device (engine/step_timer.py), or None where not known when
+        it was collected (a CUDA step that sampled nothing).
     """
 
     token_ids: tuple[tuple[int, ...], ...]
@@ -105,3 +107,4 @@ class StepOutput:
     expert_counts: tuple[tuple[int, int, int, int] | None, ...] | None = None
     errors: tuple[str | None, ...] | None = None
     drafts: tuple[tuple[int, ...], ...] | None = None
+    seconds: float | None = None

@@ -23,6 +23,7 @@ import torch
 from radianced.engine.plan import ScheduledSeq, StepOutput, StepPlan
 from radianced.engine.sampler import Sampler, SamplingRow, SamplingTensors, seeded_rows
 from radianced.engine.speculation import accepted
+from radianced.engine.step_timer import StepTimer
 from radianced.kernels import ops
 from radianced.kv.cache import KVCache, RecurrentState
 from radianced.kv.state import StateCopy
@@ -43,6 +44,7 @@ class InFlight:
     host: tuple | None  # (tokens [R], logprobs [R], top ids [R, N], top logprobs [R, N]) on the host
     done: torch.cuda.Event | None  # after the copies to `host` (CUDA)
     routing: StepRecord | None  # the slab's record of the step
+    timer: StepTimer | None = None  # the step's own time on the device (the pacer's)
     mtp: tuple[ForwardBatch, torch.Tensor] | None = None  # (the batch, its final-normed hidden [T, H]): MTP reads it
 
 
@@ -70,6 +72,7 @@ class Runner:
         slab's routing to the host. Mutates the KV cache, state slots and checkpoints as the plan
         says, in stream order after every step launched before. A sequence with `input_from`
         reads its input token from the previous launched step's sampled tokens, on the device."""
+        timer = StepTimer(self.device)
         self._copy_states(plan.before)
         seqs = plan.seqs
         decode = [i for i, s in enumerate(seqs) if _is_decode(s)]
@@ -109,6 +112,7 @@ class Runner:
             if self.experts is not None:
                 routing = self.experts.end_launch()
         self._copy_states(plan.after)
+        timer.stop()
         self._last_tokens = None if picked is None else picked.tokens
         host, done = None, None
         if picked is not None:
@@ -117,7 +121,7 @@ class Runner:
             if self.device.type == "cuda":
                 done = torch.cuda.Event()
                 done.record()
-        return InFlight(plan, query_start, decode, host, done, routing, mtp)
+        return InFlight(plan, query_start, decode, host, done, routing, timer, mtp)
 
     def collect(self, step: InFlight) -> StepOutput:
         """Wait for a launched step (steps are collected in launch order) and return its output."""
@@ -127,6 +131,7 @@ class Runner:
         counts = self.experts.count(step.routing) if step.routing is not None else None
         errors = self._failed_seqs(step.routing, step.query_start) if step.routing is not None else None
         out = StepOutput(tuple(() for _ in seqs)) if step.host is None else self._output(seqs, step.host)
+        out = replace(out, seconds=step.timer.seconds() if step.timer is not None else None)
         if self.cache.states is not None:
             self._keep_accepted_states(seqs, out.token_ids)
         if step.mtp is not None:

@@ -33,7 +33,9 @@ engine (scheduler, batch, runner, sampler: the served path), random token ids:
   leave n-gram drafting idle), so verify steps run, and a hybrid's per-position
   state kernels with them.
 
-Then it drops the prefix-cache blocks these left. `WarmupReport` is what the
+Then it drops the prefix-cache blocks these left, and calls cuBLAS once at every
+row bucket of every dense projection shape the steps met (kernels/gemm.py: its
+first call at a row count costs 3-5 ms on the H200). `WarmupReport` is what the
 start-up log says. The GPU tests (tests/gpu/test_no_compile.py) hold the
 claim: no kernel build while serving prompts of random lengths.
 """
@@ -49,6 +51,7 @@ from radianced.engine.drafting import DraftPlanner
 from radianced.engine.request import Request
 from radianced.engine.sampling_params import SamplingParams
 from radianced.engine.speculation import ngram_drafts
+from radianced.kernels import gemm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.01, seed=1, repetition_penalty=1.1,
@@ -73,6 +76,7 @@ class WarmupReport:
     steps: int  # engine steps they took
     seconds: float  # wall time of the whole warm-up
     tokens: int  # prompt tokens prefilled
+    gemms: int  # cuBLAS calls at every row bucket of every dense shape the steps met (kernels/gemm.py)
 
 
 def token_buckets(limit: int) -> list[int]:
@@ -131,4 +135,5 @@ def warm_up(engine, max_batched_tokens: int, max_num_seqs: int, max_model_len: i
             scheduler.drafting = planner
     prefix = engine.scheduler.prefix
     prefix.evict(prefix.evictable())
-    return WarmupReport(len(rounds), steps, time.perf_counter() - start, tokens)
+    gemms = gemm.warm_up()
+    return WarmupReport(len(rounds), steps, time.perf_counter() - start, tokens, gemms)

@@ -71,9 +71,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from radianced.kernels import gemm
 from radianced.kernels import norm as norm_kernels
 from radianced.kernels import pdl
-from radianced.kernels import reference
 from radianced.kernels.compact import CompactWeight, RowStack
 from radianced.kernels.reference import Norm
 from radianced.kernels.weight_tiles import COMPACT_TILES, weight_tile
@@ -295,7 +295,7 @@ def _project(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, residual: to
         return
     cfg = cfg or linear_config(t, w.shape[0], k, x.dtype, _format(w))
     if cfg is None:
-        out.copy_(reference.linear(x, w, bias, residual))
+        out.copy_(_torch_linear(x, w, bias, residual))
     elif cfg.kind == "gemv" and k <= GEMV_MAX_K:
         _launch_gemv(x, w, bias, residual, None, False, out, cfg)
     else:
@@ -382,7 +382,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor | CompactWeight | RowStack, bia
         cfg = cfg or linear_config(t, n, k, x.dtype, _format(weight))
         if cfg is None or (t == 0 and isinstance(weight, torch.Tensor)):  # torch's F.linear (cuBLAS)
             x = x if norm is None else norm_kernels.rms_norm(x, *norm)
-            return reference.linear(x, weight, bias, residual, keep_normed=keep_normed, out_dtype=out_dtype)
+            y = _torch_linear(x, weight, bias, residual)
+            y = y if out_dtype is None else y.to(out_dtype)
+            return (y, x) if keep_normed else y
         if t > 0 and cfg.kind == "gemv" and k <= GEMV_MAX_K:
             out = torch.empty((t, n), dtype=out_dtype or x.dtype, device=x.device)
             normed = _launch_gemv(x, weight, bias, residual, norm, keep_normed, out, cfg)
@@ -399,12 +401,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor | CompactWeight | RowStack, bia
     return (out, x) if keep_normed else out
 
 
+def _torch_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                  residual: torch.Tensor | None) -> torch.Tensor:
+    """`reference.linear`'s arithmetic (F.linear rounded to x's dtype, then the residual added), with the
+    GEMM at a bucketed row count (kernels/gemm.py)."""
+    y = gemm.linear(x, w, bias)
+    return y if residual is None else residual + y
+
+
 def silu_mlp(x: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor:
-    """`reference.silu_mlp`, `down(silu(gate(x)) * up(x))`: dense weights go to it as they are (torch's
-    F.linear); a compact one makes each projection `linear` above, so no dense copy of it is made.
-    Rounding as the reference: each projection rounded to x's dtype, the SiLU and product in it."""
+    """`reference.silu_mlp`, `down(silu(gate(x)) * up(x))`: dense weights through torch's F.linear at
+    bucketed row counts (kernels/gemm.py); a compact one makes each projection `linear` above, so no
+    dense copy of it is made. Rounding as the reference: each projection rounded to x's dtype, the SiLU
+    and product in it."""
     if all(isinstance(w, torch.Tensor) for w in (gate, up, down)):
-        return reference.silu_mlp(x, gate, up, down)
+        return gemm.linear(F.silu(gemm.linear(x, gate)) * gemm.linear(x, up), down)
     return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 

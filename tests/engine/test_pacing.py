@@ -44,11 +44,16 @@ def test_beside_decodes_a_prefill_takes_what_fits_in_the_itl_factor_of_a_decode_
     # 92 fit, and the allowance grows at most to twice the 23
     assert pacer.observe(5 + 23, 5, 0.003, decoding=4) == 4 + 46
     assert pacer.observe(5 + 46, 5, 0.004, decoding=4) == 4 + 92  # 46 took 2 ms beyond: 92 fit in 4
-    assert pacer.observe(5 + 92, 5, 0.010, decoding=4) == 4 + 46  # 92 took 8 ms: 46
-    assert pacer.observe(5 + 46, 5, 0.050, decoding=4) == 20  # 46 took 48 ms: 3 fit, the floor
+    # 92 took 8 ms: 87 us a token, averaged with the 43 before: 65 us, 61 fit
+    assert pacer.observe(5 + 92, 5, 0.010, decoding=4) == 4 + 61
+    assert pacer.observe(5 + 46, 5, 0.050, decoding=4) == 20  # 46 took 48 ms: 7 fit, the floor
     assert pacer.next_budget(0) == 510  # nobody decodes: the step-time cap alone (51 tokens in 50 ms)
     assert pacer.observe(2048, 1, 0.020, decoding=0) == 2048  # a prefill alone: the flag's budget
-    assert pacer.next_budget(4) == 4 + 454  # its 2,047 tokens took 18 ms beyond a decode step: 454 in 4 ms
+    cost = 0.001 / 23  # a token's time beyond the decode step, each new step's weighing half
+    for beyond, n in ((0.002, 46), (0.008, 92), (0.048, 46), (0.018, 2047)):
+        cost = (cost + beyond / n) / 2
+    assert pacer.token_seconds == pytest.approx(cost)
+    assert pacer.next_budget(4) == 20  # 277 us a token still: the floor
 
 
 def test_without_an_itl_factor_or_a_decode_step_seen_the_budget_is_the_step_time_cap():
