@@ -47,9 +47,9 @@ _UNWALKED = ("radianced.model.experts", "radianced.model.config")
 # dequantized once at load to the activations' dtype and kept dense: the kernel rounds its output to
 # bf16, which moves SmolLM2's logits by up to 2^-9 of their size (~0.05 at a logit of 20) and flipped
 # near ties: with a packed lm_head the greedy answer to "What is the capital of France?" left
-# transformers' at its first token; with the dense fp32 head 3 prompts x 24 tokens matched it (the int4 layers alone move the logits 1-3% of max |logit|,
-# without changing an argmax there). Cost: SmolLM2's head reads 113 MB a token in fp32 instead of
-# 30 MB (4.4 ms against 1.8 ms a token on 2 threads).
+# transformers' at its first token; with the dense fp32 head 3 prompts x 24 tokens matched it (the int4
+# layers alone move the logits 1-3% of max |logit|, without changing an argmax there). Cost: SmolLM2's
+# head reads 113 MB a token in fp32 instead of 30 MB (4.4 ms against 1.8 ms a token on 2 threads).
 
 
 @dataclass(frozen=True)
