@@ -24,7 +24,7 @@ import torch
 
 from radianced.kernels.compact import CompactWeight, RowStack
 from radianced.kernels.cpu_packed import UNPACKED
-from radianced.kernels.formats import COMPACT_TILES, FORMATS, expert_formats, is_compact
+from radianced.kernels.formats import COMPACT_TILES, FORMATS, expert_formats
 from radianced.kernels.pinned import PinError, register_pinned
 from radianced.model.config import ModelConfig
 from radianced.model.experts import ExpertSource, ResidentExperts
@@ -130,17 +130,9 @@ def load_model(rad: RadFile, device: torch.device | str = "cpu", dtype: torch.dt
     A MoE model without an `experts` source gets every expert resident. Compact tensors stay
     compact (`CompactWeight`: `dtype` does not apply to them) in the form the device's kernels
     read (`device_weights`); a compact lm_head is made dense on the CPU only (`UNPACKED` says why).
-    Off the CPU they are refused: the Triton kernels that read them (kernels/moe.py for experts,
-    kernels/linear.py for layers) have not run on a GPU yet.
+    Off the CPU the Triton kernels read them (kernels/moe.py for experts, kernels/linear.py for
+    layers); a format they do not read is refused (`refuse_unread_formats`).
     """
-    compact = [t.name for t in rad.header.tensors if FORMATS[t.dtype].compact]
-    compact += [f"experts of layer {e.layer}" for e in rad.header.experts[:1] if is_compact(e.dtype)]
-    if compact and torch.device(device).type != "cpu":
-        raise RadError(f"{rad.path}: {compact[0]} is stored compact ({len(compact)} such), which runs on the CPU "
-                       f"only for now: the Triton kernels for compact experts and layers (q8_0, q4_0, q4_1, "
-                       f"fp8_b128) are written but await their first check on a GPU. Serve it on the CPU "
-                       f"(CUDA_VISIBLE_DEVICES=), or convert the model without --compact / --quantize to serve it "
-                       f"on {device}")
     refuse_unread_formats(rad, device)
     if experts is None and rad.header.experts:
         experts = ResidentExperts.from_rad(rad, device, dtype)

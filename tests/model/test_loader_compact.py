@@ -10,7 +10,9 @@ Q4_1 lm_head, converted keeping its blocks:
 - that model, run by the Triton ops in the interpreter on the CPU, gives the reference ops' greedy
   tokens and logits within fp32 rounding (the GPU test, tests/gpu/test_compact_model_gpu.py, runs the
   same on the card);
-- a format the Triton kernels do not read (a K-quant) is refused off the CPU, naming it and the fix.
+- a format the Triton kernels do not read (a K-quant) is refused off the CPU, naming it and the fix;
+- `load_model` on the meta device (a stand-in for the card: every copy shape-only) places exactly the
+  bytes the CUDA receipt charges, on the card and in host RAM.
 """
 
 from __future__ import annotations
@@ -22,14 +24,20 @@ import msgspec
 import pytest
 import torch
 
+from radianced.budget import plan
+from radianced.card import Card
+from radianced.config import Config
 from radianced.kernels import ops
 from radianced.kernels.compact import CompactWeight, RowStack
 from radianced.kv.cache import KVCache
 from radianced.model.experts import ResidentExperts
 from radianced.model.gguf import convert_gguf
-from radianced.model.loader import EMBEDDINGS, _place_attributes, build_model, device_weights, refuse_unread_formats
+from radianced.model.loader import (
+    EMBEDDINGS, _place_attributes, build_model, device_weights, load_model, refuse_unread_formats,
+)
 from radianced.model.rad import RadFile
 from radianced.model.rad_format import RadError
+from radianced.sizing import ModelFacts
 from tests.greedy import greedy_generate
 from tests.model.test_gguf_qwen3moe import write_qwen3moe_gguf
 
@@ -136,3 +144,17 @@ def test_formats_the_triton_kernels_do_not_read_are_refused_off_the_cpu(rad):
     mixed = type("Rad", (), {"path": rad.path, "header": msgspec.structs.replace(rad.header, experts=experts)})
     with pytest.raises(RadError, match=r"routed experts of layer 2: stored as q4_k\+q6_k .* in q4_k, q6_k\)"):
         refuse_unread_formats(mixed, "cuda")
+
+
+@pytest.mark.parametrize("placement", ["ram", "vram"])
+def test_load_model_on_a_card_places_what_the_receipt_charges(rad, placement):
+    model = load_model(rad, "meta", embedding_placement=placement)
+    receipt = plan(Card.from_mib(1024, cuda=True), ModelFacts.from_header(rad.header),
+                   Config(embedding_placement=placement))
+    host = sum(p.bytes for p in receipt.host_weights if p.name == "embeddings")
+    assert (model.placed.device_bytes, model.placed.host_bytes) == (receipt.weights_bytes, host)
+    assert host == (rad.model.vocab_size * rad.model.hidden_size * 4 if placement == "ram" else 0)
+    assert model.embed.weight.device.type == ("cpu" if placement == "ram" else "meta")
+    assert isinstance(model.lm_head.weight, CompactWeight) and model.lm_head.weight.device.type == "meta"
+    slab = model.layers[0].mlp.experts.slab
+    assert slab.device.type == "meta" and slab.dtype == torch.uint8 and slab.shape[1] % 16 == 0
