@@ -93,25 +93,29 @@ def recurrent_state_charge(per_copy_bytes: int, seqs: int, speculative: int) -> 
 
 
 def _weights(facts: ModelFacts, cfg: Config, cuda: bool) -> tuple[tuple[Part, ...], tuple[Part, ...], tuple[Part, ...]]:
-    """(on the card, pinned in host RAM, not loaded) by class; on the CPU backend the bytes it holds
-    (`ModelFacts.cpu_weights`: compact matrices packed for its int4 kernel, a compact lm_head dense)."""
+    """(on the card, pinned in host RAM, not loaded) by class, in the bytes the loader holds: on the CPU
+    backend `ModelFacts.cpu_weights` (compact matrices packed for its int4 kernel, a compact lm_head
+    dense), on a CUDA card `ModelFacts.card_weights` (a compact embedding table dense). A card's share of
+    `--tp` keeps the stored bytes its facts were split into (sharding.py splits the stored classes)."""
     stored = dict(facts.weights)
-    w = dict(facts.cpu_weights or facts.weights) if not cuda else stored
+    holds = facts.cpu_weights if not cuda else facts.card_weights if facts.share is None else ()
+    w = dict(holds or stored)
     card, host, idle = [], [], []
     tied = facts.model.tie_word_embeddings or stored["lm_head"] == 0
+    dense_table = (_CARD_DENSE,) if cuda and w["embeddings"] != stored["embeddings"] else ()
     for c in WEIGHT_CLASSES:
         n = w[c]
         if c == "embeddings":
             if n and not tied:  # tied: lookups read the lm_head's copy on the card
                 (host if cfg.embedding_table == "ram" else card).append(
-                    Part(c, n, ", ".join((_embedding_reason(cfg, cuda),) + _compact_formats(facts, c))))
+                    Part(c, n, ", ".join((_embedding_reason(cfg, cuda),) + _compact_formats(facts, c) + dense_table)))
             continue
         if c == "lm_head" and tied:
             ram = ("--embedding-placement ram does not move a tied table",) \
                 if cfg.embedding_placement == "ram" else ()
             copy = ("the compact table for lookups and a dense copy for the CPU's lm_head",) if n else ("one copy",)
             card.append(Part("lm_head", w["embeddings"] + n, ", ".join(
-                (f"tied to the embeddings: {copy[0]}",) + ram + _compact_formats(facts, "embeddings"))))
+                (f"tied to the embeddings: {copy[0]}",) + ram + _compact_formats(facts, "embeddings") + dense_table)))
             continue
         elif c == "mtp" and n and not cfg.drafts_with_mtp(facts.model.num_mtp_layers):
             idle.append(Part("mtp", n, "drafts only with --speculative-method mtp"))
@@ -120,6 +124,10 @@ def _weights(facts: ModelFacts, cfg: Config, cuda: bool) -> tuple[tuple[Part, ..
             held = ("held as the CPU's int4 packing" if c != "lm_head" else "held dense",) if n != stored[c] else ()
             card.append(Part(c, n, ", ".join(_compact_formats(facts, c) + held)))
     return tuple(card), tuple(host), tuple(idle)
+
+
+# The receipt's words for a compact embedding table on a CUDA card (model/loader.py `device_weights` says why).
+_CARD_DENSE = "dequantized at load to the activations' dtype: the row gather reads dense rows"
 
 
 def _embedding_reason(cfg: Config, cuda: bool) -> str:

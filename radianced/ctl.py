@@ -37,7 +37,8 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("dst", help="the .rad file to write (replaced only when the conversion finishes)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                    help="cast every tensor to this dtype (default: keep the source dtypes)")
-    p.add_argument("--compact", action="store_true", help="keep a GGUF's quantized blocks (CPU only for now)")
+    p.add_argument("--compact", action="store_true",
+                   help="keep a GGUF's quantized blocks (on a GPU: Q8_0, Q4_0, Q4_1; K-quants on the CPU only)")
     p.add_argument("--quantize", metavar="CLASS=SCHEME,...", help="e.g. experts=int4,layers=fp8 (model/quantize.py)")
 
 

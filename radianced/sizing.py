@@ -114,6 +114,8 @@ class ModelFacts:
     cpu_weights: per class, the bytes the host backend holds once loaded where that differs from
     `weights` (compact matrices in its int4 packing, a compact lm_head dense: `cpu_packed.held_nbytes`;
     a tied compact table's dense lm_head copy as "lm_head"); empty when nothing differs.
+    card_weights: the same for a CUDA card (model/loader.py `device_weights`): a compact embedding table
+    dequantized to the activations' dtype; every other compact matrix as stored; empty when nothing differs.
     """
 
     model: ModelConfig
@@ -128,6 +130,7 @@ class ModelFacts:
     parts: tuple[tuple[str, str, int], ...] = field(default=(), compare=False)
     share: CardShare | None = None
     cpu_weights: tuple[tuple[str, int], ...] = field(default=(), compare=False)
+    card_weights: tuple[tuple[str, int], ...] = field(default=(), compare=False)
 
     def weight(self, cls: str) -> int:
         return dict(self.weights)[cls]
@@ -160,7 +163,7 @@ class ModelFacts:
         if embed is None:
             raise ValueError("the model has no token embeddings (model.embed_tokens.weight)")
         act = PLAIN_BYTES.get(embed) or PLAIN_BYTES.get(norm or "", 4)
-        held = _cpu_held(model, tensors, sums, act)
+        held, card = _cpu_held(model, tensors, sums, act), _card_held(tensors, sums, act)
         count = extent = total = 0
         expert_fmts: dict[str, int] = {}
         for layer, _expert, nbytes, *dtype in experts:
@@ -173,7 +176,7 @@ class ModelFacts:
                 expert_fmts[name] = expert_fmts.get(name, 0) + nbytes
         return cls(model, act, tuple(sums.items()), count, extent, total,
                    tuple((c, _by_bytes(f)) for c, f in by_format.items()), _by_bytes(expert_fmts),
-                   tuple((c, k, n) for (c, k), n in parts.items()), cpu_weights=held)
+                   tuple((c, k, n) for (c, k), n in parts.items()), cpu_weights=held, card_weights=card)
 
     @classmethod
     def from_header(cls, header) -> ModelFacts:
@@ -211,6 +214,15 @@ def _cpu_held(model: ModelConfig, tensors, stored: dict[str, int], act: int) -> 
             held[c] += held_nbytes(name, dtype, shape, nbytes, act)
             if name == "model.embed_tokens.weight" and model.tie_word_embeddings and is_compact(dtype):
                 held["lm_head"] += shape[0] * shape[1] * act  # the tied lm_head's dense copy
+    return () if held == stored else tuple(held.items())
+
+
+def _card_held(tensors, stored: dict[str, int], act: int) -> tuple[tuple[str, int], ...]:
+    """`ModelFacts.card_weights` from the stored rows; () when every class is held as stored."""
+    held = dict(stored)
+    for name, dtype, shape, nbytes in tensors:
+        if weight_class(name) == "embeddings" and is_compact(dtype):
+            held["embeddings"] += shape[0] * shape[1] * act - nbytes
     return () if held == stored else tuple(held.items())
 
 

@@ -5,6 +5,7 @@ size to the final norm's dtype."""
 from __future__ import annotations
 
 import gguf
+import pytest
 import torch
 
 from radianced.budget import plan
@@ -52,7 +53,9 @@ def test_compact_embeddings_take_the_activation_size_from_the_final_norm(tmp_pat
     assert dict(facts.formats)["embeddings"] == ("q8_0",)
     assert facts.weight("embeddings") == embed.nbytes == embed.shape[0] * embed.shape[1] // 32 * 34
     lines = plan(Card.from_mib(1024, cuda=True), facts, Config(embedding_placement="vram")).lines()
-    assert "weights lm_head: 0.02 MiB (tied to the embeddings: one copy, q8_0)" in lines
+    dense = embed.shape[0] * embed.shape[1] * 4  # on a card the table is dequantized at load (fp32 here)
+    assert (f"weights lm_head: {dense / MiB:.2f} MiB (tied to the embeddings: one copy, q8_0, dequantized at load "
+            "to the activations' dtype: the row gather reads dense rows)") in lines
     assert "weights attention: 0.02 MiB (q4_0, q4_1, q8_0)" in lines and "weights norms: 0.00 MiB" in lines
 
 
@@ -82,7 +85,8 @@ def _held_bytes(obj, seen: set[int]) -> int:
 def test_the_cpu_receipt_charges_what_the_host_backend_holds(tmp_path):
     """A compact GGUF on the CPU backend: q8_0 matrices packed for the int4 kernel (1.18x their stored bytes),
     the tied q8_0 table kept for lookups and a dense fp32 copy made for the lm_head. The receipt's weights
-    are those bytes, and the loaded model holds exactly them; a GPU card's receipt keeps the stored bytes."""
+    are those bytes, and the loaded model holds exactly them; a GPU card's receipt keeps the stored bytes but
+    for the table, dense there (tests/model/test_loader_compact.py holds the card's loader to it)."""
     from radianced.model.loader import load_model
     from tests.model.test_gguf import write_tiny_gguf
     from tests.model.test_gguf_compact import QUANTIZED
@@ -100,5 +104,33 @@ def test_the_cpu_receipt_charges_what_the_host_backend_holds(tmp_path):
     lm_head = {p.name: p for p in cpu.weights}["lm_head"]
     assert lm_head.bytes == facts.weight("embeddings") + vocab * hidden * 4
     assert "a dense copy for the CPU's lm_head" in lm_head.detail
-    assert gpu.weights_bytes == sum(n for _, n in facts.weights)  # stored bytes on a card
+    # stored bytes on a card, the tied table dequantized to fp32 (one copy for lookups and the lm_head)
+    assert gpu.weights_bytes == sum(n for _, n in facts.weights) - facts.weight("embeddings") + vocab * hidden * 4
     assert cpu.weights_bytes > gpu.weights_bytes
+
+
+@pytest.mark.parametrize("placement", ["ram", "vram"])
+def test_a_card_charges_a_compact_table_dense_and_every_other_compact_matrix_as_stored(tmp_path, placement):
+    """Untied: the q8_0 table is charged dense (fp32 here) where the flag puts it, the q4_1 lm_head and the
+    q4_1 / q4_0 / q8_0 projections at their stored bytes, the experts' slot at the compact extent."""
+    from tests.model.test_loader_compact import compact_qwen3moe
+
+    with compact_qwen3moe(tmp_path) as rad:
+        facts = ModelFacts.from_header(rad.header)
+        stored = {t.name: t.nbytes for t in rad.header.tensors}
+        extent = max(e.nbytes for e in rad.header.experts)
+    table = facts.model.vocab_size * facts.model.hidden_size * 4
+    assert dict(facts.card_weights) == {**dict(facts.weights), "embeddings": table}
+    receipt = plan(Card.from_mib(1024, cuda=True), facts, Config(embedding_placement=placement))
+    on_card = {p.name: p.bytes for p in receipt.weights}
+    in_ram = {p.name: p.bytes for p in receipt.host_weights if p.name == "embeddings"}
+    assert (in_ram if placement == "ram" else on_card)["embeddings"] == table
+    assert "embeddings" not in (on_card if placement == "ram" else in_ram)
+    assert on_card["lm_head"] == stored["lm_head.weight"]
+    assert on_card["attention"] == sum(n for name, n in stored.items() if ".self_attn." in name and "norm" not in name)
+    assert receipt.weights_bytes + sum(in_ram.values()) == sum(stored.values()) - stored["model.embed_tokens.weight"] \
+        + table
+    assert receipt.expert_extent == extent
+    line = next(ln for ln in receipt.lines() if "embeddings:" in ln)
+    assert line.endswith(f"(--embedding-placement {placement}, q8_0, dequantized at load to the activations' dtype: "
+                         "the row gather reads dense rows)")

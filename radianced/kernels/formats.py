@@ -115,6 +115,9 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     WeightFormat("fp8_b128", None, 1, 1, 8.0 + 32 / FP8_BLOCK ** 2),
 )}
 COMPACT = tuple(name for name, f in FORMATS.items() if f.compact)
+# The compact formats the Triton kernels dequantize in registers (kernels/weight_tiles.py); the K-quants are
+# read on the CPU only. Here, not beside the kernels, so the loader checks a model without importing triton.
+COMPACT_TILES = ("q8_0", "q4_0", "q4_1", "fp8_b128")
 
 
 def expert_formats(name: str) -> tuple[str, str]:

@@ -75,8 +75,9 @@ from radianced.kernels import gemm
 from radianced.kernels import norm as norm_kernels
 from radianced.kernels import pdl
 from radianced.kernels.compact import CompactWeight, RowStack
+from radianced.kernels.formats import COMPACT_TILES
 from radianced.kernels.reference import Norm
-from radianced.kernels.weight_tiles import COMPACT_TILES, weight_tile
+from radianced.kernels.weight_tiles import weight_tile
 
 SKINNY_MAX_ROWS = 16  # rows up to which the "dot" kernel runs: one 16-row tile (tl.dot's smallest M)
 ROW_BYTES_PER_STEP = 1024  # bytes of each weight row a "dot" program loads per K step (512 bf16 elements)

@@ -57,8 +57,8 @@ import triton
 import triton.language as tl
 
 from radianced.kernels import arrival, pdl, router
-from radianced.kernels.formats import FORMATS, expert_formats
-from radianced.kernels.weight_tiles import COMPACT_TILES, PLAIN_TILES, weight_tile
+from radianced.kernels.formats import COMPACT_TILES, FORMATS, expert_formats
+from radianced.kernels.weight_tiles import PLAIN_TILES, weight_tile
 
 # Experts up to which `route_moe` ranks them inside the gate/up programs at T == 1. Ranking is E^2
 # comparisons in every program, before its weight loads: at 4 warps 128 a thread for E = 128

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-COMPACT_TILES = ("q8_0", "q4_0", "q4_1", "fp8_b128")  # the compact formats `weight_tile` dequantizes
+# The compact formats it dequantizes are formats.COMPACT_TILES.
 PLAIN_TILES = ("bf16", "f16", "f32")  # plain `.rad` dtypes it reads through a byte pointer
 
 
@@ -76,4 +76,4 @@ def _nibble(qs, k, mask):
     return (byte >> ((j // 16) * 4)) & 0x0F
 
 
-__all__ = ["COMPACT_TILES", "PLAIN_TILES", "weight_tile"]
+__all__ = ["PLAIN_TILES", "weight_tile"]

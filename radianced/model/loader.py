@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radianced.kernels.compact import CompactWeight
+from radianced.kernels.compact import CompactWeight, RowStack
 from radianced.kernels.cpu_packed import UNPACKED
-from radianced.kernels.formats import FORMATS, is_compact
+from radianced.kernels.formats import COMPACT_TILES, FORMATS, expert_formats
 from radianced.kernels.pinned import PinError, register_pinned
 from radianced.model.config import ModelConfig
 from radianced.model.experts import ExpertSource, ResidentExperts
@@ -43,13 +43,13 @@ EMBEDDINGS = "model.embed_tokens.weight"
 _UNWALKED = ("radianced.model.experts", "radianced.model.config")
 
 # Compact matrices the loader does not pack for the CPU's int4 kernel (`cpu_packed.UNPACKED`, where the
-# budget reads it too): the embedding table is only gathered by rows, and a compact lm_head is
-# dequantized once at load to the activations' dtype and kept dense: the kernel rounds its output to bf16, which moves SmolLM2's logits by up to 2^-9 of
-# their size (~0.05 at a logit of 20) and flipped near ties: with a packed lm_head the greedy answer
-# to "What is the capital of France?" left transformers' at its first token; with the dense fp32
-# head 3 prompts x 24 tokens matched it (the int4 layers alone move the logits 1-3% of max |logit|,
-# without changing an argmax there). Cost: SmolLM2's head reads 113 MB a token in fp32 instead of
-# 30 MB (4.4 ms against 1.8 ms a token on 2 threads).
+# budget reads it too): the embedding table is only gathered by rows, and on the CPU a compact lm_head is
+# dequantized once at load to the activations' dtype and kept dense: the kernel rounds its output to
+# bf16, which moves SmolLM2's logits by up to 2^-9 of their size (~0.05 at a logit of 20) and flipped
+# near ties: with a packed lm_head the greedy answer to "What is the capital of France?" left
+# transformers' at its first token; with the dense fp32 head 3 prompts x 24 tokens matched it (the int4
+# layers alone move the logits 1-3% of max |logit|, without changing an argmax there). Cost: SmolLM2's
+# head reads 113 MB a token in fp32 instead of 30 MB (4.4 ms against 1.8 ms a token on 2 threads).
 
 
 @dataclass(frozen=True)
@@ -127,38 +127,23 @@ def load_model(rad: RadFile, device: torch.device | str = "cpu", dtype: torch.dt
     and placed as `load_plan` says (`model.placed` says how many bytes went where). `mtp`: with the MTP
     head, its routed experts resident (the budget's "mtp" class).
 
-    A MoE model without an `experts` source gets every expert resident. Compact tensors
-    stay compact (`CompactWeight`: `dtype` does not apply to them) and run on the CPU
-    only: the reference ops dequantize them per use, the host backend reads the int4
-    packing made here (`CompactWeight.packed_for_cpu`), and a compact lm_head is made dense here
-    (`UNPACKED` says why). Off the CPU they are refused: the Triton kernels that read them
-    (kernels/moe.py for experts, kernels/linear.py for layers) have not run on a GPU yet.
+    A MoE model without an `experts` source gets every expert resident. Compact tensors stay
+    compact (`CompactWeight`: `dtype` does not apply to them) in the form the device's kernels
+    read (`device_weights`); a compact lm_head is made dense on the CPU only (`UNPACKED` says why).
+    Off the CPU the Triton kernels read them (kernels/moe.py for experts, kernels/linear.py for
+    layers); a format they do not read is refused (`refuse_unread_formats`).
     """
-    compact = [t.name for t in rad.header.tensors if FORMATS[t.dtype].compact]
-    compact += [f"experts of layer {e.layer}" for e in rad.header.experts[:1] if is_compact(e.dtype)]
-    if compact and torch.device(device).type != "cpu":
-        raise RadError(f"{rad.path}: {compact[0]} is stored compact ({len(compact)} such), which runs on the CPU "
-                       f"only for now: the Triton kernels for compact experts and layers (q8_0, q4_0, q4_1, "
-                       f"fp8_b128) are written but await their first check on a GPU. Serve it on the CPU "
-                       f"(CUDA_VISIBLE_DEVICES=), or convert the model without --compact / --quantize to serve it "
-                       f"on {device}")
-
-    def weights(name: str) -> torch.Tensor | CompactWeight:
-        t = rad.tensor(name, verify=True)
-        if isinstance(t, CompactWeight):  # on the CPU (refused above elsewhere)
-            return t if name in UNPACKED else t.packed_for_cpu()  # the host backend's int4 form, made once
-        return t.to(dtype or t.dtype)  # on the host: no copy without a cast
-
+    refuse_unread_formats(rad, device)
     if experts is None and rad.header.experts:
         experts = ResidentExperts.from_rad(rad, device, dtype)
     mtp_experts = None
     if mtp and rad.header.experts and rad.model.num_mtp_layers:  # build_model refuses a model without
         first = rad.model.num_hidden_layers
         mtp_experts = ResidentExperts.from_rad(rad, device, dtype, range(first, first + 1))
-    model = build_model(rad.model, weights, experts, mtp, mtp_experts)
-    if isinstance(model.lm_head.weight, CompactWeight):
-        model.lm_head.weight = model.lm_head.weight.dequantize(model.norm.weight.dtype)  # why: UNPACKED
+    model = build_model(rad.model, device_weights(rad, device, dtype), experts, mtp, mtp_experts)
     if torch.device(device).type == "cpu":
+        if isinstance(model.lm_head.weight, CompactWeight):
+            model.lm_head.weight = model.lm_head.weight.dequantize(model.norm.weight.dtype)  # why: UNPACKED
         model.placed = Placed(0, 0)
         return model
     host_table = model.embed.weight if load_plan(rad, embedding_placement, device, mtp).host else None
@@ -175,6 +160,56 @@ def load_model(rad: RadFile, device: torch.device | str = "cpu", dtype: torch.dt
     return model
 
 
+def device_weights(rad: RadFile, device: torch.device | str, dtype: torch.dtype | None = None) -> Weights:
+    """The getter of a `.rad`'s stored tensors (checksums verified) in the form `device`'s backend reads,
+    still on the host (`load_model` places them after):
+
+    - a plain tensor cast to `dtype` if given (a view of the file without a cast);
+    - on the CPU, a compact matrix with the host backend's int4 packing made beside its bytes
+      (`CompactWeight.packed_for_cpu`), except the `UNPACKED` ones;
+    - off the CPU, a compact matrix as its bytes, which the Triton linear dequantizes in registers
+      (kernels/linear.py, the lm_head's gemv included: it rounds the weight and the logits to the
+      activations' dtype, as a dense lm_head in that dtype does, so `UNPACKED`'s reason, the CPU
+      kernel's bf16 rounding, does not hold there); and a compact embedding table dequantized once to
+      the activations' dtype: the row gather (kernels/embedding.py, or F.embedding on the card)
+      reads dense rows, and dequantizing rows in the step (`CompactWeight.rows`) takes torch launches
+      a decode graph cannot capture. The receipt charges that dense table (sizing.ModelFacts.card_weights).
+    """
+    cpu = torch.device(device).type == "cpu"
+    act = dtype or activation_dtype(rad)
+
+    def weights(name: str) -> torch.Tensor | CompactWeight:
+        t = rad.tensor(name, verify=True)
+        if not isinstance(t, CompactWeight):
+            return t.to(dtype or t.dtype)  # on the host: no copy without a cast
+        if cpu:
+            return t if name in UNPACKED else t.packed_for_cpu()  # the host backend's int4 form, made once
+        return t.dequantize(act) if name == EMBEDDINGS else t
+
+    return weights
+
+
+def refuse_unread_formats(rad: RadFile, device: torch.device | str) -> None:
+    """RadError off the CPU for a model with tensors or expert extents in a compact format the Triton
+    kernels do not read (`formats.COMPACT_TILES`: the K-quants of a Q4_K_M GGUF are read on the CPU
+    only), naming the format and the two ways out. The embedding table is exempt: it is dequantized at
+    load there (`device_weights`)."""
+    if torch.device(device).type == "cpu":
+        return
+    unread = [(t.name, t.dtype) for t in rad.header.tensors
+              if FORMATS[t.dtype].compact and t.dtype not in COMPACT_TILES and t.name != EMBEDDINGS]
+    unread += [(f"the routed experts of layer {e.layer}", e.dtype) for e in rad.header.experts
+               if any(FORMATS[f].compact and f not in COMPACT_TILES for f in expert_formats(e.dtype))]
+    if unread:
+        name, fmt = unread[0]
+        formats = sorted({f for _, fmts in unread for f in fmts.split("+") if f not in COMPACT_TILES})
+        raise RadError(f"{rad.path}: {name}: stored as {fmt} ({len(unread)} tensors or expert layers in "
+                       f"{', '.join(formats)}), which the GPU kernels do not read (they read "
+                       f"{', '.join(COMPACT_TILES)}). Requantize it, e.g. radiancectl convert SOURCE OUT.rad "
+                       f"--quantize experts=int4,layers=int8,embeddings=int8 (int8: q8_0, int4: q4_0, fp8: "
+                       f"fp8_b128), or serve it on the CPU (CUDA_VISIBLE_DEVICES=)")
+
+
 def _place_attributes(obj: object, place) -> None:
     """Replace every tensor reachable from `obj`'s attributes (through lists, tuples, dicts and the
     model's own blocks) by `place(tensor)`, in place; what holds no tensor is left untouched (a
@@ -188,6 +223,12 @@ def _place_attributes(obj: object, place) -> None:
 def _placed(value, place):
     if isinstance(value, torch.Tensor):
         return place(value)
+    if isinstance(value, CompactWeight):  # its bytes (a CPU packing is never made off the CPU)
+        data = place(value.data)
+        return value if data is value.data else CompactWeight(value.fmt, value.shape, data)
+    if isinstance(value, RowStack):
+        parts = _placed(value.parts, place)
+        return value if parts is value.parts else RowStack(parts)
     if isinstance(value, dict):
         placed = {k: _placed(v, place) for k, v in value.items()}
         return value if all(placed[k] is v for k, v in value.items()) else placed

@@ -59,10 +59,24 @@ def test_compact_refuses_a_cast(tmp_path):
         convert_gguf(src, tmp_path / "x.rad", "bf16", compact=True)
 
 
-def test_a_compact_model_is_refused_on_a_gpu(tmp_path):
-    from radianced.model.rad_format import RadError
+def test_a_tied_compact_table_is_one_dense_copy_on_a_card_as_the_receipt_charges(tmp_path):
+    """Off the CPU (the meta device stands in for the card) the tied q8_0 table is made dense once, read by
+    the lookups and the lm_head, on the card whatever --embedding-placement says; the other compact
+    matrices keep their bytes: the placed bytes are the CUDA receipt's weights."""
+    from radianced.budget import plan
+    from radianced.card import Card
+    from radianced.config import Config
+    from radianced.sizing import ModelFacts
 
     src, _ = write_tiny_gguf(tmp_path / "t.gguf", types=QUANTIZED)
     convert_gguf(src, tmp_path / "compact.rad", None, compact=True)
-    with RadFile.open(tmp_path / "compact.rad") as rad, pytest.raises(RadError, match="CPU only"):
-        load_model(rad, device="meta")
+    with RadFile.open(tmp_path / "compact.rad") as rad:
+        model = load_model(rad, device="meta", embedding_placement="ram")
+        receipt = plan(Card.from_mib(1024, cuda=True), ModelFacts.from_header(rad.header),
+                       Config(embedding_placement="ram"))
+        vocab, hidden = rad.model.vocab_size, rad.model.hidden_size
+    assert rad.model.tie_word_embeddings and model.lm_head.weight is model.embed.weight
+    assert model.embed.weight.device.type == "meta" and model.embed.weight.shape == (vocab, hidden)
+    assert isinstance(model.layers[0].attn.wo, CompactWeight) and model.layers[0].attn.wo.device.type == "meta"
+    assert (model.placed.device_bytes, model.placed.host_bytes) == (receipt.weights_bytes, 0)
+    assert {p.name: p.bytes for p in receipt.weights}["lm_head"] == vocab * hidden * 4

@@ -38,7 +38,10 @@ def _weights(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
             for n, s in shapes.items()}
 
 
-def write_qwen3moe_gguf(path, stack_types=EXPERT_TYPES, down_type=None):
+def write_qwen3moe_gguf(path, stack_types=EXPERT_TYPES, down_type=None, layer_types=None):
+    """The tiny qwen3moe GGUF: layer i's expert stacks in `stack_types[i]` (ffn_down_exps in `down_type` if
+    given), the other tensors in F32 unless `layer_types` names a type for them (by the name after
+    `blk.N.`, e.g. "attn_q.weight", or the whole name: "token_embd.weight", "output.weight")."""
     w = gguf.GGUFWriter(str(path), "qwen3moe")
     w.add_block_count(len(stack_types))
     w.add_context_length(256)
@@ -55,7 +58,7 @@ def write_qwen3moe_gguf(path, stack_types=EXPERT_TYPES, down_type=None):
     w.add_expert_feed_forward_length(INTER)
     vocab = add_tiny_tokenizer(w, "qwen2")
     for name, t in _weights(vocab).items():
-        qtype = None
+        qtype = (layer_types or {}).get(name.split(".", 2)[-1] if name.startswith("blk.") else name)
         if "_exps" in name:
             layer = int(name.split(".")[1])
             qtype = down_type if down_type is not None and "down" in name else stack_types[layer]
