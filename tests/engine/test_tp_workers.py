@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from radianced.config import Config
+from radianced.config import Config, ConfigError
 from radianced.engine.engine import Engine
 from radianced.engine.tp_workers import WorkerShard
 from radianced.kv.blocks import BlockAllocator
@@ -110,3 +110,10 @@ def test_tp2_gives_tp1s_tokens_and_logits(tiny_rads, group, family):
     assert len(tp2[1]) == len(tp1[1])
     diff = max((x - y).abs().max().item() for x, y in zip(tp2[1], tp1[1]) if x.numel())  # chunks sample nothing
     assert diff <= TOLERANCE, f"{family}: logits of --tp 2 differ from --tp 1 by {diff}"
+
+
+def test_speculative_decoding_with_tp_is_refused(tiny_rads):
+    rad = tiny_rads["llama"]
+    cfg = Config(**CFG, tp=2, speculative=2)
+    with pytest.raises(ConfigError, match=r"--speculative 2 with --tp 2: the other ranks do not keep draft states"):
+        Engine.assemble(rad, cfg, torch.zeros(1), BlockAllocator.fixed(NUM_BLOCKS, BLOCK), group=ProcessGroup(0, 2))
