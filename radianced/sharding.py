@@ -146,6 +146,20 @@ def most_cards(m: ModelConfig) -> tuple[int, str]:
     return min(bounds)
 
 
+def card_config(m: ModelConfig, share: CardShare) -> ModelConfig:
+    """The model as card `share` holds it: its query, KV and DeltaNet heads and its MLP and shared
+    expert columns; vocab_size and num_experts stay the whole model's (the sampler on card 0 and
+    the router see all of them)."""
+    k_heads = share.k_heads[1] - share.k_heads[0]
+    return msgspec.structs.replace(
+        m, num_attention_heads=share.q_heads[1] - share.q_heads[0],
+        num_key_value_heads=share.kv_heads[1] - share.kv_heads[0],
+        intermediate_size=share.columns[1] - share.columns[0],
+        shared_expert_intermediate_size=share.shared_columns[1] - share.shared_columns[0],
+        linear_num_key_heads=k_heads,
+        linear_num_value_heads=k_heads * (m.linear_num_value_heads // max(m.linear_num_key_heads, 1)))
+
+
 def shard_facts(facts: ModelFacts, rank: int, tp: int) -> ModelFacts:
     """Card `rank`'s `ModelFacts` of `facts` split over `tp` cards: its class bytes, its model
     (heads, columns per its share; vocab_size and num_experts stay the whole model's: the sampler
@@ -160,14 +174,7 @@ def shard_facts(facts: ModelFacts, rank: int, tp: int) -> ModelFacts:
     weights = dict.fromkeys((c for c, _n in facts.weights), 0)
     for cls, kind, nbytes in facts.parts:
         weights[cls] += nbytes if kind == "replicated" else share_bytes(nbytes, _units(m, kind), getattr(share, kind))
-    k_heads = share.k_heads[1] - share.k_heads[0]
-    card_model = msgspec.structs.replace(
-        m, num_attention_heads=share.q_heads[1] - share.q_heads[0],
-        num_key_value_heads=share.kv_heads[1] - share.kv_heads[0],
-        intermediate_size=share.columns[1] - share.columns[0],
-        shared_expert_intermediate_size=share.shared_columns[1] - share.shared_columns[0],
-        linear_num_key_heads=k_heads,
-        linear_num_value_heads=k_heads * (m.linear_num_value_heads // max(m.linear_num_key_heads, 1)))
+    card_model = card_config(m, share)
     E = m.num_experts
     count = share_bytes(facts.expert_count, E, share.experts) if E else 0
     total = share_bytes(facts.expert_total_bytes, E, share.experts) if E else 0

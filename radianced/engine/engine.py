@@ -39,6 +39,7 @@ from radianced.engine.sampler import Sampler
 from radianced.engine.scheduler import Scheduler, SeqEvent
 from radianced.engine.drafting import DraftPlanner
 from radianced.engine.speculation import TOKEN_COST, DraftPolicy, mtp_drafts, ngram_drafts
+from radianced.engine.tp_workers import StepBroadcast
 from radianced.kernels import ops
 from radianced.kernels.kv_formats import TRITON_KV_DTYPES
 from radianced.kv.blocks import BlockAllocator
@@ -47,7 +48,9 @@ from radianced.kv.prefix import PrefixCache
 from radianced.kv.reclaimer import KVReclaimer
 from radianced.kv.state import CheckpointSlots
 from radianced.model.loader import activation_dtype, load_model
+from radianced.model.parallel import SINGLE, Group
 from radianced.model.rad import RadFile
+from radianced.model.sharded_loader import load_shard
 from radianced.model.tokenizer import Tokenizer
 from radianced.receipt import Receipt
 from radianced.sizing import BLOCK_TOKENS, ModelFacts
@@ -210,15 +213,19 @@ class Engine:
     @classmethod
     def assemble(cls, rad: RadFile, cfg: Config, kv_storage: torch.Tensor, allocator: BlockAllocator,
                  device: torch.device | str = "cpu", experts=None, max_model_len: int | None = None,
-                 sampler_seed: int | None = None) -> Engine:
+                 sampler_seed: int | None = None, group: Group = SINGLE) -> Engine:
         """Wire the model, caches, scheduler and runner over given KV storage ([P, N, L, 2, S, Hkv, D], or
         uint8 [P, N, block bytes] for a quantized `cfg.kv_cache_dtype`) and its block allocator (tests
-        give small pools)."""
-        m = rad.model
+        give small pools). Over a `group` of `--tp` ranks this is rank 0's: its share of the model
+        (Hkv its KV heads), every step sent to the other ranks (engine/tp_workers.py)."""
         cuda = torch.device(device).type == "cuda"
-        mtp = _drafts_with_mtp(cfg, m.num_mtp_layers)
-        model = load_model(rad, device, experts=experts, embedding_placement=cfg.embedding_table,
-                           mtp=mtp)
+        mtp = _drafts_with_mtp(cfg, rad.model.num_mtp_layers)
+        if group.size > 1:
+            _check_splittable_run(cfg, mtp)
+            model = load_shard(rad, group, device)
+        else:
+            model = load_model(rad, device, experts=experts, embedding_placement=cfg.embedding_table, mtp=mtp)
+        m = model.cfg  # the card's heads under --tp
         if cuda:
             log.info(f"weights loaded: {model.placed.device_bytes / MiB:.2f} MiB on the card, "
                      f"{model.placed.host_bytes / MiB:.2f} MiB pinned in host RAM")
@@ -244,7 +251,18 @@ class Engine:
                         Sampler(device, sampler_seed), experts if isinstance(experts, ExpertSlab) else None)
         if mtp:
             runner.mtp_drafts = cfg.speculative  # chained drafts per sequence and step
-        return cls(scheduler, runner, tokenizer, pipelined=not cfg.sequential_steps)
+        resources = []
+        if group.size > 1:
+            runner.workers = StepBroadcast()
+            resources.append(runner.workers)  # closing the engine ends the other ranks' loops
+        return cls(scheduler, runner, tokenizer, resources=resources, pipelined=not cfg.sequential_steps)
+
+
+def _check_splittable_run(cfg: Config, mtp: bool) -> None:
+    """ConfigError for what the other ranks of --tp do not mirror yet (engine/tp_workers.py)."""
+    if mtp or cfg.speculative:
+        raise ConfigError(f"--speculative {cfg.speculative} with --tp {cfg.tp}: the other ranks do not keep "
+                          "draft states yet; give --speculative 0 or --tp 1")
 
 
 def _drafts_with_mtp(cfg: Config, num_mtp_layers: int) -> bool:

@@ -58,6 +58,7 @@ class Runner:
         self.vocab_size = model.cfg.vocab_size
         self.device = cache.storage.device
         self.graphs = None  # DecodeGraphs (engine/graphs.py) once captured: decode steps replay them
+        self.workers = None  # StepBroadcast (engine/tp_workers.py) under --tp N: the other ranks run each step too
         self.mtp_drafts = 1  # drafts the MTP head chains per sequence and step (--speculative)
         self._last_tokens: torch.Tensor | None = None  # [R] the last launched step's sampled ids (device)
         self._sampling: tuple[list, SamplingTensors] | None = None  # (rows' params, their tensors): last step's
@@ -89,14 +90,17 @@ class Runner:
                 logits = self.graphs.run([s.token_ids[0] for s in seqs], [s.context_before for s in seqs],
                                          [s.block_table[0] for s in seqs], [s.state_slot for s in seqs], pending)
             else:
-                batch = ForwardBatch.build(
-                    [list(s.token_ids) for s in seqs], [s.context_before for s in seqs],
-                    [list(s.block_table[0]) for s in seqs], self.cache.block_size,
+                layout = dict(
+                    token_ids=[list(s.token_ids) for s in seqs], context_before=[s.context_before for s in seqs],
+                    block_tables=[list(s.block_table[0]) for s in seqs], block_size=self.cache.block_size,
                     logits=[(1 + len(s.drafts)) * s.sample for s in seqs],
                     state_slots=[s.state_slot for s in seqs] if self.cache.states is not None else None,
-                    device=self.device, drafts=[len(s.drafts) for s in seqs])
+                    drafts=[len(s.drafts) for s in seqs])
+                batch = ForwardBatch.build(**layout, device=self.device)
                 if pending is not None:
                     copy_rows(batch.input_ids, *pending)
+                if self.workers is not None:
+                    self.workers.send(plan.before, layout, plan.after, batch.input_ids)
                 with torch.inference_mode():
                     logits = self.model.forward(batch, self.cache, hidden=self.model.mtp is not None)
                 if self.model.mtp is not None:
@@ -290,14 +294,18 @@ class Runner:
         return StepOutput(tuple(out_tokens), tuple(out_lp) if want else None)
 
     def _copy_states(self, copies: tuple[StateCopy, ...]) -> None:
-        states = self.cache.states
-        for c in copies:
-            if c.op == "reset":
-                states.reset(c.slot)
-            elif c.op == "restore":
-                self.checkpoints.copy_slot(c.checkpoint, states, c.slot)
-            else:
-                states.copy_slot(c.slot, self.checkpoints, c.checkpoint)
+        copy_states(copies, self.cache.states, self.checkpoints)
+
+
+def copy_states(copies: tuple[StateCopy, ...], states: RecurrentState | None, checkpoints: RecurrentState | None) -> None:
+    """Apply a plan's state copies (reset a slot, restore it from a checkpoint, save it to one), in order."""
+    for c in copies:
+        if c.op == "reset":
+            states.reset(c.slot)
+        elif c.op == "restore":
+            checkpoints.copy_slot(c.checkpoint, states, c.slot)
+        else:
+            states.copy_slot(c.slot, checkpoints, c.checkpoint)
 
 
 def _is_decode(s: ScheduledSeq) -> bool:

@@ -22,8 +22,20 @@ from radianced.kv.cache import KVCache
 from radianced.model.batch import ForwardBatch
 from radianced.model.config import ModelConfig
 from radianced.model.experts import ExpertSource
+from radianced.model.parallel import SINGLE, Group
+from radianced.sharding import split_range
 
 Weights = Callable[[str], torch.Tensor]
+
+
+def row_parallel(group: Group, x: torch.Tensor, w, residual: torch.Tensor | None) -> torch.Tensor:
+    """`x @ w.T (+ residual)` of a row-parallel projection: each rank's partial product summed over
+    the group, then the residual added once. One rank keeps the residual in the projection's
+    epilogue (o_proj's launch on CUDA)."""
+    if group.size == 1:
+        return ops.linear(x, w, residual=residual)
+    out = group.all_reduce(ops.linear(x, w))
+    return out if residual is None else residual + out
 
 
 class RMSNorm:
@@ -65,9 +77,11 @@ class Attention:
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, w: Weights, *, qk_norm: bool = False,
-                 output_gate: bool = False, zero_centred: bool = False):
+                 output_gate: bool = False, zero_centred: bool = False, group: Group = SINGLE):
+        """cfg: the card's (its query and KV heads; `sharding.card_config`); group: the ranks whose
+        partial o_proj outputs are summed."""
         p = f"model.layers.{layer}.self_attn."
-        self.layer = layer
+        self.layer, self.group = layer, group
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         # q, k and v in one matmul: [q | k | v] rows, split after (one launch, one weight stream)
         projections = ("q_proj", "k_proj", "v_proj")
@@ -109,31 +123,47 @@ class Attention:
                                        decode=batch.is_decode, **norms).reshape(t, self.heads * self.head_dim)
         if gate is not None:
             o = o * torch.sigmoid(gate)
-        return ops.linear(o, self.wo, residual=residual)
+        return row_parallel(self.group, o, self.wo, residual)
 
 
 class DenseMLP:
-    """SiLU-gated MLP: `down(silu(gate(x)) * up(x))`."""
+    """SiLU-gated MLP: `down(silu(gate(x)) * up(x))`; over a group, each rank's columns' partial sum
+    is summed over the ranks (the shared expert is built without one: its MoE sums it with the
+    routed experts' partial output, one all-reduce for both)."""
 
-    def __init__(self, prefix: str, w: Weights):
+    def __init__(self, prefix: str, w: Weights, group: Group = SINGLE):
         self.gate, self.up, self.down = (w(f"{prefix}.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj"))
+        self.group = group
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                  norm: RMSNorm | None = None) -> torch.Tensor:
         """The MLP of `norm(x)` (x without a norm), plus `residual` when given."""
         if norm is not None:
             x = norm(x)
-        out = ops.silu_mlp(x, self.gate, self.up, self.down)
+        out = self.group.all_reduce(ops.silu_mlp(x, self.gate, self.up, self.down))
         return out if residual is None else residual + out
 
 
 class Embedding:
-    def __init__(self, weight: torch.Tensor | CompactWeight, dtype: torch.dtype):
+    def __init__(self, weight: torch.Tensor | CompactWeight, dtype: torch.dtype, group: Group = SINGLE,
+                 vocab_size: int = 0):
         """weight: [V, hidden], on the compute device or, with `--embedding-placement ram` on a GPU,
-        pinned in host RAM (model/loader.py); dtype: the activations' dtype, what a compact table's rows become."""
-        self.weight, self.dtype = weight, dtype
+        pinned in host RAM (model/loader.py); dtype: the activations' dtype, what a compact table's rows become.
+        Over a group, weight is this rank's rows of a `vocab_size` table (`sharding.split_range`)."""
+        self.weight, self.dtype, self.group = weight, dtype, group
+        self.rows = split_range(vocab_size, group.rank, group.size) if group.size > 1 else None
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """[T] ids -> [T, hidden]. Vocab-parallel: each rank looks up the ids in its rows and zeroes
+        the others, and one all-reduce sums the ranks' [T, hidden]."""
+        if self.rows is None:
+            return self._lookup(ids)
+        first, stop = self.rows
+        outside = (ids < first) | (ids >= stop)
+        x = self._lookup(torch.where(outside, 0, ids - first)).masked_fill(outside[:, None], 0)
+        return self.group.all_reduce(x)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, CompactWeight):
             return self.weight.rows(ids, self.dtype)  # only the looked-up rows are dequantized
         if self.weight.device != ids.device:  # the table in host RAM: the step's rows cross the link
@@ -142,13 +172,16 @@ class Embedding:
 
 
 class LMHead:
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight  # [V, hidden]
+    def __init__(self, weight: torch.Tensor, group: Group = SINGLE, vocab_size: int = 0):
+        self.weight = weight  # [V, hidden]; over a group, this rank's rows of the vocab_size
+        self.group, self.vocab_size = group, vocab_size
 
     def __call__(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """fp32 logits [T, V] of `norm(x)` (the model's final norm: in the projection's launch at
-        T == 1 on CUDA, as the values `F.linear(norm(x), W).float()` gives)."""
-        return ops.linear(x, self.weight, norm=norm.params, out_dtype=torch.float32)
+        T == 1 on CUDA, as the values `F.linear(norm(x), W).float()` gives); over a group, each
+        rank's [T, V / N] gathered."""
+        return self.group.all_gather(ops.linear(x, self.weight, norm=norm.params, out_dtype=torch.float32),
+                                     self.vocab_size)
 
 
 class Router:
@@ -168,46 +201,64 @@ class Router:
 
 class MoE:
     """Routed experts read through the layer's expert table, plus an optional
-    sigmoid-gated shared expert (Qwen3-Next)."""
+    sigmoid-gated shared expert (Qwen3-Next).
 
-    def __init__(self, cfg: ModelConfig, layer: int, w: Weights, experts: ExpertSource):
+    Over a group, expert-parallel: the router is whole on every rank, each rank runs the routed
+    rows of its own experts (`split_range` of the ids; its source holds only those) and its
+    columns of the shared expert, and one all-reduce sums the partial outputs. A rank's foreign
+    assignments become its first expert at weight 0: the ids stay [T, k] (no host sync, the same
+    ops and CUDA graphs), at the price of that expert's read when no token routed to it.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int, w: Weights, experts: ExpertSource, group: Group = SINGLE):
         p = f"model.layers.{layer}.mlp."
-        self.layer, self.inter, self.experts = layer, cfg.moe_intermediate_size, experts
+        self.layer, self.inter, self.experts, self.group = layer, cfg.moe_intermediate_size, experts, group
+        self.owned = split_range(cfg.num_experts, group.rank, group.size)
         self.router = Router(w(p + "gate.weight"), cfg.num_experts_per_tok, cfg.norm_topk_prob)
         self.shared = self.shared_gate = None
         if cfg.shared_expert_intermediate_size:
-            self.shared = DenseMLP(p + "shared_expert", w)
+            self.shared = DenseMLP(p + "shared_expert", w)  # its partial sum: reduced with the routed one
             self.shared_gate = w(p + "shared_expert_gate.weight")  # [1, hidden]
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                  norm: RMSNorm | None = None) -> torch.Tensor:
         """The experts' output for `norm(x)` (x without a norm; the router's launch normalizes),
-        plus `residual` when given (added in the routed experts' last launch when there is no
-        shared expert; after the shared expert's sum otherwise, the order the unfused
-        `residual + (moe + shared)` rounds in).
+        plus `residual` when given (added in the routed experts' last launch on one rank with no
+        shared expert; after the shared expert's sum (and the group's) otherwise, the order the
+        unfused `residual + (moe + shared)` rounds in)."""
+        logits, x = self.router(x, norm)
+        fused = residual if self.shared is None and self.group.size == 1 else None
+        out = self._routed(x, logits, fused)
+        if self.shared is not None:
+            out = out + torch.sigmoid(ops.linear(x, self.shared_gate)) * self.shared(x)
+        if fused is None:
+            out = self.group.all_reduce(out)
+            if residual is not None:
+                out = residual + out
+        return out
+
+    def _routed(self, x: torch.Tensor, logits: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The routed experts (this rank's share of them over a group), plus `residual` if given.
 
         The routing goes to `experts.prepare`. A source that stages experts (`stages_experts`:
-        a host sync) gets it from its own route launch, before the experts are read; any other
-        only records the ids tensor, so the experts' op routes (in its gate/up launch at T == 1,
-        kernels/moe.py) and prepare gets the ids it returns."""
-        logits, x = self.router(x, norm)
-        fused = residual if self.shared is None else None
+        a host sync) or holds a rank's share gets it from its own route launch, before the experts
+        are read; any other only records the ids tensor, so the experts' op routes (in its gate/up
+        launch at T == 1, kernels/moe.py) and prepare gets the ids it returns."""
         top_k, renormalize, experts = self.router.top_k, self.router.renormalize, self.experts
         fmt = experts.weight_format(self.layer)
         compact = {} if fmt is None else {"weight_format": fmt}  # the op reads the extents as bytes
-        if experts.stages_experts:
+        if experts.stages_experts or self.group.size > 1:
             ids, weights = ops.route(logits, top_k, renormalize, x.dtype)
+            if self.group.size > 1:
+                first, stop = self.owned
+                foreign = (ids < first) | (ids >= stop)
+                ids, weights = ids.masked_fill(foreign, first), weights.masked_fill(foreign, 0)
             experts.prepare(self.layer, ids)
-            out = ops.moe(x, ids, weights, experts.table(self.layer), experts.slab, self.inter, experts.host,
-                          residual=fused, **compact)
-        else:
-            out, ids, _ = ops.route_moe(x, logits, top_k, renormalize, experts.table(self.layer), experts.slab,
-                                        self.inter, experts.host, residual=fused, **compact)
-            experts.prepare(self.layer, ids)
-        if self.shared is not None:
-            out = out + torch.sigmoid(ops.linear(x, self.shared_gate)) * self.shared(x)
-            if residual is not None:
-                out = residual + out
+            return ops.moe(x, ids, weights, experts.table(self.layer), experts.slab, self.inter, experts.host,
+                           residual=residual, **compact)
+        out, ids, _ = ops.route_moe(x, logits, top_k, renormalize, experts.table(self.layer), experts.slab,
+                                    self.inter, experts.host, residual=residual, **compact)
+        experts.prepare(self.layer, ids)
         return out
 
 
@@ -218,14 +269,17 @@ class CausalLM:
     only in the layers they build and in the final norm's kind.
     """
 
-    def __init__(self, cfg: ModelConfig, w: Weights, layers: list, zero_centred: bool = False):
+    def __init__(self, cfg: ModelConfig, w: Weights, layers: list, zero_centred: bool = False,
+                 group: Group = SINGLE):
+        """group: the ranks the model is split over (vocab-parallel embeddings and lm_head here)."""
         self.cfg = cfg
         final_norm = w("model.norm.weight")  # its dtype is the activations' (compact weights have none)
-        self.embed = Embedding(w("model.embed_tokens.weight"), final_norm.dtype)
+        self.embed = Embedding(w("model.embed_tokens.weight"), final_norm.dtype, group, cfg.vocab_size)
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
         self.layers = layers
         self.norm = RMSNorm(final_norm, cfg.rms_norm_eps, zero_centred)
-        self.lm_head = LMHead(self.embed.weight if cfg.tie_word_embeddings else w("lm_head.weight"))
+        self.lm_head = LMHead(self.embed.weight if cfg.tie_word_embeddings else w("lm_head.weight"), group,
+                              cfg.vocab_size)
         self.mtp = None  # the MTP head where it drafts (model/mtp.py, Qwen3-Next)
 
     def forward(self, batch: ForwardBatch, cache: KVCache, hidden: bool = False):

@@ -30,6 +30,7 @@ from radianced.model.config import ModelConfig
 from radianced.model.experts import ExpertSource, ResidentExperts
 from radianced.model.layers import CausalLM, Weights
 from radianced.model.llama import build_llama
+from radianced.model.parallel import SINGLE, Group
 from radianced.model.qwen3_moe import build_qwen3_moe
 from radianced.model.qwen3_next import build_qwen3_next
 from radianced.model.rad_format import RadError
@@ -78,17 +79,18 @@ class Placed:
 
 
 def build_model(cfg: ModelConfig, weights: Weights, experts: ExpertSource | None = None, mtp: bool = False,
-                mtp_experts: ExpertSource | None = None) -> CausalLM:
+                mtp_experts: ExpertSource | None = None, group: Group = SINGLE) -> CausalLM:
     """The family's model over a `Weights` getter (name -> tensor) and, for MoE families, an expert source;
-    with `mtp`, its MTP head too (`model.mtp`; its routed experts from `mtp_experts`)."""
+    with `mtp`, its MTP head too (`model.mtp`; its routed experts from `mtp_experts`). Over a `group`:
+    this rank's share (cfg the card's, `weights` its slices: model/sharded_loader.py)."""
     if mtp and not cfg.num_mtp_layers:
         raise RadError(f"this {cfg.family} model has no MTP layers: draft with --speculative-method ngram")
     if cfg.family == "llama":
-        return build_llama(cfg, weights)
+        return build_llama(cfg, weights, group)
     if cfg.family == "qwen3_moe":
-        return build_qwen3_moe(cfg, weights, experts)
+        return build_qwen3_moe(cfg, weights, experts, group)
     if cfg.family == "qwen3_next":
-        return build_qwen3_next(cfg, weights, experts, mtp, mtp_experts)
+        return build_qwen3_next(cfg, weights, experts, mtp, mtp_experts, group)
     raise ValueError(f"family {cfg.family!r} has no model")
 
 

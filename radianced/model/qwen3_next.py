@@ -17,8 +17,9 @@ from radianced.kv.cache import KVCache
 from radianced.model.batch import ForwardBatch
 from radianced.model.config import ModelConfig
 from radianced.model.experts import ExpertSource
-from radianced.model.layers import MoE, Attention, CausalLM, DenseMLP, RMSNorm, Weights
+from radianced.model.layers import MoE, Attention, CausalLM, DenseMLP, RMSNorm, Weights, row_parallel
 from radianced.model.mtp import MTPHead, mtp_layer_config, mtp_layer_weights
+from radianced.model.parallel import SINGLE, Group
 
 
 class GatedDeltaNet:
@@ -29,9 +30,10 @@ class GatedDeltaNet:
     depthwise causal conv1d + SiLU; beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias).
     """
 
-    def __init__(self, cfg: ModelConfig, layer: int, w: Weights):
+    def __init__(self, cfg: ModelConfig, layer: int, w: Weights, group: Group = SINGLE):
+        """cfg: the card's (its key and value heads); group: the ranks whose out_proj partials are summed."""
         p = f"model.layers.{layer}.linear_attn."
-        self.layer = layer
+        self.layer, self.group = layer, group
         self.nk, self.nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.r = self.nv // self.nk
@@ -100,19 +102,19 @@ class GatedDeltaNet:
     def _output(self, out: torch.Tensor, z: torch.Tensor, t: int, residual: torch.Tensor | None) -> torch.Tensor:
         """out: [T, Hv, V] -> gated norm by silu(z) -> out_proj (+ residual): [T, hidden]."""
         o = ops.gated_rms_norm(out, z.reshape(t, self.nv, self.dv), self.norm_weight, self.eps)
-        return ops.linear(o.reshape(t, self.nv * self.dv), self.w_out, residual=residual)
+        return row_parallel(self.group, o.reshape(t, self.nv * self.dv), self.w_out, residual)
 
 
 class Qwen3NextLayer:
-    def __init__(self, cfg: ModelConfig, i: int, w: Weights, experts: ExpertSource):
+    def __init__(self, cfg: ModelConfig, i: int, w: Weights, experts: ExpertSource, group: Group = SINGLE):
         p, eps = f"model.layers.{i}.", cfg.rms_norm_eps
         self.input_norm = RMSNorm(w(p + "input_layernorm.weight"), eps, zero_centred=True)
         if cfg.layer_type(i) == "linear_attention":
-            self.mixer = GatedDeltaNet(cfg, i, w)
+            self.mixer = GatedDeltaNet(cfg, i, w, group)
         else:
-            self.mixer = Attention(cfg, i, w, qk_norm=True, output_gate=True, zero_centred=True)
+            self.mixer = Attention(cfg, i, w, qk_norm=True, output_gate=True, zero_centred=True, group=group)
         self.post_norm = RMSNorm(w(p + "post_attention_layernorm.weight"), eps, zero_centred=True)
-        self.mlp = MoE(cfg, i, w, experts) if cfg.is_moe_layer(i) else DenseMLP(p + "mlp", w)
+        self.mlp = MoE(cfg, i, w, experts, group) if cfg.is_moe_layer(i) else DenseMLP(p + "mlp", w, group)
 
     def __call__(self, x, rope, batch: ForwardBatch, cache: KVCache):
         x = self.mixer(x, rope, batch, cache, residual=x, norm=self.input_norm)
@@ -120,10 +122,11 @@ class Qwen3NextLayer:
 
 
 def build_qwen3_next(cfg: ModelConfig, w: Weights, experts: ExpertSource, mtp: bool = False,
-                     mtp_experts: ExpertSource | None = None) -> CausalLM:
-    """mtp: also build the MTP head (`model.mtp`), its routed experts from `mtp_experts`."""
-    model = CausalLM(cfg, w, [Qwen3NextLayer(cfg, i, w, experts) for i in range(cfg.num_hidden_layers)],
-                     zero_centred=True)
+                     mtp_experts: ExpertSource | None = None, group: Group = SINGLE) -> CausalLM:
+    """mtp: also build the MTP head (`model.mtp`), its routed experts from `mtp_experts` (one rank
+    only: a split model's head is not built yet, sharded_loader refuses it)."""
+    model = CausalLM(cfg, w, [Qwen3NextLayer(cfg, i, w, experts, group) for i in range(cfg.num_hidden_layers)],
+                     zero_centred=True, group=group)
     if mtp:
         layer = Qwen3NextLayer(mtp_layer_config(cfg), cfg.num_hidden_layers, mtp_layer_weights(cfg, w), mtp_experts)
         model.mtp = MTPHead(cfg, w, layer, model.embed, model.lm_head)

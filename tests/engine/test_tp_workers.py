@@ -1,0 +1,119 @@
+"""`--tp 2` on the CPU, two real processes over gloo: rank 0 is this test process, running the
+engine over its share of the model; rank 1 a spawned worker (`WorkerShard.serve_steps`). Every
+tiny family gives the greedy tokens of `--tp 1` and logits within fp32 rounding of them, through
+chunked prefills, a batch of several sequences and a prefix hit.
+
+One spawn for the module (spawn costs seconds): the worker takes one job a family from rank 0
+(the family's .rad and pool size), serves that engine's steps until it closes, then waits for
+the next job.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from radianced.config import Config, ConfigError
+from radianced.engine.engine import Engine
+from radianced.engine.tp_workers import WorkerShard
+from radianced.kv.blocks import BlockAllocator
+from radianced.model.parallel import ProcessGroup
+from radianced.model.rad import RadFile
+from radianced.sharding import card_config, card_share
+from tests.engine.conftest import BLOCK, FAMILIES, prompts, request
+
+NUM_BLOCKS, TOKENS = 64, 32
+CFG = dict(max_num_seqs=8, max_num_batched_tokens=16, max_queue=64)  # 16: the 40-token prompt in 3 chunks
+TOLERANCE = 1e-4  # measured: 4.2e-6 (llama), 4.4e-6 (qwen3_moe), 6.4e-6 (qwen3_next) of |logits| <= 5.5: fp32,
+# the partial sums added in another order
+
+
+def _worker(rank: int, port: int) -> None:
+    torch.set_num_threads(1)
+    group = ProcessGroup.join(rank, 2, f"127.0.0.1:{port}", torch.device("cpu"))
+    import torch.distributed as dist
+
+    while True:
+        job = [None]
+        dist.broadcast_object_list(job, src=0)
+        if job[0] is None:
+            break
+        path, cfg = job[0]
+        WorkerShard.build(RadFile.open(path), Config(**cfg), group, NUM_BLOCKS, BLOCK).serve_steps()
+    group.close()
+
+
+@pytest.fixture(scope="module")
+def group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = mp.get_context("spawn").Process(target=_worker, args=(1, port), daemon=True)
+    worker.start()
+    g = ProcessGroup.join(0, 2, f"127.0.0.1:{port}", torch.device("cpu"))
+    yield g
+    import torch.distributed as dist
+
+    dist.broadcast_object_list([None], src=0)
+    worker.join(timeout=30)
+    g.close()
+
+
+def _engine(rad: RadFile, group: ProcessGroup | None) -> Engine:
+    m = card_config(rad.model, card_share(rad.model, group.rank, group.size)) if group else rad.model
+    storage = torch.zeros((NUM_BLOCKS, 1, len(m.full_attention_layers), 2, BLOCK, m.num_key_value_heads, m.head_dim))
+    cfg = Config(**CFG, tp=group.size if group else 1)
+    if group is None:
+        return Engine.assemble(rad, cfg, storage, BlockAllocator.fixed(NUM_BLOCKS, BLOCK))
+    import torch.distributed as dist
+
+    dist.broadcast_object_list([(str(rad.path), CFG)], src=0)
+    return Engine.assemble(rad, cfg, storage, BlockAllocator.fixed(NUM_BLOCKS, BLOCK), group=group)
+
+
+def _serve(engine: Engine, rounds: list[list[list[int]]]):
+    """Each round's prompts as one batch, greedy for TOKENS tokens; (tokens per request id, every
+    step's logits, the reused tokens per request id)."""
+    logits, forward = [], engine.runner.model.forward
+
+    def recorded(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        logits.append(out.clone())
+        return out
+
+    engine.runner.model.forward = recorded
+    tokens, reused = {}, {}
+    for r, batch in enumerate(rounds):
+        seqs = {f"r{r}s{i}": engine.add(request(engine, f"r{r}s{i}", p, max_tokens=TOKENS, ignore_eos=True))
+                for i, p in enumerate(batch)}
+        while engine.scheduler.has_unfinished:
+            for ev in engine.step():
+                tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
+        reused.update({rid: s.num_reused_tokens for rid, s in seqs.items()})
+    engine.close()
+    return tokens, logits, reused
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp2_gives_tp1s_tokens_and_logits(tiny_rads, group, family):
+    rad = tiny_rads[family]
+    a, b, c, d = prompts(rad.model.vocab_size, (40, 7, 23, 9), seed=3)
+    one = _serve(_engine(rad, None), [[a, b, c]])
+    follow_up = a + one[0]["r0s0"] + d  # the first prompt and its answer again: a prefix hit
+    rounds = [[a, b, c], [follow_up, d]]
+    tp1, tp2 = _serve(_engine(rad, None), rounds), _serve(_engine(rad, group), rounds)
+    assert tp2[0] == tp1[0] and all(len(t) == TOKENS for t in tp2[0].values())
+    assert tp2[2] == tp1[2] and tp2[2]["r1s0"] >= 2 * BLOCK
+    assert len(tp2[1]) == len(tp1[1])
+    diff = max((x - y).abs().max().item() for x, y in zip(tp2[1], tp1[1]) if x.numel())  # chunks sample nothing
+    assert diff <= TOLERANCE, f"{family}: logits of --tp 2 differ from --tp 1 by {diff}"
+
+
+def test_speculative_decoding_with_tp_is_refused(tiny_rads):
+    rad = tiny_rads["llama"]
+    cfg = Config(**{**CFG, "max_num_batched_tokens": 64}, tp=2, speculative=2)
+    with pytest.raises(ConfigError, match=r"--speculative 2 with --tp 2: the other ranks do not keep draft states"):
+        Engine.assemble(rad, cfg, torch.zeros(1), BlockAllocator.fixed(NUM_BLOCKS, BLOCK), group=ProcessGroup(0, 2))
