@@ -205,12 +205,15 @@ def main() -> int:
         model = args.model
         if model is None:
             from tools.make_synthetic import make_synthetic
+            t0 = time.monotonic()
             model = make_synthetic(Path(d) / "m.rad", layers=args.layers, zipf=1.0, progress=False)
+            print(f"synthetic model written in {time.monotonic() - t0:.1f} s", flush=True)
         flags = ["--model", str(model), *flags]
         result = {"flags": flags, "layers": args.layers, "env": args.env}
         cache = Path(d) / "kernels"
         daemon, cold, said = start(flags, cache)
         daemon.stop()
+        print(f"cold start-up to ready: {cold:.1f} s", flush=True)
         result["startup"] = {"cold_s": cold, "cold_log": said}
         daemon, warm, said = start(flags, cache)
         result["startup"].update(warm_s=warm, warm_log=said)
