@@ -11,26 +11,29 @@ Two caps, both from the steps the daemon runs:
 - **Running streams' inter-token latency.** While sequences decode, a step that also
   prefills delays each of their next tokens by its prefill's time. Uncapped, a burst of
   long prompts on the H200 took steps of 2,048 tokens between 1.7 ms decode steps (issue
-  18). So a step with decodes in it takes at most the prefill tokens that fit in
-  (`--itl-factor` - 1) decode steps' time beside them, at the prefill rate measured beyond a
-  decode step's time: the streams' gaps stay within that factor of their usual, and the
-  prefill moves on in smaller chunks (vLLM's chunked prefill leaves this to
-  --max-num-batched-tokens; Sarathi-Serve sizes its chunks to the decode latency the same way).
-  Until a step with both has been measured, the allowance starts at one block and grows.
+  18). So a step with decodes in it takes at most the prefill tokens that keep it within
+  `--itl-factor` decode steps' time, by a line fitted to recent prefill steps' times
+  (fixed seconds + seconds a token; vLLM's chunked prefill leaves this to
+  --max-num-batched-tokens; Sarathi-Serve sizes its chunks to the decode latency the same
+  way). Where the line's fixed part alone passes the target (an eager step beside graph-
+  replayed decodes: about 7 ms against 2-3 on the H200's 8-layer synthetic model), small
+  chunks would only slow the prefill: the step then takes as many tokens as its fixed
+  cost again. A first version fitted no fixed part: on the H200 its burst of 8 x 2,000
+  tokens prefilled at the floor, 24 tokens a step, for 7.1 s. Until the line is known the
+  allowance starts at one block and doubles.
 
-Rates come from steps that prefill (more tokens than sequences), each timed on its own
-(engine/step_timer.py); a decode step's time (mostly fixed cost) is the baseline. A prefill
-token's time beyond it follows a costlier step at once and a cheaper one halfway (a chunk late
-in a long prompt attends to more context and costs more than an early one; with the tiny
-models on the CPU, an average let the late chunks' steps run 10x a decode step). Each cap grows at
-most twofold a step, so one short step never sends the next one over its target. The floor
-is a step that still decodes every live sequence and moves a prefill on by a block.
+Each step is timed on its own (engine/step_timer.py); a decode step's time is the
+baseline. Each cap grows at most twofold a step, so one short step never sends the next
+one over its target. The floor is a step that still decodes every live sequence and
+moves a prefill on by a block.
 """
 
 from __future__ import annotations
 
 from radianced.config import Config
 from radianced.sizing import BLOCK_TOKENS
+
+FORGET = 0.8  # the weight of a prefill step in the step-time line falls by this with each newer one
 
 
 class StepPacer:
@@ -49,7 +52,7 @@ class StepPacer:
         self.itl_factor = itl_factor
         self.budget = max_tokens  # the step-time cap
         self.decode_seconds = 0.0  # the latest decode-only step's time (0: none yet)
-        self.token_seconds: float | None = None  # a prefill token's time beyond a decode step's (averaged)
+        self._fit = [0.0] * 5  # prefill steps' (n: prefill tokens, t: seconds), weighted: sums of 1, n, n², t, nt
         self.prefill_beside_decodes = BLOCK_TOKENS  # prefill tokens a step with decodes may take
 
     def observe(self, tokens: int, sequences: int, seconds: float, decoding: int = 0) -> int:
@@ -61,14 +64,34 @@ class StepPacer:
             if self.max_step_seconds:
                 fits = int(tokens * self.max_step_seconds / seconds)
                 self.budget = max(self.floor, min(self.max_tokens, fits, 2 * max(tokens, self.budget)))
-            if self.decode_seconds:
-                prefill = tokens - sequences
-                cost = max(0.0, seconds - self.decode_seconds) / prefill
-                self.token_seconds = cost if self.token_seconds is None else max(cost, (self.token_seconds + cost) / 2)
-                room = (self.itl_factor - 1) * self.decode_seconds
-                fits = int(room / self.token_seconds) if self.token_seconds else self.max_tokens
-                self.prefill_beside_decodes = max(1, min(fits, 2 * max(prefill, self.prefill_beside_decodes)))
+            prefill = tokens - sequences
+            self._fit = [FORGET * old + new for old, new in
+                         zip(self._fit, (1.0, prefill, prefill * prefill, seconds, prefill * seconds))]
+            if self.itl_factor and self.decode_seconds:
+                grown = 2 * max(prefill, self.prefill_beside_decodes)
+                self.prefill_beside_decodes = max(1, min(self._fits(), grown))
         return self.next_budget(decoding)
+
+    def step_line(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds a prefill token) of a step that prefills, fitted to the recent ones
+        (each older step weighs FORGET times less), or None until their sizes differ enough to say."""
+        s1, sn, snn, st, snt = self._fit
+        spread = s1 * snn - sn * sn
+        if spread <= 1e-9 * max(1.0, snn * s1):
+            return None
+        per_token = (s1 * snt - sn * st) / spread
+        return ((st - per_token * sn) / s1, per_token) if per_token > 0 else None
+
+    def _fits(self) -> int:
+        """Prefill tokens beside decodes: what keeps the step within --itl-factor decode steps; where even
+        a small prefill's fixed cost passes that (an eager step beside graph-replayed decodes), as many
+        as the fixed cost again, so the step is at least half prefill."""
+        line = self.step_line()
+        if line is None:
+            return self.max_tokens  # not known yet: the growth bound alone
+        fixed, per_token = line
+        target = self.itl_factor * self.decode_seconds
+        return int(max(target - fixed, fixed) / per_token)
 
     def next_budget(self, decoding: int) -> int:
         """The next step's budget with `decoding` sequences decoding in it."""

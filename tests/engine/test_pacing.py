@@ -37,23 +37,46 @@ def test_decode_steps_leave_the_budget_alone_and_the_floor_holds():
     assert StepPacer(16, 0.5, 24).floor == 16  # the floor never exceeds the flag
 
 
+def step_seconds(fixed: float, per_token: float):
+    return lambda prefill: fixed + per_token * prefill
+
+
+def run_mixed_steps(pacer: StepPacer, decoding: int, seconds, steps: int) -> list[int]:
+    """Steps of `decoding` decodes and the prefill the pacer allows, timed by `seconds(prefill)`."""
+    sizes = []
+    for _ in range(steps):
+        prefill = pacer.next_budget(decoding) - decoding
+        sizes.append(prefill)
+        pacer.observe(decoding + 1 + prefill, decoding + 1, seconds(prefill), decoding)
+    return sizes
+
+
 def test_beside_decodes_a_prefill_takes_what_fits_in_the_itl_factor_of_a_decode_step():
     pacer = StepPacer(2048, 0.5, 20, itl_factor=3.0)
     assert pacer.observe(4, 4, 0.002, decoding=4) == 20  # a decode step: the baseline; a block beside it (floored)
-    # 5 sequences and 23 tokens more (the prefill's) in 3 ms: 1 ms beyond the decode step, 2 ms of room:
-    # 92 fit, and the allowance grows at most to twice the 23
-    assert pacer.observe(5 + 23, 5, 0.003, decoding=4) == 4 + 46
-    assert pacer.observe(5 + 46, 5, 0.004, decoding=4) == 4 + 92  # 46 took 2 ms beyond: 92 fit in 4
-    # 92 took 8 ms: 87 us a token, averaged with the 43 before: 65 us, 61 fit
-    assert pacer.observe(5 + 92, 5, 0.010, decoding=4) == 4 + 61
-    assert pacer.observe(5 + 46, 5, 0.050, decoding=4) == 20  # 46 took 48 ms: 7 fit, the floor
-    assert pacer.next_budget(0) == 510  # nobody decodes: the step-time cap alone (51 tokens in 50 ms)
-    assert pacer.observe(2048, 1, 0.020, decoding=0) == 2048  # a prefill alone: the flag's budget
-    cost = 0.001 / 23  # a token's time beyond the decode step, each new step's weighing half
-    for beyond, n in ((0.002, 46), (0.008, 92), (0.048, 46), (0.018, 2047)):
-        cost = (cost + beyond / n) / 2
-    assert pacer.token_seconds == pytest.approx(cost)
-    assert pacer.next_budget(4) == 20  # 277 us a token still: the floor
+    # prefill steps cost 3 ms + 20 us a token; 3 decode steps are 6 ms: 150 tokens fit
+    sizes = run_mixed_steps(pacer, 4, step_seconds(0.003, 20e-6), 8)
+    assert sizes[:4] == [16, 32, 64, 128] and sizes[4:] == [149] * 4  # doubling, then the line's 149.99
+    assert pacer.step_line() == pytest.approx((0.003, 20e-6))
+    assert pacer.next_budget(0) == 2048  # nobody decodes: the step-time cap alone
+
+
+def test_where_the_fixed_cost_alone_passes_the_target_a_step_is_half_prefill_at_least():
+    """An eager step of the H200's 8-layer model: 7 ms + 2.5 us a token, beside 2 ms decode steps
+    (2.5x: 5 ms): no chunk keeps the target, so the chunk makes the fixed cost's worth (2,800 tokens,
+    the flag's 2,048)."""
+    pacer = StepPacer(2048, 0.5, 24, itl_factor=2.5)
+    pacer.observe(4, 4, 0.002, decoding=4)
+    assert run_mixed_steps(pacer, 4, step_seconds(0.007, 2.5e-6), 9)[-2:] == [2044, 2044]
+
+
+def test_the_line_forgets_old_steps():
+    pacer = StepPacer(4096, 0.5, 20, itl_factor=3.0)
+    pacer.observe(4, 4, 0.002, decoding=4)
+    run_mixed_steps(pacer, 4, step_seconds(0.001, 10e-6), 10)  # (6 - 1) ms / 10 us: 500 tokens
+    assert pacer.next_budget(4) == 4 + 499  # 499.99..., rounded down
+    sizes = run_mixed_steps(pacer, 4, step_seconds(0.001, 40e-6), 25)  # 4x dearer: toward 125
+    assert sizes[-1] == 125 and pacer.step_line() == pytest.approx((0.001, 40e-6), rel=1e-3)
 
 
 def test_without_an_itl_factor_or_a_decode_step_seen_the_budget_is_the_step_time_cap():
@@ -61,6 +84,7 @@ def test_without_an_itl_factor_or_a_decode_step_seen_the_budget_is_the_step_time
     pacer = StepPacer(2048, 0.5, 4, itl_factor=2.0)
     assert pacer.observe(1000, 1, 0.5, decoding=1) == 1000  # no decode step measured yet
     assert pacer.observe(2, 2, 0.01, decoding=2) == 2 + 16  # now one: a block beside the decodes
+    assert pacer.step_line() is None  # one prefill step: no line yet
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(max_step_seconds=-1.0), dict(floor=0),
