@@ -162,17 +162,25 @@ class RequestStream:
         self.close()
 
 
+def step_executor() -> ThreadPoolExecutor:
+    """The thread an engine's steps run on."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="radianced-step")
+
+
 class AsyncEngine:
-    def __init__(self, engine: Engine, metrics: EngineMetrics | None = None, pacer: StepPacer | None = None):
+    def __init__(self, engine: Engine, metrics: EngineMetrics | None = None, pacer: StepPacer | None = None,
+                 step_thread: ThreadPoolExecutor | None = None):
         """pacer: caps each step's tokens at a step time measured here (engine/pacing.py); None
-        keeps the scheduler's --max-num-batched-tokens budget."""
+        keeps the scheduler's --max-num-batched-tokens budget. step_thread: the one-worker executor
+        steps run on (the daemon's, which ran the warm-up there: a thread's first steps pay its own
+        set-up, torch's CPU thread team and cuBLAS handle among it); None: a new one."""
         self.engine = engine
         self.pacer = pacer
         self.scheduler = engine.scheduler
         self.metrics = metrics or NoMetrics()
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radianced-step")
+        self._worker = step_thread or step_executor()
         self._ids = itertools.count()
         self._failed: BaseException | None = None
         self.steps = 0  # completed steps: the watchdog's sign of progress

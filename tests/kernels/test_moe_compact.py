@@ -171,7 +171,7 @@ def test_the_moe_layer_passes_its_sources_format_to_the_ops_cuda_binds(t):
     from radianced.model.layers import MoE
 
     experts = CompactExperts("q4_1", t=t, seed=6)
-    cfg = SimpleNamespace(moe_intermediate_size=I, num_experts_per_tok=2, norm_topk_prob=True,
+    cfg = SimpleNamespace(moe_intermediate_size=I, num_experts=E, num_experts_per_tok=2, norm_topk_prob=True,
                           shared_expert_intermediate_size=0)
     router = torch.randn((E, H), generator=torch.Generator().manual_seed(7)).to(DEVICE)
     source = ResidentExperts(experts.slab, {0: experts.table}, {0: "q4_1"})
