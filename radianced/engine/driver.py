@@ -30,6 +30,7 @@ from radianced.engine.detokenizer import IncrementalDetokenizer
 from radianced.engine.engine import Engine, Executed
 from radianced.engine.pacing import StepPacer
 from radianced.engine.request import FinishReason, Request, SeqStatus
+from radianced.engine.request_log import expert_line, request_line
 from radianced.engine.sampling_params import SamplingParams
 from radianced.engine.scheduler import SeqEvent
 
@@ -383,26 +384,8 @@ class AsyncEngine:
             stream.queue.put_nowait(Chunk(ev.token_ids, text, reason, ev.logprobs, reused))
 
     def _log_done(self, s: _Stream, reason: str) -> None:
-        now = time.perf_counter()
-        first = s.first_token or now
-        reused = s.seq.num_reused_tokens or 0
-        prompt = len(s.request.prompt_token_ids)
-        decode_s = now - first
-        rate = (s.generated - 1) / decode_s if s.generated > 1 and decode_s > 0 else 0.0
-        d = s.seq.draft_stats
-        share = 100.0 * d.accepted / d.drafted if d.drafted else 0.0
-        drafts = f"drafts accepted {d.accepted}/{d.drafted} ({share:.1f}%)"
-        log.info("%s: prompt %d tokens = %d reused + %d read in %.0f ms, %d generated in %.0f ms (%.1f tok/s), %s "
-                 "[%s]", s.request.request_id, prompt, reused, prompt - reused,
-                 (first - s.arrived) * 1e3, s.generated, decode_s * 1e3, rate, drafts, reason)
+        log.info("%s", request_line(s.request.request_id, len(s.request.prompt_token_ids),
+                                    s.seq.num_reused_tokens or 0, s.arrived, s.first_token, s.generated,
+                                    s.seq.draft_stats, reason))
         if self.engine.experts is not None:
             log.info("%s: %s", s.request.request_id, expert_line(*s.experts))
-
-
-def expert_line(lookups: int, hits: int, routed: int, routed_from_misses: int) -> str:
-    """SPEC §9's second per-request line, over the request's decode steps."""
-    def pct(a: int, b: int) -> float:
-        return 100.0 * a / b if b else 0.0
-    return (f"decode expert cache hit rate: {pct(hits, lookups):.1f}% ({hits} hits / {lookups} lookups); "
-            f"{lookups - hits} more read over PCIe or from disk "
-            f"({pct(routed_from_misses, routed):.1f}% of all {routed} routed)")
