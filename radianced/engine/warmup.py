@@ -33,9 +33,11 @@ engine (scheduler, batch, runner, sampler: the served path), random token ids:
   leave n-gram drafting idle), so verify steps run, and a hybrid's per-position
   state kernels with them.
 
-Then it drops the prefix-cache blocks these left, and calls cuBLAS once at every
-row bucket of every dense projection shape the steps met (kernels/gemm.py: its
-first call at a row count costs 3-5 ms on the H200). `WarmupReport` is what the
+Then it drops the prefix-cache blocks these left, zeroes the expert slab's counts
+(the status, the metrics and a saved expert profile count served traffic only),
+and calls cuBLAS once at every row bucket of every dense projection shape the
+steps met (kernels/gemm.py: its first call at a row count costs 3-5 ms on the
+H200). `WarmupReport` is what the
 start-up log says. The GPU tests (tests/gpu/test_no_compile.py) hold the
 claim: no kernel build while serving prompts of random lengths.
 """
@@ -135,5 +137,7 @@ def warm_up(engine, max_batched_tokens: int, max_num_seqs: int, max_model_len: i
             scheduler.drafting = planner
     prefix = engine.scheduler.prefix
     prefix.evict(prefix.evictable())
+    if engine.experts is not None:
+        engine.experts.reset_counts()  # the status, the metrics and the saved profile count served traffic
     gemms = gemm.warm_up()
     return WarmupReport(len(rounds), steps, time.perf_counter() - start, tokens, gemms)

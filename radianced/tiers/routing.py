@@ -59,6 +59,11 @@ class SlabStats:
         self.disk_reads = 0  # experts the disk tier read for steps and admissions
         self.disk_bytes = 0  # their bytes (verified)
 
+    def reset(self) -> None:
+        """Count from zero again: the daemon's warm-up traffic is not what it serves."""
+        self.counts[:] = 0
+        self.refills = self.evictions = self.disk_reads = self.disk_bytes = 0
+
     @property
     def lookups(self) -> dict[int, int]:
         return dict(zip(self.layers, self.counts[0].tolist()))

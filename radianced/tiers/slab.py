@@ -238,6 +238,12 @@ class ExpertSlab:
         """Token-to-expert assignments since start, per (layer, expert) routed at least once."""
         return self.tally.routing
 
+    def reset_counts(self) -> None:
+        """Count lookups, hits and routing from zero (after the daemon's warm-up: its random prompts are
+        not served traffic, and the saved expert profile must not learn them)."""
+        self.stats.reset()
+        self.tally.assigned[:] = 0
+
     # -- the arena's reclaimer -----------------------------------------------------
 
     def surrenderable(self) -> int:

@@ -161,13 +161,19 @@ async def test_control_socket_reports_and_cancels_a_live_request(daemon):
 
 FAULT = """
 import radianced.engine.runner as runner
-_launch, _calls = runner.Runner.launch, [0]
+import radianced.engine.warmup as warmup
+_launch, _warm_up, _calls, _warm = runner.Runner.launch, warmup.warm_up, [0], [True]
+def warm_up(*args):  # start-up's warm-up steps launch too: count the served ones
+    report = _warm_up(*args)
+    _warm[0] = False
+    return report
 def launch(self, plan):
-    _calls[0] += 1
+    _calls[0] += not _warm[0]
     if _calls[0] > 3:
         raise RuntimeError("injected step fault")
     return _launch(self, plan)
 runner.Runner.launch = launch
+warmup.warm_up = warm_up
 """
 
 
