@@ -15,6 +15,7 @@ the timeout.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 import threading
@@ -30,6 +31,7 @@ from radianced.engine.tp_workers import WorkerShard
 from radianced.model.parallel import NCCL_ENV, ProcessGroup
 from radianced.model.rad import RadFile
 
+log = logging.getLogger("radianced")
 JOIN_TIMEOUT_S = 24 * 3600  # a worker idles inside a broadcast until the next step comes
 STOP_WAIT_S = 10.0  # how long `stop` waits for a worker to leave before it is killed
 
@@ -117,6 +119,9 @@ class RankWorkers:
         kill the stragglers (none is given after a rank died: its collective would fail)."""
         self.stopping = True
         if engine is not None:
+            sent = engine.runner.workers
+            log.info("step broadcast to the other ranks: %d steps, %.3f ms a step", sent.steps,
+                     1e3 * sent.seconds / max(sent.steps, 1))
             engine.close()
         for p in self.processes:
             p.join(STOP_WAIT_S)

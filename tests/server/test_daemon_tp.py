@@ -6,6 +6,7 @@ named in its log."""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import subprocess
 import time
@@ -59,6 +60,7 @@ def test_tp2_serves_tp1s_greedy_completions(moe_model):
     assert "card 0: query heads 0-1, KV heads 0-0, vocab rows 0-199, experts 0-3" in log
     assert "card 1: query heads 2-3, KV heads 1-1, vocab rows 200-399, experts 4-7" in log
     assert "total over 2 cards:" in log and "24 pinned on cards, 0 in host pools, 0 on disk" in log
+    assert re.search(r"step broadcast to the other ranks: \d+ steps, [\d.]+ ms a step", log)
     assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
 
 
