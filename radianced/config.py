@@ -46,14 +46,8 @@ KV_RESIDENT_MIN_TOKENS = 32768  # SPEC §6: a smaller ring is raised to this
 # feature lands.
 NOT_YET_SUPPORTED: dict[str, tuple[str, object]] = {
     "--kv-resident": ("kv_resident", 0),
-    "--tp": ("tp", 1),
     "--ngram-placement": ("ngram_placement", None),
     "--vision-tower-placement": ("vision_tower_placement", None),
-}
-# Flags of NOT_YET_SUPPORTED that `radiancectl plan` already plans (`Config.from_args(planning=True)`):
-# flag -> what the daemon's refusal adds.
-PLANNED_ONLY: dict[str, str] = {
-    "--tp": "serving on several cards is not built yet; `radiancectl plan --tp N` prints each card's split",
 }
 
 
@@ -167,26 +161,22 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     # -- building ----------------------------------------------------------
 
     @classmethod
-    def from_args(cls, ns: argparse.Namespace, planning: bool = False) -> Config:
-        """The config of a namespace parsed with `add_flags`; refuses flags not yet supported
-        (`planning`: except those `radiancectl plan` plans, PLANNED_ONLY).
+    def from_args(cls, ns: argparse.Namespace) -> Config:
+        """The config of a namespace parsed with `add_flags`; refuses flags not yet supported.
 
         Attributes of `ns` that are not Config fields (a CLI's own flags) are ignored.
         Raises ConfigError.
         """
         cfg = cls(**{f: getattr(ns, f) for f in cls.__struct_fields__ if hasattr(ns, f)})
-        refuse_not_landed(cfg, planning)
+        refuse_not_landed(cfg)
         return cfg
 
 
-def refuse_not_landed(cfg: Config, planning: bool = False) -> None:
-    """Raise ConfigError for the first flag set whose feature has not landed (`planning`: whose
-    plan has not landed either)."""
+def refuse_not_landed(cfg: Config) -> None:
+    """Raise ConfigError for the first flag set whose feature has not landed."""
     for flag, (field, off) in NOT_YET_SUPPORTED.items():
-        if getattr(cfg, field) == off or (planning and flag in PLANNED_ONLY):
+        if getattr(cfg, field) == off:
             continue
-        if flag in PLANNED_ONLY:
-            raise ConfigError(f"{flag}: not yet supported: {PLANNED_ONLY[flag]} (leave it out; default {off})")
         shown = "unset" if off is None else off
         raise ConfigError(f"{flag}: not yet supported (leave it out; default {shown})")
 
@@ -384,7 +374,7 @@ def _split_flags(g, d: Config) -> None:
                    help="ngram: prompt lookup over the sequence's own tokens; mtp: the model's MTP head; "
                         "auto (default): mtp where the model has one, else ngram")
     g.add_argument("--tp", type=int, default=d.tp,
-                   help="tensor parallel over N GPUs (radiancectl plan prints each card's split; serving: not yet)")
+                   help="split the model over N cards, one process each (radiancectl plan prints each card's split; serving: the CPU only for now, N gloo processes)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -392,9 +382,8 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-def parse_config(argv: Sequence[str], planning: bool = False) -> Config:
-    """Parse `argv` (flags only, no program name) into a Config (`planning`: as `radiancectl plan`
-    does, see `Config.from_args`); raises ConfigError."""
+def parse_config(argv: Sequence[str]) -> Config:
+    """Parse `argv` (flags only, no program name) into a Config; raises ConfigError."""
     parser = _Parser(prog="radianced", add_help=False)
     add_flags(parser)
-    return Config.from_args(parser.parse_args(list(argv)), planning)
+    return Config.from_args(parser.parse_args(list(argv)))

@@ -97,7 +97,7 @@ def _plan(args: argparse.Namespace) -> int:
     from radianced.tiers.predict import plan_lines
     from radianced.tp_plan import detect_cards, plan_cards
 
-    cfg = Config.from_args(args, planning=True)
+    cfg = Config.from_args(args)
     with RadFile.open(cfg.model or ensure_default_model()) as rad:
         facts = ModelFacts.from_header(rad.header)
         cards = detect_cards(cfg)

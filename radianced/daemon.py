@@ -44,8 +44,11 @@ from radianced.card import Card
 from radianced.config import Config, ConfigError
 from radianced.engine.driver import AsyncEngine, step_executor
 from radianced.engine.pacing import StepPacer
+from radianced.engine.tp_memory import refuse_device
+from radianced.engine.tp_processes import RankWorkers
 from radianced.kernels.compiles import CompileLog
 from radianced.model.config import UnsupportedModel
+from radianced.model.parallel import SINGLE, Group
 from radianced.model.rad import RadFile
 from radianced.model.rad_format import RadError
 from radianced.server import control, notify
@@ -121,11 +124,14 @@ class Daemon:
         self.compiles: CompileLog | None = None  # on CUDA: every kernel variant built, by phase
         self.kernel_cache: Path | None = None
         self.step_thread = step_executor()  # where the warm-up and then every served step run
+        self.ranks: RankWorkers | None = None  # under --tp N: ranks 1..N-1 (engine/tp_processes.py)
+        self._fatal: str | None = None  # why a rank ended, stopping the daemon with status 1
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- life ---------------------------------------------------------------------------
 
     async def run(self) -> int:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.request_stop, "SIGTERM")
         loop.add_signal_handler(signal.SIGINT, self.request_stop, "SIGINT", True)
         try:
@@ -162,6 +168,8 @@ class Daemon:
             if self._engine_task is not None:
                 self._engine_task.cancel()
                 await asyncio.gather(self._engine_task, return_exceptions=True)
+            if self.ranks is not None:  # rank 0's engine closes (their step loops end), then they are awaited
+                self.ranks.stop(self.engine.engine if self.engine is not None and self._fatal is None else None)
         log.info("exiting with status %d", code)
         return code
 
@@ -171,7 +179,7 @@ class Daemon:
         except _StartFailed:
             return 1
         if engine is None:
-            return 0  # stopped while loading: nothing to drain
+            return 1 if self._fatal else 0  # stopped while loading: nothing to drain
         self.engine = engine
         self._engine_task = asyncio.create_task(engine.run())
         self.http.served = Served(engine, self.model_name, engine.engine.receipt.max_model_len,
@@ -193,7 +201,7 @@ class Daemon:
             log.critical("the engine failed; exiting so the service manager restarts it",
                          exc_info=(type(error), error, error.__traceback__) if error else None)
             return 1
-        return 0
+        return 1 if self._fatal else 0
 
     async def _load(self) -> AsyncEngine | None:
         """Build the engine on a thread (torch stays off the loop); None when a stop
@@ -256,8 +264,8 @@ class Daemon:
         if self.cfg.card_mib:  # the arena's allocation unit is the device's, whatever size is claimed
             card = Card.from_mib(self.cfg.card_mib, cuda=device == "cuda")
         start = time.monotonic()
-        engine = Engine.build(rad, self.cfg, card, device)
-        self.receipt = engine.receipt.lines()
+        engine = Engine.build(rad, self.cfg, card, device, group=self._start_ranks(path, device))
+        self.receipt = (engine.cards or engine.receipt).lines()
         if self.compiles is not None:
             self.receipt.append(f"kernel cache: {self.kernel_cache} (Triton binaries and autotune results; "
                                 "a restart loads them instead of compiling)")
@@ -269,6 +277,22 @@ class Daemon:
                  "token)", max_prompt_bytes(context, longest), context, longest)
         log.info("loaded %s on %s in %.1f s", self.model_name, device, time.monotonic() - start)
         return engine
+
+    def _start_ranks(self, path: Path, device: str) -> Group:
+        """Under --tp N, spawn ranks 1..N-1, watched, and join them as rank 0; SINGLE otherwise."""
+        if self.cfg.tp == 1:
+            return SINGLE
+        refuse_device(self.cfg, device)
+        self.ranks = RankWorkers.start(str(path), self.cfg, lambda line: self._loop.call_soon_threadsafe(
+            self.rank_ended, line))
+        return self.ranks.join()
+
+    def rank_ended(self, line: str) -> None:
+        """A rank of --tp ended unasked: say which and why, and stop with status 1 (nothing to drain into)."""
+        log.error("%s; stopping", line)
+        self._fatal = line
+        self.request_stop("a rank ended")
+        self._hurry.set()
 
     def _warm_up(self, engine, rad: RadFile, device: str) -> None:
         """Serve engine/warmup.py's requests on the thread that will run the served steps, before ready: on

@@ -87,7 +87,7 @@ def test_resident_contradicts_the_disk_tier_and_a_slot_cap():
 
 
 @pytest.mark.parametrize("flag, value", [
-    ("--kv-resident", "65536"), ("--tp", "2"), ("--ngram-placement", "ram=/dev/shm"),
+    ("--kv-resident", "65536"), ("--ngram-placement", "ram=/dev/shm"),
     ("--vision-tower-placement", "vram"),
 ])
 def test_flags_of_later_issues_parse_and_are_refused_as_not_yet_supported(flag, value):
@@ -108,8 +108,8 @@ def test_speculative_drafts_with_the_mtp_head_where_the_model_has_one():
 
 
 def test_the_off_value_of_an_unlanded_flag_passes():
-    c = parse_config(["--speculative", "0", "--tp", "1", "--kv-resident", "0"])
-    assert (c.speculative, c.tp, c.kv_resident) == (0, 1, 0)
+    c = parse_config(["--speculative", "0", "--kv-resident", "0"])
+    assert (c.speculative, c.kv_resident) == (0, 0)
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "fp8_v4", "k6_v4"])

@@ -1,5 +1,5 @@
 """The split of --tp N cards: one receipt a card, planned for its own share, and their total;
-`radiancectl plan --tp N`; the daemon's refusal to serve it yet. Expected numbers are the arithmetic."""
+`radiancectl plan --tp N`; the daemon takes it. Expected numbers are the arithmetic."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import psutil
 import pytest
 import torch
 
-from radianced import cli, ctl
+from radianced import ctl
 from radianced.budget import PlanError, plan
 from radianced.card import Card
-from radianced.config import Config, ConfigError, parse_config
+from radianced.config import Config, parse_config
 from radianced.model.convert import convert
 from radianced.model.rad import RadFile
 from radianced.model.tiny import make_tiny
@@ -24,7 +24,7 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
 def planning(text: str) -> Config:
-    return parse_config(text.split(), planning=True)
+    return parse_config(text.split())
 
 
 @pytest.mark.parametrize("model, flags", [
@@ -143,12 +143,5 @@ def test_radiancectl_plan_says_why_it_cannot_split(tiny_moe_rad, capsys):
                                        "card needs one: give at most --tp 4\n")
 
 
-def test_the_daemon_refuses_several_cards_and_points_at_plan(capsys):
-    message = ("--tp: not yet supported: serving on several cards is not built yet; `radiancectl plan --tp N` "
-               "prints each card's split (leave it out; default 1)")
-    with pytest.raises(ConfigError) as e:
-        parse_config(["--tp", "2"])
-    assert str(e.value) == message
-    with pytest.raises(SystemExit) as exit_:
-        cli.main(["--tp", "2"])
-    assert exit_.value.code == 2 and capsys.readouterr().err.endswith(f"radianced: error: {message}\n")
+def test_the_daemon_takes_several_cards():
+    assert parse_config(["--tp", "2"]).tp == 2  # served on the CPU (tests/server/test_daemon_tp.py)

@@ -39,6 +39,7 @@ from radianced.engine.sampler import Sampler
 from radianced.engine.scheduler import Scheduler, SeqEvent
 from radianced.engine.drafting import DraftPlanner
 from radianced.engine.speculation import TOKEN_COST, DraftPolicy, mtp_drafts, ngram_drafts
+from radianced.engine.tp_memory import rank_memory, refuse_device
 from radianced.engine.tp_workers import StepBroadcast
 from radianced.kernels import ops
 from radianced.kernels.kv_formats import TRITON_KV_DTYPES
@@ -56,6 +57,7 @@ from radianced.receipt import Receipt
 from radianced.sizing import BLOCK_TOKENS, ModelFacts
 from radianced.tiers.build import build_expert_slab
 from radianced.tiers.slab import ExpertSlab
+from radianced.tp_plan import CardsReceipt
 
 log = logging.getLogger("radianced.engine")
 
@@ -94,6 +96,7 @@ class Engine:
     runner: Runner
     tokenizer: Tokenizer
     receipt: Receipt | None = None
+    cards: CardsReceipt | None = None  # under --tp N: every card's receipt (`receipt` is this card's)
     arena: Arena | None = None
     experts: ExpertSlab | None = None
     resources: list = field(default_factory=list)  # closed by close(): host pool, expert loader
@@ -171,14 +174,17 @@ class Engine:
 
     @classmethod
     def build(cls, rad: RadFile, cfg: Config, card: Card | None = None, device: torch.device | str = "cpu",
-              sampler_seed: int | None = None) -> Engine:
+              sampler_seed: int | None = None, group: Group = SINGLE) -> Engine:
         """Plan the card, log the receipt, allocate the arena it describes and load the model.
 
         The KV cache is a view over the arena's pages (the KV tenant leases them
         block by block). Routed experts live where the receipt's placement puts
         them: pinned and cached ones in arena pages (the expert slab), the rest in
         the host pool; in lending mode KV and experts take pages from each other.
+        Over a `group` of `--tp` ranks, rank 0's engine over its card (`_build_rank`).
         """
+        if group.size > 1:
+            return cls._build_rank(rad, cfg, group, device, sampler_seed)
         m = rad.model
         if torch.device(device).type == "cuda" and cfg.kv_cache_dtype != "auto":
             raise ConfigError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: not yet supported on CUDA (Triton kernels "
@@ -211,6 +217,24 @@ class Engine:
         return engine
 
     @classmethod
+    def _build_rank(cls, rad: RadFile, cfg: Config, group: Group, device: torch.device | str,
+                    sampler_seed: int | None) -> Engine:
+        """Rank 0's engine of `--tp N` on the CPU: every card's receipt logged (one block a card, then
+        the total), this card's arena, KV view and pinned experts (engine/tp_memory.py). No decode graphs
+        are captured (nor may be, when CUDA is lifted): a replay would skip the step's send to the other
+        ranks, which would wait for it forever."""
+        refuse_device(cfg, device)
+        ops.select(device, deterministic=cfg.deterministic)
+        memory = rank_memory(rad, cfg, group, device)
+        for line in memory.cards.lines():
+            log.info(line)
+        receipt = memory.receipt
+        engine = cls.assemble(rad, cfg, memory.kv_storage, memory.allocator(), device, memory.experts,
+                              receipt.max_model_len, sampler_seed, group)
+        engine.receipt, engine.arena, engine.cards = receipt, memory.arena, memory.cards
+        return engine
+
+    @classmethod
     def assemble(cls, rad: RadFile, cfg: Config, kv_storage: torch.Tensor, allocator: BlockAllocator,
                  device: torch.device | str = "cpu", experts=None, max_model_len: int | None = None,
                  sampler_seed: int | None = None, group: Group = SINGLE) -> Engine:
@@ -222,7 +246,7 @@ class Engine:
         mtp = _drafts_with_mtp(cfg, rad.model.num_mtp_layers)
         if group.size > 1:
             _check_splittable_run(cfg, mtp)
-            model = load_shard(rad, group, device)
+            model = load_shard(rad, group, device, experts=experts)
         else:
             model = load_model(rad, device, experts=experts, embedding_placement=cfg.embedding_table, mtp=mtp)
         m = model.cfg  # the card's heads under --tp

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from radianced.config import Config
 from radianced.engine.runner import copy_states
+from radianced.engine.tp_memory import rank_memory
 from radianced.kv.cache import KVCache, RecurrentState
 from radianced.kv.state import StateCopy
 from radianced.model.batch import ForwardBatch
@@ -86,12 +87,24 @@ class WorkerShard:
         """As `Engine.assemble` builds rank 0's (the same state slots and checkpoints), over a cache of
         `num_blocks` blocks of `block_size` tokens (rank 0's count) for this rank's KV heads."""
         model = load_shard(rad, group, device)
+        m = model.cfg
+        storage = torch.zeros((num_blocks, 1, len(m.full_attention_layers), 2, block_size, m.num_key_value_heads,
+                               m.head_dim), dtype=model.norm.weight.dtype, device=device)
+        return cls._over(model, cfg, storage, device)
+
+    @classmethod
+    def for_card(cls, rad: RadFile, cfg: Config, group: ProcessGroup,
+                 device: torch.device | str = "cpu") -> WorkerShard:
+        """As `Engine.build` builds rank 0's: this card's receipt, arena, KV view and pinned experts."""
+        memory = rank_memory(rad, cfg, group, device)
+        return cls._over(load_shard(rad, group, device, experts=memory.experts), cfg, memory.kv_storage, device)
+
+    @classmethod
+    def _over(cls, model: CausalLM, cfg: Config, storage: torch.Tensor, device: torch.device | str) -> WorkerShard:
         m, dtype = model.cfg, model.norm.weight.dtype
         hybrid = bool(m.linear_attention_layers)
-        geometry = (block_size, m.num_key_value_heads, m.head_dim)
-        storage = torch.zeros((num_blocks, 1, len(m.full_attention_layers), 2, *geometry), dtype=dtype, device=device)
         states = RecurrentState.allocate(m, cfg.max_num_seqs, dtype, device) if hybrid else None
-        cache = KVCache(storage, m.full_attention_layers, states, None, geometry)
+        cache = KVCache(storage, m.full_attention_layers, states, None, (storage.shape[-3], *storage.shape[-2:]))
         checkpoints = RecurrentState.allocate(m, 2 * cfg.max_num_seqs, dtype, device) if hybrid else None
         return cls(model, cache, checkpoints)
 

@@ -13,6 +13,7 @@ gloo on the CPU (the tests run 2 real processes), NCCL on GPUs (one process per 
 
 from __future__ import annotations
 
+import datetime
 import os
 from typing import Protocol
 
@@ -64,16 +65,19 @@ class ProcessGroup:
         self.rank, self.size = rank, size
 
     @classmethod
-    def join(cls, rank: int, size: int, address: str, device: torch.device) -> ProcessGroup:
+    def join(cls, rank: int, size: int, address: str, device: torch.device,
+             timeout: datetime.timedelta | None = None) -> ProcessGroup:
         """Join the group of `size` processes at `address` ("host:port", rank 0 listens there): gloo
-        for the CPU, NCCL (with `NCCL_ENV`) for `cuda:rank`."""
+        for the CPU, NCCL (with `NCCL_ENV`) for `cuda:rank`. `timeout` bounds the join and each
+        collective (torch's default if None)."""
         import torch.distributed as dist
 
         backend = "nccl" if device.type == "cuda" else "gloo"
         if backend == "nccl":
             os.environ.update(NCCL_ENV)
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=size)
+        dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=size,
+                                **({} if timeout is None else {"timeout": timeout}))
         return cls(rank, size)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

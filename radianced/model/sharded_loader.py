@@ -35,10 +35,10 @@ _COLUMNS = ("o_proj.weight", "down_proj.weight", "out_proj.weight")  # row-paral
 
 
 def load_shard(rad: RadFile, group: Group, device: torch.device | str = "cpu",
-               dtype: torch.dtype | None = None) -> CausalLM:
+               dtype: torch.dtype | None = None, experts: ResidentExperts | None = None) -> CausalLM:
     """Rank `group.rank`'s model of `rad` split over `group.size` ranks, on `device` (cast to `dtype`
     if given). Its `cfg` is the card's (sharding.card_config): the KV cache and recurrent state a
-    rank allocates follow it."""
+    rank allocates follow it. `experts`: the card's, already placed (`owned_experts(out=)`)."""
     m = rad.model
     share = card_share(m, group.rank, group.size)
     _check_splittable(rad, share)
@@ -48,7 +48,8 @@ def load_shard(rad: RadFile, group: Group, device: torch.device | str = "cpu",
         t = rad.tensor(name, verify=order[name] % group.size == group.rank)
         return shard_tensor(t, name, m, share).to(device=device, dtype=dtype or t.dtype)
 
-    experts = owned_experts(rad, share, device, dtype) if rad.header.experts else None
+    if experts is None and rad.header.experts:
+        experts = owned_experts(rad, share, device, dtype)
     return build_model(card_config(m, share), weights, experts, group=group)
 
 
@@ -82,23 +83,27 @@ def _conv_channels(t: torch.Tensor, m: ModelConfig, share: CardShare) -> torch.T
 
 
 def owned_experts(rad: RadFile, share: CardShare, device: torch.device | str = "cpu",
-                  dtype: torch.dtype | None = None) -> ResidentExperts:
+                  dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> ResidentExperts:
     """The card's routed experts (ids `share.experts` of every decoder layer) in one slab,
     layer-major; each layer's table has all E entries, a foreign expert's pointing at the card's
-    first one (the MoE routes foreign assignments there at weight 0: model/layers.py)."""
+    first one (the MoE routes foreign assignments there at weight 0: model/layers.py). `out`: the
+    slab's rows, given (an arena's pages: engine/tp_memory.py; `device` and `dtype` are its own)."""
     m = rad.model
     first, stop = share.experts
     layers = sorted({e.layer for e in rad.header.experts if e.layer < m.num_hidden_layers})
     pieces = [rad.expert(layer, e, verify=True) for layer in layers for e in range(first, stop)]
     gate = pieces[0][0]
-    slab = torch.empty((len(pieces), 3 * gate.numel()), dtype=dtype or gate.dtype, device=device)
+    width = 3 * gate.numel()
+    if out is not None and (out.shape[0] != len(pieces) or out.shape[1] != width):
+        raise ValueError(f"{len(pieces)} experts of {width} elements do not fill rows {list(out.shape)}")
+    slab = torch.empty((len(pieces), width), dtype=dtype or gate.dtype, device=device) if out is None else out
     for row, (g, u, d) in enumerate(pieces):
         slab[row] = torch.cat((g.flatten(), u.flatten(), d.flatten()))
     tables = {}
     for i, layer in enumerate(layers):
         table = torch.full((m.num_experts,), i * (stop - first), dtype=torch.int64)
         table[first:stop] = torch.arange(i * (stop - first), (i + 1) * (stop - first))
-        tables[layer] = table.to(device)
+        tables[layer] = table.to(slab.device)
     return ResidentExperts(slab, tables)
 
 
