@@ -44,6 +44,7 @@ from radianced.card import Card
 from radianced.config import Config, ConfigError
 from radianced.engine.driver import AsyncEngine, step_executor
 from radianced.engine.pacing import StepPacer
+from radianced.engine.warmup import warm_up_served
 from radianced.engine.tp_memory import refuse_device
 from radianced.engine.tp_processes import RankWorkers
 from radianced.kernels.compiles import CompileLog
@@ -64,7 +65,6 @@ from radianced.tiers.host import HostPoolError
 from radianced.tiers.live_profile import LiveProfile
 from radianced.tiers.profile import ProfileError
 
-CPU_WARMUP_TOKENS = 32  # the CPU's warm-up prompts: its first-use costs need no long ones (`_warm_up`)
 log = logging.getLogger("radianced")
 
 EXTEND_EVERY_S = 5.0  # while loading, ask systemd for EXTEND_S more seconds this often
@@ -182,6 +182,11 @@ class Daemon:
             return 1 if self._fatal else 0  # stopped while loading: nothing to drain
         self.engine = engine
         self._engine_task = asyncio.create_task(engine.run())
+        try:
+            await warm_up_served(engine, self._vocab_size)
+        except Exception:
+            log.exception("cannot start: the first requests through the served path failed")
+            return 1
         self.http.served = Served(engine, self.model_name, engine.engine.receipt.max_model_len,
                                   self._defaults, self._vocab_size)
         if self.compiles is not None:
@@ -295,33 +300,10 @@ class Daemon:
         self._hurry.set()
 
     def _warm_up(self, engine, rad: RadFile, device: str) -> None:
-        """Serve engine/warmup.py's requests on the thread that will run the served steps, before ready: on
-        CUDA every kernel variant and cuBLAS row bucket a step can meet; on the CPU (no kernels to build)
-        prompts up to CPU_WARMUP_TOKENS, for the step thread's own first-use costs (the first request of a
-        tiny model took 110 ms against 14 for the next, on this 2-core CPU)."""
-        from radianced.engine.warmup import warm_up
+        """engine/warmup.py's requests on the step thread, before ready (`warm_up_start`)."""
+        from radianced.engine.warmup import warm_up_start
 
-        import torch
-
-        cfg = self.cfg
-        before = self.compiles.count() if self.compiles is not None else 0
-        tokens = min(cfg.max_num_batched_tokens, CPU_WARMUP_TOKENS if device == "cpu" else cfg.max_num_batched_tokens)
-        try:
-            r = self.step_thread.submit(warm_up, engine, tokens, cfg.max_num_seqs, engine.receipt.max_model_len,
-                                        cfg.speculative, rad.model.vocab_size).result()
-        except torch.OutOfMemoryError as e:  # the receipt's workspace line fell short of a real step
-            raise PlanError(f"the warm-up's steps (up to --max-num-batched-tokens {cfg.max_num_batched_tokens} "
-                            f"tokens, --max-num-seqs {cfg.max_num_seqs}) ran out of card memory the receipt left "
-                            f"them ({str(e).splitlines()[0]}); lower --max-num-batched-tokens, or raise "
-                            "--gpu-headroom-mib") from None
-        said = (f"warm-up: {r.rounds} rounds, {r.steps} steps, {r.tokens} prompt tokens, {r.gemms} cuBLAS row "
-                f"buckets in {r.seconds:.1f} s")
-        if self.compiles is not None:
-            built = self.compiles.builds[before:]
-            tuned = sum(1 for b in built if b.kind == "autotune")
-            said += (f"; {len(built)} kernel variants built ({len(built) - tuned} compiles, {tuned} autotuner "
-                     f"keys), {self.compiles.count()} in all since start-up")
-        log.info(said)
+        log.info(warm_up_start(engine, self.cfg, device, rad.model.vocab_size, self.step_thread, self.compiles))
 
     def request_stop(self, why: str = "stop", again_hurries: bool = False) -> None:
         """Begin the drain. Once begun, a call with `again_hurries` (a second Ctrl-C) cuts it

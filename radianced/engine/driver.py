@@ -185,14 +185,17 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._failed: BaseException | None = None
         self.steps = 0  # completed steps: the watchdog's sign of progress
-        slab = engine.experts
-        # the slab's and the arena's cumulative counts already reported: what the start fill and the warm-up
-        # (daemon.py: requests served before ready) did is not traffic
+        self.restart_counts()
+
+    def restart_counts(self) -> None:
+        """Report the slab's and the arena's counts from here: what the start fill and the warm-up
+        (engine/warmup.py: requests served before ready) did is not traffic."""
+        slab, arena = self.engine.experts, self.engine.arena
         self._slab_seen = (slab.stats.total_lookups, slab.stats.total_hits) if slab is not None else None
         self._disk_seen = slab.stats.disk_bytes if slab is not None else 0
         if slab is not None:
             slab.drain_disk_latencies()
-        self._moved_seen: dict[tuple[str, str], int] = dict(engine.arena.stats().moved) if engine.arena else {}
+        self._moved_seen: dict[tuple[str, str], int] = dict(arena.stats().moved) if arena else {}
         self._count_tiers()  # the gauges from the start, not from the first step
 
     @property

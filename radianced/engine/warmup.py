@@ -44,12 +44,14 @@ claim: no kernel build while serving prompts of random lengths.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
 import time
 from dataclasses import dataclass
 
 from radianced.engine.drafting import DraftPlanner
+from radianced.engine.driver import NoMetrics
 from radianced.engine.request import Request
 from radianced.engine.sampling_params import SamplingParams
 from radianced.engine.speculation import ngram_drafts
@@ -59,6 +61,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.01, seed=1, repetition_penalty=1.1,
                          frequency_penalty=0.2, presence_penalty=0.1, logprobs=3, max_tokens=3, ignore_eos=True)
 SPECULATIVE = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+SERVED_GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+CPU_WARMUP_TOKENS = 32  # the CPU's warm-up prompts: its first-use costs need no long ones (`warm_up_start`)
 
 
 @dataclass(frozen=True)
@@ -141,3 +145,62 @@ def warm_up(engine, max_batched_tokens: int, max_num_seqs: int, max_model_len: i
         engine.experts.reset_counts()  # the status, the metrics and the saved profile count served traffic
     gemms = gemm.warm_up()
     return WarmupReport(len(rounds), steps, time.perf_counter() - start, tokens, gemms)
+
+
+def warm_up_start(engine, cfg, device: str, vocab_size: int, step_thread, compiles) -> str:
+    """The daemon's start-up warm-up: `warm_up` on `step_thread`, the thread that will run the served
+    steps (a thread's first steps pay its own set-up: torch's CPU thread team, cuBLAS's handle), before
+    ready. On CUDA up to --max-num-batched-tokens, every kernel variant and cuBLAS row bucket a step can
+    meet; on the CPU (no kernels to build) prompts up to CPU_WARMUP_TOKENS. Returns the start-up log's
+    line; a step that runs out of card memory is a PlanError naming the flags to change."""
+    import torch
+
+    from radianced.budget import PlanError
+
+    before = compiles.count() if compiles is not None else 0
+    tokens = min(cfg.max_num_batched_tokens, CPU_WARMUP_TOKENS if device == "cpu" else cfg.max_num_batched_tokens)
+    try:
+        r = step_thread.submit(warm_up, engine, tokens, cfg.max_num_seqs, engine.receipt.max_model_len,
+                               cfg.speculative, vocab_size).result()
+    except torch.OutOfMemoryError as e:  # the receipt's workspace line fell short of a real step
+        raise PlanError(f"the warm-up's steps (up to --max-num-batched-tokens {cfg.max_num_batched_tokens} "
+                        f"tokens, --max-num-seqs {cfg.max_num_seqs}) ran out of card memory the receipt left "
+                        f"them ({str(e).splitlines()[0]}); lower --max-num-batched-tokens, or raise "
+                        "--gpu-headroom-mib") from None
+    said = (f"warm-up: {r.rounds} rounds, {r.steps} steps, {r.tokens} prompt tokens, {r.gemms} cuBLAS row "
+            f"buckets in {r.seconds:.1f} s")
+    if compiles is not None:
+        built = compiles.builds[before:]
+        tuned = sum(1 for b in built if b.kind == "autotune")
+        said += (f"; {len(built)} kernel variants built ({len(built) - tuned} compiles, {tuned} autotuner keys), "
+                 f"{compiles.count()} in all since start-up")
+    return said
+
+
+async def warm_up_served(engine, vocab_size: int) -> None:
+    """Two short requests (greedy, and every sampling feature) through the running `AsyncEngine`, as the
+    HTTP API submits them, before ready: `warm_up` steps the engine synchronously, so the served path's
+    own first uses (pipelined rounds planned and applied on the event loop, a step planned ahead, its
+    input read from the step before on the device, the detokenizer, streams) still fell on the first
+    request. Not counted: the metrics are off while they run, their prefix-cache blocks are dropped, and
+    the slab's and arena's counts restart after them. (Measured on this 2-core CPU, the first request's
+    engine-side time did not clearly fall: 27-32 ms against 18-53 before, the next ones 4-5; the client
+    shares the two cores, so requests there wait on the OS scheduler too. Not measured on a GPU yet.)"""
+    metrics, engine.metrics = engine.metrics, NoMetrics()
+    rng = random.Random(1)
+    try:
+        await asyncio.gather(*(_drain(engine.generate([rng.randrange(vocab_size) for _ in range(n)], params,
+                                                      f"warm-up-served-{i}"))
+                               for i, (n, params) in enumerate(((9, SERVED_GREEDY), (5, SAMPLED)))))
+    finally:
+        engine.metrics = metrics
+    prefix = engine.scheduler.prefix
+    prefix.evict(prefix.evictable())
+    if engine.engine.experts is not None:
+        engine.engine.experts.reset_counts()
+    engine.restart_counts()
+
+
+async def _drain(chunks) -> None:
+    async for _ in chunks:
+        pass

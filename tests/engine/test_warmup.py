@@ -135,3 +135,29 @@ def test_warm_up_with_drafts_leaves_no_trace(tiny_rads, family):
     their rejected drafts' blocks are given back too."""
     plans = check_warm_up_leaves_no_trace(tiny_rads[family], speculative=2)
     assert any(len(s.drafts) == 2 for p in plans for s in p.seqs)
+
+
+async def test_the_served_path_warm_up_runs_two_requests_uncounted(tiny_rads):
+    """`warm_up_served`: two requests through a running AsyncEngine (greedy and sampled); the metrics see
+    none of them, and the engine is left idle with every block free."""
+    import asyncio
+
+    from radianced.engine.driver import AsyncEngine
+    from radianced.engine.warmup import warm_up_served
+
+    class Counting:
+        def __getattr__(self, name):
+            def count(*args):
+                calls.append(name)
+            return count
+
+    calls: list[str] = []
+    rad = tiny_rads["qwen3_moe"]
+    engine = small_engine(rad)
+    ae = AsyncEngine(engine, Counting())
+    calls.clear()  # what construction reported (the gauges' start)
+    task = asyncio.create_task(ae.run())
+    await warm_up_served(ae, rad.model.vocab_size)
+    assert calls == [] and ae.steps >= 4 and isinstance(ae.metrics, Counting)
+    assert not engine.scheduler.has_unfinished and engine.scheduler.allocator.num_used == 0
+    task.cancel()
