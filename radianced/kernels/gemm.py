@@ -13,9 +13,10 @@ So on CUDA, x's rows are padded up to `padded_rows(T)`: 16 below 16 rows, and ab
 8 steps an octave (at most 12.5% more rows, 6% on average, at prefill lengths where the
 step's expert and attention work dominate). Rows are independent in a GEMM, so the first T
 rows of the result are the unpadded product's (up to cuBLAS's choice of kernel, which
-rounds as the shape picks it). `note` keeps each (weight shape, dtype, bias) met and its
-most rows; `warm_up` runs every bucket up to that for each, once the warm-up's steps
-(engine/warmup.py) have met them all.
+rounds as the shape picks it). `linear` notes each (weight shape, dtype, bias) it meets and
+its most rows; `warm_up` calls every bucket up to that for each, once the start-up's steps
+(engine/warmup.py) have met them all. Measured through it after `warm_up`: a new row count's
+first call +0.01 ms at p50 (0.6-0.7 ms max), and over HTTP first/twin TTFT p50 1.29 -> 1.006.
 """
 
 from __future__ import annotations
