@@ -15,10 +15,11 @@ Two caps, both from the steps the daemon runs:
   `--itl-factor` decode steps' time, by a line fitted to recent prefill steps' times
   (fixed seconds + seconds a token; vLLM's chunked prefill leaves this to
   --max-num-batched-tokens; Sarathi-Serve sizes its chunks to the decode latency the same
-  way). Where the line's fixed part alone passes the target (an eager step beside graph-
-  replayed decodes: about 7 ms against 2-3 on the H200's 8-layer synthetic model), small
-  chunks would only slow the prefill: the step then takes as many tokens as its fixed
-  cost again. A first version fitted no fixed part: on the H200 its burst of 8 x 2,000
+  way). But never fewer than the fixed part's worth of tokens: a step is at least half
+  prefill. Where the fixed part alone nears or passes the target (an eager step beside
+  graph-replayed decodes: about 7 ms against 2-3 on the H200's 8-layer synthetic model),
+  smaller chunks would stretch the burst's prefill over many steps and save the streams
+  little: a first version fitted no fixed part, and on the H200 its burst of 8 x 2,000
   tokens prefilled at the floor, 24 tokens a step, for 7.1 s. Until the line is known the
   allowance starts at one block and doubles.
 
@@ -83,9 +84,8 @@ class StepPacer:
         return ((st - per_token * sn) / s1, per_token) if per_token > 0 else None
 
     def _fits(self) -> int:
-        """Prefill tokens beside decodes: what keeps the step within --itl-factor decode steps; where even
-        a small prefill's fixed cost passes that (an eager step beside graph-replayed decodes), as many
-        as the fixed cost again, so the step is at least half prefill."""
+        """Prefill tokens beside decodes: what keeps the step within --itl-factor decode steps, but at
+        least the fixed cost's worth (the step at least half prefill: module docstring)."""
         line = self.step_line()
         if line is None:
             return self.max_tokens  # not known yet: the growth bound alone
