@@ -207,8 +207,8 @@ def main() -> int:
         if model is None:
             from tools.make_synthetic import make_synthetic
             t0 = time.monotonic()
-            model = make_synthetic(Path(d) / "m.rad", layers=args.layers, zipf=1.0, progress=False,
-                                   device="cuda" if torch.cuda.is_available() else "cpu")  # CPU: 212 s for 8 layers
+            model = make_synthetic(Path(d) / "m.rad", layers=args.layers, zipf=1.0, progress=False,  # on the CPU:
+                                   device="cuda" if torch.cuda.is_available() else "cpu")  # 212 s for 8 layers
             torch.cuda.empty_cache()  # the daemon plans the card's free memory: leave it what generating took
             print(f"synthetic model written in {time.monotonic() - t0:.1f} s", flush=True)
         flags = ["--model", str(model), *flags]

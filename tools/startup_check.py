@@ -91,8 +91,8 @@ def main() -> int:
     from tools.make_synthetic import make_synthetic
     rows = {}
     with tempfile.TemporaryDirectory(dir="/var/tmp" if Path("/var/tmp").is_dir() else None) as d:
-        model = make_synthetic(Path(d) / "m.rad", layers=args.layers, zipf=1.0, progress=False,
-                                   device="cuda" if torch.cuda.is_available() else "cpu")  # CPU: 212 s for 8 layers
+        model = make_synthetic(Path(d) / "m.rad", layers=args.layers, zipf=1.0, progress=False,  # on the CPU:
+                               device="cuda" if torch.cuda.is_available() else "cpu")  # 212 s for 8 layers
         torch.cuda.empty_cache()  # the children fill the card: leave them what generating took
         for name in args.only or COMBOS:
             run = subprocess.run([sys.executable, __file__, "--child", str(model), name, "--spare-mib",
