@@ -238,6 +238,9 @@ def _check(c: Config) -> None:
         raise ConfigError(f"--max-step-seconds {c.max_step_seconds}: must be between 0 (no cap) and 3600 seconds")
     if not isinstance(c.itl_factor, (int, float)) or not (c.itl_factor == 0 or 1 < c.itl_factor <= 1000):
         raise ConfigError(f"--itl-factor {c.itl_factor}: must be 0 (no cap) or above 1 (at most 1000)")
+    if c.tp > 1 and c.speculative:  # before any rank is started (engine/tp_workers.py mirrors no drafts)
+        raise ConfigError(f"--speculative {c.speculative} with --tp {c.tp}: the other ranks do not keep draft "
+                          "states yet; give --speculative 0 or --tp 1")
     if c.api_key is not None and c.api_key_file is not None:
         raise ConfigError("--api-key and --api-key-file both give the API key: keep --api-key-file")
     if c.gpu_headroom_mib is not None and c.gpu_memory_mib is not None:

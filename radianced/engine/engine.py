@@ -244,8 +244,7 @@ class Engine:
         (Hkv its KV heads), every step sent to the other ranks (engine/tp_workers.py)."""
         cuda = torch.device(device).type == "cuda"
         mtp = _drafts_with_mtp(cfg, rad.model.num_mtp_layers)
-        if group.size > 1:
-            _check_splittable_run(cfg, mtp)
+        if group.size > 1:  # --speculative with --tp is refused by Config
             model = load_shard(rad, group, device, experts=experts)
         else:
             model = load_model(rad, device, experts=experts, embedding_placement=cfg.embedding_table, mtp=mtp)
@@ -280,13 +279,6 @@ class Engine:
             runner.workers = StepBroadcast()
             resources.append(runner.workers)  # closing the engine ends the other ranks' loops
         return cls(scheduler, runner, tokenizer, resources=resources, pipelined=not cfg.sequential_steps)
-
-
-def _check_splittable_run(cfg: Config, mtp: bool) -> None:
-    """ConfigError for what the other ranks of --tp do not mirror yet (engine/tp_workers.py)."""
-    if mtp or cfg.speculative:
-        raise ConfigError(f"--speculative {cfg.speculative} with --tp {cfg.tp}: the other ranks do not keep "
-                          "draft states yet; give --speculative 0 or --tp 1")
 
 
 def _drafts_with_mtp(cfg: Config, num_mtp_layers: int) -> bool:

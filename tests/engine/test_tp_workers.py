@@ -112,8 +112,6 @@ def test_tp2_gives_tp1s_tokens_and_logits(tiny_rads, group, family):
     assert diff <= TOLERANCE, f"{family}: logits of --tp 2 differ from --tp 1 by {diff}"
 
 
-def test_speculative_decoding_with_tp_is_refused(tiny_rads):
-    rad = tiny_rads["llama"]
-    cfg = Config(**{**CFG, "max_num_batched_tokens": 64}, tp=2, speculative=2)
+def test_speculative_decoding_with_tp_is_refused_before_any_rank_starts():
     with pytest.raises(ConfigError, match=r"--speculative 2 with --tp 2: the other ranks do not keep draft states"):
-        Engine.assemble(rad, cfg, torch.zeros(1), BlockAllocator.fixed(NUM_BLOCKS, BLOCK), group=ProcessGroup(0, 2))
+        Config(**{**CFG, "max_num_batched_tokens": 64}, tp=2, speculative=2)
