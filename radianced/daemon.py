@@ -44,9 +44,9 @@ from radianced.card import Card
 from radianced.config import Config, ConfigError
 from radianced.engine.driver import AsyncEngine, step_executor
 from radianced.engine.pacing import StepPacer
-from radianced.engine.warmup import warm_up_served
 from radianced.engine.tp_memory import refuse_device
 from radianced.engine.tp_processes import RankWorkers
+from radianced.engine.warmup import warm_up_served
 from radianced.kernels.compiles import CompileLog
 from radianced.model.config import UnsupportedModel
 from radianced.model.parallel import SINGLE, Group
