@@ -46,7 +46,7 @@ from radianced.engine.driver import AsyncEngine, step_executor
 from radianced.engine.pacing import StepPacer
 from radianced.engine.tp_memory import refuse_device
 from radianced.engine.tp_processes import RankWorkers
-from radianced.engine.warmup import warm_up_served
+from radianced.engine.warmup import warm_up_served, warm_up_start
 from radianced.kernels.compiles import CompileLog
 from radianced.model.config import UnsupportedModel
 from radianced.model.parallel import SINGLE, Group
@@ -275,7 +275,8 @@ class Daemon:
             self.receipt.append(f"kernel cache: {self.kernel_cache} (Triton binaries and autotune results; "
                                 "a restart loads them instead of compiling)")
             log.info(self.receipt[-1])
-        self._warm_up(engine, rad, device)
+        # before ready, on the thread that will serve (engine/warmup.py)
+        log.info(warm_up_start(engine, self.cfg, device, rad.model.vocab_size, self.step_thread, self.compiles))
         # the prompt byte check's bound, computed here, off the loop (it reads the whole vocabulary)
         longest, context = engine.tokenizer.max_token_bytes, engine.receipt.max_model_len
         log.info("prompts over %d bytes are refused before tokenizing (--max-model-len %d, at most %d bytes a "
@@ -298,12 +299,6 @@ class Daemon:
         self._fatal = line
         self.request_stop("a rank ended")
         self._hurry.set()
-
-    def _warm_up(self, engine, rad: RadFile, device: str) -> None:
-        """engine/warmup.py's requests on the step thread, before ready (`warm_up_start`)."""
-        from radianced.engine.warmup import warm_up_start
-
-        log.info(warm_up_start(engine, self.cfg, device, rad.model.vocab_size, self.step_thread, self.compiles))
 
     def request_stop(self, why: str = "stop", again_hurries: bool = False) -> None:
         """Begin the drain. Once begun, a call with `again_hurries` (a second Ctrl-C) cuts it

@@ -44,7 +44,7 @@ class InFlight:
     host: tuple | None  # (tokens [R], logprobs [R], top ids [R, N], top logprobs [R, N]) on the host
     done: torch.cuda.Event | None  # after the copies to `host` (CUDA)
     routing: StepRecord | None  # the slab's record of the step
-    timer: StepTimer | None = None  # the step's own time on the device (the pacer's)
+    timer: StepTimer  # the step's own time on the device (the pacer's)
     mtp: tuple[ForwardBatch, torch.Tensor] | None = None  # (the batch, its final-normed hidden [T, H]): MTP reads it
 
 
@@ -135,7 +135,7 @@ class Runner:
         counts = self.experts.count(step.routing) if step.routing is not None else None
         errors = self._failed_seqs(step.routing, step.query_start) if step.routing is not None else None
         out = StepOutput(tuple(() for _ in seqs)) if step.host is None else self._output(seqs, step.host)
-        out = replace(out, seconds=step.timer.seconds() if step.timer is not None else None)
+        out = replace(out, seconds=step.timer.seconds())
         if self.cache.states is not None:
             self._keep_accepted_states(seqs, out.token_ids)
         if step.mtp is not None:

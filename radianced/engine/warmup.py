@@ -50,6 +50,9 @@ import random
 import time
 from dataclasses import dataclass
 
+import torch
+
+from radianced.budget import PlanError
 from radianced.engine.drafting import DraftPlanner
 from radianced.engine.driver import NoMetrics
 from radianced.engine.request import Request
@@ -153,12 +156,8 @@ def warm_up_start(engine, cfg, device: str, vocab_size: int, step_thread, compil
     ready. On CUDA up to --max-num-batched-tokens, every kernel variant and cuBLAS row bucket a step can
     meet; on the CPU (no kernels to build) prompts up to CPU_WARMUP_TOKENS. Returns the start-up log's
     line; a step that runs out of card memory is a PlanError naming the flags to change."""
-    import torch
-
-    from radianced.budget import PlanError
-
     before = compiles.count() if compiles is not None else 0
-    tokens = min(cfg.max_num_batched_tokens, CPU_WARMUP_TOKENS if device == "cpu" else cfg.max_num_batched_tokens)
+    tokens = min(cfg.max_num_batched_tokens, CPU_WARMUP_TOKENS) if device == "cpu" else cfg.max_num_batched_tokens
     try:
         r = step_thread.submit(warm_up, engine, tokens, cfg.max_num_seqs, engine.receipt.max_model_len,
                                cfg.speculative, vocab_size).result()
