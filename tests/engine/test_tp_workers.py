@@ -10,7 +10,6 @@ the next job.
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ import torch.multiprocessing as mp
 
 from radianced.config import Config, ConfigError
 from radianced.engine.engine import Engine
+from radianced.engine.tp_processes import free_port
 from radianced.engine.tp_workers import WorkerShard
 from radianced.kv.blocks import BlockAllocator
 from radianced.model.parallel import ProcessGroup
@@ -48,9 +48,7 @@ def _worker(rank: int, port: int) -> None:
 
 @pytest.fixture(scope="module")
 def group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     worker = mp.get_context("spawn").Process(target=_worker, args=(1, port), daemon=True)
     worker.start()
     g = ProcessGroup.join(0, 2, f"127.0.0.1:{port}", torch.device("cpu"))

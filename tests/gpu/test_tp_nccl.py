@@ -4,12 +4,12 @@ The CPU proof over gloo is tests/engine/test_tp_workers.py's; this is the same f
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from radianced.engine.tp_processes import free_port
 from radianced.kernels import ops
 from radianced.kv.cache import KVCache
 from radianced.model.convert import convert
@@ -49,9 +49,7 @@ def test_tp2_over_nccl_gives_one_cards_tokens(tmp_path, family):
     convert(src, src / "model.rad")
     ops.select("cuda")
     one = _greedy(load_model(RadFile.open(src / "model.rad"), "cuda"), "cuda")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     ranks = [ctx.Process(target=_rank, args=(r, port, str(src / "model.rad"), out)) for r in range(2)]
