@@ -133,6 +133,10 @@ async def sweep(http, prompts: Callable[[int], list[int]], c: int, n: int = 16, 
             "ok": sum(s.ok for s in samples)}
 
 
+async def sweeps(http, prompts: Callable[[int], list[int]]) -> list[dict]:
+    return [await sweep(http, prompts, c) for c in (1, 8)]
+
+
 async def prefill_burst(http, prompts: Callable[[int], list[int]]) -> dict:
     streams = [asyncio.create_task(stream_request(http, COMPLETIONS, completion_body(prompts(64), 1024)))
                for _ in range(4)]
@@ -162,14 +166,12 @@ async def measure(url: str, args, res: dict) -> None:
         before = await serving_builds(http)
         res["serving_builds_before"] = before
         for name, part in (("ttft", lambda: ttft_rows(http, prompts, args.requests, args.bursts)),
-                           ("sweep1", lambda: sweep(http, prompts, 1)),
-                           ("sweep8", lambda: sweep(http, prompts, 8)),
+                           ("sweep", lambda: sweeps(http, prompts)),
                            ("prefill_burst", lambda: prefill_burst(http, prompts))):
             t0 = time.perf_counter()
             res[name] = await part()
             res["serving_builds"] = await serving_builds(http) - before
             print(f"  {name}: {time.perf_counter() - t0:.1f} s", flush=True)
-    res["sweep"] = [res.pop("sweep1"), res.pop("sweep8")]
 
 
 def start(flags: list[str], cache: Path) -> tuple[ChildDaemon, float, list[str]]:
