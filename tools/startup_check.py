@@ -14,8 +14,10 @@ Per combination: whether it started; the peak reserved by torch beyond the fille
 against the receipt's total (weights + workspace + state + elastic: target, at
 most that); allocated after start-up beyond the filler against weights + state +
 the arena's allocation + the graph pool (the receipt's workspace line for it),
-the gap in MiB (target: within 1 MiB); the seconds to build and warm up.
-Writes DIR/startup_check.json; prints a table.
+the gap in MiB (target: within 1 MiB); the seconds to build and warm up; what
+stayed allocated, by allocator pool and by the line that allocated it.
+Writes DIR/startup_check.json (and DIR/startup-snapshot-NAME.pickle, the allocator's
+history, for a set that misses a target); prints a table.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ COMBOS = {f"{p}-emb_{e}-{g}": flags for p, pf in (("auto", []), ("resident", ["-
           for flags in [[*pf, "--embedding-placement", e, *gf]]}
 
 
-def child(model: str, flags: list[str], spare_mib: int) -> dict:
-    """In a fresh process: fill the card to `spare_mib` free, build as the daemon does, measure."""
+def child(model: str, flags: list[str], spare_mib: int, snapshot: Path) -> dict:
+    """In a fresh process: fill the card to `spare_mib` free, build as the daemon does, measure. Where
+    the peak passes the receipt or the allocation misses it by over 1 MiB, the allocator's history is
+    dumped to `snapshot` (torch.cuda.memory._dump_snapshot: every allocation with its Python stack)."""
     import time
 
     import torch
@@ -53,6 +57,7 @@ def child(model: str, flags: list[str], spare_mib: int) -> dict:
     filler = torch.empty(free - spare_mib * MiB, dtype=torch.uint8, device="cuda")
     base_alloc = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
     daemon = Daemon(cfg)
     t0 = time.monotonic()
     try:
@@ -67,11 +72,38 @@ def child(model: str, flags: list[str], spare_mib: int) -> dict:
     allocated = torch.cuda.memory_allocated() - base_alloc
     peak = torch.cuda.max_memory_reserved() - filler.numel()
     total = r.weights_bytes + r.workspace_bytes + r.state_bytes + r.elastic
+    if peak > total or abs(allocated - expected) > MiB:
+        torch.cuda.memory._dump_snapshot(str(snapshot))
     return {"started": True, "seconds": seconds, "receipt": daemon.receipt,
             "peak_reserved_bytes": peak, "receipt_total_bytes": total, "peak_within_receipt": peak <= total,
             "allocated_bytes": allocated, "expected_allocated_bytes": expected,
             "allocated_gap_mib": (allocated - expected) / MiB, "within_1_mib": abs(allocated - expected) <= MiB,
-            "warm_up": [ln for ln in daemon.receipt if ln.startswith("kernel cache")]}
+            "warm_up": [ln for ln in daemon.receipt if ln.startswith("kernel cache")],
+            "live_by_pool": live_by_pool(torch.cuda.memory._snapshot(), filler.data_ptr())}
+
+
+def live_by_pool(snapshot: dict, filler_ptr: int) -> dict:
+    """What start-up left allocated, by allocator pool (the default pool, each graph pool) and by
+    where it was allocated (the innermost radianced frame of its Python stack), MiB, largest first;
+    and each pool's reserved MiB. The filler is left out."""
+    pools: dict = {}
+    for seg in snapshot["segments"]:
+        pool = pools.setdefault(str(tuple(seg.get("segment_pool_id", (0, 0)))), {"reserved_mib": 0.0, "live": {}})
+        pool["reserved_mib"] += seg["total_size"] / MiB
+        for b in seg["blocks"]:
+            if b.get("address") == filler_ptr:
+                pool["reserved_mib"] -= b["size"] / MiB
+                continue
+            if b["state"] != "active_allocated":
+                continue
+            frames = [f for f in b.get("frames", []) if "radianced" in f.get("filename", "")]
+            where = (f"{Path(frames[0]['filename']).name}:{frames[0]['line']} {frames[0]['name']}" if frames
+                     else "no radianced frame")
+            pool["live"][where] = pool["live"].get(where, 0.0) + b["size"] / MiB
+    for pool in pools.values():
+        pool["live_mib"] = sum(pool["live"].values())
+        pool["live"] = dict(sorted(pool["live"].items(), key=lambda kv: -kv[1])[:25])
+    return pools
 
 
 def main() -> int:
@@ -83,7 +115,8 @@ def main() -> int:
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "NAME"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child[0], COMBOS[args.child[1]], args.spare_mib)))
+        print(json.dumps(child(args.child[0], COMBOS[args.child[1]], args.spare_mib,
+                               args.out / f"startup-snapshot-{args.child[1]}.pickle")))
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
@@ -96,7 +129,7 @@ def main() -> int:
         torch.cuda.empty_cache()  # the children fill the card: leave them what generating took
         for name in args.only or COMBOS:
             run = subprocess.run([sys.executable, __file__, "--child", str(model), name, "--spare-mib",
-                                  str(args.spare_mib)], capture_output=True, text=True, timeout=300)
+                                  str(args.spare_mib), "--out", str(args.out)], capture_output=True, text=True, timeout=300)
             lines = run.stdout.strip().splitlines()
             rows[name] = json.loads(lines[-1]) if run.returncode == 0 and lines else {
                 "started": False, "error": f"exit {run.returncode}: {run.stderr[-600:]}"}
@@ -105,6 +138,10 @@ def main() -> int:
                 print(f"{name:34s} started in {r['seconds']:5.1f} s; peak reserved {r['peak_reserved_bytes'] / MiB:9.1f}"
                       f" MiB of {r['receipt_total_bytes'] / MiB:9.1f} ({'ok' if r['peak_within_receipt'] else 'OVER'});"
                       f" allocated - receipt {r['allocated_gap_mib']:+.2f} MiB", flush=True)
+                for pool, p in r["live_by_pool"].items():
+                    top = "; ".join(f"{where} {mib:.2f}" for where, mib in list(p["live"].items())[:8])
+                    print(f"    pool {pool}: reserved {p['reserved_mib']:.2f} MiB, live {p['live_mib']:.2f}: {top}",
+                          flush=True)
             else:
                 print(f"{name:34s} DID NOT START: {r['error'][:300]}", flush=True)
             (args.out / "startup_check.json").write_text(json.dumps({"layers": args.layers,
