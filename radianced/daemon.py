@@ -42,6 +42,7 @@ import uvloop
 from radianced.budget import PlanError
 from radianced.card import Card
 from radianced.config import Config, ConfigError
+from radianced.cuda_allocator import use_expandable_segments
 from radianced.engine.driver import AsyncEngine, step_executor
 from radianced.engine.pacing import StepPacer
 from radianced.engine.tp_memory import refuse_device
@@ -149,6 +150,7 @@ class Daemon:
         watchdog = asyncio.create_task(self._watchdog())
         control_server = None
         control_path = self.cfg.control_socket or control.default_socket_path()
+        gc_pauses = self.metrics.watch_gc()
         try:
             control_server = await control.serve(control_path, ControlHandlers(self).table())
             code = await self._serve()
@@ -170,6 +172,7 @@ class Daemon:
                 await asyncio.gather(self._engine_task, return_exceptions=True)
             if self.ranks is not None:  # rank 0's engine closes (their step loops end), then they are awaited
                 self.ranks.stop(self.engine.engine if self.engine is not None and self._fatal is None else None)
+            gc_pauses.close()
         log.info("exiting with status %d", code)
         return code
 
@@ -258,6 +261,7 @@ class Daemon:
         self.live_profile = LiveProfile.for_model(rad) if rad.header.experts else None
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cuda":  # before the first kernel: where binaries persist, and every build counted
+            allocator = use_expandable_segments()  # before the first allocation
             self.kernel_cache = use_kernel_cache()
             self.compiles = CompileLog.install()
             self.compiles.listeners.append(lambda b: self.metrics.add_kernel_build(b.phase, b.kind))
@@ -272,8 +276,10 @@ class Daemon:
         engine = Engine.build(rad, self.cfg, card, device, group=self._start_ranks(path, device))
         self.receipt = (engine.cards or engine.receipt).lines()
         if self.compiles is not None:
+            self.receipt.append(allocator)
             self.receipt.append(f"kernel cache: {self.kernel_cache} (Triton binaries and autotune results; "
                                 "a restart loads them instead of compiling)")
+            log.info(self.receipt[-2])
             log.info(self.receipt[-1])
         # before ready, on the thread that will serve (engine/warmup.py)
         log.info(warm_up_start(engine, self.cfg, device, rad.model.vocab_size, self.step_thread, self.compiles))

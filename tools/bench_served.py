@@ -13,7 +13,8 @@ request goes over HTTP, streamed (`radianced.bench.client.stream_request`).
 - TTFT: `--requests` prompts of lengths uniform in 1..4,000 one at a time, each
   followed by a second prompt of the same length and other tokens (never a prefix
   hit; each pair's length and TTFTs are kept, with the CUDA allocator's cudaMalloc,
-  cudaFree and retry counts during each, from /metrics); then `--bursts` bursts of 8 such
+  cudaFree and retry counts and the garbage collector's collections and seconds during
+  each, from /metrics); then `--bursts` bursts of 8 such
   prompts (lengths uniform in 1..500) and their twins. p50 / p99 / max of the first TTFTs, and of first / twin, the ratio a
   kernel build on the request path would raise (target: p99 at most 1.2);
 - kernel builds while serving: /metrics' radiance_kernel_builds_total{phase=
@@ -77,14 +78,18 @@ async def serving_builds(http: httpx.AsyncClient) -> float:
     return sum(v for (name, labels), v in snap.values.items() if name == BUILDS and ("phase", "serving") in labels)
 
 
-async def allocator(http: httpx.AsyncClient) -> tuple[float, float, float]:
-    """torch's CUDA allocator counters (cudaMalloc, cudaFree, retries) from the daemon's /metrics."""
+async def allocator(http: httpx.AsyncClient) -> tuple[float, ...]:
+    """torch's CUDA allocator counters (cudaMalloc, cudaFree, retries) and the garbage collector's
+    collections and seconds (radiance_gc_pause_seconds), from the daemon's /metrics."""
     snap = Snapshot.parse((await http.get("/metrics")).text)
-    return tuple(snap.total(f"radiance_cuda_allocator_{n}") for n in ("mallocs", "frees", "retries"))
+    gc = [sum(v for (name, _), v in snap.values.items() if name == f"radiance_gc_pause_seconds_{part}")
+          for part in ("count", "sum")]
+    return (*(snap.total(f"radiance_cuda_allocator_{n}") for n in ("mallocs", "frees", "retries")), *gc)
 
 
 async def timed_with_allocator(http, prompt: list[int]):
-    """One streamed request of one token, and what the allocator did meanwhile (mallocs, frees, retries)."""
+    """One streamed request of one token, and what the allocator and the garbage collector did meanwhile
+    (mallocs, frees, retries; collections, their seconds)."""
     before = await allocator(http)
     sample = await stream_request(http, COMPLETIONS, completion_body(prompt, 1))
     after = await allocator(http)
@@ -101,8 +106,8 @@ async def ttft_rows(http, prompts: Callable[[int], list[int]], requests: int, bu
         if first.ok and twin.ok:
             one.append(first.ttft_s)
             one_ratio.append(first.ttft_s / twin.ttft_s)
-            pairs.append({"n": n, "first": first.ttft_s, "twin": twin.ttft_s, "first_allocator": first_alloc,
-                          "twin_allocator": twin_alloc})
+            pairs.append({"n": n, "first": first.ttft_s, "twin": twin.ttft_s, "first_allocator": first_alloc[:3],
+                          "twin_allocator": twin_alloc[:3], "first_gc": first_alloc[3:], "twin_gc": twin_alloc[3:]})
     burst, burst_ratio = [], []
     for _ in range(bursts):
         lengths = [rng.randint(1, 500) for _ in range(8)]
@@ -137,7 +142,19 @@ async def sweeps(http, prompts: Callable[[int], list[int]]) -> list[dict]:
     return [await sweep(http, prompts, c) for c in (1, 8)]
 
 
+async def step_kinds(http: httpx.AsyncClient) -> dict[str, tuple[float, float]]:
+    """kind -> (steps, seconds) of the daemon's radiance_step_own_seconds (decode, mixed, prefill)."""
+    snap = Snapshot.parse((await http.get("/metrics")).text)
+    out: dict[str, list[float]] = {}
+    for (name, labels), v in snap.values.items():
+        for i, part in enumerate(("count", "sum")):
+            if name == f"radiance_step_own_seconds_{part}":
+                out.setdefault(dict(labels)["kind"], [0.0, 0.0])[i] += v
+    return {k: (c, t) for k, (c, t) in out.items()}
+
+
 async def prefill_burst(http, prompts: Callable[[int], list[int]]) -> dict:
+    kinds_before = await step_kinds(http)
     streams = [asyncio.create_task(stream_request(http, COMPLETIONS, completion_body(prompts(64), 1024)))
                for _ in range(4)]
     await asyncio.sleep(0.3)  # their prefill done, their decode well under way (1,024 tokens: ~2 s on the H200)
@@ -146,6 +163,8 @@ async def prefill_burst(http, prompts: Callable[[int], list[int]]) -> dict:
                                    for _ in range(8)))
     t_end = time.perf_counter()
     running = await asyncio.gather(*streams)
+    kinds = {k: (c - kinds_before.get(k, (0, 0))[0], t - kinds_before.get(k, (0, 0))[1])
+             for k, (c, t) in (await step_kinds(http)).items()}
     itl = [g for s in running for g in s.itl_s]
     during = []  # the gaps that ended while the burst was being served
     for s in running:
@@ -156,7 +175,8 @@ async def prefill_burst(http, prompts: Callable[[int], list[int]]) -> dict:
                 during.append(gap)
     return {"itl_all": summary(itl), "itl_during_burst": summary(during), "burst_seconds": t_end - t_burst,
             "burst_ttft": summary([s.ttft_s for s in burst if s.ok]),
-            "running_ok": sum(s.ok for s in running), "burst_ok": sum(s.ok for s in burst)}
+            "running_ok": sum(s.ok for s in running), "burst_ok": sum(s.ok for s in burst),
+            "steps": {k: {"steps": c, "mean_ms": 1000 * t / c if c else None} for k, (c, t) in kinds.items()}}
 
 
 async def measure(url: str, args, res: dict) -> None:
@@ -243,6 +263,8 @@ def main() -> int:
               f"median, {b['n']} gaps)" if b["n"] else "no gap ended during it")
     print(f"prefill burst (8 x 2,000 tokens) under 4 decoding streams: ITL p50 {i['p50'] * 1e3:.1f} ms p99 "
           f"{i['p99'] * 1e3:.1f} ms; {during}; the burst took {pb['burst_seconds']:.2f} s")
+    print("  its steps: " + ", ".join(f"{k} {v['steps']:.0f} of {v['mean_ms']:.2f} ms" for k, v in pb["steps"].items()
+                                      if v["steps"]))
     return 0
 
 

@@ -74,6 +74,7 @@ class EngineMetrics(Protocol):
     """What the driver reports (server/metrics.py's `Metrics` has these methods)."""
 
     def observe_step(self, seconds: float) -> None: ...
+    def observe_step_kind(self, kind: str, seconds: float) -> None: ...
     def observe_ttft(self, seconds: float) -> None: ...
     def observe_inter_token(self, seconds: float) -> None: ...
     def observe_e2e(self, seconds: float) -> None: ...
@@ -89,6 +90,7 @@ class EngineMetrics(Protocol):
 
 class NoMetrics:
     def observe_step(self, seconds: float) -> None: pass
+    def observe_step_kind(self, kind: str, seconds: float) -> None: pass
     def observe_ttft(self, seconds: float) -> None: pass
     def observe_inter_token(self, seconds: float) -> None: pass
     def observe_e2e(self, seconds: float) -> None: pass
@@ -242,8 +244,13 @@ class AsyncEngine:
         """A finished step: its time (and the next step's budget), its tokens to their streams,
         the tiers' counts."""
         self.metrics.observe_step(seconds)
+        plan = done.finished.plan
+        if done.output.seconds is not None:
+            decodes = sum(s.context_before >= len(s.prompt_token_ids) for s in plan.seqs)
+            kind = "decode" if decodes == len(plan.seqs) else "mixed" if decodes else "prefill"
+            self.metrics.observe_step_kind(kind, done.output.seconds)
         if self.pacer is not None and done.output.seconds is not None:  # the step's own time, not the round's
-            plan, decoding = done.finished.plan, sum(not s.is_prefilling for s in self.scheduler.running)
+            decoding = sum(not s.is_prefilling for s in self.scheduler.running)
             self.scheduler.step_tokens = self.pacer.observe(plan.num_tokens, len(plan.seqs), done.output.seconds,
                                                             decoding)
         self._count_experts(done.finished.plan, done.output)

@@ -205,8 +205,14 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.inference_mode(), torch.cuda.stream(stream):
             for b in sorted(self.buckets, reverse=True):
+                self._forward(self._batch(b))  # warm-up: Triton compiles, allocator settles
+            # The warm-ups gave this thread's cuBLAS handle a workspace on this stream, in the default pool.
+            # Dropped, the first capture allocates it in the graphs' pool, where the receipt's graph-pool
+            # line charges it (charges.CAPTURE_WORKSPACE_BYTES); kept, it sat outside every charge.
+            stream.synchronize()
+            torch._C._cuda_clearCublasWorkspaces()
+            for b in sorted(self.buckets, reverse=True):
                 batch = self._batch(b)
-                self._forward(batch)  # warm-up: Triton compiles, allocator settles
                 graph = torch.cuda.CUDAGraph()
                 self._begin()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):

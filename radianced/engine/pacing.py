@@ -15,13 +15,13 @@ Two caps, both from the steps the daemon runs:
   `--itl-factor` decode steps' time, by a line fitted to recent prefill steps' times
   (fixed seconds + seconds a token; vLLM's chunked prefill leaves this to
   --max-num-batched-tokens; Sarathi-Serve sizes its chunks to the decode latency the same
-  way). But never fewer than the fixed part's worth of tokens: a step is at least half
-  prefill. Where the fixed part alone nears or passes the target (an eager step beside
-  graph-replayed decodes: about 7 ms against 2-3 on the H200's 8-layer synthetic model),
-  smaller chunks would stretch the burst's prefill over many steps and save the streams
-  little: a first version fitted no fixed part, and on the H200 its burst of 8 x 2,000
-  tokens prefilled at the floor, 24 tokens a step, for 7.1 s. Until the line is known the
-  allowance starts at one block and doubles.
+  way). Where the fixed part alone leaves less than a block's worth of the target (an
+  eager step beside graph-replayed decodes: about 7 ms against 2-3 on the H200's 8-layer
+  synthetic model), the target cannot be met, and smaller chunks would stretch the
+  burst's prefill over many steps and save the streams little: a first version fitted no
+  fixed part, and on the H200 its burst of 8 x 2,000 tokens prefilled at the floor, 24
+  tokens a step, for 7.1 s. There a step takes the fixed part's worth of tokens (it is
+  half prefill). Until the line is known the allowance starts at one block and doubles.
 
 Each step is timed on its own (engine/step_timer.py); a decode step's time is the
 baseline. Each cap grows at most twofold a step, so one short step never sends the next
@@ -84,14 +84,14 @@ class StepPacer:
         return ((st - per_token * sn) / s1, per_token) if per_token > 0 else None
 
     def _fits(self) -> int:
-        """Prefill tokens beside decodes: what keeps the step within --itl-factor decode steps, but at
-        least the fixed cost's worth (the step at least half prefill: module docstring)."""
+        """Prefill tokens beside decodes: what keeps the step within --itl-factor decode steps; where that
+        is under a block, the fixed cost's worth instead (the step half prefill: module docstring)."""
         line = self.step_line()
         if line is None:
             return self.max_tokens  # not known yet: the growth bound alone
         fixed, per_token = line
-        target = self.itl_factor * self.decode_seconds
-        return int(max(target - fixed, fixed) / per_token)
+        fits = (self.itl_factor * self.decode_seconds - fixed) / per_token
+        return int(fits if fits >= BLOCK_TOKENS else fixed / per_token)
 
     def next_budget(self, decoding: int) -> int:
         """The next step's budget with `decoding` sequences decoding in it."""

@@ -243,6 +243,11 @@ class Runner:
         rows = [r for r, s in zip(first_rows, seqs) if s.input_from is not None]
         return to_device_no_sync(torch.tensor(rows, dtype=torch.int64), self.device), pending[1]
 
+    def forget_sampling(self) -> None:
+        """Drop the last step's sampling tensors (its penalty histories stay on the card otherwise); the next
+        step builds its own. After the warm-up, whose last rows were nobody's."""
+        self._sampling = None
+
     def _sampling_tensors(self, rows: list[SamplingRow],
                           pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplingTensors:
         """The step's SamplingTensors. Decode steps of one batch repeat the same rows' params: their

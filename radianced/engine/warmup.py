@@ -35,6 +35,7 @@ engine (scheduler, batch, runner, sampler: the served path), random token ids:
 
 Then it drops the prefix-cache blocks these left, zeroes the expert slab's counts
 (the status, the metrics and a saved expert profile count served traffic only),
+drops the last step's sampling tensors,
 and calls cuBLAS once at every row bucket of every dense projection shape the
 steps met (kernels/gemm.py: its first call at a row count costs 3-5 ms on the
 H200). `WarmupReport` is what the
@@ -142,10 +143,7 @@ def warm_up(engine, max_batched_tokens: int, max_num_seqs: int, max_model_len: i
                 steps += 1
         finally:
             scheduler.drafting = planner
-    prefix = engine.scheduler.prefix
-    prefix.evict(prefix.evictable())
-    if engine.experts is not None:
-        engine.experts.reset_counts()  # the status, the metrics and the saved profile count served traffic
+    forget(engine)
     gemms = gemm.warm_up()
     return WarmupReport(len(rounds), steps, time.perf_counter() - start, tokens, gemms)
 
@@ -193,11 +191,19 @@ async def warm_up_served(engine, vocab_size: int) -> None:
                                for i, (n, params) in enumerate(((9, SERVED_GREEDY), (5, SAMPLED)))))
     finally:
         engine.metrics = metrics
+    forget(engine.engine)
+    engine.restart_counts()
+
+
+def forget(engine) -> None:
+    """Drop what warm-up requests left in `engine`: their prefix-cache blocks, the expert slab's counts (the
+    status, the metrics and a saved profile count served traffic only) and the runner's last sampling
+    tensors (penalty histories: allocated past the receipt's state)."""
     prefix = engine.scheduler.prefix
     prefix.evict(prefix.evictable())
-    if engine.engine.experts is not None:
-        engine.engine.experts.reset_counts()
-    engine.restart_counts()
+    if engine.experts is not None:
+        engine.experts.reset_counts()
+    engine.runner.forget_sampling()
 
 
 async def _drain(chunks) -> None:

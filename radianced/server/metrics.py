@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
+from radianced.server.gc_pauses import GcPauses
+
 # Buckets reach down to a millisecond: a small model on a big card decodes a token in ~2 ms.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -85,6 +87,9 @@ class Metrics:
             self._kernel_builds.labels(phase="serving", kind=kind)  # exported as 0 from the start
         self._step = Histogram("radiance_step_duration_seconds", "Wall time of one engine step.",
                                buckets=TOKEN_BUCKETS, registry=r)
+        self._step_kind = Histogram("radiance_step_own_seconds", "One step's own time on the device (CUDA events "
+                                    "around it; on the CPU its launch), by kind: decode, mixed (decodes beside "
+                                    "prefill), prefill.", ["kind"], buckets=TOKEN_BUCKETS, registry=r)
 
     # -- per request ----------------------------------------------------------
 
@@ -115,6 +120,10 @@ class Metrics:
     def observe_step(self, seconds: float) -> None:
         self._step.observe(seconds)
 
+    def observe_step_kind(self, kind: str, seconds: float) -> None:
+        """One step's own time (engine/step_timer.py) by kind: decode, mixed (decodes and prefill), prefill."""
+        self._step_kind.labels(kind=kind).observe(seconds)
+
     def add_expert_lookups(self, lookups: int, hits: int, overflow_bytes: int) -> None:
         """A step's expert lookups, hits among them, and bytes the misses read over the link."""
         self._expert_lookups.inc(lookups)
@@ -139,6 +148,10 @@ class Metrics:
     def watch_cuda_allocator(self, device) -> None:
         """Export torch's CUDA caching allocator counters (`CudaAllocator`), read at each scrape."""
         self.registry.register(CudaAllocator(device))
+
+    def watch_gc(self) -> GcPauses:
+        """Time the interpreter's garbage collections (`GcPauses`) until the caller closes it."""
+        return GcPauses(self.registry)
 
     def add_kernel_build(self, phase: str, kind: str) -> None:
         self._kernel_builds.labels(phase=phase, kind=kind).inc()

@@ -70,6 +70,14 @@ def test_where_the_fixed_cost_alone_passes_the_target_a_step_is_half_prefill_at_
     assert run_mixed_steps(pacer, 4, step_seconds(0.007, 2.5e-6), 9)[-2:] == [2044, 2044]
 
 
+def test_a_fixed_cost_over_half_the_target_still_leaves_the_chunk_that_meets_it():
+    """3 ms + 12 us a token beside 2.1 ms decodes (2.5x: 5.25 ms): 187 tokens keep the step at the target,
+    though the fixed cost's worth (250) is more."""
+    pacer = StepPacer(2048, 0.5, 24, itl_factor=2.5)
+    pacer.observe(4, 4, 0.0021, decoding=4)
+    assert run_mixed_steps(pacer, 4, step_seconds(0.003, 12e-6), 12)[-1] == 187
+
+
 def test_the_line_forgets_old_steps():
     pacer = StepPacer(4096, 0.5, 20, itl_factor=3.0)
     pacer.observe(4, 4, 0.002, decoding=4)

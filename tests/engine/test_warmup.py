@@ -72,7 +72,7 @@ def record_plans(engine) -> list:
 def check_warm_up_leaves_no_trace(rad, speculative: int) -> list:
     """Warm up an engine (its plans are returned): its steps include a decode of each sequence count,
     and no verify step unless drafting; then the scheduler drafts as configured again, nothing is left running or cached, every block is
-    free again, the report counts the plan, and two greedy prompts and a seeded-sampled one give what a
+    free again, no sampling tensors are kept, the report counts the plan, and two greedy prompts and a seeded-sampled one give what a
     never-warmed engine gives."""
     engine = small_engine(rad, speculative=speculative)
     allocator = engine.scheduler.allocator
@@ -93,6 +93,7 @@ def check_warm_up_leaves_no_trace(rad, speculative: int) -> list:
     assert engine.scheduler.drafting is drafting  # the forced drafting was the warm-up's alone
     assert engine.scheduler.prefix.num_cached == 0
     assert free_blocks(allocator) == free_before and allocator.num_used == 0
+    assert engine.runner._sampling is None  # the last rows' tensors (penalty histories) are nobody's
 
     ps = prompts(rad.model.vocab_size, (11, 37), seed=5)
 

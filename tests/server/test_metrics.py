@@ -128,3 +128,14 @@ def test_the_cuda_allocator_counters_are_read_at_each_scrape(monkeypatch):
     stats.update(num_device_alloc=9, num_alloc_retries=1)
     s = samples(m)
     assert [s[(f"radiance_cuda_allocator_{n}_total", ())] for n in ("mallocs", "frees", "retries")] == [9, 2, 1]
+
+
+def test_step_times_by_kind():
+    m = Metrics()
+    m.observe_step_kind("decode", 0.002)
+    m.observe_step_kind("decode", 0.003)
+    m.observe_step_kind("mixed", 0.01)
+    s = samples(m)
+    assert s[("radiance_step_own_seconds_count", (("kind", "decode"),))] == 2
+    assert abs(s[("radiance_step_own_seconds_sum", (("kind", "decode"),))] - 0.005) < 1e-12
+    assert s[("radiance_step_own_seconds_count", (("kind", "mixed"),))] == 1
