@@ -37,7 +37,7 @@ from radianced.config import Config
 from radianced.kernels.formats import is_compact
 from radianced.receipt import Part, fmt_mib
 from radianced.sizing import (
-    SAMPLER_BYTES, WEIGHT_CLASSES, ModelFacts, PagingGroup, activation_bytes, logits_bytes, recurrent_bytes_per_copy,
+    FP32, SAMPLER_BYTES, WEIGHT_CLASSES, ModelFacts, PagingGroup, activation_bytes, logits_bytes, recurrent_bytes_per_copy,
 )
 
 LIBRARY_BYTES = 32 * MiB  # cuBLAS/cuBLASLt workspaces and Triton scratch
@@ -151,10 +151,24 @@ def _workspace(facts: ModelFacts, card: Card, cfg: Config) -> tuple[Part, ...]:
     rows = min(T, cfg.decode_tokens)
     return (
         _logits(facts, rows),
-        Part("activations", activation_bytes(m, act, T, card.cuda), f"one layer at {T} tokens"),
+        _activations(facts, card, cfg),
         _graph_pool(facts, rows, card, cfg),
         Part("libraries", LIBRARY_BYTES, "cuBLAS workspaces, Triton scratch"),
     )
+
+
+def _activations(facts: ModelFacts, card: Card, cfg: Config) -> Part:
+    """One layer's activations at --max-num-batched-tokens. On a CUDA card under --deterministic, the MoE's
+    fp32 rows (one per routed assignment, summed in a fixed order) once more: freed after a layer, their
+    block is split by the next layer's smaller tensors, so the next layer's rows take a new one (the
+    H200's start-up check at 4 layers: the peak passed the receipt by 6.8 MiB without it)."""
+    m, T = facts.model, cfg.max_num_batched_tokens
+    n = activation_bytes(m, facts.act_bytes, T, card.cuda)
+    if not (cfg.deterministic and card.cuda and m.moe_layers):
+        return Part("activations", n, f"one layer at {T} tokens")
+    rows = T * m.num_experts_per_tok * m.hidden_size * FP32
+    return Part("activations", n + rows, f"one layer at {T} tokens, and the deterministic MoE's fp32 rows once "
+                f"more ({fmt_mib(rows)}: the allocator splits their freed block between layers)")
 
 
 def card_logits_bytes(facts: ModelFacts, rows: int) -> int:

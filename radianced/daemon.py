@@ -42,7 +42,6 @@ import uvloop
 from radianced.budget import PlanError
 from radianced.card import Card
 from radianced.config import Config, ConfigError
-from radianced.cuda_allocator import use_expandable_segments
 from radianced.engine.driver import AsyncEngine, step_executor
 from radianced.engine.pacing import StepPacer
 from radianced.engine.tp_memory import refuse_device
@@ -261,7 +260,6 @@ class Daemon:
         self.live_profile = LiveProfile.for_model(rad) if rad.header.experts else None
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cuda":  # before the first kernel: where binaries persist, and every build counted
-            allocator = use_expandable_segments()  # before the first allocation
             self.kernel_cache = use_kernel_cache()
             self.compiles = CompileLog.install()
             self.compiles.listeners.append(lambda b: self.metrics.add_kernel_build(b.phase, b.kind))
@@ -276,10 +274,8 @@ class Daemon:
         engine = Engine.build(rad, self.cfg, card, device, group=self._start_ranks(path, device))
         self.receipt = (engine.cards or engine.receipt).lines()
         if self.compiles is not None:
-            self.receipt.append(allocator)
             self.receipt.append(f"kernel cache: {self.kernel_cache} (Triton binaries and autotune results; "
                                 "a restart loads them instead of compiling)")
-            log.info(self.receipt[-2])
             log.info(self.receipt[-1])
         # before ready, on the thread that will serve (engine/warmup.py)
         log.info(warm_up_start(engine, self.cfg, device, rad.model.vocab_size, self.step_thread, self.compiles))

@@ -57,3 +57,20 @@ def test_a_tied_table_is_the_lm_heads_one_copy_on_the_card_whatever_the_flag(cud
     assert _embeddings(fixed.weights) == _embeddings(fixed.host_weights) == []
     assert [p for p in fixed.weights if p.name == "lm_head"] == [
         Part("lm_head", TABLE, "tied to the embeddings: one copy" + note)]
+
+
+def test_deterministic_moe_rows_are_charged_twice_on_a_cuda_card_only():
+    """--deterministic's MoE sums fp32 rows, one per routed assignment ([T x k, H]): the activations line
+    charges them once more on a CUDA card (the allocator splits their freed block between layers); the
+    CPU backend and a dense model pay nothing more."""
+    moe = ModelFacts.from_config(ModelConfig(family="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                                             moe_intermediate_size=32, **_TINY), 2)
+
+    def activations(facts, cuda, **flags):
+        return next(p for p in _charges(facts, cuda, **flags).workspace if p.name == "activations")
+
+    rows = 64 * 2 * 64 * 4  # T x k x H x fp32
+    assert activations(moe, True, deterministic=True).bytes == activations(moe, True).bytes + rows
+    assert "deterministic MoE's fp32 rows once more" in activations(moe, True, deterministic=True).detail
+    assert activations(moe, False, deterministic=True).bytes == activations(moe, False).bytes
+    assert activations(UNTIED, True, deterministic=True).bytes == activations(UNTIED, True).bytes

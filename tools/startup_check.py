@@ -57,7 +57,7 @@ def child(model: str, flags: list[str], spare_mib: int, snapshot: Path) -> dict:
     cfg = Config.from_args(parser.parse_args(["--model", model, *flags]))
     torch.zeros(1, device="cuda")
     free, _ = torch.cuda.mem_get_info()
-    filler = torch.empty(free - spare_mib * MiB, dtype=torch.uint8, device="cuda")
+    filler = torch.empty(max(0, free - spare_mib * MiB), dtype=torch.uint8, device="cuda")  # none: the whole card
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
     daemon = Daemon(cfg)
