@@ -100,7 +100,8 @@ def test_rotary_paged_attention_matches_the_reference_and_writes_the_same_cache(
         zero_centred=qk_norm == "zero_centred")
     runs = []
     for op in (reference.rotary_paged_attention, cpu.rotary_paged_attention):
-        kc, vc = k_cache.clone(), v_cache.clone()
+        storage = k_cache._base.clone()  # a fresh copy of the interleaved layout, as the engine's
+        kc, vc = storage[:, :, 1, 0], storage[:, :, 1, 1]
         out = op(q, k, v, positions, inv_freq, kc, vc, slots, tables, starts, lens, d ** -0.5,
                  decode=case == "decode_batch", **norms)
         runs.append((out, kc, vc))
