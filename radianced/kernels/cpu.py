@@ -23,6 +23,20 @@ torch's per-op cost (about 1,800 ops a step, 30 layers). At b8 fp32 `mm` is 70% 
 and MKL runs [8, 576] x [576, 1536] at about 31 GFLOP/s a core; bf16 weights on this CPU's
 AMX ran it 2.3x faster, but bf16 is not token-exact against transformers fp32, so it waits
 for the compact-weights issue's quality table.
+
+Session 10, the compact SmolLM2 (Q4_1 layers on the int4 kernel, fp32 lm_head) on this repository's
+2-core AMD EPYC (AVX2, no AVX-512: the int4 kernel is compute-bound here, 3-5 GB/s at M = 1), 1 torch
+thread, other jobs sharing the cores (tools/cpu_step.py, medians of 30 steps, three interleaved rounds):
+b1 80-87 ms a step before, of which int4 matmuls 21 ms, the lm_head 13-18 ms (MKL's gemv, 113 MB) and
+the attention op 23 ms (690 us a layer: RoPE angles, slot and block index arithmetic, two gathers,
+mask, masked_fill, SDPA, remade in all 30 layers); after, 65-72 ms, the attention op 10-12 ms. What
+changed: a step's index work is made once for all its layers (`_per_step`), K and V are written and
+read in one op each over the cache's rows (`_Rows`), q and k rotate together, and decode over equal
+contexts runs SDPA unmasked; the MLP's gate and up share one packing (one int4 call: at 2 threads a
+1536-row call uses the second core poorly, 135 us against 162 us for both in one 3072-row call; at
+M = 8, 2 x 532 against 469 us); the lm_head runs on oneDNN (`WIDE`). Left in a b1 step: the int4
+calls (about 20 ms at 1 thread), the lm_head (12 ms at 1 thread, 6.6 ms at 2), and ~15 ms of torch's
+per-op cost (about 1,000 ops; F.rms_norm alone is 28 us a call on this CPU, 61 calls a step).
 """
 
 from __future__ import annotations
