@@ -156,16 +156,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _per_step(fn):
-    last: list = [None, None]
+    last: list = [None]  # one (key, result) pair, read and replaced as one object (engines on other threads)
 
     def cached(*args):
         key = tuple((id(a), a) if isinstance(a, torch.Tensor) else (None, a) for a in args)
-        held = last[0]
-        if held is not None and len(held) == len(key) and all(
-                (a[1] is b[1]) if a[0] is not None else (b[0] is None and a[1] == b[1]) for a, b in zip(held, key)):
-            return last[1]
-        last[:] = key, fn(*args)
-        return last[1]
+        entry = last[0]
+        if entry is not None and len(entry[0]) == len(key) and all(
+                (a[1] is b[1]) if a[0] is not None else (b[0] is None and a[1] == b[1]) for a, b in zip(entry[0], key)):
+            return entry[1]
+        result = fn(*args)
+        last[0] = (key, result)
+        return result
 
     cached.__wrapped__ = fn
     return cached

@@ -111,7 +111,7 @@ def test_rotary_paged_attention_matches_the_reference_and_writes_the_same_cache(
 
 
 def test_a_cache_whose_pages_do_not_merge_into_one_block_axis_is_gathered_the_same():
-    """A view that drops a page's last block (page stride != N blocks) takes the two-axis gather."""
+    """A view that drops a page's last block (page stride != N blocks) is read the same."""
     q, k_cache, v_cache, tables, starts, lens = _layout([1, 4], [30, 9], 4, 2, 16)
     k_cache, v_cache = k_cache[:, : PER_PAGE - 1], v_cache[:, : PER_PAGE - 1]
     tables = tables % (k_cache.shape[0] * (PER_PAGE - 1))  # block ids of the narrower view (reads only)
