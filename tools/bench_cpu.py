@@ -77,8 +77,9 @@ def served_bytes(model_path: Path) -> int:
 def _count(obj, seen: dict[int, int]) -> None:
     if isinstance(obj, torch.Tensor):
         seen[id(obj)] = obj.numel() * obj.element_size()
-    elif isinstance(obj, CompactWeight):
-        seen[id(obj)] = obj.packed.nbytes if obj.packed is not None else obj.nbytes
+    elif isinstance(obj, CompactWeight):  # matrices packed together (gate and up) share one packing: counted once
+        seen[id(obj.packed.weight) if obj.packed is not None else id(obj)] = \
+            obj.packed.nbytes if obj.packed is not None else obj.nbytes
     elif isinstance(obj, RowStack):
         for p in obj.parts:
             _count(p, seen)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from radianced.kernels.cpu_packed import PACKABLE, PackedInt4, pack
+from radianced.kernels.cpu_packed import PACKABLE, PackedInt4, pack, together
 from radianced.kernels.dequant import dequantize, dequantize_rows, split_fp8_b128
 from radianced.kernels.formats import FORMATS, FP8_BLOCK
 
@@ -104,6 +104,17 @@ def cat_rows(parts: list[torch.Tensor | CompactWeight]) -> torch.Tensor | Compac
         joined = CompactWeight(parts[0].fmt, (data.shape[0], k), data)
         return joined.packed_for_cpu() if all(p.packed is not None for p in parts) else joined
     return RowStack(tuple(parts))
+
+
+def pack_together(parts: list[torch.Tensor | CompactWeight]) -> list[torch.Tensor | CompactWeight]:
+    """Matrices of one input (an MLP's gate and up) sharing one int4 packing (`cpu_packed.together`),
+    so the host backend computes them in one kernel call; each part's own product is unchanged. Parts
+    that are not all packed in one format and K are returned as they are (other devices, dense weights)."""
+    if not all(isinstance(p, CompactWeight) and p.packed is not None for p in parts) \
+            or len({(p.fmt, p.shape[1]) for p in parts}) != 1:
+        return list(parts)
+    joined = cat_rows(parts).packed  # packed again over the joined bytes: this runs at load
+    return [replace(p, packed=q) for p, q in zip(parts, together([p.packed for p in parts], joined))]
 
 
 @dataclass(frozen=True)

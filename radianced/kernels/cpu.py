@@ -23,6 +23,20 @@ torch's per-op cost (about 1,800 ops a step, 30 layers). At b8 fp32 `mm` is 70% 
 and MKL runs [8, 576] x [576, 1536] at about 31 GFLOP/s a core; bf16 weights on this CPU's
 AMX ran it 2.3x faster, but bf16 is not token-exact against transformers fp32, so it waits
 for the compact-weights issue's quality table.
+
+Session 10, the compact SmolLM2 (Q4_1 layers on the int4 kernel, fp32 lm_head) on this repository's
+2-core AMD EPYC (AVX2, no AVX-512: the int4 kernel is compute-bound here, 3-5 GB/s at M = 1), 1 torch
+thread, other jobs sharing the cores (tools/cpu_step.py, medians of 30 steps, three interleaved rounds):
+b1 80-87 ms a step before, of which int4 matmuls 21 ms, the lm_head 13-18 ms (MKL's gemv, 113 MB) and
+the attention op 23 ms (690 us a layer: RoPE angles, slot and block index arithmetic, two gathers,
+mask, masked_fill, SDPA, remade in all 30 layers); after, 65-72 ms, the attention op 10-12 ms. What
+changed: a step's index work is made once for all its layers (`_per_step`), K and V are written and
+read in one op each over the cache's rows (`_Rows`), q and k rotate together, and decode over equal
+contexts runs SDPA unmasked; the MLP's gate and up share one packing (one int4 call: at 2 threads a
+1536-row call uses the second core poorly, 135 us against 162 us for both in one 3072-row call; at
+M = 8, 2 x 532 against 469 us); the lm_head runs on oneDNN (`WIDE`). Left in a b1 step: the int4
+calls (about 20 ms at 1 thread), the lm_head (12 ms at 1 thread, 6.6 ms at 2), and ~15 ms of torch's
+per-op cost (about 1,000 ops; F.rms_norm alone is 28 us a call on this CPU, 61 calls a step).
 """
 
 from __future__ import annotations
@@ -66,8 +80,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def silu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """`reference.silu_mlp`, `down(silu(gate(x)) * up(x))`, with each matmul through `_matmul`."""
-    return _matmul(F.silu(_matmul(x, gate)) * _matmul(x, up), down)
+    """`reference.silu_mlp`, `down(silu(gate(x)) * up(x))`, with each matmul through `_matmul`: gate and up
+    in one int4 call where they share a packing (`compact.pack_together`; the same values)."""
+    g, u = (w.packed if isinstance(w, CompactWeight) else None for w in (gate, up))
+    if g is not None and u is not None and g.weight is u.weight:
+        y_gate, y_up = cpu_packed.matmul_shared(x, [g, u])
+    else:
+        y_gate, y_up = _matmul(x, gate), _matmul(x, up)
+    return _matmul(F.silu(y_gate).mul_(y_up), down)
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor | CompactWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -79,107 +99,246 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor | CompactWeight, bias: torch.T
     elif isinstance(weight, RowStack) and any(isinstance(p, CompactWeight) and p.packed for p in weight.parts):
         y = torch.cat([_matmul(x, p) for p in weight.parts], dim=-1)  # [q | k | v] of several formats
     else:
-        return F.linear(x, dense(weight, x.dtype), bias)
+        weight = dense(weight, x.dtype)
+        if weight.shape[0] >= WIDE and weight.dtype == x.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return F.linear(x, weight, bias)
     return y if bias is None else y.add_(bias)
+
+
+# An fp32 matrix this tall (an lm_head: SmolLM2's 49152 x 576) goes through oneDNN's matmul, not F.linear's
+# MKL: on this 2-core AMD EPYC (AVX2) MKL's fp32 gemv reads it at one thread's speed whatever the threads
+# (13.4 ms at M = 1 with 2 threads, 30 ms at M = 8) where oneDNN takes 6.6 ms and 14.7 ms. On the layers'
+# shapes (N <= 1536) neither wins throughout, so they stay F.linear. Both sum in fp32, in other orders.
+WIDE = 16384
 
 
 # -- rotary -----------------------------------------------------------------
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE of x: [T, H, D] by cos, sin: [T, R] (both halves the same), the dims past R
-    passing: the reference's values (the same products and sums) without its two concatenations."""
-    half = cos.shape[-1] // 2
-    c, s = cos[:, None, :half].to(x.dtype), sin[:, None, :half].to(x.dtype)
-    x1, x2 = x[..., :half], x[..., half:2 * half]
-    out = torch.empty_like(x)
-    torch.sub(x1 * c, x2 * s, out=out[..., :half])  # x1 c + (-x2) s: negation is exact
-    torch.add(x2 * c, x1 * s, out=out[..., half:2 * half])
-    out[..., 2 * half:] = x[..., 2 * half:]
-    return out
-
-
 def rotary_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
               q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 1e-6,
               zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """`reference.rotary_qk`: qk-norm (fused) when weights are given, then RoPE on q and k."""
+    """`reference.rotary_qk`: qk-norm (fused) when weights are given, then RoPE on q and k: in one
+    rotation where they are neighbouring heads of one tensor (the fused q/k/v projection's output)."""
     if q_weight is not None:
         q, k = rms_norm(q, q_weight, eps, zero_centred), rms_norm(k, k_weight, eps, zero_centred)
-    cos, sin = reference.rotary_cos_sin(positions, inv_freq)
+    cos, sin = _rope_tables(positions, inv_freq, q.dtype)
+    hq = q.shape[1]
+    if k.dtype == q.dtype and k.stride() == q.stride() and k.shape[2] == q.shape[2] \
+            and k.data_ptr() == q.data_ptr() + hq * q.stride(1) * q.element_size():
+        qk = _rotate(q.as_strided((q.shape[0], hq + k.shape[1], q.shape[2]), q.stride()), cos, sin)
+        return qk[:, :hq], qk[:, hq:]
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x: [T, H, D] by `_rope_tables`' cos [T, 1, R] and signed sin [T, 1, R]
+    (-sin | sin), the dims past R passing: x_rot cos + [x2 | x1] (-sin | sin) is the reference's
+    x_rot cos + [-x2 | x1] sin value for value (negation is exact), in four ops."""
+    r = cos.shape[-1]
+    half = r // 2
+    if r == x.shape[-1]:
+        out = x * cos
+        return out.add_(torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(sin))
+    out = x.clone()
+    out[..., :r].mul_(cos).add_(torch.cat((x[..., half:r], x[..., :half]), dim=-1).mul_(sin))
+    return out
+
+
 # -- paged attention ----------------------------------------------------------
+#
+# A step's index work (RoPE angles, the KV slots' rows, the gather and mask of the context) is the
+# same for all of its layers: each is made on the first layer's call and reused while the calls
+# pass the same index tensors (the model passes one `ForwardBatch`'s to every layer; those are never
+# written in place). `_per_step` keeps the last result of each, keyed on its arguments: tensors by
+# identity (held, so an id is not reused while cached), the rest by value.
+
+
+def _per_step(fn):
+    last: list = [None]  # one (key, result) pair, read and replaced as one object (engines on other threads)
+
+    def cached(*args):
+        key = tuple((id(a), a) if isinstance(a, torch.Tensor) else (None, a) for a in args)
+        entry = last[0]
+        if entry is not None and len(entry[0]) == len(key) and all(
+                (a[1] is b[1]) if a[0] is not None else (b[0] is None and a[1] == b[1]) for a, b in zip(entry[0], key)):
+            return entry[1]
+        result = fn(*args)
+        last[0] = (key, result)
+        return result
+
+    cached.__wrapped__ = fn
+    return cached
+
+
+@_per_step
+def _rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """(cos [T, 1, R], signed sin [T, 1, R]: -sin on the first half) in `dtype`, from the reference's angles."""
+    cos, sin = reference.rotary_cos_sin(positions, inv_freq)
+    half = cos.shape[-1] // 2
+    return cos[:, None].to(dtype), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None].to(dtype)
+
+
+class _Rows:
+    """A plain cache pair (K and V views [P, N, S, Hkv, D] of one storage, as kv/cache.py lays them out)
+    as rows of Hkv * D elements of that storage: token t of block b is row `block_row[b] + t`, V's row
+    K's plus `v_rows`. None from `of` for any other layout (quantized planes, other strides)."""
+
+    def __init__(self, flat: torch.Tensor, k_row: int, v_rows: int, n: int, block_rows: int, page_rows: int):
+        self.flat, self.k_row, self.v_rows = flat, k_row, v_rows
+        self.layout = (n, block_rows, page_rows, v_rows)  # what the index plans depend on
+
+    @staticmethod
+    def of(k_cache, v_cache) -> _Rows | None:
+        if isinstance(k_cache, KVPlane) or k_cache.dtype != v_cache.dtype or k_cache.stride() != v_cache.stride():
+            return None
+        storage = k_cache.untyped_storage()
+        if storage.data_ptr() != v_cache.untyped_storage().data_ptr():
+            return None
+        _, n, s, h, d = k_cache.shape
+        row = h * d
+        sp, sn, ss, sh, sd = k_cache.stride()
+        if (sd, sh, ss) != (1, d, row) or sp % row or sn % row or k_cache.storage_offset() % row \
+                or (v_cache.storage_offset() - k_cache.storage_offset()) % row:
+            return None
+        rows = storage.nbytes() // (row * k_cache.element_size())
+        flat = k_cache.as_strided((rows, row), (row, 1), 0)
+        return _Rows(flat, k_cache.storage_offset() // row, (v_cache.storage_offset() - k_cache.storage_offset()) // row,
+                     n, sn // row, sp // row)
+
+
+def _block_rows(blocks: torch.Tensor, layout: tuple) -> torch.Tensor:
+    """The flat row (relative to K's first) of each block's token 0."""
+    n, block_rows, page_rows, _ = layout
+    return blocks // n * page_rows + blocks % n * block_rows
+
+
+@_per_step
+def _write_plan(slot_mapping: torch.Tensor, s: int, layout: tuple):
+    """(kept: the token rows with a slot, or None for all; their K and V rows [2 T'] relative to K's first)."""
+    kept = None
+    if bool((slot_mapping < 0).any()):  # a host read: free on the CPU
+        kept = (slot_mapping >= 0).nonzero().flatten()
+        slot_mapping = slot_mapping[kept]
+    rows = _block_rows(slot_mapping // s, layout) + slot_mapping % s
+    return kept, torch.cat((rows, rows + layout[3]))
 
 
 def write_kv(k_cache: torch.Tensor | KVPlane, v_cache: torch.Tensor | KVPlane, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """`reference.write_kv` (k and v rounded to the cache's dtype where it differs, or quantized into a
-    quantized cache's planes: `KVPlane.store`, batched already); the mask of skipped slots (< 0) is
-    built only when there is one."""
-    if bool((slot_mapping < 0).any()):  # a host read: free on the CPU
-        keep = slot_mapping >= 0
-        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
-    if isinstance(k_cache, KVPlane):
-        k_cache.store(slot_mapping, k)
-        v_cache.store(slot_mapping, v)
+    quantized cache's planes: `KVPlane.store`, batched already): a plain cache pair in one
+    `index_copy_` over its rows (`_Rows`), its slots' rows made once a step."""
+    rows = _Rows.of(k_cache, v_cache)
+    if rows is None:
+        if bool((slot_mapping < 0).any()):
+            keep = slot_mapping >= 0
+            slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
+        if isinstance(k_cache, KVPlane):
+            k_cache.store(slot_mapping, k)
+            v_cache.store(slot_mapping, v)
+            return
+        _, n, s = k_cache.shape[:3]
+        block, off = slot_mapping // s, slot_mapping % s
+        page, inside = block // n, block % n
+        k_cache.index_put_((page, inside, off), k.to(k_cache.dtype))
+        v_cache.index_put_((page, inside, off), v.to(v_cache.dtype))
         return
-    _, n, s = k_cache.shape[:3]
-    block, off = slot_mapping // s, slot_mapping % s
-    page, inside = block // n, block % n
-    k_cache.index_put_((page, inside, off), k.to(k_cache.dtype))  # a no-op where the dtypes match
-    v_cache.index_put_((page, inside, off), v.to(v_cache.dtype))
+    kept, at = _write_plan(slot_mapping, k_cache.shape[2], rows.layout)
+    kv = torch.cat((k, v))
+    if kept is not None:
+        kv = kv[torch.cat((kept, kept + k.shape[0]))]
+    rows.flat.index_copy_(0, at + rows.k_row, kv.view(kv.shape[0], -1).to(rows.flat.dtype))
+
+
+class _ReadPlan:
+    """How a step's sequences read their context, the same for every layer (`_read_plan`).
+
+    b, q_max, ctx: sequences, longest query, longest context. tokens [B, C]: the context position
+    each (sequence, key) reads: its own up to its length, past it the sequence's last token (a
+    written one: finite values, masked) instead of whatever a block's unwritten tail holds.
+    blocks [B, C], offsets [B, C]: that position's block and slot. mask: [B, 1, Qmax, C] bool, None
+    where nothing is masked (decode rows over equal contexts). at: [T] each token's padded query row,
+    None where the batch needs no padding.
+    """
+
+    def __init__(self, block_tables: torch.Tensor, query_start, seq_lens, s: int):
+        starts = torch.as_tensor(query_start, dtype=torch.int64)
+        lens = torch.as_tensor(seq_lens, dtype=torch.int64)
+        q_lens = starts[1:] - starts[:-1]  # [B]
+        self.b, self.t = len(lens), int(starts[-1])  # host reads: free on the CPU
+        self.q_max, self.ctx = int(q_lens.max()) if self.b else 0, int(lens.max()) if self.b else 0
+        key = torch.arange(self.ctx)
+        self.tokens = torch.minimum(key, (lens - 1).clamp(min=0)[:, None])  # [B, C]
+        self.blocks = block_tables.long().gather(1, self.tokens // s)
+        self.offsets = self.tokens % s
+        q_pos = lens[:, None] - q_lens[:, None] + torch.arange(self.q_max)  # [B, Qmax]: absolute positions
+        self.mask = None
+        if self.q_max > 1 or int(lens.min()) < self.ctx:
+            self.mask = ((key <= q_pos[..., None]) & (key < lens[:, None, None]))[:, None]  # [B, 1, Qmax, C]
+        self.at = None
+        if self.t != self.b * self.q_max:  # token row r of sequence b sits at padded row b * Qmax + (r - start_b)
+            seq = torch.repeat_interleave(torch.arange(self.b), q_lens, output_size=self.t)  # [T]
+            self.at = seq * self.q_max + torch.arange(self.t) - starts[seq]
+
+
+@_per_step
+def _read_plan(block_tables: torch.Tensor, query_start, seq_lens, s: int) -> _ReadPlan:
+    return _ReadPlan(block_tables, query_start, seq_lens, s)
+
+
+@_per_step
+def _read_rows(plan: _ReadPlan, layout: tuple) -> torch.Tensor:
+    """[2 B C]: the K rows, then the V rows, of `plan`'s keys (relative to K's first row)."""
+    rows = (_block_rows(plan.blocks, layout) + plan.offsets).flatten()
+    return torch.cat((rows, rows + layout[3]))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start, seq_lens, scale: float) -> torch.Tensor:
-    """`reference.paged_attention` for all B sequences at once: one gather of their blocks, one
-    masked `scaled_dot_product_attention` over a batch padded to the longest query and context.
+    """`reference.paged_attention` for all B sequences at once: one gather of their keys and values,
+    one `scaled_dot_product_attention` over a batch padded to the longest query and context, masked
+    only where some row must be (prefill, unequal contexts).
 
     q: [T, Hq, D]; query_start [B+1], seq_lens [B]: host sequences or integer tensors;
     block_tables: [B, max_blocks]. Returns [T, Hq, D]. Padding query rows (sequences with
     fewer new tokens than the longest) are computed and dropped; they see the whole context,
     so no row is fully masked.
     """
-    starts = torch.as_tensor(query_start, dtype=torch.int64)
-    lens = torch.as_tensor(seq_lens, dtype=torch.int64)
-    q_lens = starts[1:] - starts[:-1]  # [B]
-    b, (_, _, s, hkv, d) = len(lens), k_cache.shape
-    t, hq = q.shape[:2]
+    t, hq, d = q.shape
     if t == 0:
         return torch.empty_like(q)
-    q_max, ctx = int(q_lens.max()), int(lens.max())  # host reads: free on the CPU
-    blocks = block_tables[:, : (ctx + s - 1) // s].long()  # [B, nb]
-    k = _gather_blocks(k_cache, blocks)[:, :ctx].to(q.dtype)  # [B, C, Hkv, D]; a cache of another dtype is read in q's
-    v = _gather_blocks(v_cache, blocks)[:, :ctx].to(q.dtype)
-    if int(lens.min()) < ctx:  # a shorter context's tail is whatever its pages held (an expert's bytes, read as
-        past = (torch.arange(ctx) >= lens[:, None])[..., None, None]  # floats: NaN, inf): masking alone lets
-        k, v = k.masked_fill(past, 0), v.masked_fill(past, 0)  # 0 * NaN through, so they are zeroed
-    padded = t != b * q_max  # decode (one row each) and equal chunks need no padding
-    if padded:  # token row r of sequence b sits at padded row b * Qmax + (r - start_b)
-        seq = torch.repeat_interleave(torch.arange(b), q_lens, output_size=t)  # [T]
-        at = seq * q_max + torch.arange(t) - starts[seq]
-        q = q.new_zeros(b * q_max, hq, d).index_copy_(0, at, q)
-    q_pos = lens[:, None] - q_lens[:, None] + torch.arange(q_max)  # [B, Qmax]: absolute positions
-    key = torch.arange(ctx)
-    mask = (key <= q_pos[..., None]) & (key < lens[:, None, None])  # [B, Qmax, C]
+    plan = _read_plan(block_tables, _hashable(query_start), _hashable(seq_lens), k_cache.shape[2])
+    b, q_max, ctx = plan.b, plan.q_max, plan.ctx
+    hkv = k_cache.shape[3]
+    rows = _Rows.of(k_cache, v_cache)
+    if rows is not None:
+        kv = rows.flat.index_select(0, _read_rows(plan, rows.layout) + rows.k_row).view(2, b, ctx, hkv, d)
+        k, v = kv[0].to(q.dtype), kv[1].to(q.dtype)  # [B, C, Hkv, D]; a cache of another dtype is read in q's
+    else:
+        k, v = (_gather(c, plan).to(q.dtype) for c in (k_cache, v_cache))
+    if plan.at is not None:
+        q = q.new_zeros(b * q_max, hq, d).index_copy_(0, plan.at, q)
     out = F.scaled_dot_product_attention(q.view(b, q_max, hq, d).transpose(1, 2), k.transpose(1, 2),
-                                         v.transpose(1, 2), attn_mask=mask[:, None], scale=scale,
+                                         v.transpose(1, 2), attn_mask=plan.mask, scale=scale,
                                          enable_gqa=hq != hkv).transpose(1, 2).reshape(b * q_max, hq, d)
-    return out.index_select(0, at) if padded else out  # [T, Hq, D]
+    return out if plan.at is None else out.index_select(0, plan.at)  # [T, Hq, D]
 
 
-def _gather_blocks(cache: torch.Tensor | KVPlane, blocks: torch.Tensor) -> torch.Tensor:
-    """The blocks [B, nb] of a cache view [P, N, S, Hkv, D]: [B, nb * S, Hkv, D]. Pages and blocks
-    merge into one axis of the strided view (a page is N blocks apart), so one `index_select`
-    does it: 100 us against 270 us for the two-axis index at SmolLM2's decode shapes (b8). A
-    quantized plane's blocks come dequantized (fp32) in one batched gather."""
+def _hashable(x):
+    """query_start / seq_lens as `_per_step` keys them: a tensor as it is, a host sequence as a tuple."""
+    return x if isinstance(x, torch.Tensor) else tuple(x)
+
+
+def _gather(cache: torch.Tensor | KVPlane, plan: _ReadPlan) -> torch.Tensor:
+    """`plan`'s keys of a cache that is not plain rows: [B, C, Hkv, D] (a quantized plane's dequantized,
+    fp32: its blocks in one batched gather, then the keys)."""
     _, n, s = cache.shape[:3]
     if isinstance(cache, KVPlane):
-        return cache.blocks(blocks).flatten(1, 2)
-    if cache.stride(0) != n * cache.stride(1):
-        return cache[blocks // n, blocks % n].flatten(1, 2)
-    return cache.flatten(0, 1).index_select(0, blocks.flatten()).view(*blocks.shape, s, *cache.shape[3:]).flatten(1, 2)
+        whole = cache.blocks(plan.blocks[:, ::s]).flatten(1, 2)  # [B, nb * S, Hkv, D]: key c's block is c // S
+        return whole.gather(1, plan.tokens[..., None, None].expand(-1, -1, *whole.shape[2:]))
+    return cache[plan.blocks // n, plan.blocks % n, plan.offsets]
 
 
 def rotary_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -48,7 +48,8 @@ for its Q4_1 dot products.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -68,12 +69,15 @@ class PackedInt4:
     scales_zeros: bf16 [K2 / 32, N16, 2], each group's scale and zero.
     doubled: whether K2 = 2 K (q8_0: x is read twice, against the high nibbles then the low ones);
         else K2 = K.
+    first: W's first row in the packing: matrices of one input packed together (`together`) share one
+        packing, each its own rows of it (first, n), so one kernel call computes all of them.
     """
 
     n: int
     weight: torch.Tensor
     scales_zeros: torch.Tensor
     doubled: bool
+    first: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -129,16 +133,30 @@ def pack(fmt: str, shape: tuple[int, int], data: torch.Tensor) -> PackedInt4:
     return PackedInt4(n, weight, scales_zeros, fmt == "q8_0")
 
 
+def together(parts: list[PackedInt4], packed: PackedInt4) -> list[PackedInt4]:
+    """`parts` (matrices of one K and format) as rows of `packed`, their rows stacked in one packing
+    (`compact.pack_together` makes it): each part keeps its own product (`matmul`), and `matmul_shared`
+    computes all of them in one kernel call."""
+    firsts = itertools.accumulate((p.n for p in parts[:-1]), initial=0)
+    return [replace(packed, n=p.n, first=f) for p, f in zip(parts, firsts)]
+
+
 def matmul(x: torch.Tensor, w: PackedInt4) -> torch.Tensor:
     """x [..., K] @ W.T -> [..., N] in x's dtype, through the int4 kernel (rounding: the module docstring)."""
-    lead, k = x.shape[:-1], x.shape[-1]
+    return matmul_shared(x, [w])[0]
+
+
+def matmul_shared(x: torch.Tensor, ws: list[PackedInt4]) -> list[torch.Tensor]:
+    """`[matmul(x, w) for w in ws]` for matrices of one packing (`together`), in one kernel call: each row of
+    the result is the same whichever rows are computed beside it."""
+    lead, k, w = x.shape[:-1], x.shape[-1], ws[0]
     xb = x.reshape(-1, k).to(torch.bfloat16)
     if xb.shape[0] == 0:
-        return x.new_empty(*lead, w.n)
+        return [x.new_empty(*lead, p.n) for p in ws]
     if w.doubled:
         xb = torch.cat([xb, xb], dim=1)
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w.weight, GROUP, w.scales_zeros)
-    return y[:, :w.n].to(x.dtype).reshape(*lead, w.n)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w.weight, GROUP, w.scales_zeros).to(x.dtype)
+    return [y[:, p.first:p.first + p.n].reshape(*lead, p.n) for p in ws]
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:

@@ -48,3 +48,17 @@ def test_rotary_equals_the_reference_full_and_partial(rotary_dim, head_dim, t):
     inv_freq = reference.rotary_inv_freq(rotary_dim, 1e6, "cpu")
     for got, want in zip(cpu.rotary_qk(q, k, positions, inv_freq), reference.rotary_qk(q, k, positions, inv_freq)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rotary_dim, head_dim", [(8, 8), (32, 80)])
+def test_q_and_k_of_one_projection_rotate_together_as_the_reference(rotary_dim, head_dim):
+    """q and k as neighbouring heads of one fused q/k/v output (the layer's views) take one rotation;
+    the values are the reference's, bit for bit."""
+    t, hq, hkv = 7, 6, 2
+    qkv = _randn(t, (hq + 2 * hkv) * head_dim)
+    q = qkv[:, :hq * head_dim].reshape(t, hq, head_dim)
+    k = qkv[:, hq * head_dim:(hq + hkv) * head_dim].reshape(t, hkv, head_dim)
+    positions = torch.arange(t) * 11 + 5
+    inv_freq = reference.rotary_inv_freq(rotary_dim, 1e4, "cpu")
+    for got, want in zip(cpu.rotary_qk(q, k, positions, inv_freq), reference.rotary_qk(q, k, positions, inv_freq)):
+        assert got.shape == want.shape and torch.equal(got, want)

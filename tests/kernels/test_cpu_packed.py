@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from radianced.kernels import cpu, reference
-from radianced.kernels.compact import CompactWeight, cat_rows
+from radianced.kernels.compact import CompactWeight, cat_rows, pack_together
 from radianced.kernels.cpu_packed import pack
 
 SHAPES = [(1, 32), (17, 96), (50, 64), (33, 160)]  # N not a multiple of 16, K one to five blocks
@@ -91,6 +91,27 @@ def test_silu_mlp_runs_each_matmul_on_the_packing():
     assert torch.equal(cpu.silu_mlp(x, gate, up, down), expected)
     ref = reference.silu_mlp(x, gate, up, down)
     assert torch.allclose(cpu.silu_mlp(x, gate, up, down), ref, rtol=0.02, atol=0.02 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_matrices_packed_together_keep_each_product_and_the_mlp_reads_them_in_one_call(fmt, monkeypatch):
+    """`pack_together` (the MLP's gate and up): one packing, each part its own rows of it (a part's N not
+    a multiple of 16), each part's product the one it had alone, bit for bit; silu_mlp makes one
+    kernel call for both."""
+    gate, up = compact(fmt, 50, 96, seed=1).packed_for_cpu(), compact(fmt, 33, 96, seed=2).packed_for_cpu()
+    g2, u2 = pack_together([gate, up])
+    assert g2.packed.weight is u2.packed.weight and (g2.packed.first, u2.packed.first) == (0, 50)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(cpu.linear(x, g2), cpu.linear(x, gate)) and torch.equal(cpu.linear(x, u2), cpu.linear(x, up))
+    up = compact(fmt, 50, 96, seed=2).packed_for_cpu()  # the MLP's up has the gate's N
+    g2, u2 = pack_together([gate, up])
+    down = torch.randn(64, 50, generator=torch.Generator().manual_seed(5))
+    calls = []
+    shared = cpu.cpu_packed.matmul_shared
+    monkeypatch.setattr(cpu.cpu_packed, "matmul_shared", lambda x, ws: calls.append(len(ws)) or shared(x, ws))
+    assert torch.equal(cpu.silu_mlp(x, g2, u2, down), cpu.silu_mlp(x, gate, up, down))
+    assert calls == [2, 1, 1]  # together: one call; apart: one each
+    assert pack_together([gate, torch.randn(4, 96)])[0] is gate  # not all packed: as they are
 
 
 def test_packing_is_made_once_kept_by_cat_rows_and_left_to_formats_that_have_one():
