@@ -24,7 +24,7 @@ and MKL runs [8, 576] x [576, 1536] at about 31 GFLOP/s a core; bf16 weights on 
 AMX ran it 2.3x faster, but bf16 is not token-exact against transformers fp32, so it waits
 for the compact-weights issue's quality table.
 
-Session 10, the compact SmolLM2 (Q4_1 layers on the int4 kernel, fp32 lm_head) on this repository's
+Session 12, the compact SmolLM2 (Q4_1 layers on the int4 kernel, fp32 lm_head) on this repository's
 2-core AMD EPYC (AVX2, no AVX-512: the int4 kernel is compute-bound here, 3-5 GB/s at M = 1), 1 torch
 thread, other jobs sharing the cores (tools/cpu_step.py, medians of 30 steps, three interleaved rounds):
 b1 80-87 ms a step before, of which int4 matmuls 21 ms, the lm_head 13-18 ms (MKL's gemv, 113 MB) and
