@@ -15,7 +15,10 @@ Two caps, both from the steps the daemon runs:
   `--itl-factor` decode steps' time, by a line fitted to recent prefill steps' times
   (fixed seconds + seconds a token; vLLM's chunked prefill leaves this to
   --max-num-batched-tokens; Sarathi-Serve sizes its chunks to the decode latency the same
-  way). Where the fixed part alone leaves less than a block's worth of the target (an
+  way). The line is fitted to steps beside decodes only: on the H200 a prefill alone (up
+  to 2,048 tokens, nobody decoding) gave a line whose fixed part (~12 ms) said no chunk
+  could keep a 1.5 ms decode's streams within the target, whatever small chunks cost
+  beside decodes. Where the fixed part alone leaves less than a block's worth of the target (an
   eager step beside graph-replayed decodes: about 7 ms against 2-3 on the H200's 8-layer
   synthetic model), the target cannot be met, and smaller chunks would stretch the
   burst's prefill over many steps and save the streams little: a first version fitted no
@@ -56,9 +59,9 @@ class StepPacer:
         self._fit = [0.0] * 5  # prefill steps' (n: prefill tokens, t: seconds), weighted: sums of 1, n, n², t, nt
         self.prefill_beside_decodes = BLOCK_TOKENS  # prefill tokens a step with decodes may take
 
-    def observe(self, tokens: int, sequences: int, seconds: float, decoding: int = 0) -> int:
-        """A finished step of `tokens` tokens over `sequences` sequences took `seconds`; returns the
-        next step's budget, for `decoding` sequences decoding in it."""
+    def observe(self, tokens: int, sequences: int, seconds: float, decoding: int = 0, decodes: int = 0) -> int:
+        """A finished step of `tokens` tokens over `sequences` sequences, `decodes` of them decoding, took
+        `seconds`; returns the next step's budget, for `decoding` sequences decoding in it."""
         if seconds > 0 and tokens <= sequences:
             self.decode_seconds = seconds
         elif seconds > 0:
@@ -66,15 +69,16 @@ class StepPacer:
                 fits = int(tokens * self.max_step_seconds / seconds)
                 self.budget = max(self.floor, min(self.max_tokens, fits, 2 * max(tokens, self.budget)))
             prefill = tokens - sequences
-            self._fit = [FORGET * old + new for old, new in
-                         zip(self._fit, (1.0, prefill, prefill * prefill, seconds, prefill * seconds))]
+            if decodes:  # the line is a step beside decodes (module docstring)
+                self._fit = [FORGET * old + new for old, new in
+                             zip(self._fit, (1.0, prefill, prefill * prefill, seconds, prefill * seconds))]
             if self.itl_factor and self.decode_seconds:
                 grown = 2 * max(prefill, self.prefill_beside_decodes)
                 self.prefill_beside_decodes = max(1, min(self._fits(), grown))
         return self.next_budget(decoding)
 
     def step_line(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds a prefill token) of a step that prefills, fitted to the recent ones
+        """(fixed seconds, seconds a prefill token) of a step that prefills beside decodes, fitted to the recent ones
         (each older step weighs FORGET times less), or None until their sizes differ enough to say."""
         s1, sn, snn, st, snt = self._fit
         spread = s1 * snn - sn * sn

@@ -47,7 +47,7 @@ def run_mixed_steps(pacer: StepPacer, decoding: int, seconds, steps: int) -> lis
     for _ in range(steps):
         prefill = pacer.next_budget(decoding) - decoding
         sizes.append(prefill)
-        pacer.observe(decoding + 1 + prefill, decoding + 1, seconds(prefill), decoding)
+        pacer.observe(decoding + 1 + prefill, decoding + 1, seconds(prefill), decoding, decoding)
     return sizes
 
 
@@ -76,6 +76,18 @@ def test_a_fixed_cost_over_half_the_target_still_leaves_the_chunk_that_meets_it(
     pacer = StepPacer(2048, 0.5, 24, itl_factor=2.5)
     pacer.observe(4, 4, 0.0021, decoding=4)
     assert run_mixed_steps(pacer, 4, step_seconds(0.003, 12e-6), 12)[-1] == 187
+
+
+def test_prefill_steps_without_decodes_leave_the_line_alone():
+    """A 2,048-token prefill alone costs 14 ms on the H200's 8-layer model (its fixed part looks like 12 ms),
+    while a chunk beside 1.5 ms decodes costs 2 ms + 4 us a token: only the latter says what fits in
+    2.5 x 1.5 ms (437 tokens)."""
+    pacer = StepPacer(2048, 0.5, 24, itl_factor=2.5)
+    for n in (2048, 1500, 2048, 900):
+        pacer.observe(n + 1, 1, 0.012 + 1e-6 * n)
+    assert pacer.step_line() is None
+    pacer.observe(4, 4, 0.0015, decoding=4)
+    assert run_mixed_steps(pacer, 4, step_seconds(0.002, 4e-6), 12)[-1] == 437
 
 
 def test_the_line_forgets_old_steps():
@@ -146,7 +158,7 @@ async def test_the_driver_tells_the_pacer_how_many_sequences_decode_next(tiny_ra
     seen = []
 
     class Recording(StepPacer):
-        def observe(self, tokens, sequences, seconds, decoding=0):
+        def observe(self, tokens, sequences, seconds, decoding=0, decodes=0):
             seen.append((tokens, sequences, decoding))
             return 40
 
