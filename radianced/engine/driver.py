@@ -244,17 +244,15 @@ class AsyncEngine:
         """A finished step: its time (and the next step's budget), its tokens to their streams,
         the tiers' counts."""
         self.metrics.observe_step(seconds)
-        plan, seconds = done.finished.plan, done.output.seconds  # the step's own time, not the round's
-        if seconds is not None:
-            decodes = sum(s.context_before >= len(s.prompt_token_ids) for s in plan.seqs)
-            self.metrics.observe_step_kind("decode" if decodes == len(plan.seqs) else "mixed" if decodes else
-                                           "prefill", seconds)
+        plan, own = done.finished.plan, done.output.seconds  # the step's own time, not the round's
+        if own is not None:
+            d = plan.decodes
+            self.metrics.observe_step_kind("decode" if d == len(plan.seqs) else "mixed" if d else "prefill", own)
             if self.pacer is not None:
                 decoding = sum(not s.is_prefilling for s in self.scheduler.running)
-                self.scheduler.step_tokens = self.pacer.observe(plan.num_tokens, len(plan.seqs), seconds, decoding,
-                                                                decodes)
-        self._count_experts(done.finished.plan, done.output)
-        for s, tokens in zip(done.finished.plan.seqs, done.output.token_ids):
+                self.scheduler.step_tokens = self.pacer.observe(plan.num_tokens, len(plan.seqs), own, decoding, d)
+        self._count_experts(plan, done.output)
+        for s, tokens in zip(plan.seqs, done.output.token_ids):
             if s.drafts:
                 self.metrics.add_drafts(len(s.drafts), len(tokens) - 1)
         self._dispatch(events)

@@ -75,6 +75,11 @@ class StepPlan:
     finished_seq_ids: tuple[int, ...] = ()
 
     @property
+    def decodes(self) -> int:
+        """The sequences that decode in this step (past their prompt); the others prefill."""
+        return sum(s.context_before >= len(s.prompt_token_ids) for s in self.seqs)
+
+    @property
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.seqs)
 

@@ -153,13 +153,14 @@ async def test_a_long_prefill_is_cut_into_paced_steps_so_a_cancel_waits_one_shor
 
 async def test_the_driver_tells_the_pacer_how_many_sequences_decode_next(tiny_rads):
     """A stream decodes while a 300-token prompt prefills: each finished step reports the running
-    sequences that decode next (1 while the newcomer prefills, 2 once its last chunk ran), and the budget it returns is the plan's."""
+    sequences that decode next (1 while the newcomer prefills, 2 once its last chunk ran) and those that
+    decoded in it, and the budget it returns is the plan's."""
     rad = tiny_rads["llama"]
     seen = []
 
     class Recording(StepPacer):
         def observe(self, tokens, sequences, seconds, decoding=0, decodes=0):
-            seen.append((tokens, sequences, decoding))
+            seen.append((tokens, sequences, decoding, decodes))
             return 40
 
     engine = small_engine(rad, max_num_batched_tokens=96)
@@ -174,6 +175,7 @@ async def test_the_driver_tells_the_pacer_how_many_sequences_decode_next(tiny_ra
     [c async for c in second]
     first.close()
     task.cancel()
-    mixed = [d for t, s, d in seen if s == 2 and t > 2]
+    mixed = [d for t, s, d, _ in seen if s == 2 and t > 2]
     assert len(mixed) > 3 and set(mixed[:-2]) == {1} and 2 in mixed, str(seen)  # after its last chunk: both
+    assert {n for t, s, _, n in seen if s == 2 and t > 2} == {1}  # the finished steps: one decoded beside the prefill
     assert max(p.num_tokens for p in trace.plans[4:]) <= 40  # the pacer's budget, from the second paced step
