@@ -138,9 +138,9 @@ def test_warm_up_with_drafts_leaves_no_trace(tiny_rads, family):
     assert any(len(s.drafts) == 2 for p in plans for s in p.seqs)
 
 
-async def test_the_served_path_warm_up_runs_two_requests_uncounted(tiny_rads):
-    """`warm_up_served`: two requests through a running AsyncEngine (greedy and sampled); the metrics see
-    none of them, and the engine is left idle with every block free."""
+async def test_the_served_path_warm_up_runs_its_requests_uncounted(tiny_rads):
+    """`warm_up_served`: two short requests (greedy and sampled), then one of two chunks, through a running
+    AsyncEngine; the metrics see none of them, and the engine is left idle with every block free."""
     import asyncio
 
     from radianced.engine.driver import AsyncEngine
