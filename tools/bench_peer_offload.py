@@ -8,9 +8,8 @@ by transformers (`from_config` of a `Qwen3MoeConfig`, every matrix then drawn fr
 seeded normal with std 0.02, the router's too, norms 1: routing is near uniform),
 saved as a Hugging Face safetensors folder and converted to `.rad` by the project's
 own converter (`radianced.model.convert_hf`), so both systems serve the same weights.
-The random numbers are drawn on the GPU where there is one (29 GiB at 24 layers: a
-CPU's single-threaded generator would take minutes); the weights reach each system
-from the files, as a user's would.
+The random numbers are drawn on the GPU where there is one (29 GiB at 24 layers: seconds
+there, minutes on a CPU); the weights reach each system from the files, as a user's would.
 
 - radianced: `Engine.build(rad, Config(gpu_memory_mib=card budget, host_pool_mib=
   every expert))`, as the daemon builds it; the experts that do not fit the card's
@@ -140,7 +139,10 @@ def section_model(run: Run) -> dict:
     g = torch.Generator(device=gen_device).manual_seed(SEED)
     with torch.no_grad():  # init leaves the router at zero (every token the same experts)
         for p in model.parameters():
-            p.normal_(0, 0.02, generator=g) if p.dim() > 1 else p.fill_(1.0)
+            if p.dim() > 1:
+                p.normal_(0, 0.02, generator=g)
+            else:
+                p.fill_(1.0)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     disk = os.environ.get("RADIANCED_DISK_DIR")
     hf_root = pick_dir(nbytes, (disk, "/dev/shm", "/var/tmp", "/tmp"))
@@ -319,9 +321,14 @@ def _peak(device: str) -> int | None:
 
 
 def section_env(out: Path) -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
     env = gpu_bench.section_env(out)
     for mod in ("accelerate", "safetensors"):
-        env[mod] = __import__(mod).__version__
+        try:
+            env[mod] = version(mod)
+        except PackageNotFoundError:
+            env[mod] = "not installed (carry it: tools/fetch_wheels.sh)"
     return env
 
 
