@@ -221,6 +221,7 @@ def rad_generate(run: Run, engine, prompts: list[list[int]], tokens: int, tag: s
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     got: dict[str, list[int]] = {i: [] for i in ids}
     steps, first, cut = [], None, False
+    before = _counters(engine)  # reset at the first tokens: the decode's counters
     t0 = time.perf_counter()
     for rid, p in zip(ids, prompts):
         engine.add(Request(rid, tuple(p), params))
@@ -244,10 +245,10 @@ def rad_generate(run: Run, engine, prompts: list[list[int]], tokens: int, tag: s
     after = _counters(engine)
     lookups, hits, refills = (a - b for a, b in zip(after, before))
     out = _decode_record(prompts, [got[i] for i in ids], first, steps, cut)
-    extent = engine.experts.extent_bytes
+    overflow = (lookups - hits) * engine.experts.extent_bytes  # misses: read from the host pool
     out.update(lookups=lookups, hits=hits, hit_rate=hits / lookups if lookups else None, refills=refills,
-               overflow_bytes=(lookups - hits) * extent, refill_bytes=refills * extent,
-               overflow_bytes_per_token=(lookups - hits) * extent / out["decode_tokens"] if out["decode_tokens"] else None)
+               overflow_bytes=overflow, refill_bytes=refills * engine.experts.extent_bytes,
+               overflow_bytes_per_token=overflow / out["decode_tokens"] if out["decode_tokens"] else None)
     return out
 
 
@@ -257,7 +258,8 @@ def _decode_record(prompts, tokens: list[list[int]], ttft: float, steps: list[fl
     seconds = sum(steps)
     return {"batch": len(prompts), "prompt_tokens": len(prompts[0]), "ttft_s": ttft, "decode_steps": len(steps),
             "decode_s": seconds, "decode_tokens": decode_tokens, "generated": sum(len(t) for t in tokens),
-            "tokens_per_s": decode_tokens / seconds if seconds else None, "cut_at_deadline": cut, "tokens": tokens}
+            "tokens_per_s": decode_tokens / seconds if seconds else None, "cut_at_deadline": cut, "step_s": steps,
+            "tokens": tokens}
 
 
 # -- transformers + accelerate ----------------------------------------------------------------------
