@@ -41,6 +41,7 @@ import argparse
 import gc
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -348,6 +349,9 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     run = Run(Sizes.pick(args), out, time.monotonic() + args.time_limit)
+    # gpu_check's `timeout` ends a run past its limit with SIGTERM: exit through `finally`, so the
+    # model's two copies (29 GiB at 24 layers, one of them perhaps in /dev/shm) are removed
+    old = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     run.section("env", section_env, out)
     try:
         if run.section("model", section_model, run)["status"] == "ok":
@@ -357,6 +361,7 @@ def main(argv=None) -> int:
     finally:
         for t in run.tmp:
             t.cleanup()
+        signal.signal(signal.SIGTERM, old)
     gc.collect()
     print(render(run.results), flush=True)
     bad = [k for k, v in run.results.items() if isinstance(v, dict) and v.get("status") == "error"]
