@@ -17,6 +17,8 @@
 # Versions follow this checkout's .venv, so the device runs what the CPU tests run (fla-core: pinned here).
 #   starlette, uvicorn  the daemon's HTTP (server/): not in the image, so the daemon itself can serve there
 #                 (their needs anyio, h11 and click are in the image; uvloop is too)
+#   accelerate    tools/bench_peer_offload.py's peer (transformers' device_map="auto" offload); the image has
+#                 1.15.0, the CPU tests run this checkout's; pure Python, its needs are in the image
 #   gguf          the SmolLM2 GPU test converts the real model's GGUF there (carried in two parts: it is
 #                 94 MiB, one call carries 64 MiB; see bench/README.md); pure Python, its needs are in the image
 set -euo pipefail
@@ -25,7 +27,8 @@ PY=${PYTHON:-}
 if [ -z "$PY" ]; then if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi; fi
 version() { $PY -c "import importlib.metadata as m; print(m.version('$1'))"; }
 WANT=("msgspec==$(version msgspec)" "transformers==$(version transformers)" "regex==$(version regex)"
-      "fla-core==0.6.0" "gguf==$(version gguf)" "starlette==$(version starlette)" "uvicorn==$(version uvicorn)")
+      "fla-core==0.6.0" "gguf==$(version gguf)" "starlette==$(version starlette)" "uvicorn==$(version uvicorn)"
+      "accelerate==$(version accelerate)")
 rm -rf .whl
 mkdir -p .whl
 for spec in "${WANT[@]}"; do
