@@ -17,7 +17,9 @@ fewer arena pages than card 0 (card 0 has the least room on equal cards: it hold
 of every split and gathers the logits). The total's KV pool is the least card's for the same
 reason (tp_plan.py).
 
-Not built yet, refused with a message: a quantized KV cache under `--tp`.
+A quantized KV cache (`--kv-cache-dtype`) is quantized on each card as on one: its scales are per
+(block, KV head), and a card holds whole heads, so each card's blocks are one card's blocks of its
+heads (the card's receipt sizes them).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class RankMemory:
     cards: every card's receipt and their total (the same on every rank).
     rank: this card's.
     arena: this card's arena (its receipt's elastic line).
-    kv_storage: the KV cache over the arena's pages, [P, N, L, 2, S, Hkv, D] for this card's KV heads.
+    kv_storage: the KV cache over the arena's pages, [P, N, L, 2, S, Hkv, D] for this card's KV heads
+        (uint8 [P, N, block bytes] for a quantized `--kv-cache-dtype`, as on one card).
     experts: this card's expert tiers (its slots, host pool and reads), or None for a dense model.
     resources: what `close` gives back (the host pool, the expert loader).
     """
@@ -113,9 +116,6 @@ def cpu_cards(cfg: Config) -> tuple[Card, ...]:
 
 def plan_ranks(rad: RadFile, cfg: Config) -> CardsReceipt:
     """Every card's receipt; PlanError for a split this build cannot serve (the module says which)."""
-    if cfg.kv_cache_dtype != "auto":
-        raise ConfigError(f"--kv-cache-dtype {cfg.kv_cache_dtype} with --tp {cfg.tp}: not yet supported; "
-                          "use auto, or --tp 1")
     cards = plan_cards(cpu_cards(cfg), ModelFacts.from_header(rad.header), cfg)
     first = cards.receipts[0]
     for rank, r in enumerate(cards.receipts[1:], 1):
@@ -143,6 +143,9 @@ def rank_memory(rad: RadFile, cfg: Config, group: Group, device: torch.device | 
         experts = build_expert_slab(rad, arena, receipt, dtype, cfg, resources, owned=share.experts)
     m = card_config(rad.model, share)
     kv = receipt.groups[0]
-    storage = arena.paged_view(dtype, (receipt.blocks_per_page(kv), kv.layers, 2, BLOCK_TOKENS,
-                                       m.num_key_value_heads, m.head_dim))
+    if cfg.kv_cache_dtype == "auto":
+        storage = arena.paged_view(dtype, (receipt.blocks_per_page(kv), kv.layers, 2, BLOCK_TOKENS,
+                                           m.num_key_value_heads, m.head_dim))
+    else:  # quantized blocks: codes and scales of all layers, the receipt's block_bytes each
+        storage = arena.paged_view(torch.uint8, (receipt.blocks_per_page(kv), kv.block_bytes))
     return RankMemory(cards, group.rank, arena, storage, experts, resources)

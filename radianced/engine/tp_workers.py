@@ -37,13 +37,14 @@ from radianced.config import Config
 from radianced.engine.runner import copy_states
 from radianced.engine.tp_counts import CardReport, OtherCards
 from radianced.engine.tp_memory import RankMemory, rank_memory
-from radianced.kv.cache import KVCache, RecurrentState
+from radianced.kv.cache import KVCache, RecurrentState, kv_format
 from radianced.kv.state import StateCopy
 from radianced.model.batch import ForwardBatch
 from radianced.model.layers import CausalLM
 from radianced.model.parallel import ProcessGroup
 from radianced.model.rad import RadFile
 from radianced.model.sharded_loader import load_shard
+from radianced.sizing import BLOCK_TOKENS
 from radianced.tiers.slab import ExpertSlab
 
 log = logging.getLogger("radianced")
@@ -139,10 +140,13 @@ class WorkerShard:
     @classmethod
     def _over(cls, model: CausalLM, cfg: Config, storage: torch.Tensor, device: torch.device | str,
               memory: RankMemory | None = None) -> WorkerShard:
+        """storage: [P, N, L, 2, S, Hkv, D], or uint8 [P, N, block bytes] for a quantized
+        `cfg.kv_cache_dtype` (as `Engine.assemble` takes it)."""
         m, dtype = model.cfg, model.norm.weight.dtype
         hybrid = bool(m.linear_attention_layers)
         states = RecurrentState.allocate(m, cfg.max_num_seqs, dtype, device) if hybrid else None
-        cache = KVCache(storage, m.full_attention_layers, states, None, (storage.shape[-3], *storage.shape[-2:]))
+        cache = KVCache(storage, m.full_attention_layers, states, kv_format(cfg.kv_cache_dtype),
+                        (BLOCK_TOKENS, m.num_key_value_heads, m.head_dim))
         checkpoints = RecurrentState.allocate(m, 2 * cfg.max_num_seqs, dtype, device) if hybrid else None
         return cls(model, cache, checkpoints, memory)
 

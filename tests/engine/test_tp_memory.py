@@ -13,7 +13,7 @@ from radianced.arena import EXPERTS, KV
 from radianced.budget import PlanError
 from radianced.config import Config, ConfigError
 from radianced.engine.tp_memory import plan_ranks, rank_memory, refuse_device
-from radianced.model.parallel import ProcessGroup
+from radianced.model.parallel import SINGLE, ProcessGroup
 from radianced.model.sharded_loader import owned_experts
 
 CFG = dict(tp=2, card_mib=256, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
@@ -77,9 +77,18 @@ def test_a_card_pinning_more_experts_than_card_0_is_refused(tiny_rads):
     plan_ranks(tiny_rads["qwen3_moe"], msgspec.structs.replace(cfg, expert_slots=11))
 
 
-def test_a_quantized_kv_cache_and_cuda_are_refused(tiny_rads):
-    with pytest.raises(ConfigError, match="--kv-cache-dtype fp8 with --tp 2: not yet supported; use auto, or --tp 1"):
-        plan_ranks(tiny_rads["qwen3_moe"], Config(**CFG, kv_cache_dtype="fp8"))
+def test_a_quantized_kv_cache_is_each_cards_blocks_of_its_kv_heads(tiny_rads):
+    one = rank_memory(tiny_rads["qwen3_moe"], Config(**{**CFG, "tp": 1}, kv_cache_dtype="fp8"), SINGLE)
+    card = rank_memory(tiny_rads["qwen3_moe"], Config(**CFG, kv_cache_dtype="fp8"), ProcessGroup(1, 2))
+    kv1, kv2 = one.receipt.groups[0], card.receipt.groups[0]
+    assert 2 * kv2.block_bytes == kv1.block_bytes  # 1 of the 2 KV heads: half the codes and scales
+    assert card.kv_storage.dtype == torch.uint8
+    assert card.kv_storage.shape == (card.arena.num_pages, card.receipt.blocks_per_page(kv2), kv2.block_bytes)
+    one.close()
+    card.close()
+
+
+def test_cuda_is_refused():
     with pytest.raises(ConfigError, match="--tp 2: not yet supported on cuda: NCCL across cards has not run"):
         refuse_device(Config(tp=2), "cuda")
     refuse_device(Config(tp=2), "cpu")

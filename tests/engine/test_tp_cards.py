@@ -1,12 +1,14 @@
-"""The expert tiers per card under `--tp 2` on the CPU, two real processes over gloo: rank 0 is this
-test process (`Engine.build` over its card), rank 1 a spawned worker (`WorkerShard.for_card`).
+"""Each card's memory under `--tp 2` on the CPU, two real processes over gloo: rank 0 is this test
+process (`Engine.build` over its card), rank 1 a spawned worker (`WorkerShard.for_card`).
 
 Each card keeps its own experts (0-3 or 4-7 of every layer) in its own slots, host pool or model
 file, as its receipt places them, and reads its own misses inside the step. Greedy tokens equal
 one card's with the same flags; the lookups and assignments the cards count, summed on rank 0,
 equal one card's, per layer and per decoding sequence and step; each card's allocation is its
 receipt's. A small card makes rank 0's KV take cached expert slots back, and card 1 follows it
-page for page. A read that fails on card 1 fails only the request routed to that expert.
+page for page. A read that fails on card 1 fails only the request routed to that expert. A
+quantized KV cache is quantized on each card as on one: the tokens of one card with the same
+`--kv-cache-dtype`.
 
 One spawn for the module (spawn costs seconds): the worker takes one job at a time from rank 0
 (the .rad, the flags, and an expert whose first read on card 1 fails, or None), serves that engine's steps until it closes, then sends back what it
@@ -44,13 +46,14 @@ DISK = dict(card_mib=256, host_pool_mib=0, weights_disk_tier=True, expert_slots=
 SMALL_CARD = dict(card_mib=33, gpu_headroom_mib=0, max_num_batched_tokens=96, host_pool_mib=1)
 
 
-def _allocation(arena: Arena, slab: ExpertSlab, resources: list) -> dict:
+def _allocation(arena: Arena, slab: ExpertSlab | None, resources: list) -> dict:
     """What a card allocated, in its receipt's terms."""
     pools = [r for r in resources if isinstance(r, HostPool)]
+    homes = [slab.placement.count(h) if slab else 0 for h in ("card", "host", "disk")]
     return dict(arena_pages=arena.num_pages, page_bytes=arena.page_bytes, disk_buffer_pages=len(arena.reserved),
-                arena_alloc_bytes=arena.storage.numel(), expert_slots=arena.held(EXPERTS), slots=slab.num_slots,
-                experts_pinned=slab.placement.count("card"), experts_host=slab.placement.count("host"),
-                experts_disk=slab.placement.count("disk"), host_pool_bytes=sum(p.nbytes for p in pools))
+                arena_alloc_bytes=arena.storage.numel(), expert_slots=arena.held(EXPERTS),
+                slots=slab.num_slots if slab else 0, experts_pinned=homes[0], experts_host=homes[1],
+                experts_disk=homes[2], host_pool_bytes=sum(p.nbytes for p in pools))
 
 
 def _receipt(r) -> dict:
@@ -75,8 +78,9 @@ def _worker(rank: int, port: int) -> None:
         if fault is not None:
             slab.loader.reader.faults = Faults()
             slab.loader.reader.faults.fail(*fault)
-        give_up = slab.give_up
-        slab.give_up = lambda pages: (given.extend(pages), give_up(pages))[1]
+        if slab is not None:
+            give_up = slab.give_up
+            slab.give_up = lambda pages: (given.extend(pages), give_up(pages))[1]
         shard.serve_steps()
         dist.broadcast_object_list([(allocated, len(given))], src=1)
     group.close()
@@ -189,3 +193,19 @@ def test_a_read_that_fails_on_card_1_fails_only_the_request_routed_to_that_exper
     (failed,) = events["a"]
     assert failed.finish_reason is FinishReason.ERROR and failed.error == FAILED_ELSEWHERE
     assert [t for ev in events["b"] for t in ev.token_ids] == want["b"]
+
+
+@pytest.mark.parametrize("family,kv_dtype", [("llama", "fp8"), ("qwen3_moe", "fp8_v4"), ("qwen3_next", "k6_v4")])
+def test_a_quantized_kv_cache_gives_one_cards_tokens(tiny_rads, group, family, kv_dtype):
+    rad = tiny_rads[family]
+    flags = {**CFG, "card_mib": 256, "kv_cache_dtype": kv_dtype}
+    ps = prompts(rad.model.vocab_size, (40, 7, 23), seed=9)
+    want, _ = _serve(_one_card(rad, flags), ps, 16)
+    two = _two_cards(rad, flags, group)
+    r, storage = two.receipt, two.runner.cache.storage
+    assert storage.dtype == torch.uint8 and storage.shape == (r.arena_pages, r.blocks_per_page(r.groups[0]),
+                                                              r.groups[0].block_bytes)
+    got, _ = _serve(two, ps, 16)
+    allocated1, _ = _finish(two)
+    assert got == want
+    assert allocated1 == _receipt(two.cards.receipts[1])
