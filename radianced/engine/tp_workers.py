@@ -132,7 +132,7 @@ class WorkerShard:
     @classmethod
     def for_card(cls, rad: RadFile, cfg: Config, group: ProcessGroup,
                  device: torch.device | str = "cpu") -> WorkerShard:
-        """As `Engine.build` builds rank 0's: this card's receipt, arena, KV view and pinned experts."""
+        """As `Engine.build` builds rank 0's: this card's receipt, arena, KV view and expert tiers."""
         memory = rank_memory(rad, cfg, group, device)
         model = load_shard(rad, group, device, experts=memory.experts)
         return cls._over(model, cfg, memory.kv_storage, device, memory)
