@@ -19,13 +19,18 @@ has finished when the call returns.
 
 The arena knows pages only; what a page holds is the tenant's business
 (`page_view`, `paged_view` interpret the bytes).
+
+Under `--tp N` rank 0's block ids index every card's KV pages, so the other
+cards' arenas follow rank 0's KV tenant: rank 0's arena `record`s that tenant's
+leases and releases, and each other card applies them (`take`, `release`) to its
+own (engine/tp_memory.py).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -39,6 +44,9 @@ TENANTS = (KV, EXPERTS)  # tie-break of the eviction order
 
 class OutOfPages(RuntimeError):
     """A lease could not be filled now; nothing was leased (pages taken back stay free)."""
+
+
+PageChange = tuple[bool, tuple[int, ...]]  # (leased: True, released: False; the pages), in the order made
 
 
 @dataclass(frozen=True)
@@ -143,6 +151,7 @@ class Arena:
         self._held = Counter({t: 0 for t in TENANTS})
         self._moved: Counter = Counter()
         self._reclaimers: dict[str, Reclaimer] = {}
+        self._records: dict[str, deque[PageChange]] = {}  # recorded tenants' changes not yet taken
 
     @classmethod
     def from_receipt(cls, receipt: Receipt, device: torch.device | str = "cpu") -> Arena:
@@ -204,7 +213,39 @@ class Arena:
         for p in pages:
             self._owner[p] = tenant
         self._held[tenant] += n
+        self._note(tenant, True, pages)
         return Lease(tenant, pages)
+
+    def take(self, tenant: str, pages: tuple[int, ...]) -> Lease:
+        """Lease exactly `pages`, free ones, to `tenant`, whatever the policy says: another arena's
+        lease, followed here (`record`). Raises ValueError, changing nothing, for a page not free."""
+        taken = [p for p in pages if not 0 <= p < self.num_pages or self._owner[p] is not None]
+        if taken or len(set(pages)) != len(pages):
+            raise ValueError(f"{tenant}: pages {taken or pages} are not free pages of this arena, each once")
+        wanted = set(pages)
+        self._free = [p for p in self._free if p not in wanted]
+        heapq.heapify(self._free)
+        for p in pages:
+            self._owner[p] = tenant
+        self._held[tenant] += len(pages)
+        self._note(tenant, True, tuple(pages))
+        return Lease(tenant, tuple(pages))
+
+    def owner(self, page: int) -> str | None:
+        """The tenant holding `page`, or None when it is free."""
+        return self._owner[page]
+
+    def record(self, tenant: str) -> None:
+        """Keep `tenant`'s leases and releases from now on, for `changes`."""
+        self._records[tenant] = deque()
+
+    def changes(self, tenant: str) -> list[PageChange]:
+        """`tenant`'s leases and releases since the last call, in order (`record` first). Safe while
+        another thread leases: each change comes out once, whole."""
+        q, out = self._records[tenant], []
+        while q:
+            out.append(q.popleft())
+        return out
 
     def release(self, lease: Lease) -> None:
         """Give back `lease`'s pages; they are free at once (see the module docstring).
@@ -220,10 +261,16 @@ class Arena:
             self._owner[p] = None
             heapq.heappush(self._free, p)
         self._held[lease.tenant] -= len(lease)
+        self._note(lease.tenant, False, lease.pages)
 
     def stats(self) -> ArenaStats:
         return ArenaStats(tuple((t, self._held[t]) for t in TENANTS), len(self._free),
                           tuple(sorted(self._moved.items())))
+
+    def _note(self, tenant: str, leased: bool, pages: tuple[int, ...]) -> None:
+        q = self._records.get(tenant)
+        if q is not None and pages:
+            q.append((leased, pages))
 
     def _usable(self, tenant: str) -> int:
         return min(len(self._free), self.policy.free_allowance(tenant, len(self._free)))

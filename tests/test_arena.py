@@ -181,3 +181,25 @@ def test_the_arena_of_a_receipt_is_its_elastic_line_within_one_page():
     assert arena.policy == policy_for(r) == LendingPolicy(expert_floor=6, kv_buffer=3)
     assert arena.lease(EXPERTS, r.expert_slots).pages == tuple(range(r.expert_slots))
     assert arena.num_free == r.kv_start_pages
+
+
+def test_a_recorded_tenants_changes_come_out_once_in_order_and_another_arena_takes_those_pages():
+    """--tp: rank 0's arena records its KV tenant; a card beyond the first takes the same pages."""
+    rank0, card1 = Arena(6, PAGE), Arena(8, PAGE)
+    rank0.record(KV)
+    rank0.lease(EXPERTS, 1)  # not recorded: another tenant
+    a = rank0.lease(KV, 2)
+    rank0.release(Lease(KV, (a.pages[0],)))
+    rank0.lease(KV, 1)
+    changes = rank0.changes(KV)
+    assert changes == [(True, (1, 2)), (False, (1,)), (True, (1,))] and rank0.changes(KV) == []
+    card1.lease(EXPERTS, 1)
+    for leased, pages in changes:
+        card1.take(KV, pages) if leased else card1.release(Lease(KV, pages))
+    assert [card1.owner(p) for p in range(4)] == [EXPERTS, KV, KV, None] and card1.held(KV) == 2
+    assert card1.lease(EXPERTS, 2).pages == (3, 4)  # the free pages skip the taken ones
+    with pytest.raises(ValueError, match=r"kv: pages \[0, 9\] are not free pages of this arena, each once"):
+        card1.take(KV, (0, 9, 5))
+    with pytest.raises(ValueError, match=r"kv: pages \(5, 5\) are not free pages of this arena, each once"):
+        card1.take(KV, (5, 5))
+    assert card1.held(KV) == 2 and card1.owner(5) is None  # nothing changed

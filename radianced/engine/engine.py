@@ -39,7 +39,7 @@ from radianced.engine.sampler import Sampler
 from radianced.engine.scheduler import Scheduler, SeqEvent
 from radianced.engine.drafting import DraftPlanner
 from radianced.engine.speculation import TOKEN_COST, DraftPolicy, mtp_drafts, ngram_drafts
-from radianced.engine.tp_memory import rank_memory, refuse_device
+from radianced.engine.tp_memory import plan_ranks, rank_memory, refuse_device
 from radianced.engine.tp_workers import StepBroadcast
 from radianced.kernels import ops
 from radianced.kernels.kv_formats import TRITON_KV_DTYPES
@@ -220,18 +220,24 @@ class Engine:
     def _build_rank(cls, rad: RadFile, cfg: Config, group: Group, device: torch.device | str,
                     sampler_seed: int | None) -> Engine:
         """Rank 0's engine of `--tp N` on the CPU: every card's receipt logged (one block a card, then
-        the total), this card's arena, KV view and pinned experts (engine/tp_memory.py). No decode graphs
-        are captured (nor may be, when CUDA is lifted): a replay would skip the step's send to the other
-        ranks, which would wait for it forever."""
+        the total), this card's arena, KV view and expert tiers (engine/tp_memory.py); each step
+        carries its KV page changes to the other cards. No decode graphs are captured (nor may be,
+        when CUDA is lifted): a replay would skip the step's send to the other ranks, which would
+        wait for it forever."""
         refuse_device(cfg, device)
         ops.select(device, deterministic=cfg.deterministic)
-        memory = rank_memory(rad, cfg, group, device)
-        for line in memory.cards.lines():
+        cards = plan_ranks(rad, cfg)
+        for line in cards.lines():
             log.info(line)
+        memory = rank_memory(rad, cfg, group, device, cards)
         receipt = memory.receipt
         engine = cls.assemble(rad, cfg, memory.kv_storage, memory.allocator(), device, memory.experts,
                               receipt.max_model_len, sampler_seed, group)
-        engine.receipt, engine.arena, engine.cards = receipt, memory.arena, memory.cards
+        engine.receipt, engine.arena, engine.cards, engine.experts = receipt, memory.arena, cards, memory.experts
+        engine.runner.workers.arena = memory.arena
+        engine.resources[:0] = memory.resources  # closed after the step broadcast: the other ranks stop first
+        if any(r.experts_disk for r in cards.receipts) and engine.pipelined:
+            engine.pipelined = False  # as on one card: a disk tier's host sync per layer leaves nothing to overlap
         return engine
 
     @classmethod

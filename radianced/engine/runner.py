@@ -31,6 +31,7 @@ from radianced.model.batch import ForwardBatch, copy_rows, to_device_no_sync
 from radianced.model.layers import CausalLM
 
 if TYPE_CHECKING:
+    from radianced.engine.tp_counts import OtherCards
     from radianced.tiers.routing import StepRecord
 
 
@@ -46,6 +47,7 @@ class InFlight:
     routing: StepRecord | None  # the slab's record of the step
     timer: StepTimer  # the step's own time on the device (the pacer's)
     mtp: tuple[ForwardBatch, torch.Tensor] | None = None  # (the batch, its final-normed hidden [T, H]): MTP reads it
+    others: OtherCards | None = None  # under --tp N: the other cards' expert counts of the step
 
 
 class Runner:
@@ -82,9 +84,10 @@ class Runner:
         query_start = tuple(range(len(seqs) + 1)) if graph else \
             tuple(itertools.accumulate((len(s.token_ids) for s in seqs), initial=0))
         pending = self._pending_inputs(seqs, query_start)
+        segments = [(query_start[i], query_start[i + 1]) for i in decode]
         if self.experts is not None:
-            self.experts.begin_step([(query_start[i], query_start[i + 1]) for i in decode], query_start[-1])
-        picked, routing, mtp = None, None, None
+            self.experts.begin_step(segments, query_start[-1])
+        picked, routing, mtp, others = None, None, None, None
         try:
             if graph:  # every sequence feeds one token and samples: query_start is 0, 1, ..., B
                 logits = self.graphs.run([s.token_ids[0] for s in seqs], [s.context_before for s in seqs],
@@ -99,10 +102,13 @@ class Runner:
                 batch = ForwardBatch.build(**layout, device=self.device)
                 if pending is not None:
                     copy_rows(batch.input_ids, *pending)
-                if self.workers is not None:
-                    self.workers.send(plan.before, layout, plan.after, batch.input_ids)
+                if self.workers is not None:  # each card counts its own experts: theirs follow the forward
+                    self.workers.send(plan.before, layout, plan.after, batch.input_ids,
+                                      segments if self.experts is not None else None)
                 with torch.inference_mode():
                     logits = self.model.forward(batch, self.cache, hidden=self.model.mtp is not None)
+                if self.workers is not None and self.experts is not None:
+                    others = self.workers.others(len(self.experts.stats.layers), len(segments), len(seqs))
                 if self.model.mtp is not None:
                     logits, hidden = logits
                     mtp = (batch, hidden)
@@ -125,7 +131,7 @@ class Runner:
             if self.device.type == "cuda":
                 done = torch.cuda.Event()
                 done.record()
-        return InFlight(plan, query_start, decode, host, done, routing, timer, mtp)
+        return InFlight(plan, query_start, decode, host, done, routing, timer, mtp, others)
 
     def collect(self, step: InFlight) -> StepOutput:
         """Wait for a launched step (steps are collected in launch order) and return its output."""
@@ -134,6 +140,8 @@ class Runner:
         seqs = step.plan.seqs
         counts = self.experts.count(step.routing) if step.routing is not None else None
         errors = self._failed_seqs(step.routing, step.query_start) if step.routing is not None else None
+        if step.others is not None:
+            counts, errors = step.others.added(self.experts.stats, counts, errors)
         out = StepOutput(tuple(() for _ in seqs)) if step.host is None else self._output(seqs, step.host)
         out = replace(out, seconds=step.timer.seconds())
         if self.cache.states is not None:

@@ -55,8 +55,8 @@ def _worker(rank: int, size: int, address: str, model: str, cfg: Config, threads
     torch.set_num_threads(threads)
     try:
         group = join(rank, size, address)
-        with torch.inference_mode():
-            shard = WorkerShard.for_card(RadFile.open(model), cfg, group)
+        # built outside inference mode, as rank 0's engine is: the slab patches its tables between steps
+        shard = WorkerShard.for_card(RadFile.open(model), cfg, group)
         shard.serve_steps()
         group.close()
     except BaseException as e:  # reported to rank 0, which names the rank in its stop line

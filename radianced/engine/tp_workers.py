@@ -8,8 +8,14 @@ shard (the collectives inside meet in the same order). What goes over is the ste
 host lists `ForwardBatch.build` takes, one pickled object) and then its input ids as a tensor
 (the ids a pipelined step reads from the previous step's samples are only on rank 0's device).
 The block tables are rank 0's: every rank's cache has the same blocks, each holding that rank's
-KV heads, so one allocator's decisions serve all. Sampling is rank 0's alone: the logits are
-gathered there.
+KV heads, so one allocator's decisions serve all; on cards with an arena each step also carries
+rank 0's KV page leases and releases since the last, which the rank follows first
+(engine/tp_memory.py). Sampling is rank 0's alone: the logits are gathered there.
+
+A card's expert tiers are its own: it counts the routing to its experts, reads its misses inside
+the step (over its link, or from the file with the disk tier) and rebalances its slots after the
+step, as one card's engine does; after each forward its counts go to rank 0 in one all-reduce
+(engine/tp_counts.py).
 
 Not mirrored yet, refused where `--tp` is set up: CUDA decode graphs (the replay would skip the
 send), speculative decoding (the kept draft state depends on rank 0's samples) and the MTP head.
@@ -17,22 +23,31 @@ send), speculative decoding (the kept draft state depends on rank 0's samples) a
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from radianced.arena import KV, Arena, PageChange
 from radianced.config import Config
 from radianced.engine.runner import copy_states
-from radianced.engine.tp_memory import rank_memory
-from radianced.kv.cache import KVCache, RecurrentState
+from radianced.engine.tp_counts import CardReport, OtherCards
+from radianced.engine.tp_memory import RankMemory, rank_memory
+from radianced.kv.cache import KVCache, RecurrentState, kv_format
 from radianced.kv.state import StateCopy
 from radianced.model.batch import ForwardBatch
 from radianced.model.layers import CausalLM
 from radianced.model.parallel import ProcessGroup
 from radianced.model.rad import RadFile
 from radianced.model.sharded_loader import load_shard
+from radianced.sizing import BLOCK_TOKENS
+from radianced.tiers.slab import ExpertSlab
+
+log = logging.getLogger("radianced")
 
 
 @dataclass(frozen=True)
@@ -44,29 +59,49 @@ class WorkerStep:
         block size, logits rows, state slots, drafts); the ids are then overwritten by the
         broadcast tensor.
     after: the plan's state copies to apply after the forward.
+    pages: rank 0's KV page changes since the last step (`Arena.changes`), to follow first.
+    segments: the rows whose expert counts rank 0 keeps apart (one per decoding sequence), or None
+        when no counts are sent (a model without expert tiers).
     """
 
     before: tuple[StateCopy, ...]
     layout: dict
     after: tuple[StateCopy, ...]
+    pages: list[PageChange]
+    segments: list[tuple[int, int]] | None
 
 
 class StepBroadcast:
-    """Rank 0's side: each step to every other rank (`send`), then `close` to end their loops.
+    """Rank 0's side: each step to every other rank (`send`), the others' expert counts after its
+    forward (`others`), then `close` to end their loops.
 
-    seconds: the time spent in `send` so far, steps: how many (the transport's per-step cost).
+    arena: rank 0's, recording its KV tenant (`RankMemory.allocator`), or None (no arena: the
+        tests' fixed pools).
+    seconds: the time spent in `send` and `others` so far, steps: how many (the transport's
+    per-step cost).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, arena: Arena | None = None) -> None:
+        self.arena = arena
         self.seconds, self.steps = 0.0, 0
 
     def send(self, before: tuple[StateCopy, ...], layout: dict, after: tuple[StateCopy, ...],
-             input_ids: torch.Tensor) -> None:
+             input_ids: torch.Tensor, segments: list[tuple[int, int]] | None) -> None:
+        """The step to the other ranks: its layout, the KV page changes, the rows counted apart
+        (None: no counts follow the forward), then its input ids."""
         start = time.perf_counter()
-        dist.broadcast_object_list([WorkerStep(before, layout, after)], src=0)
+        pages = self.arena.changes(KV) if self.arena is not None else []
+        dist.broadcast_object_list([WorkerStep(before, layout, after, pages, segments)], src=0)
         dist.broadcast(input_ids, src=0)
         self.seconds += time.perf_counter() - start
         self.steps += 1
+
+    def others(self, layers: int, segments: int, seqs: int) -> OtherCards:
+        """After the forward of a step sent with segments: the other cards' expert counts."""
+        start = time.perf_counter()
+        received = OtherCards.receive(layers, segments, seqs)
+        self.seconds += time.perf_counter() - start
+        return received
 
     def close(self) -> None:
         """Tell every other rank that no step follows (their `serve_steps` returns)."""
@@ -75,11 +110,13 @@ class StepBroadcast:
 
 @dataclass
 class WorkerShard:
-    """A rank's share of the engine's device state: its model, KV cache and state checkpoints."""
+    """A rank's share of the engine's device state: its model, KV cache and state checkpoints, and
+    with its card's memory (`for_card`) its arena and expert tiers."""
 
     model: CausalLM
     cache: KVCache
     checkpoints: RecurrentState | None
+    memory: RankMemory | None = None
 
     @classmethod
     def build(cls, rad: RadFile, cfg: Config, group: ProcessGroup, num_blocks: int, block_size: int,
@@ -95,32 +132,68 @@ class WorkerShard:
     @classmethod
     def for_card(cls, rad: RadFile, cfg: Config, group: ProcessGroup,
                  device: torch.device | str = "cpu") -> WorkerShard:
-        """As `Engine.build` builds rank 0's: this card's receipt, arena, KV view and pinned experts."""
+        """As `Engine.build` builds rank 0's: this card's receipt, arena, KV view and expert tiers."""
         memory = rank_memory(rad, cfg, group, device)
-        return cls._over(load_shard(rad, group, device, experts=memory.experts), cfg, memory.kv_storage, device)
+        model = load_shard(rad, group, device, experts=memory.experts)
+        return cls._over(model, cfg, memory.kv_storage, device, memory)
 
     @classmethod
-    def _over(cls, model: CausalLM, cfg: Config, storage: torch.Tensor, device: torch.device | str) -> WorkerShard:
+    def _over(cls, model: CausalLM, cfg: Config, storage: torch.Tensor, device: torch.device | str,
+              memory: RankMemory | None = None) -> WorkerShard:
+        """storage: [P, N, L, 2, S, Hkv, D], or uint8 [P, N, block bytes] for a quantized
+        `cfg.kv_cache_dtype` (as `Engine.assemble` takes it)."""
         m, dtype = model.cfg, model.norm.weight.dtype
         hybrid = bool(m.linear_attention_layers)
         states = RecurrentState.allocate(m, cfg.max_num_seqs, dtype, device) if hybrid else None
-        cache = KVCache(storage, m.full_attention_layers, states, None, (storage.shape[-3], *storage.shape[-2:]))
+        cache = KVCache(storage, m.full_attention_layers, states, kv_format(cfg.kv_cache_dtype),
+                        (BLOCK_TOKENS, m.num_key_value_heads, m.head_dim))
         checkpoints = RecurrentState.allocate(m, 2 * cfg.max_num_seqs, dtype, device) if hybrid else None
-        return cls(model, cache, checkpoints)
+        return cls(model, cache, checkpoints, memory)
 
     def serve_steps(self) -> int:
-        """Run the steps rank 0 broadcasts until it stops; returns how many ran."""
+        """Run the steps rank 0 broadcasts until it stops; returns how many ran. Closes the card's
+        memory (host pool, expert loader) when it returns."""
+        try:
+            return self._serve()
+        finally:
+            if self.memory is not None:
+                self.memory.close()
+
+    def _serve(self) -> int:
         device, steps = self.cache.storage.device, 0
+        slab = self.memory.experts if self.memory is not None else None
+        report = CardReport(slab) if slab is not None else None
         while True:
             message = [None]
             dist.broadcast_object_list(message, src=0)
             step: WorkerStep | None = message[0]
             if step is None:
                 return steps
+            if self.memory is not None:
+                self.memory.follow(step.pages)
             copy_states(step.before, self.cache.states, self.checkpoints)
             batch = ForwardBatch.build(**step.layout, device=device)
             dist.broadcast(batch.input_ids, src=0)
+            counted = step.segments is not None
+            if counted:
+                slab.begin_step(step.segments, batch.input_ids.shape[0])
             with torch.inference_mode():
                 self.model.forward(batch, self.cache)
+            if counted:
+                report.send(*_counts(slab, step.layout["token_ids"]))
             copy_states(step.after, self.cache.states, self.checkpoints)
+            if slab is not None:
+                slab.rebalance()
             steps += 1
+
+
+def _counts(slab: ExpertSlab, token_ids: list[list[int]]) -> tuple[tuple, list[bool]]:
+    """The step's expert counts per segment, and per sequence (its `token_ids`) whether an expert
+    its rows routed to failed to read (said in this rank's log)."""
+    record = slab.end_launch()
+    rows, errors = record.failures()
+    for error in errors:
+        log.error("expert read failed: %s", error)
+    starts = list(itertools.accumulate((len(t) for t in token_ids), initial=0))
+    failed = {bisect.bisect_right(starts, r) - 1 for r in rows}
+    return slab.count(record), [i in failed for i in range(len(token_ids))]

@@ -208,7 +208,9 @@ class MoE:
     rows of its own experts (`split_range` of the ids; its source holds only those) and its
     columns of the shared expert, and one all-reduce sums the partial outputs. A rank's foreign
     assignments become its first expert at weight 0: the ids stay [T, k] (no host sync, the same
-    ops and CUDA graphs), at the price of that expert's read when no token routed to it.
+    ops and CUDA graphs), at the price of that expert's read when no token routed to it. Its
+    source's `prepare` gets the routing before that (every expert id): a card's slab counts the
+    assignments to its own experts, and reads in the first one too where the disk tier must.
     """
 
     def __init__(self, cfg: ModelConfig, layer: int, w: Weights, experts: ExpertSource, group: Group = SINGLE):
@@ -250,11 +252,11 @@ class MoE:
         compact = {} if fmt is None else {"weight_format": fmt}  # the op reads the extents as bytes
         if experts.stages_experts or self.group.size > 1:
             ids, weights = ops.route(logits, top_k, renormalize, x.dtype)
+            experts.prepare(self.layer, ids)  # the whole routing: a card's source counts (and stages) its own
             if self.group.size > 1:
                 first, stop = self.owned
                 foreign = (ids < first) | (ids >= stop)
                 ids, weights = ids.masked_fill(foreign, first), weights.masked_fill(foreign, 0)
-            experts.prepare(self.layer, ids)
             return ops.moe(x, ids, weights, experts.table(self.layer), experts.slab, self.inter, experts.host,
                            residual=residual, **compact)
         out, ids, _ = ops.route_moe(x, logits, top_k, renormalize, experts.table(self.layer), experts.slab,

@@ -6,7 +6,8 @@ projections (q/k/v, gate/up, the DeltaNet input projections, the embedding table
 columns for row-parallel ones (o_proj, down_proj, out_proj). A row slice of the mmap is a view
 (no copy, only its pages are read); a column slice is copied, as is the DeltaNet conv1d, whose
 channels are [q of every key head | k | v] and so three ranges. Norms and the router are
-replicated. Routed experts: the rank's contiguous range of ids in one slab (`owned_experts`).
+replicated. Routed experts: the rank's contiguous range of ids, in its expert tiers (engine/tp_memory.py)
+or in one slab (`owned_experts`).
 
 Checksums cover whole tensors, so each is verified by one rank (tensor i by rank i mod N) and
 each routed expert by its owner: together the ranks check every byte once.
@@ -23,7 +24,7 @@ import torch
 
 from radianced.kernels.formats import FORMATS, is_compact
 from radianced.model.config import ModelConfig
-from radianced.model.experts import ResidentExperts
+from radianced.model.experts import ExpertSource, ResidentExperts
 from radianced.model.layers import CausalLM
 from radianced.model.loader import build_model
 from radianced.model.parallel import Group
@@ -35,10 +36,11 @@ _COLUMNS = ("o_proj.weight", "down_proj.weight", "out_proj.weight")  # row-paral
 
 
 def load_shard(rad: RadFile, group: Group, device: torch.device | str = "cpu",
-               dtype: torch.dtype | None = None, experts: ResidentExperts | None = None) -> CausalLM:
+               dtype: torch.dtype | None = None, experts: ExpertSource | None = None) -> CausalLM:
     """Rank `group.rank`'s model of `rad` split over `group.size` ranks, on `device` (cast to `dtype`
     if given). Its `cfg` is the card's (sharding.card_config): the KV cache and recurrent state a
-    rank allocates follow it. `experts`: the card's, already placed (`owned_experts(out=)`)."""
+    rank allocates follow it. `experts`: the card's, already placed (its expert tiers:
+    engine/tp_memory.py); by default all of them in one slab (`owned_experts`)."""
     m = rad.model
     share = card_share(m, group.rank, group.size)
     _check_splittable(rad, share)
@@ -83,20 +85,16 @@ def _conv_channels(t: torch.Tensor, m: ModelConfig, share: CardShare) -> torch.T
 
 
 def owned_experts(rad: RadFile, share: CardShare, device: torch.device | str = "cpu",
-                  dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> ResidentExperts:
+                  dtype: torch.dtype | None = None) -> ResidentExperts:
     """The card's routed experts (ids `share.experts` of every decoder layer) in one slab,
     layer-major; each layer's table has all E entries, a foreign expert's pointing at the card's
-    first one (the MoE routes foreign assignments there at weight 0: model/layers.py). `out`: the
-    slab's rows, given (an arena's pages: engine/tp_memory.py; `device` and `dtype` are its own)."""
+    first one (the MoE routes foreign assignments there at weight 0: model/layers.py)."""
     m = rad.model
     first, stop = share.experts
     layers = sorted({e.layer for e in rad.header.experts if e.layer < m.num_hidden_layers})
     pieces = [rad.expert(layer, e, verify=True) for layer in layers for e in range(first, stop)]
     gate = pieces[0][0]
-    width = 3 * gate.numel()
-    if out is not None and (out.shape[0] != len(pieces) or out.shape[1] != width):
-        raise ValueError(f"{len(pieces)} experts of {width} elements do not fill rows {list(out.shape)}")
-    slab = torch.empty((len(pieces), width), dtype=dtype or gate.dtype, device=device) if out is None else out
+    slab = torch.empty((len(pieces), 3 * gate.numel()), dtype=dtype or gate.dtype, device=device)
     for row, (g, u, d) in enumerate(pieces):
         slab[row] = torch.cat((g.flatten(), u.flatten(), d.flatten()))
     tables = {}

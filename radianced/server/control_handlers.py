@@ -64,7 +64,7 @@ class ControlHandlers:
                                              generated=r.generated, age_s=r.age_s)
                       for r in (engine.live() if engine else ())],
             steps=engine.steps if engine else 0,
-            experts=_expert_status(engine.engine.experts) if engine else None,
+            experts=_expert_status(engine.engine.experts, engine.engine.cards) if engine else None,
         )
 
     def receipt(self, args: dict) -> control.ReceiptResult:
@@ -93,6 +93,10 @@ class ControlHandlers:
         if d.live_profile is None:
             raise control.ControlError(f"{d.model_name} is a dense model: it routes no experts, so it has no "
                                        f"expert profile to save")
+        if d.cfg.tp > 1:
+            raise control.ControlError(f"saving the expert profile with --tp {d.cfg.tp}: not yet supported: each "
+                                       "card counts the routing of its own experts, and only the sums reach "
+                                       "rank 0; save it from a daemon with --tp 1")
         # a dict copy runs without giving up the GIL, so the step thread cannot change it mid-copy
         routing, steps = dict(engine.engine.experts.routing), engine.steps
 
@@ -110,15 +114,20 @@ class ControlHandlers:
                                          steps=saved.steps, merged=saved.merged, note=saved.note)
 
 
-def _expert_status(slab) -> control.ExpertStatus | None:
-    """The slab's slots, homes and per-layer counts; None for a dense model. Read on the loop while
-    a step may count: each number is whole, a layer's may be one layer-step apart."""
+def _expert_status(slab, cards) -> control.ExpertStatus | None:
+    """The slab's slots, homes and per-layer counts; None for a dense model. Under --tp (`cards`:
+    every card's receipt) every card's: their homes, and the slots and counts the other cards
+    report to rank 0's slab (engine/tp_counts.py). Read on the loop while a step may count: each
+    number is whole, a layer's may be one layer-step apart."""
     if slab is None:
         return None
     s, p = slab.stats, slab.placement
+    homes = [(len(p.pinned), len(p.host), len(p.disk))] if cards is None else \
+        [(r.experts_pinned, r.experts_host, r.experts_disk) for r in cards.receipts]
+    pinned, host, disk = (sum(n) for n in zip(*homes))
     lookups, hits, routed = dict(s.lookups), dict(s.hits), dict(s.routed)
     return control.ExpertStatus(
-        slots=slab.num_slots, pinned=len(p.pinned), host=len(p.host), disk=len(p.disk), refills=s.refills,
+        slots=slab.num_slots + s.other_slots, pinned=pinned, host=host, disk=disk, refills=s.refills,
         evictions=s.evictions,
         layers=[control.LayerExperts(layer=layer, lookups=lookups[layer], hits=hits[layer], routed=routed[layer])
                 for layer in sorted(lookups)])

@@ -8,6 +8,10 @@ placement will use (PCIe for overflow and disk reads, O_DIRECT for the disk
 tier), and leases and fills the slab's start slots. Its start-up lines go to
 the engine's log, after the receipt's.
 
+Under `--tp N` each card builds its own from its receipt over its share of the
+experts (`owned`: a range of ids in every layer): its slots, its host pool and
+its reads of the file, as one card does over all of them (engine/tp_memory.py).
+
 Compact experts (`kernels/formats.py`) stay compact in every tier: slots, host
 pool rows and disk reads hold the extent's bytes as the file does (a uint8 slab
 as wide as the receipt's extent), and the slab names each layer's format
@@ -37,15 +41,20 @@ log = logging.getLogger("radianced.engine")  # Engine.build's start-up lines, on
 
 
 def build_expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch.dtype, cfg: Config,
-                      resources: list) -> ExpertSlab:
+                      resources: list, owned: tuple[int, int] | None = None) -> ExpertSlab:
     """The placement the receipt implies: pinned experts and a pre-filled cache in arena
     slots, the rest in the host pool (O_DIRECT-filled, checksums verified) read over the link,
     or with the disk tier in the file, read when a step routes them. With
     `<model>.expert-profile.bin` beside the model, slots are filled in its rank order.
     With `--host-pool-placement ram=DIR` the pool is a file in that tmpfs, shared by daemons.
-    Appends the host pool and the expert loader to `resources` (the engine closes them)."""
-    ranking = _profile_ranking(rad)
-    placement = place_receipt(receipt, routed_experts(rad.header), ranking=ranking)
+    Appends the host pool and the expert loader to `resources` (the engine closes them).
+    owned: (first, stop), a card's expert ids under --tp (its receipt counts only those)."""
+    ranking, experts = _profile_ranking(rad), routed_experts(rad.header)
+    if owned is not None:
+        def mine(keys: list[Key]) -> list[Key]:
+            return [k for k in keys if owned[0] <= k[1] < owned[1]]
+        experts, ranking = mine(experts), None if ranking is None else mine(ranking)
+    placement = place_receipt(receipt, experts, ranking=ranking)
     log.info("experts: %s", placement.line())
     host = None
     if placement.host:
@@ -68,7 +77,7 @@ def build_expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch
         log.info("disk tier: %d experts stay in %s, read with O_DIRECT when a step routes them "
                  "(buffers: 2 x %d slots)", len(placement.disk), rad.path, len(arena.reserved) // 2)
     slab = ExpertSlab(arena, width, dtype, placement, host, loader, rad.model.num_experts, cfg.expert_slots,
-                      formats)
+                      formats, owned)
     log.info(slab.fill_line(ranked=ranking is not None))
     return slab
 

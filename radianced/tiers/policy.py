@@ -17,8 +17,9 @@ and choosing victims are a few vectorized calls, not Python per expert.
 routing (`observe`), and returns decisions that the slab applies: the refills
 of a rebalance (`Admission`: read this expert into this lent page, or in place
 of this victim) and the victims of a surrender (`victims`). A victim leaves the
-policy's cache when it is named; an expert joins it when the slab reports its
-slot filled (`slot_taken`). Pinned experts never join: they are never evicted.
+policy's cache when it is named (or when the slab reports its slot lost,
+`slot_lost`); an expert joins it when the slab reports its slot filled
+(`slot_taken`). Pinned experts never join: they are never evicted.
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ class SlotPolicy:
     def slot_taken(self, key: Key) -> None:
         """`key` now holds a cache slot: a victim the policy may name from now on."""
         self._cached[self._cell(key)] = True
+
+    def slot_lost(self, key: Key) -> None:
+        """`key` left its cache slot by another's choice (the slab gave that page up): no victim now."""
+        self._cached[self._cell(key)] = False
 
     def score(self, key: Key) -> float:
         """The decayed routing count of `key` now."""

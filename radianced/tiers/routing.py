@@ -25,6 +25,11 @@ layer once, in order) touches only its R x k cells, not all R x E; decode
 steps whose every segment is one row count each row's cells directly (a top-k
 row never repeats an expert). Prefill and mixed steps take the general rule:
 every row's (segment, call, expert) triple, made unique.
+
+Under `--tp N` a card's slab holds a range of the experts (`owned`); its tally
+counts only the assignments to them (the other cards count theirs, and the sums
+over the cards are one card's counts of the whole model), through the general
+rule.
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ class SlabStats:
     when it sat in a slot, and the token-to-expert assignments routed. `RoutingTally` adds a step
     to `counts` ([(lookups, hits, routed), layer position], int64) in a few numpy calls; `lookups`,
     `hits` and `routed` read it as {layer: count}. The slab counts its refills, evictions and
-    disk reads here too."""
+    disk reads here too. Under --tp rank 0's slab adds the other cards' counts (`add`), and
+    `other_slots` is their slots in use (not a count: `reset` leaves it)."""
 
     def __init__(self, layers: Sequence[int]):
         self.layers = tuple(layers)
@@ -58,11 +64,27 @@ class SlabStats:
         self.evictions = 0
         self.disk_reads = 0  # experts the disk tier read for steps and admissions
         self.disk_bytes = 0  # their bytes (verified)
+        self.other_slots = 0
 
     def reset(self) -> None:
         """Count from zero again: the daemon's warm-up traffic is not what it serves."""
         self.counts[:] = 0
         self.refills = self.evictions = self.disk_reads = self.disk_bytes = 0
+
+    def totals(self) -> np.ndarray:
+        """Every count as one int64 vector: [lookups, hits, routed] per layer position, then
+        refills, evictions, disk reads, disk bytes (`add` takes it back)."""
+        return np.concatenate((self.counts.ravel(), [self.refills, self.evictions, self.disk_reads, self.disk_bytes]))
+
+    def add(self, totals: np.ndarray) -> None:
+        """Add counts made elsewhere, as `totals` lays them out (--tp: another card's slab's)."""
+        n = self.counts.size
+        self.counts += totals[:n].reshape(self.counts.shape)
+        refills, evictions, reads, nbytes = totals[n:n + 4].tolist()
+        self.refills += refills
+        self.evictions += evictions
+        self.disk_reads += reads
+        self.disk_bytes += nbytes
 
     @property
     def lookups(self) -> dict[int, int]:
@@ -140,10 +162,12 @@ def fold(pos: np.ndarray | None, per_call: np.ndarray, num_layers: int, axis: in
 
 
 class RoutingTally:
-    """Counts launched steps' routing into `stats` and per-(layer, expert) assignments."""
+    """Counts launched steps' routing into `stats` and per-(layer, expert) assignments; with
+    `owned` (first, stop), only the assignments to experts first..stop-1 (a card's under --tp)."""
 
-    def __init__(self, stats: SlabStats, num_experts: int):
+    def __init__(self, stats: SlabStats, num_experts: int, owned: tuple[int, int] | None = None):
         self.stats, self.num_experts = stats, num_experts
+        self.owned = None if owned is None or tuple(owned) == (0, num_experts) else tuple(owned)
         self.layers = stats.layers
         self.assigned = np.zeros((len(self.layers), num_experts), dtype=np.int64)  # since start
         # per (R, k) recorded calls: [R, k] call * E, each call's first (call, expert) cell; per R:
@@ -169,34 +193,42 @@ class RoutingTally:
             self._scratch[R] = np.empty((2, R, E), dtype=bool)
         cells = offsets + ids  # [n, R, k]: the (call, expert) cell of every assignment, call * E + expert
         segments = record.segments
-        if n == 1 and pos is None:
+        mine = None if self.owned is None else (ids >= self.owned[0]) & (ids < self.owned[1])  # [n, R, k]
+        if n == 1 and pos is None and mine is None:
             routed = self._add_row(cells.reshape(-1), slotted, R, k)
             if segments == [(0, 1)]:  # a batch-1 decode step: its one sequence needed the row's R x k experts
                 hits = int(np.count_nonzero(routed.hit))
                 return ((R * k, hits, R * k, R * k - hits),), routed
         else:
-            routed = self._add_rows(cells, slotted, pos, n, R, k)
-        return self._per_segment(segments, cells, slotted, ids.shape), routed
+            routed = self._add_rows(cells, slotted, pos, mine, R)
+        return self._per_segment(segments, cells, slotted, mine), routed
 
     def _per_segment(self, segments: list[tuple[int, int]], cells: np.ndarray, slotted: np.ndarray,
-                     shape: tuple[int, int, int]) -> tuple[ExpertCounts, ...]:
-        """Each segment's (lookups, hits, routed, routed_from_misses) over cells [n, R, k]."""
+                     mine: np.ndarray | None) -> tuple[ExpertCounts, ...]:
+        """Each segment's (lookups, hits, routed, routed_from_misses) over cells [n, R, k], of the
+        assignments `mine` marks (all if None)."""
         if not segments:
             return ()
-        (n, R, k), E, S = shape, self.num_experts, len(segments)
+        (n, R, k), E, S = cells.shape, self.num_experts, len(segments)
         if len(self._apart) != S:
             self._apart = [(i, i + 1) for i in range(S)]
         one_row = segments == self._apart  # every row its own segment, in order: a graph's decode step
         if one_row or all(end - start == 1 for start, end in segments):  # decode rows: no expert twice in a row
-            rows = cells[:S] if one_row else cells[[start for start, _ in segments]]  # [S, R, k]
-            lookups = R * k
-            hits = slotted.ravel().take(rows).reshape(S, -1).sum(axis=1)
-            return tuple([(lookups, h, lookups, lookups - h) for h in hits.tolist()])
+            at = slice(0, S) if one_row else [start for start, _ in segments]
+            rows = cells[at]  # [S, R, k]
+            hit = slotted.ravel().take(rows)
+            if mine is None:
+                lookups = R * k
+                hits = hit.reshape(S, -1).sum(axis=1)
+                return tuple([(lookups, h, lookups, lookups - h) for h in hits.tolist()])
+            looked = mine[at].reshape(S, -1)
+            hits, lookups = (hit.reshape(S, -1) & looked).sum(axis=1), looked.sum(axis=1)
+            return tuple([(lk, h, lk, lk - h) for lk, h in zip(lookups.tolist(), hits.tolist())])
         seg = np.full(n, -1, dtype=np.int64)
         for i, (start, end) in enumerate(segments):
             seg[start:end] = i
-        seg = np.broadcast_to(seg[:, None, None], shape).reshape(-1)
-        keep = seg >= 0
+        seg = np.broadcast_to(seg[:, None, None], cells.shape).reshape(-1)
+        keep = seg >= 0 if mine is None else (seg >= 0) & mine.reshape(-1)
         seg_pairs, assigned = np.unique(seg[keep] * (R * E) + cells.reshape(-1)[keep], return_counts=True)
         seq, hit = seg_pairs // (R * E), slotted.ravel()[seg_pairs % (R * E)]
         counts = np.zeros((S, 4), dtype=np.int64)
@@ -204,18 +236,20 @@ class RoutingTally:
             counts[:, col] += np.bincount(seq, weights=w, minlength=S).astype(np.int64)
         return tuple(map(tuple, counts.tolist()))
 
-    def _add_rows(self, cells: np.ndarray, slotted: np.ndarray, pos: np.ndarray | None, n: int, R: int,
-                  k: int) -> Routed:
-        """Add n rows' assignments (cells [n, R, k]) to the per-layer stats and the assignments,
-        counted by (call, expert) over [R, E], not sorted: a prefill routes T x k a layer."""
+    def _add_rows(self, cells: np.ndarray, slotted: np.ndarray, pos: np.ndarray | None, mine: np.ndarray | None,
+                  R: int) -> Routed:
+        """Add the rows' assignments (cells [n, R, k]; those `mine` marks, all if None) to the
+        per-layer stats and the assignments, counted by (call, expert) over [R, E], not sorted: a
+        prefill routes T x k a layer."""
         E, L = self.num_experts, len(self.layers)
-        by_pair = np.bincount(cells.reshape(-1), minlength=R * E).reshape(R, E)
+        counted = cells.reshape(-1) if mine is None else cells[mine]
+        by_pair = np.bincount(counted, minlength=R * E).reshape(R, E)
         looked = self._scratch[R]
         routed = np.greater(by_pair, 0, out=looked[0])  # [R, E]: the experts each call routed
         np.logical_and(routed, slotted, out=looked[1])  # ... that were in a slot
         stats = self.stats.counts  # [3, L]
         stats[:2] += fold(pos, looked.sum(axis=2), L, axis=1)
-        stats[2] += n * k if pos is None else fold(pos, np.full(R, n * k), L)
+        stats[2] += fold(pos, by_pair.sum(axis=1), L)
         self.assigned += fold(pos, by_pair, L)
         return Routed(None, None, by_pair, routed > slotted, pos)  # missed: routed and not in a slot
 

@@ -81,12 +81,15 @@ class SlabError(RuntimeError):
 class ExpertSlab:
     def __init__(self, arena: Arena, width: int, dtype: torch.dtype, placement: Placement,
                  host: torch.Tensor | None, loader: ExpertLoader | None, num_experts: int,
-                 max_slots: int | None = None, formats: dict[int, str] | None = None):
+                 max_slots: int | None = None, formats: dict[int, str] | None = None,
+                 owned: tuple[int, int] | None = None):
         """width: elements of one expert extent (the widest); dtype: the extents' (uint8 for compact
         ones); host: [placement.count(HOST), width] rows in placement.host_row order; loader: reads
         extents from the model file into slab rows (the pinned experts, disk-homed ones; needed when
         the placement has any); max_slots: --expert-slots (None: as many as the arena lends);
-        formats: per routed layer, its extents' format when they are compact (`weight_format`).
+        formats: per routed layer, its extents' format when they are compact (`weight_format`);
+        owned: (first, stop), the expert ids of a card's share under --tp (the placement's are
+        among them; the other ids' table entries stay MISSING, and only these are counted).
         Leases and fills every start slot."""
         _check_homes(arena, placement, loader)
         self.arena, self.placement, self.host, self.loader = arena, placement, host, loader
@@ -97,7 +100,8 @@ class ExpertSlab:
         layers = sorted({layer for layer, _ in placement.pinned + placement.host + placement.disk})
         self._layers = tuple(layers)
         self._layer_pos = {layer: i for i, layer in enumerate(layers)}
-        self._tables = {layer: torch.empty(num_experts, dtype=torch.int64, device=self.slab.device)
+        self.owned = owned
+        self._tables = {layer: torch.full((num_experts,), MISSING, dtype=torch.int64, device=self.slab.device)
                         for layer in layers}
         # Dense [routed layer position, expert] copies of the tables on the host: their contents
         # (readable without a device sync) and which experts sit in any slot (entry >= 0: what a
@@ -111,7 +115,7 @@ class ExpertSlab:
         self._pinned = frozenset(placement.pinned)
         self._slot_of: dict[Key, int] = {}
         self.stats = SlabStats(layers)
-        self.tally = RoutingTally(self.stats, num_experts)  # counts each step's routing
+        self.tally = RoutingTally(self.stats, num_experts, owned)  # counts each step's routing
         self.policy = SlotPolicy(layers, num_experts)  # chooses the cached slots' experts
         self._disk = DiskBuffers(arena.reserved, self.slab, loader, self.stats)  # a step's disk-homed experts
         self._recorded: list[Recorded] = []  # this step's routing, counted by end_step
@@ -148,6 +152,9 @@ class ExpertSlab:
         entries = self._entries[self._layer_pos[layer]]
         self._recorded.append((layer, expert_ids, entries >= 0))  # the table as the router found it
         routed = torch.unique(expert_ids).tolist()
+        if self.owned is not None:  # a card's share (--tp): the MoE runs the other cards' assignments on
+            first, stop = self.owned  # the first expert it owns, at weight 0 (model/layers.py)
+            routed = sorted({e if first <= e < stop else first for e in routed})
         missing = [e for e in routed if entries[e] == MISSING]
         if missing:
             for key, row in self._disk.stage(layer, self._layer_pos[layer], missing, expert_ids):
@@ -263,6 +270,17 @@ class ExpertSlab:
         already launched, so those steps read the old rows first (on the CPU a launched step's
         ops have already run)."""
         return Lease(EXPERTS, tuple(self._evict(key) for key in self.policy.victims(n)))
+
+    def give_up(self, pages: Sequence[int]) -> Lease:
+        """Give up the cached slots in `pages` (their experts point back at their homes): another's
+        choice (--tp: rank 0's KV took these pages, engine/tp_pages.py). Raises ValueError, changing
+        nothing, where a page holds no cached slot."""
+        cached = {page: key for key, page in self._slot_of.items() if key not in self._pinned}
+        if not set(pages) <= cached.keys():
+            raise ValueError(f"pages {sorted(set(pages) - cached.keys())} hold no cached expert slot")
+        for p in pages:
+            self.policy.slot_lost(cached[p])
+        return Lease(EXPERTS, tuple(self._evict(cached[p]) for p in pages))
 
     # -- between steps -------------------------------------------------------------
 

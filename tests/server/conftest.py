@@ -121,18 +121,25 @@ def start_daemon(model: Path | None, *flags: str, env: dict[str, str] | None = N
             raise RuntimeError(f"the daemon never listened (exit {proc.returncode}):\n{d.log()[-3000:]}")
         else:
             time.sleep(0.05)
-    while wait_ready:
+    if wait_ready:
+        wait_until_ready(d, deadline - time.monotonic())
+    return d
+
+
+def wait_until_ready(d: Daemon, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    """Wait for /health 200 (a daemon listens before it loads); killed, and RuntimeError, past `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
         try:
             with client(d) as c:
                 if c.get("/health").status_code == 200:
-                    break
+                    return
         except httpx.TransportError:
             pass
-        if proc.poll() is not None or time.monotonic() > deadline:
+        if d.proc.poll() is not None or time.monotonic() > deadline:
             d.stop(signal.SIGKILL, 5)
-            raise RuntimeError(f"the daemon never became ready (exit {proc.returncode}):\n{d.log()[-3000:]}")
+            raise RuntimeError(f"the daemon never became ready (exit {d.proc.returncode}):\n{d.log()[-3000:]}")
         time.sleep(0.05)
-    return d
 
 
 def client(d: Daemon, **kwargs) -> httpx.Client:

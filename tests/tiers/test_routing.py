@@ -90,3 +90,30 @@ def test_a_record_names_the_rows_routed_to_a_failed_read():
     rec = StepRecord((0,), None, None, None, 4, [], failed, ["expert (layer 0, expert 2): read failed"])
     assert rec.failures() == ([1, 3], ["expert (layer 0, expert 2): read failed"])
     assert record([]).failures() == ([], [])
+
+
+def test_a_cards_tally_counts_only_its_own_experts():
+    """--tp: this card owns experts 2-3 of each layer; the rest are another card's to count."""
+    t = RoutingTally(SlabStats((0, 1)), E, owned=(2, 4))
+    slotted = np.array([[False, False, True, False], [False, False, False, True]])
+    one, _ = t.count(record([(0, 1)], slotted=slotted), np.array([[[1, 2], [3, 0]]]))
+    assert one == ((2, 2, 2, 0),)  # (0, 2) and (1, 3): both in a slot
+    ids = np.stack([np.array([[1, 2], [2, 3], [3, 2]]), np.array([[3, 0], [0, 1], [2, 3]])], axis=1)  # [3, R, k]
+    apart, _ = t.count(record([(0, 1), (1, 2)], slotted=slotted, rows=3), ids)
+    assert apart == ((2, 2, 2, 0), (2, 1, 2, 1))  # row 1: layer 0 {2 hit, 3 miss}, layer 1 none of its own
+    together, routed = t.count(record([(1, 3)], slotted=slotted, rows=3), ids)
+    assert together == ((4, 2, 6, 3),)  # rows 1-2: layer 0 {2 hit x2, 3 miss x2}, layer 1 {2 miss, 3 hit}
+    assert routed.assigned.tolist() == [[0, 0, 3, 2], [0, 0, 1, 2]]  # the step's three rows, own experts
+    assert (t.stats.lookups, t.stats.hits, t.stats.routed) == ({0: 5, 1: 5}, {0: 3, 1: 3}, {0: 11, 1: 7})
+    assert t.routing == {(0, 2): 7, (0, 3): 4, (1, 2): 2, (1, 3): 5}
+
+
+def test_stats_totals_add_up_to_the_counts_of_two_slabs():
+    a, b = SlabStats((0, 1)), SlabStats((0, 1))
+    a.counts[:] = [[3, 4], [1, 2], [6, 8]]
+    b.counts[:] = [[1, 1], [0, 1], [2, 2]]
+    b.refills, b.evictions, b.disk_reads, b.disk_bytes = 2, 1, 5, 5 * 4096
+    a.add(b.totals())
+    assert (a.lookups, a.hits, a.routed) == ({0: 4, 1: 5}, {0: 1, 1: 3}, {0: 8, 1: 10})
+    assert (a.refills, a.evictions, a.disk_reads, a.disk_bytes) == (2, 1, 5, 5 * 4096)
+    assert b.totals().tolist() == [1, 1, 0, 1, 2, 2, 2, 1, 5, 5 * 4096]
