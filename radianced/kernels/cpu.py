@@ -140,7 +140,7 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fre
     if k.dtype == q.dtype and k.stride() == q.stride() and k.shape[2] == q.shape[2] \
             and k.data_ptr() == q.data_ptr() + hq * q.stride(1) * q.element_size():
         qk = _rotate(q.as_strided((q.shape[0], hq + k.shape[1], q.shape[2]), q.stride()), cos, sin)
-        return qk.split((hq, k.shape[1]), dim=1)
+        return qk.split_with_sizes((hq, k.shape[1]), dim=1)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
@@ -169,20 +169,28 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _per_step(fn):
-    last: list = [None]  # one (key, result) pair, read and replaced as one object (engines on other threads)
+    last: list = [None]  # one (args, result) pair, read and replaced as one object (engines on other threads)
 
     def cached(*args):
-        key = tuple((id(a), a) if isinstance(a, torch.Tensor) else (None, a) for a in args)
         entry = last[0]
-        if entry is not None and len(entry[0]) == len(key) and all(
-                (a[1] is b[1]) if a[0] is not None else (b[0] is None and a[1] == b[1]) for a, b in zip(entry[0], key)):
+        if entry is not None and _same_args(entry[0], args):
             return entry[1]
         result = fn(*args)
-        last[0] = (key, result)
+        last[0] = (args, result)
         return result
 
     cached.__wrapped__ = fn
     return cached
+
+
+def _same_args(held: tuple, args: tuple) -> bool:
+    """Whether `args` are `held` as `_per_step` keys them (a loop, not a generator: 4 calls a layer)."""
+    if len(held) != len(args):
+        return False
+    for a, b in zip(held, args):
+        if a is not b and (isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or a != b):
+            return False
+    return True
 
 
 @_per_step

@@ -105,7 +105,7 @@ class Attention:
         t = x.shape[0]
         qkv = ops.linear(x, self.wqkv, self.bqkv, norm=None if norm is None else norm.params)
         # views of one [T, q+2kv]: [T, heads, head_dim] each (two ops: each is a few us of a ~1 ms layer on the CPU)
-        q, k, v = qkv.view(t, sum(self.split), self.head_dim).split(self.split, dim=1)
+        q, k, v = qkv.view(t, sum(self.split), self.head_dim).split_with_sizes(self.split, dim=1)
         gate = None
         if self.output_gate:
             q, gate = q.reshape(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, Hq, D] each
