@@ -162,8 +162,9 @@ def matmul_shared(x: torch.Tensor, ws: list[PackedInt4]) -> list[torch.Tensor]:
         xb = torch.cat([xb, xb], dim=1)
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w.weight, GROUP, w.scales_zeros)
     y = y.float() if x.dtype == torch.float32 else y.to(x.dtype)
-    if len(ws) == 1 and w.first == 0 and w.n == y.shape[1]:
-        return [y]
+    if w.first == 0 and sum(p.n for p in ws) == y.shape[1] and all(
+            p.first == q.first + q.n for q, p in zip(ws, ws[1:])):  # the parts tile y: one op (none for one part)
+        return [y] if len(ws) == 1 else list(y.split_with_sizes([p.n for p in ws], 1))
     return [y.narrow(1, p.first, p.n) for p in ws]
 
 
