@@ -37,6 +37,21 @@ contexts runs SDPA unmasked; the MLP's gate and up share one packing (one int4 c
 M = 8, 2 x 532 against 469 us); the lm_head runs on oneDNN (`WIDE`). Left in a b1 step: the int4
 calls (about 20 ms at 1 thread), the lm_head (12 ms at 1 thread, 6.6 ms at 2), and ~15 ms of torch's
 per-op cost (about 1,000 ops; F.rms_norm alone is 28 us a call on this CPU, 61 calls a step).
+
+Session 13 (round 2, same machine, tools/cpu_step.py and a plain step timer, main and this tree
+interleaved, medians of 30 steps): a b1 step issued 2,380 top-level torch ops (79 a layer), now 1,695
+(56), b8 the same. At [1, 576] a small op costs 2-4 us and a Python scalar argument 4 us more (it is
+wrapped in a tensor per call), `.to(dtype)` 3-4 us more than `.float()` / `.bfloat16()`, a slice 4 us, a
+`Tensor.split` 6-10 us through its Python wrapper, and `_per_step`'s generator key 11 us a call. What
+went: F.rms_norm (27 us) for seven small ops with 0-dim constants (19 us, the same bits); the cache
+pair's rows made once a layer and based at K's first row (no index add per layer); K and V taken as
+[B, Hkv, C, D] by one unbind; decode's q and output without transposes; RoPE's swap as one `roll`;
+no-op casts; the int4 call's parts as one split. Medians of three rounds (load average 1.2-2): b1
+1 thread 77.6 -> 67.6 ms, 2 threads 62.5 -> 50.9 ms; b8 1 thread 190.0 -> 168.4 ms, 2 threads
+112.4 -> 111.1 ms. Left at b1, 1 thread, per layer: ~620 us of int4 calls and ~400 us of everything
+else (~280 us of it inside torch ops, SDPA 30-40 us the largest). Two threads beat one on this
+machine only while its other core is free: with another job on it each OpenMP region waits for a
+time slice, and a b1 step took 200-300 ms against 60-70 ms on one thread.
 """
 
 from __future__ import annotations
@@ -54,7 +69,7 @@ from radianced.kernels.kv_quant import KVPlane
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
-    """`reference.rms_norm` in fp32 in five small ops. x: [..., D], weight: [D].
+    """`reference.rms_norm` in fp32 in seven small ops. x: [..., D], weight: [D].
 
     In fp32 these are the reference's values bit for bit: `pow(2)` is `x * x` there, `mean` is `sum`
     then `div_` by D, and D and eps come as fp32 0-dim tensors (what a Python scalar becomes in the
