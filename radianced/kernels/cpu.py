@@ -37,9 +37,26 @@ contexts runs SDPA unmasked; the MLP's gate and up share one packing (one int4 c
 M = 8, 2 x 532 against 469 us); the lm_head runs on oneDNN (`WIDE`). Left in a b1 step: the int4
 calls (about 20 ms at 1 thread), the lm_head (12 ms at 1 thread, 6.6 ms at 2), and ~15 ms of torch's
 per-op cost (about 1,000 ops; F.rms_norm alone is 28 us a call on this CPU, 61 calls a step).
+
+Session 13 (round 2, same machine, tools/cpu_step.py and a plain step timer, main and this tree
+interleaved, medians of 30 steps): a b1 step issued 2,380 top-level torch ops (79 a layer), now 1,695
+(56), b8 the same. At [1, 576] a small op costs 2-4 us and a Python scalar argument 4 us more (it is
+wrapped in a tensor per call), `.to(dtype)` 3-4 us more than `.float()` / `.bfloat16()`, a slice 4 us, a
+`Tensor.split` 6-10 us through its Python wrapper, and `_per_step`'s generator key 11 us a call. What
+went: F.rms_norm (27 us) for seven small ops with 0-dim constants (19 us, the same bits); the cache
+pair's rows made once a layer and based at K's first row (no index add per layer); K and V taken as
+[B, Hkv, C, D] by one unbind; decode's q and output without transposes; RoPE's swap as one `roll`;
+no-op casts; the int4 call's parts as one split. Medians of three rounds (load average 1.2-2): b1
+1 thread 77.6 -> 67.6 ms, 2 threads 62.5 -> 50.9 ms; b8 1 thread 190.0 -> 168.4 ms, 2 threads
+112.4 -> 111.1 ms. Left at b1, 1 thread, per layer: ~620 us of int4 calls and ~400 us of everything
+else (~280 us of it inside torch ops, SDPA 30-40 us the largest). Two threads beat one on this
+machine only while its other core is free: with another job on it each OpenMP region waits for a
+time slice, and a b1 step took 200-300 ms against 60-70 ms on one thread.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -52,14 +69,24 @@ from radianced.kernels.kv_quant import KVPlane
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
-    """`reference.rms_norm` in one fused torch kernel. x: [..., D], weight: [D].
+    """`reference.rms_norm` in fp32 in seven small ops. x: [..., D], weight: [D].
 
-    In fp32 `F.rms_norm` gives the reference's values bit for bit (normalize, then
-    multiply by the weight, or by `1 + weight` zero-centred); other dtypes round
-    between the two steps in the reference, so they take the reference."""
+    In fp32 these are the reference's values bit for bit: `pow(2)` is `x * x` there, `mean` is `sum`
+    then `div_` by D, and D and eps come as fp32 0-dim tensors (what a Python scalar becomes in the
+    op, without its wrapping: 4 us an op here; `F.rms_norm` took 27 us a call at [1, 576], these
+    19 us). Other dtypes round between the steps in the reference, so they take the reference."""
     if x.dtype != torch.float32 or weight.dtype != torch.float32:
         return reference.rms_norm(x, weight, eps, zero_centred)
-    return F.rms_norm(x, (x.shape[-1],), 1.0 + weight if zero_centred else weight, eps)
+    d, e = _norm_constants(x.shape[-1], eps)
+    r = torch.sum(x * x, -1, keepdim=True).div_(d).add_(e).rsqrt_()
+    return (x * r).mul_(1.0 + weight if zero_centred else weight)
+
+
+@functools.lru_cache(maxsize=64)
+def _norm_constants(d: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(D, eps) as fp32 0-dim CPU tensors, made once (outside inference mode: usable in and out of it)."""
+    with torch.inference_mode(False):
+        return torch.tensor(float(d), dtype=torch.float32), torch.tensor(eps, dtype=torch.float32)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -74,7 +101,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = _matmul(x, weight, bias)
     if residual is not None:
         y = y.add_(residual)  # residual + y: the same one rounding, no second [T, N] buffer
-    if out_dtype is not None:
+    if out_dtype is not None and y.dtype != out_dtype:
         y = y.to(out_dtype)
     return (y, x) if keep_normed else y
 
@@ -128,19 +155,20 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fre
     if k.dtype == q.dtype and k.stride() == q.stride() and k.shape[2] == q.shape[2] \
             and k.data_ptr() == q.data_ptr() + hq * q.stride(1) * q.element_size():
         qk = _rotate(q.as_strided((q.shape[0], hq + k.shape[1], q.shape[2]), q.stride()), cos, sin)
-        return qk[:, :hq], qk[:, hq:]
+        return qk.split_with_sizes((hq, k.shape[1]), dim=1)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE of x: [T, H, D] by `_rope_tables`' cos [T, 1, R] and signed sin [T, 1, R]
     (-sin | sin), the dims past R passing: x_rot cos + [x2 | x1] (-sin | sin) is the reference's
-    x_rot cos + [-x2 | x1] sin value for value (negation is exact), in four ops."""
+    x_rot cos + [-x2 | x1] sin value for value (negation is exact), in four ops ([x2 | x1] is a roll
+    by R / 2 where R is the whole head)."""
     r = cos.shape[-1]
     half = r // 2
     if r == x.shape[-1]:
         out = x * cos
-        return out.add_(torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(sin))
+        return out.add_(torch.roll(x, half, -1).mul_(sin))
     out = x.clone()
     out[..., :r].mul_(cos).add_(torch.cat((x[..., half:r], x[..., :half]), dim=-1).mul_(sin))
     return out
@@ -156,20 +184,28 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _per_step(fn):
-    last: list = [None]  # one (key, result) pair, read and replaced as one object (engines on other threads)
+    last: list = [None]  # one (args, result) pair, read and replaced as one object (engines on other threads)
 
     def cached(*args):
-        key = tuple((id(a), a) if isinstance(a, torch.Tensor) else (None, a) for a in args)
         entry = last[0]
-        if entry is not None and len(entry[0]) == len(key) and all(
-                (a[1] is b[1]) if a[0] is not None else (b[0] is None and a[1] == b[1]) for a, b in zip(entry[0], key)):
+        if entry is not None and _same_args(entry[0], args):
             return entry[1]
         result = fn(*args)
-        last[0] = (key, result)
+        last[0] = (args, result)
         return result
 
     cached.__wrapped__ = fn
     return cached
+
+
+def _same_args(held: tuple, args: tuple) -> bool:
+    """Whether `args` are `held` as `_per_step` keys them (a loop, not a generator: 4 calls a layer)."""
+    if len(held) != len(args):
+        return False
+    for a, b in zip(held, args):
+        if a is not b and (isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or a != b):
+            return False
+    return True
 
 
 @_per_step
@@ -182,11 +218,12 @@ def _rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
 
 class _Rows:
     """A plain cache pair (K and V views [P, N, S, Hkv, D] of one storage, as kv/cache.py lays them out)
-    as rows of Hkv * D elements of that storage: token t of block b is row `block_row[b] + t`, V's row
-    K's plus `v_rows`. None from `of` for any other layout (quantized planes, other strides)."""
+    as rows of Hkv * D elements of that storage from K's first on (`flat`): token t of block b is row
+    `block_row[b] + t`, V's row K's plus `v_rows`, in every layer (so a step's row indices are made once
+    for all of them). None from `of` for any other layout (quantized planes, other strides)."""
 
-    def __init__(self, flat: torch.Tensor, k_row: int, v_rows: int, n: int, block_rows: int, page_rows: int):
-        self.flat, self.k_row, self.v_rows = flat, k_row, v_rows
+    def __init__(self, flat: torch.Tensor, v_rows: int, n: int, block_rows: int, page_rows: int):
+        self.flat = flat
         self.layout = (n, block_rows, page_rows, v_rows)  # what the index plans depend on
 
     @staticmethod
@@ -202,21 +239,20 @@ class _Rows:
         if (sd, sh, ss) != (1, d, row) or sp % row or sn % row or k_cache.storage_offset() % row \
                 or (v_cache.storage_offset() - k_cache.storage_offset()) % row:
             return None
-        rows = storage.nbytes() // (row * k_cache.element_size())
-        flat = k_cache.as_strided((rows, row), (row, 1), 0)
-        return _Rows(flat, k_cache.storage_offset() // row, (v_cache.storage_offset() - k_cache.storage_offset()) // row,
-                     n, sn // row, sp // row)
+        first = k_cache.storage_offset()
+        flat = k_cache.as_strided((storage.nbytes() // k_cache.element_size() // row - first // row, row), (row, 1))
+        return _Rows(flat, (v_cache.storage_offset() - first) // row, n, sn // row, sp // row)
 
 
 def _block_rows(blocks: torch.Tensor, layout: tuple) -> torch.Tensor:
-    """The flat row (relative to K's first) of each block's token 0."""
+    """The flat row (`_Rows`) of each block's token 0."""
     n, block_rows, page_rows, _ = layout
     return blocks // n * page_rows + blocks % n * block_rows
 
 
 @_per_step
 def _write_plan(slot_mapping: torch.Tensor, s: int, layout: tuple):
-    """(kept: the token rows with a slot, or None for all; their K and V rows [2 T'] relative to K's first)."""
+    """(kept: the token rows with a slot, or None for all; their K and V rows [2 T'] in `_Rows.flat`)."""
     kept = None
     if bool((slot_mapping < 0).any()):  # a host read: free on the CPU
         kept = (slot_mapping >= 0).nonzero().flatten()
@@ -230,7 +266,11 @@ def write_kv(k_cache: torch.Tensor | KVPlane, v_cache: torch.Tensor | KVPlane, k
     """`reference.write_kv` (k and v rounded to the cache's dtype where it differs, or quantized into a
     quantized cache's planes: `KVPlane.store`, batched already): a plain cache pair in one
     `index_copy_` over its rows (`_Rows`), its slots' rows made once a step."""
-    rows = _Rows.of(k_cache, v_cache)
+    _write(_Rows.of(k_cache, v_cache), k_cache, v_cache, k, v, slot_mapping)
+
+
+def _write(rows: _Rows | None, k_cache, v_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """`write_kv` given the pair's `_Rows.of`."""
     if rows is None:
         if bool((slot_mapping < 0).any()):
             keep = slot_mapping >= 0
@@ -249,7 +289,9 @@ def write_kv(k_cache: torch.Tensor | KVPlane, v_cache: torch.Tensor | KVPlane, k
     kv = torch.cat((k, v))
     if kept is not None:
         kv = kv[torch.cat((kept, kept + k.shape[0]))]
-    rows.flat.index_copy_(0, at + rows.k_row, kv.view(kv.shape[0], -1).to(rows.flat.dtype))
+    if kv.dtype != rows.flat.dtype:
+        kv = kv.to(rows.flat.dtype)
+    rows.flat.index_copy_(0, at, kv.view(kv.shape[0], -1))
 
 
 class _ReadPlan:
@@ -290,7 +332,7 @@ def _read_plan(block_tables: torch.Tensor, query_start, seq_lens, s: int) -> _Re
 
 @_per_step
 def _read_rows(plan: _ReadPlan, layout: tuple) -> torch.Tensor:
-    """[2 B C]: the K rows, then the V rows, of `plan`'s keys (relative to K's first row)."""
+    """[2 B C]: the K rows, then the V rows, of `plan`'s keys in `_Rows.flat`."""
     rows = (_block_rows(plan.blocks, layout) + plan.offsets).flatten()
     return torch.cat((rows, rows + layout[3]))
 
@@ -306,23 +348,30 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     fewer new tokens than the longest) are computed and dropped; they see the whole context,
     so no row is fully masked.
     """
+    return _attend(_Rows.of(k_cache, v_cache), q, k_cache, v_cache, block_tables, query_start, seq_lens, scale)
+
+
+def _attend(rows: _Rows | None, q: torch.Tensor, k_cache, v_cache, block_tables: torch.Tensor, query_start,
+            seq_lens, scale: float) -> torch.Tensor:
+    """`paged_attention` given the pair's `_Rows.of`."""
     t, hq, d = q.shape
     if t == 0:
         return torch.empty_like(q)
     plan = _read_plan(block_tables, _hashable(query_start), _hashable(seq_lens), k_cache.shape[2])
     b, q_max, ctx = plan.b, plan.q_max, plan.ctx
     hkv = k_cache.shape[3]
-    rows = _Rows.of(k_cache, v_cache)
-    if rows is not None:
-        kv = rows.flat.index_select(0, _read_rows(plan, rows.layout) + rows.k_row).view(2, b, ctx, hkv, d)
-        k, v = kv[0].to(q.dtype), kv[1].to(q.dtype)  # [B, C, Hkv, D]; a cache of another dtype is read in q's
+    if rows is not None:  # [B, Hkv, C, D] each, in one gather
+        k, v = rows.flat.index_select(0, _read_rows(plan, rows.layout)).view(2, b, ctx, hkv, d).transpose(2, 3).unbind()
     else:
-        k, v = (_gather(c, plan).to(q.dtype) for c in (k_cache, v_cache))
+        k, v = (_gather(c, plan).transpose(1, 2) for c in (k_cache, v_cache))
+    if k.dtype != q.dtype:  # a cache of another dtype is read in q's
+        k, v = k.to(q.dtype), v.to(q.dtype)
     if plan.at is not None:
         q = q.new_zeros(b * q_max, hq, d).index_copy_(0, plan.at, q)
-    out = F.scaled_dot_product_attention(q.view(b, q_max, hq, d).transpose(1, 2), k.transpose(1, 2),
-                                         v.transpose(1, 2), attn_mask=plan.mask, scale=scale,
-                                         enable_gqa=hq != hkv).transpose(1, 2).reshape(b * q_max, hq, d)
+    one = q_max == 1  # decode: [B, Hq, D] is [B, Hq, 1, D] without moving a dim
+    out = F.scaled_dot_product_attention(q.unsqueeze(2) if one else q.view(b, q_max, hq, d).transpose(1, 2), k, v,
+                                         attn_mask=plan.mask, scale=scale, enable_gqa=hq != hkv)
+    out = out.squeeze(2) if one else out.transpose(1, 2).reshape(b * q_max, hq, d)
     return out if plan.at is None else out.index_select(0, plan.at)  # [T, Hq, D]
 
 
@@ -351,5 +400,6 @@ def rotary_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     if decode:
         reference.check_decode(query_start.tolist() if isinstance(query_start, torch.Tensor) else query_start)
     q, k = rotary_qk(q, k, positions, inv_freq, q_weight, k_weight, eps, zero_centred)
-    write_kv(k_cache, v_cache, k, v, slot_mapping)
-    return paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale)
+    rows = _Rows.of(k_cache, v_cache)
+    _write(rows, k_cache, v_cache, k, v, slot_mapping)
+    return _attend(rows, q, k_cache, v_cache, block_tables, query_start, seq_lens, scale)

@@ -150,13 +150,22 @@ def matmul_shared(x: torch.Tensor, ws: list[PackedInt4]) -> list[torch.Tensor]:
     """`[matmul(x, w) for w in ws]` for matrices of one packing (`together`), in one kernel call: each row of
     the result is the same whichever rows are computed beside it."""
     lead, k, w = x.shape[:-1], x.shape[-1], ws[0]
-    xb = x.reshape(-1, k).to(torch.bfloat16)
-    if xb.shape[0] == 0:
-        return [x.new_empty(*lead, p.n) for p in ws]
+    if x.shape[0] == 0 or len(lead) != 1:
+        if x.numel() == 0:
+            return [x.new_empty(*lead, p.n) for p in ws]
+        return [y.reshape(*lead, y.shape[-1]) for y in matmul_shared(x.reshape(-1, k), ws)]
+    # At decode each op here is a few microseconds of a ~1 ms layer: the casts are `.bfloat16()` and `.float()`
+    # (`.to(dtype)` parses its overloads: 3-4 us more a call at [1, 576]), the parts views of the result, none
+    # where it is one
+    xb = x.bfloat16()
     if w.doubled:
         xb = torch.cat([xb, xb], dim=1)
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w.weight, GROUP, w.scales_zeros).to(x.dtype)
-    return [y[:, p.first:p.first + p.n].reshape(*lead, p.n) for p in ws]
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w.weight, GROUP, w.scales_zeros)
+    y = y.float() if x.dtype == torch.float32 else y.to(x.dtype)
+    if w.first == 0 and sum(p.n for p in ws) == y.shape[1] and all(
+            p.first == q.first + q.n for q, p in zip(ws, ws[1:])):  # the parts tile y: one op (none for one part)
+        return [y] if len(ws) == 1 else list(y.split_with_sizes([p.n for p in ws], 1))
+    return [y.narrow(1, p.first, p.n) for p in ws]
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ class KVCache:
         self._index = {layer: i for i, layer in enumerate(layers)}
         if fmt is None:
             self.block_size = storage.shape[4]
-            self._planes = None
+            self._planes = [(storage[:, :, i, 0], storage[:, :, i, 1]) for i in range(len(layers))]  # made once
         else:
             self.block_size = geometry[0]
             self._planes = _planes(storage, len(layers), fmt, *geometry)
@@ -69,10 +69,7 @@ class KVCache:
         return self.fmt.name if self.fmt is not None else str(self.storage.dtype).removeprefix("torch.")
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | tuple[KVPlane, KVPlane]:
-        i = self._index[layer]
-        if self._planes is not None:
-            return self._planes[i]
-        return self.storage[:, :, i, 0], self.storage[:, :, i, 1]
+        return self._planes[self._index[layer]]
 
 
 def kv_format(kv_dtype: str) -> KVFormat | None:

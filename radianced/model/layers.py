@@ -87,8 +87,8 @@ class Attention:
         projections = ("q_proj", "k_proj", "v_proj")
         self.wqkv = cat_rows([w(p + n + ".weight") for n in projections])
         self.bqkv = torch.cat([w(p + n + ".bias") for n in projections]) if cfg.attention_bias else None
-        kv = self.kv_heads * self.head_dim
-        self.split = (self.wqkv.shape[0] - 2 * kv, kv, kv)
+        # [q | k | v] of the projection's output in heads of head_dim (q's with their gates)
+        self.split = (self.wqkv.shape[0] // self.head_dim - 2 * self.kv_heads, self.kv_heads, self.kv_heads)
         self.wo = w(p + "o_proj.weight")
         self.q_norm = self.k_norm = None
         if qk_norm:
@@ -104,14 +104,12 @@ class Attention:
         in the q/k/v projection's launch where the kernel allows."""
         t = x.shape[0]
         qkv = ops.linear(x, self.wqkv, self.bqkv, norm=None if norm is None else norm.params)
-        q, k, v = qkv.split(self.split, dim=-1)  # views of one [T, q+2kv]
+        # views of one [T, q+2kv]: [T, heads, head_dim] each (two ops: each is a few us of a ~1 ms layer on the CPU)
+        q, k, v = qkv.view(t, sum(self.split), self.head_dim).split_with_sizes(self.split, dim=1)
         gate = None
         if self.output_gate:
             q, gate = q.reshape(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, Hq, D] each
             gate = gate.reshape(t, self.heads * self.head_dim)
-        q = q.reshape(t, self.heads, self.head_dim)
-        k = k.reshape(t, self.kv_heads, self.head_dim)
-        v = v.reshape(t, self.kv_heads, self.head_dim)
         positions, inv_freq = rope
         norms = {} if self.q_norm is None else dict(q_weight=self.q_norm.weight, k_weight=self.k_norm.weight,
                                                      eps=self.q_norm.eps, zero_centred=self.q_norm.zero_centred)

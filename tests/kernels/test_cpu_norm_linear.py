@@ -24,6 +24,18 @@ def test_rms_norm_equals_the_reference(shape, zero_centred, dtype):
     assert torch.equal(cpu.rms_norm(x, w, 1e-6, zero_centred), reference.rms_norm(x, w, 1e-6, zero_centred))
 
 
+@pytest.mark.parametrize("eps", [1e-5, 1e-6])
+def test_rms_norm_of_heads_in_a_wider_row_equals_the_reference(eps):
+    """qk-norm's input: [T, H, D] heads viewed inside the q/k/v projection's wider rows (not contiguous),
+    normed inside inference mode as the model runs, with each eps its constants are made for."""
+    qkv = _randn(5, 15 * 64)
+    k = qkv.view(5, 15, 64)[:, 9:12]
+    w = _randn(64, seed=1)
+    with torch.inference_mode():
+        assert torch.equal(cpu.rms_norm(k, w, eps), reference.rms_norm(k, w, eps))
+    assert torch.equal(cpu.rms_norm(k, w, eps), reference.rms_norm(k, w, eps))
+
+
 @pytest.mark.parametrize("t", [1, 7, 64])
 @pytest.mark.parametrize("norm", [None, "plain", "zero_centred"])
 @pytest.mark.parametrize("bias", [False, True])
