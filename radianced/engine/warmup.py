@@ -176,19 +176,21 @@ def warm_up_start(engine, cfg, device: str, vocab_size: int, step_thread, compil
 
 async def warm_up_served(engine, vocab_size: int) -> None:
     """Two short requests (greedy, and every sampling feature) through the running `AsyncEngine`, as the
-    HTTP API submits them, then one of --max-num-batched-tokens + 1 tokens (two chunks: on the H200 the
-    first request after ready, 551 tokens, still took 52-75 ms against 15-26 for the same length next,
-    after only the short ones; whether this one takes that cost is not measured yet), before ready: `warm_up` steps the engine synchronously, so the served path's
-    own first uses (pipelined rounds planned and applied on the event loop, a step planned ahead, its
-    input read from the step before on the device, the detokenizer, streams) still fell on the first
-    request. Not counted: the metrics are off while they run, their prefix-cache blocks are dropped, and
-    the slab's and arena's counts restart after them. (Measured on this 2-core CPU, the first request's
-    engine-side time did not clearly fall: 27-32 ms against 18-53 before, the next ones 4-5; the client
-    shares the two cores, so requests there wait on the OS scheduler too. Not measured on a GPU yet.)"""
+    HTTP API submits them, then one of --max-num-batched-tokens + 1 tokens (two chunks; on the CPU
+    CPU_WARMUP_TOKENS + 1), before ready:
+    `warm_up` steps the engine synchronously, so the served path's own first uses (pipelined rounds
+    planned and applied on the event loop, a step planned ahead, its input read from the step before on
+    the device, the detokenizer, streams) still fell on the first request. Not counted: the metrics are
+    off while they run, their prefix-cache blocks are dropped, and the slab's and arena's counts restart
+    after them. (On the H200, after the two short ones alone, the first request after ready, 551 tokens,
+    still took 52-75 ms against 15-26 for the same length next: the long one is for that, not measured
+    yet.)"""
     metrics, engine.metrics = engine.metrics, NoMetrics()
     rng = random.Random(1)
-    longest, limit = engine.scheduler.max_num_batched_tokens + 1, engine.scheduler.max_model_len
-    longest = longest if limit is None else min(longest, limit - SERVED_GREEDY.max_tokens)
+    scheduler, cpu = engine.scheduler, engine.engine.runner.device.type == "cpu"
+    longest = (CPU_WARMUP_TOKENS if cpu else scheduler.max_num_batched_tokens) + 1
+    if scheduler.max_model_len is not None:
+        longest = min(longest, scheduler.max_model_len - SERVED_GREEDY.max_tokens)
     try:
         await asyncio.gather(*(_drain(engine.generate([rng.randrange(vocab_size) for _ in range(n)], params,
                                                       f"warm-up-served-{i}"))
