@@ -390,18 +390,11 @@ def section_release(st: State) -> dict:
 def section_hf_build(st: State) -> dict:
     st.check_time()
     import transformers
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM
 
-    m = st.rad.model
-    cfg = Qwen3MoeConfig(
-        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size or 1,
-        num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim, hidden_act="silu",
-        max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta}, num_experts=m.num_experts,
-        num_experts_per_tok=m.num_experts_per_tok, moe_intermediate_size=m.moe_intermediate_size,
-        norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
-        attention_bias=False, use_cache=True)
+    from tools.peer_transformers import hf_config
+
+    cfg = hf_config(st.rad.model)
     t0 = time.perf_counter()
     with torch.device(st.device):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.bfloat16).eval()

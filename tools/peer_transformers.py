@@ -17,11 +17,12 @@ import torch
 
 
 def hf_config(m):
-    """The transformers config of radianced's ModelConfig `m` (Qwen3-MoE, every layer routed)."""
+    """The transformers config of radianced's ModelConfig `m` (Qwen3-MoE, every layer routed; a model with no
+    dense MLP gets a nominal intermediate size of 1). tools/bench_model.py builds its peer from it too."""
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size or 1,
         num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
         num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim, hidden_act="silu",
         max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.rms_norm_eps,
