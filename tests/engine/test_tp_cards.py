@@ -20,13 +20,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from radianced.arena import EXPERTS, KV, Arena
 from radianced.card import Card
 from radianced.config import Config
 from radianced.engine.engine import Engine
-from radianced.engine.tp_processes import free_port
 from radianced.engine.tp_workers import WorkerShard
 from radianced.model.parallel import ProcessGroup
 from radianced.model.rad import RadFile
@@ -37,6 +35,7 @@ from radianced.tiers.host import HostPool
 from radianced.tiers.slab import ExpertSlab
 from tests.engine.conftest import prompts, request, run_all
 from tests.engine.test_disk_tier import run_events
+from tests.engine.tp_ranks import jobs, two_ranks
 
 CFG = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, max_queue=64)
 HOST_POOL = dict(card_mib=256, host_pool_mib=1, expert_slots=4)  # every expert in its card's host pool
@@ -64,14 +63,7 @@ def _receipt(r) -> dict:
 
 
 def _worker(rank: int, port: int) -> None:
-    torch.set_num_threads(1)
-    group = ProcessGroup.join(rank, 2, f"127.0.0.1:{port}", torch.device("cpu"))
-    while True:
-        job = [None]
-        dist.broadcast_object_list(job, src=0)
-        if job[0] is None:
-            break
-        path, flags, fault = job[0]
+    for group, (path, flags, fault) in jobs(rank, port):
         shard = WorkerShard.for_card(RadFile.open(path), Config(**flags), group)
         memory = shard.memory
         allocated, slab, given = _allocation(memory.arena, memory.experts, memory.resources), memory.experts, []
@@ -83,19 +75,12 @@ def _worker(rank: int, port: int) -> None:
             slab.give_up = lambda pages: (given.extend(pages), give_up(pages))[1]
         shard.serve_steps()
         dist.broadcast_object_list([(allocated, len(given))], src=1)
-    group.close()
 
 
 @pytest.fixture(scope="module")
 def group():
-    port = free_port()
-    worker = mp.get_context("spawn").Process(target=_worker, args=(1, port), daemon=True)
-    worker.start()
-    g = ProcessGroup.join(0, 2, f"127.0.0.1:{port}", torch.device("cpu"))
-    yield g
-    dist.broadcast_object_list([None], src=0)
-    worker.join(timeout=30)
-    g.close()
+    with two_ranks(_worker) as g:
+        yield g
 
 
 def _serve(engine: Engine, ps: list[list[int]], max_tokens: int):

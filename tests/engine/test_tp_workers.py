@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from radianced.config import Config, ConfigError
 from radianced.engine.engine import Engine
-from radianced.engine.tp_processes import free_port
 from radianced.engine.tp_workers import WorkerShard
 from radianced.kv.blocks import BlockAllocator
 from radianced.model.parallel import ProcessGroup
 from radianced.model.rad import RadFile
 from radianced.sharding import card_config, card_share
 from tests.engine.conftest import BLOCK, FAMILIES, prompts, request
+from tests.engine.tp_ranks import jobs, two_ranks
 
 NUM_BLOCKS, TOKENS = 64, 32
 CFG = dict(max_num_seqs=8, max_num_batched_tokens=16, max_queue=64)  # 16: the 40-token prompt in 3 chunks
@@ -32,32 +31,14 @@ TOLERANCE = 1e-4  # measured: 4.2e-6 (llama), 4.4e-6 (qwen3_moe), 6.4e-6 (qwen3_
 
 
 def _worker(rank: int, port: int) -> None:
-    torch.set_num_threads(1)
-    group = ProcessGroup.join(rank, 2, f"127.0.0.1:{port}", torch.device("cpu"))
-    import torch.distributed as dist
-
-    while True:
-        job = [None]
-        dist.broadcast_object_list(job, src=0)
-        if job[0] is None:
-            break
-        path, cfg = job[0]
+    for group, (path, cfg) in jobs(rank, port):
         WorkerShard.build(RadFile.open(path), Config(**cfg), group, NUM_BLOCKS, BLOCK).serve_steps()
-    group.close()
 
 
 @pytest.fixture(scope="module")
 def group():
-    port = free_port()
-    worker = mp.get_context("spawn").Process(target=_worker, args=(1, port), daemon=True)
-    worker.start()
-    g = ProcessGroup.join(0, 2, f"127.0.0.1:{port}", torch.device("cpu"))
-    yield g
-    import torch.distributed as dist
-
-    dist.broadcast_object_list([None], src=0)
-    worker.join(timeout=30)
-    g.close()
+    with two_ranks(_worker) as g:
+        yield g
 
 
 def _engine(rad: RadFile, group: ProcessGroup | None) -> Engine:
