@@ -5,8 +5,9 @@ experts. It reads the expert profile beside the model (if any) for the fill
 order, places every expert where the receipt says (card slots, host pool, or
 the file with the disk tier), fills the host pool, measures the links the
 placement will use (PCIe for overflow and disk reads, O_DIRECT for the disk
-tier), and leases and fills the slab's start slots. Its start-up lines go to
-the engine's log, after the receipt's.
+tier), and leases and fills the slab's start slots (one checked against the
+file: `fill_line`). Its start-up lines go to the engine's log, after the
+receipt's.
 
 Under `--tp N` each card builds its own from its receipt over its share of the
 experts (`owned`: a range of ids in every layer): its slots, its host pool and
@@ -23,6 +24,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import xxhash
 
 from radianced.arena import Arena
 from radianced.budget import Receipt
@@ -35,7 +37,7 @@ from radianced.tiers.host import HostPool
 from radianced.tiers.link import probe_disk, probe_pcie
 from radianced.tiers.placement import Key, place_receipt, routed_experts
 from radianced.tiers.profile import Profile, ProfileError, profile_path
-from radianced.tiers.slab import ExpertSlab
+from radianced.tiers.slab import ExpertSlab, SlabError
 
 log = logging.getLogger("radianced.engine")  # Engine.build's start-up lines, one logger for all of them
 
@@ -78,8 +80,34 @@ def build_expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch
                  "(buffers: 2 x %d slots)", len(placement.disk), rad.path, len(arena.reserved) // 2)
     slab = ExpertSlab(arena, width, dtype, placement, host, loader, rad.model.num_experts, cfg.expert_slots,
                       formats, owned)
-    log.info(slab.fill_line(ranked=ranking is not None))
+    log.info(fill_line(slab, ranked=ranking is not None))
     return slab
+
+
+def fill_line(slab: ExpertSlab, ranked: bool) -> str:
+    """The start-up line: slots pre-filled, how fast, and one slot checked against the file."""
+    pages = slab.slot_pages()
+    n = len(pages)
+    mb = n * slab.extent_bytes / 1e6
+    rate = mb / slab.fill_seconds if slab.fill_seconds > 0 else float("inf")
+    order = "from the profile" if ranked else "in file order"
+    checked = ""
+    if n and slab.loader is not None:
+        verify_slot(slab, min(pages.values()))
+        checked = f"; slot {min(pages.values())} verified"
+    return f"pre-filled {n} slots {order} in {slab.fill_seconds:.2f} s ({rate:.0f} MB/s){checked}"
+
+
+def verify_slot(slab: ExpertSlab, slot: int) -> Key:
+    """Check slot `slot`'s bytes against the file's checksum of the expert it holds (a copy to the host);
+    returns that expert. Raises SlabError on a mismatch."""
+    key = next(k for k, p in slab.slot_pages().items() if p == slot)
+    extent = slab.loader.reader.extents[key]
+    data = slab.slab[slot].view(torch.uint8)[:extent.nbytes].cpu().numpy()  # rows fit the widest extent
+    if xxhash.xxh3_64_intdigest(data) != extent.checksum:
+        raise SlabError(f"slot {slot} (layer {key[0]}, expert {key[1]}) does not match the model file's "
+                        f"checksum after the start fill: the card's memory or the copy is faulty")
+    return key
 
 
 def _rows(rad: RadFile, dtype: torch.dtype) -> tuple[torch.dtype, dict[int, str]]:

@@ -54,7 +54,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import xxhash
 
 from radianced.arena import EXPERTS, Arena, Lease, OutOfPages
 from radianced.tiers.disk_buffers import DiskBuffers
@@ -306,6 +305,10 @@ class ExpertSlab:
     def slotted(self) -> frozenset[Key]:
         return frozenset(self._slot_of)
 
+    def slot_pages(self) -> dict[Key, int]:
+        """Each slotted expert's slot (arena page)."""
+        return dict(self._slot_of)
+
     # -- internals -----------------------------------------------------------------
 
     def _fill_start(self) -> None:
@@ -359,29 +362,6 @@ class ExpertSlab:
         self._point(key, page)
         if key not in self._pinned:
             self.policy.slot_taken(key)
-
-    def verify_slot(self, slot: int) -> Key:
-        """Check slot `slot`'s bytes against the file's checksum of the expert it holds (a copy to
-        the host); returns that expert. Raises SlabError on a mismatch."""
-        key = next(k for k, p in self._slot_of.items() if p == slot)
-        extent = self.loader.reader.extents[key]
-        data = self.slab[slot].view(torch.uint8)[:extent.nbytes].cpu().numpy()  # rows fit the widest extent
-        if xxhash.xxh3_64_intdigest(data) != extent.checksum:
-            raise SlabError(f"slot {slot} (layer {key[0]}, expert {key[1]}) does not match the model file's "
-                            f"checksum after the start fill: the card's memory or the copy is faulty")
-        return key
-
-    def fill_line(self, ranked: bool) -> str:
-        """The start-up line: slots pre-filled, how fast, and one slot checked against the file."""
-        n = len(self._slot_of)
-        mb = n * self.extent_bytes / 1e6
-        rate = mb / self.fill_seconds if self.fill_seconds > 0 else float("inf")
-        order = "from the profile" if ranked else "in file order"
-        checked = ""
-        if n and self.loader is not None:
-            self.verify_slot(min(self._slot_of.values()))
-            checked = f"; slot {min(self._slot_of.values())} verified"
-        return f"pre-filled {n} slots {order} in {self.fill_seconds:.2f} s ({rate:.0f} MB/s){checked}"
 
     def _evict(self, key: Key) -> int:
         """Take `key` (a victim the policy named) out of its slot; returns the slot's page."""
