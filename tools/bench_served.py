@@ -78,7 +78,7 @@ async def serving_builds(http: httpx.AsyncClient) -> float:
     return sum(v for (name, labels), v in snap.values.items() if name == BUILDS and ("phase", "serving") in labels)
 
 
-async def allocator(http: httpx.AsyncClient) -> tuple[float, ...]:
+async def counters(http: httpx.AsyncClient) -> tuple[float, ...]:
     """torch's CUDA allocator counters (cudaMalloc, cudaFree, retries) and the garbage collector's
     collections and seconds (radiance_gc_pause_seconds), from the daemon's /metrics."""
     snap = Snapshot.parse((await http.get("/metrics")).text)
@@ -87,12 +87,12 @@ async def allocator(http: httpx.AsyncClient) -> tuple[float, ...]:
     return (*(snap.total(f"radiance_cuda_allocator_{n}") for n in ("mallocs", "frees", "retries")), *gc)
 
 
-async def timed_with_allocator(http, prompt: list[int]):
+async def timed_with_counters(http, prompt: list[int]):
     """One streamed request of one token, and what the allocator and the garbage collector did meanwhile
     (mallocs, frees, retries; collections, their seconds)."""
-    before = await allocator(http)
+    before = await counters(http)
     sample = await stream_request(http, COMPLETIONS, completion_body(prompt, 1))
-    after = await allocator(http)
+    after = await counters(http)
     return sample, [a - b for a, b in zip(after, before)]
 
 
@@ -110,8 +110,8 @@ async def ttft_rows(http, prompts: Callable[[int], list[int]], requests: int, bu
     for _ in range(requests):
         n = rng.randint(1, 4000)
         prompt = prompts(n)
-        first, first_alloc = await timed_with_allocator(http, prompt)
-        twin, twin_alloc = await timed_with_allocator(http, twin_of(prompt))
+        first, first_alloc = await timed_with_counters(http, prompt)
+        twin, twin_alloc = await timed_with_counters(http, twin_of(prompt))
         if first.ok and twin.ok:
             one.append(first.ttft_s)
             one_ratio.append(first.ttft_s / twin.ttft_s)

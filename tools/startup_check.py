@@ -69,7 +69,8 @@ def child(model: str, flags: list[str], spare_mib: int, snapshot: Path) -> dict:
     seconds = time.monotonic() - t0
     torch.cuda.synchronize()
     r = engine.receipt
-    pools = live_by_pool(torch.cuda.memory._snapshot(), filler.data_ptr())
+    state = torch.cuda.memory._snapshot()
+    pools = live_by_pool(state, filler.data_ptr())
     default = pools.pop(str((0, 0)), {"live_mib": 0.0})
     libraries = sum(p.bytes for p in r.workspace if p.name == "libraries")
     graph_line = sum(p.bytes for p in r.workspace if "graph" in p.name)
@@ -87,7 +88,7 @@ def child(model: str, flags: list[str], spare_mib: int, snapshot: Path) -> dict:
             "allocated_bytes": allocated, "expected_allocated_bytes": expected,
             "allocated_gap_mib": (allocated - expected) / MiB, "within_1_mib": abs(allocated - expected) <= MiB,
             "graph_pool_reserved_bytes": graph_reserved, "graph_pool_line_bytes": graph_line,
-            "expandable_segments": torch.cuda.memory._snapshot()["allocator_settings"].get("expandable_segments"),
+            "expandable_segments": state["allocator_settings"].get("expandable_segments"),
             "live_by_pool": {str((0, 0)): default, **pools}}
 
 
