@@ -39,8 +39,12 @@ def weight_tile(piece, n, k, mask, N, K, FMT: tl.constexpr):
         return tl.load(piece.to(tl.pointer_type(tl.float32)) + n[:, None] * K + k[None, :], mask=mask, other=0.0)
     elif FMT == "fp8_b128":
         sk = (K + 127) // 128
-        scale = tl.load((piece + ((n[:, None] // 128) * sk + k[None, :] // 128) * 4).to(tl.pointer_type(tl.float32)),
-                        mask=mask, other=0.0)
+        if k.shape[0] <= 128:  # a step along k from a multiple of its width: one scale block, one scale a row
+            scale = tl.load((piece + ((n // 128) * sk + tl.min(k, axis=0) // 128) * 4).to(tl.pointer_type(tl.float32)),
+                            mask=n < N, other=0.0)[:, None]
+        else:  # whole rows (the gemv): a scale per value (a [BLOCK_N, BLOCK_K] fp32 gather, too big to pipeline)
+            scale = tl.load((piece + ((n[:, None] // 128) * sk + k[None, :] // 128) * 4).to(tl.pointer_type(tl.float32)),
+                            mask=mask, other=0.0)
         values = piece + ((N + 127) // 128) * sk * 4 + n[:, None] * K + k[None, :]
         v = tl.load(values.to(tl.pointer_type(tl.float8e4nv)), mask=mask, other=0.0).to(tl.float32)
         return v * scale
