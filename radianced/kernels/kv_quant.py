@@ -19,7 +19,7 @@ def fp8_scale(x: torch.Tensor) -> torch.Tensor:
     went below (so x / scale never passes 448: nothing saturates); 0 for an all-zero x."""
     amax = x.float().abs().amax(-1, keepdim=True)
     scale = (amax / FP8_MAX).to(torch.float16)
-    up = torch.nextafter(scale, torch.tensor(float("inf"), dtype=torch.float16))
+    up = torch.nextafter(scale, torch.full_like(scale, float("inf")))
     return torch.where(scale.float() * FP8_MAX < amax, up, scale)
 
 
