@@ -81,7 +81,7 @@ def fixed_charges(card: Card, facts: ModelFacts, cfg: Config, groups: tuple[Pagi
     flag = f"--gpu-memory-mib {cfg.gpu_memory_mib}" if cfg.gpu_memory_mib is not None \
         else f"--gpu-headroom-mib {cfg.headroom_mib}"
     weights, host_weights, idle = _weights(facts, cfg, card.cuda)
-    workspace = _workspace(facts, card, cfg)
+    workspace = _workspace(facts, card, cfg) + _allocator_tails(facts, weights, card)
     state = tuple(_state(facts, cfg, groups, max_model_len))
     elastic = card.free_bytes - headroom - sum(p.bytes for p in weights + workspace + state)
     return FixedCharges(headroom, flag, weights, host_weights, idle, workspace, state, elastic)
@@ -155,6 +155,19 @@ def _workspace(facts: ModelFacts, card: Card, cfg: Config) -> tuple[Part, ...]:
         _graph_pool(facts, rows, card, cfg),
         Part("libraries", LIBRARY_BYTES, "cuBLAS workspaces, Triton scratch"),
     )
+
+
+def _allocator_tails(facts: ModelFacts, weights: tuple[Part, ...], card: Card) -> tuple[Part, ...]:
+    """What torch's allocator holds past the bytes of the weights placed on a CUDA card (`sizing.allocator_tail`;
+    a tied lm_head is the embeddings' tensor). Not under --tp: a card's share has no per-tensor facts."""
+    on_card = {p.name for p in weights}
+    if (facts.model.tie_word_embeddings or facts.weight("lm_head") == 0) and "lm_head" in on_card:
+        on_card.add("embeddings")  # the tied lm_head's part holds the embeddings' tensor
+    n = sum(b for c, b in facts.card_tails if c in on_card)
+    if not (card.cuda and facts.share is None and n):
+        return ()
+    return (Part("allocator tails", n, "the caching allocator's rounding of the weights' tensors and the rest of "
+                 "a large tensor's 2 MiB segment it cannot split off"),)
 
 
 def _activations(facts: ModelFacts, card: Card, cfg: Config) -> Part:

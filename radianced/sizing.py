@@ -116,6 +116,8 @@ class ModelFacts:
     a tied compact table's dense lm_head copy as "lm_head"); empty when nothing differs.
     card_weights: the same for a CUDA card (model/loader.py `device_weights`): a compact embedding table
     dequantized to the activations' dtype; every other compact matrix as stored; empty when nothing differs.
+    card_tails: per class, what torch's caching allocator holds past those bytes when each of the class's
+    tensors is placed on a CUDA card on its own (`allocator_tail`); empty for facts built from a config.
     """
 
     model: ModelConfig
@@ -131,6 +133,7 @@ class ModelFacts:
     share: CardShare | None = None
     cpu_weights: tuple[tuple[str, int], ...] = field(default=(), compare=False)
     card_weights: tuple[tuple[str, int], ...] = field(default=(), compare=False)
+    card_tails: tuple[tuple[str, int], ...] = field(default=(), compare=False)
 
     def weight(self, cls: str) -> int:
         return dict(self.weights)[cls]
@@ -164,6 +167,11 @@ class ModelFacts:
             raise ValueError("the model has no token embeddings (model.embed_tokens.weight)")
         act = PLAIN_BYTES.get(embed) or PLAIN_BYTES.get(norm or "", 4)
         held, card = _cpu_held(model, tensors, sums, act), _card_held(tensors, sums, act)
+        tails: dict[str, int] = {}
+        for name, dtype, shape, nbytes in tensors:
+            if (c := weight_class(name)) is not None:
+                dense = c == "embeddings" and is_compact(dtype)  # placed dense on a card (`_card_held`)
+                tails[c] = tails.get(c, 0) + allocator_tail(shape[0] * shape[1] * act if dense else nbytes)
         count = extent = total = 0
         expert_fmts: dict[str, int] = {}
         for layer, _expert, nbytes, *dtype in experts:
@@ -176,7 +184,8 @@ class ModelFacts:
                 expert_fmts[name] = expert_fmts.get(name, 0) + nbytes
         return cls(model, act, tuple(sums.items()), count, extent, total,
                    tuple((c, _by_bytes(f)) for c, f in by_format.items()), _by_bytes(expert_fmts),
-                   tuple((c, k, n) for (c, k), n in parts.items()), cpu_weights=held, card_weights=card)
+                   tuple((c, k, n) for (c, k), n in parts.items()), cpu_weights=held, card_weights=card,
+                   card_tails=tuple((c, n) for c, n in tails.items() if n))
 
     @classmethod
     def from_header(cls, header) -> ModelFacts:
@@ -202,6 +211,22 @@ class ModelFacts:
         count = len(cfg.moe_layers) * cfg.num_experts
         return cls(cfg, dtype_bytes, tuple(sums.items()), count, extent if count else 0, count * extent,
                    parts=tuple((c, k, n) for (c, k), n in parts.items()))
+
+
+# torch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp): a request is rounded up to 512 bytes;
+# one of at least 10 MiB (kMinLargeAlloc) gets a segment of its own rounded up to 2 MiB (kRoundLarge), and
+# its block keeps the segment's rest when the rest is at most 1 MiB (kSmallSize: too small to split off).
+ALLOC_ROUND, LARGE_ALLOC, LARGE_ROUND, SPLIT_MIN = 512, 10 * MiB, 2 * MiB, 1 * MiB
+
+
+def allocator_tail(nbytes: int) -> int:
+    """Bytes torch's CUDA caching allocator counts as allocated past `nbytes` for one tensor of that size:
+    its 512-byte rounding, and for a large tensor the unsplit rest of its segment (on the H200 a 593.5 MiB
+    embedding table and lm_head were each held as 594 MiB). Smaller tensors share segments, whose rests
+    depend on the order of allocation: only their rounding is counted."""
+    size = align_up(nbytes, ALLOC_ROUND)
+    rest = align_up(size, LARGE_ROUND) - size if size >= LARGE_ALLOC else 0
+    return size - nbytes + (rest if rest <= SPLIT_MIN else 0)
 
 
 def _cpu_held(model: ModelConfig, tensors, stored: dict[str, int], act: int) -> tuple[tuple[str, int], ...]:

@@ -2,19 +2,20 @@
 
 The flag wins; without it the table is charged to host RAM (`ram`, SPEC §2: on the H200 its rows cost a
 decode step what they cost from the card), on a GPU card and on the CPU backend alike.
-A tied table is the lm_head's one copy on the card whatever the flag, and says so.
+A tied table is the lm_head's one copy on the card whatever the flag, and says so. On a CUDA card the
+weights' tensors are also charged what torch's caching allocator holds past their bytes.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from radianced.card import Card
+from radianced.card import Card, MiB
 from radianced.charges import fixed_charges
 from radianced.config import Config
 from radianced.model.config import ModelConfig
 from radianced.receipt import Part
-from radianced.sizing import ModelFacts, PagingGroup
+from radianced.sizing import ModelFacts, PagingGroup, allocator_tail
 
 _TINY = dict(vocab_size=400, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=4096, num_hidden_layers=2,
@@ -74,3 +75,29 @@ def test_deterministic_moe_rows_are_charged_twice_on_a_cuda_card_only():
     assert "deterministic MoE's fp32 rows once more" in activations(moe, True, deterministic=True).detail
     assert activations(moe, False, deterministic=True).bytes == activations(moe, False).bytes
     assert activations(UNTIED, True, deterministic=True).bytes == activations(UNTIED, True).bytes
+
+
+@pytest.mark.parametrize("nbytes,tail", [
+    (1000, 24),  # rounded up to 512 bytes
+    (10 * MiB - 100, 100),  # 10 MiB once rounded: a segment of its own, with no rest
+    (11 * MiB, MiB),  # a 12 MiB segment, its 1 MiB rest too small to split off
+    (10 * MiB + MiB // 2, 0),  # a 1.5 MiB rest is split off and stays free
+    (151936 * 2048 * 2, MiB // 2),  # Qwen3-30B's bf16 table (593.5 MiB), held as 594 MiB on the H200
+])
+def test_the_allocator_tail_follows_torchs_caching_allocator(nbytes, tail):
+    assert allocator_tail(nbytes) == tail
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("cuda,placement", [(True, "vram"), (True, "ram"), (False, "vram")])
+def test_the_allocator_tails_of_the_weights_on_a_cuda_card_are_charged(cuda, placement, tied):
+    """What the allocator holds past a tensor's bytes is charged for the tensors on a CUDA card: the table's
+    only where it is on the card (a tied table always is, as the lm_head); nothing on the CPU backend."""
+    table = 151936 * 2048 * 2
+    model = ModelConfig(family="llama", tie_word_embeddings=tied, **{**_TINY, "vocab_size": 151936, "hidden_size": 2048})
+    rows = [("model.embed_tokens.weight", "bf16", (151936, 2048), table), ("model.norm.weight", "bf16", (2048,), 4096)]
+    rows += [] if tied else [("lm_head.weight", "bf16", (151936, 2048), table)]
+    fixed = _charges(ModelFacts.from_rows(model, rows, ()), cuda, embedding_placement=placement)
+    tails = [p.bytes for p in fixed.workspace if p.name == "allocator tails"]
+    on_card = (2 if placement == "vram" and not tied else 1) if cuda else 0
+    assert tails == ([on_card * MiB // 2] if on_card else [])

@@ -72,9 +72,10 @@ def child(model: str, flags: list[str], spare_mib: int, snapshot: Path) -> dict:
     state = torch.cuda.memory._snapshot()
     pools = live_by_pool(state, filler.data_ptr())
     default = pools.pop(str((0, 0)), {"live_mib": 0.0})
-    libraries = sum(p.bytes for p in r.workspace if p.name == "libraries")
+    libraries = sum(p.bytes for p in r.workspace if p.name in ("libraries", "allocator tails"))
     graph_line = sum(p.bytes for p in r.workspace if "graph" in p.name)
-    # held past start-up: the weights, the state, the arena and one cuBLAS workspace (the step thread's)
+    # held past start-up: the weights (and the allocator's tails on them), the state, the arena and one cuBLAS
+    # workspace (the step thread's)
     # in the default pool; the decode graphs' pool (the capture stream's workspace in it) within its line
     expected = r.weights_bytes + r.state_bytes + r.arena_alloc_bytes + libraries
     allocated = round(default["live_mib"] * MiB)
