@@ -19,6 +19,10 @@
 #                 (their needs anyio, h11 and click are in the image; uvloop is too)
 #   accelerate    tools/bench_peer_offload.py's peer (transformers' device_map="auto" offload); the image has
 #                 1.15.0, the CPU tests run this checkout's; pure Python, its needs are in the image
+#   openai        the HTTP tests' SDK client (tests/server, gpu_check's `http` part), with what it needs at
+#                 this checkout's versions (the image's anyio and typing-extensions may be older; httpx2,
+#                 httpcore2, truststore, pydantic, pydantic-core, jiter, annotated-types, typing-inspection
+#                 and sniffio may be missing)
 #   gguf          the SmolLM2 GPU test converts the real model's GGUF there (carried in two parts: it is
 #                 94 MiB, one call carries 64 MiB; see bench/README.md); pure Python, its needs are in the image
 set -euo pipefail
@@ -29,6 +33,8 @@ version() { $PY -c "import importlib.metadata as m; print(m.version('$1'))"; }
 WANT=("msgspec==$(version msgspec)" "transformers==$(version transformers)" "regex==$(version regex)"
       "fla-core==0.6.0" "gguf==$(version gguf)" "starlette==$(version starlette)" "uvicorn==$(version uvicorn)"
       "accelerate==$(version accelerate)")
+for p in openai httpx2 httpcore2 truststore anyio idna pydantic pydantic-core jiter annotated-types \
+    typing-inspection typing-extensions sniffio; do WANT+=("$p==$(version $p)"); done
 rm -rf .whl
 mkdir -p .whl
 for spec in "${WANT[@]}"; do
