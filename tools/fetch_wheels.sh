@@ -22,7 +22,7 @@
 #   openai        the HTTP tests' SDK client (tests/server, gpu_check's `http` part), with what it needs at
 #                 this checkout's versions (the image's anyio and typing-extensions may be older; httpx2,
 #                 httpcore2, truststore, pydantic, pydantic-core, jiter, annotated-types, typing-inspection
-#                 and sniffio may be missing)
+#                 and sniffio may be missing); pytest-asyncio runs their async tests
 #   gguf          the SmolLM2 GPU test converts the real model's GGUF there (carried in two parts: it is
 #                 94 MiB, one call carries 64 MiB; see bench/README.md); pure Python, its needs are in the image
 set -euo pipefail
@@ -34,7 +34,7 @@ WANT=("msgspec==$(version msgspec)" "transformers==$(version transformers)" "reg
       "fla-core==0.6.0" "gguf==$(version gguf)" "starlette==$(version starlette)" "uvicorn==$(version uvicorn)"
       "accelerate==$(version accelerate)")
 for p in openai httpx2 httpcore2 truststore anyio idna pydantic pydantic-core jiter annotated-types \
-    typing-inspection typing-extensions sniffio; do WANT+=("$p==$(version $p)"); done
+    typing-inspection typing-extensions sniffio pytest-asyncio; do WANT+=("$p==$(version $p)"); done
 rm -rf .whl
 mkdir -p .whl
 for spec in "${WANT[@]}"; do

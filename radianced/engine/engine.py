@@ -186,10 +186,10 @@ class Engine:
         if group.size > 1:
             return cls._build_rank(rad, cfg, group, device, sampler_seed)
         m = rad.model
-        if torch.device(device).type == "cuda" and cfg.kv_cache_dtype != "auto":
-            raise ConfigError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: not yet supported on CUDA (Triton kernels "
-                              f"for {', '.join(TRITON_KV_DTYPES)} are written and await a check on a device; the "
-                              "others have none yet); use auto, or run on the CPU")
+        if torch.device(device).type == "cuda" and cfg.kv_cache_dtype not in ("auto", *TRITON_KV_DTYPES):
+            raise ConfigError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: not yet supported on CUDA (its Triton kernels "
+                              f"are not built; {', '.join(TRITON_KV_DTYPES)} and auto are); use one of those, or "
+                              "run on the CPU")
         ops.select(device, deterministic=cfg.deterministic)  # once, before the model loads
         receipt = budget.plan(card or detect_card(device), ModelFacts.from_header(rad.header), cfg)
         for line in receipt.lines():
