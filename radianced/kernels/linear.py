@@ -137,12 +137,11 @@ def _compact_config(t: int, k: int, dtype: torch.dtype) -> LinearConfig:
     few bytes (512 values are 272-320 bytes of GGUF blocks, 516 of fp8_b128, where bf16's 1,024-byte
     step holds 512 values), and each value is dequantized in fp32 registers (8,192 a [16, 512] tile, 64
     a thread at 4 warps: the MoE's decode tile); the wider step halves the K loop's steps against
-    the 256 first chosen, where q8_0's and q4_0's loads, too narrow for Triton's pipeliner
-    (weight_tiles.py), wait on memory once a step. Shared memory at 3 stages: bf16 x [16, 512] 16 KB
-    a stage and at most 8 KB of pipelined weight bytes (fp8_b128's values), under 100 KB with the
-    tile's conversion for the dot; fp32 x under 170 KB. Above 16 rows BLOCK_M = next_pow2(T) up to
-    COMPACT_MAX_BLOCK_M over 64 x 64 tiles, the MoE kernel's prefill shape (kernels/moe.py
-    `moe_config`), 8 warps at 128 rows. Not measured when written (no GPU lent):
+    the 256 first chosen. Shared memory at 3 stages (2 buffers of each prefetched load, kernels/moe.py
+    `moe_config`): bf16 x [16, 512] 16 KB a stage and at most 17 KB of weight words (q8_0's 16 blocks
+    a row, 17 words each), 66 KB, plus 16 KB to convert the tile for the dot; fp32 x ~130 KB. Above
+    16 rows BLOCK_M = next_pow2(T) up to COMPACT_MAX_BLOCK_M over 64 x 64 tiles, the MoE kernel's
+    prefill shape, 8 warps at 128 rows. Not measured when written (no GPU lent):
     tests/gpu/test_linear_compact_gpu.py times them against bf16."""
     if t <= SKINNY_MAX_ROWS:
         return LinearConfig(16, min(COMPACT_STEP, max(32, triton.next_power_of_2(k))), num_warps=4, num_stages=3)

@@ -96,13 +96,15 @@ def moe_config(num_tokens: int, dtype: torch.dtype, gate_up: str = "", down: str
     registers of its dequantized fp32 values, 64 a thread at 4 warps, as the bf16 tile's), but half
     the K steps, each loading 2x the blocks (a 256-wide step is 8 q4 blocks a row: 144-160 bytes,
     where 128 values of bf16 are 256) and twice the programs along N (Qwen3-30B-A3B at T = 1: 192
-    gate/up programs for the H200's 132 SMs, not 96). Shared memory (estimated, limit 227 KB) at 32
-    rows: bf16 x 16 KB a stage and q4_1's pipelined words and d|m 10 KB a stage for gate and up
-    (q8_0's and q4_0's 2-byte runs are not pipelined: weight_tiles.py), 104 KB at 4 stages, plus
-    32 KB to convert the two dequantized tiles for the dot: ~136 KB; fp32 x (32 KB a stage, 64 KB of
-    fp32 tiles) keeps 3 stages: ~190 KB. fp8_b128 keeps 128-wide steps (one scale a row a step).
-    Not measured when written (no GPU lent): tests/gpu/test_moe_compact_gpu.py times T = 1 and 32
-    against bf16."""
+    gate/up programs for the H200's 132 SMs, not 96). Shared memory (estimated; 227 KB on an H100 /
+    H200): the pipeliner keeps num_stages - 1 buffers of each load it prefetches (which the fp8_b128
+    failure at 258 KB fits: [64, 128] fp32 scale gathers, values and x, 84 KB a stage x 3, and
+    scratch), and weight_tiles.py loads every GGUF byte in 4-byte words (q8_0's 34-byte blocks as 17
+    words, q4_0's 18 as 9, q4_1's 20 as 5). The worst, q8_0 at 32 rows with bf16 x: x 16 KB and
+    gate's and up's words 34 KB a stage, x 3 = 150 KB, plus 32 KB to convert the two dequantized
+    tiles for the dot: ~182 KB; fp32 x (32 KB a stage, 64 KB of fp32 tiles) keeps 3 stages: ~196
+    KB. fp8_b128 keeps 128-wide steps (one scale a row a step). Not measured when written (no GPU
+    lent): tests/gpu/test_moe_compact_gpu.py times T = 1 and 32 against bf16."""
     block_m = min(64, max(16, triton.next_power_of_2(max(num_tokens, 1))))
     wide = dtype == torch.float32  # fp32 tiles take twice the shared memory
     if block_m <= 32:

@@ -80,58 +80,74 @@ def _fp8_b128_tile(piece, n, k, mask, N, K):
 def _gguf_tile(piece, n, k, N, K, FMT: tl.constexpr):
     """A GGUF tile of whole blocks (BLOCK_K >= 32): [BLOCK_N, BLOCK_K / 32] blocks, each block's scale
     (and min) loaded once, its quants as one contiguous run, the values put in ggml's order in registers
-    (join / permute / reshape move no data between threads), then reshaped to [BLOCK_N, BLOCK_K].
+    (join / permute / reshape), then reshaped to [BLOCK_N, BLOCK_K].
 
-    The runs are loaded in the widest words their alignment allows, typed, so the width does not rest
-    on the compiler proving an alignment: rows start at multiples of the block's bytes, so q8_0's
-    quants (34-byte blocks, at +2) and q4_0's (18-byte, at +2) are 2-byte aligned, loaded as int16
-    (16 and 8 a block); q4_1's (20-byte, at +4) 4-byte aligned, int32 (4 a block), its d and m one
-    int32 word. No alignment wider than that holds, so no tl.multiple_of hint is given: a wrong one
-    would make the pipeliner's cp.async read misaligned words. Triton's pipeliner only moves loads of
-    at least 32 bits through shared memory ahead of their use (cp.async's least transfer), so q4_1's
-    loads can be prefetched `num_stages` deep and q8_0's and q4_0's are issued in their own step."""
+    Every load is of aligned 4-byte words: Triton's pipeliner only prefetches loads of at least 32
+    bits through shared memory (`num_stages` steps ahead; cp.async moves 4, 8 or 16 bytes), and a
+    narrower load waits on memory in its own step. q4_1's 20-byte blocks start 4-byte aligned (rows
+    and pieces start at multiples of 4): d|m is one word, the 16 bytes of quants 4 more. q8_0's
+    (34-byte) and q4_0's (18-byte) blocks start 2 mod 4 every other block, so their d and quants are
+    read from the aligned words around them and shifted into place (`_aligned_words`). No wider
+    alignment holds, so no tl.multiple_of hint is given: a wrong one would make cp.async read
+    misaligned addresses."""
     BLOCK_N: tl.constexpr = n.shape[0]
     BLOCKS: tl.constexpr = k.shape[0] // 32
     BYTES: tl.constexpr = 34 if FMT == "q8_0" else (18 if FMT == "q4_0" else 20)
     kb = tl.min(tl.reshape(k, (BLOCKS, 32)), axis=1) // 32  # [BLOCKS] block columns (k0 / 32 + arange)
     ok = (n < N)[:, None] & (kb * 32 < K)[None, :]  # [BLOCK_N, BLOCKS]: whole blocks in or out
     block = piece + n[:, None] * (K // 32 * BYTES) + kb[None, :] * BYTES  # [BLOCK_N, BLOCKS] byte pointers
-    if FMT == "q8_0":
-        d = tl.load(block.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0).to(tl.float32)
-        h = _run(block + 2, ok, tl.int16, 16)  # halfword j: quants 2j (low byte), 2j + 1 (high byte)
-        q = tl.join((h << 24) >> 24, h >> 8)  # each byte sign-extended (h is h16 sign-extended to int32)
-        return tl.reshape(tl.reshape(q, (BLOCK_N, BLOCKS, 32)).to(tl.float32) * d[:, :, None],
-                          (BLOCK_N, BLOCKS * 32))
-    elif FMT == "q4_0":
-        d = tl.load(block.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0).to(tl.float32)
-        q = _nibbles(_bytes(_run(block + 2, ok, tl.int16, 8), 2), BLOCK_N, BLOCKS)
-        return tl.reshape(d[:, :, None] * (q - 8).to(tl.float32), (BLOCK_N, BLOCKS * 32))
-    else:
-        tl.static_assert(FMT == "q4_1", "weight_tile reads q8_0, q4_0, q4_1, fp8_b128 and plain dtypes")
+    if FMT == "q4_1":
         dm = tl.load(block.to(tl.pointer_type(tl.int32)), mask=ok, other=0)  # fp16 d (low half) | fp16 m
-        d = (dm & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        m = (dm >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        q = _nibbles(_bytes(_run(block + 4, ok, tl.int32, 4), 4), BLOCK_N, BLOCKS)
-        return tl.reshape(d[:, :, None] * q.to(tl.float32) + m[:, :, None], (BLOCK_N, BLOCKS * 32))
+        q = _nibbles(_bytes(_words(block + 4, ok, 4)), BLOCK_N, BLOCKS)
+        w = _f16(dm)[:, :, None] * q.to(tl.float32) + _f16(dm >> 16)[:, :, None]
+    else:
+        at = block.to(tl.int64)  # absolute addresses: a piece itself may start 2 mod 4 (an expert's up after gate)
+        dword = tl.load((at & -4).to(tl.pointer_type(tl.int32)), mask=ok, other=0)
+        d = _f16(dword >> ((at & 2) * 8).to(tl.int32))[:, :, None]  # d: the aligned word's low or high half
+        if FMT == "q8_0":
+            q = _bytes(_aligned_words(at + 2, ok, 8))  # [BLOCK_N, BLOCKS, 32] bytes
+            w = ((q << 24) >> 24).to(tl.float32) * d  # each an int8, sign-extended
+        else:
+            tl.static_assert(FMT == "q4_0", "weight_tile reads q8_0, q4_0, q4_1, fp8_b128 and plain dtypes")
+            w = d * (_nibbles(_bytes(_aligned_words(at + 2, ok, 4)), BLOCK_N, BLOCKS) - 8).to(tl.float32)
+    return tl.reshape(w, (BLOCK_N, BLOCKS * 32))
 
 
 @triton.jit
-def _run(at, ok, WORD: tl.constexpr, WORDS: tl.constexpr):
-    """WORDS consecutive words of type WORD from each byte pointer of `at` ([BLOCK_N, BLOCKS]), masked
-    by ok: [BLOCK_N, BLOCKS, WORDS] int32 (sign-extended)."""
-    words = at.to(tl.pointer_type(WORD))[:, :, None] + tl.arange(0, WORDS)[None, None, :]
-    return tl.load(words, mask=ok[:, :, None], other=0).to(tl.int32)
+def _f16(bits):
+    """The fp16 whose bits are the low half of int32 `bits`, as fp32."""
+    return (bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _bytes(words, WIDTH: tl.constexpr):
-    """The bytes (int32 in [0, 256)) of little-endian words holding WIDTH (2 or 4) bytes each, in memory
-    order: [..., W] words give [..., W * WIDTH] bytes."""
-    if WIDTH == 2:
-        b = tl.join(words & 0xFF, (words >> 8) & 0xFF)
-    else:  # join(join(b0, b2), join(b1, b3))[..., p, q] is byte 2p + q
-        b = tl.join(tl.join(words & 0xFF, (words >> 16) & 0xFF), tl.join((words >> 8) & 0xFF, (words >> 24) & 0xFF))
-    return tl.reshape(b, (words.shape[0], words.shape[1], words.shape[2] * WIDTH))
+def _words(at, ok, WORDS: tl.constexpr):
+    """WORDS consecutive int32 words from each 4-byte aligned byte pointer of `at` ([BLOCK_N, BLOCKS]),
+    masked by ok: [BLOCK_N, BLOCKS, WORDS]."""
+    words = at.to(tl.pointer_type(tl.int32))[:, :, None] + tl.arange(0, WORDS)[None, None, :]
+    return tl.load(words, mask=ok[:, :, None], other=0)
+
+
+@triton.jit
+def _aligned_words(at, ok, WORDS: tl.constexpr):
+    """The 4 * WORDS bytes from each address of `at` ([BLOCK_N, BLOCKS] int64, each 0 or 2 mod 4) as
+    [BLOCK_N, BLOCKS, WORDS] int32 words, every load an aligned word: at 2 mod 4 word j is the high
+    half of aligned word j and the low half of word j + 1 (loaded only there). The last of those
+    also holds the 2 bytes after the run; it starts inside the run, so it lies in the run's page.
+    (Likewise a block's d at 2 mod 4 is read with the 2 bytes before it: the row, or the piece of the
+    extent, before it; a CompactWeight's own bytes start 16-byte aligned.)"""
+    first = (at & -4).to(tl.pointer_type(tl.int32))[:, :, None] + tl.arange(0, WORDS)[None, None, :]
+    odd = ((at & 2) != 0)[:, :, None]
+    lo = tl.load(first, mask=ok[:, :, None], other=0)
+    hi = tl.load(first + 1, mask=ok[:, :, None] & odd, other=0)
+    return tl.where(odd, ((lo >> 16) & 0xFFFF) | (hi << 16), lo)
+
+
+@triton.jit
+def _bytes(words):
+    """The bytes (int32 in [0, 256)) of little-endian int32 words in memory order: [..., W] words give
+    [..., 4 * W] bytes (join(join(b0, b2), join(b1, b3))[..., p, q] is byte 2p + q)."""
+    b = tl.join(tl.join(words & 0xFF, (words >> 16) & 0xFF), tl.join((words >> 8) & 0xFF, (words >> 24) & 0xFF))
+    return tl.reshape(b, (words.shape[0], words.shape[1], words.shape[2] * 4))
 
 
 @triton.jit
@@ -151,14 +167,17 @@ def _gguf_values(piece, n, k, mask, K, FMT: tl.constexpr):
     d = tl.load(block.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
     j = k[None, :] % 32
     if FMT == "q8_0":
-        return tl.load((block + 2 + j).to(tl.pointer_type(tl.int8)), mask=mask, other=0).to(tl.float32) * d
-    QS: tl.constexpr = 2 if FMT == "q4_0" else 4
-    q = (tl.load(block + QS + j % 16, mask=mask, other=0).to(tl.int32) >> ((j // 16) * 4)) & 0x0F
-    if FMT == "q4_0":
-        return d * (q - 8).to(tl.float32)
-    tl.static_assert(FMT == "q4_1", "weight_tile reads q8_0, q4_0, q4_1, fp8_b128 and plain dtypes")
-    m = tl.load((block + 2).to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
-    return d * q.to(tl.float32) + m
+        w = tl.load((block + 2 + j).to(tl.pointer_type(tl.int8)), mask=mask, other=0).to(tl.float32) * d
+    else:
+        QS: tl.constexpr = 2 if FMT == "q4_0" else 4
+        q = (tl.load(block + QS + j % 16, mask=mask, other=0).to(tl.int32) >> ((j // 16) * 4)) & 0x0F
+        if FMT == "q4_0":
+            w = d * (q - 8).to(tl.float32)
+        else:
+            tl.static_assert(FMT == "q4_1", "weight_tile reads q8_0, q4_0, q4_1, fp8_b128 and plain dtypes")
+            m = tl.load((block + 2).to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+            w = d * q.to(tl.float32) + m
+    return w
 
 
 __all__ = ["GGUF_TILES", "PLAIN_TILES", "weight_tile"]

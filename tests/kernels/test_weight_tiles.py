@@ -7,7 +7,9 @@ K steps of BLOCK_K from 0) and stores every tile whole into a padded output. N =
 BLOCK_N = 32; two fp8 scale rows, the second partial) and K = 288 (nine GGUF blocks, not a multiple of
 64 or 256: the last step holds fewer blocks, whole; three fp8 scale columns, the last 32 wide). BLOCK_K
 16 is the narrow per-value path, 32 to 256 the blocked one (one block a row to eight, the last step
-masked), 512 whole rows as the gemv takes them (fp8_b128's scales per 128-wide block). GGUF blocks are
+masked), 512 whole rows as the gemv takes them (fp8_b128's scales per 128-wide block). Nine blocks a
+row make every other q8_0 / q4_0 row and block start 2 mod 4 (read from the aligned words around them);
+a matrix starting 2 mod 4 too. GGUF blocks are
 random bytes with finite fp16 scales (every quant pattern: q8_0's -128, every nibble); fp8_b128 is
 `quantize`d. q4_1's `d * q + m` may fuse into one FMA on a GPU (one rounding where the oracle rounds
 twice), so there it is held within an ulp of |d * q|; everywhere else, and interpreted, bit for bit.
@@ -61,12 +63,15 @@ def _weight(fmt: str, seed: int = 0) -> CompactWeight:
     return _gguf(fmt, N, K, seed)
 
 
-def _tiles(w: CompactWeight, block_k: int) -> torch.Tensor:
-    """The kernel's tiles, whole, in a NaN-filled [ceil(N / BLOCK_N) * BLOCK_N, ceil(K / BLOCK_K) * BLOCK_K]."""
+def _tiles(w: CompactWeight, block_k: int, at: int = 0) -> torch.Tensor:
+    """The kernel's tiles, whole, in a NaN-filled [ceil(N / BLOCK_N) * BLOCK_N, ceil(K / BLOCK_K) * BLOCK_K];
+    the matrix's bytes `at` bytes into a buffer of 0xFF bytes (16-byte aligned)."""
     n, k = w.shape
     rows, cols = triton.cdiv(n, BLOCK_N) * BLOCK_N, triton.cdiv(k, block_k) * block_k
     out = torch.full((rows, cols), float("nan"), device=DEVICE)
-    _tiles_kernel[(rows // BLOCK_N,)](w.data.to(DEVICE), out, n, k, out.stride(0), FMT=w.fmt, BLOCK_N=BLOCK_N,
+    buf = torch.full((at + w.data.numel() + 16,), 0xFF, dtype=torch.uint8)
+    buf[at:at + w.data.numel()] = w.data
+    _tiles_kernel[(rows // BLOCK_N,)](buf.to(DEVICE)[at:], out, n, k, out.stride(0), FMT=w.fmt, BLOCK_N=BLOCK_N,
                                       BLOCK_K=block_k)
     return out.cpu()
 
@@ -84,6 +89,14 @@ def test_tiles_are_the_oracles_dequantization_and_zero_past_the_matrix(fmt, bloc
         assert ((got - want).abs() <= d.abs() * 15 * 2 ** -23).all()
     else:
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_a_matrix_starting_2_mod_4_is_read_from_the_aligned_words_around_it(fmt):
+    """An expert's up piece follows its gate piece in the extent, so q8_0's and q4_0's can start 2 bytes
+    past a 4-byte boundary (I and H / 32 odd); the words before and after it hold other bytes."""
+    w = _gguf(fmt, N, K, seed=7)
+    assert torch.equal(_tiles(w, 64, at=2)[:N, :K], w.dequantize())
 
 
 def test_a_block_of_8_bit_quants_keeps_each_sign_and_a_block_of_nibbles_ggmls_order():
