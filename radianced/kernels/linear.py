@@ -83,6 +83,7 @@ SKINNY_MAX_ROWS = 16  # rows up to which the "dot" kernel runs: one 16-row tile 
 ROW_BYTES_PER_STEP = 1024  # bytes of each weight row a "dot" program loads per K step (512 bf16 elements)
 CUBLAS_MIN_N = 4096  # from this many outputs cuBLAS beats the "dot" tiles at 1 < T <= 16
 COMPACT_MAX_BLOCK_M = 128  # rows a "dot" program takes of a compact weight's many-row GEMM
+COMPACT_STEP = 512  # values of K a compact weight's skinny "dot" step takes (`_compact_config`)
 COMPACT_MAX_BYTES = 2 ** 31  # weight_tiles.py's int32 byte offsets
 
 # -- heuristics ------------------------------------------------------------------------------------
@@ -123,21 +124,27 @@ def linear_config(t: int, n: int, k: int, dtype: torch.dtype, fmt: str | None = 
     if t == 1 and k <= GEMV_MAX_K:
         return LinearConfig(4 if n >= GEMV_WIDE_N else 2, 0, num_warps=8, num_stages=1, kind="gemv")
     if fmt is not None:
-        return _compact_config(t, dtype)
+        return _compact_config(t, k, dtype)
     if t > SKINNY_MAX_ROWS or n >= CUBLAS_MIN_N:
         return None
     block_k = min(ROW_BYTES_PER_STEP // dtype.itemsize, max(16, triton.next_power_of_2(k)))
     return LinearConfig(16, block_k, num_warps=4, num_stages=3)
 
 
-def _compact_config(t: int, dtype: torch.dtype) -> LinearConfig:
-    """"dot" tiles for a compact weight at T > 1 (or K over GEMV_MAX_K). Not measured yet (no GPU was
-    lent when they were written; tests/gpu/test_linear_compact_gpu.py times them): up to 16 rows the
-    skinny tiles with 256-value K steps (each value dequantized in fp32 registers: half the dense
-    step's 512); above, BLOCK_M = next_pow2(T) up to COMPACT_MAX_BLOCK_M over 64 x 64 tiles, the
-    MoE kernel's prefill shape (kernels/moe.py `moe_config`), 8 warps at 128 rows."""
+def _compact_config(t: int, k: int, dtype: torch.dtype) -> LinearConfig:
+    """"dot" tiles for a compact weight at T > 1 (or K over GEMV_MAX_K). Up to 16 rows the skinny tiles
+    with K steps of COMPACT_STEP values (at most next_pow2(K)): a compact weight's step is a stream of
+    few bytes (512 values are 272-320 bytes of GGUF blocks, 516 of fp8_b128, where bf16's 1,024-byte
+    step holds 512 values), and each value is dequantized in fp32 registers (8,192 a [16, 512] tile, 64
+    a thread at 4 warps: the MoE's decode tile); the wider step halves the K loop's steps against
+    the 256 first chosen. Shared memory at 3 stages (2 buffers of each prefetched load, kernels/moe.py
+    `moe_config`): bf16 x [16, 512] 16 KB a stage and at most 17 KB of weight words (q8_0's 16 blocks
+    a row, 17 words each), 66 KB, plus 16 KB to convert the tile for the dot; fp32 x ~130 KB. Above
+    16 rows BLOCK_M = next_pow2(T) up to COMPACT_MAX_BLOCK_M over 64 x 64 tiles, the MoE kernel's
+    prefill shape, 8 warps at 128 rows. Not measured when written (no GPU lent):
+    tests/gpu/test_linear_compact_gpu.py times them against bf16."""
     if t <= SKINNY_MAX_ROWS:
-        return LinearConfig(16, 256, num_warps=4, num_stages=3)
+        return LinearConfig(16, min(COMPACT_STEP, max(32, triton.next_power_of_2(k))), num_warps=4, num_stages=3)
     block_m = min(COMPACT_MAX_BLOCK_M, triton.next_power_of_2(t))
     return LinearConfig(64, 64, num_warps=8 if block_m > 64 else 4,
                         num_stages=2 if dtype == torch.float32 else 3, block_m=block_m)

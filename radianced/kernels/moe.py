@@ -58,7 +58,7 @@ import triton.language as tl
 
 from radianced.kernels import arrival, pdl, router
 from radianced.kernels.formats import COMPACT_TILES, FORMATS, expert_formats
-from radianced.kernels.weight_tiles import PLAIN_TILES, weight_tile
+from radianced.kernels.weight_tiles import GGUF_TILES, PLAIN_TILES, weight_tile
 
 # Experts up to which `route_moe` ranks them inside the gate/up programs at T == 1. Ranking is E^2
 # comparisons in every program, before its weight loads: at 4 warps 128 a thread for E = 128
@@ -87,13 +87,30 @@ class MoEConfig:
     num_stages: int
 
 
-def moe_config(num_tokens: int, dtype: torch.dtype) -> MoEConfig:
+def moe_config(num_tokens: int, dtype: torch.dtype, gate_up: str = "", down: str = "") -> MoEConfig:
     """Small T (decode) is a weight stream: narrow column blocks give enough programs to fill the
-    GPU with loads in flight; large T (prefill) uses square-ish tiles for the tensor cores."""
+    GPU with loads in flight; large T (prefill) uses square-ish tiles for the tensor cores.
+
+    gate_up, down: the pieces' formats (`ExtentLayout`). At decode a GGUF piece (GGUF_TILES) takes
+    32 columns x 256 values of K a step instead of 64 x 128: the same 8,192 values a tile (the
+    registers of its dequantized fp32 values, 64 a thread at 4 warps, as the bf16 tile's), but half
+    the K steps, each loading 2x the blocks (a 256-wide step is 8 q4 blocks a row: 144-160 bytes,
+    where 128 values of bf16 are 256) and twice the programs along N (Qwen3-30B-A3B at T = 1: 192
+    gate/up programs for the H200's 132 SMs, not 96). Shared memory (estimated; 227 KB on an H100 /
+    H200): the pipeliner keeps num_stages - 1 buffers of each load it prefetches (which the fp8_b128
+    failure at 258 KB fits: [64, 128] fp32 scale gathers, values and x, 84 KB a stage x 3, and
+    scratch), and weight_tiles.py loads every GGUF byte in 4-byte words (q8_0's 34-byte blocks as 17
+    words, q4_0's 18 as 9, q4_1's 20 as 5). The worst, q8_0 at 32 rows with bf16 x: x 16 KB and
+    gate's and up's words 34 KB a stage, x 3 = 150 KB, plus 32 KB to convert the two dequantized
+    tiles for the dot: ~182 KB; fp32 x (32 KB a stage, 64 KB of fp32 tiles) keeps 3 stages: ~196
+    KB. fp8_b128 keeps 128-wide steps (one scale a row a step). Not measured when written (no GPU
+    lent): tests/gpu/test_moe_compact_gpu.py times T = 1 and 32 against bf16."""
     block_m = min(64, max(16, triton.next_power_of_2(max(num_tokens, 1))))
     wide = dtype == torch.float32  # fp32 tiles take twice the shared memory
     if block_m <= 32:
-        return MoEConfig(block_m, 64, 128, 64, 128, num_warps=4, num_stages=3 if wide else 4)
+        up = (32, 256) if gate_up in GGUF_TILES else (64, 128)
+        dn = (32, 256) if down in GGUF_TILES else (64, 128)
+        return MoEConfig(block_m, *up, *dn, num_warps=4, num_stages=3 if wide else 4)
     return MoEConfig(block_m, 64, 64, 64, 64, num_warps=4, num_stages=2 if wide else 3)
 
 
@@ -421,7 +438,7 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     top_k = topk_ids.shape[1]
     num_experts = table.shape[0]
     a = t * top_k
-    cfg = cfg or moe_config(t, x.dtype)
+    cfg = cfg or moe_config(t, x.dtype, layout.gate_up, layout.down)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     dev = x.device
 

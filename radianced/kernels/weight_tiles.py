@@ -21,6 +21,7 @@ import triton.language as tl
 
 # The compact formats it dequantizes are formats.COMPACT_TILES.
 PLAIN_TILES = ("bf16", "f16", "f32")  # plain `.rad` dtypes it reads through a byte pointer
+GGUF_TILES = ("q8_0", "q4_0", "q4_1")  # the compact formats of 32-value blocks (their steps: whole blocks)
 
 
 @triton.jit
@@ -28,7 +29,12 @@ def weight_tile(piece, n, k, mask, N, K, FMT: tl.constexpr):
     """W[n, k] ([BLOCK_N, BLOCK_K]; n [BLOCK_N], k [BLOCK_K] int32) of a matrix W [N, K] whose bytes start
     at `piece`, in format FMT, masked loads giving 0: the plain formats in their dtype, the compact ones
     in fp32. Layouts (kernels/formats.py): GGUF blocks of 32 values along a row (fp16 d [| fp16 m] | the
-    values); fp8_b128 the fp32 scales [ceil(N/128), ceil(K/128)] first, then the E4M3 values row-major."""
+    values); fp8_b128 the fp32 scales [ceil(N/128), ceil(K/128)] first, then the E4M3 values row-major.
+
+    What every caller passes (kernels/linear.py, kernels/moe.py), and the compact paths rely on: k is
+    k0 + arange(BLOCK_K), BLOCK_K a power of two and k0 a multiple of it (a K loop's step, or 0 for
+    the gemv's whole rows), and mask is (n < N)[:, None] & (k < K)[None, :]. The compact paths build
+    their masks per block from n and k (the same elements), so a block is loaded whole or not at all."""
     if FMT == "":
         return tl.load(piece + n[:, None] * K + k[None, :], mask=mask, other=0.0)
     elif FMT == "bf16":
@@ -38,46 +44,140 @@ def weight_tile(piece, n, k, mask, N, K, FMT: tl.constexpr):
     elif FMT == "f32":
         return tl.load(piece.to(tl.pointer_type(tl.float32)) + n[:, None] * K + k[None, :], mask=mask, other=0.0)
     elif FMT == "fp8_b128":
-        sk = (K + 127) // 128
-        if k.shape[0] <= 128:  # a step along k from a multiple of its width: one scale block, one scale a row
-            scale = tl.load((piece + ((n // 128) * sk + tl.min(k, axis=0) // 128) * 4).to(tl.pointer_type(tl.float32)),
-                            mask=n < N, other=0.0)[:, None]
-        else:  # whole rows (the gemv): a scale per value (a [BLOCK_N, BLOCK_K] fp32 gather, too big to pipeline)
-            scale = tl.load((piece + ((n[:, None] // 128) * sk + k[None, :] // 128) * 4).to(tl.pointer_type(tl.float32)),
-                            mask=mask, other=0.0)
-        values = piece + ((N + 127) // 128) * sk * 4 + n[:, None] * K + k[None, :]
-        v = tl.load(values.to(tl.pointer_type(tl.float8e4nv)), mask=mask, other=0.0).to(tl.float32)
-        return v * scale
-    elif FMT == "q8_0":
-        block = _gguf_block(piece, n, k, K, 34)
-        d = tl.load(block.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
-        q = tl.load((block + 2 + k[None, :] % 32).to(tl.pointer_type(tl.int8)), mask=mask, other=0).to(tl.float32)
-        return q * d
-    elif FMT == "q4_0":
-        block = _gguf_block(piece, n, k, K, 18)
-        d = tl.load(block.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
-        return d * (_nibble(block + 2, k, mask) - 8).to(tl.float32)
+        return _fp8_b128_tile(piece, n, k, mask, N, K)
+    elif k.shape[0] < 32:  # a step inside one block (only a given config's BLOCK_K = 16, tl.dot's least)
+        return _gguf_values(piece, n, k, mask, K, FMT)
     else:
-        tl.static_assert(FMT == "q4_1", "weight_tile reads q8_0, q4_0, q4_1, fp8_b128 and plain dtypes")
-        block = _gguf_block(piece, n, k, K, 20)
-        d = tl.load(block.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
-        m = tl.load((block + 2).to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
-        return d * _nibble(block + 4, k, mask).to(tl.float32) + m
+        return _gguf_tile(piece, n, k, N, K, FMT)
 
 
 @triton.jit
-def _gguf_block(piece, n, k, K, BLOCK_BYTES: tl.constexpr):
-    """Byte pointers [BLOCK_N, BLOCK_K] to the 32-value block holding W[n, k] (rows of K // 32 blocks)."""
-    return piece + n[:, None] * (K // 32 * BLOCK_BYTES) + (k[None, :] // 32) * BLOCK_BYTES
+def _fp8_b128_tile(piece, n, k, mask, N, K):
+    """fp8_b128's W[n, k]: the E4M3 values (a contiguous run of each row) times the fp32 scale of their
+    128 x 128 block, the scale loaded once per row and 128-wide block of k, not once per value: a step
+    of at most 128 from a multiple of its width stays inside one block (one scale a row); a wider one
+    (the gemv's whole rows, or a 256-wide step) covers BLOCK_K / 128 whole blocks, its values reshaped
+    [BLOCK_N, BLOCK_K / 128, 128] against scales [BLOCK_N, BLOCK_K / 128]. (A per-value fp32 gather,
+    [BLOCK_N, BLOCK_K] of them, took 258 KB of shared memory at 4 pipeline stages on the H200.)"""
+    BLOCK_N: tl.constexpr = n.shape[0]
+    BLOCK_K: tl.constexpr = k.shape[0]
+    sk = (K + 127) // 128
+    scales = piece.to(tl.pointer_type(tl.float32))
+    values = piece + ((N + 127) // 128) * sk * 4 + n[:, None] * K + k[None, :]
+    v = tl.load(values.to(tl.pointer_type(tl.float8e4nv)), mask=mask, other=0.0).to(tl.float32)
+    if BLOCK_K <= 128:
+        scale = tl.load(scales + (n // 128) * sk + tl.min(k, axis=0) // 128, mask=n < N, other=0.0)
+        return v * scale[:, None]
+    else:
+        SCALE_BLOCKS: tl.constexpr = BLOCK_K // 128
+        kb = tl.min(tl.reshape(k, (SCALE_BLOCKS, 128)), axis=1) // 128  # [BLOCK_K / 128] scale columns
+        scale = tl.load(scales + (n // 128)[:, None] * sk + kb[None, :],
+                        mask=(n < N)[:, None] & (kb < sk)[None, :], other=0.0)
+        return tl.reshape(tl.reshape(v, (BLOCK_N, SCALE_BLOCKS, 128)) * scale[:, :, None], (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
-def _nibble(qs, k, mask):
-    """Value k % 32 of a block's 16 bytes of nibbles at `qs` (int32 in [0, 16)): ggml puts values
-    0..15 in the low nibbles of bytes 0..15 and values 16..31 in their high nibbles."""
+def _gguf_tile(piece, n, k, N, K, FMT: tl.constexpr):
+    """A GGUF tile of whole blocks (BLOCK_K >= 32): [BLOCK_N, BLOCK_K / 32] blocks, each block's scale
+    (and min) loaded once, its quants as one contiguous run, the values put in ggml's order in registers
+    (join / permute / reshape), then reshaped to [BLOCK_N, BLOCK_K].
+
+    Every load is of aligned 4-byte words: Triton's pipeliner only prefetches loads of at least 32
+    bits through shared memory (`num_stages` steps ahead; cp.async moves 4, 8 or 16 bytes), and a
+    narrower load waits on memory in its own step. q4_1's 20-byte blocks start 4-byte aligned (rows
+    and pieces start at multiples of 4): d|m is one word, the 16 bytes of quants 4 more. q8_0's
+    (34-byte) and q4_0's (18-byte) blocks start 2 mod 4 every other block, so their d and quants are
+    read from the aligned words around them and shifted into place (`_aligned_words`). No wider
+    alignment holds, so no tl.multiple_of hint is given: a wrong one would make cp.async read
+    misaligned addresses."""
+    BLOCK_N: tl.constexpr = n.shape[0]
+    BLOCKS: tl.constexpr = k.shape[0] // 32
+    BYTES: tl.constexpr = 34 if FMT == "q8_0" else (18 if FMT == "q4_0" else 20)
+    kb = tl.min(tl.reshape(k, (BLOCKS, 32)), axis=1) // 32  # [BLOCKS] block columns (k0 / 32 + arange)
+    ok = (n < N)[:, None] & (kb * 32 < K)[None, :]  # [BLOCK_N, BLOCKS]: whole blocks in or out
+    block = piece + n[:, None] * (K // 32 * BYTES) + kb[None, :] * BYTES  # [BLOCK_N, BLOCKS] byte pointers
+    if FMT == "q4_1":
+        dm = tl.load(block.to(tl.pointer_type(tl.int32)), mask=ok, other=0)  # fp16 d (low half) | fp16 m
+        q = _nibbles(_bytes(_words(block + 4, ok, 4)), BLOCK_N, BLOCKS)
+        w = _f16(dm)[:, :, None] * q.to(tl.float32) + _f16(dm >> 16)[:, :, None]
+    else:
+        at = block.to(tl.int64)  # absolute addresses: a piece itself may start 2 mod 4 (an expert's up after gate)
+        dword = tl.load((at & -4).to(tl.pointer_type(tl.int32)), mask=ok, other=0)
+        d = _f16(dword >> ((at & 2) * 8).to(tl.int32))[:, :, None]  # d: the aligned word's low or high half
+        if FMT == "q8_0":
+            q = _bytes(_aligned_words(at + 2, ok, 8))  # [BLOCK_N, BLOCKS, 32] bytes
+            w = ((q << 24) >> 24).to(tl.float32) * d  # each an int8, sign-extended
+        else:
+            tl.static_assert(FMT == "q4_0", "weight_tile reads q8_0, q4_0, q4_1, fp8_b128 and plain dtypes")
+            w = d * (_nibbles(_bytes(_aligned_words(at + 2, ok, 4)), BLOCK_N, BLOCKS) - 8).to(tl.float32)
+    return tl.reshape(w, (BLOCK_N, BLOCKS * 32))
+
+
+@triton.jit
+def _f16(bits):
+    """The fp16 whose bits are the low half of int32 `bits`, as fp32."""
+    return (bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _words(at, ok, WORDS: tl.constexpr):
+    """WORDS consecutive int32 words from each 4-byte aligned byte pointer of `at` ([BLOCK_N, BLOCKS]),
+    masked by ok: [BLOCK_N, BLOCKS, WORDS]."""
+    words = at.to(tl.pointer_type(tl.int32))[:, :, None] + tl.arange(0, WORDS)[None, None, :]
+    return tl.load(words, mask=ok[:, :, None], other=0)
+
+
+@triton.jit
+def _aligned_words(at, ok, WORDS: tl.constexpr):
+    """The 4 * WORDS bytes from each address of `at` ([BLOCK_N, BLOCKS] int64, each 0 or 2 mod 4) as
+    [BLOCK_N, BLOCKS, WORDS] int32 words, every load an aligned word: at 2 mod 4 word j is the high
+    half of aligned word j and the low half of word j + 1 (loaded only there). The last of those
+    also holds the 2 bytes after the run; it starts inside the run, so it lies in the run's page.
+    (Likewise a block's d at 2 mod 4 is read with the 2 bytes before it: the row, or the piece of the
+    extent, before it; a CompactWeight's own bytes start 16-byte aligned.)"""
+    first = (at & -4).to(tl.pointer_type(tl.int32))[:, :, None] + tl.arange(0, WORDS)[None, None, :]
+    odd = ((at & 2) != 0)[:, :, None]
+    lo = tl.load(first, mask=ok[:, :, None], other=0)
+    hi = tl.load(first + 1, mask=ok[:, :, None] & odd, other=0)
+    return tl.where(odd, ((lo >> 16) & 0xFFFF) | (hi << 16), lo)
+
+
+@triton.jit
+def _bytes(words):
+    """The bytes (int32 in [0, 256)) of little-endian int32 words in memory order: [..., W] words give
+    [..., 4 * W] bytes (join(join(b0, b2), join(b1, b3))[..., p, q] is byte 2p + q)."""
+    b = tl.join(tl.join(words & 0xFF, (words >> 16) & 0xFF), tl.join((words >> 8) & 0xFF, (words >> 24) & 0xFF))
+    return tl.reshape(b, (words.shape[0], words.shape[1], words.shape[2] * 4))
+
+
+@triton.jit
+def _nibbles(qs, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr):
+    """A block's 32 4-bit quants from its 16 bytes ([BLOCK_N, BLOCKS, 16] -> [BLOCK_N, BLOCKS, 32], int32
+    in [0, 16)), in ggml's order: values 0..15 are the low nibbles of bytes 0..15, values 16..31 their
+    high nibbles. join gives [..., byte, half]; permuted to [..., half, byte] it flattens to that order."""
+    return tl.reshape(tl.permute(tl.join(qs & 0x0F, qs >> 4), (0, 1, 3, 2)), (BLOCK_N, BLOCKS, 32))
+
+
+@triton.jit
+def _gguf_values(piece, n, k, mask, K, FMT: tl.constexpr):
+    """A GGUF tile narrower than a block (BLOCK_K = 16), value by value: each value's block address,
+    scale and quant byte loaded for it (a gather per value; kept for the narrow steps only)."""
+    BYTES: tl.constexpr = 34 if FMT == "q8_0" else (18 if FMT == "q4_0" else 20)
+    block = piece + n[:, None] * (K // 32 * BYTES) + (k[None, :] // 32) * BYTES
+    d = tl.load(block.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
     j = k[None, :] % 32
-    byte = tl.load(qs + j % 16, mask=mask, other=0).to(tl.int32)
-    return (byte >> ((j // 16) * 4)) & 0x0F
+    if FMT == "q8_0":
+        w = tl.load((block + 2 + j).to(tl.pointer_type(tl.int8)), mask=mask, other=0).to(tl.float32) * d
+    else:
+        QS: tl.constexpr = 2 if FMT == "q4_0" else 4
+        q = (tl.load(block + QS + j % 16, mask=mask, other=0).to(tl.int32) >> ((j // 16) * 4)) & 0x0F
+        if FMT == "q4_0":
+            w = d * (q - 8).to(tl.float32)
+        else:
+            tl.static_assert(FMT == "q4_1", "weight_tile reads q8_0, q4_0, q4_1, fp8_b128 and plain dtypes")
+            m = tl.load((block + 2).to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+            w = d * q.to(tl.float32) + m
+    return w
 
 
-__all__ = ["PLAIN_TILES", "weight_tile"]
+__all__ = ["GGUF_TILES", "PLAIN_TILES", "weight_tile"]

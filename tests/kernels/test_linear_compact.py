@@ -3,9 +3,11 @@ on the same `CompactWeight` (its fp32 dequantization, rounded to x's dtype).
 
 Without CUDA the kernels run in Triton's interpreter on CPU tensors, so shapes stay small: N = 130
 (not a multiple of the 16 / 64 columns of a program, two fp8 scale blocks, the second partial) and
-K = 288 (nine 32-value GGUF blocks: not a multiple of the 64 / 256 K steps, so the last step is
-masked; three fp8 scale blocks). T = 1 (gemv), 5 and 16 ("dot", 16-row tiles), 37 (a 64-row tile)
-and 37 in 16-row tiles (three programs down the grid's second axis). Weights are written as the
+K = 288 (nine 32-value GGUF blocks: not a multiple of the 64 / 256 / 512 K steps, so the last step
+holds fewer blocks, masked whole; three fp8 scale blocks). T = 1 (gemv), 5 and 16 ("dot", 16-row
+tiles, 512-value steps), 37 (a 64-row tile) and 37 in 16-row tiles (three programs down the grid's
+second axis); T = 5 also in 16-value steps (weight_tiles.py's per-value path, half a GGUF block a
+step) and in 32 x 256 tiles. Weights are written as the
 converters write them (`quantize`: q8_0, q4_0, fp8_b128; `gguf.quants.quantize`: q4_1). Outputs are
 poisoned with NaN (every element must be written). fp32 activations: within 1e-5 of max|ref|, and
 bit for bit the same kernel over the dense dequantized weight where the dequantization is a bare
@@ -72,10 +74,11 @@ def _tol(dtype: torch.dtype) -> float:
     return 1e-5 if dtype == torch.float32 else 2 ** -7
 
 
-CASES = [(1, None), (5, None), (16, None), (37, None), (37, linear.LinearConfig(64, 64, 4, 2, block_m=16))]
+CASES = [(1, None), (5, None), (16, None), (37, None), (37, linear.LinearConfig(64, 64, 4, 2, block_m=16)),
+         (5, linear.LinearConfig(16, 16, 4, 2)), (5, linear.LinearConfig(32, 256, 4, 2))]
 
 
-@pytest.mark.parametrize("t,cfg", CASES, ids=["t1_gemv", "t5", "t16", "t37", "t37_tiles16"])
+@pytest.mark.parametrize("t,cfg", CASES, ids=["t1_gemv", "t5", "t16", "t37", "t37_tiles16", "t5_step16", "t5_step256"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_each_format_matches_the_reference_with_bias_and_residual(fmt, t, cfg, dtype):
@@ -166,11 +169,15 @@ def test_formats_without_kernels_and_bad_weights_are_refused():
 
 
 def test_config_of_a_compact_weight_is_always_a_kernel():
-    """No cuBLAS path for compact bytes: the gemv at T = 1, "dot" tiles at 2..16 rows and wide N, and
-    above 16 rows tiles of next_pow2(T) rows up to 128."""
+    """No cuBLAS path for compact bytes: the gemv at T = 1, "dot" tiles at 2..16 rows and wide N (K steps
+    of 512 values, or next_pow2(K) below: whole GGUF blocks), and above 16 rows tiles of next_pow2(T)
+    rows up to 128."""
     bf16 = torch.bfloat16
     assert linear.linear_config(1, 5120, 2048, bf16, "q4_0").kind == "gemv"
-    assert linear.linear_config(8, 5120, 2048, bf16, "fp8_b128") == linear.LinearConfig(16, 256, 4, 3)
+    assert linear.linear_config(8, 5120, 2048, bf16, "fp8_b128") == linear.LinearConfig(16, 512, 4, 3)
+    assert linear.linear_config(8, 130, 288, bf16, "q8_0").block_k == 512
+    assert linear.linear_config(8, 130, 96, bf16, "q4_1").block_k == 128
+    assert linear.linear_config(1, 64, linear.GEMV_MAX_K + 32, bf16, "q4_0") == linear.LinearConfig(16, 512, 4, 3)
     assert linear.linear_config(17, 5120, 2048, bf16, "q8_0").block_m == 32
     assert linear.linear_config(4096, 2048, 4096, bf16, "q4_1") == linear.LinearConfig(64, 64, 8, 3, block_m=128)
     assert linear.linear_config(8, 5120, 2048, bf16) is None  # the same shapes dense: cuBLAS

@@ -2,8 +2,9 @@
 `reference.moe` over the same bytes.
 
 Without CUDA the kernels run in Triton's interpreter on CPU tensors, so shapes stay small: H = 96
-(under one 128-wide reduction step: masked), I = 160 (two fp8 scale blocks along I, three 64-wide
-column blocks, the last one partial), E = 6 experts in a uint8 slab with spare rows behind a
+(under one 128-wide reduction step, or 3 of a 256-wide step's 8 GGUF blocks: masked), I = 160 (two
+fp8 scale blocks along I; three 64-wide column blocks or five 32-wide ones, the last 64-wide one
+partial; down's K steps 128 + 32 wide, or 5 of 8 blocks), E = 6 experts in a uint8 slab with spare rows behind a
 permuted table, some experts in host rows. Extents are written as the converters write them:
 `gguf.quants.quantize` blocks (q8_0, q4_0, q4_1) and HF-style fp8 with 128 x 128 block scales.
 fp32 activations within 1e-4 of max|ref|; where a format's dequantization is a bare product (q8_0,
@@ -99,10 +100,12 @@ def test_compact_extents_match_the_reference_in_slab_and_host_rows(fmt, t):
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "fp8_b128"])
-def test_dequantized_in_registers_equals_the_dense_slab_bit_for_bit(fmt):
+def test_dequantized_in_registers_equals_the_dense_slab_bit_for_bit(fmt, monkeypatch):
     """A product-only dequantization gives the very fp32 weights the dense slab holds, so the same
-    kernel, same tiles, same order, gives the same bits."""
+    kernel, same tiles (the compact pieces' `moe_config` for both), same order, gives the same bits."""
     experts = CompactExperts(fmt, t=3, seed=1)
+    cfg = moe_kernels.moe_config(3, torch.float32, *expert_formats(fmt))
+    monkeypatch.setattr(moe_kernels, "moe_config", lambda *args: cfg)
     plain = moe_kernels.moe(experts.x, experts.ids, experts.weights, experts.table, experts.dense_slab, I,
                             deterministic=True).cpu()
     assert torch.equal(experts.kernel(deterministic=True), plain)
@@ -183,3 +186,14 @@ def test_the_moe_layer_passes_its_sources_format_to_the_ops_cuda_binds(t):
     finally:
         ops.select("cpu")
     assert rel_err(got, want) < 1e-4
+
+
+def test_decode_steps_of_a_gguf_piece_are_wider_and_its_columns_narrower():
+    """`moe_config` at decode: a GGUF piece takes 32 columns x 256 values a step, other pieces 64 x 128
+    (per piece: q4_0 gate/up beside an fp8_b128 down); prefill tiles are 64 x 64 whatever the format."""
+    bf16 = torch.bfloat16
+    assert moe_kernels.moe_config(1, bf16, "q4_0", "fp8_b128") == moe_kernels.MoEConfig(16, 32, 256, 64, 128, 4, 4)
+    assert moe_kernels.moe_config(32, bf16, "fp8_b128", "q8_0") == moe_kernels.MoEConfig(32, 64, 128, 32, 256, 4, 4)
+    assert moe_kernels.moe_config(32, torch.float32, "q4_1", "q4_1").num_stages == 3
+    assert moe_kernels.moe_config(1, bf16) == moe_kernels.MoEConfig(16, 64, 128, 64, 128, 4, 4)
+    assert moe_kernels.moe_config(100, bf16, "q4_0", "q4_0") == moe_kernels.MoEConfig(64, 64, 64, 64, 64, 4, 3)
