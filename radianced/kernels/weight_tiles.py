@@ -22,6 +22,11 @@ import triton.language as tl
 # The compact formats it dequantizes are formats.COMPACT_TILES.
 PLAIN_TILES = ("bf16", "f16", "f32")  # plain `.rad` dtypes it reads through a byte pointer
 GGUF_TILES = ("q8_0", "q4_0", "q4_1")  # the compact formats of 32-value blocks (their steps: whole blocks)
+# The widest step read block by block (`_gguf_tile`). Compiled for the H200, the gemv's whole rows (2,048 and
+# 4,096 values: 64 and 128 blocks) came out wrong through it (every GGUF format, relative error 1.2-1.3: values
+# summed against the wrong x) while the interpreter agreed with the oracle; steps of up to 512 (the MoE's
+# 256, the linear dot's 512) were right. Wider steps read value by value (`_gguf_values`), as before.
+BLOCK_PATH_MAX_K = tl.constexpr(512)
 
 
 @triton.jit
@@ -45,7 +50,7 @@ def weight_tile(piece, n, k, mask, N, K, FMT: tl.constexpr):
         return tl.load(piece.to(tl.pointer_type(tl.float32)) + n[:, None] * K + k[None, :], mask=mask, other=0.0)
     elif FMT == "fp8_b128":
         return _fp8_b128_tile(piece, n, k, mask, N, K)
-    elif k.shape[0] < 32:  # a step inside one block (only a given config's BLOCK_K = 16, tl.dot's least)
+    elif k.shape[0] < 32 or k.shape[0] > BLOCK_PATH_MAX_K:  # a step inside one block, or the gemv's whole rows
         return _gguf_values(piece, n, k, mask, K, FMT)
     else:
         return _gguf_tile(piece, n, k, N, K, FMT)
@@ -160,8 +165,9 @@ def _nibbles(qs, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr):
 
 @triton.jit
 def _gguf_values(piece, n, k, mask, K, FMT: tl.constexpr):
-    """A GGUF tile narrower than a block (BLOCK_K = 16), value by value: each value's block address,
-    scale and quant byte loaded for it (a gather per value; kept for the narrow steps only)."""
+    """A GGUF tile narrower than a block (BLOCK_K = 16) or wider than BLOCK_PATH_MAX_K (the gemv's whole
+    rows), value by value: each value's block address, scale and quant byte loaded for it (a gather per
+    value)."""
     BYTES: tl.constexpr = 34 if FMT == "q8_0" else (18 if FMT == "q4_0" else 20)
     block = piece + n[:, None] * (K // 32 * BYTES) + (k[None, :] // 32) * BYTES
     d = tl.load(block.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)

@@ -7,7 +7,8 @@ K steps of BLOCK_K from 0) and stores every tile whole into a padded output. N =
 BLOCK_N = 32; two fp8 scale rows, the second partial) and K = 288 (nine GGUF blocks, not a multiple of
 64 or 256: the last step holds fewer blocks, whole; three fp8 scale columns, the last 32 wide). BLOCK_K
 16 is the narrow per-value path, 32 to 256 the blocked one (one block a row to eight, the last step
-masked), 512 whole rows as the gemv takes them (fp8_b128's scales per 128-wide block). Nine blocks a
+masked), 512 whole rows as the gemv takes them (fp8_b128's scales per 128-wide block), 1024 whole rows
+wider than `BLOCK_PATH_MAX_K` (the GGUF formats value by value again). Nine blocks a
 row make every other q8_0 / q4_0 row and block start 2 mod 4 (read from the aligned words around them);
 a matrix starting 2 mod 4 too. GGUF blocks are
 random bytes with finite fp16 scales (every quant pattern: q8_0's -128, every nibble); fp8_b128 is
@@ -76,7 +77,7 @@ def _tiles(w: CompactWeight, block_k: int, at: int = 0) -> torch.Tensor:
     return out.cpu()
 
 
-@pytest.mark.parametrize("block_k", [16, 32, 64, 256, 512])
+@pytest.mark.parametrize("block_k", [16, 32, 64, 256, 512, 1024])
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "fp8_b128"])
 def test_tiles_are_the_oracles_dequantization_and_zero_past_the_matrix(fmt, block_k):
     w = _weight(fmt, seed=block_k)
