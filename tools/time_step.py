@@ -1,6 +1,7 @@
 """Where a decode step's time goes, by phase, on the device (host wall time per call), and by kernel.
 
     python tools/time_step.py --out OUT [--layers 2] [--batch 1] [--steps 40] [--kernels] [--sequential]
+                              [--prefill-chunk N]
 
 Builds a synthetic Qwen3-30B-A3B-shaped model (tools/make_synthetic.py) with
 `--layers` layers, serves `--batch` requests of a 1K-token prompt through
@@ -18,6 +19,12 @@ of the receipt planned with graphs (the engine is built eager, then the graphs
 are captured here between two readings of the allocator), and with `--kernels`
 the device time of each kernel per step from the CUDA profiler (graph replays
 included), biggest first.
+
+With `--prefill-chunk N` the timed steps are mixed steps, as a prefill beside running streams makes them
+(issue 18's ITL under a burst): after the warm-up a long prompt joins, and each step takes the batch's
+decodes and the prompt's next N tokens (the scheduler's step budget set to batch + N, as the daemon's
+pacer sets it). Such a step runs eagerly (decode graphs cover decode-only steps): comparing the phases'
+host time with the kernels' device time says how much of its cost is the host launching it.
 """
 
 from __future__ import annotations
@@ -134,6 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--kernels", action="store_true", help="per-kernel device time per step (CUDA profiler)")
     ap.add_argument("--sequential", action="store_true", help="Engine.step() instead of Engine.step(ahead=True)")
+    ap.add_argument("--prefill-chunk", type=int, default=0, help="time mixed steps: decodes + N prefill tokens")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = Path(args.out)
@@ -142,8 +150,11 @@ def main(argv=None) -> int:
         path = make_synthetic(Path(tmp) / "m.rad", layers=args.layers, narrow=args.narrow, device=device,
                               vocab=None if args.narrow == 1 else 4096, progress=False)
         rad = RadFile.open(path)
-        cfg = Config(placement="resident", max_model_len=PROMPT + 2 * args.steps + 64,
-                     max_num_seqs=max(args.batch, 1), max_num_batched_tokens=PROMPT * args.batch)
+        chunk = args.prefill_chunk
+        long_prompt = chunk * (2 * args.steps + 4)  # a chunk for each timed and each profiled step, and spare
+        cfg = Config(placement="resident", max_model_len=max(PROMPT + 3 * args.steps + 64, long_prompt + 64),
+                     max_num_seqs=max(args.batch, 1) + (chunk > 0),
+                     max_num_batched_tokens=max(PROMPT * args.batch, args.batch + chunk))
         card = Card.from_mib(2048) if device == "cpu" else None
         engine = Engine.build(rad, msgspec.structs.replace(cfg, enforce_eager=True), card, device)
         graph_memory = capture_graphs(engine, rad, cfg) if device == "cuda" else None
@@ -155,6 +166,11 @@ def main(argv=None) -> int:
         step = functools.partial(engine.step, ahead=not args.sequential)
         for _ in range(args.steps // 2 + 1):  # prefill and warm-up decode
             step()
+        if chunk:  # every step from here: the decodes and the long prompt's next chunk
+            prompt = tuple(torch.randint(0, rad.model.vocab_size - 3, (long_prompt,), generator=g).tolist())
+            engine.add(Request("long", prompt, SamplingParams(temperature=0.0, max_tokens=1), frozenset()))
+            engine.scheduler.step_tokens = args.batch + chunk
+            step()
         totals: dict = defaultdict(float)
         instrument(engine, totals)
         t0 = time.perf_counter()  # between returns of step(): each return follows one finished step
@@ -164,12 +180,14 @@ def main(argv=None) -> int:
         per_step = {k: 1e3 * v / args.steps for k, v in totals.items()}  # before the profiled steps add to it
         kernels = kernel_table(step, args.steps) if args.kernels and device == "cuda" else None
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "layers": args.layers,
-              "batch": args.batch, "steps": args.steps, "graphs": engine.runner.graphs is not None,
+              "batch": args.batch, "prefill_chunk": chunk, "steps": args.steps,
+              "graphs": engine.runner.graphs is not None,
               "loop": "Engine.step (sequential)" if args.sequential else "Engine.step(ahead=True)",
               "step_ms": 1e3 * whole / args.steps, "phases_ms": per_step, "graph_memory": graph_memory,
               "kernels_us_per_step": kernels}
     (out / "time_step.json").write_text(json.dumps(result, indent=2))
-    print(f"decode step, {args.layers} layers, batch {args.batch}, graphs {result['graphs']}, {result['loop']}: "
+    kind = f"mixed step ({chunk} prefill tokens)" if chunk else "decode step"
+    print(f"{kind}, {args.layers} layers, batch {args.batch}, graphs {result['graphs']}, {result['loop']}: "
           f"{result['step_ms']:.3f} ms per step")
     for k, v in sorted(per_step.items(), key=lambda kv: -kv[1]):
         print(f"  {v:8.3f} ms  {k}")
