@@ -298,7 +298,7 @@ def _paged_attention_kernel(
         dst = part_o_ptr + part * HEAD_DIM
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
     if V_BITS == 4:  # the merge's sum over splits is linear: each split's part is rotated back
-        kv_int.store_unrotated(o, basis_ptr, dst, row_ok, HEAD_DIM)
+        kv_int.store_unrotated(o, basis_ptr, dst, row_ok, HEAD_DIM, DOT_PRECISION)
     else:
         tl.store(dst[:, None] + d[None, :], o.to(dst.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 

@@ -18,13 +18,16 @@ explicit FMAs, so the fused decode and the two launches write the same bits. Aga
 its last bit, so a code may flip by one where the value sits on a rounding boundary
 (and a group's fp16 min or step by one step of fp16); the tests count such flips. K
 planes are bit-exact. Attention is linear in V, so the loop accumulates P @ Y in the
-rotated basis and `store_unrotated` applies C once to each output row (o @ C in fp32
-IEEE dots, 32 output dims at a time so a 256-dim basis never sits in registers whole):
-one [D, D] product a program instead of one a key tile. It loses nothing: in the
-interpreter (D 128, 197 keys, fp32) the output is within 3.4e-7 (fp8_v4) and 4.2e-7
-(k6_v4) of a float64 attention over the same bytes; the reference, which rotates each
-token in fp32, is 5.1e-7 away (bf16: 3.8e-3 against fp8's 2.8e-3, the int4 values'
-rounding to bf16).
+rotated basis and `store_unrotated` applies C once to each output row, 32 output dims
+a dot: one [D, D] product a program instead of one a key tile. It loses nothing: in
+the interpreter (D 128, 197 keys, fp32) the output is within 3.4e-7 (fp8_v4) and
+4.2e-7 (k6_v4) of a float64 attention over the same bytes; the reference, which
+rotates each token in fp32, is 5.1e-7 away (bf16: 3.8e-3 against fp8's 2.8e-3, the
+int4 values' rounding to bf16). The product is an IEEE dot for an fp32 output and a
+tf32 one otherwise: tf32 rounds o and C to 11 bits, an error of about 2**-11 of the
+row's norm / sqrt(D) a dim, well inside a bf16 output's rounding, and ptxas (sm_90,
+offline) shows why: a bf16 prefill at D 256 spills 35 KB with the IEEE (FMA) dot,
+900 bytes with tf32 (fp8's kernel: 850).
 
 In the loop an int6 K tile is dequantized to values (its residuals; the dot in q's
 dtype, the block's first key's logit added as fp8 adds it: `kv_fp8.add_block_first`),
@@ -223,16 +226,17 @@ def value_operands(p, codes_src, scale_src, k_ok, d, d_ok, D: tl.constexpr, BITS
 
 
 @triton.jit
-def store_unrotated(o, basis_ptr, dst, row_ok, D: tl.constexpr):
+def store_unrotated(o, basis_ptr, dst, row_ok, D: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Store o @ C (o fp32 [M, BLOCK_D], attention's output over a rotated V; C [D, D] at basis_ptr) at
-    dst [M] (each row's first element), in the destination's dtype, 32 output dims a dot."""
+    dst [M] (each row's first element), in the destination's dtype, 32 output dims a dot (in the
+    attention's dot precision: IEEE for fp32, tf32 otherwise)."""
     BLOCK_D: tl.constexpr = o.shape[1]
     CW: tl.constexpr = min(32, BLOCK_D)
     i = tl.arange(0, BLOCK_D)
     for c in tl.static_range(BLOCK_D // CW):
         k = c * CW + tl.arange(0, CW)
         basis = tl.load(basis_ptr + i[:, None] * D + k[None, :], mask=(i < D)[:, None] & (k < D)[None, :], other=0.0)
-        part = tl.dot(o, basis, input_precision="ieee")
+        part = tl.dot(o, basis, input_precision=DOT_PRECISION)
         tl.store(dst[:, None] + k[None, :], part.to(dst.dtype.element_ty), mask=row_ok[:, None] & (k < D)[None, :])
 
 
