@@ -31,9 +31,13 @@ The result is the same bits as
 `rope.rotary_write_kv` then `paged_attention`, which is what it runs for any
 other step (prefill, chunks, mixed batches).
 
-An fp8 cache (`--kv-cache-dtype fp8`) is read and written by the same launches:
-its codes stand where the values stand, and kernels/kv_fp8.py quantizes on the
-store and folds the per-token scales into the logits and into P.
+A quantized cache (`--kv-cache-dtype fp8 | fp8_v4 | k6_v4`) is read and written
+by the same launches: its codes stand where the values stand, and kernels/kv_int.py
+(fp8's own in kernels/kv_fp8.py) quantizes on the store, folds fp8's per-token
+scales into the logits and into P, and dequantizes int rows in the loop. An int4
+V is stored in the DCT basis: the loop accumulates P @ V in that basis and each
+program rotates its output back once (o @ C) before it stores it. The non-decode
+steps' write is rope.rotary_write_kv's launch, kv_int's for fp8_v4 and k6_v4.
 
 Softmax runs in fp32 with exp2 (the scale is folded with log2 e); products
 accumulate in fp32; fp32 inputs use IEEE products (no tf32).
@@ -48,9 +52,10 @@ import torch
 import triton
 import triton.language as tl
 
-from radianced.kernels import kv_fp8, pdl, reference, rope
+from radianced.kernels import kv_int, pdl, reference, rope
 from radianced.kernels.kv_quant import KVPlane
-from radianced.kernels.paged import CacheViews, cache_views, check_cache, check_kv_write, slot_offset
+from radianced.kernels.kv_int import KernelCache, kernel_cache
+from radianced.kernels.paged import check_cache, slot_offset
 
 LOG2E = 1.4426950408889634
 # Bounds on the split-KV (flash-decoding) heuristic. A split's keys are a whole number of BLOCK_N
@@ -123,25 +128,30 @@ def _find_seq(query_start_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _store_fp8_token(k_new, v_new, slot, k_dst, v_dst, ks_ptr, vs_ptr, kvh, blocks_per_page, d, d_ok,
-                     stride_ks, stride_ksp, stride_ksn, stride_kss, stride_ksh,
-                     stride_vsp, stride_vsn, stride_vss, stride_vsh, dtype: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """The decode prologue's store into an fp8 cache: k_new fp32 [1, BLOCK_D] rounded to `dtype` (as
+def _store_token(k_new, v_src, slot, k_dst, v_dst, ks_ptr, vs_ptr, basis_ptr, kvh, blocks_per_page, d, d_ok,
+                 stride_ks, stride_ksp, stride_ksn, stride_kss, stride_ksh,
+                 stride_vsp, stride_vsn, stride_vss, stride_vsh, dtype: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr):
+    """The decode prologue's store into a quantized cache: k_new fp32 [1, BLOCK_D] rounded to `dtype` (as
     `rotary_write_kv` rounds it) and stored as its residual from its block's first token (written by
-    an earlier launch, read back: a decode step writes one token of a block), v_new [BLOCK_D] as itself;
-    k_dst, v_dst: the codes of this token and KV head."""
+    an earlier launch, read back: a decode step writes one token of a block), the v at v_src as itself
+    (int4: in the DCT basis, kernels/kv_int.py); k_dst, v_dst: the codes of this token and KV head."""
     one = tl.arange(0, 1)
     ks_dst = ks_ptr + slot_offset(slot, blocks_per_page, stride_ksp, stride_ksn, stride_kss, BLOCK_SIZE) \
         + kvh * stride_ksh
     k_new = k_new.to(dtype).to(tl.float32)
     off = slot % BLOCK_SIZE
     if off > 0:
-        k_new = k_new - kv_fp8.load_rows(k_dst - off * stride_ks + one, ks_dst - off * stride_kss + one, one < 1, d,
-                                         d_ok)
-    kv_fp8.store_rows(k_new, k_dst + one, ks_dst + one, one < 1, d, d_ok)
+        k_new = k_new - kv_int.load_rows(k_dst - off * stride_ks + one, ks_dst - off * stride_kss + one, one < 1, d,
+                                         d_ok, HEAD_DIM, K_BITS)
+    kv_int.store_rows(k_new, k_dst + one, ks_dst + one, one < 1, d, d_ok, HEAD_DIM, K_BITS)
     vs_dst = vs_ptr + slot_offset(slot, blocks_per_page, stride_vsp, stride_vsn, stride_vss, BLOCK_SIZE) \
         + kvh * stride_vsh
-    kv_fp8.store_rows(v_new.to(tl.float32)[None, :], v_dst + one, vs_dst + one, one < 1, d, d_ok)
+    if V_BITS == 4:
+        v_new = kv_int.dct_rows(v_src + one, one < 1, basis_ptr, HEAD_DIM, d.shape[0])
+    else:
+        v_new = tl.load(v_src + one[:, None] + d[None, :], mask=d_ok[None, :], other=0.0).to(tl.float32)
+    kv_int.store_rows(v_new, v_dst + one, vs_dst + one, one < 1, d, d_ok, HEAD_DIM, V_BITS)
 
 
 @triton.jit(do_not_specialize=COUNTS)
@@ -156,20 +166,22 @@ def _paged_attention_kernel(
     k_new_ptr, v_new_ptr, slot_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, eps,
     stride_knt, stride_knh, stride_vnt, stride_vnh,
     ks_ptr, vs_ptr, stride_ksp, stride_ksn, stride_kss, stride_ksh, stride_vsp, stride_vsn, stride_vss, stride_vsh,
-    Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    basis_ptr, Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr,
     ROT: tl.constexpr, NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr, LIBDEVICE: tl.constexpr,
-    KV_FP8: tl.constexpr, PDL: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, PDL: tl.constexpr,
 ):
     """DECODE: one query row per sequence, tile b is sequence b's; q is the unrotated projection
     (k_new, v_new: the new token's k and v), rotated here, and the program whose keys hold the
     new token (the last, seq_len - 1) first stores its k and v at slot_mapping[b] (< 0: no write).
     Otherwise q is rotated and every key is in the cache; the k_new .. stride_vnh arguments and
-    ROT .. LIBDEVICE are unused. KV_FP8: k_ptr, v_ptr hold E4M3 codes, ks_ptr, vs_ptr their fp16
-    scales (kernels/kv_fp8.py: the new token's K stored as its residual from its block's first
-    token, which an earlier launch wrote; the loop folds the scales into the logits and P)."""
+    ROT .. LIBDEVICE are unused. K_BITS, V_BITS > 0 (8 fp8, 6 int6, 4 int4): k_ptr, v_ptr hold codes,
+    ks_ptr, vs_ptr their fp16 scales (kernels/kv_fp8.py, kernels/kv_int.py: the new token's K stored
+    as its residual from its block's first token, which an earlier launch wrote; fp8 scales folded
+    into the logits and P, int rows dequantized); V_BITS 4: V in the DCT basis (basis_ptr: C), the
+    output rotated back once (o @ C)."""
     pdl.wait(PDL)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -226,17 +238,18 @@ def _paged_attention_kernel(
                                          NORM, ZERO_CENTRED, LIBDEVICE)  # [1, BLOCK_D]
                 k_dst = k_ptr + slot_offset(slot, blocks_per_page, stride_kp, stride_kn, stride_ks, BLOCK_SIZE) \
                     + kvh * stride_kh
-                v_new = tl.load(v_new_ptr + b64 * stride_vnt + kvh * stride_vnh + d, mask=d_ok, other=0.0)
+                v_src = v_new_ptr + b64 * stride_vnt + kvh * stride_vnh
                 v_dst = v_ptr + slot_offset(slot, blocks_per_page, stride_vp, stride_vn, stride_vs, BLOCK_SIZE) \
                     + kvh * stride_vh
-                if KV_FP8:
-                    _store_fp8_token(k_new, v_new, slot, k_dst, v_dst, ks_ptr, vs_ptr, kvh, blocks_per_page, d, d_ok,
-                                     stride_ks, stride_ksp, stride_ksn, stride_kss, stride_ksh,
-                                     stride_vsp, stride_vsn, stride_vss, stride_vsh, out_ptr.dtype.element_ty,
-                                     BLOCK_SIZE)
+                if K_BITS > 0:
+                    _store_token(k_new, v_src, slot, k_dst, v_dst, ks_ptr, vs_ptr, basis_ptr, kvh, blocks_per_page,
+                                 d, d_ok, stride_ks, stride_ksp, stride_ksn, stride_kss, stride_ksh,
+                                 stride_vsp, stride_vsn, stride_vss, stride_vsh, out_ptr.dtype.element_ty, HEAD_DIM,
+                                 BLOCK_SIZE, K_BITS, V_BITS)
                 else:
                     tl.store(k_dst + d[None, :], k_new.to(k_ptr.dtype.element_ty), mask=d_ok[None, :])
-                    tl.store(v_dst + d, v_new.to(v_ptr.dtype.element_ty), mask=d_ok)
+                    tl.store(v_dst + d, tl.load(v_src + d, mask=d_ok, other=0.0).to(v_ptr.dtype.element_ty),
+                             mask=d_ok)
                 tl.debug_barrier()
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked row gives p = 0, not NaN
@@ -251,16 +264,13 @@ def _paged_attention_kernel(
         slot = keys % BLOCK_SIZE
         k_off = page * stride_kp + in_page * stride_kn + slot * stride_ks + kvh * stride_kh
         v_off = page * stride_vp + in_page * stride_vn + slot * stride_vs + kvh * stride_vh
-        kv_mask = k_ok[:, None] & d_ok[None, :]
-        if KV_FP8:
-            k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0)  # [BLOCK_N, BLOCK_D] codes
-            v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0)
-            ks = tl.load(ks_ptr + page * stride_ksp + in_page * stride_ksn + slot * stride_kss + kvh * stride_ksh,
-                         mask=k_ok, other=0.0)
-            vs = tl.load(vs_ptr + page * stride_vsp + in_page * stride_vsn + slot * stride_vss + kvh * stride_vsh,
-                         mask=k_ok, other=0.0)
-            s = kv_fp8.key_logits(q, k, ks, slot, DOT_PRECISION, BLOCK_SIZE) * scale_log2
+        if K_BITS > 0:  # codes and their scales (kernels/kv_int.py)
+            ks_src = ks_ptr + page * stride_ksp + in_page * stride_ksn + slot * stride_kss + kvh * stride_ksh
+            vs_src = vs_ptr + page * stride_vsp + in_page * stride_vsn + slot * stride_vss + kvh * stride_vsh
+            s = kv_int.key_logits(q, k_ptr + k_off, ks_src, k_ok, slot, d, d_ok, HEAD_DIM, K_BITS, DOT_PRECISION,
+                                  BLOCK_SIZE) * scale_log2
         else:
+            kv_mask = k_ok[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
             v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
@@ -270,8 +280,8 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if KV_FP8:
-            p_v, v = kv_fp8.scaled_values(p, v, vs, q.dtype)
+        if V_BITS > 0:
+            p_v, v = kv_int.value_operands(p, v_ptr + v_off, vs_src, k_ok, d, d_ok, HEAD_DIM, V_BITS, q.dtype)
         else:
             p_v = p.to(v.dtype)
         acc = acc * alpha[:, None] + tl.dot(p_v, v, input_precision=DOT_PRECISION)
@@ -280,14 +290,17 @@ def _paged_attention_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        dst = out_ptr + q_rows * stride_ot + head * stride_oh  # [BLOCK_M]
     else:
         # partials: o [S, T, Hq, D] fp32 normalized within the split, lse [S, T, Hq] (log2 domain)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), -1.0e30)
         part = (split * num_tokens + q_rows) * Q_HEADS + head  # [BLOCK_M]
-        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+        dst = part_o_ptr + part * HEAD_DIM
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
+    if V_BITS == 4:  # the merge's sum over splits is linear: each split's part is rotated back
+        kv_int.store_unrotated(o, basis_ptr, dst, row_ok, HEAD_DIM, DOT_PRECISION)
+    else:
+        tl.store(dst[:, None] + d[None, :], o.to(dst.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit(do_not_specialize=COUNTS)
@@ -331,9 +344,10 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is the default and means nothing for bf16
 
 
-def _launch_paged_attention(q, views: CacheViews, block_tables, query_start, seq_lens, scale, out,
+def _launch_paged_attention(q, cache: KernelCache, block_tables, query_start, seq_lens, scale, out,
                             cfg: AttentionConfig, prologue: _Prologue | None = None) -> None:
     """prologue: a decode step (one query row per sequence, q unrotated), grid (B, Hkv, splits)."""
+    views = cache.views
     k_cache, v_cache = views.k, views.v
     t, hq, d = q.shape
     hkv, block_size = k_cache.shape[3], k_cache.shape[2]
@@ -363,11 +377,12 @@ def _launch_paged_attention(q, views: CacheViews, block_tables, query_start, seq
         scale * LOG2E, num_seqs, t, k_cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:4], *v_cache.stride()[:4],
-        block_tables.stride(0), *fused, *views.scale_args(),
+        block_tables.stride(0), *fused, *views.scale_args(), cache.basis if cache.rotated else q,
         Q_HEADS=hq, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
-        NUM_SPLITS=splits, DOT_PRECISION=_dot_precision(out.dtype), KV_FP8=views.fp8, **constexprs,
+        NUM_SPLITS=splits, DOT_PRECISION=_dot_precision(out.dtype), K_BITS=cache.k_bits,
+        V_BITS=cache.v_bits, **constexprs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(q.device, grid[0] * grid[1] * grid[2]))
     if splits > 1:
         _merge_splits_kernel[(t, hq)](part_o, part_lse, out, t, out.stride(0), out.stride(1),
@@ -390,22 +405,21 @@ def _as_device_ints(x: Sequence[int] | torch.Tensor, device: torch.device, name:
     return torch.tensor(list(x), dtype=torch.int32, device=device)
 
 
-def _check_attention(q: torch.Tensor, dtype: torch.dtype, views: CacheViews, block_tables: torch.Tensor) -> None:
-    """Raise ValueError unless q: [T, Hq, D] (`dtype` once rotated) fits the caches and block_tables (an
-    fp8 cache: its codes' shape)."""
-    k_cache, v_cache = views.k, views.v
+def _check_attention(q: torch.Tensor, dtype: torch.dtype, cache: KernelCache, block_tables: torch.Tensor) -> None:
+    """Raise ValueError unless q: [T, Hq, D] (`dtype` once rotated) fits the caches and block_tables."""
+    k_cache, v_cache = cache.views.k, cache.views.v
     if q.dim() != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
     check_cache("k_cache", k_cache, q)
     check_cache("v_cache", v_cache, q)
     hq, d = q.shape[1:]
-    hkv = k_cache.shape[3]
-    if k_cache.shape != v_cache.shape or k_cache.shape[4] != d:
+    hkv = cache.shape[3]
+    if k_cache.shape[:4] != v_cache.shape[:4] or cache.shape[4] != d:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must match, "
                          f"with head dim {d} (q)")
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
-    if not views.fp8 and (k_cache.dtype != dtype or v_cache.dtype != dtype):
+    if cache.k_bits == 0 and (k_cache.dtype != dtype or v_cache.dtype != dtype):
         raise ValueError(f"cache dtype {k_cache.dtype}/{v_cache.dtype} differs from q's {dtype}")
     if block_tables.device != q.device or block_tables.dim() != 2:
         raise ValueError(f"block_tables must be [B, max_blocks] on {q.device}")
@@ -432,7 +446,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | KVPlane, v_cache: t
 
     Same contract as `reference.paged_attention`:
     q: [T, Hq, D] (bf16, fp16 or fp32; head dim contiguous); k_cache, v_cache:
-    [P, N, S, Hkv, D] views in q's dtype, or an fp8 cache's `KVPlane`s (kernels/kv_fp8.py), already
+    [P, N, S, Hkv, D] views in q's dtype, or a quantized cache's `KVPlane`s (kernels/kv_int.py), already
     holding every context token;
     block_tables: [B, max_blocks] int32/int64 on q's device; query_start: [B+1]
     and seq_lens: [B], host sequences or integer tensors on q's device (tensors
@@ -442,8 +456,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | KVPlane, v_cache: t
     Hq must be a multiple of Hkv (GQA). Returns a new [T, Hq, D] tensor in q's dtype.
     `num_splits` overrides the split-KV heuristic (tests, benchmarks).
     """
-    views = cache_views(k_cache, v_cache)
-    _check_attention(q, q.dtype, views, block_tables)
+    cache = kernel_cache(k_cache, v_cache)
+    _check_attention(q, q.dtype, cache, block_tables)
     if q.stride(2) != 1:
         q = q.contiguous()
     qs, sl, max_seq_len = _lengths(query_start, seq_lens, block_tables, q.device)
@@ -451,8 +465,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | KVPlane, v_cache: t
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     if t == 0 or sl.shape[0] == 0:
         return out
-    cfg = attention_config(t, sl.shape[0], hq, views.k.shape[3], d, q.device, max_seq_len, num_splits)
-    _launch_paged_attention(q, views, block_tables, qs, sl, scale, out, cfg)
+    cfg = attention_config(t, sl.shape[0], hq, cache.shape[3], d, q.device, max_seq_len, num_splits)
+    _launch_paged_attention(q, cache, block_tables, qs, sl, scale, out, cfg)
     return out
 
 
@@ -467,11 +481,12 @@ def rotary_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     k and v into the cache, paged attention.
 
     Same contract as `reference.rotary_paged_attention`, and the same bits as its two steps
-    run as `rope.rotary_write_kv` then `paged_attention`: q: [T, Hq, D], k, v: [T, Hkv, D]
+    run as `rope.rotary_write_kv` (`kv_int.rotary_write_kv` for fp8_v4, k6_v4) then `paged_attention`:
+    q: [T, Hq, D], k, v: [T, Hkv, D]
     (views of the projection, last dim contiguous), positions, inv_freq, q_weight, k_weight,
     eps, zero_centred as in `rope.rotary_write_kv`, the caches and slot_mapping [T] as there;
     block_tables, query_start, seq_lens, scale and num_splits as in `paged_attention`. Mutates
-    the caches at slot_mapping. Returns a new [T, Hq, D] tensor in the caches' dtype (an fp8
+    the caches at slot_mapping. Returns a new [T, Hq, D] tensor in the caches' dtype (a quantized
     cache: the dtype q is rotated to).
 
     `decode`: every sequence has exactly one query row (query_start is 0, 1, ..., B), as the
@@ -482,16 +497,16 @@ def rotary_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     last context token (seq_lens[b] - 1), or < 0: a padding row, written nowhere, whose
     attention reads the cache as it is. Without `decode`, the two launches.
     """
+    weights = rope.norm_weights("rotary_paged_attention", q_weight, k_weight)
+    cache = kernel_cache(k_cache, v_cache)
     if not decode:
-        q = rope.rotary_write_kv(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping, q_weight, k_weight,
-                                 eps, zero_centred)
+        write = kv_int.rotary_write_kv if cache.rotated else rope.rotary_write_kv  # rope's: auto and fp8
+        q = write(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping, q_weight, k_weight, eps, zero_centred)
         return paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale,
                                num_splits=num_splits)
-    weights = rope.norm_weights("rotary_paged_attention", q_weight, k_weight)
-    views = cache_views(k_cache, v_cache)
-    check_kv_write(views.k, views.v, k, v, slot_mapping)
+    kv_int.check_kv_write(cache, k, v, slot_mapping)
     q, k, dtype = rope.check_rotary(q, k, positions, inv_freq, weights, zero_centred)
-    _check_attention(q, dtype, views, block_tables)
+    _check_attention(q, dtype, cache, block_tables)
     if not isinstance(query_start, torch.Tensor):
         reference.check_decode(query_start)
     qs, sl, max_seq_len = _lengths(query_start, seq_lens, block_tables, q.device)
@@ -503,9 +518,9 @@ def rotary_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     if t == 0:
         return out
     v = v if v.stride(2) == 1 else v.contiguous()
-    cfg = attention_config(t, t, hq, k_cache.shape[3], d, q.device, max_seq_len, num_splits)
+    cfg = attention_config(t, t, hq, cache.shape[3], d, q.device, max_seq_len, num_splits)
     prologue = _Prologue(k, v, slot_mapping, positions, inv_freq, weights, eps, zero_centred)
-    _launch_paged_attention(q, views, block_tables, qs, sl, scale, out, cfg, prologue)
+    _launch_paged_attention(q, cache, block_tables, qs, sl, scale, out, cfg, prologue)
     return out
 
 

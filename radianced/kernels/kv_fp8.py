@@ -1,5 +1,5 @@
 """The `fp8` KV format (kernels/kv_formats.py) inside the Triton kernels: the fused write's quantize
-and the attention loop's reads.
+and the attention loop's reads (also fp8_v4's K plane, through kernels/kv_int.py).
 
 `kv_quant.KVPlane` is the reference: `quantize_rows` gives its bytes bit for bit
 (`fp8_scale` and `fp8_quantize`: the fp16 scale amax / 448, one fp16 step up where
@@ -71,14 +71,20 @@ def store_rows(x, codes_dst, scale_dst, row_ok, d, d_ok):
 @triton.jit
 def key_logits(q, codes, scales, offsets, DOT_PRECISION: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """q [M, BLOCK_D] against a tile of delta-K codes [N, BLOCK_D] (uint8) with fp16 scales [N] at block
-    offsets [N]: fp32 q . k_j [M, N]. The tile holds whole blocks (N a multiple of BLOCK_SIZE, starting
-    on a block), so each block's first key (offset 0, stored as itself) is in it: its term is added to
-    each later key of its block."""
-    M: tl.constexpr = q.shape[0]
-    N: tl.constexpr = codes.shape[0]
-    tl.static_assert(N % BLOCK_SIZE == 0)
+    offsets [N]: fp32 q . k_j [M, N] (`add_block_first`)."""
     own = tl.dot(q, tl.trans(codes.to(tl.float8e4nv, bitcast=True).to(q.dtype)), input_precision=DOT_PRECISION)
-    own = own * scales.to(tl.float32)[None, :]  # [M, N]
+    return add_block_first(own * scales.to(tl.float32)[None, :], offsets, BLOCK_SIZE)
+
+
+@triton.jit
+def add_block_first(own, offsets, BLOCK_SIZE: tl.constexpr):
+    """Logits [M, N] of q against a delta-K tile's stored rows (each key's residual; a block's first key
+    as itself) at block offsets [N]: q . k_j. The tile holds whole blocks (N a multiple of BLOCK_SIZE,
+    starting on a block), so each block's first key is in it: its logit is added to each later key's
+    of its block."""
+    M: tl.constexpr = own.shape[0]
+    N: tl.constexpr = own.shape[1]
+    tl.static_assert(N % BLOCK_SIZE == 0)
     per_block = tl.reshape(own, [M, N // BLOCK_SIZE, BLOCK_SIZE])
     is_first = (tl.arange(0, BLOCK_SIZE) == 0)[None, None, :]
     first = tl.sum(tl.where(is_first, per_block, 0.0), 2)  # [M, N / S]: one term each, exact
@@ -95,4 +101,5 @@ def scaled_values(p, codes, scales, dtype: tl.constexpr):
     return p.to(dtype), codes.to(tl.float8e4nv, bitcast=True).to(dtype)
 
 
-__all__ = ["dequantize_rows", "key_logits", "load_rows", "quantize_rows", "scaled_values", "store_rows"]
+__all__ = ["add_block_first", "dequantize_rows", "key_logits", "load_rows", "quantize_rows", "scaled_values",
+           "store_rows"]
