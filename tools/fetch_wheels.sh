@@ -25,6 +25,10 @@
 #                 and sniffio may be missing); pytest-asyncio runs their async tests
 #   gguf          the SmolLM2 GPU test converts the real model's GGUF there (carried in two parts: it is
 #                 94 MiB, one call carries 64 MiB; see bench/README.md); pure Python, its needs are in the image
+#   matplotlib, rich  `radiancectl bench run` (gpu_check's `serve` part) draws its PNGs with matplotlib and shows
+#                 progress with rich (on a terminal only); neither is in the image, nor are matplotlib's contourpy,
+#                 cycler, fonttools, kiwisolver, pillow, pyparsing, python-dateutil (4.x: it needs tzdata, not six)
+#                 or rich's markdown-it-py, mdurl, pygments (packaging is: transformers needs it). ~26 MiB
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-}
@@ -34,7 +38,8 @@ WANT=("msgspec==$(version msgspec)" "transformers==$(version transformers)" "reg
       "fla-core==0.6.0" "gguf==$(version gguf)" "starlette==$(version starlette)" "uvicorn==$(version uvicorn)"
       "accelerate==$(version accelerate)")
 for p in openai httpx2 httpcore2 truststore anyio idna pydantic pydantic-core jiter annotated-types \
-    typing-inspection typing-extensions sniffio pytest-asyncio; do WANT+=("$p==$(version $p)"); done
+    typing-inspection typing-extensions sniffio pytest-asyncio matplotlib contourpy cycler fonttools kiwisolver \
+    pillow pyparsing python-dateutil tzdata rich markdown-it-py mdurl pygments; do WANT+=("$p==$(version $p)"); done
 rm -rf .whl
 mkdir -p .whl
 for spec in "${WANT[@]}"; do

@@ -1,7 +1,7 @@
 """The measurements of one device run, and its report. `tools/gpu_check` drives it.
 
     python tools/gpu_bench.py run --out OUT [--quick]   # env, ceilings, budget, decode -> OUT/bench.json
-    python tools/gpu_bench.py report --out OUT          # + tests -> OUT/results.{json,md}; prints the table
+    python tools/gpu_bench.py report --out OUT          # + tests, serve runs -> OUT/results.{json,md}; prints it
     python tools/gpu_bench.py fingerprint               # the code fingerprint the report carries
 
 Every figure is measured in the run that reports it; a benchmark's floor uses
@@ -905,6 +905,33 @@ def report_rows(bench: dict, junit: dict, tests: list[dict], rcs: dict) -> list[
     return rows
 
 
+SERVE_RUNS = ("resident", "offload")  # gpu_check's `serve` part: OUT/serve-<run>.bench.json, `bench run`'s report
+
+
+def serve_rows(out: Path) -> list[tuple[str, str, str, str, str]]:
+    """The rows of gpu_check's `serve` part (issue 24: the HTTP rows first): per run, its checks, then one
+    row per workload of `radiancectl bench run --quick` (radianced/bench/report.py wrote the JSON)."""
+    rows = []
+    for run in SERVE_RUNS:
+        path = out / f"serve-{run}.bench.json"
+        if not path.exists():
+            continue
+        doc = json.loads(path.read_text())
+        failed = [k for k, v in doc["checks"].items() if v is False]
+        rows.append((f"HTTP bench run --quick, {run}: checks", "FAILED: " + ", ".join(failed) if failed else "all pass",
+                     "", "", f"{doc['meta'].get('model')}, energy {doc['meta'].get('energy')}"))
+        for w in doc["workloads"]:
+            s, d, e = w["summary"], w["server"], w["energy"]
+            tok_s = "-" if s["output_tok_s"] is None else f"{s['output_tok_s']:.1f} tok/s"
+            hit = "-" if d["hit_rate"] is None else f"hit {d['hit_rate']:.1%}, overflow {_mib(d['overflow_bytes'])}"
+            joules = f"{e['joules_per_token']:.3f} J/tok" if isinstance(e, dict) and e.get("joules_per_token") else ""
+            name = w["name"] if "c=" in w["name"] else f"{w['name']} (c={w['concurrency']})"
+            rows.append((f"HTTP {run}: {name}",
+                         f"{tok_s}; TTFT p50 {_ms(s['ttft']['p50'])}; ITL p50 {_ms(s['itl']['p50'])}", "", "",
+                         "; ".join(x for x in (f"{s['ok']}/{s['requests']} ok", hit, joules) if x)))
+    return rows
+
+
 def _budget_rows(b: dict, flag: str) -> list[tuple]:
     """The report's rows of one budget section (`flag` says its embedding placement)."""
     rows = [(f"budget check FAILED ({flag})", "-", "", "", check[:200]) for check in b.get("checks_failed") or []]
@@ -947,7 +974,7 @@ def cmd_report(args) -> int:
     tests = _tests_jsonl(out / "tests_gpu.jsonl")
     rcs = {"pytest": args.pytest_rc, "bench": args.bench_rc}
     env = bench.get("env", {})
-    rows = report_rows(bench, junit, tests, rcs)
+    rows = serve_rows(out) + report_rows(bench, junit, tests, rcs)
     dev = env.get("device", "?")
     smi = _g(env, "nvidia_smi_start", "gpus")
     if smi:
