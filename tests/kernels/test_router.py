@@ -1,7 +1,7 @@
 """The Triton router (softmax, top-k, renormalization) against `reference.route`.
 
 Without CUDA the kernel runs in Triton's interpreter on CPU tensors. Expert counts
-60 (not a power of two), 128 (Qwen3-MoE) and 512 (Qwen3-Next); T = 1, 15, 63, 300.
+60 (not a power of two), 128 (Qwen3-MoE) and 512 (Qwen3-Next); T = 1, 15, 63, 130 (a program a token).
 The ids must be the reference's, in its order; weights within 1e-4 (fp32 out) or
 1e-2 (bf16 out) of the fp32 reference.
 """
@@ -19,7 +19,7 @@ from radianced.kernels import reference, router
 require_interpreted(router._route_kernel, "router")
 
 
-@pytest.mark.parametrize("t", [1, 15, 63, 300])
+@pytest.mark.parametrize("t", [1, 15, 63, 130])
 @pytest.mark.parametrize("experts,top_k", [(60, 4), (128, 8), (512, 10)])
 @pytest.mark.parametrize("renormalize", [True, False], ids=["renormalized", "softmax"])
 def test_route_matches_reference(t, experts, top_k, renormalize):
