@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from radianced.bench.loop_lag import client_bound
 from radianced.bench.result import WorkloadResult
 from radianced.bench.stats import Distribution
 
@@ -62,8 +63,13 @@ class Report:
                  "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
         lines += ["| " + " | ".join(_cells(r)) + " |" for r in self.rows]
         lines += ["", "Times in ms (p50/p95/p99). Energy: " + ("NVML, excluding load and warm-up"
-                  if any(r.energy for r in self.rows) else NOT_MEASURED + " (no NVIDIA GPU with an energy counter)"),
-                  "", "## Checks", ""]
+                  if any(r.energy for r in self.rows) else NOT_MEASURED + " (no NVIDIA GPU with an energy counter)")]
+        bound = [f"{r.name} (lag p99 {_ms(r.client_lag.p99)} ms)" for r in self.rows
+                 if client_bound(r.client_lag, r.summary.itl)]
+        if bound:
+            lines += ["", f"{CLIENT_BOUND_MARK.strip()} the client's own event loop lagged at least the row's ITL p50: its "
+                      "TTFT and ITL time the client as much as the daemon: " + ", ".join(bound) + "."]
+        lines += ["", "## Checks", ""]
         lines += [f"- {name}: {_verdict(v)}" for name, v in self.checks().items()]
         for r in self.rows:
             if r.notes:
@@ -75,10 +81,15 @@ HEADER = ("workload", "c", "requests", "ok", "out tok", "out tok/s", "TTFT ms", 
           "expert hit rate", "overflow MiB", "prefix-hit tok", "J/tok", "mean W")
 
 
+CLIENT_BOUND_MARK = " [c]"
+
+
 def _cells(r: WorkloadResult) -> list[str]:
     s, d = r.summary, r.server
+    mark = CLIENT_BOUND_MARK if client_bound(r.client_lag, s.itl) else ""
     return [r.name, str(r.concurrency), str(s.requests), str(s.ok), str(s.output_tokens), _num(s.output_tok_s, 1),
-            _pcts(s.ttft), _ms(s.tpot.p50), _pcts(s.itl), "-" if d.hit_rate is None else f"{d.hit_rate:.1%}",
+            _pcts(s.ttft) + mark, _ms(s.tpot.p50), _pcts(s.itl) + mark,
+            "-" if d.hit_rate is None else f"{d.hit_rate:.1%}",
             f"{d.overflow_bytes / 2**20:.1f}", str(d.prefix_hit_tokens),
             NOT_MEASURED if r.energy is None else _num(r.joules_per_token, 3),
             NOT_MEASURED if r.energy is None else f"{r.energy.mean_w:.0f}"]
@@ -96,8 +107,11 @@ def _row_json(r: WorkloadResult) -> dict[str, Any]:
     energy: Any = NOT_MEASURED
     if r.energy is not None:
         energy = dataclasses.asdict(r.energy) | {"mean_w": r.energy.mean_w, "joules_per_token": r.joules_per_token}
+    lag = None if r.client_lag is None else dataclasses.asdict(r.client_lag) | {
+        "client_bound": client_bound(r.client_lag, r.summary.itl)}
     return {"name": r.name, "kind": r.kind, "concurrency": r.concurrency,
             "summary": dataclasses.asdict(r.summary), "server": server, "energy": energy, "notes": r.notes,
+            "client_lag": lag,
             "samples": [dataclasses.asdict(s) for s in r.samples]}
 
 

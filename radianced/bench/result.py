@@ -8,7 +8,7 @@ from typing import Any
 from radianced.bench.client import Sample
 from radianced.bench.energy import EnergyReading
 from radianced.bench.scrape import ServerDelta
-from radianced.bench.stats import Summary, summarize
+from radianced.bench.stats import Distribution, Summary, summarize
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class WorkloadResult:
     server: ServerDelta  # /metrics after minus before
     energy: EnergyReading | None  # None: not measured (no NVIDIA GPU with an energy counter)
     notes: dict[str, Any] = field(default_factory=dict)  # the workload's own findings (429s, prefix reuse, ...)
+    client_lag: Distribution | None = None  # the client's own loop lag meanwhile (bench/loop_lag.py); None: not read
 
     @property
     def summary(self) -> Summary:

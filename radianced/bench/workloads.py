@@ -23,11 +23,12 @@ import httpx
 
 from radianced.bench.client import Sample, chat_body, completion_body, stream_request
 from radianced.bench.energy import EnergyMeter, EnergyReading
+from radianced.bench.loop_lag import LoopLag
 from radianced.bench.quality import Reference, compare
 from radianced.bench.result import WorkloadResult
 from radianced.bench.scrape import ServerDelta, Snapshot
 from radianced.bench.sizes import DaemonLimits, Sizes
-from radianced.bench.stats import slope_per_minute
+from radianced.bench.stats import Distribution, slope_per_minute
 
 PROMPT_ID_RANGE = (32, 384)  # ordinary tokens in every model here: above SmolLM2's specials (0..16), below the
 # tiny test models' (397..399); byte-level tokens in the Qwen and Llama vocabularies
@@ -79,14 +80,19 @@ async def idle_snapshot(http: httpx.AsyncClient) -> Snapshot:
 
 
 async def measured(ctx: BenchContext, work: Awaitable[list[Sample]]
-                   ) -> tuple[tuple[Sample, ...], ServerDelta, EnergyReading | None]:
+                   ) -> tuple[tuple[Sample, ...], ServerDelta, EnergyReading | None, Distribution]:
+    """The work's samples, the daemon's /metrics over it, its energy, and the client's own loop lag
+    meanwhile (bench/loop_lag.py)."""
     before = await idle_snapshot(ctx.http)
     if ctx.meter:
         ctx.meter.start()
+    lag = LoopLag()
+    lag.start()
     samples = await work
+    client_lag = await lag.stop()
     energy = ctx.meter.stop() if ctx.meter else None
     after = await idle_snapshot(ctx.http)
-    return tuple(samples), ServerDelta.between(before, after), energy
+    return tuple(samples), ServerDelta.between(before, after), energy, client_lag
 
 
 async def bounded(ctx: BenchContext, name: str, path: str, bodies: list[dict], concurrency: int) -> list[Sample]:
@@ -107,8 +113,8 @@ async def bounded(ctx: BenchContext, name: str, path: str, bodies: list[dict], c
 
 async def row(ctx: BenchContext, name: str, kind: str, bodies: list[dict], concurrency: int) -> WorkloadResult:
     """A row of /v1/completions requests, at most `concurrency` in flight."""
-    samples, server, energy = await measured(ctx, bounded(ctx, name, COMPLETIONS, bodies, concurrency))
-    return WorkloadResult(name, kind, concurrency, samples, server, energy)
+    samples, server, energy, lag = await measured(ctx, bounded(ctx, name, COMPLETIONS, bodies, concurrency))
+    return WorkloadResult(name, kind, concurrency, samples, server, energy, client_lag=lag)
 
 
 def _next_seed(ctx: BenchContext) -> str:
@@ -162,7 +168,7 @@ async def overload(ctx: BenchContext) -> list[WorkloadResult]:
     n, tokens = ctx.sizes.overload_requests, _overload_tokens(ctx)
     bodies = [completion_body(prompt_ids(16, _next_seed(ctx)), tokens) for _ in range(n)]
     await asyncio.gather(*(ctx.http.get("/health") for _ in range(n)))  # n keep-alive connections, open
-    samples, server, energy = await measured(ctx, bounded(ctx, "overload", COMPLETIONS, bodies, n))
+    samples, server, energy, lag = await measured(ctx, bounded(ctx, "overload", COMPLETIONS, bodies, n))
     t0 = min(x.sent_at for x in samples)
     answered = {status: [x.sent_at + x.e2e_s - t0 for x in samples if x.status == status and x.e2e_s is not None]
                 for status in (200, 429)}
@@ -172,7 +178,7 @@ async def overload(ctx: BenchContext) -> list[WorkloadResult]:
              "server_errors": sum(x.status >= 500 for x in samples),
              "cut_short": sum(x.cut_short for x in samples),
              "last_429_s": max(answered[429], default=None), "first_finish_s": min(answered[200], default=None)}
-    return [WorkloadResult("overload", "overload", n, samples, server, energy, notes)]
+    return [WorkloadResult("overload", "overload", n, samples, server, energy, notes, lag)]
 
 
 def _overload_tokens(ctx: BenchContext) -> int:
@@ -200,11 +206,11 @@ async def multi_turn(ctx: BenchContext) -> list[WorkloadResult]:
         ctx.progress("multi-turn", 2, 2)
         return [one, two]
 
-    samples, server, energy = await measured(ctx, turns())
+    samples, server, energy, lag = await measured(ctx, turns())
     one, two = samples
     notes = {"ttft_turn1_s": one.ttft_s, "ttft_turn2_s": two.ttft_s, "prompt_turn1": one.prompt_tokens,
              "prompt_turn2": two.prompt_tokens, "cached_turn2": two.cached_tokens}
-    return [WorkloadResult("multi-turn", "multi-turn", 1, samples, server, energy, notes)]
+    return [WorkloadResult("multi-turn", "multi-turn", 1, samples, server, energy, notes, lag)]
 
 
 async def _filler_tokens(ctx: BenchContext) -> tuple[int, int]:
@@ -242,13 +248,13 @@ async def stability(ctx: BenchContext) -> list[WorkloadResult]:
         await watch
         return sorted((x for w in per_worker for x in w), key=lambda x: x.sent_at)
 
-    samples, server, energy = await measured(ctx, work())
+    samples, server, energy, lag = await measured(ctx, work())
     gpu = [(p.t_s, p.memory_mib) for p in energy.samples] if energy else []
     notes = {"seconds": s.stability_s, "errors": sum(not x.ok for x in samples),
              "rss_mib_per_min": slope_per_minute(*zip(*rss)) if len(rss) > 1 else "not measured",
              "gpu_mib_per_min": slope_per_minute(*zip(*gpu)) if len(gpu) > 1 else "not measured",
              "kv_util_after_idle": server.kv_util_after}
-    return [WorkloadResult("stability", "stability", c, samples, server, energy, notes)]
+    return [WorkloadResult("stability", "stability", c, samples, server, energy, notes, lag)]
 
 
 async def _watch_rss(ctx: BenchContext, end: float, out: list[tuple[float, float]]) -> None:
@@ -270,9 +276,9 @@ async def quality(ctx: BenchContext) -> list[WorkloadResult]:
     if ref is None:
         return []
     body = completion_body(ref.prompt_ids, len(ref.token_ids), ignore_eos=False)
-    samples, server, energy = await measured(ctx, bounded(ctx, "quality", COMPLETIONS, [body], 1))
+    samples, server, energy, lag = await measured(ctx, bounded(ctx, "quality", COMPLETIONS, [body], 1))
     notes = compare(ref, samples[0].pieces)
-    return [WorkloadResult("quality", "quality", 1, samples, server, energy, notes)]
+    return [WorkloadResult("quality", "quality", 1, samples, server, energy, notes, lag)]
 
 
 WORKLOADS = (decode, prefill, sweep, overload, multi_turn, stability, quality)

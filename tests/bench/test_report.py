@@ -1,13 +1,18 @@
-"""The report's checks, JSON and Markdown on hand-built rows; the plots drawn from them."""
+"""The report's checks, JSON and Markdown on hand-built rows; the plots drawn from them; the client's loop lag."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
+import time
 
 from radianced.bench.energy import EnergyReading
 from radianced.bench.plots import draw
-from radianced.bench.report import HEADER, Report
+from radianced.bench.loop_lag import LoopLag
+from radianced.bench.report import CLIENT_BOUND_MARK, HEADER, Report
 from radianced.bench.result import WorkloadResult
+from radianced.bench.stats import Distribution
 from tests.bench.samples import row, sample, server
 
 OVERLOAD_NOTES = {"sent": 4, "admissible": 2, "expected_429": 2, "got_429": 2, "server_errors": 0, "cut_short": 0}
@@ -73,3 +78,30 @@ def test_plots_are_drawn_for_the_data_there_is(tmp_path):
     assert [p.name for p in draw(moe, tmp_path)] == ["concurrency.png", "itl.png", "hit_rate.png"]
     assert all(p.stat().st_size > 1000 for p in tmp_path.iterdir())
     assert server().hit_rate is None
+
+
+def test_a_row_whose_client_loop_lagged_past_its_itl_is_marked_as_timing_the_client():
+    """ITL p50 here is 250 ms (sample's gap): a client loop lag p99 of 300 ms marks the row's TTFT and ITL
+    and names it under the table; 10 ms does not; a row without a lag reading is never marked."""
+    lagged, calm = (dataclasses.replace(row(name, "sweep", [sample(tokens=4)]), client_lag=Distribution.of(lags))
+                    for name, lags in (("sweep c=1", [0.001, 0.3, 0.3]), ("sweep c=2", [0.001, 0.01])))
+    report = Report({"model": "m"}, (lagged, calm, row("decode", "decode", [sample(tokens=4)])))
+    table = {line.split(" | ")[0][2:]: line for line in report.markdown().splitlines() if line.startswith("| ")}
+    assert table["sweep c=1"].count(CLIENT_BOUND_MARK) == 2
+    assert CLIENT_BOUND_MARK not in table["sweep c=2"] and CLIENT_BOUND_MARK not in table["decode"]
+    assert "time the client as much as the daemon: sweep c=1 (lag p99 300.0 ms)." in report.markdown()
+    doc = report.to_json()["workloads"]
+    assert [w["client_lag"] and w["client_lag"]["client_bound"] for w in doc] == [True, False, None]
+
+
+def test_the_loop_lag_probe_sees_the_loop_held():
+    async def held(ms: float) -> Distribution:
+        lag = LoopLag(interval_s=0.002)
+        lag.start()
+        await asyncio.sleep(0.02)
+        time.sleep(ms / 1000)  # the loop held: every callback waits, the probe's wake-up too
+        await asyncio.sleep(0.02)
+        return await lag.stop()
+
+    got = asyncio.run(held(60))
+    assert got.count > 2 and got.max >= 0.05
