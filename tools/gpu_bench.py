@@ -925,10 +925,12 @@ def serve_rows(out: Path) -> list[tuple[str, str, str, str, str]]:
             tok_s = "-" if s["output_tok_s"] is None else f"{s['output_tok_s']:.1f} tok/s"
             hit = "-" if d["hit_rate"] is None else f"hit {d['hit_rate']:.1%}, overflow {_mib(d['overflow_bytes'])}"
             joules = f"{e['joules_per_token']:.3f} J/tok" if isinstance(e, dict) and e.get("joules_per_token") else ""
+            client = "latencies client-bound (bench/loop_lag.py)" if (w.get("client_lag") or {}).get("client_bound") \
+                else ""
             name = w["name"] if "c=" in w["name"] else f"{w['name']} (c={w['concurrency']})"
             rows.append((f"HTTP {run}: {name}",
                          f"{tok_s}; TTFT p50 {_ms(s['ttft']['p50'])}; ITL p50 {_ms(s['itl']['p50'])}", "", "",
-                         "; ".join(x for x in (f"{s['ok']}/{s['requests']} ok", hit, joules) if x)))
+                         "; ".join(x for x in (f"{s['ok']}/{s['requests']} ok", hit, joules, client) if x)))
     return rows
 
 
