@@ -170,8 +170,7 @@ class ModelFacts:
         tails: dict[str, int] = {}
         for name, dtype, shape, nbytes in tensors:
             if (c := weight_class(name)) is not None:
-                dense = c == "embeddings" and is_compact(dtype)  # placed dense on a card (`_card_held`)
-                tails[c] = tails.get(c, 0) + allocator_tail(shape[0] * shape[1] * act if dense else nbytes)
+                tails[c] = tails.get(c, 0) + allocator_tail(_card_nbytes(c, dtype, shape, nbytes, act))
         count = extent = total = 0
         expert_fmts: dict[str, int] = {}
         for layer, _expert, nbytes, *dtype in experts:
@@ -246,9 +245,15 @@ def _card_held(tensors, stored: dict[str, int], act: int) -> tuple[tuple[str, in
     """`ModelFacts.card_weights` from the stored rows; () when every class is held as stored."""
     held = dict(stored)
     for name, dtype, shape, nbytes in tensors:
-        if weight_class(name) == "embeddings" and is_compact(dtype):
-            held["embeddings"] += shape[0] * shape[1] * act - nbytes
+        if (c := weight_class(name)) is not None:
+            held[c] += _card_nbytes(c, dtype, shape, nbytes, act) - nbytes
     return () if held == stored else tuple(held.items())
+
+
+def _card_nbytes(cls: str, dtype: str, shape: tuple[int, ...], nbytes: int, act: int) -> int:
+    """A stored tensor's bytes on a CUDA card: a compact embedding table dense in the activations' dtype
+    (model/loader.py `device_weights`), every other tensor as stored."""
+    return shape[0] * shape[1] * act if cls == "embeddings" and is_compact(dtype) else nbytes
 
 
 def _by_bytes(formats: dict[str, int]) -> tuple[str, ...]:

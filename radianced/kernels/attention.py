@@ -504,7 +504,7 @@ def rotary_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
         q = write(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping, q_weight, k_weight, eps, zero_centred)
         return paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale,
                                num_splits=num_splits)
-    kv_int.check_kv_write(cache, k, v, slot_mapping)
+    cache.check_write(k, v, slot_mapping)
     q, k, dtype = rope.check_rotary(q, k, positions, inv_freq, weights, zero_centred)
     _check_attention(q, dtype, cache, block_tables)
     if not isinstance(query_start, torch.Tensor):

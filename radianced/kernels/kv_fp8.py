@@ -30,7 +30,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FP8_MAX = tl.constexpr(448.0)
+from radianced.kernels import kv_formats
+
+FP8_MAX = tl.constexpr(kv_formats.FP8_MAX)  # a constexpr value: a plain or annotated global does not compile on the GPU
 
 
 @triton.jit

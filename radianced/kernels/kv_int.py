@@ -49,11 +49,12 @@ import triton
 import triton.language as tl
 
 from radianced.kernels import kv_fp8, pdl, rope
+from radianced.kernels import kv_formats
 from radianced.kernels.kv_formats import FP8_DELTA, INT4_ROTATED, INT6_DELTA
 from radianced.kernels.kv_quant import KVPlane
-from radianced.kernels.paged import CacheViews, cache_views, check_cache, slot_offset
+from radianced.kernels.paged import CacheViews, cache_views, check_kv_write, slot_offset
 
-GROUP = tl.constexpr(32)  # kv_formats.GROUP (a value: an annotated global does not compile on the GPU)
+GROUP = tl.constexpr(kv_formats.GROUP)  # a constexpr value: a plain or annotated global does not compile on the GPU
 ROUND = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + ROUND - ROUND rounds x (0 <= x < 2**22) half to even
 
 
@@ -318,6 +319,11 @@ class KernelCache:
     def rotated(self) -> bool:
         return self.basis is not None
 
+    def check_write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """`paged.check_kv_write` of k, v and slot_mapping against these caches (an int plane's codes
+        against the cache's [P, N, S, Hkv, D], not their own widths)."""
+        check_kv_write(self.views.k, self.views.v, k, v, slot_mapping, self.shape if self.rotated else None)
+
 
 _INT_PAIRS = {(FP8_DELTA, INT4_ROTATED): (8, 4), (INT6_DELTA, INT4_ROTATED): (6, 4)}
 
@@ -334,18 +340,6 @@ def kernel_cache(k_cache: torch.Tensor | KVPlane, v_cache: torch.Tensor | KVPlan
     return KernelCache(views, tuple(views.k.shape), 8 if views.fp8 else 0, 8 if views.fp8 else 0)
 
 
-def check_kv_write(cache: KernelCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """`paged.check_kv_write` against the cache's [P, N, S, Hkv, D] shape (not its codes')."""
-    check_cache("k_cache", cache.views.k, k)
-    check_cache("v_cache", cache.views.v, k)
-    t, hkv, d = k.shape
-    if v.shape != k.shape or cache.shape[3:] != (hkv, d):
-        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)} do not fit caches {cache.shape}")
-    if slot_mapping.shape != (t,) or slot_mapping.device != k.device:
-        raise ValueError(f"slot_mapping must be [{t}] on {k.device}, got {tuple(slot_mapping.shape)} "
-                         f"on {slot_mapping.device}")
-
-
 def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     inv_freq: torch.Tensor, k_cache: KVPlane, v_cache: KVPlane, slot_mapping: torch.Tensor,
                     q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 1e-6,
@@ -358,7 +352,7 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     cache = kernel_cache(k_cache, v_cache)
     if not cache.rotated:
         raise ValueError("kv_int.rotary_write_kv writes fp8_v4 and k6_v4 caches; rope.rotary_write_kv the others")
-    check_kv_write(cache, k, v, slot_mapping)
+    cache.check_write(k, v, slot_mapping)
     q, k, out_dtype = rope.check_rotary(q, k, positions, inv_freq, weights, zero_centred)
     v = v if v.stride(2) == 1 else v.contiguous()
     q_out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
@@ -380,5 +374,5 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     return q_out
 
 
-__all__ = ["KernelCache", "check_kv_write", "dct_rows", "kernel_cache", "key_logits", "load_rows",
+__all__ = ["KernelCache", "dct_rows", "kernel_cache", "key_logits", "load_rows",
            "rotary_write_kv", "store_rows", "store_unrotated", "stored_rows", "value_operands"]

@@ -45,13 +45,18 @@ def check_cache(name: str, cache: torch.Tensor, x: torch.Tensor) -> None:
 
 
 def check_kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """Raise ValueError unless k, v: [T, Hkv, D] fit the caches and slot_mapping is [T] on k's device."""
+                   slot_mapping: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
+    """Raise ValueError unless k, v: [T, Hkv, D] fit the caches and slot_mapping is [T] on k's device.
+    shape: the caches' [P, N, S, Hkv, D] where k_cache and v_cache are packed codes of other widths
+    (kernels/kv_int.py's planes: fewer bytes than D, K's and V's differing); None: k_cache's own, v_cache's
+    the same."""
     check_cache("k_cache", k_cache, k)
     check_cache("v_cache", v_cache, k)
     t, hkv, d = k.shape
-    if v.shape != k.shape or k_cache.shape[3:] != (hkv, d) or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)} do not fit caches {tuple(k_cache.shape)}")
+    same = v_cache.shape == k_cache.shape if shape is None else v_cache.shape[:4] == k_cache.shape[:4]
+    shape = tuple(k_cache.shape) if shape is None else tuple(shape)
+    if v.shape != k.shape or shape[3:] != (hkv, d) or not same:
+        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)} do not fit caches {shape}")
     if slot_mapping.shape != (t,) or slot_mapping.device != k.device:
         raise ValueError(f"slot_mapping must be [{t}] on {k.device}, got {tuple(slot_mapping.shape)} "
                          f"on {slot_mapping.device}")
