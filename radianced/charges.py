@@ -101,7 +101,7 @@ def _weights(facts: ModelFacts, cfg: Config, cuda: bool) -> tuple[tuple[Part, ..
     holds = facts.cpu_weights if not cuda else facts.card_weights if facts.share is None else ()
     w = dict(holds or stored)
     card, host, idle = [], [], []
-    tied = facts.model.tie_word_embeddings or stored["lm_head"] == 0
+    tied = _tied(facts)
     dense_table = (_CARD_DENSE,) if cuda and w["embeddings"] != stored["embeddings"] else ()
     for c in WEIGHT_CLASSES:
         n = w[c]
@@ -124,6 +124,11 @@ def _weights(facts: ModelFacts, cfg: Config, cuda: bool) -> tuple[tuple[Part, ..
             held = ("held as the CPU's int4 packing" if c != "lm_head" else "held dense",) if n != stored[c] else ()
             card.append(Part(c, n, ", ".join(_compact_formats(facts, c) + held)))
     return tuple(card), tuple(host), tuple(idle)
+
+
+def _tied(facts: ModelFacts) -> bool:
+    """The lm_head is the embedding table (tied, or stored without an lm_head of its own)."""
+    return facts.model.tie_word_embeddings or facts.weight("lm_head") == 0
 
 
 # The receipt's words for a compact embedding table on a CUDA card (model/loader.py `device_weights` says why).
@@ -161,7 +166,7 @@ def _allocator_tails(facts: ModelFacts, weights: tuple[Part, ...], card: Card) -
     """What torch's allocator holds past the bytes of the weights placed on a CUDA card (`sizing.allocator_tail`;
     a tied lm_head is the embeddings' tensor). Not under --tp: a card's share has no per-tensor facts."""
     on_card = {p.name for p in weights}
-    if (facts.model.tie_word_embeddings or facts.weight("lm_head") == 0) and "lm_head" in on_card:
+    if _tied(facts) and "lm_head" in on_card:
         on_card.add("embeddings")  # the tied lm_head's part holds the embeddings' tensor
     n = sum(b for c, b in facts.card_tails if c in on_card)
     if not (card.cuda and facts.share is None and n):
