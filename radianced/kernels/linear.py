@@ -141,8 +141,9 @@ def _compact_config(t: int, k: int, dtype: torch.dtype) -> LinearConfig:
     `moe_config`): bf16 x [16, 512] 16 KB a stage and at most 17 KB of weight words (q8_0's 16 blocks
     a row, 17 words each), 66 KB, plus 16 KB to convert the tile for the dot; fp32 x ~130 KB. Above
     16 rows BLOCK_M = next_pow2(T) up to COMPACT_MAX_BLOCK_M over 64 x 64 tiles, the MoE kernel's
-    prefill shape, 8 warps at 128 rows. Not measured when written (no GPU lent):
-    tests/gpu/test_linear_compact_gpu.py times them against bf16."""
+    prefill shape, 8 warps at 128 rows. On the H200 (tests/gpu/test_linear_compact_gpu.py, bench/README
+    session 13) the skinny tiles ran at 0.49-1.32x of bf16's speed at T = 8 and 32, the many-row ones at
+    0.14-0.37x at T = 4,096."""
     if t <= SKINNY_MAX_ROWS:
         return LinearConfig(16, min(COMPACT_STEP, max(32, triton.next_power_of_2(k))), num_warps=4, num_stages=3)
     block_m = min(COMPACT_MAX_BLOCK_M, triton.next_power_of_2(t))
