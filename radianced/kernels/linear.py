@@ -54,11 +54,10 @@ rows past 16 are decode batches first (b32 is a graph-captured weight stream): q
 copy and cuBLAS reads that again (47.9 MB, 2.3x a bf16 weight's own bytes and 8x q4_0's), and
 the receipt would charge a workspace of the largest such matrix (and the decode graphs' pool
 a copy). The price is at long prefill: each M tile dequantizes the whole weight again (from
-L2), about 15 CUDA-core instructions and 2 gathered loads an element against 2 * BLOCK_M
-tensor-core FLOPs; at 4,096 rows that estimates to 32 passes x 10.5 M elements ~ 150 us of
-dequantization against ~90 us for the bf16 GEMM (85.9 GFLOP). Estimated, not measured:
-tests/gpu/test_linear_compact_gpu.py times T = 4,096 against bf16 cuBLAS, the number that
-would justify a workspace (or fp8 tensor-core) path above some T. RowStack weights ([q | k | v]
+L2; weight_tiles.py loads a block's scale once and its quants as words) against 2 * BLOCK_M
+tensor-core FLOPs. Measured on the H200 (tests/gpu/test_linear_compact_gpu.py, bench/README
+session 13): at T = 4,096 q/k/v and o_proj ran at 0.14-0.37x of bf16 cuBLAS (0.28-0.92 ms against
+0.10-0.13), the number that argues for a workspace (or fp8 tensor-core) path above some T. RowStack weights ([q | k | v]
 of several formats) run one launch per part into column slices of one output.
 """
 
