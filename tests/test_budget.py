@@ -4,6 +4,7 @@ the arithmetic an operator would do with a calculator, not taken from budget.py.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from fractions import Fraction
 from pathlib import Path
@@ -20,6 +21,7 @@ from radianced.card import ALLOC_GRANULE, Card
 from radianced.charges import CAPTURE_WORKSPACE_BYTES, fixed_charges, recurrent_state_charge
 from radianced.config import Config, parse_config
 from radianced.model.config import ModelConfig
+from radianced.model.hf_plan import expected_layer
 from radianced.receipt import Part, fmt_gib
 from radianced.sizing import BLOCK_TOKENS, ModelFacts, PagingGroup, kv_pages, kv_token_bytes, slot_bytes
 
@@ -518,13 +520,28 @@ def test_lending_refusals_say_what_is_missing():
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "GUIDE.md"
 
 
+def _bf16_header_facts(m: ModelConfig) -> ModelFacts:
+    """The facts `radiancectl plan` reads from the header of `m` converted in bf16: every tensor's own
+    row, so the allocator tails are priced as they are for a real file (a config alone has none)."""
+    names = [("model.embed_tokens.weight", (m.vocab_size, m.hidden_size)), ("model.norm.weight", (m.hidden_size,))]
+    names += [] if m.tie_word_embeddings else [("lm_head.weight", (m.vocab_size, m.hidden_size))]
+    for i in range(m.num_hidden_layers):
+        names += expected_layer(m, f"model.layers.{i}.", m.layer_type(i), m.is_moe_layer(i))
+    rows = [(n, "bf16", s, 2 * math.prod(s)) for n, s in names]
+    extent = 3 * m.hidden_size * m.moe_intermediate_size * 2
+    experts = [(i, e, extent) for i in m.moe_layers for e in range(m.num_experts)]
+    facts = ModelFacts.from_rows(m, rows, experts)
+    assert facts == ModelFacts.from_config(m, 2)  # the same bytes, class by class
+    return facts
+
+
 def test_the_guide_worked_example_is_what_plan_prints():
     text = GUIDE.read_text()
     block = re.search(r"```\n\$ radiancectl plan (?P<args>[^\n]+)\n(?P<out>.*?)```", text, re.S)
     args = block["args"].split()
     assert args[:2] == ["--model", "qwen3-30b-a3b.rad"]
     cfg = parse_config(args[2:])
-    r = plan(Card.from_mib(cfg.card_mib, cuda=True), ModelFacts.from_config(QWEN3_30B, 2), cfg)
+    r = plan(Card.from_mib(cfg.card_mib, cuda=True), _bf16_header_facts(QWEN3_30B), cfg)
     assert block["out"].splitlines() == r.lines()
     # the hand arithmetic in the prose
     assert "96 KiB per token" in text and r.groups[0].token_bytes == 96 * KiB
