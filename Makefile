@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 CACHE   ?= $(HOME)/.cache/radianced
 MODEL   := $(CACHE)/smollm2-135m-instruct.rad
 
-.PHONY: run test install model clean systemd-analyze
+.PHONY: run test install kernels model clean systemd-analyze
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -22,9 +22,14 @@ $(STAMP): pyproject.toml | $(VPY)
 	$(VPY) -c "import liburing"
 	touch $(STAMP)
 
-install: $(STAMP)
+# The host backend's block kernels (radianced/kernels/cpu_blocks.c), compiled once for this machine into
+# $(CACHE)/kernels under a name keyed by the source: quick when already built.
+kernels: $(STAMP)
+	$(VPY) -m radianced.kernels.cpu_blocks
 
-model: $(STAMP)
+install: $(STAMP) kernels
+
+model: $(STAMP) kernels
 	$(VPY) -m radianced.model.default --prepare
 
 # The daemon on the default model; RUN_ARGS adds flags (`make run RUN_ARGS="--max-num-seqs 4"`).
@@ -42,7 +47,7 @@ systemd-analyze:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd \
 	  >/dev/null; } || echo "systemd-analyze not installed; the unit-file verify test will skip"
 
-test: $(STAMP) systemd-analyze
+test: $(STAMP) kernels systemd-analyze
 	$(VPY) -m pytest -q -p no:cacheprovider tests
 
 clean:

@@ -94,9 +94,8 @@ def recurrent_state_charge(per_copy_bytes: int, seqs: int, speculative: int) -> 
 
 def _weights(facts: ModelFacts, cfg: Config, cuda: bool) -> tuple[tuple[Part, ...], tuple[Part, ...], tuple[Part, ...]]:
     """(on the card, pinned in host RAM, not loaded) by class, in the bytes the loader holds: on the CPU
-    backend `ModelFacts.cpu_weights` (compact matrices packed for its int4 kernel, a compact lm_head
-    dense), on a CUDA card `ModelFacts.card_weights` (a compact embedding table dense). A card's share of
-    `--tp` keeps the stored bytes its facts were split into (sharding.py splits the stored classes)."""
+    backend `ModelFacts.cpu_weights` (a compact lm_head its block kernels do not read made dense), on a
+    CUDA card `ModelFacts.card_weights` (a compact embedding table dense). A card's share of `--tp` keeps the stored bytes its facts were split into (sharding.py splits the stored classes)."""
     stored = dict(facts.weights)
     holds = facts.cpu_weights if not cuda else facts.card_weights if facts.share is None else ()
     w = dict(holds or stored)

@@ -40,7 +40,7 @@ from fractions import Fraction
 
 from radianced.card import MiB, align_up
 from radianced.config import Config
-from radianced.kernels.formats import is_compact
+from radianced.kernels.formats import CPU_BLOCKS, is_compact
 from radianced.kernels.kv_formats import KV_FORMATS
 from radianced.model.config import ModelConfig
 from radianced.model_elements import class_elements
@@ -112,7 +112,7 @@ class ModelFacts:
     share: the card's share when these are one card's facts (`sharding.shard_facts`), else None:
     then `model` has the card's heads and columns, and the weights and experts are the card's.
     cpu_weights: per class, the bytes the host backend holds once loaded where that differs from
-    `weights` (compact matrices in its int4 packing, a compact lm_head dense: `cpu_packed.held_nbytes`;
+    `weights` (a compact lm_head its block kernels do not read made dense: `_cpu_held`;
     a tied compact table's dense lm_head copy as "lm_head"); empty when nothing differs.
     card_weights: the same for a CUDA card (model/loader.py `device_weights`): a compact embedding table
     dequantized to the activations' dtype; every other compact matrix as stored; empty when nothing differs.
@@ -229,15 +229,18 @@ def allocator_tail(nbytes: int) -> int:
 
 
 def _cpu_held(model: ModelConfig, tensors, stored: dict[str, int], act: int) -> tuple[tuple[str, int], ...]:
-    """`ModelFacts.cpu_weights` from the stored rows; () when every class is held as stored."""
-    from radianced.kernels.cpu_packed import held_nbytes
-
-    held = dict.fromkeys(stored, 0)
+    """`ModelFacts.cpu_weights` from the stored rows; () when every class is held as stored. The host
+    backend holds every tensor as stored, except a compact lm_head in a format its block kernels do not
+    read (`formats.CPU_BLOCKS`), made dense in the activations' dtype at load (model/loader.py): for a
+    tied table that dense head is a copy beside it."""
+    held = dict(stored)
     for name, dtype, shape, nbytes in tensors:
-        if (c := weight_class(name)) is not None:
-            held[c] += held_nbytes(name, dtype, shape, nbytes, act)
-            if name == "model.embed_tokens.weight" and model.tie_word_embeddings and is_compact(dtype):
-                held["lm_head"] += shape[0] * shape[1] * act  # the tied lm_head's dense copy
+        if not is_compact(dtype) or dtype in CPU_BLOCKS:
+            continue
+        if name == "lm_head.weight":
+            held["lm_head"] += shape[0] * shape[1] * act - nbytes
+        elif name == "model.embed_tokens.weight" and model.tie_word_embeddings:
+            held["lm_head"] += shape[0] * shape[1] * act
     return () if held == stored else tuple(held.items())
 
 

@@ -60,8 +60,8 @@ def test_compact_embeddings_take_the_activation_size_from_the_final_norm(tmp_pat
 
 
 def _held_bytes(obj, seen: set[int]) -> int:
-    """Bytes of every weight a loaded model holds (each object once): a compact matrix as its int4 packing
-    where it has one, else its stored bytes; a dense tensor as itself."""
+    """Bytes of every weight a loaded model holds (each object once): a compact matrix as its stored bytes,
+    a dense tensor as itself."""
     from radianced.kernels.compact import CompactWeight, RowStack
 
     if id(obj) in seen:
@@ -70,7 +70,7 @@ def _held_bytes(obj, seen: set[int]) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.nbytes
     if isinstance(obj, CompactWeight):
-        return obj.packed.nbytes if obj.packed is not None else obj.data.nbytes
+        return obj.data.nbytes
     if isinstance(obj, RowStack):
         return sum(_held_bytes(p, seen) for p in obj.parts)
     if isinstance(obj, dict):
@@ -83,9 +83,9 @@ def _held_bytes(obj, seen: set[int]) -> int:
 
 
 def test_the_cpu_receipt_charges_what_the_host_backend_holds(tmp_path):
-    """A compact GGUF on the CPU backend: q8_0 matrices packed for the int4 kernel (1.18x their stored bytes),
-    the tied q8_0 table kept for lookups and a dense fp32 copy made for the lm_head. The receipt's weights
-    are those bytes, and the loaded model holds exactly them; a GPU card's receipt keeps the stored bytes but
+    """A compact GGUF on the CPU backend: every matrix held as stored (the block kernels read the file's
+    bytes in place), the tied q8_0 table read by lookups and the lm_head alike. The receipt's weights are
+    those bytes, and the loaded model holds exactly them; a GPU card's receipt keeps the stored bytes but
     for the table, dense there (tests/model/test_loader_compact.py holds the card's loader to it)."""
     from radianced.model.loader import load_model
     from tests.model.test_gguf import write_tiny_gguf
@@ -102,11 +102,11 @@ def test_the_cpu_receipt_charges_what_the_host_backend_holds(tmp_path):
         vocab, hidden = rad.model.vocab_size, rad.model.hidden_size
     assert held == cpu.weights_bytes + sum(p.bytes for p in cpu.host_weights)
     lm_head = {p.name: p for p in cpu.weights}["lm_head"]
-    assert lm_head.bytes == facts.weight("embeddings") + vocab * hidden * 4
-    assert "a dense copy for the CPU's lm_head" in lm_head.detail
+    assert lm_head.bytes == facts.weight("embeddings") and "tied to the embeddings: one copy" in lm_head.detail
+    assert held == sum(n for _, n in facts.weights)
     # stored bytes on a card, the tied table dequantized to fp32 (one copy for lookups and the lm_head)
     assert gpu.weights_bytes == sum(n for _, n in facts.weights) - facts.weight("embeddings") + vocab * hidden * 4
-    assert cpu.weights_bytes > gpu.weights_bytes
+    assert cpu.weights_bytes < gpu.weights_bytes
 
 
 @pytest.mark.parametrize("placement", ["ram", "vram"])

@@ -64,8 +64,8 @@ def read_bandwidth(threads: int) -> float:
 
 def served_bytes(model_path: Path) -> int:
     """Bytes of weights one decode token reads in the host backend's model of `model_path`: each matrix
-    and norm of the layers and the head once, in the form the loader made (a packed compact weight's
-    int4 packing, a dense one's elements); the embedding table is not counted (one row a token)."""
+    and norm of the layers and the head once, in the form the loader made (a compact weight's blocks, a
+    dense one's elements); the embedding table is not counted (one row a token; a tied head counts)."""
     with RadFile.open(model_path) as rad:
         model = load_model(rad)
         seen: dict[int, int] = {}
@@ -77,9 +77,8 @@ def served_bytes(model_path: Path) -> int:
 def _count(obj, seen: dict[int, int]) -> None:
     if isinstance(obj, torch.Tensor):
         seen[id(obj)] = obj.numel() * obj.element_size()
-    elif isinstance(obj, CompactWeight):  # matrices packed together (gate and up) share one packing: counted once
-        seen[id(obj.packed.weight) if obj.packed is not None else id(obj)] = \
-            obj.packed.nbytes if obj.packed is not None else obj.nbytes
+    elif isinstance(obj, CompactWeight):
+        seen[id(obj)] = obj.nbytes
     elif isinstance(obj, RowStack):
         for p in obj.parts:
             _count(p, seen)
@@ -196,8 +195,8 @@ def transformers_subprocess(threads: int, tokens: int) -> dict:
 def markdown(result: dict) -> str:
     lines = [f"# CPU bench {result['date']} at {result['commit']} on {result['machine']}", "",
              f"SmolLM2-135M, {result['tokens']} tokens a request, greedy, through HTTP streaming: radianced on "
-             f"{result['model']} (a .rad with the GGUF's blocks kept is int4-packed at load with an fp32 lm_head; "
-             f"the default conversion is fp32), transformers on the same GGUF dequantized to fp32. "
+             f"{result['model']} (a .rad with the GGUF's blocks kept is read in place by "
+             f"the block kernels, kernels/cpu_blocks.py), transformers on the same GGUF dequantized to fp32. "
              f"OpenMP settings given: {result['openmp_env'] or 'none'} (the daemon's defaults: daemon.py).", ""]
     for run in result["runs"]:
         d, hf, bw = run["daemon"], run["transformers"], run["read_gb_s"]

@@ -8,19 +8,18 @@ at the compact bytes (SmolLM2-135M in Q4_1: 98 MB, not the 515 MiB of fp32).
 An embedding lookup dequantizes only the rows it gathers.
 
 Dequantizing per use costs a pass over the weight per call (12 ms for one Q4_1
-3072 x 576 matrix on this CPU, more than an fp32 matmul over it). So on the CPU the
-loader adds the host backend's form beside the bytes once (`packed_for_cpu`): torch's
-int4 kernel layout (`cpu_packed.py`), which the host backend's linear reads
-(`kernels/cpu.py`) while the reference ops keep dequantizing the bytes (the oracle).
+3072 x 576 matrix on this CPU, more than an fp32 matmul over it). So the host backend's
+linear (`kernels/cpu.py`) reads the GGUF Q4_0 / Q4_1 / Q8_0 bytes in place through its
+block kernels (`cpu_blocks.py`: the same fp32 values, no second copy), while the reference
+ops keep dequantizing per use (the oracle).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from radianced.kernels.cpu_packed import PACKABLE, PackedInt4, pack, together
 from radianced.kernels.dequant import dequantize, dequantize_rows, split_fp8_b128
 from radianced.kernels.formats import FORMATS, FP8_BLOCK
 
@@ -33,15 +32,11 @@ class CompactWeight:
     shape: (N, K), the dense matrix's shape.
     data: its bytes (uint8), exactly `FORMATS[fmt].nbytes(shape)` of them: [N, row_bytes] for
         the GGUF formats, flat for fp8_b128. Often a zero-copy view of the `.rad`'s mapping.
-    packed: the same matrix in torch's int4 CPU layout (`cpu_packed.PackedInt4`), made once at load
-        (`packed_for_cpu`) for the host backend's linear; None where it was not made (other devices,
-        formats without one, the reference ops' inputs).
     """
 
     fmt: str
     shape: tuple[int, int]
     data: torch.Tensor
-    packed: PackedInt4 | None = None
 
     def __post_init__(self):
         expected = FORMATS[self.fmt].nbytes(self.shape)
@@ -72,15 +67,8 @@ class CompactWeight:
         return out.to(dtype).reshape(*ids.shape, k)
 
     def to(self, device: torch.device | str) -> CompactWeight:
-        """The bytes on `device`; a CPU packing (if any) stays behind (`packed_for_cpu` makes it again)."""
+        """The bytes on `device`."""
         return CompactWeight(self.fmt, self.shape, self.data.to(device))
-
-    def packed_for_cpu(self) -> CompactWeight:
-        """This weight with its int4 packing beside the bytes, made now: for a CPU weight in a format
-        that has one (`cpu_packed.PACKABLE`); any other is returned as it is."""
-        if self.packed is not None or self.fmt not in PACKABLE or self.device.type != "cpu":
-            return self
-        return replace(self, packed=pack(self.fmt, self.shape, self.data))
 
 
 def _fp8_rows(values: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -93,28 +81,15 @@ def _fp8_rows(values: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor) ->
 def cat_rows(parts: list[torch.Tensor | CompactWeight]) -> torch.Tensor | CompactWeight | RowStack:
     """Matrices stacked along N (Attention's [q | k | v]): `torch.cat` for dense parts, the
     bytes concatenated for GGUF parts of one format (their rows are independent), else a
-    `RowStack` that dequantizes part by part (fp8_b128, whose scale blocks span 128 rows).
-    Packed parts give a packed whole (packed again over the joined bytes: this runs at load)."""
+    `RowStack` that dequantizes part by part (fp8_b128, whose scale blocks span 128 rows)."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)
     fmts = {p.fmt if isinstance(p, CompactWeight) else None for p in parts}
     if len(fmts) == 1 and None not in fmts and "fp8_b128" not in fmts:
         k = parts[0].shape[1]
         data = torch.cat([p.data.reshape(p.shape[0], -1) for p in parts])
-        joined = CompactWeight(parts[0].fmt, (data.shape[0], k), data)
-        return joined.packed_for_cpu() if all(p.packed is not None for p in parts) else joined
+        return CompactWeight(parts[0].fmt, (data.shape[0], k), data)
     return RowStack(tuple(parts))
-
-
-def pack_together(parts: list[torch.Tensor | CompactWeight]) -> list[torch.Tensor | CompactWeight]:
-    """Matrices of one input (an MLP's gate and up) sharing one int4 packing (`cpu_packed.together`),
-    so the host backend computes them in one kernel call; each part's own product is unchanged. Parts
-    that are not all packed in one format and K are returned as they are (other devices, dense weights)."""
-    if not all(isinstance(p, CompactWeight) and p.packed is not None for p in parts) \
-            or len({(p.fmt, p.shape[1]) for p in parts}) != 1:
-        return list(parts)
-    joined = cat_rows(parts).packed  # packed again over the joined bytes: this runs at load
-    return [replace(p, packed=q) for p, q in zip(parts, together([p.packed for p in parts], joined))]
 
 
 @dataclass(frozen=True)

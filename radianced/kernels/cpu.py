@@ -61,7 +61,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from radianced.kernels import cpu_packed, reference
+from radianced.kernels import cpu_blocks, reference
 from radianced.kernels.compact import CompactWeight, RowStack, dense
 from radianced.kernels.kv_quant import KVPlane
 
@@ -94,8 +94,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            keep_normed: bool = False, out_dtype: torch.dtype | None = None,
            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`reference.linear` (same arguments) with its norm fused (`rms_norm` above) and the residual
-    added in place into the matmul's fresh result. The matmul is `_matmul`: the reference's rounding
-    for a dense weight, the int4 kernel's (bf16 in, bf16 out: cpu_packed.py) for a packed one."""
+    added in place into the matmul's fresh result. The matmul is `_matmul`: the reference's values,
+    summed in another order."""
     if norm is not None:
         x = rms_norm(x, *norm)
     y = _matmul(x, weight, bias)
@@ -107,23 +107,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def silu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """`reference.silu_mlp`, `down(silu(gate(x)) * up(x))`, with each matmul through `_matmul`: gate and up
-    in one int4 call where they share a packing (`compact.pack_together`; the same values)."""
-    g, u = (w.packed if isinstance(w, CompactWeight) else None for w in (gate, up))
-    if g is not None and u is not None and g.weight is u.weight:
-        y_gate, y_up = cpu_packed.matmul_shared(x, [g, u])
-    else:
-        y_gate, y_up = _matmul(x, gate), _matmul(x, up)
-    return _matmul(F.silu(y_gate).mul_(y_up), down)
+    """`reference.silu_mlp`, `down(silu(gate(x)) * up(x))`, with each matmul through `_matmul`."""
+    return _matmul(F.silu(_matmul(x, gate)).mul_(_matmul(x, up)), down)
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor | CompactWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W.T (+ bias) in x's dtype, a fresh tensor: a compact weight packed at load through
-    torch's int4 kernel (`cpu_packed.matmul`: 4-5x fp32 F.linear at decode on this CPU), any other
-    weight by F.linear, a compact one dequantized to x's dtype for the call as the reference does."""
-    if isinstance(weight, CompactWeight) and weight.packed is not None:
-        y = cpu_packed.matmul(x, weight.packed)
-    elif isinstance(weight, RowStack) and any(isinstance(p, CompactWeight) and p.packed for p in weight.parts):
+    """x [..., K] @ W.T (+ bias) in x's dtype, a fresh tensor: a GGUF Q4_0 / Q4_1 / Q8_0 weight through the
+    block kernels (`cpu_blocks.matmul`: fp32, the reference's weight values; 2-4x fp32 F.linear at decode
+    on this CPU), any other weight by F.linear, another compact one dequantized to x's dtype for the call
+    as the reference does."""
+    if isinstance(weight, CompactWeight) and weight.fmt in cpu_blocks.FORMATS and cpu_blocks.available():
+        y = cpu_blocks.matmul(x.float(), weight.data.reshape(weight.shape[0], -1), weight.fmt, weight.shape)
+        y = y if x.dtype == torch.float32 else y.to(x.dtype)
+    elif isinstance(weight, RowStack) and any(isinstance(p, CompactWeight) for p in weight.parts):
         y = torch.cat([_matmul(x, p) for p in weight.parts], dim=-1)  # [q | k | v] of several formats
     else:
         weight = dense(weight, x.dtype)

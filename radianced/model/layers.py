@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from radianced.kernels import ops
-from radianced.kernels.compact import CompactWeight, cat_rows, pack_together
+from radianced.kernels.compact import CompactWeight, cat_rows
 from radianced.kv.cache import KVCache
 from radianced.model.batch import ForwardBatch
 from radianced.model.config import ModelConfig
@@ -131,7 +131,6 @@ class DenseMLP:
 
     def __init__(self, prefix: str, w: Weights, group: Group = SINGLE):
         self.gate, self.up, self.down = (w(f"{prefix}.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj"))
-        self.gate, self.up = pack_together([self.gate, self.up])  # one int4 call for both on the CPU
         self.group = group
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None,

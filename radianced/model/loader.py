@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radianced.kernels.compact import CompactWeight, RowStack
-from radianced.kernels.cpu_packed import UNPACKED
-from radianced.kernels.formats import COMPACT_TILES, FORMATS, expert_formats
+from radianced.kernels.formats import COMPACT_TILES, CPU_BLOCKS, FORMATS, expert_formats
 from radianced.kernels.pinned import PinError, register_pinned
 from radianced.model.config import ModelConfig
 from radianced.model.experts import ExpertSource, ResidentExperts
@@ -42,16 +41,6 @@ EMBEDDINGS = "model.embed_tokens.weight"
 # Objects of these modules are walked for tensors to place; anything else the model holds (the
 # expert source, its config) is left as it is: the expert slab is placed by whoever built it.
 _UNWALKED = ("radianced.model.experts", "radianced.model.config")
-
-# Compact matrices the loader does not pack for the CPU's int4 kernel (`cpu_packed.UNPACKED`, where the
-# budget reads it too): the embedding table is only gathered by rows, and on the CPU a compact lm_head is
-# dequantized once at load to the activations' dtype and kept dense: the kernel rounds its output to
-# bf16, which moves SmolLM2's logits by up to 2^-9 of their size (~0.05 at a logit of 20) and flipped
-# near ties: with a packed lm_head the greedy answer to "What is the capital of France?" left
-# transformers' at its first token; with the dense fp32 head 3 prompts x 24 tokens matched it (the int4
-# layers alone move the logits 1-3% of max |logit|, without changing an argmax there). Cost: SmolLM2's
-# head reads 113 MB a token in fp32 instead of 30 MB (4.4 ms against 1.8 ms a token on 2 threads).
-
 
 @dataclass(frozen=True)
 class LoadPlan:
@@ -131,7 +120,8 @@ def load_model(rad: RadFile, device: torch.device | str = "cpu", dtype: torch.dt
 
     A MoE model without an `experts` source gets every expert resident. Compact tensors stay
     compact (`CompactWeight`: `dtype` does not apply to them) in the form the device's kernels
-    read (`device_weights`); a compact lm_head is made dense on the CPU only (`UNPACKED` says why).
+    read (`device_weights`); on the CPU a compact lm_head in a format the block kernels do not read
+    (`formats.CPU_BLOCKS`: a K-quant) is made dense once, as the lm_head is read whole every step.
     Off the CPU the Triton kernels read them (kernels/moe.py for experts, kernels/linear.py for
     layers); a format they do not read is refused (`refuse_unread_formats`).
     """
@@ -144,8 +134,9 @@ def load_model(rad: RadFile, device: torch.device | str = "cpu", dtype: torch.dt
         mtp_experts = ResidentExperts.from_rad(rad, device, dtype, range(first, first + 1))
     model = build_model(rad.model, device_weights(rad, device, dtype), experts, mtp, mtp_experts)
     if torch.device(device).type == "cpu":
-        if isinstance(model.lm_head.weight, CompactWeight):
-            model.lm_head.weight = model.lm_head.weight.dequantize(model.norm.weight.dtype)  # why: UNPACKED
+        head = model.lm_head.weight
+        if isinstance(head, CompactWeight) and head.fmt not in CPU_BLOCKS:  # read every step: dense once
+            model.lm_head.weight = head.dequantize(model.norm.weight.dtype)
         model.placed = Placed(0, 0)
         return model
     host_table = model.embed.weight if load_plan(rad, embedding_placement, device, mtp).host else None
@@ -167,12 +158,10 @@ def device_weights(rad: RadFile, device: torch.device | str, dtype: torch.dtype 
     still on the host (`load_model` places them after):
 
     - a plain tensor cast to `dtype` if given (a view of the file without a cast);
-    - on the CPU, a compact matrix with the host backend's int4 packing made beside its bytes
-      (`CompactWeight.packed_for_cpu`), except the `UNPACKED` ones;
+    - on the CPU, a compact matrix as its bytes (a view of the file), which the host backend's block
+      kernels read in place (kernels/cpu_blocks.py, the lm_head included);
     - off the CPU, a compact matrix as its bytes, which the Triton linear dequantizes in registers
-      (kernels/linear.py, the lm_head's gemv included: it rounds the weight and the logits to the
-      activations' dtype, as a dense lm_head in that dtype does, so `UNPACKED`'s reason, the CPU
-      kernel's bf16 rounding, does not hold there); and a compact embedding table dequantized once to
+      (kernels/linear.py, the lm_head's gemv included); and a compact embedding table dequantized once to
       the activations' dtype: the row gather (kernels/embedding.py, or F.embedding on the card)
       reads dense rows, and dequantizing rows in the step (`CompactWeight.rows`) takes torch launches
       a decode graph cannot capture. The receipt charges that dense table (sizing.ModelFacts.card_weights).
@@ -184,9 +173,7 @@ def device_weights(rad: RadFile, device: torch.device | str, dtype: torch.dtype 
         t = rad.tensor(name, verify=True)
         if not isinstance(t, CompactWeight):
             return t.to(dtype or t.dtype)  # on the host: no copy without a cast
-        if cpu:
-            return t if name in UNPACKED else t.packed_for_cpu()  # the host backend's int4 form, made once
-        return t.dequantize(act) if name == EMBEDDINGS else t
+        return t.dequantize(act) if name == EMBEDDINGS and not cpu else t
 
     return weights
 

@@ -60,8 +60,8 @@ def smollm2_hf_tokenizer(smollm2_gguf):
 @pytest.fixture
 def oracle_ops():
     """The reference ops bound for one test: a compact format's exactness against transformers is the
-    reference's (fp32 dequantization per use); the host backend's int4 path rounds to bf16 and has its
-    own tests (tests/kernels/test_cpu_packed.py, the packed rows of the SmolLM2 and tiny GGUF tests)."""
+    reference's (fp32 dequantization per use); the host backend's block kernels are held to the same
+    tolerance beside it (tests/kernels/test_cpu_blocks.py, the SmolLM2 and tiny GGUF tests)."""
     ops.select("cpu", oracle=True)
     yield
     ops.select("cpu")

@@ -376,8 +376,11 @@ def test_bad_dtype_is_refused(tiny_gguf, tmp_path):
 # -- the default model --------------------------------------------------------
 
 
+Q4_1_GATE = {"ffn_gate.weight": gguf.GGMLQuantizationType.Q4_1}
+
+
 def test_ensure_default_model_converts_once_into_radianced_cache(tiny_gguf, tmp_path, monkeypatch):
-    src, _ = tiny_gguf()
+    src, _ = tiny_gguf(types=Q4_1_GATE)
     cache = tmp_path / "cache"
     monkeypatch.setenv("RADIANCED_CACHE", str(cache))
     monkeypatch.setattr(default, "bundled_gguf", lambda: src)  # a real (tiny) GGUF, converted for real
@@ -385,8 +388,19 @@ def test_ensure_default_model_converts_once_into_radianced_cache(tiny_gguf, tmp_
     assert path == cache / "smollm2-135m-instruct.rad"
     assert RadFile.open(path).header.source == str(src)
     assert sorted(p.name for p in cache.iterdir()) == [".smollm2-135m-instruct.rad.lock", path.name]
+    assert "q4_1" in {t.dtype for t in RadFile.open(path).header.tensors}  # the GGUF's blocks kept
     mtime = path.stat().st_mtime_ns
     assert default.ensure_default_model() == path and path.stat().st_mtime_ns == mtime  # not redone
+
+
+def test_an_older_fp32_default_model_is_converted_again_with_its_blocks_kept(tiny_gguf, tmp_path, monkeypatch):
+    src, _ = tiny_gguf(types=Q4_1_GATE)
+    monkeypatch.setenv("RADIANCED_CACHE", str(tmp_path))
+    monkeypatch.setattr(default, "bundled_gguf", lambda: src)
+    convert_gguf(src, tmp_path / "smollm2-135m-instruct.rad", None)  # what `make run` wrote before
+    assert "q4_1" not in {t.dtype for t in RadFile.open(tmp_path / "smollm2-135m-instruct.rad").header.tensors}
+    path = default.ensure_default_model()
+    assert "q4_1" in {t.dtype for t in RadFile.open(path).header.tensors}
 
 
 def test_default_model_path_honours_radianced_cache(tmp_path, monkeypatch):

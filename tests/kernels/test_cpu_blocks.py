@@ -1,0 +1,102 @@
+"""kernels/cpu_blocks.py: the host backend's GGUF block kernels against gguf's own quantizer and dequantizer.
+
+The weights come from `gguf.quants.quantize` (llama.cpp's layouts, byte for byte); the oracle is
+`gguf.quants.dequantize` then an fp32 matmul. The kernels' dequantization must be gguf's bit for bit, and
+a product may differ from the oracle's only by the order of its fp32 sums."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from radianced.kernels import cpu_blocks
+
+TYPES = {"q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q8_0": Q.Q8_0}
+SHAPES = [(1, 32), (17, 96), (48, 576), (130, 64)]  # one row, odd N, SmolLM2's K, N past a thread's share
+
+
+def _matrix(fmt: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the blocks [N, row bytes] uint8, gguf's fp32 dequantization [N, K]) of a random matrix; one row of
+    zeros and one of a constant, so a block's scale of 0 and a min-only Q4_1 block occur."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    w[0] = 0.0
+    if n > 2:
+        w[2] = 0.75
+    blocks = gguf_quantize(w, TYPES[fmt])
+    return torch.from_numpy(blocks.reshape(n, -1).copy()), torch.from_numpy(gguf_dequantize(blocks, TYPES[fmt]))
+
+
+@pytest.mark.parametrize("fmt", TYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_dequantize_is_gguf_bit_for_bit(fmt, shape):
+    data, ref = _matrix(fmt, *shape)
+    assert torch.equal(cpu_blocks.dequantize(data, fmt, shape), ref)
+
+
+@pytest.mark.parametrize("fmt", TYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 5, 8, 9, 15, cpu_blocks.PREFILL_ROWS + 3])
+def test_matmul_is_the_dequantized_fp32_product(fmt, shape, m):
+    """Every tile width (8, 4, 2, 1 rows of x) and the long-prefill path (dequantize, then torch's GEMM)."""
+    data, ref = _matrix(fmt, *shape, seed=m)
+    x = torch.randn(m, shape[1], generator=torch.Generator().manual_seed(m))
+    y = cpu_blocks.matmul(x, data, fmt, shape)
+    expected = x @ ref.t()
+    assert y.shape == (m, shape[0]) and y.dtype == torch.float32
+    torch.testing.assert_close(y, expected, rtol=0, atol=1e-5 * max([1.0, *expected.abs().flatten().tolist()]))
+
+
+def test_leading_dims_and_strided_rows():
+    """x [B, T, K] keeps its leading dims; a row view with a stride past K (a slice of a wider buffer) is read
+    in place, and a column-strided one is made contiguous first."""
+    data, ref = _matrix("q4_1", 40, 64)
+    wide = torch.randn(2, 3, 100)
+    x = wide[..., 10:74]
+    torch.testing.assert_close(cpu_blocks.matmul(x, data, "q4_1", (40, 64)), x @ ref.t(), rtol=0, atol=1e-4)
+    xt = torch.randn(64, 4).t()
+    torch.testing.assert_close(cpu_blocks.matmul(xt, data, "q4_1", (40, 64)), xt @ ref.t(), rtol=0, atol=1e-4)
+
+
+def test_rows_are_the_same_whatever_the_threads():
+    """Each output row is one thread's, its sums in one order: the result does not depend on the thread count.
+    (It does depend on M: a tile of 1, 2, 4 or 8 rows of x keeps 4, 4, 2 or 1 partial sums a row.)"""
+    data, _ = _matrix("q8_0", 300, 576)
+    x = torch.randn(8, 576)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_blocks.matmul(x, data, "q8_0", (300, 576))
+        torch.set_num_threads(2)
+        two = cpu_blocks.matmul(x, data, "q8_0", (300, 576))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_bad_inputs_name_what_is_wrong():
+    data, _ = _matrix("q4_0", 4, 64)
+    with pytest.raises(ValueError, match="format q6_k has no CPU block kernel; these do: q4_0, q4_1, q8_0"):
+        cpu_blocks.matmul(torch.randn(1, 64), data, "q6_k", (4, 64))
+    with pytest.raises(ValueError, match=r"q4_0 \[5, 64\]: need CPU uint8 rows"):
+        cpu_blocks.matmul(torch.randn(1, 64), data, "q4_0", (5, 64))
+    with pytest.raises(ValueError, match="x must be fp32, got torch.bfloat16"):
+        cpu_blocks.matmul(torch.randn(1, 64, dtype=torch.bfloat16), data, "q4_0", (4, 64))
+
+
+def test_the_library_is_built_once_per_source_and_machine(tmp_path, monkeypatch):
+    """`build` compiles into radianced's cache folder under a name keyed by the source and flags, and a second
+    call reuses the file; no compiler on PATH is a BuildError that names the fix."""
+    monkeypatch.setenv("RADIANCED_CACHE", str(tmp_path))
+    path = cpu_blocks.build()
+    assert path.parent == tmp_path / "kernels" and path.name.startswith("cpu_blocks-") and path.stat().st_size
+    mtime = path.stat().st_mtime_ns
+    assert cpu_blocks.build() == path and path.stat().st_mtime_ns == mtime
+    monkeypatch.setenv("RADIANCED_CACHE", str(tmp_path / "other"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("CC", raising=False)
+    with pytest.raises(cpu_blocks.BuildError, match="no C compiler .* install gcc"):
+        cpu_blocks.build()
