@@ -20,7 +20,13 @@ For each torch thread count (RADIANCED_CPU_THREADS for the daemon, torch.set_num
   daemon.py; transformers is fastest with OpenMP's: on this shared 2-core machine 19.7 tok/s
   at b1 with 2 threads against 11.9 with OMP_WAIT_POLICY=PASSIVE).
 
-Writes DIR/bench_cpu.json and DIR/bench_cpu.md (the table, printed last). llama.cpp is not run.
+- with `--llama-cpp PYTHON` (an interpreter with llama-cpp-python installed: it has no wheel on PyPI and
+  builds from source in about 10 minutes on this machine, so it lives in a venv of its own, e.g.
+  `python3 -m venv /tmp/llvenv && /tmp/llvenv/bin/pip install llama-cpp-python`), llama.cpp on the same
+  GGUF at batch 1 with as many threads: greedy, `--tokens` tokens past the same prompt, EOS ignored
+  (its own Q8_1 activations for the Q4_1 dot products). Left out without the flag.
+
+Writes DIR/bench_cpu.json and DIR/bench_cpu.md (the table, printed last).
 """
 
 from __future__ import annotations
@@ -192,6 +198,36 @@ def transformers_subprocess(threads: int, tokens: int) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+# llama.cpp's b1 run, in the interpreter given by --llama-cpp: argv = gguf, threads, tokens, prompt ids (JSON)
+LLAMA_CPP = """
+import json, sys, time
+from llama_cpp import Llama
+gguf, threads, tokens, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False)
+def run(n):
+    llm.reset()
+    t, got = time.perf_counter(), 0
+    for _ in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+        got += 1
+        if got == 1:
+            first = time.perf_counter()
+        if got == n:
+            break
+    return first - t, (n - 1) / (time.perf_counter() - first)
+run(8)
+ttft, rate = run(tokens)
+print(json.dumps({"b1_tok_s": rate, "ttft_ms": 1000 * ttft, "threads": threads}))
+"""
+
+
+def llama_cpp_subprocess(python: str, threads: int, tokens: int) -> dict:
+    """llama.cpp's b1 decode rate and TTFT on the bundled GGUF, in `python` (which has llama-cpp-python)."""
+    prompt = json.dumps(prompt_ids(PROMPT_TOKENS, "hf"))
+    out = subprocess.run([python, "-c", LLAMA_CPP, str(bundled_gguf()), str(threads), str(tokens), prompt],
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def markdown(result: dict) -> str:
     lines = [f"# CPU bench {result['date']} at {result['commit']} on {result['machine']}", "",
              f"SmolLM2-135M, {result['tokens']} tokens a request, greedy, through HTTP streaming: radianced on "
@@ -215,7 +251,12 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['c']} | {r['aggregate_tok_s']:.1f} | {r['per_request_tok_s']:.1f} | "
                          f"{r['ttft_ms']:.0f} | {hf_cell} | {ratio} |")
         b1 = d["rows"][0]["per_request_tok_s"]
-        lines += ["", f"b1 decode {b1:.1f} tok/s = {b1 / floor:.0%} of the bytes floor.", ""]
+        lines += ["", f"b1 decode {b1:.1f} tok/s = {b1 / floor:.0%} of the bytes floor."]
+        if (ll := run.get("llama_cpp")) is not None:
+            lines.append(f"llama.cpp (llama-cpp-python, the same GGUF, {ll['threads']} threads) b1 decode "
+                         f"{ll['b1_tok_s']:.1f} tok/s, TTFT {ll['ttft_ms']:.0f} ms: radianced's b1 is "
+                         f"{b1 / ll['b1_tok_s']:.2f}x it.")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -225,8 +266,9 @@ def main() -> int:
     ap.add_argument("--threads", default="1,2", help="torch thread counts to run, comma-separated")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--concurrency", default="1,2,4,8")
-    ap.add_argument("--model", type=Path, help="the .rad to serve (default: the default model; e.g. SmolLM2 "
-                                               "converted with --compact, for the host backend's int4 path)")
+    ap.add_argument("--model", type=Path, help="the .rad to serve (default: the default model, SmolLM2 with its "
+                                               "GGUF blocks kept; e.g. its fp32 conversion)")
+    ap.add_argument("--llama-cpp", metavar="PYTHON", help="an interpreter with llama-cpp-python: run llama.cpp too")
     ap.add_argument("--transformers-only", action="store_true", help=argparse.SUPPRESS)  # the child's part
     args = ap.parse_args()
     if args.transformers_only:
@@ -246,6 +288,8 @@ def main() -> int:
         run = {"threads": threads, "read_gb_s": read_bandwidth(threads),
                "daemon": bench_daemon(model, threads, args.tokens, [int(c) for c in args.concurrency.split(",")]),
                "transformers": transformers_subprocess(threads, args.tokens)}
+        if args.llama_cpp:
+            run["llama_cpp"] = llama_cpp_subprocess(args.llama_cpp, threads, args.tokens)
         result["runs"].append(run)
         (args.out / "bench_cpu.json").write_text(json.dumps(result, indent=2))
     md = markdown(result)

@@ -52,6 +52,15 @@ no-op casts; the int4 call's parts as one split. Medians of three rounds (load a
 else (~280 us of it inside torch ops, SDPA 30-40 us the largest). Two threads beat one on this
 machine only while its other core is free: with another job on it each OpenMP region waits for a
 time slice, and a b1 step took 200-300 ms against 60-70 ms on one thread.
+
+Session 14: compact weights go through radianced's own block kernels (`cpu_blocks.py`: fp32, gguf's
+weight values, the file's bytes read in place) instead of the int4 kernel in bf16, and the tied Q8_0
+lm_head with them instead of a dense fp32 copy (113 MB a token -> 30 MB). SmolLM2 Q4_1, 1 thread,
+tools/cpu_step.py, two interleaved rounds against the int4 tree: b1 39.4 -> 31.7 ms a step, b8 85.2 ->
+66.3 ms. Left in a b1 step (1 thread): the MLP's three block calls 13.7 ms, the attention projections
+~6.8 ms, the lm_head 3.6 ms (the kernels are compute-bound on dequantizing: 6.5-8.6 G weights/s a
+core), the attention op 5.3 ms and ~2 ms of the rest; at b8 the attention op grows to 13.4 ms (a
+masked SDPA over 8 contexts and its gathers, 445 us a layer).
 """
 
 from __future__ import annotations
