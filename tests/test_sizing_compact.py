@@ -61,8 +61,10 @@ def test_compact_embeddings_take_the_activation_size_from_the_final_norm(tmp_pat
 
 def _held_bytes(obj, seen: set[int]) -> int:
     """Bytes of every weight a loaded model holds (each object once): a compact matrix as its int4 packing
-    where it has one, else its stored bytes; a dense tensor as itself."""
+    where it has one (an MLP's gate and up share one: `compact.pack_together`), else its stored bytes; a
+    dense tensor as itself."""
     from radianced.kernels.compact import CompactWeight, RowStack
+    from radianced.kernels.cpu_packed import PackedInt4
 
     if id(obj) in seen:
         return 0
@@ -70,7 +72,9 @@ def _held_bytes(obj, seen: set[int]) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.nbytes
     if isinstance(obj, CompactWeight):
-        return obj.packed.nbytes if obj.packed is not None else obj.data.nbytes
+        return _held_bytes(obj.packed if obj.packed is not None else obj.data, seen)
+    if isinstance(obj, PackedInt4):
+        return _held_bytes(obj.weight, seen) + _held_bytes(obj.scales_zeros, seen)
     if isinstance(obj, RowStack):
         return sum(_held_bytes(p, seen) for p in obj.parts)
     if isinstance(obj, dict):
