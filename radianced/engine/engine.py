@@ -250,7 +250,7 @@ class Engine:
         (Hkv its KV heads), every step sent to the other ranks (engine/tp_workers.py)."""
         cuda = torch.device(device).type == "cuda"
         mtp = _drafts_with_mtp(cfg, rad.model.num_mtp_layers)
-        if group.size > 1:  # --speculative with --tp is refused by Config
+        if group.size > 1:  # its share, without the MTP head: --tp N drafts by n-gram (Config.drafts_with_mtp)
             model = load_shard(rad, group, device, experts=experts)
         else:
             model = load_model(rad, device, experts=experts, embedding_placement=cfg.embedding_table, mtp=mtp)

@@ -17,8 +17,17 @@ the step (over its link, or from the file with the disk tier) and rebalances its
 step, as one card's engine does; after each forward its counts go to rank 0 in one all-reduce
 (engine/tp_counts.py).
 
+Speculative decoding (n-gram drafts): rank 0 drafts (the scheduler, from the sequences' tokens) and
+a verify step is a step like any other, its drafts in the layout. What a verify step leaves behind
+on every card: KV at the drafts' positions (the next steps' context lengths, from rank 0, make the
+rejected ones dead, as on one card) and, on a hybrid model, the recurrent state after each draft in
+its draft slot. Which of those becomes the sequence's depends on rank 0's samples, so rank 0 sends
+the accepted counts with the next step (`WorkerStep.kept`), which every card applies before that
+step's state copies, where rank 0 applied them: when it collected the verify step (no step is
+planned ahead of one that drafts).
+
 Not mirrored yet, refused where `--tp` is set up: CUDA decode graphs (the replay would skip the
-send), speculative decoding (the kept draft state depends on rank 0's samples) and the MTP head.
+send) and the MTP head (its chained drafts run between steps on rank 0 alone).
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import torch.distributed as dist
 
 from radianced.arena import KV, Arena, PageChange
 from radianced.config import Config
-from radianced.engine.runner import copy_states
+from radianced.engine.runner import copy_states, keep_states
 from radianced.engine.tp_counts import CardReport, OtherCards
 from radianced.engine.tp_memory import RankMemory, rank_memory
 from radianced.kv.cache import KVCache, RecurrentState, kv_format
@@ -54,6 +63,8 @@ log = logging.getLogger("radianced")
 class WorkerStep:
     """One step as a rank beyond the first runs it.
 
+    kept: the verify steps' accepted drafts since the last step, (state slot, accepted drafts) where
+        one was rejected (`runner.keep_states`), to keep first (hybrid models).
     before: the plan's state copies to apply before the forward (hybrid models).
     layout: `ForwardBatch.build`'s arguments but `device` (token ids, context lengths, block tables,
         block size, logits rows, state slots, drafts); the ids are then overwritten by the
@@ -64,6 +75,7 @@ class WorkerStep:
         when no counts are sent (a model without expert tiers).
     """
 
+    kept: list[tuple[int, int]]
     before: tuple[StateCopy, ...]
     layout: dict
     after: tuple[StateCopy, ...]
@@ -84,14 +96,20 @@ class StepBroadcast:
     def __init__(self, arena: Arena | None = None) -> None:
         self.arena = arena
         self.seconds, self.steps = 0.0, 0
+        self._kept: list[tuple[int, int]] = []
+
+    def keep(self, kept: list[tuple[int, int]]) -> None:
+        """Rank 0 kept these draft states (`runner.keep_states`): the other ranks keep them with the next step."""
+        self._kept += kept
 
     def send(self, before: tuple[StateCopy, ...], layout: dict, after: tuple[StateCopy, ...],
              input_ids: torch.Tensor, segments: list[tuple[int, int]] | None) -> None:
-        """The step to the other ranks: its layout, the KV page changes, the rows counted apart
-        (None: no counts follow the forward), then its input ids."""
+        """The step to the other ranks: the draft states kept since the last, its layout, the KV page
+        changes, the rows counted apart (None: no counts follow the forward), then its input ids."""
         start = time.perf_counter()
         pages = self.arena.changes(KV) if self.arena is not None else []
-        dist.broadcast_object_list([WorkerStep(before, layout, after, pages, segments)], src=0)
+        kept, self._kept = self._kept, []
+        dist.broadcast_object_list([WorkerStep(kept, before, layout, after, pages, segments)], src=0)
         dist.broadcast(input_ids, src=0)
         self.seconds += time.perf_counter() - start
         self.steps += 1
@@ -144,7 +162,7 @@ class WorkerShard:
         `cfg.kv_cache_dtype` (as `Engine.assemble` takes it)."""
         m, dtype = model.cfg, model.norm.weight.dtype
         hybrid = bool(m.linear_attention_layers)
-        states = RecurrentState.allocate(m, cfg.max_num_seqs, dtype, device) if hybrid else None
+        states = RecurrentState.allocate(m, cfg.max_num_seqs, dtype, device, cfg.speculative) if hybrid else None
         cache = KVCache(storage, m.full_attention_layers, states, kv_format(cfg.kv_cache_dtype),
                         (BLOCK_TOKENS, m.num_key_value_heads, m.head_dim))
         checkpoints = RecurrentState.allocate(m, 2 * cfg.max_num_seqs, dtype, device) if hybrid else None
@@ -171,6 +189,7 @@ class WorkerShard:
                 return steps
             if self.memory is not None:
                 self.memory.follow(step.pages)
+            keep_states(step.kept, self.cache.states)
             copy_states(step.before, self.cache.states, self.checkpoints)
             batch = ForwardBatch.build(**step.layout, device=device)
             dist.broadcast(batch.input_ids, src=0)
