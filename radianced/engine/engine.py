@@ -56,6 +56,7 @@ from radianced.model.tokenizer import Tokenizer
 from radianced.receipt import Receipt
 from radianced.sizing import BLOCK_TOKENS, ModelFacts
 from radianced.tiers.build import build_expert_slab
+from radianced.tiers.routing import Key
 from radianced.tiers.slab import ExpertSlab
 from radianced.tp_plan import CardsReceipt
 
@@ -167,6 +168,13 @@ class Engine:
             self.scheduler.allocator.release_pages()
         if self.experts is not None:
             self.experts.rebalance()
+
+    def expert_routing(self) -> dict[Key, int]:
+        """Token-to-expert assignments since the counts restarted, per (layer, expert) routed: the slab's,
+        and under --tp every card's, gathered from the other ranks (a collective: call it on the step
+        thread, between steps)."""
+        workers = self.runner.workers
+        return self.experts.routing if workers is None else workers.routing(self.experts.tally)
 
     def add(self, request: Request):
         """Queue a request (raises QueueFull); returns its scheduler sequence (read-only for callers)."""

@@ -26,6 +26,12 @@ the accepted counts with the next step (`WorkerStep.kept`), which every card app
 step's state copies, where rank 0 applied them: when it collected the verify step (no step is
 planned ahead of one that drafts).
 
+The expert profile (`radiancectl profile --save`) needs every (layer, expert) count, and each card
+counts only its own experts: rank 0 gathers them when a save asks (`StepBroadcast.routing`: one
+message and one reduce of a layers x experts int64 array, on the step thread between steps, where
+the other ranks wait for the next step anyway), not every step. After the warm-up rank 0 restarts
+its counts and the other cards restart theirs with the next message (`restart`).
+
 Not mirrored yet, refused where `--tp` is set up: CUDA decode graphs (the replay would skip the
 send) and the MTP head (its chained drafts run between steps on rank 0 alone).
 """
@@ -54,6 +60,7 @@ from radianced.model.parallel import ProcessGroup
 from radianced.model.rad import RadFile
 from radianced.model.sharded_loader import load_shard
 from radianced.sizing import BLOCK_TOKENS
+from radianced.tiers.routing import Key, RoutingTally, routing_of
 from radianced.tiers.slab import ExpertSlab
 
 log = logging.getLogger("radianced")
@@ -73,6 +80,8 @@ class WorkerStep:
     pages: rank 0's KV page changes since the last step (`Arena.changes`), to follow first.
     segments: the rows whose expert counts rank 0 keeps apart (one per decoding sequence), or None
         when no counts are sent (a model without expert tiers).
+    restart: rank 0 restarted its routing counts since the last message (after the warm-up): the
+        card's count from zero, before this step.
     """
 
     kept: list[tuple[int, int]]
@@ -81,6 +90,15 @@ class WorkerStep:
     after: tuple[StateCopy, ...]
     pages: list[PageChange]
     segments: list[tuple[int, int]] | None
+    restart: bool
+
+
+@dataclass(frozen=True)
+class RoutingGather:
+    """Rank 0 asks for every card's token-to-expert assignments (a profile save), between steps; each
+    joins one reduce of its tally to rank 0. restart: as `WorkerStep.restart`, before the reduce."""
+
+    restart: bool
 
 
 class StepBroadcast:
@@ -97,6 +115,11 @@ class StepBroadcast:
         self.arena = arena
         self.seconds, self.steps = 0.0, 0
         self._kept: list[tuple[int, int]] = []
+        self._restart = False
+
+    def restart_counts(self) -> None:
+        """Rank 0 restarted its routing counts: the other cards restart theirs with the next message."""
+        self._restart = True
 
     def keep(self, kept: list[tuple[int, int]]) -> None:
         """Rank 0 kept these draft states (`runner.keep_states`): the other ranks keep them with the next step."""
@@ -108,8 +131,8 @@ class StepBroadcast:
         changes, the rows counted apart (None: no counts follow the forward), then its input ids."""
         start = time.perf_counter()
         pages = self.arena.changes(KV) if self.arena is not None else []
-        kept, self._kept = self._kept, []
-        dist.broadcast_object_list([WorkerStep(kept, before, layout, after, pages, segments)], src=0)
+        kept, self._kept, restart, self._restart = self._kept, [], self._restart, False
+        dist.broadcast_object_list([WorkerStep(kept, before, layout, after, pages, segments, restart)], src=0)
         dist.broadcast(input_ids, src=0)
         self.seconds += time.perf_counter() - start
         self.steps += 1
@@ -120,6 +143,20 @@ class StepBroadcast:
         received = OtherCards.receive(layers, segments, seqs)
         self.seconds += time.perf_counter() - start
         return received
+
+    def routing(self, tally: RoutingTally) -> dict[Key, int]:
+        """Every card's token-to-expert assignments since the counts restarted: rank 0's `tally` (its own
+        experts') and the other cards' summed in one reduce. Run it on the step thread, between steps:
+        the other ranks meet its collectives in step order (a step launched and not yet collected is
+        counted by the other cards and not yet by rank 0's tally)."""
+        start = time.perf_counter()
+        restart, self._restart = self._restart, False
+        dist.broadcast_object_list([RoutingGather(restart)], src=0)
+        total = torch.from_numpy(tally.assigned.copy())
+        dist.reduce(total, dst=0)
+        log.info("expert profile: the routing counts of %d cards gathered in %.2f ms (%d layers x %d experts)",
+                 dist.get_world_size(), 1e3 * (time.perf_counter() - start), *total.shape)
+        return routing_of(tally.layers, total.numpy())
 
     def close(self) -> None:
         """Tell every other rank that no step follows (their `serve_steps` returns)."""
@@ -184,9 +221,14 @@ class WorkerShard:
         while True:
             message = [None]
             dist.broadcast_object_list(message, src=0)
-            step: WorkerStep | None = message[0]
+            step: WorkerStep | RoutingGather | None = message[0]
             if step is None:
                 return steps
+            if slab is not None and step.restart:
+                slab.tally.restart()
+            if isinstance(step, RoutingGather):
+                dist.reduce(torch.from_numpy(slab.tally.assigned.copy()), dst=0)
+                continue
             if self.memory is not None:
                 self.memory.follow(step.pages)
             keep_states(step.kept, self.cache.states)
