@@ -95,9 +95,10 @@ def recurrent_state_charge(per_copy_bytes: int, seqs: int, speculative: int) -> 
 def _weights(facts: ModelFacts, cfg: Config, cuda: bool) -> tuple[tuple[Part, ...], tuple[Part, ...], tuple[Part, ...]]:
     """(on the card, pinned in host RAM, not loaded) by class, in the bytes the loader holds: on the CPU
     backend `ModelFacts.cpu_weights` (a compact lm_head its block kernels do not read made dense), on a
-    CUDA card `ModelFacts.card_weights` (a compact embedding table dense). A card's share of `--tp` keeps the stored bytes its facts were split into (sharding.py splits the stored classes)."""
+    CUDA card `ModelFacts.card_weights` (a compact embedding table dense); a card's share of
+    `--tp`, its own (sharding.shard_facts: those of its part of each tensor)."""
     stored = dict(facts.weights)
-    holds = facts.cpu_weights if not cuda else facts.card_weights if facts.share is None else ()
+    holds = facts.cpu_weights if not cuda else facts.card_weights
     w = dict(holds or stored)
     card, host, idle = [], [], []
     tied = _tied(facts)
@@ -120,7 +121,7 @@ def _weights(facts: ModelFacts, cfg: Config, cuda: bool) -> tuple[tuple[Part, ..
             idle.append(Part("mtp", n, "drafts only with --speculative-method mtp"))
             continue
         if n:
-            held = ("held as the CPU's int4 packing" if c != "lm_head" else "held dense",) if n != stored[c] else ()
+            held = ("held dense",) if n != stored[c] else ()  # the CPU's lm_head in a K-quant (cpu_weights)
             card.append(Part(c, n, ", ".join(_compact_formats(facts, c) + held)))
     return tuple(card), tuple(host), tuple(idle)
 
@@ -163,7 +164,8 @@ def _workspace(facts: ModelFacts, card: Card, cfg: Config) -> tuple[Part, ...]:
 
 def _allocator_tails(facts: ModelFacts, weights: tuple[Part, ...], card: Card) -> tuple[Part, ...]:
     """What torch's allocator holds past the bytes of the weights placed on a CUDA card (`sizing.allocator_tail`;
-    a tied lm_head is the embeddings' tensor). Not under --tp: a card's share has no per-tensor facts."""
+    a tied lm_head is the embeddings' tensor). Not under --tp: its loader (model/sharded_loader.py) has not
+    placed a card's share on a CUDA card yet, so no tails of its tensors have been measured."""
     on_card = {p.name for p in weights}
     if _tied(facts) and "lm_head" in on_card:
         on_card.add("embeddings")  # the tied lm_head's part holds the embeddings' tensor

@@ -30,9 +30,17 @@ cards: 11, 11, 10). Megatron-style for the dense parts, expert-parallel for the 
   2 B = 593.50 MiB, 296.75 MiB a card over 2, and with `--embedding-placement ram` each process
   pins only its rows: one copy of the table across the processes.
 
-A sharded tensor's bytes go to the cards in proportion to its units, rounded cumulatively, so the
-cards' shares add up to the whole exactly; a replicated part counts once per card (a KV head held
-by two cards, twice).
+A compact matrix (kernels/formats.py) splits as a dense one where the split keeps its blocks whole:
+GGUF rows are independent, so any rows; along K (the row-parallel o_proj, down_proj, out_proj) a
+card's columns must be whole blocks of 32 or 256 values; fp8_b128's 128 x 128 scale blocks span
+rows too, so a card's rows or columns must start on a block, or lie inside one. A split that cuts a
+block is refused by name (`SplitError`): no rounding moves a value to another card's scale.
+
+Facts read from a file (`ModelFacts.stored`) give each card the bytes of its tensors' shapes in
+their formats (`card_shape`): compact scales and padding, as its loader holds them. Facts from a
+config go by their classes' bytes: each sharded part's bytes to the cards in proportion to its
+units, rounded cumulatively, so the cards' shares add up to the whole exactly. Either way a replicated part counts once per card (a KV head held by two cards,
+twice).
 """
 
 from __future__ import annotations
@@ -43,11 +51,18 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from radianced.kernels.formats import FORMATS, FP8_BLOCK
+
 if TYPE_CHECKING:
     from radianced.model.config import ModelConfig
     from radianced.sizing import ModelFacts
 
 Range = tuple[int, int]  # (first, stop)
+ROW_PARALLEL = ("o_proj.weight", "down_proj.weight", "out_proj.weight")  # split along K: a card's share is columns
+
+
+class SplitError(ValueError):
+    """A compact tensor whose split over the cards would cut one of its format's blocks."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +143,54 @@ def _units(m: ModelConfig, kind: str) -> int:
             "vocab": m.vocab_size, "experts": m.num_experts}[kind]
 
 
+def card_range(name: str, shape: tuple[int, ...], m: ModelConfig, share: CardShare) -> tuple[int, Range] | None:
+    """(the dim, (first, stop) along it) of card `share`'s part of stored tensor `name`: input columns
+    (dim 1) of a row-parallel matrix, else rows (dim 0, the DeltaNet conv1d's too: its channels are
+    three ranges of the card's key heads, as many as this one); None for a replicated tensor."""
+    kind = split_kind(name)
+    if kind == "replicated":
+        return None
+    first, stop = getattr(share, kind)
+    dim = 1 if name.endswith(ROW_PARALLEL) else 0
+    per = shape[dim] // _units(m, kind)
+    return dim, (first * per, stop * per)
+
+
+def card_shape(name: str, fmt: str, shape: tuple[int, ...], m: ModelConfig, share: CardShare) -> tuple[int, ...]:
+    """The shape of card `share`'s part of stored tensor `name` (format `fmt`); SplitError where that
+    part cuts a block of a compact format (the module says which splits keep them whole)."""
+    split = card_range(name, shape, m, share)
+    if split is None:
+        return shape
+    dim, (a, b) = split
+    block = _cut_block(fmt, dim, a, b)
+    if block:
+        axis, cls = "input columns" if dim == 1 else "rows", "embeddings" if split_kind(name) == "vocab" else "layers"
+        convert = f"--quantize {cls}=int8 or {cls}=int4 (blocks of 32 values along a row)" \
+            if dim == 0 or _cut_block("q8_0", dim, a, b) == 0 else f"its {cls} dense (no {cls}= in --quantize, no --compact)"
+        raise SplitError(f"--tp {share.tp}: card {share.rank}'s {axis} {a}-{b - 1} of {name} would cut its {fmt} "
+                         f"blocks of {block} {axis}: give a --tp that splits it on multiples of {block}, convert "
+                         f"the model with {convert}, or serve it with --tp 1")
+    return tuple(b - a if d == dim else n for d, n in enumerate(shape))
+
+
+def _cut_block(fmt: str, dim: int, a: int, b: int) -> int:
+    """The block size of `fmt` that the part [a, b) along `dim` would cut, or 0 where it keeps them whole."""
+    if not FORMATS[fmt].compact or (dim == 0 and fmt != "fp8_b128"):  # GGUF rows are independent
+        return 0
+    if fmt == "fp8_b128":  # scale blocks along both dims: the part starts on one, or lies inside one
+        return 0 if a % FP8_BLOCK == 0 or a // FP8_BLOCK == (b - 1) // FP8_BLOCK else FP8_BLOCK
+    block = FORMATS[fmt].block
+    return 0 if a % block == 0 and b % block == 0 else block
+
+
+def _card_rows(facts: ModelFacts, share: CardShare):
+    """(name, format, shape, bytes) of the card's part of each stored tensor of `facts`."""
+    for name, fmt, shape, _nbytes in facts.stored:
+        part = card_shape(name, fmt, shape, facts.model, share)
+        yield name, fmt, part, FORMATS[fmt].nbytes(part)
+
+
 def share_bytes(nbytes: int, units: int, rng: Range) -> int:
     """The bytes of units [first, stop) of a tensor of `nbytes` over `units`, rounded cumulatively."""
     return nbytes * rng[1] // units - nbytes * rng[0] // units
@@ -166,17 +229,24 @@ def shard_facts(facts: ModelFacts, rank: int, tp: int) -> ModelFacts:
     on card 0 and the router see all of them), its routed experts and `share`."""
     if facts.share is not None:
         raise ValueError(f"facts already card {facts.share.rank} of {facts.share.tp}'s share")
+    m = facts.model
+    share = card_share(m, rank, tp)
+    card_model = card_config(m, share)
+    if facts.stored:  # each tensor's card shape, in its format's bytes (SplitError where that cuts a block)
+        from radianced.sizing import ModelFacts
+
+        first, stop = share.experts
+        card = ModelFacts.from_rows(card_model, _card_rows(facts, share),
+                                    (e for e in facts.extents if first <= e[1] < stop))
+        return dataclasses.replace(card, share=share)
     if sum(n for _c, _k, n in facts.parts) != sum(n for _c, n in facts.weights):
         raise ValueError("these facts carry no split of their weights (ModelFacts.parts): build them with "
                          "from_rows, from_header or from_config")
-    m = facts.model
-    share = card_share(m, rank, tp)
     weights = dict.fromkeys((c for c, _n in facts.weights), 0)
     for cls, kind, nbytes in facts.parts:
         weights[cls] += nbytes if kind == "replicated" else share_bytes(nbytes, _units(m, kind), getattr(share, kind))
-    card_model = card_config(m, share)
     E = m.num_experts
     count = share_bytes(facts.expert_count, E, share.experts) if E else 0
     total = share_bytes(facts.expert_total_bytes, E, share.experts) if E else 0
     return dataclasses.replace(facts, model=card_model, weights=tuple(weights.items()), expert_count=count,
-                               expert_total_bytes=total, share=share)
+                               expert_total_bytes=total, share=share, cpu_weights=(), card_weights=(), card_tails=())

@@ -118,6 +118,8 @@ class ModelFacts:
     dequantized to the activations' dtype; every other compact matrix as stored; empty when nothing differs.
     card_tails: per class, what torch's caching allocator holds past those bytes when each of the class's
     tensors is placed on a CUDA card on its own (`allocator_tail`); empty for facts built from a config.
+    stored, extents: the rows `from_rows` was given, which `sharding.shard_facts` splits tensor by
+    tensor (a compact one in its format's bytes); empty for facts built from a config.
     """
 
     model: ModelConfig
@@ -134,6 +136,8 @@ class ModelFacts:
     cpu_weights: tuple[tuple[str, int], ...] = field(default=(), compare=False)
     card_weights: tuple[tuple[str, int], ...] = field(default=(), compare=False)
     card_tails: tuple[tuple[str, int], ...] = field(default=(), compare=False)
+    stored: tuple[tuple[str, str, tuple[int, ...], int], ...] = field(default=(), compare=False)
+    extents: tuple[tuple, ...] = field(default=(), compare=False)
 
     def weight(self, cls: str) -> int:
         return dict(self.weights)[cls]
@@ -149,7 +153,7 @@ class ModelFacts:
         """From the stored tensors (name, dtype, shape, nbytes) and expert extents
         (layer, expert, nbytes[, dtype]: an extent without one names no format). Raises
         ValueError when the embeddings are missing."""
-        tensors = list(tensors)
+        tensors, experts = tuple(tensors), tuple(experts)
         sums = dict.fromkeys(WEIGHT_CLASSES, 0)
         parts: dict[tuple[str, str], int] = {}
         by_format: dict[str, dict[str, int]] = {}  # class -> format -> bytes
@@ -184,7 +188,7 @@ class ModelFacts:
         return cls(model, act, tuple(sums.items()), count, extent, total,
                    tuple((c, _by_bytes(f)) for c, f in by_format.items()), _by_bytes(expert_fmts),
                    tuple((c, k, n) for (c, k), n in parts.items()), cpu_weights=held, card_weights=card,
-                   card_tails=tuple((c, n) for c, n in tails.items() if n))
+                   card_tails=tuple((c, n) for c, n in tails.items() if n), stored=tensors, extents=experts)
 
     @classmethod
     def from_header(cls, header) -> ModelFacts:

@@ -21,7 +21,7 @@ from radianced.budget import PlanError, plan
 from radianced.card import Card, detect_card
 from radianced.config import Config
 from radianced.receipt import Receipt, fmt_gib, fmt_kib, fmt_mib
-from radianced.sharding import CardShare, most_cards, shard_facts, share_bytes
+from radianced.sharding import CardShare, SplitError, most_cards, shard_facts, share_bytes
 from radianced.sizing import ModelFacts, kv_token_bytes
 
 
@@ -93,8 +93,9 @@ class CardsReceipt:
 def plan_cards(cards: tuple[Card, ...], facts: ModelFacts, cfg: Config) -> CardsReceipt:
     """Split each of the `cfg.tp` `cards` for its share of `facts`. Pure.
 
-    Raises PlanError when the model has fewer heads or experts than cards, or when a card's split
-    does not work (the message names the card and what would work there).
+    Raises PlanError when the model has fewer heads or experts than cards, when the split would cut
+    the blocks of a compact tensor (sharding.card_shape), or when a card's split does not work (the
+    message names the card and what would work there).
     """
     tp = cfg.tp
     if len(cards) != tp:
@@ -102,7 +103,10 @@ def plan_cards(cards: tuple[Card, ...], facts: ModelFacts, cfg: Config) -> Cards
     most, units = most_cards(facts.model)
     if tp > most:
         raise PlanError(f"--tp {tp}: the model has {most} {units}, and every card needs one: give at most --tp {most}")
-    shards = [shard_facts(facts, rank, tp) for rank in range(tp)]
+    try:
+        shards = [shard_facts(facts, rank, tp) for rank in range(tp)]
+    except SplitError as e:  # a compact tensor whose split would cut its blocks
+        raise PlanError(str(e)) from None
     receipts = []
     for rank, (card, card_facts) in enumerate(zip(cards, shards)):
         try:

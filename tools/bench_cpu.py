@@ -7,7 +7,7 @@ For each torch thread count (RADIANCED_CPU_THREADS for the daemon, torch.set_num
 - the machine's memory read bandwidth: the best of five sums over a 512 MiB fp32 buffer
   (bytes / time); each b1 floor is that over the bytes a token reads (every weight once):
   transformers' fp32 parameter bytes (tied embeddings once), and radianced's as the host
-  backend holds the default model (`served_bytes`: int4 packings, the fp32 lm_head, no
+  backend holds the default model (`served_bytes`: the GGUF's blocks, the tied Q8_0 lm_head, no
   embedding table: a token gathers one row);
 - radianced (`python -m radianced.cli` on the default model, SmolLM2-135M from its bundled GGUF
   with its Q4_1 / Q8_0 blocks kept: model/default.py) through HTTP: c = 1, 2, 4, 8 concurrent streamed greedy completions of `--tokens` tokens

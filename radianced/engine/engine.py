@@ -56,6 +56,7 @@ from radianced.model.tokenizer import Tokenizer
 from radianced.receipt import Receipt
 from radianced.sizing import BLOCK_TOKENS, ModelFacts
 from radianced.tiers.build import build_expert_slab
+from radianced.tiers.routing import Key
 from radianced.tiers.slab import ExpertSlab
 from radianced.tp_plan import CardsReceipt
 
@@ -168,6 +169,13 @@ class Engine:
         if self.experts is not None:
             self.experts.rebalance()
 
+    def expert_routing(self) -> dict[Key, int]:
+        """Token-to-expert assignments since the counts restarted, per (layer, expert) routed: the slab's,
+        and under --tp every card's, gathered from the other ranks (a collective: call it on the step
+        thread, between steps)."""
+        workers = self.runner.workers
+        return self.experts.routing if workers is None else workers.routing(self.experts.tally)
+
     def add(self, request: Request):
         """Queue a request (raises QueueFull); returns its scheduler sequence (read-only for callers)."""
         return self.scheduler.add(request)
@@ -250,7 +258,7 @@ class Engine:
         (Hkv its KV heads), every step sent to the other ranks (engine/tp_workers.py)."""
         cuda = torch.device(device).type == "cuda"
         mtp = _drafts_with_mtp(cfg, rad.model.num_mtp_layers)
-        if group.size > 1:  # --speculative with --tp is refused by Config
+        if group.size > 1:  # its share, without the MTP head: --tp N drafts by n-gram (Config.drafts_with_mtp)
             model = load_shard(rad, group, device, experts=experts)
         else:
             model = load_model(rad, device, experts=experts, embedding_placement=cfg.embedding_table, mtp=mtp)

@@ -213,12 +213,13 @@ class Runner:
 
     def _keep_accepted_states(self, seqs: tuple[ScheduledSeq, ...], yielded: tuple[tuple[int, ...], ...]) -> None:
         """A hybrid model's verify steps: the state after the last accepted position becomes the
-        sequence's (queued before any later step: a plan that drafts is never planned ahead of)."""
-        states = self.cache.states
-        for s, tokens in zip(seqs, yielded):
-            accepted = len(tokens) - 1
-            if s.drafts and accepted < len(s.drafts):
-                states.copy_slot(states.draft_slot(s.state_slot, accepted), states, s.state_slot)
+        sequence's (queued before any later step: a plan that drafts is never planned ahead of). Under
+        --tp the other ranks keep the same with the next step (`StepBroadcast.keep`)."""
+        kept = [(s.state_slot, len(tokens) - 1) for s, tokens in zip(seqs, yielded)
+                if s.drafts and len(tokens) - 1 < len(s.drafts)]
+        keep_states(kept, self.cache.states)
+        if self.workers is not None:
+            self.workers.keep(kept)
 
     def _pending_inputs(self, seqs: tuple[ScheduledSeq, ...],
                         query_start: tuple[int, ...]) -> tuple[torch.Tensor | slice, torch.Tensor] | None:
@@ -319,6 +320,13 @@ def copy_states(copies: tuple[StateCopy, ...], states: RecurrentState | None, ch
             checkpoints.copy_slot(c.checkpoint, states, c.slot)
         else:
             states.copy_slot(c.slot, checkpoints, c.checkpoint)
+
+
+def keep_states(kept: Sequence[tuple[int, int]], states: RecurrentState) -> None:
+    """For each (state slot, a) of a verify step that accepted a of its drafts and rejected the next: the
+    state after those a (`RecurrentState.draft_slot` a) becomes the sequence's."""
+    for slot, position in kept:
+        states.copy_slot(states.draft_slot(slot, position), states, slot)
 
 
 def _is_decode(s: ScheduledSeq) -> bool:

@@ -17,8 +17,23 @@ the step (over its link, or from the file with the disk tier) and rebalances its
 step, as one card's engine does; after each forward its counts go to rank 0 in one all-reduce
 (engine/tp_counts.py).
 
+Speculative decoding (n-gram drafts): rank 0 drafts (the scheduler, from the sequences' tokens) and
+a verify step is a step like any other, its drafts in the layout. What a verify step leaves behind
+on every card: KV at the drafts' positions (the next steps' context lengths, from rank 0, make the
+rejected ones dead, as on one card) and, on a hybrid model, the recurrent state after each draft in
+its draft slot. Which of those becomes the sequence's depends on rank 0's samples, so rank 0 sends
+the accepted counts with the next step (`WorkerStep.kept`), which every card applies before that
+step's state copies, where rank 0 applied them: when it collected the verify step (no step is
+planned ahead of one that drafts).
+
+The expert profile (`radiancectl profile --save`) needs every (layer, expert) count, and each card
+counts only its own experts: rank 0 gathers them when a save asks (`StepBroadcast.routing`: one
+message and one reduce of a layers x experts int64 array, on the step thread between steps, where
+the other ranks wait for the next step anyway), not every step. After the warm-up rank 0 restarts
+its counts and the other cards restart theirs with the next message (`restart`).
+
 Not mirrored yet, refused where `--tp` is set up: CUDA decode graphs (the replay would skip the
-send), speculative decoding (the kept draft state depends on rank 0's samples) and the MTP head.
+send) and the MTP head (its chained drafts run between steps on rank 0 alone).
 """
 
 from __future__ import annotations
@@ -34,7 +49,7 @@ import torch.distributed as dist
 
 from radianced.arena import KV, Arena, PageChange
 from radianced.config import Config
-from radianced.engine.runner import copy_states
+from radianced.engine.runner import copy_states, keep_states
 from radianced.engine.tp_counts import CardReport, OtherCards
 from radianced.engine.tp_memory import RankMemory, rank_memory
 from radianced.kv.cache import KVCache, RecurrentState, kv_format
@@ -45,6 +60,7 @@ from radianced.model.parallel import ProcessGroup
 from radianced.model.rad import RadFile
 from radianced.model.sharded_loader import load_shard
 from radianced.sizing import BLOCK_TOKENS
+from radianced.tiers.routing import Key, RoutingTally, routing_of
 from radianced.tiers.slab import ExpertSlab
 
 log = logging.getLogger("radianced")
@@ -54,6 +70,8 @@ log = logging.getLogger("radianced")
 class WorkerStep:
     """One step as a rank beyond the first runs it.
 
+    kept: the verify steps' accepted drafts since the last step, (state slot, accepted drafts) where
+        one was rejected (`runner.keep_states`), to keep first (hybrid models).
     before: the plan's state copies to apply before the forward (hybrid models).
     layout: `ForwardBatch.build`'s arguments but `device` (token ids, context lengths, block tables,
         block size, logits rows, state slots, drafts); the ids are then overwritten by the
@@ -62,13 +80,25 @@ class WorkerStep:
     pages: rank 0's KV page changes since the last step (`Arena.changes`), to follow first.
     segments: the rows whose expert counts rank 0 keeps apart (one per decoding sequence), or None
         when no counts are sent (a model without expert tiers).
+    restart: rank 0 restarted its routing counts since the last message (after the warm-up): the
+        card's count from zero, before this step.
     """
 
+    kept: list[tuple[int, int]]
     before: tuple[StateCopy, ...]
     layout: dict
     after: tuple[StateCopy, ...]
     pages: list[PageChange]
     segments: list[tuple[int, int]] | None
+    restart: bool
+
+
+@dataclass(frozen=True)
+class RoutingGather:
+    """Rank 0 asks for every card's token-to-expert assignments (a profile save), between steps; each
+    joins one reduce of its tally to rank 0. restart: as `WorkerStep.restart`, before the reduce."""
+
+    restart: bool
 
 
 class StepBroadcast:
@@ -84,14 +114,25 @@ class StepBroadcast:
     def __init__(self, arena: Arena | None = None) -> None:
         self.arena = arena
         self.seconds, self.steps = 0.0, 0
+        self._kept: list[tuple[int, int]] = []
+        self._restart = False
+
+    def restart_counts(self) -> None:
+        """Rank 0 restarted its routing counts: the other cards restart theirs with the next message."""
+        self._restart = True
+
+    def keep(self, kept: list[tuple[int, int]]) -> None:
+        """Rank 0 kept these draft states (`runner.keep_states`): the other ranks keep them with the next step."""
+        self._kept += kept
 
     def send(self, before: tuple[StateCopy, ...], layout: dict, after: tuple[StateCopy, ...],
              input_ids: torch.Tensor, segments: list[tuple[int, int]] | None) -> None:
-        """The step to the other ranks: its layout, the KV page changes, the rows counted apart
-        (None: no counts follow the forward), then its input ids."""
+        """The step to the other ranks: the draft states kept since the last, its layout, the KV page
+        changes, the rows counted apart (None: no counts follow the forward), then its input ids."""
         start = time.perf_counter()
         pages = self.arena.changes(KV) if self.arena is not None else []
-        dist.broadcast_object_list([WorkerStep(before, layout, after, pages, segments)], src=0)
+        kept, self._kept, restart, self._restart = self._kept, [], self._restart, False
+        dist.broadcast_object_list([WorkerStep(kept, before, layout, after, pages, segments, restart)], src=0)
         dist.broadcast(input_ids, src=0)
         self.seconds += time.perf_counter() - start
         self.steps += 1
@@ -102,6 +143,20 @@ class StepBroadcast:
         received = OtherCards.receive(layers, segments, seqs)
         self.seconds += time.perf_counter() - start
         return received
+
+    def routing(self, tally: RoutingTally) -> dict[Key, int]:
+        """Every card's token-to-expert assignments since the counts restarted: rank 0's `tally` (its own
+        experts') and the other cards' summed in one reduce. Run it on the step thread, between steps:
+        the other ranks meet its collectives in step order (a step launched and not yet collected is
+        counted by the other cards and not yet by rank 0's tally)."""
+        start = time.perf_counter()
+        restart, self._restart = self._restart, False
+        dist.broadcast_object_list([RoutingGather(restart)], src=0)
+        total = torch.from_numpy(tally.assigned.copy())
+        dist.reduce(total, dst=0)
+        log.info("expert profile: the routing counts of %d cards gathered in %.2f ms (%d layers x %d experts)",
+                 dist.get_world_size(), 1e3 * (time.perf_counter() - start), *total.shape)
+        return routing_of(tally.layers, total.numpy())
 
     def close(self) -> None:
         """Tell every other rank that no step follows (their `serve_steps` returns)."""
@@ -144,7 +199,7 @@ class WorkerShard:
         `cfg.kv_cache_dtype` (as `Engine.assemble` takes it)."""
         m, dtype = model.cfg, model.norm.weight.dtype
         hybrid = bool(m.linear_attention_layers)
-        states = RecurrentState.allocate(m, cfg.max_num_seqs, dtype, device) if hybrid else None
+        states = RecurrentState.allocate(m, cfg.max_num_seqs, dtype, device, cfg.speculative) if hybrid else None
         cache = KVCache(storage, m.full_attention_layers, states, kv_format(cfg.kv_cache_dtype),
                         (BLOCK_TOKENS, m.num_key_value_heads, m.head_dim))
         checkpoints = RecurrentState.allocate(m, 2 * cfg.max_num_seqs, dtype, device) if hybrid else None
@@ -166,11 +221,17 @@ class WorkerShard:
         while True:
             message = [None]
             dist.broadcast_object_list(message, src=0)
-            step: WorkerStep | None = message[0]
+            step: WorkerStep | RoutingGather | None = message[0]
             if step is None:
                 return steps
+            if slab is not None and step.restart:
+                slab.tally.restart()
+            if isinstance(step, RoutingGather):
+                dist.reduce(torch.from_numpy(slab.tally.assigned.copy()), dst=0)
+                continue
             if self.memory is not None:
                 self.memory.follow(step.pages)
+            keep_states(step.kept, self.cache.states)
             copy_states(step.before, self.cache.states, self.checkpoints)
             batch = ForwardBatch.build(**step.layout, device=device)
             dist.broadcast(batch.input_ids, src=0)

@@ -211,6 +211,8 @@ def forget(engine) -> None:
     prefix.evict(prefix.evictable())
     if engine.experts is not None:
         engine.experts.reset_counts()
+        if engine.runner.workers is not None:  # --tp: the other cards' routing counts too
+            engine.runner.workers.restart_counts()
     engine.runner.forget_sampling()
 
 

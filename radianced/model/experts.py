@@ -69,23 +69,33 @@ class ResidentExperts:
 
     @classmethod
     def from_rad(cls, rad, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                 layers: range | None = None) -> ResidentExperts:
+                 layers: range | None = None, owned: tuple[int, int] | None = None) -> ResidentExperts:
         """Copy every expert extent of `layers` of a `.rad` (default: the decoder layers', not the MTP
         head's) (checksums verified) into one slab, layer-major; compact extents stay compact (`dtype`
-        then does not apply)."""
+        then does not apply). owned: (first, stop), a `--tp` card's expert ids: only those are copied,
+        and each layer's table keeps all E entries, another card's expert pointing at the card's first
+        one (the MoE routes those assignments there at weight 0: model/layers.py)."""
         layers = range(rad.model.num_hidden_layers) if layers is None else layers
-        entries = sorted((e for e in rad.header.experts if e.layer in layers), key=lambda e: (e.layer, e.expert))
+        first, stop = owned or (0, rad.model.num_experts)
+        entries = sorted((e for e in rad.header.experts if e.layer in layers and first <= e.expert < stop),
+                         key=lambda e: (e.layer, e.expert))
         if not any(is_compact(e.dtype) for e in entries):
-            return cls._build([(e.layer, e.expert, rad.expert(e.layer, e.expert, verify=True)) for e in entries],
-                              device, dtype)
-        width = (max(e.nbytes for e in entries) + 15) // 16 * 16
-        slab = torch.zeros((len(entries), width), dtype=torch.uint8, device=device)
-        tables: dict[int, list[int]] = {}
-        for row, e in enumerate(entries):
-            slab[row, :e.nbytes] = rad.expert_bytes(e.layer, e.expert, verify=True)
-            tables.setdefault(e.layer, []).append(row)
-        return cls(slab, {layer: torch.tensor(r, dtype=torch.int64, device=slab.device) for layer, r in tables.items()},
-                   {e.layer: e.dtype for e in entries})
+            slab = cls._build([(e.layer, e.expert - first, rad.expert(e.layer, e.expert, verify=True))
+                               for e in entries], device, dtype).slab
+            formats = {}
+        else:
+            width = (max(e.nbytes for e in entries) + 15) // 16 * 16
+            slab = torch.zeros((len(entries), width), dtype=torch.uint8, device=device)
+            for row, e in enumerate(entries):
+                slab[row, :e.nbytes] = rad.expert_bytes(e.layer, e.expert, verify=True)
+            formats = {e.layer: e.dtype for e in entries}
+        per_layer = stop - first  # a layer's rows, in id order
+        tables = {}
+        for i, layer in enumerate(sorted({e.layer for e in entries})):
+            table = torch.full((rad.model.num_experts,), i * per_layer, dtype=torch.int64)
+            table[first:stop] = torch.arange(i * per_layer, (i + 1) * per_layer)
+            tables[layer] = table.to(slab.device)
+        return cls(slab, tables, formats)
 
     def weight_format(self, layer: int) -> str | None:
         return self._formats.get(layer)

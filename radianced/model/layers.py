@@ -4,7 +4,7 @@ Blocks hold their weights as tensors fetched by name from a `Weights` getter
 (the `.rad` file, zero-copy) and call ops through `radianced.kernels.ops`, the
 one switch between Triton kernels and the torch reference. A matrix stored in a
 compact format arrives as a `CompactWeight` and stays one: the reference ops
-dequantize it per use, the host backend reads its int4 packing, and on CUDA the
+dequantize it per use, the host backend's block kernels read its bytes, and on CUDA the
 linear kernels dequantize it in registers (kernels/linear.py), so every projection
 goes through `ops.linear` / `ops.silu_mlp`, never F.linear on a dense copy.
 """

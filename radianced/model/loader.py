@@ -134,9 +134,7 @@ def load_model(rad: RadFile, device: torch.device | str = "cpu", dtype: torch.dt
         mtp_experts = ResidentExperts.from_rad(rad, device, dtype, range(first, first + 1))
     model = build_model(rad.model, device_weights(rad, device, dtype), experts, mtp, mtp_experts)
     if torch.device(device).type == "cpu":
-        head = model.lm_head.weight
-        if isinstance(head, CompactWeight) and head.fmt not in CPU_BLOCKS:  # read every step: dense once
-            model.lm_head.weight = head.dequantize(model.norm.weight.dtype)
+        dense_lm_head(model)
         model.placed = Placed(0, 0)
         return model
     host_table = model.embed.weight if load_plan(rad, embedding_placement, device, mtp).host else None
@@ -153,9 +151,11 @@ def load_model(rad: RadFile, device: torch.device | str = "cpu", dtype: torch.dt
     return model
 
 
-def device_weights(rad: RadFile, device: torch.device | str, dtype: torch.dtype | None = None) -> Weights:
+def device_weights(rad: RadFile, device: torch.device | str, dtype: torch.dtype | None = None,
+                   read: Weights | None = None) -> Weights:
     """The getter of a `.rad`'s stored tensors (checksums verified) in the form `device`'s backend reads,
-    still on the host (`load_model` places them after):
+    still on the host (`load_model` places them after); `read` gets a stored tensor by name where that
+    is not the whole of it, checked (a `--tp` card's part: model/sharded_loader.py):
 
     - a plain tensor cast to `dtype` if given (a view of the file without a cast);
     - on the CPU, a compact matrix as its bytes (a view of the file), which the host backend's block
@@ -168,14 +168,24 @@ def device_weights(rad: RadFile, device: torch.device | str, dtype: torch.dtype 
     """
     cpu = torch.device(device).type == "cpu"
     act = dtype or activation_dtype(rad)
+    read = read or (lambda name: rad.tensor(name, verify=True))
 
     def weights(name: str) -> torch.Tensor | CompactWeight:
-        t = rad.tensor(name, verify=True)
+        t = read(name)
         if not isinstance(t, CompactWeight):
             return t.to(dtype or t.dtype)  # on the host: no copy without a cast
         return t.dequantize(act) if name == EMBEDDINGS and not cpu else t
 
     return weights
+
+
+def dense_lm_head(model: CausalLM) -> None:
+    """On the CPU, a compact lm_head in a format the block kernels do not read (`formats.CPU_BLOCKS`: a
+    K-quant) dequantized once to the activations' dtype: it is read whole every step, and dequantizing it
+    per use would cost more than the matmul. A tied table keeps its compact bytes for the lookups."""
+    head = model.lm_head.weight
+    if isinstance(head, CompactWeight) and head.fmt not in CPU_BLOCKS:
+        model.lm_head.weight = head.dequantize(model.norm.weight.dtype)
 
 
 def refuse_unread_formats(rad: RadFile, device: torch.device | str) -> None:

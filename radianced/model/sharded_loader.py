@@ -7,70 +7,102 @@ columns for row-parallel ones (o_proj, down_proj, out_proj). A row slice of the 
 (no copy, only its pages are read); a column slice is copied, as is the DeltaNet conv1d, whose
 channels are [q of every key head | k | v] and so three ranges. Norms and the router are
 replicated. Routed experts: the rank's contiguous range of ids, in its expert tiers (engine/tp_memory.py)
-or in one slab (`owned_experts`).
+or in one slab (`owned_experts`); compact extents stay compact there, as on one card.
+
+A compact matrix is cut on its blocks (sharding.card_shape refuses a split that would cut one): a
+GGUF matrix's rows as rows of its bytes, its input columns as whole blocks of each row; an fp8_b128
+matrix's values with the scale blocks they fall in. The card's part then takes the form the device
+reads (model/loader.py `device_weights`): on the CPU each card packs its own part for the int4
+kernel, and a compact lm_head is made dense there, as on one card.
 
 Checksums cover whole tensors, so each is verified by one rank (tensor i by rank i mod N) and
 each routed expert by its owner: together the ranks check every byte once.
 
-Not split yet, refused with a message: compact tensors and experts (their block scales cut
-across rows only where a block allows it), the MTP head, and a card whose query heads read
-part of a GQA group the next card also reads (the attention op maps local query head h to
-local KV head h // (Hq / Hkv)).
+Not split yet, refused with a message: the MTP head, and a card whose query heads read part of a
+GQA group the next card also reads (the attention op maps local query head h to local KV head
+h // (Hq / Hkv)).
 """
 
 from __future__ import annotations
 
 import torch
 
-from radianced.kernels.formats import FORMATS, is_compact
+from radianced.kernels.compact import CompactWeight
+from radianced.kernels.dequant import pack_fp8_b128, split_fp8_b128
+from radianced.kernels.formats import FORMATS, FP8_BLOCK
 from radianced.model.config import ModelConfig
 from radianced.model.experts import ExpertSource, ResidentExperts
 from radianced.model.layers import CausalLM
-from radianced.model.loader import build_model
+from radianced.model.loader import build_model, dense_lm_head, device_weights, refuse_unread_formats
 from radianced.model.parallel import Group
 from radianced.model.rad import RadFile
 from radianced.model.rad_format import RadError
-from radianced.sharding import CardShare, card_config, card_share, split_kind
-
-_COLUMNS = ("o_proj.weight", "down_proj.weight", "out_proj.weight")  # row-parallel: the share is columns
+from radianced.sharding import CardShare, SplitError, card_config, card_range, card_shape, card_share
 
 
 def load_shard(rad: RadFile, group: Group, device: torch.device | str = "cpu",
                dtype: torch.dtype | None = None, experts: ExpertSource | None = None) -> CausalLM:
-    """Rank `group.rank`'s model of `rad` split over `group.size` ranks, on `device` (cast to `dtype`
-    if given). Its `cfg` is the card's (sharding.card_config): the KV cache and recurrent state a
-    rank allocates follow it. `experts`: the card's, already placed (its expert tiers:
-    engine/tp_memory.py); by default all of them in one slab (`owned_experts`)."""
+    """Rank `group.rank`'s model of `rad` split over `group.size` ranks, on `device` (plain tensors
+    cast to `dtype` if given, compact ones in the form the device reads). Its `cfg` is the card's
+    (sharding.card_config): the KV cache and recurrent state a rank allocates follow it. `experts`:
+    the card's, already placed (its expert tiers: engine/tp_memory.py); by default all of them in
+    one slab (`owned_experts`)."""
     m = rad.model
     share = card_share(m, group.rank, group.size)
     _check_splittable(rad, share)
+    refuse_unread_formats(rad, device)
     order = {t.name: i for i, t in enumerate(rad.header.tensors)}
+    cpu = torch.device(device).type == "cpu"
 
-    def weights(name: str) -> torch.Tensor:
-        t = rad.tensor(name, verify=order[name] % group.size == group.rank)
-        return shard_tensor(t, name, m, share).to(device=device, dtype=dtype or t.dtype)
+    def part(name: str) -> torch.Tensor | CompactWeight:
+        return shard_tensor(rad.tensor(name, verify=order[name] % group.size == group.rank), name, m, share)
+
+    formed = device_weights(rad, device, dtype, read=part)
+
+    def weights(name: str) -> torch.Tensor | CompactWeight:
+        w = formed(name)
+        return w if cpu else w.to(device)  # on the CPU a compact part stays where its loader put it
 
     if experts is None and rad.header.experts:
         experts = owned_experts(rad, share, device, dtype)
-    return build_model(card_config(m, share), weights, experts, group=group)
+    model = build_model(card_config(m, share), weights, experts, group=group)
+    if cpu:
+        dense_lm_head(model)
+    return model
 
 
-def shard_tensor(t: torch.Tensor, name: str, m: ModelConfig, share: CardShare) -> torch.Tensor:
-    """Card `share`'s part of stored tensor `name` (the whole of a replicated one)."""
-    kind = split_kind(name)
-    if kind == "replicated":
+def shard_tensor(t: torch.Tensor | CompactWeight, name: str, m: ModelConfig,
+                 share: CardShare) -> torch.Tensor | CompactWeight:
+    """Card `share`'s part of stored tensor `name` (the whole of a replicated one); a compact one's
+    part in the same format (its split checked by `sharding.card_shape`)."""
+    split = card_range(name, tuple(t.shape), m, share)
+    if split is None:
         return t
-    units = {"q_heads": m.num_attention_heads, "kv_heads": m.num_key_value_heads, "k_heads": m.linear_num_key_heads,
-             "columns": m.intermediate_size, "shared_columns": m.shared_expert_intermediate_size,
-             "vocab": m.vocab_size}[kind]
-    first, stop = getattr(share, kind)
+    dim, (first, stop) = split
     if name.endswith("conv1d.weight"):
         return _conv_channels(t, m, share)
-    if name.endswith(_COLUMNS):
-        per = t.shape[1] // units
-        return t[:, first * per:stop * per].contiguous()
-    per = t.shape[0] // units
-    return t[first * per:stop * per]
+    if isinstance(t, CompactWeight):
+        return _compact_part(t, dim, first, stop)
+    return t[:, first:stop].contiguous() if dim == 1 else t[first:stop]
+
+
+def _compact_part(w: CompactWeight, dim: int, first: int, stop: int) -> CompactWeight:
+    """Rows (dim 0) or input columns (dim 1) [first, stop) of a compact matrix whose blocks that range
+    keeps whole: a GGUF matrix's rows of bytes (a view) or whole blocks of each row (a copy); an
+    fp8_b128 matrix's values and the scale blocks they fall in, packed again."""
+    n, k = w.shape
+    if w.fmt == "fp8_b128":
+        values, scales = split_fp8_b128(w.data.reshape(-1), w.shape)
+        blocks = slice(first // FP8_BLOCK, (stop - 1) // FP8_BLOCK + 1)
+        values, scales = (values[first:stop], scales[blocks]) if dim == 0 else \
+            (values[:, first:stop], scales[:, blocks])
+        return CompactWeight(w.fmt, tuple(values.shape), pack_fp8_b128(values, scales))
+    rows = w.data.reshape(n, -1)  # [N, row bytes]
+    if dim == 0:
+        return CompactWeight(w.fmt, (stop - first, k), rows[first:stop])
+    f = FORMATS[w.fmt]
+    cut = rows[:, first // f.block * f.block_bytes:stop // f.block * f.block_bytes]
+    return CompactWeight(w.fmt, (n, stop - first), cut.contiguous())
 
 
 def _conv_channels(t: torch.Tensor, m: ModelConfig, share: CardShare) -> torch.Tensor:
@@ -86,33 +118,21 @@ def _conv_channels(t: torch.Tensor, m: ModelConfig, share: CardShare) -> torch.T
 
 def owned_experts(rad: RadFile, share: CardShare, device: torch.device | str = "cpu",
                   dtype: torch.dtype | None = None) -> ResidentExperts:
-    """The card's routed experts (ids `share.experts` of every decoder layer) in one slab,
-    layer-major; each layer's table has all E entries, a foreign expert's pointing at the card's
-    first one (the MoE routes foreign assignments there at weight 0: model/layers.py)."""
-    m = rad.model
-    first, stop = share.experts
-    layers = sorted({e.layer for e in rad.header.experts if e.layer < m.num_hidden_layers})
-    pieces = [rad.expert(layer, e, verify=True) for layer in layers for e in range(first, stop)]
-    gate = pieces[0][0]
-    slab = torch.empty((len(pieces), 3 * gate.numel()), dtype=dtype or gate.dtype, device=device)
-    for row, (g, u, d) in enumerate(pieces):
-        slab[row] = torch.cat((g.flatten(), u.flatten(), d.flatten()))
-    tables = {}
-    for i, layer in enumerate(layers):
-        table = torch.full((m.num_experts,), i * (stop - first), dtype=torch.int64)
-        table[first:stop] = torch.arange(i * (stop - first), (i + 1) * (stop - first))
-        tables[layer] = table.to(slab.device)
-    return ResidentExperts(slab, tables)
+    """The card's routed experts (ids `share.experts` of every decoder layer) in one slab
+    (`ResidentExperts.from_rad`'s: compact extents as their bytes), layer-major; each layer's table
+    has all E entries, a foreign expert's pointing at the card's first one (the MoE routes foreign
+    assignments there at weight 0: model/layers.py)."""
+    return ResidentExperts.from_rad(rad, device, dtype, owned=share.experts)
 
 
 def _check_splittable(rad: RadFile, share: CardShare) -> None:
-    """RadError naming what this split cannot run yet (the module's docstring lists it)."""
+    """RadError naming what this split cannot run (the module's docstring lists it)."""
     m, tp = rad.model, share.tp
-    compact = [t.name for t in rad.header.tensors if FORMATS[t.dtype].compact]
-    compact += [f"the experts of layer {e.layer}" for e in rad.header.experts[:1] if is_compact(e.dtype)]
-    if compact:
-        raise RadError(f"{rad.path}: {compact[0]} is stored compact; --tp {tp} splits only dense tensors for now: "
-                       f"convert the model without --compact / --quantize, or serve it with --tp 1")
+    try:
+        for t in rad.header.tensors:
+            card_shape(t.name, t.dtype, tuple(t.shape), m, share)
+    except SplitError as e:
+        raise RadError(f"{rad.path}: {e}") from None
     q0, q1 = share.q_heads
     if q1 > q0:
         group = m.num_attention_heads // m.num_key_value_heads

@@ -84,7 +84,8 @@ class ControlHandlers:
 
     async def profile_save(self, args: dict) -> control.ProfileSaveResult:
         """Write the routing counted since start into the expert profile (tiers/live_profile.py
-        says why it merges) at a path profile_paths.py allows; the file work runs on a thread."""
+        says why it merges) at a path profile_paths.py allows; the file work runs on a thread.
+        Under --tp every card's routing (`Engine.expert_routing` gathers it)."""
         a = msgspec.convert(args, control.ProfileSaveArgs)
         d = self.daemon
         engine = d.engine
@@ -93,12 +94,11 @@ class ControlHandlers:
         if d.live_profile is None:
             raise control.ControlError(f"{d.model_name} is a dense model: it routes no experts, so it has no "
                                        f"expert profile to save")
-        if d.cfg.tp > 1:
-            raise control.ControlError(f"saving the expert profile with --tp {d.cfg.tp}: not yet supported: each "
-                                       "card counts the routing of its own experts, and only the sums reach "
-                                       "rank 0; save it from a daemon with --tp 1")
-        # a dict copy runs without giving up the GIL, so the step thread cannot change it mid-copy
-        routing, steps = dict(engine.engine.experts.routing), engine.steps
+        if d.cfg.tp > 1:  # each card counts its own experts: gathered to rank 0 between steps, on their thread
+            routing = await asyncio.get_running_loop().run_in_executor(d.step_thread, engine.engine.expert_routing)
+        else:  # a dict copy runs without giving up the GIL, so the step thread cannot change it mid-copy
+            routing = dict(engine.engine.experts.routing)
+        steps = engine.steps
 
         def save():  # on a thread: the path check reads the file system too
             out = resolve_profile_out(a.out, d.model_path, d.cfg.profile_dir)

@@ -179,8 +179,11 @@ class RoutingTally:
     @property
     def routing(self) -> dict[Key, int]:
         """Token-to-expert assignments since start, per (layer, expert) routed at least once."""
-        pos, expert = np.nonzero(self.assigned)
-        return {(self.layers[p], int(e)): int(self.assigned[p, e]) for p, e in zip(pos.tolist(), expert.tolist())}
+        return routing_of(self.layers, self.assigned)
+
+    def restart(self) -> None:
+        """Count the assignments from zero (`routing` then says since now)."""
+        self.assigned[:] = 0
 
     def count(self, record: StepRecord, ids: np.ndarray) -> tuple[tuple[ExpertCounts, ...], Routed]:
         """Add a step's routing (ids [n, R, k]: n rows, the R recorded layer calls) to the per-layer
@@ -263,3 +266,10 @@ class RoutingTally:
         stats[1] += hit.reshape(R, k).sum(axis=1)
         self.assigned.ravel()[cells] += 1
         return Routed(cells, hit, None, None, None)
+
+
+def routing_of(layers: Sequence[int], assigned: np.ndarray) -> dict[Key, int]:
+    """{(layer, expert): assignments} of a [layers, E] count array (`RoutingTally.assigned`, or every
+    card's summed under --tp), the pairs routed at least once."""
+    pos, expert = np.nonzero(assigned)
+    return {(layers[p], int(e)): int(assigned[p, e]) for p, e in zip(pos.tolist(), expert.tolist())}

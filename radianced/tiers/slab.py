@@ -248,7 +248,7 @@ class ExpertSlab:
         """Count lookups, hits and routing from zero (after the daemon's warm-up: its random prompts are
         not served traffic, and the saved expert profile must not learn them)."""
         self.stats.reset()
-        self.tally.assigned[:] = 0
+        self.tally.restart()
 
     # -- the arena's reclaimer -----------------------------------------------------
 

@@ -1,7 +1,9 @@
 """`--tp 2` on the CPU, two real processes over gloo: rank 0 is this test process, running the
 engine over its share of the model; rank 1 a spawned worker (`WorkerShard.serve_steps`). Every
 tiny family gives the greedy tokens of `--tp 1` and logits within fp32 rounding of them, through
-chunked prefills, a batch of several sequences and a prefix hit.
+chunked prefills, a batch of several sequences and a prefix hit. With `--speculative 3` the
+verify steps (drafts accepted, and rejected: the hybrid's draft states kept on both cards) give
+the tokens of `--tp 1` with the same drafts, which are those without speculation.
 
 One spawn for the module (spawn costs seconds): the worker takes one job a family from rank 0
 (the family's .rad and pool size), serves that engine's steps until it closes, then waits for
@@ -16,12 +18,14 @@ import torch
 
 from radianced.config import Config, ConfigError
 from radianced.engine.engine import Engine
+from radianced.engine.speculation import DraftPolicy
 from radianced.engine.tp_workers import WorkerShard
 from radianced.kv.blocks import BlockAllocator
 from radianced.model.parallel import ProcessGroup
 from radianced.model.rad import RadFile
 from radianced.sharding import card_config, card_share
 from tests.engine.conftest import BLOCK, FAMILIES, prompts, request
+from tests.engine.test_speculation import Oracle
 from tests.engine.tp_ranks import jobs, two_ranks
 
 NUM_BLOCKS, TOKENS = 64, 32
@@ -41,15 +45,16 @@ def group():
         yield g
 
 
-def _engine(rad: RadFile, group: ProcessGroup | None) -> Engine:
+def _engine(rad: RadFile, group: ProcessGroup | None, **flags) -> Engine:
     m = card_config(rad.model, card_share(rad.model, group.rank, group.size)) if group else rad.model
     storage = torch.zeros((NUM_BLOCKS, 1, len(m.full_attention_layers), 2, BLOCK, m.num_key_value_heads, m.head_dim))
-    cfg = Config(**CFG, tp=group.size if group else 1)
+    flags = {**CFG, **flags}
+    cfg = Config(**flags, tp=group.size if group else 1)
     if group is None:
         return Engine.assemble(rad, cfg, storage, BlockAllocator.fixed(NUM_BLOCKS, BLOCK))
     import torch.distributed as dist
 
-    dist.broadcast_object_list([(str(rad.path), CFG)], src=0)
+    dist.broadcast_object_list([(str(rad.path), flags)], src=0)
     return Engine.assemble(rad, cfg, storage, BlockAllocator.fixed(NUM_BLOCKS, BLOCK), group=group)
 
 
@@ -91,6 +96,48 @@ def test_tp2_gives_tp1s_tokens_and_logits(tiny_rads, group, family):
     assert diff <= TOLERANCE, f"{family}: logits of --tp 2 differ from --tp 1 by {diff}"
 
 
-def test_speculative_decoding_with_tp_is_refused_before_any_rank_starts():
-    with pytest.raises(ConfigError, match=r"--speculative 2 with --tp 2: the other ranks do not keep draft states"):
-        Config(**{**CFG, "max_num_batched_tokens": 64}, tp=2, speculative=2)
+SPECULATIVE = dict(speculative=3, max_num_batched_tokens=32)  # a step decodes 4 tokens for each of 8 sequences
+
+
+def _drafting(engine: Engine, ps: list[list[int]], runs: dict | None) -> list:
+    """Let `engine` draft for `ps` with the oracle of `runs` (every second proposal's second draft wrong), or
+    with its n-gram drafter (runs None); the scheduler's sequences, as they are added."""
+    if runs is not None:
+        oracle = Oracle(runs, wrong_every=2)
+        engine.scheduler.drafting.policy = DraftPolicy(3, 0.6, adaptive=False,
+                                                       propose=lambda seq, k: oracle(seq.token_ids, k))
+    seqs, add = [], engine.add
+    engine.add = lambda r: seqs.append(add(r)) or seqs[-1]
+    return seqs
+
+
+@pytest.mark.parametrize("family,drafter", [("llama", "ngram"), ("qwen3_next", "oracle")])
+def test_tp2_verifies_drafts_with_tp1s_tokens(tiny_rads, group, family, drafter):
+    """llama: its n-gram drafts, on a prompt whose greedy answer repeats a token (6 drafted, 2
+    accepted); qwen3_next, whose random weights repeat nothing for n-grams to find: an oracle's
+    drafts, half of them partly wrong, so its verify steps keep a draft state on both cards."""
+    rad = tiny_rads[family]
+    ps = [prompts(rad.model.vocab_size, (8,), seed=60)[0]] + prompts(rad.model.vocab_size, (23, 9), seed=3)
+    plain = _serve(_engine(rad, None), [ps])[0]
+    runs = None if drafter == "ngram" else {tuple(p): tuple(plain[f"r0s{i}"]) for i, p in enumerate(ps)}
+    one = _engine(rad, None, **SPECULATIVE)
+    seqs1 = _drafting(one, ps, runs)
+    tp1 = _serve(one, [ps])
+    two = _engine(rad, group, **SPECULATIVE)
+    seqs2 = _drafting(two, ps, runs)
+    tp2 = _serve(two, [ps])
+    assert tp2[0] == tp1[0] == plain
+    stats = [[(s.draft_stats.drafted, s.draft_stats.accepted) for s in seqs] for seqs in (seqs1, seqs2)]
+    assert stats[0] == stats[1]
+    drafted, accepted = (sum(n) for n in zip(*stats[1]))
+    assert drafted > accepted > 0, stats[1]
+    diff = max((x - y).abs().max().item() for x, y in zip(tp2[1], tp1[1]) if x.numel())
+    assert diff <= TOLERANCE, f"{family}: logits of --tp 2 differ from --tp 1 by {diff}"
+
+
+def test_mtp_drafts_with_tp_are_refused_before_any_rank_starts_and_auto_drafts_by_ngram():
+    with pytest.raises(ConfigError, match=r"--speculative-method mtp with --tp 2: the MTP head drafts on one card "
+                                          r"only .* give --speculative-method ngram \(auto drafts by n-gram under --tp\)"):
+        Config(**{**CFG, **SPECULATIVE}, tp=2, speculative_method="mtp")
+    assert not Config(**{**CFG, **SPECULATIVE}, tp=2).drafts_with_mtp(1)
+    assert Config(**{**CFG, **SPECULATIVE}).drafts_with_mtp(1)

@@ -2,7 +2,8 @@
 127.0.0.1), against the same daemon with `--tp 1`, on the tiny qwen3_moe with every expert in its
 card's host pool (4 slots a card). It prints one receipt block a card; completions (a batch at once,
 greedy and seeded), chat, streaming and stop strings give `--tp 1`'s answers through httpx and the
-openai SDK; /metrics and the control socket's status count every card's experts; SIGTERM drains the
+openai SDK; /metrics and the control socket's status count every card's experts, and a saved expert
+profile counts every card's routing (the --tp 1 profile of the same requests); SIGTERM drains the
 streams in flight and the worker exits with the daemon; a killed worker stops the daemon with
 status 1 and the rank named in its log.
 
@@ -25,9 +26,11 @@ import psutil
 import pytest
 
 from radianced.model.convert import convert
+from radianced.model.rad import RadFile
 from radianced.model.tiny import make_tiny
 from radianced.server import control
-from radianced.server.control import StatusResult
+from radianced.server.control import ProfileSaveResult, StatusResult
+from radianced.tiers.profile import Profile, profile_path
 from tests.server.conftest import API_KEY, SERVED_NAME, start_daemon, wait_until_ready
 from tests.server.test_daemon import STREAM, _stream, _until_draining, completion_tokens, finish_reason
 from tests.server.test_http import CHAT, PROMPT_IDS, scrape
@@ -153,6 +156,35 @@ def test_status_and_metrics_count_the_experts_of_both_cards(two):
     m = scrape(d)
     assert m["radiance_expert_lookups_total"] == sum(x.lookups for x in e.layers)
     assert m["radiance_expert_hits_total"] == sum(x.hits for x in e.layers)
+
+
+async def _saved(d, moe_model, replace: bool = False) -> dict[tuple[int, int], int]:
+    """Save `d`'s expert profile (the model's own file) through the control socket; its counts."""
+    result = msgspec.convert(await control.request(d.control_socket, "profile_save", {"replace": replace}),
+                             ProfileSaveResult)
+    with RadFile.open(moe_model) as rad:
+        p = Profile.load_for(rad, result.path)
+    return {(layer, e): p.count(layer, e) for layer in p.moe_layers for e in range(p.num_experts)}
+
+
+async def test_a_saved_expert_profile_counts_every_cards_routing_as_tp1s_does(one, two, moe_model):
+    """Each daemon's counts since its warm-up (the other card's restarted with rank 0's, so a layer's
+    counts are status's `routed`), then what the same requests add: equal on --tp 1 and --tp 2, the
+    experts of card 1 (4-7) among them: gathered to rank 0 when the save asks."""
+    try:
+        since_start = await _saved(two, moe_model, replace=True)
+        status = msgspec.convert(await control.request(two.control_socket, "status"), StatusResult)
+        routed = [x.routed for x in status.experts.layers]
+        assert [sum(n for (layer, _e), n in since_start.items() if layer == i) for i in range(3)] == routed
+        before = {d.pid: await _saved(d, moe_model, replace=True) for d in (one, two)}
+        assert await _complete(two) == await _complete(one)
+        added = [{k: n - before[d.pid][k] for k, n in (await _saved(d, moe_model, replace=True)).items()}
+                 for d in (one, two)]
+        assert added[1] == added[0] and sum(n for (_l, e), n in added[1].items() if e >= 4) > 0
+        assert re.search(r"expert profile: the routing counts of 2 cards gathered in [\d.]+ ms \(3 layers x 8 "
+                         r"experts\)", two.log())
+    finally:
+        profile_path(moe_model).unlink(missing_ok=True)
 
 
 async def test_sigterm_lets_the_streams_finish_and_both_ranks_exit_0(two):
