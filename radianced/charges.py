@@ -121,7 +121,7 @@ def _weights(facts: ModelFacts, cfg: Config, cuda: bool) -> tuple[tuple[Part, ..
             idle.append(Part("mtp", n, "drafts only with --speculative-method mtp"))
             continue
         if n:
-            held = ("held dense",) if n != stored[c] else ()  # the CPU's lm_head in a K-quant (cpu_weights)
+            held = ("held dense",) if n != stored[c] else ()  # the CPU's lm_head in fp8_b128 (cpu_weights)
             card.append(Part(c, n, ", ".join(_compact_formats(facts, c) + held)))
     return tuple(card), tuple(host), tuple(idle)
 

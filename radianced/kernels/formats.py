@@ -118,9 +118,10 @@ COMPACT = tuple(name for name, f in FORMATS.items() if f.compact)
 # The compact formats the Triton kernels dequantize in registers (kernels/weight_tiles.py); the K-quants are
 # read on the CPU only. Here, not beside the kernels, so the loader checks a model without importing triton.
 COMPACT_TILES = ("q8_0", "q4_0", "q4_1", "fp8_b128")
-# The compact formats the host backend's block kernels read in place (kernels/cpu_blocks.py); the others are
-# dequantized per use on the CPU, except a compact lm_head, made dense at load (model/loader.py).
-CPU_BLOCKS = ("q4_0", "q4_1", "q8_0")
+# The compact formats the host backend's block kernels read in place (kernels/cpu_blocks.py: every GGUF format,
+# in cpu_blocks.c's order); fp8_b128 is dequantized per use on the CPU, a compact lm_head in it made dense at
+# load (model/loader.py).
+CPU_BLOCKS = ("q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k")
 
 
 def expert_formats(name: str) -> tuple[str, str]:

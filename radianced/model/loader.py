@@ -121,7 +121,7 @@ def load_model(rad: RadFile, device: torch.device | str = "cpu", dtype: torch.dt
     A MoE model without an `experts` source gets every expert resident. Compact tensors stay
     compact (`CompactWeight`: `dtype` does not apply to them) in the form the device's kernels
     read (`device_weights`); on the CPU a compact lm_head in a format the block kernels do not read
-    (`formats.CPU_BLOCKS`: a K-quant) is made dense once, as the lm_head is read whole every step.
+    (`dense_lm_head`) is made dense once, as the lm_head is read whole every step.
     Off the CPU the Triton kernels read them (kernels/moe.py for experts, kernels/linear.py for
     layers); a format they do not read is refused (`refuse_unread_formats`).
     """
@@ -180,8 +180,8 @@ def device_weights(rad: RadFile, device: torch.device | str, dtype: torch.dtype 
 
 
 def dense_lm_head(model: CausalLM) -> None:
-    """On the CPU, a compact lm_head in a format the block kernels do not read (`formats.CPU_BLOCKS`: a
-    K-quant) dequantized once to the activations' dtype: it is read whole every step, and dequantizing it
+    """On the CPU, a compact lm_head in a format the block kernels do not read (`formats.CPU_BLOCKS`:
+    fp8_b128) dequantized once to the activations' dtype: it is read whole every step, and dequantizing it
     per use would cost more than the matmul. A tied table keeps its compact bytes for the lookups."""
     head = model.lm_head.weight
     if isinstance(head, CompactWeight) and head.fmt not in CPU_BLOCKS:

@@ -1,8 +1,10 @@
 """kernels/cpu_blocks.py: the host backend's GGUF block kernels against gguf's own quantizer and dequantizer.
 
-The weights come from `gguf.quants.quantize` (llama.cpp's layouts, byte for byte); the oracle is
-`gguf.quants.dequantize` then an fp32 matmul. The kernels' dequantization must be gguf's bit for bit, and
-a product may differ from the oracle's only by the order of its fp32 sums."""
+Q4_0 / Q4_1 / Q8_0 weights come from `gguf.quants.quantize` (llama.cpp's layouts, byte for byte); the
+K-quants, which gguf's Python package does not quantize, are random blocks with finite fp16 scales (every
+bit pattern of their quants, scales and mins is a valid block). The oracle is `gguf.quants.dequantize`
+then an fp32 matmul. The kernels' dequantization must be gguf's bit for bit, and a product may differ
+from the oracle's only by the order of its fp32 sums."""
 
 from __future__ import annotations
 
@@ -14,31 +16,48 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from radianced.kernels import cpu_blocks
+from radianced.kernels.formats import FORMATS
 
-TYPES = {"q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q8_0": Q.Q8_0}
+TYPES = {"q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q8_0": Q.Q8_0, "q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}
+F16_AT = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}  # a K-quant block's fp16 scale (and min) bytes
 SHAPES = [(1, 32), (17, 96), (48, 576), (130, 64)]  # one row, odd N, SmolLM2's K, N past a thread's share
+K_SHAPES = [(1, 256), (17, 512), (130, 256)]
+
+
+def _shapes(fmt: str) -> list[tuple[int, int]]:
+    return K_SHAPES if fmt in F16_AT else SHAPES
+
+
+CASES = [(fmt, shape) for fmt in TYPES for shape in _shapes(fmt)]
 
 
 def _matrix(fmt: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the blocks [N, row bytes] uint8, gguf's fp32 dequantization [N, K]) of a random matrix; one row of
-    zeros and one of a constant, so a block's scale of 0 and a min-only Q4_1 block occur."""
-    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
-    w[0] = 0.0
-    if n > 2:
-        w[2] = 0.75
-    blocks = gguf_quantize(w, TYPES[fmt])
-    return torch.from_numpy(blocks.reshape(n, -1).copy()), torch.from_numpy(gguf_dequantize(blocks, TYPES[fmt]))
+    """(the blocks [N, row bytes] uint8, gguf's fp32 dequantization [N, K]) of a random matrix: quantized by
+    gguf, with one row of zeros and one of a constant, so a block's scale of 0 and a min-only Q4_1 block
+    occur; or, for a K-quant, random blocks whose fp16 scales are finite."""
+    rng = np.random.default_rng(seed)
+    if fmt in F16_AT:
+        blocks = rng.integers(0, 256, size=(n, k // 256, FORMATS[fmt].block_bytes), dtype=np.uint8)
+        for at in F16_AT[fmt]:
+            blocks[..., at:at + 2] = rng.uniform(-0.1, 0.1, size=(n, k // 256, 1)).astype(np.float16).view(np.uint8)
+        blocks = blocks.reshape(n, -1)
+    else:
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        w[0] = 0.0
+        if n > 2:
+            w[2] = 0.75
+        blocks = gguf_quantize(w, TYPES[fmt])
+    ref = torch.from_numpy(gguf_dequantize(blocks, TYPES[fmt]).reshape(n, k))
+    return torch.from_numpy(blocks.reshape(n, -1).copy()), ref
 
 
-@pytest.mark.parametrize("fmt", TYPES)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("fmt,shape", CASES, ids=str)
 def test_dequantize_is_gguf_bit_for_bit(fmt, shape):
     data, ref = _matrix(fmt, *shape)
     assert torch.equal(cpu_blocks.dequantize(data, fmt, shape), ref)
 
 
-@pytest.mark.parametrize("fmt", TYPES)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("fmt,shape", CASES, ids=str)
 @pytest.mark.parametrize("m", [0, 1, 2, 3, 5, 8, 9, 15, cpu_blocks.PREFILL_ROWS + 3])
 def test_matmul_is_the_dequantized_fp32_product(fmt, shape, m):
     """Every tile width (8, 4, 2, 1 rows of x) and the long-prefill path (dequantize, then torch's GEMM)."""
@@ -79,8 +98,8 @@ def test_rows_are_the_same_whatever_the_threads():
 
 def test_bad_inputs_name_what_is_wrong():
     data, _ = _matrix("q4_0", 4, 64)
-    with pytest.raises(ValueError, match="format q6_k has no CPU block kernel; these do: q4_0, q4_1, q8_0"):
-        cpu_blocks.matmul(torch.randn(1, 64), data, "q6_k", (4, 64))
+    with pytest.raises(ValueError, match="format fp8_b128 has no CPU block kernel; these do: q4_0, q4_1, q8_0, q4_k"):
+        cpu_blocks.matmul(torch.randn(1, 64), data, "fp8_b128", (4, 64))
     with pytest.raises(ValueError, match=r"q4_0 \[5, 64\]: need CPU uint8 rows"):
         cpu_blocks.matmul(torch.randn(1, 64), data, "q4_0", (5, 64))
     with pytest.raises(ValueError, match="x must be fp32, got torch.bfloat16"):
