@@ -9,7 +9,7 @@ An embedding lookup dequantizes only the rows it gathers.
 
 Dequantizing per use costs a pass over the weight per call (12 ms for one Q4_1
 3072 x 576 matrix on this CPU, more than an fp32 matmul over it). So the host backend's
-linear (`kernels/cpu.py`) reads the GGUF Q4_0 / Q4_1 / Q8_0 bytes in place through its
+linear (`kernels/cpu.py`) reads every GGUF format's bytes in place through its
 block kernels (`cpu_blocks.py`: the same fp32 values, no second copy), while the reference
 ops keep dequantizing per use (the oracle).
 """

@@ -121,7 +121,7 @@ def silu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor | CompactWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W.T (+ bias) in x's dtype, a fresh tensor: a GGUF Q4_0 / Q4_1 / Q8_0 weight through the
+    """x [..., K] @ W.T (+ bias) in x's dtype, a fresh tensor: a GGUF-format weight through the
     block kernels (`cpu_blocks.matmul`: fp32, the reference's weight values; 2-4x fp32 F.linear at decode
     on this CPU), any other weight by F.linear, another compact one dequantized to x's dtype for the call
     as the reference does."""
