@@ -120,6 +120,17 @@ def silu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.
     return _matmul(F.silu(_matmul(x, gate)).mul_(_matmul(x, up)), down)
 
 
+def moe(*args, **kwargs) -> torch.Tensor:
+    """`reference.moe` (same arguments: one read per distinct routed expert over the pointer table) with
+    each expert's MLP through `silu_mlp` here: a compact expert's blocks read in place."""
+    return reference.moe(*args, **kwargs, mlp=silu_mlp)
+
+
+def route_moe(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`reference.route_moe` with `moe`'s experts."""
+    return reference.route_moe(*args, **kwargs, mlp=silu_mlp)
+
+
 def _matmul(x: torch.Tensor, weight: torch.Tensor | CompactWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) in x's dtype, a fresh tensor: a GGUF-format weight through the
     block kernels (`cpu_blocks.matmul`: fp32, the reference's weight values; 2-4x fp32 F.linear at decode

@@ -23,9 +23,9 @@ rotary_inv_freq = reference.rotary_inv_freq  # made once per device: torch every
 linear = cpu.linear
 silu_mlp = cpu.silu_mlp
 rotary_paged_attention = cpu.rotary_paged_attention
-moe = reference.moe
+moe = cpu.moe
 route = reference.route
-route_moe = reference.route_moe
+route_moe = cpu.route_moe
 argmax = reference.argmax
 gather_rows = reference.gather_rows
 
@@ -45,7 +45,7 @@ _TRITON = (
 )
 _SWITCHED = tuple(name for _, name in _TRITON)
 # Bound to the host backend's ops (kernels/cpu.py) on the CPU; the others stay the reference there.
-_CPU = ("rms_norm", "linear", "silu_mlp", "rotary_paged_attention")
+_CPU = ("rms_norm", "linear", "silu_mlp", "rotary_paged_attention", "moe", "route_moe")
 
 
 def select(device: torch.device | str, deterministic: bool = False, oracle: bool = False) -> str:

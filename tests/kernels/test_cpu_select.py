@@ -12,10 +12,11 @@ def test_the_cpu_binds_the_host_backend_ops_and_the_oracle_binds_the_reference()
         assert ops.select("cpu", oracle=True) == "reference"
         assert ops.rotary_paged_attention is reference.rotary_paged_attention
         assert ops.linear is reference.linear and ops.rms_norm is reference.rms_norm
-        assert ops.silu_mlp is reference.silu_mlp
+        assert ops.silu_mlp is reference.silu_mlp and ops.moe is reference.moe
         assert ops.select("cuda", oracle=True) == "reference" and ops.linear is reference.linear
     finally:
         assert ops.select("cpu") == "cpu"
     assert ops.rotary_paged_attention is cpu.rotary_paged_attention
     assert ops.linear is cpu.linear and ops.rms_norm is cpu.rms_norm and ops.silu_mlp is cpu.silu_mlp
-    assert ops.moe is reference.moe and ops.gated_delta_rule_chunked is reference.gated_delta_rule_chunked
+    assert ops.moe is cpu.moe and ops.route_moe is cpu.route_moe
+    assert ops.route is reference.route and ops.gated_delta_rule_chunked is reference.gated_delta_rule_chunked
