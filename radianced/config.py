@@ -96,7 +96,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     ngram_placement: str | None = None
     vision_tower_placement: str | None = None
     speculative: int = 0
-    speculative_method: str = "auto"  # auto: mtp where the model has MTP layers (and --tp 1), else ngram
+    speculative_method: str = "auto"  # auto: mtp where the model has MTP layers, else ngram
     tp: int = 1
 
     def __post_init__(self) -> None:
@@ -116,10 +116,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
 
     def drafts_with_mtp(self, num_mtp_layers: int) -> bool:
         """Drafting runs the model's MTP head (it is loaded, its KV paged), for a model with
-        `num_mtp_layers` MTP layers: `mtp`, or `auto` where the model has them on one card (`--tp N`
-        drafts by n-gram: the other ranks load no MTP head)."""
-        return self.speculative > 0 and num_mtp_layers > 0 and self.speculative_method in ("mtp", "auto") \
-            and self.tp == 1
+        `num_mtp_layers` MTP layers: `mtp`, or `auto` where the model has them (under `--tp N` every
+        card holds its share of the head and runs its pass: engine/mtp_step.py)."""
+        return self.speculative > 0 and num_mtp_layers > 0 and self.speculative_method in ("mtp", "auto")
 
     @property
     def decode_tokens(self) -> int:
@@ -240,10 +239,6 @@ def _check(c: Config) -> None:
         raise ConfigError(f"--max-step-seconds {c.max_step_seconds}: must be between 0 (no cap) and 3600 seconds")
     if not isinstance(c.itl_factor, (int, float)) or not (c.itl_factor == 0 or 1 < c.itl_factor <= 1000):
         raise ConfigError(f"--itl-factor {c.itl_factor}: must be 0 (no cap) or above 1 (at most 1000)")
-    if c.tp > 1 and c.speculative and c.speculative_method == "mtp":  # before any rank is started
-        raise ConfigError(f"--speculative-method mtp with --tp {c.tp}: the MTP head drafts on one card only (the "
-                          "other ranks neither load it nor run its chained drafts); give --speculative-method "
-                          "ngram (auto drafts by n-gram under --tp) or --tp 1")
     if c.api_key is not None and c.api_key_file is not None:
         raise ConfigError("--api-key and --api-key-file both give the API key: keep --api-key-file")
     if c.gpu_headroom_mib is not None and c.gpu_memory_mib is not None:

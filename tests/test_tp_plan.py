@@ -16,6 +16,7 @@ from radianced.config import Config, parse_config
 from radianced.model.convert import convert
 from radianced.model.rad import RadFile
 from radianced.model.tiny import make_tiny
+from radianced.sharding import shard_facts
 from radianced.sizing import BLOCK_TOKENS, ModelFacts, kv_pages, kv_token_bytes
 from radianced.tp_plan import detect_cards, plan_cards, rank_cards
 from tests.test_budget import QWEN3_30B, QWEN3_NEXT, SMOLLM2, TINY_LLAMA, TINY_MOE, TINY_NEXT
@@ -89,6 +90,20 @@ def test_the_receipt_prints_a_block_a_card_then_the_total():
         f"  kv: the pools back {r.worst_case_percent}% of the worst case (4 seqs x 32768 tokens) = "
         f"{r.full_sessions} full-length session{'' if r.full_sessions == 1 else 's'}",
     ]
+
+
+def test_each_card_charges_its_share_of_the_mtp_head_and_pages_its_kv_as_one_more_layer():
+    """--speculative 2 on Qwen3-Next over two cards (auto: the MTP head, under --tp too): each card's receipt
+    loads its half of the head (tests/test_sharding.py has its bytes by hand), none idle, and its KV pool
+    pages the head's layer with its 12 full-attention layers, at its one KV head."""
+    cfg = planning("--tp 2 --card-mib 81920 --max-model-len 65536 --speculative 2 --weights-disk-tier")
+    whole = ModelFacts.from_config(QWEN3_NEXT, 2)
+    r = plan_cards(detect_cards(cfg), whole, cfg)
+    for rank, card in enumerate(r.receipts):
+        assert {p.name: p.bytes for p in card.weights}["mtp"] == shard_facts(whole, rank, 2).weight("mtp")
+        assert not card.idle_weights
+        assert [(g.layers, g.mtp) for g in card.groups] == [(12 + 1, True)]
+        assert card.groups[0].token_bytes == 13 * 2 * 1 * 256 * 2  # K and V of one KV head of 256, bf16
 
 
 def test_each_cpu_rank_plans_its_own_share_of_ram(monkeypatch):

@@ -258,8 +258,8 @@ class Engine:
         (Hkv its KV heads), every step sent to the other ranks (engine/tp_workers.py)."""
         cuda = torch.device(device).type == "cuda"
         mtp = _drafts_with_mtp(cfg, rad.model.num_mtp_layers)
-        if group.size > 1:  # its share, without the MTP head: --tp N drafts by n-gram (Config.drafts_with_mtp)
-            model = load_shard(rad, group, device, experts=experts)
+        if group.size > 1:  # its share, the MTP head's included where it drafts
+            model = load_shard(rad, group, device, experts=experts, mtp=mtp)
         else:
             model = load_model(rad, device, experts=experts, embedding_placement=cfg.embedding_table, mtp=mtp)
         m = model.cfg  # the card's heads under --tp

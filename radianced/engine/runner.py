@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radianced.engine.mtp_step import MTPStep, run_mtp
 from radianced.engine.plan import ScheduledSeq, StepOutput, StepPlan
 from radianced.engine.sampler import Sampler, SamplingRow, SamplingTensors, seeded_rows
 from radianced.engine.speculation import accepted
 from radianced.engine.step_timer import StepTimer
-from radianced.kernels import ops
 from radianced.kv.cache import KVCache, RecurrentState
 from radianced.kv.state import StateCopy
 from radianced.model.batch import ForwardBatch, copy_rows, to_device_no_sync
@@ -156,14 +156,14 @@ class Runner:
         return replace(out, expert_counts=tuple(per_seq), errors=errors)
 
     def _mtp_drafts(self, step: InFlight, yielded: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
-        """Run the MTP head over every row of the step (model/mtp.py: each row's hidden state with the
-        token after it: the next row's input, the row's own sample where it sampled, or the chunk's
-        `next_token_id`), writing its KV even where nothing samples; its drafts for each sampling
-        sequence, read at the row of the last token the step yields (where a verify step's accepted
-        drafts end) and chained from there."""
+        """The MTP head's pass over every row of the step (engine/mtp_step.py: each row's hidden state with
+        the token after it: the next row's input, the row's own sample where it sampled, or the chunk's
+        `next_token_id`); its drafts for each sampling sequence, read at the row of the last token the step
+        yields (where a verify step's accepted drafts end) and chained from there. Under --tp the other
+        cards run the same pass (`StepBroadcast.send_mtp`)."""
         batch, hidden = step.mtp
         samples = step.host[0].tolist() if step.host is not None else []
-        next_ids, rows, positions, r = [], [], [], 0
+        next_ids, rows, positions, tables, r = [], [], [], [], 0
         for i, s in enumerate(step.plan.seqs):
             inputs = list(s.token_ids)
             if s.sample:
@@ -172,44 +172,15 @@ class Runner:
                 row = len(inputs) - k + len(yielded[i]) - 1  # within the sequence's rows
                 rows.append(step.query_start[i] + row)
                 positions.append(s.context_before + row)
+                tables.append(list(s.block_table[0]))
                 r += k
             else:
                 next_ids += inputs[1:] + [s.next_token_id]
-        mtp = self.model.mtp
-        with torch.inference_mode():
-            ids = to_device_no_sync(torch.tensor(next_ids, dtype=torch.int64), self.device)
-            x = mtp(ids, hidden, self.model.rotary.at(batch.positions), batch, self.cache)
-            if not rows:
-                return tuple(() for _ in step.plan.seqs)
-            x = x[to_device_no_sync(torch.tensor(rows, dtype=torch.int64), self.device)]
-            chains = iter(self._chain([s for s in step.plan.seqs if s.sample], positions, x))
+        mtp_step = MTPStep(next_ids, rows, positions, tables, self.mtp_drafts)
+        if self.workers is not None:
+            self.workers.send_mtp(mtp_step)
+        chains = iter(run_mtp(self.model, self.cache, batch, hidden, mtp_step))
         return tuple(next(chains) if s.sample else () for s in step.plan.seqs)
-
-    def _chain(self, seqs: list[ScheduledSeq], positions: list[int], x: torch.Tensor) -> list[tuple[int, ...]]:
-        """Each sequence's drafts from the head's rows x at `positions`: the first, then chained
-        (model/mtp.py): draft k reads the head's normed output for draft k-1 and that draft, one position
-        on, writing its KV there; as many as `mtp_drafts` allows and the sequence's blocks cover (the
-        scheduler's lookahead)."""
-        mtp, bs = self.model.mtp, self.cache.block_size
-        tokens = ops.argmax(mtp.logits(x))
-        drafts = [[t] for t in tokens.tolist()]
-        rooms = [len(s.block_table[0]) * bs - 1 - p for s, p in zip(seqs, positions)]
-        live = list(range(len(seqs)))
-        for k in range(1, self.mtp_drafts):
-            keep = [j for j, i in enumerate(live) if rooms[i] >= k]
-            if not keep:
-                break
-            if len(keep) < len(live):
-                at = to_device_no_sync(torch.tensor(keep, dtype=torch.int64), self.device)
-                x, tokens, live = x[at], tokens[at], [live[j] for j in keep]
-            batch = ForwardBatch.build([[0]] * len(live), [positions[i] + k for i in live],
-                                       [list(seqs[i].block_table[0]) for i in live], bs,
-                                       device=self.device)  # its input ids are unread: the head reads `tokens`
-            x = mtp(tokens, mtp.chained(x), self.model.rotary.at(batch.positions), batch, self.cache)
-            tokens = ops.argmax(mtp.logits(x))
-            for i, t in zip(live, tokens.tolist()):
-                drafts[i].append(t)
-        return [tuple(d) for d in drafts]
 
     def _keep_accepted_states(self, seqs: tuple[ScheduledSeq, ...], yielded: tuple[tuple[int, ...], ...]) -> None:
         """A hybrid model's verify steps: the state after the last accepted position becomes the

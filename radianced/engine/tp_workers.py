@@ -32,13 +32,21 @@ message and one reduce of a layers x experts int64 array, on the step thread bet
 the other ranks wait for the next step anyway), not every step. After the warm-up rank 0 restarts
 its counts and the other cards restart theirs with the next message (`restart`).
 
+MTP drafts: every card holds its share of the MTP head (sharded as a decoder layer, its KV one more
+layer of the card's cache) and, after each forward, keeps the step's batch and final-normed hidden
+states. When rank 0 collects the step it sends the head's pass (`MTPStep`: the next ids, which hold its
+samples, and the rows to draft from) and every card runs it (engine/mtp_step.py). A pipelined rank 0
+launches the next step before it collects one, so a card may run a forward before the pass of the step
+before it: the kept steps are a queue, run in the order rank 0 collects them (launch order).
+
 Not mirrored yet, refused where `--tp` is set up: CUDA decode graphs (the replay would skip the
-send) and the MTP head (its chained drafts run between steps on rank 0 alone).
+send).
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import logging
 import time
@@ -49,6 +57,7 @@ import torch.distributed as dist
 
 from radianced.arena import KV, Arena, PageChange
 from radianced.config import Config
+from radianced.engine.mtp_step import MTPStep, run_mtp
 from radianced.engine.runner import copy_states, keep_states
 from radianced.engine.tp_counts import CardReport, OtherCards
 from radianced.engine.tp_memory import RankMemory, rank_memory
@@ -137,6 +146,12 @@ class StepBroadcast:
         self.seconds += time.perf_counter() - start
         self.steps += 1
 
+    def send_mtp(self, step: MTPStep) -> None:
+        """The MTP head's pass of the step rank 0 collects (the oldest launched and not yet collected)."""
+        start = time.perf_counter()
+        dist.broadcast_object_list([step], src=0)
+        self.seconds += time.perf_counter() - start
+
     def others(self, layers: int, segments: int, seqs: int) -> OtherCards:
         """After the forward of a step sent with segments: the other cards' expert counts."""
         start = time.perf_counter()
@@ -176,12 +191,14 @@ class WorkerShard:
     @classmethod
     def build(cls, rad: RadFile, cfg: Config, group: ProcessGroup, num_blocks: int, block_size: int,
               device: torch.device | str = "cpu") -> WorkerShard:
-        """As `Engine.assemble` builds rank 0's (the same state slots and checkpoints), over a cache of
-        `num_blocks` blocks of `block_size` tokens (rank 0's count) for this rank's KV heads."""
-        model = load_shard(rad, group, device)
+        """As `Engine.assemble` builds rank 0's (the same state slots and checkpoints, the MTP head where
+        it drafts), over a cache of `num_blocks` blocks of `block_size` tokens (rank 0's count) for this
+        rank's KV heads."""
+        mtp = cfg.drafts_with_mtp(rad.model.num_mtp_layers)
+        model = load_shard(rad, group, device, mtp=mtp)
         m = model.cfg
-        storage = torch.zeros((num_blocks, 1, len(m.full_attention_layers), 2, block_size, m.num_key_value_heads,
-                               m.head_dim), dtype=model.norm.weight.dtype, device=device)
+        storage = torch.zeros((num_blocks, 1, len(m.full_attention_layers) + mtp, 2, block_size,
+                               m.num_key_value_heads, m.head_dim), dtype=model.norm.weight.dtype, device=device)
         return cls._over(model, cfg, storage, device)
 
     @classmethod
@@ -189,18 +206,20 @@ class WorkerShard:
                  device: torch.device | str = "cpu") -> WorkerShard:
         """As `Engine.build` builds rank 0's: this card's receipt, arena, KV view and expert tiers."""
         memory = rank_memory(rad, cfg, group, device)
-        model = load_shard(rad, group, device, experts=memory.experts)
+        model = load_shard(rad, group, device, experts=memory.experts,
+                           mtp=cfg.drafts_with_mtp(rad.model.num_mtp_layers))
         return cls._over(model, cfg, memory.kv_storage, device, memory)
 
     @classmethod
     def _over(cls, model: CausalLM, cfg: Config, storage: torch.Tensor, device: torch.device | str,
               memory: RankMemory | None = None) -> WorkerShard:
         """storage: [P, N, L, 2, S, Hkv, D], or uint8 [P, N, block bytes] for a quantized
-        `cfg.kv_cache_dtype` (as `Engine.assemble` takes it)."""
+        `cfg.kv_cache_dtype` (as `Engine.assemble` takes it; L counts the MTP layer where it drafts)."""
         m, dtype = model.cfg, model.norm.weight.dtype
         hybrid = bool(m.linear_attention_layers)
         states = RecurrentState.allocate(m, cfg.max_num_seqs, dtype, device, cfg.speculative) if hybrid else None
-        cache = KVCache(storage, m.full_attention_layers, states, kv_format(cfg.kv_cache_dtype),
+        kv_layers = m.full_attention_layers + ((m.num_hidden_layers,) if model.mtp is not None else ())
+        cache = KVCache(storage, kv_layers, states, kv_format(cfg.kv_cache_dtype),
                         (BLOCK_TOKENS, m.num_key_value_heads, m.head_dim))
         checkpoints = RecurrentState.allocate(m, 2 * cfg.max_num_seqs, dtype, device) if hybrid else None
         return cls(model, cache, checkpoints, memory)
@@ -218,12 +237,18 @@ class WorkerShard:
         device, steps = self.cache.storage.device, 0
         slab = self.memory.experts if self.memory is not None else None
         report = CardReport(slab) if slab is not None else None
+        drafting = self.model.mtp is not None
+        # (batch, final-normed hidden) of each step whose MTP head pass is yet to come, in launch order
+        uncollected: collections.deque[tuple[ForwardBatch, torch.Tensor]] = collections.deque()
         while True:
             message = [None]
             dist.broadcast_object_list(message, src=0)
-            step: WorkerStep | RoutingGather | None = message[0]
+            step: WorkerStep | RoutingGather | MTPStep | None = message[0]
             if step is None:
                 return steps
+            if isinstance(step, MTPStep):
+                run_mtp(self.model, self.cache, *uncollected.popleft(), step)
+                continue
             if slab is not None and step.restart:
                 slab.tally.restart()
             if isinstance(step, RoutingGather):
@@ -239,7 +264,9 @@ class WorkerShard:
             if counted:
                 slab.begin_step(step.segments, batch.input_ids.shape[0])
             with torch.inference_mode():
-                self.model.forward(batch, self.cache)
+                out = self.model.forward(batch, self.cache, hidden=drafting)
+            if drafting:
+                uncollected.append((batch, out[1]))
             if counted:
                 report.send(*_counts(slab, step.layout["token_ids"]))
             copy_states(step.after, self.cache.states, self.checkpoints)

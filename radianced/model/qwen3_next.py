@@ -123,11 +123,12 @@ class Qwen3NextLayer:
 
 def build_qwen3_next(cfg: ModelConfig, w: Weights, experts: ExpertSource, mtp: bool = False,
                      mtp_experts: ExpertSource | None = None, group: Group = SINGLE) -> CausalLM:
-    """mtp: also build the MTP head (`model.mtp`), its routed experts from `mtp_experts` (one rank
-    only: a split model's head is not built yet, sharded_loader refuses it)."""
+    """mtp: also build the MTP head (`model.mtp`), its routed experts from `mtp_experts`; over a `group`,
+    the rank's share of it, split as a decoder layer (model/sharded_loader.py)."""
     model = CausalLM(cfg, w, [Qwen3NextLayer(cfg, i, w, experts, group) for i in range(cfg.num_hidden_layers)],
                      zero_centred=True, group=group)
     if mtp:
-        layer = Qwen3NextLayer(mtp_layer_config(cfg), cfg.num_hidden_layers, mtp_layer_weights(cfg, w), mtp_experts)
+        layer = Qwen3NextLayer(mtp_layer_config(cfg), cfg.num_hidden_layers, mtp_layer_weights(cfg, w), mtp_experts,
+                               group)
         model.mtp = MTPHead(cfg, w, layer, model.embed, model.lm_head)
     return model

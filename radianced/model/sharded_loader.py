@@ -18,9 +18,13 @@ kernel, and a compact lm_head is made dense there, as on one card.
 Checksums cover whole tensors, so each is verified by one rank (tensor i by rank i mod N) and
 each routed expert by its owner: together the ranks check every byte once.
 
-Not split yet, refused with a message: the MTP head, and a card whose query heads read part of a
-GQA group the next card also reads (the attention op maps local query head h to local KV head
-h // (Hq / Hkv)).
+The MTP head (`mtp`, where it drafts) splits as a decoder layer does, by the same names (`mtp.layers.0.*`
+as layer `num_hidden_layers`): its attention by heads, its shared expert by columns, its router, norms
+and fc replicated; its routed experts are the card's range of the `.rad`'s layer `num_hidden_layers`,
+resident in a slab of their own (as on one card).
+
+Not split yet, refused with a message: a card whose query heads read part of a GQA group the next card
+also reads (the attention op maps local query head h to local KV head h // (Hq / Hkv)).
 """
 
 from __future__ import annotations
@@ -41,12 +45,14 @@ from radianced.sharding import CardShare, SplitError, card_config, card_range, c
 
 
 def load_shard(rad: RadFile, group: Group, device: torch.device | str = "cpu",
-               dtype: torch.dtype | None = None, experts: ExpertSource | None = None) -> CausalLM:
+               dtype: torch.dtype | None = None, experts: ExpertSource | None = None,
+               mtp: bool = False) -> CausalLM:
     """Rank `group.rank`'s model of `rad` split over `group.size` ranks, on `device` (plain tensors
     cast to `dtype` if given, compact ones in the form the device reads). Its `cfg` is the card's
     (sharding.card_config): the KV cache and recurrent state a rank allocates follow it. `experts`:
     the card's, already placed (its expert tiers: engine/tp_memory.py); by default all of them in
-    one slab (`owned_experts`)."""
+    one slab (`owned_experts`). `mtp`: with the card's share of the MTP head (`model.mtp`), its
+    routed experts resident (the card's "mtp" class)."""
     m = rad.model
     share = card_share(m, group.rank, group.size)
     _check_splittable(rad, share)
@@ -65,7 +71,11 @@ def load_shard(rad: RadFile, group: Group, device: torch.device | str = "cpu",
 
     if experts is None and rad.header.experts:
         experts = owned_experts(rad, share, device, dtype)
-    model = build_model(card_config(m, share), weights, experts, group=group)
+    mtp_experts = None
+    if mtp and rad.header.experts and m.num_mtp_layers:  # build_model refuses a model without
+        mtp_experts = ResidentExperts.from_rad(rad, device, dtype, range(m.num_hidden_layers, m.num_hidden_layers + 1),
+                                               owned=share.experts)
+    model = build_model(card_config(m, share), weights, experts, mtp, mtp_experts, group)
     if cpu:
         dense_lm_head(model)
     return model

@@ -26,6 +26,7 @@ from radianced.card import Card
 from radianced.config import Config
 from radianced.engine.engine import Engine
 from radianced.engine.tp_workers import WorkerShard
+from radianced.model.experts import ResidentExperts
 from radianced.model.parallel import ProcessGroup
 from radianced.model.rad import RadFile
 from radianced.engine.request import FinishReason
@@ -35,6 +36,7 @@ from radianced.tiers.host import HostPool
 from radianced.tiers.slab import ExpertSlab
 from tests.engine.conftest import prompts, request, run_all
 from tests.engine.test_disk_tier import run_events
+from tests.engine.test_speculation import mtp_rad  # noqa: F401 (a fixture)
 from tests.engine.tp_ranks import jobs, two_ranks
 
 CFG = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, max_queue=64)
@@ -59,7 +61,37 @@ def _receipt(r) -> dict:
     return dict(arena_pages=r.arena_pages, page_bytes=r.page_bytes, disk_buffer_pages=r.disk_buffer_pages,
                 arena_alloc_bytes=r.arena_alloc_bytes, expert_slots=r.expert_slots, slots=r.expert_slots,
                 experts_pinned=r.experts_pinned, experts_host=r.experts_host, experts_disk=r.experts_disk,
-                host_pool_bytes=r.experts_host * r.page_bytes)
+                host_pool_bytes=r.experts_host * r.page_bytes, **_head_receipt(r))
+
+
+def _head(model, cache) -> dict:
+    """What a card allocated for the MTP head where it drafts: the bytes of the tensors its share holds
+    (fc, norms, its layer's parts and routed experts; the shared embedding and lm_head are the model's),
+    and the KV cache's layers (the head's one more); nothing without a head."""
+    if model.mtp is None:
+        return {}
+    held: dict[int, int] = {}
+
+    def visit(v) -> None:
+        if isinstance(v, torch.Tensor):
+            held[id(v)] = v.nbytes
+        elif isinstance(v, ResidentExperts):  # its slab; the tables say where an expert is
+            visit(v.slab)
+        elif isinstance(v, (list, tuple)):
+            for item in v:
+                visit(item)
+        elif type(v).__module__.startswith("radianced.model.") and hasattr(v, "__dict__") \
+                and v is not model.embed and v is not model.lm_head:
+            for item in vars(v).values():
+                visit(item)
+
+    visit(model.mtp)
+    return dict(mtp_bytes=sum(held.values()), kv_layers=cache.storage.shape[2])
+
+
+def _head_receipt(r) -> dict:
+    weights = {p.name: p.bytes for p in r.weights}
+    return dict(mtp_bytes=weights["mtp"], kv_layers=r.groups[0].layers) if "mtp" in weights else {}
 
 
 def _worker(rank: int, port: int) -> None:
@@ -67,6 +99,7 @@ def _worker(rank: int, port: int) -> None:
         shard = WorkerShard.for_card(RadFile.open(path), Config(**flags), group)
         memory = shard.memory
         allocated, slab, given = _allocation(memory.arena, memory.experts, memory.resources), memory.experts, []
+        allocated.update(_head(shard.model, shard.cache))
         if fault is not None:
             slab.loader.reader.faults = Faults()
             slab.loader.reader.faults.fail(*fault)
@@ -194,3 +227,23 @@ def test_a_quantized_kv_cache_gives_one_cards_tokens(tiny_rads, group, family, k
     allocated1, _ = _finish(two)
     assert got == want
     assert allocated1 == _receipt(two.cards.receipts[1])
+
+
+def test_the_mtp_head_drafts_on_both_cards_each_allocating_its_receipts_share_of_it(mtp_rad, group):
+    """--speculative 2 --speculative-method mtp on two cards: one card's tokens; each card holds its half
+    of the head (its heads, shared expert columns and routed experts 0-3 or 4-7, fc and norms whole) and
+    pages its KV as one more layer, as its receipt charges them."""
+    flags = {**CFG, **HOST_POOL, "speculative": 2, "speculative_method": "mtp"}
+    ps = prompts(mtp_rad.model.vocab_size, (40, 7, 23), seed=5)
+    one = _one_card(mtp_rad, flags)
+    want, _ = _serve(one, ps, 16)
+    two = _two_cards(mtp_rad, flags, group)
+    allocated0 = {**_allocation(two.arena, two.experts, two.resources), **_head(two.runner.model, two.runner.cache)}
+    got, _ = _serve(two, ps, 16)
+    allocated1, _ = _finish(two)
+    assert got == want
+    receipts = two.cards.receipts
+    assert allocated0 == _receipt(receipts[0]) and allocated1 == _receipt(receipts[1])
+    assert allocated1["kv_layers"] == len(mtp_rad.model.full_attention_layers) + 1
+    whole = {p.name: p.bytes for p in one.receipt.weights}["mtp"]
+    assert whole / 2 < allocated1["mtp_bytes"] < whole  # half the layer; fc and the norms on both cards

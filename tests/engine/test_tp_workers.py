@@ -3,7 +3,9 @@ engine over its share of the model; rank 1 a spawned worker (`WorkerShard.serve_
 tiny family gives the greedy tokens of `--tp 1` and logits within fp32 rounding of them, through
 chunked prefills, a batch of several sequences and a prefix hit. With `--speculative 3` the
 verify steps (drafts accepted, and rejected: the hybrid's draft states kept on both cards) give
-the tokens of `--tp 1` with the same drafts, which are those without speculation.
+the tokens of `--tp 1` with the same drafts, which are those without speculation; with the MTP head
+(the tiny Qwen3-Next with its MTP layer), every card runs its share of the head's pass and rank 0's
+drafts are one card's.
 
 One spawn for the module (spawn costs seconds): the worker takes one job a family from rank 0
 (the family's .rad and pool size), serves that engine's steps until it closes, then waits for
@@ -16,16 +18,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radianced.config import Config, ConfigError
+from radianced.config import Config
 from radianced.engine.engine import Engine
-from radianced.engine.speculation import DraftPolicy
+from radianced.engine.speculation import DraftPolicy, mtp_drafts
 from radianced.engine.tp_workers import WorkerShard
 from radianced.kv.blocks import BlockAllocator
 from radianced.model.parallel import ProcessGroup
 from radianced.model.rad import RadFile
 from radianced.sharding import card_config, card_share
 from tests.engine.conftest import BLOCK, FAMILIES, prompts, request
-from tests.engine.test_speculation import Oracle
+from tests.engine.test_speculation import Oracle, mtp_rad  # noqa: F401 (mtp_rad: a fixture)
 from tests.engine.tp_ranks import jobs, two_ranks
 
 NUM_BLOCKS, TOKENS = 64, 32
@@ -47,9 +49,10 @@ def group():
 
 def _engine(rad: RadFile, group: ProcessGroup | None, **flags) -> Engine:
     m = card_config(rad.model, card_share(rad.model, group.rank, group.size)) if group else rad.model
-    storage = torch.zeros((NUM_BLOCKS, 1, len(m.full_attention_layers), 2, BLOCK, m.num_key_value_heads, m.head_dim))
     flags = {**CFG, **flags}
     cfg = Config(**flags, tp=group.size if group else 1)
+    layers = len(m.full_attention_layers) + cfg.drafts_with_mtp(m.num_mtp_layers)  # the MTP layer's KV: one more
+    storage = torch.zeros((NUM_BLOCKS, 1, layers, 2, BLOCK, m.num_key_value_heads, m.head_dim))
     if group is None:
         return Engine.assemble(rad, cfg, storage, BlockAllocator.fixed(NUM_BLOCKS, BLOCK))
     import torch.distributed as dist
@@ -58,14 +61,14 @@ def _engine(rad: RadFile, group: ProcessGroup | None, **flags) -> Engine:
     return Engine.assemble(rad, cfg, storage, BlockAllocator.fixed(NUM_BLOCKS, BLOCK), group=group)
 
 
-def _serve(engine: Engine, rounds: list[list[list[int]]]):
-    """Each round's prompts as one batch, greedy for TOKENS tokens; (tokens per request id, every
-    step's logits, the reused tokens per request id)."""
+def _serve(engine: Engine, rounds: list[list[list[int]]], ahead: bool = False):
+    """Each round's prompts as one batch, greedy for TOKENS tokens (`ahead`: pipelined, as the daemon
+    steps); (tokens per request id, every step's logits, the reused tokens per request id)."""
     logits, forward = [], engine.runner.model.forward
 
     def recorded(*args, **kwargs):
         out = forward(*args, **kwargs)
-        logits.append(out.clone())
+        logits.append((out[0] if isinstance(out, tuple) else out).clone())  # (logits, hidden) where MTP drafts
         return out
 
     engine.runner.model.forward = recorded
@@ -74,8 +77,9 @@ def _serve(engine: Engine, rounds: list[list[list[int]]]):
         seqs = {f"r{r}s{i}": engine.add(request(engine, f"r{r}s{i}", p, max_tokens=TOKENS, ignore_eos=True))
                 for i, p in enumerate(batch)}
         while engine.scheduler.has_unfinished:
-            for ev in engine.step():
+            for ev in engine.step(ahead):
                 tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
+        assert engine.step() == []  # nothing left in flight
         reused.update({rid: s.num_reused_tokens for rid, s in seqs.items()})
     engine.close()
     return tokens, logits, reused
@@ -135,9 +139,33 @@ def test_tp2_verifies_drafts_with_tp1s_tokens(tiny_rads, group, family, drafter)
     assert diff <= TOLERANCE, f"{family}: logits of --tp 2 differ from --tp 1 by {diff}"
 
 
-def test_mtp_drafts_with_tp_are_refused_before_any_rank_starts_and_auto_drafts_by_ngram():
-    with pytest.raises(ConfigError, match=r"--speculative-method mtp with --tp 2: the MTP head drafts on one card "
-                                          r"only .* give --speculative-method ngram \(auto drafts by n-gram under --tp\)"):
-        Config(**{**CFG, **SPECULATIVE}, tp=2, speculative_method="mtp")
-    assert not Config(**{**CFG, **SPECULATIVE}, tp=2).drafts_with_mtp(1)
-    assert Config(**{**CFG, **SPECULATIVE}).drafts_with_mtp(1)
+def test_tp2_drafts_with_the_mtp_head_on_every_card_with_tp1s_tokens_and_drafts(mtp_rad, group):
+    """--speculative 2 --speculative-method mtp: each card runs its share of the head after every step
+    (prefill chunks included) and rank 0's drafts, chained ones too, are one card's: the same proposals,
+    the same accepted counts and the tokens of a run without speculation. Pipelined, as the daemon steps:
+    a prefill chunk's successor is launched before the chunk's head pass runs."""
+    flags = dict(speculative=2, speculative_method="mtp", max_num_batched_tokens=24)  # 24: 8 sequences' 3 tokens
+    assert Config(**{**CFG, **flags, "speculative_method": "auto"}, tp=2).drafts_with_mtp(1)  # under --tp too
+    ps = prompts(mtp_rad.model.vocab_size, (40, 7, 23), seed=3)
+    plain = _serve(_engine(mtp_rad, None), [ps])[0]
+    runs = []
+    for g in (None, group):
+        engine = _engine(mtp_rad, g, **flags)
+        assert engine.runner.model.mtp is not None
+        engine.scheduler.drafting.policy = DraftPolicy(2, 0.6, adaptive=False, propose=mtp_drafts)  # every step
+        seqs, proposals, update = _drafting(engine, ps, None), [], engine.scheduler.update
+        engine.scheduler.update = lambda plan, output: (proposals.append(output.drafts), update(plan, output))[1]
+        overlapped, execute = [], engine.execute
+        engine.execute = lambda work: (overlapped.append(work.launch is not None and work.collect is not None),
+                                       execute(work))[1]
+        runs.append((_serve(engine, [ps], ahead=True), [(s.draft_stats.drafted, s.draft_stats.accepted) for s in seqs],
+                     proposals, sum(overlapped)))
+    (tp1, stats1, proposals1, _), (tp2, stats2, proposals2, overlapped) = runs
+    assert overlapped > 0  # a step launched before the head's pass of the one before it
+    assert tp2[0] == tp1[0] == plain
+    assert proposals2 == proposals1 and sum(len(d) == 2 for p in proposals2 for d in p) > 10  # chained drafts
+    assert stats2 == stats1
+    drafted, accepted = (sum(n) for n in zip(*stats2))
+    assert drafted > accepted > 0, stats2
+    diff = max((x - y).abs().max().item() for x, y in zip(tp2[1], tp1[1]) if x.numel())
+    assert diff <= TOLERANCE, f"logits of --tp 2 differ from --tp 1 by {diff}"
