@@ -101,7 +101,7 @@ def _lib() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(build()))  # CDLL releases the GIL during each call
     except (BuildError, OSError) as e:
         print(f"radianced: CPU block kernels unavailable ({e}); compact weights are dequantized per use "
-              "(several times slower)", file=sys.stderr)
+              "(5-70x slower)", file=sys.stderr)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.rad_blocks_matmul.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, i64, ctypes.c_int]
@@ -131,12 +131,12 @@ def matmul(x: torch.Tensor, data: torch.Tensor, fmt: str, shape: tuple[int, int]
     """x [..., K] fp32 @ W.T -> [..., N] fp32, W [N, K] in `fmt`'s blocks (`data`: [N, row bytes] uint8)."""
     n, k, row_bytes = _check(data, fmt, shape)
     lead = x.shape[:-1]
+    if x.dtype != torch.float32:
+        raise ValueError(f"x must be fp32, got {x.dtype}")
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     if m > PREFILL_ROWS:
         return (x2 @ dequantize(data, fmt, shape).t()).reshape(*lead, n)
-    if x2.dtype != torch.float32:
-        raise ValueError(f"x must be fp32, got {x2.dtype}")
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
     if m:

@@ -102,8 +102,9 @@ def test_bad_inputs_name_what_is_wrong():
         cpu_blocks.matmul(torch.randn(1, 64), data, "fp8_b128", (4, 64))
     with pytest.raises(ValueError, match=r"q4_0 \[5, 64\]: need CPU uint8 rows"):
         cpu_blocks.matmul(torch.randn(1, 64), data, "q4_0", (5, 64))
-    with pytest.raises(ValueError, match="x must be fp32, got torch.bfloat16"):
-        cpu_blocks.matmul(torch.randn(1, 64, dtype=torch.bfloat16), data, "q4_0", (4, 64))
+    for m in (1, cpu_blocks.PREFILL_ROWS + 1):  # the kernel's path and the long prefill's
+        with pytest.raises(ValueError, match="x must be fp32, got torch.bfloat16"):
+            cpu_blocks.matmul(torch.randn(m, 64, dtype=torch.bfloat16), data, "q4_0", (4, 64))
 
 
 def test_the_library_is_built_once_per_source_and_machine(tmp_path, monkeypatch):
