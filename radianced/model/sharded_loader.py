@@ -12,8 +12,9 @@ or in one slab (`owned_experts`); compact extents stay compact there, as on one 
 A compact matrix is cut on its blocks (sharding.card_shape refuses a split that would cut one): a
 GGUF matrix's rows as rows of its bytes, its input columns as whole blocks of each row; an fp8_b128
 matrix's values with the scale blocks they fall in. The card's part then takes the form the device
-reads (model/loader.py `device_weights`): on the CPU each card packs its own part for the int4
-kernel, and a compact lm_head is made dense there, as on one card.
+reads (model/loader.py `device_weights`): on the CPU the block kernels read each card's part in
+place (a column part is a copy of whole blocks), and an fp8_b128 lm_head is made dense there, as on
+one card (`dense_lm_head`).
 
 Checksums cover whole tensors, so each is verified by one rank (tensor i by rank i mod N) and
 each routed expert by its owner: together the ranks check every byte once.
