@@ -158,4 +158,4 @@ KV_FORMATS = {
     "k6_v4": KVFormat("k6_v4", INT6_DELTA, INT4_ROTATED, f"K int6 and V int4, {_INT}; {_K}; {_V4}"),
 }
 # The formats the Triton kernels store and read (kernels/kv_fp8.py); the others run on the CPU only.
-TRITON_KV_DTYPES = ("fp8",)
+TRITON_KV_DTYPES = ("fp8", "fp8_v4", "k6_v4")

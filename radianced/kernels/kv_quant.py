@@ -11,6 +11,13 @@ import torch
 
 from radianced.kernels.kv_formats import FP8_MAX, GROUP, PlaneFormat
 
+def ieee_div(x: torch.Tensor, c: float) -> torch.Tensor:
+    """x / c rounded once, as the Triton kernels' `div_rn` is, on every device: torch's CUDA kernel
+    multiplies by the reciprocal of a Python-number divisor (two roundings), which moved an int6 step or
+    an fp16 scale by one step now and then on the H200; a tensor divisor takes its true division."""
+    return x / torch.full_like(x, c)
+
+
 # -- fp8 ----------------------------------------------------------------------
 
 
@@ -18,7 +25,7 @@ def fp8_scale(x: torch.Tensor) -> torch.Tensor:
     """The fp16 scale [..., 1] of x [..., D]: amax / 448 rounded to fp16, one step up where the rounding
     went below (so x / scale never passes 448: nothing saturates); 0 for an all-zero x."""
     amax = x.float().abs().amax(-1, keepdim=True)
-    scale = (amax / FP8_MAX).to(torch.float16)
+    scale = ieee_div(amax, FP8_MAX).to(torch.float16)
     up = torch.nextafter(scale, torch.full_like(scale, float("inf")))
     return torch.where(scale.float() * FP8_MAX < amax, up, scale)
 
@@ -74,7 +81,7 @@ def int_quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor
     d = x.shape[-1]
     x = x.float()
     lo = _grouped(x, float("inf")).amin(-1).to(torch.float16)  # [..., groups]
-    step = ((_grouped(x, float("-inf")).amax(-1) - lo.float()) / top).to(torch.float16)
+    step = ieee_div(_grouped(x, float("-inf")).amax(-1) - lo.float(), top).to(torch.float16)
     s, m = step.float()[..., None], lo.float()[..., None]
     q = torch.where(s > 0, (_grouped(x) - m) / torch.where(s > 0, s, 1), 0).round().clamp(0, top)
     return pack(q.flatten(-2)[..., :d], bits), torch.stack([step, lo], -1)
