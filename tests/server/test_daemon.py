@@ -154,7 +154,7 @@ async def test_control_socket_reports_and_cancels_a_live_request(daemon):
     events = [json.loads(e) for e in events[:-1]] + [events[-1]]
     assert events[-1] == "[DONE]" and finish_reason(events) == "abort" and completion_tokens(events) < 240
     assert await control.request(daemon.control_socket, "cancel", {"id": rid}) == {"cancelled": False}
-    out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "radiancectl"), "status",
+    out = subprocess.run([sys.executable, "-m", "radianced.ctl", "status",  # the checkout's, installed or not
                           "--control-socket", daemon.control_socket], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "ready" in out.stdout and SERVED_NAME in out.stdout
 
