@@ -42,7 +42,6 @@ from radianced.engine.speculation import TOKEN_COST, DraftPolicy, mtp_drafts, ng
 from radianced.engine.tp_memory import plan_ranks, rank_memory, refuse_device
 from radianced.engine.tp_workers import StepBroadcast
 from radianced.kernels import ops
-from radianced.kernels.kv_formats import TRITON_KV_DTYPES
 from radianced.kv.blocks import BlockAllocator
 from radianced.kv.cache import KVCache, RecurrentState, kv_format
 from radianced.kv.prefix import PrefixCache
@@ -194,10 +193,6 @@ class Engine:
         if group.size > 1:
             return cls._build_rank(rad, cfg, group, device, sampler_seed)
         m = rad.model
-        if torch.device(device).type == "cuda" and cfg.kv_cache_dtype not in ("auto", *TRITON_KV_DTYPES):
-            raise ConfigError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: not yet supported on CUDA (its Triton kernels "
-                              f"are not built; {', '.join(TRITON_KV_DTYPES)} and auto are); use one of those, or "
-                              "run on the CPU")
         ops.select(device, deterministic=cfg.deterministic)  # once, before the model loads
         receipt = budget.plan(card or detect_card(device), ModelFacts.from_header(rad.header), cfg)
         for line in receipt.lines():

@@ -62,7 +62,7 @@ against the `auto` cache); mean KL / top-1:
 
 This module is the bytes (what the budget charges, no torch); kernels/kv_quant.py is
 the math (quantize, dequantize, a plane over the cache); kernels/kv_fp8.py is fp8's
-in the Triton kernels (`TRITON_KV_DTYPES`: the others have none yet). Blocks are laid out by
+in the Triton kernels (kernels/kv_int.py the int planes'). Blocks are laid out by
 `KVFormat.layer_bytes`: per layer [K codes | V codes | K scales | V scales], each
 piece 4-byte aligned, all layers of a block one after the other, so a quantized
 block stays one contiguous piece of an arena page.
@@ -157,5 +157,3 @@ KV_FORMATS = {
                        f"K fp8 E4M3 with an fp16 scale per token and head, V int4 with {_INT}; {_K}; {_V4}"),
     "k6_v4": KVFormat("k6_v4", INT6_DELTA, INT4_ROTATED, f"K int6 and V int4, {_INT}; {_K}; {_V4}"),
 }
-# The formats the Triton kernels store and read (kernels/kv_fp8.py); the others run on the CPU only.
-TRITON_KV_DTYPES = ("fp8", "fp8_v4", "k6_v4")

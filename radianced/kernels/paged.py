@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radianced.kernels.kv_formats import FP8, FP8_DELTA, KV_FORMATS, TRITON_KV_DTYPES
+from radianced.kernels.kv_formats import FP8, FP8_DELTA, KV_FORMATS
 from radianced.kernels.kv_quant import KVPlane
 
 
@@ -90,16 +90,16 @@ class CacheViews:
 
 
 def cache_views(k_cache: torch.Tensor | KVPlane, v_cache: torch.Tensor | KVPlane) -> CacheViews:
-    """The views of a layer's caches (tensors: auto; `KVPlane`s: a quantized cache). ValueError for a
-    quantized format that has no Triton kernels yet, naming the ones that do."""
+    """The views of a layer's caches (tensors: auto; `KVPlane`s: a quantized cache). ValueError for an
+    fp8_v4 or k6_v4 pair of planes (kv_int.kernel_cache's) or a mixed one."""
     if not isinstance(k_cache, KVPlane) and not isinstance(v_cache, KVPlane):
         return CacheViews(k_cache, v_cache)
     if not isinstance(k_cache, KVPlane) or not isinstance(v_cache, KVPlane) or (k_cache.fmt, v_cache.fmt) != \
             (FP8_DELTA, FP8):
         name = next((f.name for f in KV_FORMATS.values() if (f.k, f.v) == (getattr(k_cache, "fmt", None),
                                                                           getattr(v_cache, "fmt", None))), "mixed")
-        raise ValueError(f"kv cache dtype {name}: the Triton kernels store and read "
-                         f"{', '.join(TRITON_KV_DTYPES)} (and auto) only so far; run {name} on the CPU")
+        raise ValueError(f"kv cache dtype {name}: paged.cache_views takes auto and fp8 caches, "
+                         "kv_int.kernel_cache fp8_v4 and k6_v4; a K and a V of two formats are no format")
     return CacheViews(k_cache.codes, v_cache.codes, k_cache.scales, v_cache.scales)
 
 
