@@ -360,7 +360,8 @@ def _split_flags(g, d: Config) -> None:
     g.add_argument("--expert-slots", type=int, help="cap on VRAM expert slots (default: what the budget allows)")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
                    help="KV cache element type (default auto: the model's dtype; fp8 halves a bf16 "
-                        "context's bytes, fp8_v4 and k6_v4 go further (int4 V, int6 K) at more loss and attention time; "
+                        "context's bytes, fp8_v4 and k6_v4 go further (int4 V, int6 K) at more loss and "
+                        "attention time; "
                         "`radiancectl quality --kv-cache-dtype` measures what each costs in quality)")
     g.add_argument("--kv-resident", type=int, default=d.kv_resident,
                    help="KV streaming ring in tokens (block-sparse attention models)")

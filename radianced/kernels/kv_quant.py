@@ -11,6 +11,7 @@ import torch
 
 from radianced.kernels.kv_formats import FP8_MAX, GROUP, PlaneFormat
 
+
 def ieee_div(x: torch.Tensor, c: float) -> torch.Tensor:
     """x / c rounded once, as the Triton kernels' `div_rn` is, on every device: torch's CUDA kernel
     multiplies by the reciprocal of a Python-number divisor (two roundings), which moved an int6 step or
