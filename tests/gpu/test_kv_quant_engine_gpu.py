@@ -20,6 +20,7 @@ import torch
 from radianced.card import Card, MiB
 from radianced.config import Config
 from radianced.engine.engine import Engine
+from radianced.kernels.kv_formats import KV_FORMATS
 from radianced.model.convert import convert
 from radianced.model.rad import RadFile
 from radianced.model.tiny import make_tiny
@@ -61,7 +62,7 @@ def _serve(rad: RadFile, device: str, eager: bool, kv_dtype: str) -> tuple[list[
     return [{rid[1:]: t for rid, t in run.items()} for run in runs], numbers
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_v4", "k6_v4"])
+@pytest.mark.parametrize("kv_dtype", list(KV_FORMATS))
 def test_quantized_kv_serves_on_the_card_with_the_receipts_allocation_and_graphs_equal_to_eager(rad, kv_dtype):
     device = gpu_device()
     eager, numbers = _serve(rad, device, True, kv_dtype)

@@ -26,7 +26,7 @@ from tests.gpu.conftest import gpu_device, record
 from tests.kernels.compare import rel_err
 
 BLOCK, PER_PAGE = 16, 4
-KV_DTYPES = ["fp8", "fp8_v4", "k6_v4"]
+KV_DTYPES = list(KV_FORMATS)  # every quantized format
 V_FLIPS = 1e-3  # tests/kernels/test_attention_kv_quant.py says why
 # How far attention over a quantized copy of a random bf16 cache may be from attention over the cache
 # (rel_err). The reference attention on the CPU, qwen3's shape, 2 x 2K keys, 1 and 512 rows a sequence:

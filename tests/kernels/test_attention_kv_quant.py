@@ -26,7 +26,7 @@ require_interpreted(attention._paged_attention_kernel, "attention")
 
 BLOCK, PER_PAGE, PAGES = 16, 3, 8
 THETA = 10000.0
-KV_DTYPES = ["fp8", "fp8_v4", "k6_v4"]
+KV_DTYPES = list(KV_FORMATS)  # every quantized format
 # A rotated V plane's values may sit on a rounding boundary that the kernel's rotation (a sum in order)
 # and the reference's (a torch matmul) round to either side of: a code one off, or a group's fp16 step
 # or min one step off (and so its codes, a few one off). At most this share of V's codes and scales.
