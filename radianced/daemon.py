@@ -3,7 +3,9 @@
 Start-up, in order: bind the HTTP socket (a taken port fails at once, before
 any loading), serve it with /health answering 503 "loading", open the control
 socket, load the model on a thread while telling systemd EXTEND_TIMEOUT_USEC,
-start the engine task, then READY=1. A watchdog task sends WATCHDOG=1 (when
+start the engine task, serve the warm-up requests (through the engine, then
+through the daemon's own HTTP socket: engine/warmup.py, server/self_warmup.py),
+then READY=1. A watchdog task sends WATCHDOG=1 (when
 systemd set WATCHDOG_USEC for this process) only while the engine makes
 progress or has nothing to do.
 
@@ -25,6 +27,7 @@ import contextlib
 import gc
 import logging
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -60,6 +63,7 @@ from radianced.server.http import build_app
 from radianced.server.http_server import SHUTDOWN_GRACE_S, HttpServer, listen
 from radianced.server.limits import max_prompt_bytes
 from radianced.server.metrics import Metrics
+from radianced.server.self_warmup import address_of, warm_up_http
 from radianced.server.state import Phase, Served, ServerState
 from radianced.tiers.host import HostPoolError
 from radianced.tiers.live_profile import LiveProfile
@@ -127,6 +131,7 @@ class Daemon:
         self.ranks: RankWorkers | None = None  # under --tp N: ranks 1..N-1 (engine/tp_processes.py)
         self._fatal: str | None = None  # why a rank ended, stopping the daemon with status 1
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._address: tuple[str, int] | str = ""  # where the HTTP socket listens (set once bound)
 
     # -- life ---------------------------------------------------------------------------
 
@@ -144,6 +149,7 @@ class Daemon:
         except OSError as e:
             log.error("cannot serve HTTP: %s", e)
             return 1
+        self._address = address_of(sock)
         server = HttpServer(build_app(self.http), self.cfg)
         http_task = asyncio.create_task(server.serve(sockets=[sock]))
         watchdog = asyncio.create_task(self._watchdog())
@@ -184,13 +190,13 @@ class Daemon:
             return 1 if self._fatal else 0  # stopped while loading: nothing to drain
         self.engine = engine
         self._engine_task = asyncio.create_task(engine.run())
+        self.http.served = Served(engine, self.model_name, engine.engine.receipt.max_model_len,
+                                  self._defaults, self._vocab_size)  # still LOADING: only warm-up is admitted
         try:
-            await warm_up_served(engine, self._vocab_size)
+            await warm_up_served(engine, self._vocab_size, then=self._warm_up_http)
         except Exception:
             log.exception("cannot start: the first requests through the served path failed")
             return 1
-        self.http.served = Served(engine, self.model_name, engine.engine.receipt.max_model_len,
-                                  self._defaults, self._vocab_size)
         if self.compiles is not None:
             self.compiles.phase = "serving"  # from here a kernel build is a user's wait: counted, warned
         gc.collect()
@@ -209,6 +215,18 @@ class Daemon:
                          exc_info=(type(error), error, error.__traceback__) if error else None)
             return 1
         return 1 if self._fatal else 0
+
+    async def _warm_up_http(self) -> None:
+        """The HTTP path's first uses, before ready: requests to the daemon's own socket (server/self_warmup.py)."""
+        start = time.perf_counter()
+        self.http.warm_up_token = secrets.token_hex(16)
+        try:
+            sent = await warm_up_http(self._address, self.http.warm_up_token, self.model_name,
+                                      chat=self.engine.tokenizer.chat_template is not None,
+                                      api_key=self.http.api_key)
+        finally:
+            self.http.warm_up_token = None
+        log.info("warm-up: %d requests through the HTTP socket in %.0f ms", sent, (time.perf_counter() - start) * 1e3)
 
     async def _load(self) -> AsyncEngine | None:
         """Build the engine on a thread (torch stays off the loop); None when a stop

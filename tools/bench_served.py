@@ -12,9 +12,9 @@ request goes over HTTP, streamed (`radianced.bench.client.stream_request`).
   then again on the same cache (a warm restart), and what the log says of warm-up;
 - TTFT: `--requests` prompts of lengths uniform in 1..4,000 one at a time, each
   followed by its twin, the same tokens in reverse order (`twin_of`: never a prefix
-  hit; each pair's length and TTFTs are kept, with the CUDA allocator's cudaMalloc,
-  cudaFree and retry counts and the garbage collector's collections and seconds during
-  each, from /metrics); then `--bursts` bursts of 8 such
+  hit; each pair's length and TTFTs are kept, with what /metrics' counters did during
+  each: the CUDA allocator's cudaMalloc, cudaFree and retries, the garbage collector's
+  collections and seconds, the engine's steps, their wall and their own device seconds); then `--bursts` bursts of 8 such
   prompts (lengths uniform in 1..500) and their twins. p50 / p99 / max of the first TTFTs, and of first / twin, the ratio a
   kernel build on the request path would raise (target: p99 at most 1.2);
 - kernel builds while serving: /metrics' radiance_kernel_builds_total{phase=
@@ -78,22 +78,29 @@ async def serving_builds(http: httpx.AsyncClient) -> float:
     return sum(v for (name, labels), v in snap.values.items() if name == BUILDS and ("phase", "serving") in labels)
 
 
-async def counters(http: httpx.AsyncClient) -> tuple[float, ...]:
-    """torch's CUDA allocator counters (cudaMalloc, cudaFree, retries) and the garbage collector's
-    collections and seconds (radiance_gc_pause_seconds), from the daemon's /metrics."""
+async def counters(http: httpx.AsyncClient) -> dict[str, float]:
+    """From the daemon's /metrics: torch's CUDA allocator counters (cudaMalloc, cudaFree, retries), the
+    garbage collector's collections and seconds (radiance_gc_pause_seconds), and the engine steps'
+    count, wall seconds (radiance_step_duration_seconds) and own seconds on the device
+    (radiance_step_own_seconds, every kind): a slow request's time is in its steps or around them."""
     snap = Snapshot.parse((await http.get("/metrics")).text)
-    gc = [sum(v for (name, _), v in snap.values.items() if name == f"radiance_gc_pause_seconds_{part}")
-          for part in ("count", "sum")]
-    return (*(snap.total(f"radiance_cuda_allocator_{n}") for n in ("mallocs", "frees", "retries")), *gc)
+
+    def total(name: str) -> float:
+        return sum(v for (n, _), v in snap.values.items() if n == name)
+
+    out = {n: snap.total(f"radiance_cuda_allocator_{n}") for n in ("mallocs", "frees", "retries")}
+    out.update(gc_count=total("radiance_gc_pause_seconds_count"), gc_s=total("radiance_gc_pause_seconds_sum"),
+               steps=total("radiance_step_duration_seconds_count"), step_s=total("radiance_step_duration_seconds_sum"),
+               own_s=total("radiance_step_own_seconds_sum"))
+    return out
 
 
 async def timed_with_counters(http, prompt: list[int]):
-    """One streamed request of one token, and what the allocator and the garbage collector did meanwhile
-    (mallocs, frees, retries; collections, their seconds)."""
+    """One streamed request of one token, and what moved in `counters` meanwhile."""
     before = await counters(http)
     sample = await stream_request(http, COMPLETIONS, completion_body(prompt, 1))
     after = await counters(http)
-    return sample, [a - b for a, b in zip(after, before)]
+    return sample, {k: after[k] - before[k] for k in after}
 
 
 def twin_of(prompt: list[int]) -> list[int]:
@@ -115,8 +122,8 @@ async def ttft_rows(http, prompts: Callable[[int], list[int]], requests: int, bu
         if first.ok and twin.ok:
             one.append(first.ttft_s)
             one_ratio.append(first.ttft_s / twin.ttft_s)
-            pairs.append({"n": n, "first": first.ttft_s, "twin": twin.ttft_s, "first_allocator": first_alloc[:3],
-                          "twin_allocator": twin_alloc[:3], "first_gc": first_alloc[3:], "twin_gc": twin_alloc[3:]})
+            pairs.append({"n": n, "first": first.ttft_s, "twin": twin.ttft_s, "first_counters": first_alloc,
+                          "twin_counters": twin_alloc})
     burst, burst_ratio = [], []
     for _ in range(bursts):
         lengths = [rng.randint(1, 500) for _ in range(8)]

@@ -49,6 +49,7 @@ import asyncio
 import dataclasses
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import torch
@@ -174,17 +175,16 @@ def warm_up_start(engine, cfg, device: str, vocab_size: int, step_thread, compil
     return said
 
 
-async def warm_up_served(engine, vocab_size: int) -> None:
+async def warm_up_served(engine, vocab_size: int, then: Callable[[], Awaitable[object]] | None = None) -> None:
     """Two short requests (greedy, and every sampling feature) through the running `AsyncEngine`, as the
     HTTP API submits them, then one of --max-num-batched-tokens + 1 tokens (two chunks; on the CPU
-    CPU_WARMUP_TOKENS + 1), before ready:
+    CPU_WARMUP_TOKENS + 1), then `then` (the daemon's requests through its own socket,
+    server/self_warmup.py), before ready:
     `warm_up` steps the engine synchronously, so the served path's own first uses (pipelined rounds
     planned and applied on the event loop, a step planned ahead, its input read from the step before on
     the device, the detokenizer, streams) still fell on the first request. Not counted: the metrics are
     off while they run, their prefix-cache blocks are dropped, and the slab's and arena's counts restart
-    after them. (On the H200, after the two short ones alone, the first request after ready, 551 tokens,
-    still took 52-75 ms against 15-26 for the same length next: the long one is for that, not measured
-    yet.)"""
+    after them."""
     metrics, engine.metrics = engine.metrics, NoMetrics()
     rng = random.Random(1)
     scheduler, cpu = engine.scheduler, engine.engine.runner.device.type == "cpu"
@@ -197,6 +197,8 @@ async def warm_up_served(engine, vocab_size: int) -> None:
                                for i, (n, params) in enumerate(((9, SERVED_GREEDY), (5, SAMPLED)))))
         await _drain(engine.generate([rng.randrange(vocab_size) for _ in range(longest)], SERVED_GREEDY,
                                      "warm-up-served-long"))
+        if then is not None:
+            await then()
     finally:
         engine.metrics = metrics
     forget(engine.engine)

@@ -164,7 +164,8 @@ def _admit(request: Request) -> Served:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
             raise ProtocolError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
                                 "with the daemon's key", code="invalid_api_key")
-    if state.phase is Phase.LOADING or state.served is None:
+    warm_up = request.scope["state"].get("warm_up", False)  # the daemon's own (request_context.py)
+    if (state.phase is Phase.LOADING and not warm_up) or state.served is None:
         raise ProtocolError(503, "the model is still loading; retry when /health answers 200")
     if state.phase is Phase.DRAINING:
         raise ProtocolError(503, "the server is draining (shutting down) and takes no new requests")

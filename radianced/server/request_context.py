@@ -3,7 +3,9 @@
 Every request gets an id: the `X-Request-Id` response header, the body's id
 (`cmpl-<id>`, `chatcmpl-<id>`) and the first word of its log lines (the access
 line here, the engine's telemetry line on `radianced.requests`). A request
-whose client left (`scope["state"]["client_gone"]`) is counted as 499.
+whose client left (`scope["state"]["client_gone"]`) is counted as 499. The
+daemon's own warm-up requests (server/self_warmup.py) are marked
+(`scope["state"]["warm_up"]`: the routes admit them while loading) and not counted.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import secrets
 import time
 
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 
 from radianced.server.state import ServerState
 
@@ -34,6 +37,8 @@ class RequestContext:
             return await self.app(scope, receive, send)
         rid = secrets.token_hex(8)
         scope.setdefault("state", {})["request_id"] = rid
+        warm_up = self.state.warm_up_token is not None and self.state.is_warm_up(Headers(scope=scope))
+        scope["state"]["warm_up"] = warm_up
         status = 500
         start = time.perf_counter()
         done = False
@@ -44,7 +49,7 @@ class RequestContext:
             path = scope["path"]
             if scope["state"].get("client_gone"):
                 status = CLIENT_GONE
-            if path.startswith("/v1/"):
+            if path.startswith("/v1/") and not warm_up:
                 self.state.metrics.on_request_done(status)
             level = logging.INFO if path.startswith("/v1/") or status >= 400 else logging.DEBUG
             log.log(level, "%s: %s %s %d in %.0f ms", rid, scope["method"], path, status,

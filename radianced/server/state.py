@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import hmac
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 
 from radianced.engine.driver import AsyncEngine
 from radianced.server.metrics import Metrics
+from radianced.server.self_warmup import WARM_UP_HEADER
 
 
 class Phase(str, enum.Enum):
@@ -52,6 +54,7 @@ class ServerState:
         self.api_key = api_key
         self.body_timeout_s = body_timeout_s
         self.served: Served | None = None
+        self.warm_up_token: str | None = None  # while set, requests carrying it are the daemon's own (self_warmup)
         self.in_flight = 0  # HTTP requests between arrival and their last byte sent
         self.prepare_pool = ThreadPoolExecutor(self.PREPARE_THREADS, thread_name_prefix="radianced-prepare")
         self.draining = asyncio.Event()  # set with phase DRAINING: bodies still arriving are answered 503
@@ -68,6 +71,13 @@ class ServerState:
         self._phase = phase
         if phase is Phase.DRAINING:
             self.draining.set()
+
+    def is_warm_up(self, headers) -> bool:
+        """Whether a request with these headers is one of the daemon's own warm-up requests
+        (server/self_warmup.py): it carries the token while the token is set."""
+        given = headers.get(WARM_UP_HEADER)
+        return (self.warm_up_token is not None and given is not None
+                and hmac.compare_digest(given.encode(), self.warm_up_token.encode()))
 
     async def wait_idle(self) -> None:
         """Return once no HTTP request is in flight."""
