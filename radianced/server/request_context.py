@@ -5,7 +5,8 @@ Every request gets an id: the `X-Request-Id` response header, the body's id
 line here, the engine's telemetry line on `radianced.requests`). A request
 whose client left (`scope["state"]["client_gone"]`) is counted as 499. The
 daemon's own warm-up requests (server/self_warmup.py) are marked
-(`scope["state"]["warm_up"]`: the routes admit them while loading) and not counted.
+(`scope["state"]["warm_up"]`: the routes admit them while loading), their ids say
+"warm-up-http-", and they are not counted.
 """
 
 from __future__ import annotations
@@ -35,10 +36,9 @@ class RequestContext:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        rid = secrets.token_hex(8)
-        scope.setdefault("state", {})["request_id"] = rid
         warm_up = self.state.warm_up_token is not None and self.state.is_warm_up(Headers(scope=scope))
-        scope["state"]["warm_up"] = warm_up
+        rid = f"warm-up-http-{secrets.token_hex(4)}" if warm_up else secrets.token_hex(8)
+        scope.setdefault("state", {}).update(request_id=rid, warm_up=warm_up)
         status = 500
         start = time.perf_counter()
         done = False

@@ -162,18 +162,17 @@ async def test_control_socket_reports_and_cancels_a_live_request(daemon):
 FAULT = """
 import radianced.engine.runner as runner
 import radianced.engine.warmup as warmup
-_launch, _warm_up, _calls, _warm = runner.Runner.launch, warmup.warm_up, [0], [True]
-def warm_up(*args):  # start-up's warm-up steps launch too: count from its end
-    report = _warm_up(*args)
+_launch, _served, _calls, _warm = runner.Runner.launch, warmup.warm_up_served, [0], [True]
+async def warm_up_served(*args, **kwargs):  # start-up's warm-up steps launch too: count from its end
+    await _served(*args, **kwargs)
     _warm[0] = False
-    return report
 def launch(self, plan):
     _calls[0] += not _warm[0]
-    if _calls[0] > 12:  # past the served path's warm-up (2 short requests: about 5 steps)
+    if _calls[0] > 4:  # a few steps into the test's two requests (50 tokens each)
         raise RuntimeError("injected step fault")
     return _launch(self, plan)
 runner.Runner.launch = launch
-warmup.warm_up = warm_up
+warmup.warm_up_served = warm_up_served
 """
 
 

@@ -4,6 +4,7 @@ admitted while loading only with the process's token, and counted nowhere."""
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 
 import httpx
@@ -50,6 +51,7 @@ def test_the_daemon_warms_its_http_path_through_its_own_socket_before_ready_and_
         log = d.log()
         assert "warm-up: 3 requests through the HTTP socket in" in log  # the tiny model has a chat template
         assert log.index("requests through the HTTP socket") < log.index("ready: serving")
+        assert re.search(r"warm-up-http-[0-9a-f]{8}: POST /v1/chat/completions 200 in", log)  # marked as ours
         with client(d) as c:
             before = samples(c.get("/metrics").text)
             answer = c.post("/v1/completions", headers=d.headers(),

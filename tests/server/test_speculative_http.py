@@ -58,6 +58,6 @@ def test_drafts_are_accepted_and_the_greedy_text_is_the_same_as_without():
     assert by_position[0] > 0 and by_position == sorted(by_position, reverse=True)  # a later draft needs the earlier
     assert sum(by_position) == m["radiance_spec_accepted_tokens_total"]
     assert "speculative decoding: up to 4 n-gram drafts per sequence and step" in spec.log()
-    served = "\n".join(ln for ln in spec.log().splitlines() if "warm-up-served" not in ln)  # start-up's own two
+    served = "\n".join(ln for ln in spec.log().splitlines() if "warm-up-" not in ln)  # start-up's own requests
     lines = re.findall(r"drafts accepted (\d+)/(\d+) \((\d+\.\d)%\)", served)
     assert len(lines) == 3 and all(0 < int(a) <= int(d) for a, d, _ in lines)  # one line per request
