@@ -9,7 +9,7 @@ GFLOP/s (2 M N K / time), and fp32 `F.linear` on the dequantized copies beside i
 
 `--source FILE.c[:FLAGS]` (repeatable) adds another build of a kernel source (e.g. `git show main:radianced/kernels/
 cpu_blocks.c > /tmp/old.c`, or this one with `:-DNAME=VALUE`), compiled with cpu_blocks' flags into a temporary folder and called through
-the same `cpu_blocks.matmul`; all builds are timed interleaved (round by round, shape by shape) so that a
+the same `cpu_blocks.matmul`; all builds are timed interleaved (call by call) so that a
 shared machine's noise falls on each alike. The columns are named by each source's file name.
 """
 
@@ -73,13 +73,14 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=200, help="calls a build a (shape, M), in rounds of --copies")
     ap.add_argument("--source", action="append", default=[],
                     help="FILE.c[:FLAGS]: another build to time beside (repeatable; named FILE, or FILE:FLAGS)")
-    ap.add_argument("--shapes", default="", help="indices into the shape list (default: all)")
+    ap.add_argument("--shapes", default="", help="indices into the shape list (default: all), or NxK:fmt, comma-separated")
     ap.add_argument("--copies", type=int, default=COPIES, help="copies of each W, called in turn")
     ap.add_argument("--no-fp32", action="store_true", help="leave F.linear out")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ms = [int(v) for v in args.m.split(",")]
-    shapes = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES
+    shapes = [SHAPES[int(v)] if v.isdigit() else (*map(int, v.split(":")[0].split("x")), v.split(":")[1])
+              for v in args.shapes.split(",")] if args.shapes else SHAPES
 
     current = cpu_blocks._lib()
     builds = {"blocks": current}
@@ -112,16 +113,17 @@ def main() -> None:
                 for name, fn in fns.items():  # warm-up
                     for i in range(args.copies):
                         fn(i)
-                if dense:  # every build agrees with fp32 up to the order of its sums
-                    ref = F.linear(x, dense[0])
-                    for name in builds:
-                        y = fns[name](0)[1]
-                        err = (y - ref).abs().max().item() / max(1.0, ref.abs().max().item())
-                        if err > 1e-5:
-                            sys.exit(f"{name} differs from fp32 at {n} x {k} {fmt} M = {m}: {err:.2e} of max")
+                # every build agrees with fp32 up to the order of its sums (the current build's dequantization)
+                run_build(current)
+                ref = F.linear(x, dense[0] if dense else cpu_blocks.dequantize(datas[0], fmt, (n, k)))
+                for name in builds:
+                    y = fns[name](0)[1]
+                    err = (y - ref).abs().max().item() / max(1.0, ref.abs().max().item())
+                    if err > 1e-5:
+                        sys.exit(f"{name} differs from fp32 at {n} x {k} {fmt} M = {m}: {err:.2e} of max")
                 for _ in range(max(1, args.calls // args.copies)):
-                    for name, fn in fns.items():
-                        for i in range(args.copies):
+                    for i in range(args.copies):
+                        for name, fn in fns.items():  # call by call, so that noise falls on each alike
                             t = time.perf_counter()
                             fn(i)
                             times[name].append(time.perf_counter() - t)
