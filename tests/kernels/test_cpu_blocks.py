@@ -58,7 +58,7 @@ def test_dequantize_is_gguf_bit_for_bit(fmt, shape):
 
 
 @pytest.mark.parametrize("fmt,shape", CASES, ids=str)
-@pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 15, cpu_blocks.PREFILL_ROWS, cpu_blocks.PREFILL_ROWS + 3])
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 32, 33, cpu_blocks.PREFILL_ROWS, cpu_blocks.PREFILL_ROWS + 3])
 def test_matmul_is_the_dequantized_fp32_product(fmt, shape, m):
     """Every tile of x's rows (4, 3, 2, 1; direct up to 4 rows, through the dequantized panel from 5), W's
     rows in pairs and an odd N's last alone, and the long-prefill path (dequantize, then torch's GEMM)."""
