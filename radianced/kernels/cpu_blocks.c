@@ -8,9 +8,16 @@
  * W's values are the reference's bit for bit and a product differs from the reference's fp32 F.linear
  * only in the order of its sums.
  *
- * y [M, N] = x [M, K] @ W.T: each thread takes a static share of W's rows; a row's chunks are
- * dequantized once per tile of up to 8 rows of x, whose accumulators stay in registers (AVX2 + FMA;
- * a portable loop where the compiler has no AVX2). No allocation, no state: safe from any thread.
+ * y [M, N] = x [M, K] @ W.T: each thread takes a static share of W's rows, two at a time (AVX2 + FMA; a
+ * portable loop where the compiler has no AVX2). Up to 4 rows of x, the two rows' chunks are dequantized
+ * in registers as the tile goes and each x vector loaded feeds both rows' FMAs; from 5 rows, each 512
+ * values of the two rows are dequantized once into a buffer in L1 that every 4 rows of x then read
+ * (`panel`). No allocation (the buffer is on the stack), no state: safe from any thread.
+ *
+ * Measured on the 2-core EPYC (Zen 3), 2 threads, each call on the next of 8 copies of W
+ * (tools/bench_cpu_blocks.py), microseconds a call before -> after this layout:
+ *     1536 x 576 q4_1   M = 1: 107 -> 76   M = 2: 145 -> 96   M = 4: 173 -> 124   M = 8: 193 -> 150
+ *     49152 x 576 q8_0  M = 1: 2460 -> 1629                                        M = 8: 5746 -> 4104
  */
 #include <stdint.h>
 #include <string.h>
@@ -97,55 +104,58 @@ static inline void dequant_scalar(const uint8_t *b, int fmt, int j, float *w) {
 }
 
 #ifdef RAD_AVX2
-static inline __m256 i8x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+#define INLINE static inline __attribute__((always_inline))
+#define UNROLL _Pragma("GCC unroll 32") /* a tile's loops have constant trips: unrolled, its sums live in registers */
 
-/* 32 signed bytes (the chunk's integers in order) -> 4 x 8 floats */
-static inline void bytes_to_ps(__m256i q, __m256 f[4]) {
-    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-    f[0] = i8x8(lo);
-    f[1] = i8x8(_mm_srli_si128(lo, 8));
-    f[2] = i8x8(hi);
-    f[3] = i8x8(_mm_srli_si128(hi, 8));
-}
+/* 8 bytes -> 8 int32 lanes, zero-extended: one vpmovzxbd from memory */
+INLINE __m256i u8x8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 
-static inline __m256i load32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
-
-static inline __m256i nibbles(__m256i bytes, int high) {
-    const __m256i v = high ? _mm256_srli_epi16(bytes, 4) : bytes;
-    return _mm256_and_si256(v, _mm256_set1_epi8(15));
-}
-
-static inline void dequant_chunk(const uint8_t *b, int fmt, int j, __m256 w[4]) {
-    __m256i q;
-    if (fmt == Q8_0) {
-        q = load32(b + 2);
-    } else if (fmt == Q4_0 || fmt == Q4_1) {
-        const __m128i raw = _mm_loadu_si128((const __m128i *)(b + (fmt == Q4_1 ? 4 : 2)));
-        q = nibbles(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), 0);
-        if (fmt == Q4_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
-    } else if (fmt == Q4_K) {
-        q = nibbles(load32(b + 16 + 32 * (j / 2)), j % 2);
-    } else if (fmt == Q5_K) {
-        const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(load32(b + 16), j), _mm256_set1_epi8(1));
-        q = _mm256_or_si256(nibbles(load32(b + 48 + 32 * (j / 2)), j % 2), _mm256_slli_epi16(bit, 4));
-    } else { /* Q6_K */
-        const int h = j / 4, k = j % 4;
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(load32(b + 128 + 32 * h), 2 * k), _mm256_set1_epi8(3));
-        q = _mm256_or_si256(nibbles(load32(b + 64 * h + 32 * (k % 2)), k / 2), _mm256_slli_epi16(hi, 4));
-        q = _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+/* values 8 p .. 8 p + 7 of chunk c as the integers gguf multiplies by the scale, one a 32-bit lane.
+ * Masks and shifts act on 32-bit lanes after the zero-extension, so no bit crosses into a neighbour. */
+INLINE __m256i part_q(const uint8_t *b, const int fmt, int c, const int p) {
+    const __m256i m15 = _mm256_set1_epi32(15);
+    switch (fmt) {
+    case Q4_0: case Q4_1: { /* value i < 16: byte i's low nibble; i >= 16: byte i - 16's high one */
+        const __m256i v = u8x8(b + (fmt == Q4_1 ? 4 : 2) + 8 * (p % 2));
+        const __m256i q = p < 2 ? _mm256_and_si256(v, m15) : _mm256_srli_epi32(v, 4);
+        return fmt == Q4_0 ? _mm256_sub_epi32(q, _mm256_set1_epi32(8)) : q;
     }
-    /* shifts by 16-bit lanes are exact here: every byte is masked after its shift, and the ORed high
-     * bits (at most 2 wide, shifted by 4) stay inside their byte */
+    case Q8_0: return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * p)));
+    case Q4_K: {
+        const __m256i v = u8x8(b + 16 + 32 * (c / 2) + 8 * p);
+        return c % 2 ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, m15);
+    }
+    case Q5_K: {
+        const __m256i v = u8x8(b + 48 + 32 * (c / 2) + 8 * p);
+        const __m256i lo = c % 2 ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, m15);
+        const __m256i bit = _mm256_and_si256(_mm256_srl_epi32(u8x8(b + 16 + 8 * p), _mm_cvtsi32_si128(c)),
+                                             _mm256_set1_epi32(1));
+        return _mm256_or_si256(lo, _mm256_slli_epi32(bit, 4));
+    }
+    default: { /* Q6_K */
+        const int h = c / 4, k = c % 4;
+        const __m256i v = u8x8(b + 64 * h + 32 * (k % 2) + 8 * p);
+        const __m256i lo = k / 2 ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, m15);
+        const __m256i hi = _mm256_and_si256(_mm256_srl_epi32(u8x8(b + 128 + 32 * h + 8 * p), _mm_cvtsi32_si128(2 * k)),
+                                            _mm256_set1_epi32(3));
+        return _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+    }
+    }
+}
+
+/* a chunk's scales, broadcast: d0 for its values 0..15, d1 for 16..31 (equal but in Q6_K), m its min */
+typedef struct { __m256 d0, d1, m; } scales;
+
+INLINE scales chunk_scales_v(const uint8_t *b, const int fmt, int c) {
     float d[2], m;
-    chunk_scales(b, fmt, j, d, &m);
-    __m256 f[4];
-    bytes_to_ps(q, f);
-    const __m256 d0 = _mm256_set1_ps(d[0]), d1 = _mm256_set1_ps(d[1]), mv = _mm256_set1_ps(m);
-    for (int i = 0; i < 4; i++) {
-        w[i] = _mm256_mul_ps(i < 2 ? d0 : d1, f[i]);
-        if (fmt == Q4_1) w[i] = _mm256_add_ps(w[i], mv);
-        else if (fmt == Q4_K || fmt == Q5_K) w[i] = _mm256_sub_ps(w[i], mv);
-    }
+    chunk_scales(b, fmt, c, d, &m);
+    return (scales){_mm256_set1_ps(d[0]), _mm256_set1_ps(d[1]), _mm256_set1_ps(m)};
+}
+
+/* weights 8 p .. 8 p + 7 of chunk c: gguf's d * q (+ m, - m), each step rounded once as the reference's */
+INLINE __m256 part_w(const uint8_t *b, const int fmt, int c, const int p, scales s) {
+    const __m256 w = _mm256_mul_ps(p < 2 ? s.d0 : s.d1, _mm256_cvtepi32_ps(part_q(b, fmt, c, p)));
+    return fmt == Q4_1 ? _mm256_add_ps(w, s.m) : (fmt == Q4_K || fmt == Q5_K) ? _mm256_sub_ps(w, s.m) : w;
 }
 
 static inline float hsum(__m256 v) {
@@ -155,39 +165,223 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* one row of W against MT rows of x: MT * J accumulators (J = 8 / MT lanes of partial sums per row,
- * enough independent chains to keep both FMA ports busy) */
-static inline __attribute__((always_inline)) void row_tile(const float *x, int64_t ldx, const uint8_t *wrow,
-                                                           int64_t nb, int fmt, float *y, int64_t ldy, const int MT) {
-    const int J = MT >= 4 ? 8 / MT : 4, bb = block_bytes(fmt), nc = block_chunks(fmt);
-    __m256 acc[8];
-    for (int i = 0; i < MT * J; i++) acc[i] = _mm256_setzero_ps();
+/* Tiles. Every function below takes fmt, NR (rows of W), MR (rows of x) and J as compile-time constants
+ * (each format's product is its own code: the loops have no format branch and keep their sums in
+ * registers; that alone was most of the gain at M = 1, 2x on one thread).
+ *
+ * Sum order: each (W row, x row) keeps J partial sums; part p (values 8 p .. 8 p + 7) of every chunk of 32
+ * goes to sum p % J, the J sums are added in order at the end, then across lanes. J depends on MR alone
+ * (J_OF), MR on M alone, never on NR, on K-blocking or on which thread took the row: y is the same for
+ * any thread count and any grouping of W's rows. */
+#define J_OF(MR) ((MR) == 1 ? 4 : (MR) == 2 ? 2 : 1) /* at least 8 independent FMA chains a tile (latency 4) */
+#define WR 2         /* rows of W a tile: each loaded x vector feeds 2 FMAs (one row of W: 1 load an FMA) */
+#define MR_MAX 4     /* rows of x a tile: 2 x 4 sums + 2 weight vectors + an x vector fit the 16 ymm */
+#define PANEL_MIN 5  /* rows of x from which the panel (below) beats the direct tile */
+#define KB 512       /* values of K a panel holds: WR x 2 KiB, in L1 beside x's 4 rows */
+#define PF 1024      /* prefetch distance in W's rows, bytes */
+
+/* the M rows of x in tiles of MR_MAX, then one of 3, 2 or 1: BODY(first row, MR) with MR a constant */
+#define FOR_M_TILES(M, BODY)                                                                                   \
+    do {                                                                                                       \
+        int64_t m_ = 0;                                                                                        \
+        for (; m_ + MR_MAX <= (M); m_ += MR_MAX) BODY(m_, MR_MAX);                                             \
+        switch ((M) - m_) {                                                                                    \
+        case 3: BODY(m_, 3); break;                                                                            \
+        case 2: BODY(m_, 2); break;                                                                            \
+        case 1: BODY(m_, 1); break;                                                                            \
+        }                                                                                                      \
+    } while (0)
+
+/* Direct tile: NR rows of W (rows row_bytes apart) against MR rows of x, dequantizing as it goes: for each 8
+ * weights, the NR rows' vectors are made once and each x vector loaded feeds NR FMAs. Best at M <= 4 (the
+ * panel's store and reload cost more than a second dequantization saves there). */
+INLINE void tile(const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes, int64_t nb, float *y,
+                 int64_t ldy, const int fmt, const int NR, const int MR, const int J) {
+    const int bb = block_bytes(fmt), nc = block_chunks(fmt);
+    __m256 acc[WR][MR_MAX][4]; /* fixed sizes: a VLA ([NR][MR][J]) would stay in memory */
+    UNROLL
+    for (int r = 0; r < NR; r++)
+        UNROLL
+        for (int i = 0; i < MR; i++)
+            UNROLL
+            for (int j = 0; j < J; j++) acc[r][i][j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++)
         for (int c = 0; c < nc; c++) {
-            __m256 w[4];
-            dequant_chunk(wrow + b * bb, fmt, c, w);
+            scales s[WR];
+            /* two rows are two streams the hardware prefetcher follows poorly: the lm_head (30 MB, from
+             * memory) took 4.1 ms at M = 1 on one thread without this, 2.3 ms with it */
+            if (c == 0)
+                UNROLL
+                for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(w + r * row_bytes + b * bb + PF), _MM_HINT_T0);
+            UNROLL
+            for (int r = 0; r < NR; r++) s[r] = chunk_scales_v(w + r * row_bytes + b * bb, fmt, c);
             const float *xb = x + (b * nc + c) * 32;
-            for (int i = 0; i < MT; i++)
-                for (int j = 0; j < 4; j++)
-                    acc[i * J + j % J] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xb + i * ldx + 8 * j), acc[i * J + j % J]);
+            UNROLL
+            for (int p = 0; p < 4; p++) {
+                __m256 wv[WR];
+                UNROLL
+                for (int r = 0; r < NR; r++) wv[r] = part_w(w + r * row_bytes + b * bb, fmt, c, p, s[r]);
+                UNROLL
+                for (int i = 0; i < MR; i++) {
+                    const __m256 xv = _mm256_loadu_ps(xb + i * ldx + 8 * p);
+                    UNROLL
+                    for (int r = 0; r < NR; r++) acc[r][i][p % J] = _mm256_fmadd_ps(wv[r], xv, acc[r][i][p % J]);
+                }
+            }
         }
-    for (int i = 0; i < MT; i++) {
-        __m256 s = acc[i * J];
-        for (int j = 1; j < J; j++) s = _mm256_add_ps(s, acc[i * J + j]);
-        y[i * ldy] = hsum(s);
-    }
+    UNROLL
+    for (int r = 0; r < NR; r++)
+        UNROLL
+        for (int i = 0; i < MR; i++) {
+            __m256 t = acc[r][i][0];
+            UNROLL
+            for (int j = 1; j < J; j++) t = _mm256_add_ps(t, acc[r][i][j]);
+            y[i * ldy + r] = hsum(t);
+        }
 }
+
+/* the panel's fp32 kernel: NR rows of dequantized W (wb, rows KB apart) x MR rows of x over kn values,
+ * adding to NR x MR x J partial sums kept in memory between K-blocks (acc; from zero when `first`) */
+INLINE void micro(const float *x, int64_t ldx, const float *wb, int kn, __m256 *acc, int first, const int NR,
+                  const int MR, const int J) {
+    __m256 a[WR][MR_MAX][4];
+    UNROLL
+    for (int r = 0; r < NR; r++)
+        UNROLL
+        for (int i = 0; i < MR; i++)
+            UNROLL
+            for (int j = 0; j < J; j++) a[r][i][j] = first ? _mm256_setzero_ps() : acc[(r * MR + i) * J + j];
+    for (int k = 0; k < kn; k += 32)
+        UNROLL
+        for (int p = 0; p < 4; p++) {
+            /* The empty asms pin each loaded vector in a register: gcc otherwise folds the loads into the
+             * FMAs as memory operands, loading every vector NR or MR times (48 loads for 32 FMAs, past the
+             * 2 a cycle the core does; 24 with this). M = 8: 262 -> 234 us on one thread. */
+            __m256 wv[WR];
+            UNROLL
+            for (int r = 0; r < NR; r++) {
+                wv[r] = _mm256_load_ps(wb + r * KB + k + 8 * p);
+                __asm__("" : "+x"(wv[r]));
+            }
+            UNROLL
+            for (int i = 0; i < MR; i++) {
+                __m256 xv = _mm256_loadu_ps(x + i * ldx + k + 8 * p);
+                __asm__("" : "+x"(xv));
+                UNROLL
+                for (int r = 0; r < NR; r++) a[r][i][p % J] = _mm256_fmadd_ps(wv[r], xv, a[r][i][p % J]);
+            }
+        }
+    UNROLL
+    for (int r = 0; r < NR; r++)
+        UNROLL
+        for (int i = 0; i < MR; i++)
+            UNROLL
+            for (int j = 0; j < J; j++) acc[(r * MR + i) * J + j] = a[r][i][j];
+}
+
+INLINE void reduce(const __m256 *acc, float *y, int64_t ldy, const int NR, const int MR, const int J) {
+    UNROLL
+    for (int r = 0; r < NR; r++)
+        UNROLL
+        for (int i = 0; i < MR; i++) {
+            __m256 t = acc[(r * MR + i) * J];
+            UNROLL
+            for (int j = 1; j < J; j++) t = _mm256_add_ps(t, acc[(r * MR + i) * J + j]);
+            y[i * ldy + r] = hsum(t);
+        }
+}
+
+/* Panel: NR rows of W against M (<= 32) rows of x. Each K-block of KB values of the NR rows is
+ * dequantized once into an L1 buffer, then every tile of 4 rows of x runs the fp32 kernel over it (the
+ * direct tile would dequantize again for each). M = 8, 1536 x 576 q4_1, one thread: 282 us direct, 234
+ * through the panel (the base's one row of W x 8 rows of x: 347). */
+INLINE void panel(const float *x, int64_t M, int64_t ldx, const uint8_t *w, int64_t row_bytes, int64_t K,
+                  float *y, int64_t ldy, const int fmt, const int NR) {
+    _Alignas(32) float wb[WR * KB];
+    __m256 acc[WR * 32 * 4]; /* NR x M x J partial sums, J <= 4 a row of x */
+    const int bb = block_bytes(fmt), nc = block_chunks(fmt), vb = 32 * nc; /* values a block */
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+        const int kn = K - k0 < KB ? (int)(K - k0) : KB;
+        for (int r = 0; r < NR; r++)
+            for (int k = 0; k < kn; k += 32) {
+                const uint8_t *b = w + r * row_bytes + (k0 + k) / vb * bb;
+                const int c = (k0 + k) / 32 % nc;
+                if (c == 0) _mm_prefetch((const char *)(b + PF), _MM_HINT_T0);
+                const scales s = chunk_scales_v(b, fmt, c);
+                UNROLL
+                for (int p = 0; p < 4; p++) _mm256_store_ps(wb + r * KB + k + 8 * p, part_w(b, fmt, c, p, s));
+            }
+        __m256 *at = acc;
+#define MICRO(m, MR) (micro(x + (m) * ldx + k0, ldx, wb, kn, at, k0 == 0, NR, MR, J_OF(MR)), at += NR * MR * J_OF(MR))
+        FOR_M_TILES(M, MICRO);
+#undef MICRO
+    }
+    __m256 *at = acc;
+#define REDUCE(m, MR) (reduce(at, y + (m) * ldy, ldy, NR, MR, J_OF(MR)), at += NR * MR * J_OF(MR))
+    FOR_M_TILES(M, REDUCE);
+#undef REDUCE
+}
+
+/* NR (<= WR) rows of W against all M rows of x */
+INLINE void rows(const float *x, int64_t M, int64_t ldx, const uint8_t *w, int64_t row_bytes, int64_t nb,
+                 float *y, int64_t ldy, const int fmt, const int NR) {
+    if (M >= PANEL_MIN) {
+        for (int64_t m = 0; m < M; m += 32)
+            panel(x + m * ldx, M - m < 32 ? M - m : 32, ldx, w, row_bytes, nb * 32 * block_chunks(fmt),
+                  y + m * ldy, ldy, fmt, NR);
+        return;
+    }
+    if (M == 1 && (fmt == Q4_K || fmt == Q5_K)) {
+        /* one row of W at a time: two rows' K-quant scales and sums spill at M = 1 (3072 x 512, one thread:
+         * Q4_K 312 -> 240 us, Q5_K 370 -> 335; Q6_K was no faster). Same sums: J depends on MR alone. */
+        for (int r = 0; r < NR; r++) tile(x, ldx, w + r * row_bytes, row_bytes, nb, y + r, ldy, fmt, 1, 1, J_OF(1));
+        return;
+    }
+#define TILE(m, MR) tile(x + (m) * ldx, ldx, w, row_bytes, nb, y + (m) * ldy, ldy, fmt, NR, MR, J_OF(MR))
+    FOR_M_TILES(M, TILE);
+#undef TILE
+}
+
+/* one format's product: the threads take static shares of W's tiles of WR rows (an odd N's last is one row,
+ * with the same sums) */
+#define MATMUL_FMT(FMT)                                                                                        \
+    static void matmul_##FMT(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,  \
+                             int64_t row_bytes, float *y, int64_t ldy, int threads) {                         \
+        const int64_t nb = K / (32 * block_chunks(FMT)), tiles = (N + WR - 1) / WR;                           \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                     \
+        for (int64_t t = 0; t < tiles; t++) {                                                                 \
+            const int64_t n = t * WR;                                                                         \
+            if (n + WR <= N) rows(x, M, ldx, w + n * row_bytes, row_bytes, nb, y + n, ldy, FMT, WR);         \
+            else rows(x, M, ldx, w + n * row_bytes, row_bytes, nb, y + n, ldy, FMT, 1);                      \
+        }                                                                                                     \
+    }
+
+/* out [N, K] = W's values: each chunk's 32 weights stored as made */
+#define DEQUANT_FMT(FMT)                                                                                       \
+    static void dequant_##FMT(const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, float *out,          \
+                              int threads) {                                                                  \
+        const int nc = block_chunks(FMT), bb = block_bytes(FMT);                                              \
+        const int64_t nb = K / (32 * nc);                                                                     \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                     \
+        for (int64_t n = 0; n < N; n++)                                                                       \
+            for (int64_t b = 0; b < nb; b++)                                                                  \
+                for (int c = 0; c < nc; c++) {                                                                \
+                    const uint8_t *blk = w + n * row_bytes + b * bb;                                          \
+                    const scales s = chunk_scales_v(blk, FMT, c);                                             \
+                    float *o = out + n * K + (b * nc + c) * 32;                                               \
+                    UNROLL                                                                                    \
+                    for (int p = 0; p < 4; p++) _mm256_storeu_ps(o + 8 * p, part_w(blk, FMT, c, p, s));       \
+                }                                                                                             \
+    }
+
+#define EACH_FMT(X) X(Q4_0) X(Q4_1) X(Q8_0) X(Q4_K) X(Q5_K) X(Q6_K)
+EACH_FMT(MATMUL_FMT)
+EACH_FMT(DEQUANT_FMT)
 #endif
 
+#ifndef RAD_AVX2
 static void row(const float *x, int64_t M, int64_t ldx, const uint8_t *wrow, int64_t nb, int fmt, float *y,
                 int64_t ldy) {
-#ifdef RAD_AVX2
-    int64_t m = 0;
-    for (; m + 8 <= M; m += 8) row_tile(x + m * ldx, ldx, wrow, nb, fmt, y + m * ldy, ldy, 8);
-    if (M - m >= 4) { row_tile(x + m * ldx, ldx, wrow, nb, fmt, y + m * ldy, ldy, 4); m += 4; }
-    if (M - m >= 2) { row_tile(x + m * ldx, ldx, wrow, nb, fmt, y + m * ldy, ldy, 2); m += 2; }
-    if (M - m >= 1) row_tile(x + m * ldx, ldx, wrow, nb, fmt, y + m * ldy, ldy, 1);
-#else
     const int bb = block_bytes(fmt), nc = block_chunks(fmt);
     for (int64_t m = 0; m < M; m++) y[m * ldy] = 0.0f;
     for (int64_t b = 0; b < nb; b++)
@@ -200,34 +394,35 @@ static void row(const float *x, int64_t M, int64_t ldx, const uint8_t *wrow, int
                 y[m * ldy] += s;
             }
         }
-#endif
 }
+#endif
 
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W.T, W's N rows of row_bytes each; on
  * `threads` OpenMP threads (torch's own runtime: the same libgomp.so.1 is already loaded). */
 void rad_blocks_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
                        int64_t row_bytes, int fmt, float *y, int64_t ldy, int threads) {
+#ifdef RAD_AVX2
+#define CALL_MATMUL(FMT) case FMT: matmul_##FMT(x, M, K, ldx, w, N, row_bytes, y, ldy, threads); break;
+    switch (fmt) { EACH_FMT(CALL_MATMUL) }
+#else
     const int64_t nb = K / (32 * block_chunks(fmt));
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n = 0; n < N; n++) row(x, M, ldx, w + n * row_bytes, nb, fmt, y + n, ldy);
+#endif
 }
 
 /* out [N, K] fp32 = W's values (gguf's dequantization, bit for bit) */
 void rad_blocks_dequantize(const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, int fmt, float *out,
                            int threads) {
+#ifdef RAD_AVX2
+#define CALL_DEQUANT(FMT) case FMT: dequant_##FMT(w, N, K, row_bytes, out, threads); break;
+    switch (fmt) { EACH_FMT(CALL_DEQUANT) }
+#else
     const int nc = block_chunks(fmt), bb = block_bytes(fmt);
     const int64_t nb = K / (32 * nc);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n = 0; n < N; n++)
         for (int64_t b = 0; b < nb; b++)
-            for (int c = 0; c < nc; c++) {
-                float *o = out + n * K + (b * nc + c) * 32;
-#ifdef RAD_AVX2
-                __m256 v[4];
-                dequant_chunk(w + n * row_bytes + b * bb, fmt, c, v);
-                for (int j = 0; j < 4; j++) _mm256_storeu_ps(o + 8 * j, v[j]);
-#else
-                dequant_scalar(w + n * row_bytes + b * bb, fmt, c, o);
+            for (int c = 0; c < nc; c++) dequant_scalar(w + n * row_bytes + b * bb, fmt, c, out + n * K + (b * nc + c) * 32);
 #endif
-            }
 }

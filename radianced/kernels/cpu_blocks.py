@@ -15,7 +15,8 @@ from `F.linear(x, W.dequantize())` only in the order of its sums, like any fp32 
 
 Measured on this repository's 2-core AMD EPYC (AVX2 + FMA, no AVX-512), microseconds a call, each of
 8 copies in turn (weights from memory, as a step reads its layers), against fp32 F.linear on the
-dequantized matrix and the int4 kernel in bf16 (2 threads):
+dequantized matrix and the int4 kernel in bf16 (2 threads; the blocks' column before the two-row tiles
+of issue 23, 1.3-1.6x faster since: cpu_blocks.c's header, tools/bench_cpu_blocks.py):
 
     shape (N x K)   fmt    M = 1: blocks  fp32  int4   M = 8: blocks  fp32  int4
     3072 x 576      q4_1          142     581   160           332     988   374
@@ -26,9 +27,11 @@ dequantized matrix and the int4 kernel in bf16 (2 threads):
 The K-quants (no torch kernel reads them) were dequantized per use before, 25-35 ms for a 3072 x 512
 matrix; through the blocks 0.47 ms (Q4_K), 0.76 (Q5_K), 0.72 (Q6_K) at M = 1 on one thread.
 
-At a long prefill a GEMM library beats it (W's blocks are dequantized again for every 8 rows of x;
-at M = 64, 2.0 ms against fp32's 1.9 ms): past `PREFILL_ROWS` rows the matrix is dequantized by the
-same C code into a scratch and multiplied by torch's fp32 GEMM, the values unchanged.
+At a long prefill a GEMM library beats it (W's blocks are dequantized again for every 32 rows of x):
+past `PREFILL_ROWS` rows the matrix is dequantized by the same C code into a scratch and multiplied by
+torch's fp32 GEMM, the values unchanged. Measured (2 threads, us a call, kernel / dequantize + GEMM):
+1536 x 576 q4_1 at M = 48: 689 / 1045, M = 64: 936 / 1121, M = 128: 1899 / 1665; 576 x 1536 q4_1 at
+M = 64: 1003 / 963; the q8_0 lm_head (49152 x 576) at M = 64: 29 / 93 ms.
 
 The library is compiled with `-O3 -march=native -ffp-contract=off` (no fused multiply-add where
 gguf's dequantization rounds twice) into radianced's cache folder, named by the source's hash and the
@@ -56,7 +59,7 @@ from radianced.kernels.formats import CPU_BLOCKS, FORMATS as ALL_FORMATS
 
 SOURCE = Path(__file__).with_name("cpu_blocks.c")
 FORMATS = {f: CPU_BLOCKS.index(f) for f in CPU_BLOCKS}  # cpu_blocks.c's format codes
-PREFILL_ROWS = 32  # rows of x past which dequantize + torch's GEMM is faster (measured: module docstring)
+PREFILL_ROWS = 64  # rows of x past which dequantize + torch's GEMM is faster (measured: module docstring)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 

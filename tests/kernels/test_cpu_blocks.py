@@ -58,9 +58,10 @@ def test_dequantize_is_gguf_bit_for_bit(fmt, shape):
 
 
 @pytest.mark.parametrize("fmt,shape", CASES, ids=str)
-@pytest.mark.parametrize("m", [0, 1, 2, 3, 5, 8, 9, 15, cpu_blocks.PREFILL_ROWS + 3])
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 32, 33, cpu_blocks.PREFILL_ROWS, cpu_blocks.PREFILL_ROWS + 3])
 def test_matmul_is_the_dequantized_fp32_product(fmt, shape, m):
-    """Every tile width (8, 4, 2, 1 rows of x) and the long-prefill path (dequantize, then torch's GEMM)."""
+    """Every tile of x's rows (4, 3, 2, 1; direct up to 4 rows, through the dequantized panel from 5), W's
+    rows in pairs and an odd N's last alone, and the long-prefill path (dequantize, then torch's GEMM)."""
     data, ref = _matrix(fmt, *shape, seed=m)
     x = torch.randn(m, shape[1], generator=torch.Generator().manual_seed(m))
     y = cpu_blocks.matmul(x, data, fmt, shape)
@@ -69,28 +70,59 @@ def test_matmul_is_the_dequantized_fp32_product(fmt, shape, m):
     torch.testing.assert_close(y, expected, rtol=0, atol=1e-5 * max([1.0, *expected.abs().flatten().tolist()]))
 
 
-def test_leading_dims_and_strided_rows():
+@pytest.mark.parametrize("rows", [1, 3, 6, 7])
+def test_leading_dims_and_strided_rows(rows):
     """x [B, T, K] keeps its leading dims; a row view with a stride past K (a slice of a wider buffer) is read
-    in place, and a column-strided one is made contiguous first."""
-    data, ref = _matrix("q4_1", 40, 64)
-    wide = torch.randn(2, 3, 100)
-    x = wide[..., 10:74]
-    torch.testing.assert_close(cpu_blocks.matmul(x, data, "q4_1", (40, 64)), x @ ref.t(), rtol=0, atol=1e-4)
-    xt = torch.randn(64, 4).t()
-    torch.testing.assert_close(cpu_blocks.matmul(xt, data, "q4_1", (40, 64)), xt @ ref.t(), rtol=0, atol=1e-4)
+    in place, by the direct tile (1, 3 rows) and the panel (6, 7), and a column-strided one is made
+    contiguous first."""
+    data, ref = _matrix("q4_1", 41, 576)
+    wide = torch.randn(1, rows, 600)
+    x = wide[..., 10:586]
+    assert x.stride(-2) == 600
+    torch.testing.assert_close(cpu_blocks.matmul(x, data, "q4_1", (41, 576)), x @ ref.t(), rtol=0, atol=1e-4)
+    xt = torch.randn(576, rows).t()
+    torch.testing.assert_close(cpu_blocks.matmul(xt, data, "q4_1", (41, 576)), xt @ ref.t(), rtol=0, atol=1e-4)
 
 
-def test_rows_are_the_same_whatever_the_threads():
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q6_k"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
+def test_a_row_is_the_same_whatever_its_neighbours(fmt, m):
+    """W's rows are taken two at a time, an odd N's last alone: each row's sums are in the same order either
+    way, so a row of y is the same bit for bit whether its matrix has 1, 2 or 65 rows."""
+    n, k = 65, 1536 if fmt != "q6_k" else 1024
+    data, _ = _matrix(fmt, n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    full = cpu_blocks.matmul(x, data, fmt, (n, k))
+    for r in (0, 1, 63, 64):
+        assert torch.equal(cpu_blocks.matmul(x, data[r:r + 1], fmt, (1, k)), full[:, r:r + 1])
+    for r in (0, 1, 62):  # a pair starting on an odd row: rows 1 and 2 together, apart in the full matrix
+        assert torch.equal(cpu_blocks.matmul(x, data[r:r + 2], fmt, (2, k)), full[:, r:r + 2])
+
+
+def test_the_c_kernel_takes_more_than_32_rows():
+    """`matmul` sends past PREFILL_ROWS rows to torch's GEMM, but the C function takes any M (in panels of 32
+    rows of x): its product is still the dequantized one."""
+    data, ref = _matrix("q4_0", 34, 576)
+    x = torch.randn(70, 576)
+    y = torch.empty(70, 34)
+    cpu_blocks._lib().rad_blocks_matmul(x.data_ptr(), 70, 576, 576, data.data_ptr(), 34, data.stride(0),
+                                        cpu_blocks.FORMATS["q4_0"], y.data_ptr(), 34, 2)
+    expected = x @ ref.t()
+    torch.testing.assert_close(y, expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 13])
+def test_rows_are_the_same_whatever_the_threads(m):
     """Each output row is one thread's, its sums in one order: the result does not depend on the thread count.
-    (It does depend on M: a tile of 1, 2, 4 or 8 rows of x keeps 4, 4, 2 or 1 partial sums a row.)"""
-    data, _ = _matrix("q8_0", 300, 576)
-    x = torch.randn(8, 576)
+    (It does depend on M: a tile of 1, 2, or 3-4 rows of x keeps 4, 2 or 1 partial sums a row.)"""
+    data, _ = _matrix("q8_0", 301, 576)
+    x = torch.randn(m, 576)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpu_blocks.matmul(x, data, "q8_0", (300, 576))
+        one = cpu_blocks.matmul(x, data, "q8_0", (301, 576))
         torch.set_num_threads(2)
-        two = cpu_blocks.matmul(x, data, "q8_0", (300, 576))
+        two = cpu_blocks.matmul(x, data, "q8_0", (301, 576))
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
