@@ -13,10 +13,13 @@ headroom first and divides what is left (`FixedCharges.elastic`) by placement mo
   with R = min(T, seqs x (1 + drafts)) sampled rows:
     logits      R sampled rows (sizing.py: `logits_bytes`).
     activations one decoder layer at T tokens (sizing.py: `activation_bytes`).
-    graph pool  the same two terms at R tokens: decode CUDA graphs capture into
-                a private pool of their own (the fp32 logits of every bucket
+    graph pool  the same two terms at the largest step graph's rows: R for the
+                decode graphs, the largest mixed bucket's tokens and logits rows
+                for the mixed ones (graph_shapes.py); they capture into a
+                private pool of their own (the fp32 logits of every decode bucket
                 stay in it: at most 3.4 x R rows x 4 bytes, inside the logits
-                term), plus CAPTURE_WORKSPACE_BYTES for the capture stream's
+                term; each mixed graph's logits and routing record, charged on
+                their own), plus CAPTURE_WORKSPACE_BYTES for the capture stream's
                 cuBLAS workspace on a CUDA card; none with --enforce-eager.
     libraries   LIBRARY_BYTES (cuBLAS/cuBLASLt workspaces, Triton scratch).
 - **Fixed state** per live sequence: recurrent state of every DeltaNet layer
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 
 from radianced.card import Card, MiB
 from radianced.config import Config
+from radianced.graph_shapes import mixed_buckets, mixed_logits_rows
 from radianced.kernels.formats import is_compact
 from radianced.receipt import Part, fmt_mib
 from radianced.sizing import (
@@ -46,6 +50,7 @@ LIBRARY_BYTES = 32 * MiB  # cuBLAS/cuBLASLt workspaces and Triton scratch
 CAPTURE_WORKSPACE_BYTES = 32 * MiB
 BLOCK_TABLE_ENTRY = 4  # int32
 EXPERT_POINTER = 8  # int64 address (or index on the CPU)
+ROUTING_ID_BYTES = 8  # an int64 expert id in a graph's stacked routing record (tiers/slab.py `record`)
 
 
 @dataclass(frozen=True)
@@ -213,14 +218,25 @@ def _logits(facts: ModelFacts, rows: int) -> Part:
 
 
 def _graph_pool(facts: ModelFacts, rows: int, card: Card, cfg: Config) -> Part:
+    """The step graphs' pool (engine/graphs.py): one layer and logits at the largest graph's rows, plus what
+    each mixed graph holds past its capture: its fp32 logits and its stacked routing record (int64 ids)."""
     if cfg.enforce_eager:
         return Part("graph pool", 0, "none: --enforce-eager")
-    pool = activation_bytes(facts.model, facts.act_bytes, rows, card.cuda) + card_logits_bytes(facts, rows)
+    m = facts.model
+    mixed = () if recurrent_bytes_per_copy(m, facts.act_bytes) else \
+        mixed_buckets(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+    tokens = max((rows, *mixed))
+    logit_rows = max((rows, *(mixed_logits_rows(t, cfg.decode_tokens) for t in mixed)))
+    pool = activation_bytes(m, facts.act_bytes, tokens, card.cuda) + card_logits_bytes(facts, logit_rows)
+    held = sum(mixed_logits_rows(t, cfg.decode_tokens) * m.vocab_size * FP32 for t in mixed) + \
+        sum(t * len(m.moe_layers) * m.num_experts_per_tok * ROUTING_ID_BYTES for t in mixed)
+    what = f"one layer at {tokens} tokens and logits at {logit_rows} rows"
+    if mixed:
+        what += f", and the logits and routing each mixed graph holds ({fmt_mib(held)})"
     if not card.cuda:
-        return Part("graph pool", pool, f"one layer and logits at {rows} tokens, for decode graphs")
-    return Part("graph pool", pool + CAPTURE_WORKSPACE_BYTES,
-                f"one layer and logits at {rows} tokens, and the capture stream's cuBLAS workspace, "
-                f"for decode graphs")
+        return Part("graph pool", pool + held, f"{what}, for step graphs")
+    return Part("graph pool", pool + held + CAPTURE_WORKSPACE_BYTES,
+                f"{what}, and the capture stream's cuBLAS workspace, for step graphs")
 
 
 def _state(facts: ModelFacts, cfg: Config, groups: tuple[PagingGroup, ...], L: int) -> Iterable[Part]:

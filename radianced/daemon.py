@@ -259,7 +259,9 @@ class Daemon:
         except Exception:
             log.exception("cannot start: loading the model failed")
             raise _StartFailed from None
-        return AsyncEngine(engine, self.metrics, StepPacer.for_config(self.cfg), self.step_thread)
+        graphs = engine.runner.graphs
+        graph_tokens = max(graphs.mixed, default=0) if graphs is not None else 0
+        return AsyncEngine(engine, self.metrics, StepPacer.for_config(self.cfg, graph_tokens), self.step_thread)
 
     def _build(self):
         """Open the model, plan the card, allocate and load (on the loader thread)."""

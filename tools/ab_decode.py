@@ -11,7 +11,7 @@ synthetic Qwen3-30B-A3B-shaped model (tools/make_synthetic.py), serves
 one set of decode graphs per variant, then times `--rounds` rounds, each
 variant in turn within a round (drift and clocks fall on every variant alike):
 the daemon's loop (`AsyncEngine.run` through `bench_model.daemon_loop`, wall time
-per step over `--steps` steps), `DecodeGraphs.run` (the inputs' host work and the replay, CUDA events,
+per step over `--steps` steps), `StepGraphs.run` (the inputs' host work and the replay, CUDA events,
 median of `--steps`) and the captured graph replayed `--steps` times back to
 back (the device's work alone). Writes
 OUT/ab_decode.json and prints the medians over rounds. Differences of a few
@@ -68,7 +68,7 @@ def capture(engine: Engine, cfg: Config, env: dict[str, str]):
     os.environ.update(env)
     pdl._level.cache_clear()
     try:
-        return engine_module._decode_graphs(engine, cfg, engine.receipt)
+        return engine_module._step_graphs(engine, cfg, engine.receipt)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -79,7 +79,7 @@ def capture(engine: Engine, cfg: Config, env: dict[str, str]):
 
 
 def replay(engine: Engine, steps: int) -> tuple[float, float]:
-    """For the requests' next step: median seconds of `DecodeGraphs.run` (the inputs' host work
+    """For the requests' next step: median seconds of `StepGraphs.run` (the inputs' host work
     and copies, then the replay), and seconds per replay of the captured graph alone, `steps`
     replays back to back between two CUDA events (the device's work without the host's)."""
     plan = engine.scheduler.schedule()

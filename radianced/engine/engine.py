@@ -31,7 +31,7 @@ from radianced import budget
 from radianced.arena import KV, Arena, TenantPages
 from radianced.card import Card, MiB, detect_card
 from radianced.config import Config, ConfigError
-from radianced.engine.graphs import DecodeGraphs
+from radianced.engine.graphs import StepGraphs
 from radianced.engine.plan import StepOutput, StepPlan
 from radianced.engine.request import Request
 from radianced.engine.runner import InFlight, Runner
@@ -41,6 +41,7 @@ from radianced.engine.drafting import DraftPlanner
 from radianced.engine.speculation import TOKEN_COST, DraftPolicy, mtp_drafts, ngram_drafts
 from radianced.engine.tp_memory import plan_ranks, rank_memory, refuse_device
 from radianced.engine.tp_workers import StepBroadcast
+from radianced.graph_shapes import mixed_buckets
 from radianced.kernels import ops
 from radianced.kv.blocks import BlockAllocator
 from radianced.kv.cache import KVCache, RecurrentState, kv_format
@@ -216,7 +217,7 @@ class Engine:
             engine.pipelined = False  # its host sync per routed layer leaves nothing to overlap
             log.info("steps run one after the other: the disk tier reads experts with a host sync per layer")
         if torch.device(device).type == "cuda" and not cfg.enforce_eager:
-            engine.runner.graphs = _decode_graphs(engine, cfg, receipt)
+            engine.runner.graphs = _step_graphs(engine, cfg, receipt)
         return engine
 
     @classmethod
@@ -305,15 +306,18 @@ def _draft_policy(cfg: Config, mtp: bool, device: torch.device) -> DraftPolicy:
     return DraftPolicy(cfg.speculative, TOKEN_COST[device.type], propose=mtp_drafts if mtp else ngram_drafts)
 
 
-def _decode_graphs(engine: Engine, cfg: Config, receipt: Receipt) -> DecodeGraphs | None:
-    """Capture the decode graphs, or None where decode runs eagerly (said in the log)."""
+def _step_graphs(engine: Engine, cfg: Config, receipt: Receipt) -> StepGraphs | None:
+    """Capture the step graphs (engine/graphs.py), or None where every step runs eagerly (said in the
+    log). A model with recurrent layers gets decode graphs only (graph_shapes.py says why)."""
     runner = engine.runner
     if runner.model.mtp is not None:
-        log.info("decode graphs: none, decode runs eagerly: the MTP head drafts after every step")
+        log.info("step graphs: none, every step runs eagerly: the MTP head drafts after every step")
         return None
     if engine.experts is not None and engine.experts.placement.disk:
-        log.info("decode graphs: none, decode runs eagerly: the disk tier reads experts with a host sync "
+        log.info("step graphs: none, every step runs eagerly: the disk tier reads experts with a host sync "
                  "in every routed layer")
         return None
     max_blocks = -(-receipt.max_model_len // BLOCK_TOKENS)
-    return DecodeGraphs(runner.model, runner.cache, cfg.max_num_seqs, max_blocks, engine.experts)
+    mixed = () if runner.cache.states is not None else mixed_buckets(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+    return StepGraphs(runner.model, runner.cache, cfg.max_num_seqs, max_blocks, engine.experts, mixed=mixed,
+                      decode_tokens=cfg.decode_tokens)

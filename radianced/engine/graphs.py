@@ -1,4 +1,4 @@
-"""Decode steps as CUDA graphs: one graph per batch-size bucket, replayed with new inputs.
+"""Steps as CUDA graphs, replayed with new inputs: decode steps by sequence count, other steps by token count.
 
 A decode step (every sequence feeds one token and samples) of n sequences runs
 the graph of the smallest bucket b >= n. The graph was captured over static
@@ -12,17 +12,29 @@ spare state slot exists), logits dropped. Their tokens are routed like any
 token, so a padded row may read an expert no real row needed; the expert
 accounting counts only the n real rows.
 
+Any other step (a verify step, prefill chunks beside decodes, a short prompt) of
+T tokens wanting R logits rows runs the mixed graph of the smallest token bucket
+t >= T whose logits rows are at least R (radianced/graph_shapes.py: which
+buckets, and why), on models without recurrent layers. Its static batch has t
+token rows and --max-num-seqs sequence slots: the step's own layout
+(`HostLayout`, as the eager step's) fills the first rows and slots; rows T..t-1
+are padding (token 0, position 0, KV slot -1) owned by no sequence, and the
+empty slots own no rows (query start T, context 0), so no kernel reads or writes
+anything for them past their own output rows. Three copies a step: the int64
+rows, the int32 query starts and context lengths, the block tables.
+
 What the graph sees change between replays is data, not addresses: the inputs,
 the KV pages, the state slots' contents, the expert tables (patched in place
 between steps, in stream order). State resets, restores and checkpoint saves
 (`StepPlan.before`/`after`) are copies the runner queues on the same stream
 before and after the replay. The slab's routing record of a step is one
-[b, R, k] tensor: the capture stacks the routed layers' ids into it inside the
+[rows, R, k] tensor: the capture stacks the routed layers' ids into it inside the
 graph (`ExpertSlab.record`), so each replay rewrites it and the slab takes it
-(`ExpertSlab.replay`) with no launch of its own. Prefill, mixed steps and the
-disk tier (a host sync per layer) run eagerly.
+(`ExpertSlab.replay`) with no launch of its own. Steps past the largest mixed
+bucket, a hybrid model's other steps and the disk tier (a host sync per layer)
+run eagerly.
 
-Memory: all buckets share one graph pool, captured largest first, charged by
+Memory: all graphs share one graph pool, captured largest first, charged by
 the receipt's "graph pool" workspace line; padding needs nothing beyond it.
 """
 
@@ -37,17 +49,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radianced.graph_shapes import decode_buckets, mixed_logits_rows
 from radianced.kv.cache import KVCache
-from radianced.model.batch import ForwardBatch, copy_rows
+from radianced.model.batch import ALIGN_BYTES, ForwardBatch, HostLayout, copy_rows
 from radianced.model.layers import CausalLM
 
 if TYPE_CHECKING:
     from radianced.tiers.routing import Recording
 
 log = logging.getLogger("radianced.engine")
-
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-
 
 @contextlib.contextmanager
 def _no_collection():
@@ -73,29 +83,27 @@ def _no_collection():
             gc.enable()
 
 
-def buckets_for(max_num_seqs: int) -> tuple[int, ...]:
-    """The batch sizes to capture: the standard buckets below max_num_seqs, and max_num_seqs."""
-    return tuple(b for b in BUCKETS if b < max_num_seqs) + (max_num_seqs,)
-
-
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # [b, V]: the replay's output
+    logits: torch.Tensor  # [b, V] (decode) or [mixed_logits_rows, V] (mixed): the replay's output
     routing: Recording | None  # the slab's routing record, rewritten by each replay (ExpertSlab.record)
 
 
-class DecodeGraphs:
-    """Captured decode graphs of one model over one KV cache; `run` replays the right one."""
+class StepGraphs:
+    """Captured step graphs of one model over one KV cache; `run` replays a decode step's, `run_mixed`
+    any other step's."""
 
     def __init__(self, model: CausalLM, cache: KVCache, max_num_seqs: int, max_blocks: int, experts=None,
-                 capture: bool = True):
+                 capture: bool = True, mixed: tuple[int, ...] = (), decode_tokens: int = 0):
         """max_blocks: block-table width (blocks of the longest sequence); experts: the model's
-        ExpertSlab, if any. capture=False runs the padded static batch eagerly instead of
-        replaying (the CPU checks the layout with it, and the slab's stacked routing record: each
-        step records and replays it as a capture and a replay would)."""
+        ExpertSlab, if any; mixed: the mixed graphs' token buckets (`graph_shapes.mixed_buckets`; () for
+        decode graphs only); decode_tokens: `Config.decode_tokens` (the mixed graphs' logits rows).
+        capture=False runs the padded static batches eagerly instead of replaying (the CPU checks the
+        layouts with it, and the slab's stacked routing record: each step records and replays it as a
+        capture and a replay would)."""
         self.model, self.cache, self.experts = model, cache, experts
-        self.buckets = buckets_for(max_num_seqs)
+        self.buckets = decode_buckets(max_num_seqs)
         self.device = cache.storage.device
         b = self.buckets[-1]
         dev = self.device
@@ -120,6 +128,11 @@ class DecodeGraphs:
         self._host_np, self._host_tables_np = self._host.numpy(), self._host_tables.numpy()
         self._graphs: dict[int, _Graph] = {}
         self._copied: torch.cuda.Event | None = None  # after the last step's input copies (CUDA)
+        self.mixed = mixed
+        self._mixed_rows = {t: mixed_logits_rows(t, decode_tokens) for t in mixed}
+        self._mixed_graphs: dict[int, _Graph] = {}
+        if mixed:
+            self._mixed_inputs(max(mixed), max(self._mixed_rows.values()), b, pin)
         self.capture = capture
         if capture:
             self._capture_all()
@@ -127,6 +140,92 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int | None:
         """The bucket a decode step of n sequences runs in, or None (too many)."""
         return next((b for b in self.buckets if b >= n), None)
+
+    def mixed_bucket(self, tokens: int, logits_rows: int, sequences: int) -> int | None:
+        """The mixed graph a step of `tokens` rows over `sequences` sequences wanting `logits_rows` logits
+        runs, or None (eager)."""
+        if sequences > self.buckets[-1]:
+            return None
+        return next((t for t in self.mixed if t >= tokens and self._mixed_rows[t] >= logits_rows), None)
+
+    def _mixed_inputs(self, t: int, r: int, s: int, pin: bool) -> None:
+        """The mixed graphs' static inputs, for `t` rows, `r` logits rows and `s` sequence slots: int64 ids,
+        positions, KV slots (each t) and logits rows (r), int32 query starts (s + 1) and context lengths
+        (s), each view on an ALIGN_BYTES boundary (the step's kernel variants are the eager ones'); a
+        pinned host twin of each buffer. Until a step fills them: padding rows, empty slots."""
+        def align(n: int, itemsize: int) -> int:
+            per = ALIGN_BYTES // itemsize
+            return -(-n // per) * per
+
+        longs = (t, t, t, r)
+        at = [0]
+        for n in longs:
+            at.append(at[-1] + align(n, 8))
+        self._m_longs = torch.zeros(at[-1], dtype=torch.int64, device=self.device)
+        self._m_ids, self._m_pos, self._m_slots, self._m_rows = (self._m_longs[a:a + n] for a, n in zip(at, longs))
+        self._m_slots.fill_(-1)
+        lens_at = align(s + 1, 4)
+        self._m_ints = torch.zeros(lens_at + s, dtype=torch.int32, device=self.device)
+        self._m_starts, self._m_lens = self._m_ints[:s + 1], self._m_ints[lens_at:]
+        self._m_host_longs = torch.zeros(at[-1], dtype=torch.int64, pin_memory=pin)
+        self._m_host_ints = torch.zeros(lens_at + s, dtype=torch.int32, pin_memory=pin)
+        self._m_at, self._m_lens_at = at, lens_at
+
+    def run_mixed(self, layout: HostLayout, pending: tuple[torch.Tensor | slice, torch.Tensor] | None = None,
+                  ) -> torch.Tensor:
+        """A step that is not decode-shaped, laid out as the eager step lays it out (`HostLayout.of`), in the
+        mixed graph `mixed_bucket` gives it; returns the logits [R, V] (fp32) of layout.rows. pending: as
+        in `run`, rows of the layout. The caller wraps it in the slab's begin_step/end_launch."""
+        n_tok, n_seq, n_rows = len(layout.ids), len(layout.lens), len(layout.rows)
+        t = self.mixed_bucket(n_tok, n_rows, n_seq)
+        if t is None:
+            raise ValueError(f"a step of {n_tok} tokens, {n_rows} logits rows and {n_seq} sequences fits no "
+                             f"mixed graph (buckets {self.mixed}, {self.buckets[-1]} sequence slots)")
+        longs, ints = self._m_host_longs.numpy(), self._m_host_ints.numpy()
+        at, s = self._m_at, self.buckets[-1]
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copies have left the pinned buffers
+        for i, (values, pad) in enumerate(((layout.ids, 0), (layout.positions, 0), (layout.slots, -1))):
+            longs[at[i]:at[i] + n_tok] = values
+            longs[at[i] + n_tok:at[i] + t] = pad  # padding rows: token 0, position 0, no KV write
+        longs[at[3]:at[3] + n_rows] = layout.rows
+        longs[at[3] + n_rows:at[3] + self._mixed_rows[t]] = 0
+        ints[:n_seq + 1] = layout.starts
+        ints[n_seq + 1:s + 1] = n_tok  # empty slots: no rows, no context
+        ints[self._m_lens_at:self._m_lens_at + n_seq] = layout.lens
+        ints[self._m_lens_at + n_seq:self._m_lens_at + s] = 0
+        width = min(layout.tables.shape[1], self._host_tables_np.shape[1])
+        self._host_tables_np[:n_seq, :width] = layout.tables[:, :width]
+        nb = self.device.type == "cuda"
+        self._m_longs.copy_(self._m_host_longs, non_blocking=nb)
+        self._m_ints.copy_(self._m_host_ints, non_blocking=nb)
+        self._tables[:n_seq, :width].copy_(self._host_tables[:n_seq, :width], non_blocking=nb)
+        if pending is not None:
+            copy_rows(self._m_ids, *pending)
+        if nb:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        if not self.capture:
+            with torch.inference_mode():
+                logits = self.model.forward(self._mixed_batch(t), self.cache)
+                if self.experts is not None:
+                    self.experts.replay(self.experts.record())
+            return logits[:n_rows]
+        g = self._mixed_graphs[t]
+        g.graph.replay()
+        if self.experts is not None:
+            self.experts.replay(g.routing)
+        return g.logits[:n_rows]
+
+    def _mixed_batch(self, t: int) -> ForwardBatch:
+        """The static batch of mixed bucket t: views of the mixed inputs (module docstring). Its host
+        tuples only say it is not decode-shaped: the kernels read the device tensors."""
+        s = self.buckets[-1]
+        return ForwardBatch(
+            input_ids=self._m_ids[:t], positions=self._m_pos[:t], slot_mapping=self._m_slots[:t],
+            block_tables=self._tables[:s], logits_rows=self._m_rows[:self._mixed_rows[t]],
+            query_start=(0,) * s + (t,), seq_lens=(0,) * s,
+            query_start_t=self._m_starts, seq_lens_t=self._m_lens)
 
     def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
             state_slots: list[int | None], pending: tuple[torch.Tensor | slice, torch.Tensor] | None = None,
@@ -176,7 +275,7 @@ class DecodeGraphs:
         return g.logits[:n]
 
     def graph(self, b: int) -> torch.cuda.CUDAGraph:
-        """Bucket b's captured graph (benchmarks: replaying it repeats the last step of that
+        """Decode bucket b's captured graph (benchmarks: replaying it repeats the last step of that
         bucket on the inputs `run` left, the device's work alone)."""
         return self._graphs[b].graph
 
@@ -190,8 +289,8 @@ class DecodeGraphs:
             state_slots=None if self._states is None else self._states[:b], every_row=True)
 
     def _capture_all(self) -> None:
-        """Warm up and capture every bucket, largest first, into one pool (padding rows only:
-        no KV and no recurrent state is written). Python's cyclic garbage collector does not run
+        """Warm up and capture every bucket, mixed and decode, largest first, into one pool (padding rows
+        only: no KV and no recurrent state is written). Python's cyclic garbage collector does not run
         during the captures (`_no_collection`)."""
         with _no_collection():
             self._capture_buckets()
@@ -203,28 +302,31 @@ class DecodeGraphs:
         before = torch.cuda.memory_allocated(self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream())
+        shapes = [(self._mixed_graphs, t, self._mixed_batch) for t in sorted(self.mixed, reverse=True)] + \
+            [(self._graphs, b, self._batch) for b in sorted(self.buckets, reverse=True)]  # largest first
         with torch.inference_mode(), torch.cuda.stream(stream):
-            for b in sorted(self.buckets, reverse=True):
-                self._forward(self._batch(b))  # warm-up: Triton compiles, allocator settles
+            for _, size, batch in shapes:
+                self._forward(batch(size))  # warm-up: Triton compiles, allocator settles
             # The warm-ups gave this thread's cuBLAS handle a workspace on this stream, in the default pool.
             # Dropped, the first capture allocates it in the graphs' pool, where the receipt's graph-pool
             # line charges it (charges.CAPTURE_WORKSPACE_BYTES); kept, it sat outside every charge.
             stream.synchronize()
             torch._C._cuda_clearCublasWorkspaces()
-            for b in sorted(self.buckets, reverse=True):
-                batch = self._batch(b)
+            for graphs, size, batch in shapes:
+                static = batch(size)
                 graph = torch.cuda.CUDAGraph()
                 self._begin()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    logits = self.model.forward(batch, self.cache)
+                    logits = self.model.forward(static, self.cache)
                     routing = self.experts.record() if self.experts is not None else None  # stacked in the graph
                 if self.experts is not None:
                     self.experts.end_step()  # nothing ran yet: the capture recorded, it did not count
-                self._graphs[b] = _Graph(graph, logits, routing)
+                graphs[size] = _Graph(graph, logits, routing)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        log.info("decode graphs: %d buckets (%s) captured in %.1f s, %.2f MiB held", len(self.buckets),
-                 ", ".join(map(str, self.buckets)), time.perf_counter() - t0,
+        mixed = f", mixed graphs at {', '.join(map(str, self.mixed))} tokens" if self.mixed else ""
+        log.info("step graphs: decode at %s sequences%s; %d captured in %.1f s, %.2f MiB held",
+                 ", ".join(map(str, self.buckets)), mixed, len(shapes), time.perf_counter() - t0,
                  (torch.cuda.memory_allocated(self.device) - before) / 2**20)
 
     def _begin(self) -> None:

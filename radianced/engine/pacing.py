@@ -26,6 +26,11 @@ Two caps, both from the steps the daemon runs:
   tokens a step, for 7.1 s. There a step takes the fixed part's worth of tokens (it is
   half prefill). Until the line is known the allowance starts at one block and doubles.
 
+Where the engine replays mixed CUDA graphs (engine/graphs.py), a step beside decodes also
+takes at most the largest one's tokens: past it the step runs eagerly, and an eager step's
+launches cost the H200's 8-layer synthetic model about 7-12 ms whatever its size, against
+a decode step's 1.6 ms.
+
 Each step is timed on its own (engine/step_timer.py); a decode step's time is the
 baseline. Each cap grows at most twofold a step, so one short step never sends the next
 one over its target. The floor is a step that still decodes every live sequence and
@@ -43,14 +48,18 @@ FORGET = 0.8  # the weight of a prefill step in the step-time line falls by this
 class StepPacer:
     """The next step's token budget from measured step times."""
 
-    def __init__(self, max_tokens: int, max_step_seconds: float, floor: int, itl_factor: float = 0.0):
+    def __init__(self, max_tokens: int, max_step_seconds: float, floor: int, itl_factor: float = 0.0,
+                 graph_tokens: int = 0):
         """max_tokens: --max-num-batched-tokens (never exceeded); max_step_seconds: the target step
         time (0: no cap); floor: the fewest tokens a paced step may take; itl_factor: the longest a
-        step with decodes may take, in decode steps (0: no cap; else above 1)."""
-        if max_tokens < 1 or max_step_seconds < 0 or floor < 1 or not (itl_factor == 0 or itl_factor > 1):
+        step with decodes may take, in decode steps (0: no cap; else above 1); graph_tokens: the
+        largest mixed graph's tokens (0: none), a step with decodes' cap too where itl_factor is set."""
+        if max_tokens < 1 or max_step_seconds < 0 or floor < 1 or not (itl_factor == 0 or itl_factor > 1) \
+                or graph_tokens < 0:
             raise ValueError(f"max_tokens {max_tokens}, max_step_seconds {max_step_seconds}, floor {floor}, "
-                             f"itl_factor {itl_factor}")
+                             f"itl_factor {itl_factor}, graph_tokens {graph_tokens}")
         self.max_tokens = max_tokens
+        self.graph_tokens = graph_tokens
         self.max_step_seconds = max_step_seconds
         self.floor = min(floor, max_tokens)
         self.itl_factor = itl_factor
@@ -101,11 +110,14 @@ class StepPacer:
         """The next step's budget with `decoding` sequences decoding in it."""
         if not (decoding and self.itl_factor and self.decode_seconds):
             return self.budget
-        return min(self.budget, max(self.floor, decoding + self.prefill_beside_decodes))
+        beside = self.prefill_beside_decodes
+        if self.graph_tokens:  # the step stays in a mixed graph (module docstring)
+            beside = min(beside, self.graph_tokens - decoding)
+        return min(self.budget, max(self.floor, decoding + beside))
 
     @classmethod
-    def for_config(cls, cfg: Config) -> StepPacer:
-        """The daemon's pacer: --max-num-batched-tokens, --max-step-seconds, --itl-factor, and a floor
-        of a decode for every sequence plus one block of prefill."""
+    def for_config(cls, cfg: Config, graph_tokens: int = 0) -> StepPacer:
+        """The daemon's pacer: --max-num-batched-tokens, --max-step-seconds, --itl-factor, a floor of a
+        decode for every sequence plus one block of prefill, and the engine's largest mixed graph."""
         return cls(cfg.max_num_batched_tokens, cfg.max_step_seconds, cfg.decode_tokens + BLOCK_TOKENS,
-                   cfg.itl_factor)
+                   cfg.itl_factor, graph_tokens)

@@ -27,7 +27,7 @@ from radianced.engine.speculation import accepted
 from radianced.engine.step_timer import StepTimer
 from radianced.kv.cache import KVCache, RecurrentState
 from radianced.kv.state import StateCopy
-from radianced.model.batch import ForwardBatch, copy_rows, to_device_no_sync
+from radianced.model.batch import ForwardBatch, HostLayout, copy_rows, to_device_no_sync
 from radianced.model.layers import CausalLM
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class Runner:
         self.experts = experts
         self.vocab_size = model.cfg.vocab_size
         self.device = cache.storage.device
-        self.graphs = None  # DecodeGraphs (engine/graphs.py) once captured: decode steps replay them
+        self.graphs = None  # StepGraphs (engine/graphs.py) once captured: steps that fit one replay it
         self.workers = None  # StepBroadcast (engine/tp_workers.py) under --tp N: the other ranks run each step too
         self.mtp_drafts = 1  # drafts the MTP head chains per sequence and step (--speculative)
         self._last_tokens: torch.Tensor | None = None  # [R] the last launched step's sampled ids (device)
@@ -83,6 +83,9 @@ class Runner:
             and self.graphs.bucket(len(seqs)) is not None
         query_start = tuple(range(len(seqs) + 1)) if graph else \
             tuple(itertools.accumulate((len(s.token_ids) for s in seqs), initial=0))
+        wanted = [(1 + len(s.drafts)) * s.sample for s in seqs]  # logits rows of each sequence
+        mixed = not graph and self.graphs is not None and \
+            self.graphs.mixed_bucket(query_start[-1], sum(wanted), len(seqs)) is not None
         pending = self._pending_inputs(seqs, query_start)
         segments = [(query_start[i], query_start[i + 1]) for i in decode]
         if self.experts is not None:
@@ -92,12 +95,15 @@ class Runner:
             if graph:  # every sequence feeds one token and samples: query_start is 0, 1, ..., B
                 logits = self.graphs.run([s.token_ids[0] for s in seqs], [s.context_before for s in seqs],
                                          [s.block_table[0] for s in seqs], [s.state_slot for s in seqs], pending)
+            elif mixed:  # any other step that fits a mixed graph (engine/graphs.py): the eager layout, replayed
+                logits = self.graphs.run_mixed(HostLayout.of(
+                    [list(s.token_ids) for s in seqs], [s.context_before for s in seqs],
+                    [list(s.block_table[0]) for s in seqs], self.cache.block_size, wanted), pending)
             else:
                 layout = dict(
                     token_ids=[list(s.token_ids) for s in seqs], context_before=[s.context_before for s in seqs],
                     block_tables=[list(s.block_table[0]) for s in seqs], block_size=self.cache.block_size,
-                    logits=[(1 + len(s.drafts)) * s.sample for s in seqs],
-                    state_slots=[s.state_slot for s in seqs] if self.cache.states is not None else None,
+                    logits=wanted, state_slots=[s.state_slot for s in seqs] if self.cache.states is not None else None,
                     drafts=[len(s.drafts) for s in seqs])
                 batch = ForwardBatch.build(**layout, device=self.device)
                 if pending is not None:

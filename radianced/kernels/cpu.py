@@ -362,7 +362,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q: [T, Hq, D]; query_start [B+1], seq_lens [B]: host sequences or integer tensors;
     block_tables: [B, max_blocks]. Returns [T, Hq, D]. Padding query rows (sequences with
     fewer new tokens than the longest) are computed and dropped; they see the whole context,
-    so no row is fully masked.
+    so no row is fully masked. Rows past query_start[B] belong to no sequence: zeros.
     """
     return _attend(_Rows.of(k_cache, v_cache), q, k_cache, v_cache, block_tables, query_start, seq_lens, scale)
 
@@ -376,6 +376,9 @@ def _attend(rows: _Rows | None, q: torch.Tensor, k_cache, v_cache, block_tables:
     plan = _read_plan(block_tables, _hashable(query_start), _hashable(seq_lens), k_cache.shape[2])
     b, q_max, ctx = plan.b, plan.q_max, plan.ctx
     hkv = k_cache.shape[3]
+    if plan.t < t:  # rows past the last sequence's are no sequence's (a mixed graph's padding): zeros
+        return torch.cat((_attend(rows, q[:plan.t], k_cache, v_cache, block_tables, query_start, seq_lens, scale),
+                          q.new_zeros(t - plan.t, hq, d)))
     if rows is not None:  # [B, Hkv, C, D] each, in one gather
         k, v = rows.flat.index_select(0, _read_rows(plan, rows.layout)).view(2, b, ctx, hkv, d).transpose(2, 3).unbind()
     else:

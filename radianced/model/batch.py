@@ -66,7 +66,40 @@ class ForwardBatch:
     def build(token_ids: list[list[int]], context_before: list[int], block_tables: list[list[int]],
               block_size: int, logits: str | list[int] = "last", state_slots: list[int] | None = None,
               device: torch.device | str = "cpu", drafts: list[int] | None = None) -> ForwardBatch:
-        """Lay out B sequences' new tokens; sequence b already has context_before[b] tokens cached.
+        """Lay out B sequences' new tokens (`HostLayout.of`) and copy them to `device`."""
+        h = HostLayout.of(token_ids, context_before, block_tables, block_size, logits)
+        # three host-to-device copies: the int64 vectors as one, the int32 ones as one, the tables
+        longs = [h.ids, h.positions, h.slots, h.rows] + \
+            ([] if state_slots is None else [np.asarray(state_slots, dtype=np.int64)])
+        ids_t, pos_t, slots_t, rows_t, *states_t = packed(longs, np.int64, device)
+        starts_t, lens_t = packed([h.starts, list(h.lens)], np.int32, device)
+        return ForwardBatch(
+            input_ids=ids_t, positions=pos_t, slot_mapping=slots_t,
+            block_tables=to_device_no_sync(torch.from_numpy(h.tables), device), logits_rows=rows_t,
+            query_start=tuple(h.starts), seq_lens=h.lens,
+            query_start_t=starts_t, seq_lens_t=lens_t,
+            state_slots=states_t[0] if states_t else None, every_row=len(h.rows) == h.starts[-1],
+            drafts=tuple(drafts) if drafts and any(drafts) else (),
+        )
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """A step's rows on the host, as `ForwardBatch.build` copies them (and the step graphs'
+    static buffers take them: engine/graphs.py)."""
+
+    ids: np.ndarray  # [T] int64 token ids
+    positions: np.ndarray  # [T] int64
+    slots: np.ndarray  # [T] int64 KV slots
+    rows: np.ndarray  # [R] int64 rows whose logits are wanted, in order
+    starts: list[int]  # [B + 1] query_start
+    lens: tuple[int, ...]  # [B] seq_lens
+    tables: np.ndarray  # [B, width] int32 block tables, zero-padded
+
+    @staticmethod
+    def of(token_ids: list[list[int]], context_before: list[int], block_tables: list[list[int]],
+           block_size: int, logits: str | list[int] = "last") -> HostLayout:
+        """B sequences' new tokens; sequence b already has context_before[b] tokens cached.
 
         logits="last" asks for each sequence's last row, "all" for every row, and a
         list of B counts for that many of each sequence's last rows (a bool: its last row or none).
@@ -86,32 +119,18 @@ class ForwardBatch:
             elif n:
                 rows.extend(range(starts[b + 1] - min(int(logits[b]), n), starts[b + 1]))
         width = max((len(t) for t in block_tables), default=0) or 1
-        tables_np = np.zeros((len(block_tables), width), dtype=np.int32)
+        tables = np.zeros((len(block_tables), width), dtype=np.int32)
         for b, t in enumerate(block_tables):
-            tables_np[b, : len(t)] = t
-        tables = torch.from_numpy(tables_np)
+            tables[b, : len(t)] = t
         lens = tuple(before + n for n, before in zip(lens_q, context_before))
         # every token at once (numpy, no per-token Python): its sequence, position and KV slot
         total = starts[-1]
         seq = np.repeat(np.arange(len(lens_q)), lens_q)
         pos = np.arange(total, dtype=np.int64) + np.repeat(
             np.asarray(context_before, dtype=np.int64) - starts[:-1], lens_q)
-        slots = tables_np[seq, pos // block_size].astype(np.int64) * block_size + pos % block_size
+        slots = tables[seq, pos // block_size].astype(np.int64) * block_size + pos % block_size
         ids = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=total)
-
-        # three host-to-device copies: the int64 vectors as one, the int32 ones as one, the tables
-        longs = [ids, pos, slots, np.asarray(rows, dtype=np.int64)] + \
-            ([] if state_slots is None else [np.asarray(state_slots, dtype=np.int64)])
-        ids_t, pos_t, slots_t, rows_t, *states_t = packed(longs, np.int64, device)
-        starts_t, lens_t = packed([starts, list(lens)], np.int32, device)
-        return ForwardBatch(
-            input_ids=ids_t, positions=pos_t, slot_mapping=slots_t,
-            block_tables=to_device_no_sync(tables, device), logits_rows=rows_t,
-            query_start=tuple(starts), seq_lens=lens,
-            query_start_t=starts_t, seq_lens_t=lens_t,
-            state_slots=states_t[0] if states_t else None, every_row=rows == list(range(total)),
-            drafts=tuple(drafts) if drafts and any(drafts) else (),
-        )
+        return HostLayout(ids, pos, slots, np.asarray(rows, dtype=np.int64), starts, lens, tables)
 
 
 ALIGN_BYTES = 16  # Triton specializes a pointer on 16-byte alignment: each view starts on it

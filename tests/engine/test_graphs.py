@@ -1,8 +1,9 @@
-"""The decode-graph path's layout on the CPU: `DecodeGraphs(capture=False)` runs the padded
-static batch eagerly, and hands the slab its routing as a replay does (the stacked record of
-`ExpertSlab.record`, padding rows included), so the tokens, the expert accounting and the KV
-it writes must equal the plain eager runner's. (The capture and replay themselves are checked
-on the GPU: tests/gpu/test_decode_graphs.py.)
+"""The step graphs' layouts on the CPU: `StepGraphs(capture=False)` runs the padded static
+batches (decode, and mixed: any other step of up to a bucket's tokens) eagerly, and hands the slab
+its routing as a replay does (the stacked record of `ExpertSlab.record`, padding rows included),
+so the tokens, the expert accounting and the KV it writes must equal the plain eager runner's.
+(The capture and replay themselves are checked on the GPU: tests/gpu/test_decode_graphs.py,
+tests/gpu/test_mixed_graphs.py.)
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import pytest
 from radianced.card import Card
 from radianced.config import Config
 from radianced.engine.engine import Engine
-from radianced.engine.graphs import DecodeGraphs, buckets_for
+from radianced.engine.graphs import StepGraphs
+from radianced.engine.warmup import forced_drafting
+from radianced.graph_shapes import decode_buckets, mixed_buckets
 from radianced.sizing import BLOCK_TOKENS
 from tests.engine.conftest import prompts, request, run_all
 from tests.kernels.compare import rel_err
@@ -21,21 +24,92 @@ CFG = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
 EXPERTS = dict(host_pool_mib=1, expert_slots=6)  # experts split between slots and the host pool
 
 
-def build(rad, flags: dict, graphs: bool) -> Engine:
-    """An engine on the CPU; with `graphs`, its decode steps run the padded static batch
-    (`DecodeGraphs(capture=False)`), as a replay would."""
-    engine = Engine.build(rad, Config(**CFG, **flags), Card.from_mib(256))
+def build(rad, flags: dict, graphs: bool, mixed: bool = False) -> Engine:
+    """An engine on the CPU; with `graphs`, its decode steps (with `mixed`, also the other steps that fit
+    a mixed bucket) run the padded static batches (`StepGraphs(capture=False)`), as a replay would."""
+    cfg = Config(**{**CFG, **flags})
+    engine = Engine.build(rad, cfg, Card.from_mib(256))
     if graphs:
         runner = engine.runner
-        runner.graphs = DecodeGraphs(runner.model, runner.cache, 4, 256 // BLOCK_TOKENS, engine.experts,
-                                     capture=False)
+        buckets = mixed_buckets(cfg.max_num_seqs, cfg.max_num_batched_tokens) if mixed else ()
+        runner.graphs = StepGraphs(runner.model, runner.cache, cfg.max_num_seqs, 256 // BLOCK_TOKENS, engine.experts,
+                                   capture=False, mixed=buckets, decode_tokens=cfg.decode_tokens)
     return engine
 
 
 def test_buckets_end_at_max_num_seqs():
-    assert buckets_for(1) == (1,)
-    assert buckets_for(4) == (1, 2, 4)
-    assert buckets_for(40) == (1, 2, 4, 8, 16, 24, 32, 40)
+    assert decode_buckets(1) == (1,)
+    assert decode_buckets(4) == (1, 2, 4)
+    assert decode_buckets(40) == (1, 2, 4, 8, 16, 24, 32, 40)
+
+
+def test_mixed_buckets_are_the_powers_of_two_above_the_sequences_up_to_the_step_budget():
+    assert mixed_buckets(4, 64) == (16, 32, 64)
+    assert mixed_buckets(8, 2048) == (16, 32, 64, 128, 256)
+    assert mixed_buckets(16, 2048) == (32, 64, 128, 256)  # 16 tokens over 16 slots is decode-shaped
+    assert mixed_buckets(64, 100) == ()
+    assert mixed_buckets(256, 8192) == ()
+
+
+def _mixed_calls(engine: Engine) -> list[tuple[int, int]]:
+    """(tokens, logits rows) of every step the engine runs through `run_mixed`, as they come."""
+    calls, graphs = [], engine.runner.graphs
+    replay = graphs.run_mixed
+
+    def recorded(layout, pending=None):
+        calls.append((len(layout.ids), len(layout.rows)))
+        return replay(layout, pending)
+
+    graphs.run_mixed = recorded
+    return calls
+
+
+@pytest.mark.parametrize("family, flags", [("llama", {}), ("qwen3_moe", EXPERTS)])
+def test_mixed_steps_in_the_padded_static_batch_give_the_eager_tokens_and_counts(tiny_rads, family, flags):
+    """Prompts of 9, 33 and 50 tokens under a 64-token step budget: chunks of prefill beside decodes, and
+    whole short prompts, each step in the smallest mixed bucket it fits (16, 32 or 64 rows, the rest
+    padding owned by no sequence); a fourth request arrives mid-run. Tokens and expert counts equal the
+    eager engine's."""
+    rad = tiny_rads[family]
+    ps = prompts(rad.model.vocab_size, (9, 33, 50, 21), seed=53)
+    runs, calls = [], []
+    for graphs in (False, True):
+        engine = build(rad, flags, graphs, mixed=True)
+        if graphs:
+            calls = _mixed_calls(engine)
+        out: dict = {}
+        for i, p in enumerate(ps[:3]):
+            engine.add(request(engine, f"p{i}", p, max_tokens=12))
+        steps = 0
+        while engine.scheduler.has_unfinished:
+            for ev in engine.step():
+                out.setdefault(ev.request_id, []).extend(ev.token_ids)
+            steps += 1
+            if steps == 4:
+                engine.add(request(engine, "p3", ps[3], max_tokens=12))
+        stats = engine.experts.stats if engine.experts is not None else None
+        runs.append((out, stats and (stats.lookups, stats.hits, stats.routed)))
+    assert runs[0] == runs[1]
+    assert len(calls) >= 3 and all(tokens <= 64 for tokens, _ in calls)
+    assert any(tokens > 16 for tokens, _ in calls) and any(rows > 1 for _, rows in calls)  # chunks beside decodes
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_verify_steps_in_the_padded_static_batch_give_the_greedy_tokens_of_plain_decoding(tiny_rads, family):
+    """--speculative 3 (n-gram), every decode drafting its 3 tokens (the warm-up's `forced_drafting`: random
+    weights would accept too little for adaptive drafting to go on): every verify step (each sequence's
+    last token and 3 drafts, logits at each) runs in a mixed bucket; the greedy tokens equal plain eager
+    decoding's."""
+    rad = tiny_rads[family]
+    ps = prompts(rad.model.vocab_size, (24, 20), seed=54)
+    plain_engine = build(rad, {}, False)
+    plain = run_all(plain_engine, [request(plain_engine, f"p{i}", p, max_tokens=16) for i, p in enumerate(ps)])
+    engine = build(rad, dict(speculative=3), True, mixed=True)
+    engine.scheduler.drafting = forced_drafting(engine.scheduler.drafting)
+    calls = _mixed_calls(engine)
+    drafted = run_all(engine, [request(engine, f"p{i}", p, max_tokens=16) for i, p in enumerate(ps)])
+    assert drafted == plain
+    assert sum(rows == tokens == 8 for tokens, rows in calls) >= 4  # 2 sequences x (1 + 3 drafts), logits at each
 
 
 @pytest.mark.parametrize("family, flags", [("llama", {}), ("qwen3_moe", EXPERTS), ("qwen3_next", EXPERTS)])

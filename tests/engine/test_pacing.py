@@ -107,8 +107,18 @@ def test_without_an_itl_factor_or_a_decode_step_seen_the_budget_is_the_step_time
     assert pacer.step_line() is None  # one prefill step: no line yet
 
 
+def test_beside_decodes_a_step_stays_within_the_largest_mixed_graph():
+    """The line says 149 tokens fit (as above), but the engine's largest mixed graph holds 64 rows: 4 decodes
+    and 60 tokens of prefill, so the step replays a graph; with nobody decoding, the whole budget."""
+    pacer = StepPacer(2048, 0.5, 20, itl_factor=3.0, graph_tokens=64)
+    pacer.observe(4, 4, 0.002, decoding=4)
+    assert run_mixed_steps(pacer, 4, step_seconds(0.003, 20e-6), 8)[-1] == 60
+    assert pacer.next_budget(0) == 2048
+    assert StepPacer(2048, 0.5, 20, graph_tokens=64).next_budget(4) == 2048  # no --itl-factor: no cap
+
+
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(max_step_seconds=-1.0), dict(floor=0),
-                                 dict(itl_factor=1.0), dict(itl_factor=-2.0)])
+                                 dict(itl_factor=1.0), dict(itl_factor=-2.0), dict(graph_tokens=-1)])
 def test_bad_pacer_arguments_are_refused(bad):
     with pytest.raises(ValueError):
         StepPacer(**{"max_tokens": 64, "max_step_seconds": 0.5, "floor": 8, "itl_factor": 2.5, **bad})

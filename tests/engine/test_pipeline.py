@@ -19,7 +19,7 @@ from radianced.card import Card
 from radianced.config import Config
 from radianced.engine.driver import AsyncEngine
 from radianced.engine.engine import Engine
-from radianced.engine.graphs import DecodeGraphs
+from radianced.engine.graphs import StepGraphs
 from radianced.engine.plan import PENDING
 from radianced.engine.sampling_params import SamplingParams
 from radianced.sizing import BLOCK_TOKENS
@@ -299,7 +299,7 @@ def test_decode_graph_inputs_gathered_from_the_previous_step_give_the_eager_toke
         engine = Engine.build(rad, Config(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, **flags),
                               Card.from_mib(256))
         if graphs:
-            engine.runner.graphs = DecodeGraphs(engine.runner.model, engine.runner.cache, 4, 256 // BLOCK_TOKENS,
+            engine.runner.graphs = StepGraphs(engine.runner.model, engine.runner.cache, 4, 256 // BLOCK_TOKENS,
                                                 engine.experts, capture=False)
         trace = Trace(engine)
         runs.append(drive(engine, {0: [request(engine, f"p{i}", p, max_tokens=12) for i, p in enumerate(ps)]}, True))

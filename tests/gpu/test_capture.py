@@ -5,7 +5,7 @@ The bug (seen twice on the H200, issue 17): `test_pipelined_graph_steps_give_the
 at the DeltaNet decode launch. Cause: Python's cyclic garbage collector ran inside the capture
 and finalized a dead engine's pinned host memory (`cudaHostUnregister`), which invalidates a
 global-mode capture. The first test pins that mechanism with torch alone (so the regression test
-after it means something); the second forces a collection inside `DecodeGraphs`' capture; the
+after it means something); the second forces a collection inside `StepGraphs`' capture; the
 third captures in fresh processes for every sampling mode on every family (tools/gpu_check
 repeats it 20 times).
 """
@@ -25,7 +25,7 @@ from radianced.card import Card
 from radianced.config import Config
 from radianced.engine import engine as engine_module
 from radianced.engine.engine import Engine
-from radianced.engine.graphs import buckets_for
+from radianced.graph_shapes import decode_buckets
 from tests.engine.conftest import tiny_rads  # noqa: F401 (fixture)
 from tests.gpu.capture_modes import EXPERTS, MODES, pinned_cycle
 from tests.gpu.conftest import HERE, gpu_device
@@ -90,8 +90,8 @@ def test_decode_graphs_capture_while_dead_pinned_memory_awaits_collection(tiny_r
     rad = tiny_rads["qwen3_next"]
     cfg = Config(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, enforce_eager=True, **EXPERTS)
     engine = Engine.build(rad, cfg, Card.from_mib(1024), "cuda")
-    engine.runner.model = _Leaky(engine.runner.model, forwards=2 * len(buckets_for(cfg.max_num_seqs)))
-    graphs = engine_module._decode_graphs(engine, cfg, engine.receipt)  # every bucket captured
+    engine.runner.model = _Leaky(engine.runner.model, forwards=2 * len(decode_buckets(cfg.max_num_seqs)))
+    graphs = engine_module._step_graphs(engine, cfg, engine.receipt)  # every bucket captured
     assert sorted(graphs._graphs) == list(graphs.buckets)
     gc.collect()  # the cycles go now, outside any capture
     torch.cuda.synchronize()

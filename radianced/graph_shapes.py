@@ -1,0 +1,48 @@
+"""Which steps replay CUDA graphs, at which shapes: pure numbers the receipt and the engine share.
+
+- **Decode graphs**, one per sequence-count bucket (`decode_buckets`): every sequence
+  feeds one token.
+- **Mixed graphs**, one per token bucket t (`mixed_buckets`): any other step of at
+  most t tokens over at most --max-num-seqs sequences: a verify step (each sequence's
+  last token and its drafts), prefill chunks beside decodes, a short prompt alone. An
+  eager step pays the host's launches layer by layer (on the H200's 8-layer synthetic
+  Qwen3-30B-A3B a mixed step cost ~20 ms beside 1.6 ms graph-replayed decodes, and a
+  9-token prompt's TTFT was 14-19 ms: bench/README, sessions 12 and 15). The kernels
+  take every count from device tensors (attention finds each query tile's sequence by
+  a search over query_start), so one graph of t token rows and --max-num-seqs sequence
+  slots serves any step that fits: its rows come first, the rest are padding (token
+  0, no KV write, owned by no sequence), the empty sequence slots own no rows. The
+  buckets are the powers of two above --max-num-seqs (a step of t <= B tokens over B
+  slots is decode-shaped to the attention's heuristics), from 16 up to
+  min(MIXED_TOKENS, --max-num-batched-tokens). A graph's logits are those of its first
+  `mixed_logits_rows` wanted rows.
+- Models with recurrent layers (Qwen3-Next) capture decode graphs only: their other
+  steps walk the sequences on the host.
+"""
+
+from __future__ import annotations
+
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+MIXED_TOKENS = 256  # the largest mixed graph's token rows
+MIXED_MIN_TOKENS = 16
+
+
+def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """The decode graphs' sequence counts: the standard buckets below max_num_seqs, and max_num_seqs."""
+    return tuple(b for b in DECODE_BUCKETS if b < max_num_seqs) + (max_num_seqs,)
+
+
+def mixed_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, ...]:
+    """The mixed graphs' token rows, ascending (module docstring); () where none is above max_num_seqs."""
+    out, t = [], MIXED_MIN_TOKENS
+    while t <= min(MIXED_TOKENS, max_num_batched_tokens):
+        if t > max_num_seqs:
+            out.append(t)
+        t *= 2
+    return tuple(out)
+
+
+def mixed_logits_rows(tokens: int, decode_tokens: int) -> int:
+    """Logits rows a mixed graph of `tokens` rows computes: at most one per row, and at most what a step of
+    every sequence and its drafts samples (`Config.decode_tokens`)."""
+    return min(tokens, decode_tokens)
