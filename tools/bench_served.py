@@ -11,7 +11,7 @@ request goes over HTTP, streamed (`radianced.bench.client.stream_request`).
 - start-up: seconds to ready with an empty kernel cache (a fresh TRITON_CACHE_DIR),
   then again on the same cache (a warm restart), and what the log says of warm-up;
 - TTFT: `--requests` prompts of lengths uniform in 1..4,000 one at a time, each
-  followed by its twin, the same tokens in reverse order (`twin_of`: never a prefix
+  followed by its twin, the same tokens with the first moved up by one (`twin_of`: never a prefix
   hit; each pair's length and TTFTs are kept, with what /metrics' counters did during
   each: the CUDA allocator's cudaMalloc, cudaFree and retries, the garbage collector's
   collections and seconds, the engine's steps, their wall and their own device seconds); then `--bursts` bursts of 8 such
@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from radianced.bench.client import completion_body, stream_request  # noqa: E402
 from radianced.bench.daemon_process import ChildDaemon  # noqa: E402
 from radianced.bench.scrape import Snapshot  # noqa: E402
-from radianced.bench.workloads import prompt_ids  # noqa: E402
+from radianced.bench.workloads import PROMPT_ID_RANGE, prompt_ids  # noqa: E402
 
 COMPLETIONS = "/v1/completions"
 BUILDS = "radiance_kernel_builds_total"  # a sample's name as /metrics writes it (Snapshot.values' keys)
@@ -104,11 +104,13 @@ async def timed_with_counters(http, prompt: list[int]):
 
 
 def twin_of(prompt: list[int]) -> list[int]:
-    """A prompt's twin: its tokens in reverse order. The same length and the same tokens, so a MoE routes
-    the same multiset of them (a prompt's cost depends on where it routes: with fresh random tokens, the
-    H200's pairs came out up to 2x apart both ways, the same pairs in every run), and no prefix-cache hit
-    (a cached block is a run of 16 tokens from the start)."""
-    return prompt[::-1]
+    """A prompt's twin: the same tokens but the first, which moves up by one. The same length, nearly the same
+    routing (a MoE step's cost follows where its tokens route: with fresh random tokens the H200's pairs came
+    out up to 2x apart both ways, and with the tokens reversed the device's own time for one pair still
+    differed by 60%, session 16), and no prefix-cache hit (a cached block is a run of 16 tokens from the
+    start, so the first token changes every block's key)."""
+    low, high = PROMPT_ID_RANGE
+    return [low + (prompt[0] + 1 - low) % (high - low), *prompt[1:]]
 
 
 async def ttft_rows(http, prompts: Callable[[int], list[int]], requests: int, bursts: int) -> dict:
