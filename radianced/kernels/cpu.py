@@ -66,6 +66,7 @@ masked SDPA over 8 contexts and its gathers, 445 us a layer).
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -133,11 +134,12 @@ def route_moe(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor | CompactWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) in x's dtype, a fresh tensor: a GGUF-format weight through the
-    block kernels (`cpu_blocks.matmul`: fp32, the reference's weight values; 2-4x fp32 F.linear at decode
-    on this CPU), any other weight by F.linear, another compact one dequantized to x's dtype for the call
-    as the reference does."""
-    if isinstance(weight, CompactWeight) and weight.fmt in cpu_blocks.FORMATS and cpu_blocks.available():
-        y = cpu_blocks.matmul(x.float(), weight.data.reshape(weight.shape[0], -1), weight.fmt, weight.shape)
+    block kernels (the weight's `cpu_blocks.Matrix`, kept by `_blocks`: fp32, the reference's weight values;
+    2-4x fp32 F.linear at decode on this CPU), any other weight by F.linear, another compact one dequantized
+    to x's dtype for the call as the reference does."""
+    blocks = _blocks(weight) if isinstance(weight, CompactWeight) else None
+    if blocks is not None:
+        y = blocks(x.float())
         y = y if x.dtype == torch.float32 else y.to(x.dtype)
     elif isinstance(weight, RowStack) and any(isinstance(p, CompactWeight) for p in weight.parts):
         y = torch.cat([_matmul(x, p) for p in weight.parts], dim=-1)  # [q | k | v] of several formats
@@ -147,6 +149,25 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor | CompactWeight, bias: torch.T
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
         return F.linear(x, weight, bias)
     return y if bias is None else y.add_(bias)
+
+
+# Each GGUF-format weight's `cpu_blocks.Matrix` (its checks made once), by the weight's identity: a model
+# hands the same CompactWeight objects to every step. An entry holds only a weak reference to its weight
+# and goes when the weight does (a model unloaded), so an id is never matched to a later object.
+_MATRICES: dict[int, tuple[weakref.ref, cpu_blocks.Matrix]] = {}
+
+
+def _blocks(weight: CompactWeight) -> cpu_blocks.Matrix | None:
+    """`weight`'s block-kernel matrix, or None where the kernels do not read its format (or are unavailable)."""
+    entry = _MATRICES.get(id(weight))
+    if entry is not None and entry[0]() is weight:
+        return entry[1]
+    if weight.fmt not in cpu_blocks.FORMATS or not cpu_blocks.available():
+        return None
+    key = id(weight)
+    matrix = cpu_blocks.Matrix(weight.data.reshape(weight.shape[0], -1), weight.fmt, weight.shape)
+    _MATRICES[key] = (weakref.ref(weight, lambda _, key=key: _MATRICES.pop(key, None)), matrix)
+    return matrix
 
 
 # An fp32 matrix this tall (an lm_head: SmolLM2's 49152 x 576) goes through oneDNN's matmul, not F.linear's
