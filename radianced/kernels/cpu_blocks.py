@@ -136,11 +136,11 @@ class Matrix:
     arguments kept: `Matrix(data, fmt, shape)(x)` is `matmul(x, data, fmt, shape)`. It holds `data`, so
     the pointer it keeps stays valid while it lives.
 
-    Why: a decode step makes about 210 block calls, and `matmul` spent ~10 us of Python a call around the
-    ~3 us ctypes call (W's checks, a device object, reshapes of x and y, the library's lookup). A model's
-    weights are the same objects every step, so the host backend keeps one of these per weight
-    (kernels/cpu.py `_blocks`) and a call checks only x (dtype, device, K, unit stride: what keeps the C
-    code inside x's memory) and allocates y. Measured on a 2 x 32 q8_0 matrix (the kernel's own time near
+    Why: a SmolLM2 decode step makes 151 block calls (5 a layer and the lm_head), and `matmul` spent ~10 us
+    of Python a call around the ~3 us ctypes call (W's checks, a device object, reshapes of x and y, the
+    library's lookup). A model's weights are the same objects every step, so the host backend keeps one of
+    these per weight (kernels/cpu.py `_blocks`) and a call checks only x (dtype, device, K, unit stride: what
+    keeps the C code inside x's memory) and allocates y. Measured on a 2 x 32 q8_0 matrix (the kernel's own time near
     0), 2 threads, x [1, 32]: 13.0 us a call through `matmul` before, 5.9 us through `__call__`, of which the
     ctypes call is 3.0 and `torch.empty` for y 1.2-1.4 (kernels/cpu.py `_matmul`: 15.4 -> 7.0 us)."""
 
