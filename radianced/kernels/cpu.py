@@ -61,11 +61,22 @@ tools/cpu_step.py, two interleaved rounds against the int4 tree: b1 39.4 -> 31.7
 ~6.8 ms, the lm_head 3.6 ms (the kernels are compute-bound on dequantizing: 6.5-8.6 G weights/s a
 core), the attention op 5.3 ms and ~2 ms of the rest; at b8 the attention op grows to 13.4 ms (a
 masked SDPA over 8 contexts and its gathers, 445 us a layer).
+
+Issue 23 (SmolLM2 Q4_1 on the two-row block kernels, 2 threads, GOMP_SPINCOUNT=20000): each weight keeps a
+`cpu_blocks.Matrix` (`_blocks`: a block call's Python 15.4 -> 7.0 us) and a decode step over a plain cache
+runs `_decode` on one `_DecodeStep` a step (one per-step lookup a layer instead of four, SDPA's additive mask
+made once a step instead of per layer from a bool one, each cache pair's `_Rows` kept: `_rows_of`); the
+values are unchanged bit for bit. The attention op alone over a step's 30 captured layers, main against
+this (in-process, alternating): b1 3.69 -> 3.21 ms, b8 over equal contexts 6.41 -> 5.79 ms, over unequal
+ones 9.05 -> 7.98 ms. tools/cpu_step.py, two interleaved rounds: b1 18.6-18.8 -> 16.4-16.5 ms a step, b8
+34.5-35.0 -> 31.4-32.6 ms. Left at decode: SDPA (~15 us a layer at b1, ~50 at b8), the context's gather
+(one index_select, ~5-20 us), the rotation's roll (~5-10 us) and ~10 small ops.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -133,11 +144,12 @@ def route_moe(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor | CompactWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) in x's dtype, a fresh tensor: a GGUF-format weight through the
-    block kernels (`cpu_blocks.matmul`: fp32, the reference's weight values; 2-4x fp32 F.linear at decode
-    on this CPU), any other weight by F.linear, another compact one dequantized to x's dtype for the call
-    as the reference does."""
-    if isinstance(weight, CompactWeight) and weight.fmt in cpu_blocks.FORMATS and cpu_blocks.available():
-        y = cpu_blocks.matmul(x.float(), weight.data.reshape(weight.shape[0], -1), weight.fmt, weight.shape)
+    block kernels (the weight's `cpu_blocks.Matrix`, kept by `_blocks`: fp32, the reference's weight values;
+    2-4x fp32 F.linear at decode on this CPU), any other weight by F.linear, another compact one dequantized
+    to x's dtype for the call as the reference does."""
+    blocks = _blocks(weight) if isinstance(weight, CompactWeight) else None
+    if blocks is not None:
+        y = blocks(x.float())
         y = y if x.dtype == torch.float32 else y.to(x.dtype)
     elif isinstance(weight, RowStack) and any(isinstance(p, CompactWeight) for p in weight.parts):
         y = torch.cat([_matmul(x, p) for p in weight.parts], dim=-1)  # [q | k | v] of several formats
@@ -147,6 +159,25 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor | CompactWeight, bias: torch.T
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
         return F.linear(x, weight, bias)
     return y if bias is None else y.add_(bias)
+
+
+# Each GGUF-format weight's `cpu_blocks.Matrix` (its checks made once), by the weight's identity: a model
+# hands the same CompactWeight objects to every step. An entry holds only a weak reference to its weight
+# and goes when the weight does (a model unloaded), so an id is never matched to a later object.
+_MATRICES: dict[int, tuple[weakref.ref, cpu_blocks.Matrix]] = {}
+
+
+def _blocks(weight: CompactWeight) -> cpu_blocks.Matrix | None:
+    """`weight`'s block-kernel matrix, or None where the kernels do not read its format (or are unavailable)."""
+    entry = _MATRICES.get(id(weight))
+    if entry is not None and entry[0]() is weight:
+        return entry[1]
+    if weight.fmt not in cpu_blocks.FORMATS or not cpu_blocks.available():
+        return None
+    key = id(weight)
+    matrix = cpu_blocks.Matrix(weight.data.reshape(weight.shape[0], -1), weight.fmt, weight.shape)
+    _MATRICES[key] = (weakref.ref(weight, lambda _, key=key: _MATRICES.pop(key, None)), matrix)
+    return matrix
 
 
 # An fp32 matrix this tall (an lm_head: SmolLM2's 49152 x 576) goes through oneDNN's matmul, not F.linear's
@@ -166,7 +197,11 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_fre
     rotation where they are neighbouring heads of one tensor (the fused q/k/v projection's output)."""
     if q_weight is not None:
         q, k = rms_norm(q, q_weight, eps, zero_centred), rms_norm(k, k_weight, eps, zero_centred)
-    cos, sin = _rope_tables(positions, inv_freq, q.dtype)
+    return _rotate_qk(q, k, *_rope_tables(positions, inv_freq, q.dtype))
+
+
+def _rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_qk`'s rotation by `_rope_tables`' cos and signed sin."""
     hq = q.shape[1]
     if k.dtype == q.dtype and k.stride() == q.stride() and k.shape[2] == q.shape[2] \
             and k.data_ptr() == q.data_ptr() + hq * q.stride(1) * q.element_size():
@@ -260,6 +295,26 @@ class _Rows:
         return _Rows(flat, (v_cache.storage_offset() - first) // row, n, sn // row, sp // row)
 
 
+# Each plain cache pair's `_Rows`, by the K view's identity: the engine's KVCache hands the same view objects
+# to every step (kv/cache.py `layer`) and never changes their shape or strides in place, and `_Rows.of` took
+# 5-8 us a layer of Python (storages, strides, a view). Entries hold weak references to the views and go
+# with them.
+_ROWS: dict[int, tuple[weakref.ref, weakref.ref, _Rows | None]] = {}
+
+
+def _rows_of(k_cache, v_cache) -> _Rows | None:
+    """`_Rows.of(k_cache, v_cache)`, made once per pair of views."""
+    if isinstance(k_cache, KVPlane):
+        return None
+    entry = _ROWS.get(id(k_cache))
+    if entry is not None and entry[0]() is k_cache and entry[1]() is v_cache:
+        return entry[2]
+    rows = _Rows.of(k_cache, v_cache)
+    key = id(k_cache)
+    _ROWS[key] = (weakref.ref(k_cache, lambda _, key=key: _ROWS.pop(key, None)), weakref.ref(v_cache), rows)
+    return rows
+
+
 def _block_rows(blocks: torch.Tensor, layout: tuple) -> torch.Tensor:
     """The flat row (`_Rows`) of each block's token 0."""
     n, block_rows, page_rows, _ = layout
@@ -282,7 +337,7 @@ def write_kv(k_cache: torch.Tensor | KVPlane, v_cache: torch.Tensor | KVPlane, k
     """`reference.write_kv` (k and v rounded to the cache's dtype where it differs, or quantized into a
     quantized cache's planes: `KVPlane.store`, batched already): a plain cache pair in one
     `index_copy_` over its rows (`_Rows`), its slots' rows made once a step."""
-    _write(_Rows.of(k_cache, v_cache), k_cache, v_cache, k, v, slot_mapping)
+    _write(_rows_of(k_cache, v_cache), k_cache, v_cache, k, v, slot_mapping)
 
 
 def _write(rows: _Rows | None, k_cache, v_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -339,6 +394,18 @@ class _ReadPlan:
         if self.t != self.b * self.q_max:  # token row r of sequence b sits at padded row b * Qmax + (r - start_b)
             seq = torch.repeat_interleave(torch.arange(self.b), q_lens, output_size=self.t)  # [T]
             self.at = seq * self.q_max + torch.arange(self.t) - starts[seq]
+        self._masks: dict[torch.dtype, torch.Tensor] = {}
+
+    def mask_for(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """`mask` as SDPA's additive mask in `dtype` (0 where a key is read, -inf where not), made once for all
+        layers: given a bool mask SDPA makes this very tensor in every call (`where(mask, 0, -inf)`), which
+        cost 6-9 us a layer at b8 (decode over unequal contexts, the served case)."""
+        if self.mask is None:
+            return None
+        mask = self._masks.get(dtype)
+        if mask is None:
+            mask = self._masks[dtype] = torch.zeros(self.mask.shape, dtype=dtype).masked_fill_(~self.mask, float("-inf"))
+        return mask
 
 
 @_per_step
@@ -364,7 +431,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     fewer new tokens than the longest) are computed and dropped; they see the whole context,
     so no row is fully masked. Rows past query_start[B] belong to no sequence: zeros.
     """
-    return _attend(_Rows.of(k_cache, v_cache), q, k_cache, v_cache, block_tables, query_start, seq_lens, scale)
+    return _attend(_rows_of(k_cache, v_cache), q, k_cache, v_cache, block_tables, query_start, seq_lens, scale)
 
 
 def _attend(rows: _Rows | None, q: torch.Tensor, k_cache, v_cache, block_tables: torch.Tensor, query_start,
@@ -389,7 +456,7 @@ def _attend(rows: _Rows | None, q: torch.Tensor, k_cache, v_cache, block_tables:
         q = q.new_zeros(b * q_max, hq, d).index_copy_(0, plan.at, q)
     one = q_max == 1  # decode: [B, Hq, D] is [B, Hq, 1, D] without moving a dim
     out = F.scaled_dot_product_attention(q.unsqueeze(2) if one else q.view(b, q_max, hq, d).transpose(1, 2), k, v,
-                                         attn_mask=plan.mask, scale=scale, enable_gqa=hq != hkv)
+                                         attn_mask=plan.mask_for(q.dtype), scale=scale, enable_gqa=hq != hkv)
     out = out.squeeze(2) if one else out.transpose(1, 2).reshape(b * q_max, hq, d)
     return out if plan.at is None else out.index_select(0, plan.at)  # [T, Hq, D]
 
@@ -409,16 +476,60 @@ def _gather(cache: torch.Tensor | KVPlane, plan: _ReadPlan) -> torch.Tensor:
     return cache[plan.blocks // n, plan.blocks % n, plan.offsets]
 
 
+class _DecodeStep:
+    """All that the layers of a decode step over a plain cache (`_Rows`) share, made on its first layer
+    (`_decode_step`) from the same helpers as the general path: the rotation's tables, the K/V write's rows,
+    the context's rows and SDPA's mask (None over equal contexts). One per-step lookup a layer instead of
+    four, and the decode check made once a step (query_start is one step's tensor, never written)."""
+
+    __slots__ = ("cos", "sin", "kept", "write_at", "read_rows", "mask", "b", "ctx")
+
+    def __init__(self, positions, inv_freq, dtype, slot_mapping, block_tables, query_start, seq_lens, s, layout):
+        reference.check_decode(query_start.tolist() if isinstance(query_start, torch.Tensor) else query_start)
+        plan = _ReadPlan(block_tables, query_start, seq_lens, s)
+        self.cos, self.sin = _rope_tables.__wrapped__(positions, inv_freq, dtype)
+        kept, self.write_at = _write_plan.__wrapped__(slot_mapping, s, layout)
+        self.kept = None if kept is None else torch.cat((kept, kept + len(slot_mapping)))  # rows of cat((k, v))
+        self.read_rows = _read_rows.__wrapped__(plan, layout)
+        self.mask, self.b, self.ctx = plan.mask_for(dtype), plan.b, plan.ctx
+
+
+_decode_step = _per_step(_DecodeStep)
+
+
+def _decode(rows: _Rows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: _DecodeStep,
+            scale: float) -> torch.Tensor:
+    """`rotary_paged_attention` at decode over a plain cache of q's dtype (qk-norm done): `_rotate_qk`,
+    `_write` and `_attend`'s decode case in one function over one `_DecodeStep` (the same ops)."""
+    q, k = _rotate_qk(q, k, step.cos, step.sin)
+    kv = torch.cat((k, v))
+    if step.kept is not None:
+        kv = kv[step.kept]
+    rows.flat.index_copy_(0, step.write_at, kv.view(kv.shape[0], -1))
+    hkv, d = k.shape[1], k.shape[2]
+    k, v = rows.flat.index_select(0, step.read_rows).view(2, step.b, step.ctx, hkv, d).transpose(2, 3).unbind()
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=step.mask, scale=scale,
+                                         enable_gqa=q.shape[1] != hkv)
+    return out.squeeze(2)  # [T, Hq, D]: one row per sequence
+
+
 def rotary_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                            inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            slot_mapping: torch.Tensor, block_tables: torch.Tensor, query_start, seq_lens,
                            scale: float, *, q_weight: torch.Tensor | None = None,
                            k_weight: torch.Tensor | None = None, eps: float = 1e-6, zero_centred: bool = False,
                            decode: bool = False) -> torch.Tensor:
-    """`reference.rotary_paged_attention` (same arguments, same checks) on the batched ops above."""
+    """`reference.rotary_paged_attention` (same arguments, same checks) on the batched ops above; a decode
+    step over a plain cache of q's dtype through `_decode`."""
+    rows = _rows_of(k_cache, v_cache)
+    if decode and rows is not None and len(q) and q.dtype == k.dtype == v.dtype == rows.flat.dtype:
+        if q_weight is not None:
+            q, k = rms_norm(q, q_weight, eps, zero_centred), rms_norm(k, k_weight, eps, zero_centred)
+        step = _decode_step(positions, inv_freq, q.dtype, slot_mapping, block_tables, _hashable(query_start),
+                            _hashable(seq_lens), k_cache.shape[2], rows.layout)
+        return _decode(rows, q, k, v, step, scale)
     if decode:
         reference.check_decode(query_start.tolist() if isinstance(query_start, torch.Tensor) else query_start)
     q, k = rotary_qk(q, k, positions, inv_freq, q_weight, k_weight, eps, zero_centred)
-    rows = _Rows.of(k_cache, v_cache)
     _write(rows, k_cache, v_cache, k, v, slot_mapping)
     return _attend(rows, q, k_cache, v_cache, block_tables, query_start, seq_lens, scale)

@@ -139,6 +139,23 @@ def test_bad_inputs_name_what_is_wrong():
             cpu_blocks.matmul(torch.randn(m, 64, dtype=torch.bfloat16), data, "q4_0", (4, 64))
 
 
+def test_a_kept_matrix_is_matmul_and_checks_each_x():
+    """`Matrix` (W checked once, what the host backend keeps per weight) gives `matmul`'s values bit for bit on
+    every path (the kernel, leading dims, a strided x, the long prefill), and refuses an x it cannot read."""
+    data, _ = _matrix("q8_0", 48, 576)
+    mat = cpu_blocks.Matrix(data, "q8_0", (48, 576))
+    for x in (torch.randn(3, 576), torch.randn(2, 3, 576), torch.randn(576, 5).t(), torch.randn(576),
+              torch.randn(cpu_blocks.PREFILL_ROWS + 1, 576), torch.randn(0, 576)):
+        assert torch.equal(mat(x), cpu_blocks.matmul(x, data, "q8_0", (48, 576)))
+    with pytest.raises(ValueError, match=r"x must be CPU fp32 \[\.\.\., 576\], got \[2, 64\]"):
+        mat(torch.randn(2, 64))
+    with pytest.raises(ValueError, match="x must be fp32"):
+        mat(torch.randn(2, 576, dtype=torch.float64))
+    for k in (512, 1024):  # rows of 612 bytes: too many for 512 (a wrong shape), too few for 1024 (reads past)
+        with pytest.raises(ValueError, match=rf"q8_0 \[48, {k}\]: need CPU uint8 rows \[N, {k // 32 * 34} bytes\]"):
+            cpu_blocks.Matrix(data, "q8_0", (48, k))
+
+
 def test_the_library_is_built_once_per_source_and_machine(tmp_path, monkeypatch):
     """`build` compiles into radianced's cache folder under a name keyed by the source and flags, and a second
     call reuses the file; no compiler on PATH is a BuildError that names the fix."""
