@@ -343,7 +343,7 @@ def _split_flags(g, d: Config) -> None:
                    help="auto/expert_tiered: experts and KV lend each other pages; resident: all on the card")
     g.add_argument("--deterministic", action="store_true", help="experts first, fixed split, no lending")
     g.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs for decode steps (slower; for debugging and measuring)")
+                   help="no CUDA graphs: every step op by op (slower; for debugging and measuring)")
     g.add_argument("--max-step-seconds", type=float, default=d.max_step_seconds,
                    help="cap a step's tokens at what the measured prefill rate computes in this time, so a new "
                         f"request or a cancel waits about that long on a slow device (0: the "
