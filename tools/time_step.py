@@ -23,8 +23,9 @@ included), biggest first.
 With `--prefill-chunk N` the timed steps are mixed steps, as a prefill beside running streams makes them
 (issue 18's ITL under a burst): after the warm-up a long prompt joins, and each step takes the batch's
 decodes and the prompt's next N tokens (the scheduler's step budget set to batch + N, as the daemon's
-pacer sets it). Such a step runs eagerly (decode graphs cover decode-only steps): comparing the phases'
-host time with the kernels' device time says how much of its cost is the host launching it.
+pacer sets it). Such a step replays a mixed graph where batch + N fits one (at most 256 tokens,
+engine/graphs.py), else runs eagerly: comparing the phases' host time with the kernels' device time says
+how much of its cost is the host launching it.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def instrument(engine: Engine, totals: dict) -> None:
 
 
 def capture_graphs(engine: Engine, rad: RadFile, cfg: Config) -> dict | None:
-    """Capture the decode graphs into the eager-built engine, as Engine.build does; returns what
+    """Capture the step graphs into the eager-built engine, as Engine.build does; returns what
     they hold (allocated after, peak reserved during, both over the readings before) beside the
     receipt's "graph pool" line, or None where the engine decodes eagerly."""
     dev = torch.device("cuda")
