@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     for k, v in sorted(per_step.items(), key=lambda kv: -kv[1]):
         print(f"  {v:8.3f} ms  {k}")
     if graph_memory:
-        print("decode graphs: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in graph_memory.items()))
+        print("step graphs: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in graph_memory.items()))
     if kernels:
         print(f"kernels: {kernels['total']:.1f} us of device time per step in {kernels['launches']:.0f} launches")
         for row in kernels["rows"][:40]:
