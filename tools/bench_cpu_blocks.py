@@ -58,12 +58,7 @@ def load_source(spec: str, folder: Path) -> ctypes.CDLL:
                           text=True)
     if done.returncode:
         sys.exit(f"cc failed on {source}: {done.stderr}")
-    lib = ctypes.CDLL(str(out))
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.rad_blocks_matmul.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, i64, ctypes.c_int]
-    lib.rad_blocks_dequantize.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ctypes.c_int]
-    lib.rad_blocks_matmul.restype = lib.rad_blocks_dequantize.restype = None
-    return lib
+    return cpu_blocks.declare(ctypes.CDLL(str(out)))
 
 
 def main() -> None:

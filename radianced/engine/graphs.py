@@ -200,22 +200,7 @@ class StepGraphs:
         self._m_longs.copy_(self._m_host_longs, non_blocking=nb)
         self._m_ints.copy_(self._m_host_ints, non_blocking=nb)
         self._tables[:n_seq, :width].copy_(self._host_tables[:n_seq, :width], non_blocking=nb)
-        if pending is not None:
-            copy_rows(self._m_ids, *pending)
-        if nb:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        if not self.capture:
-            with torch.inference_mode():
-                logits = self.model.forward(self._mixed_batch(t), self.cache)
-                if self.experts is not None:
-                    self.experts.replay(self.experts.record())
-            return logits[:n_rows]
-        g = self._mixed_graphs[t]
-        g.graph.replay()
-        if self.experts is not None:
-            self.experts.replay(g.routing)
-        return g.logits[:n_rows]
+        return self._replay(self._m_ids, pending, self._mixed_graphs.get(t), lambda: self._mixed_batch(t), n_rows)
 
     def _mixed_batch(self, t: int) -> ForwardBatch:
         """The static batch of mixed bucket t: views of the mixed inputs (module docstring). Its host
@@ -257,22 +242,27 @@ class StepGraphs:
         rows = 5 if self._states is not None else 4
         self._inputs[:rows, :b].copy_(self._host[:rows, :b], non_blocking=nb)  # two copies in all
         self._tables[:n, :width].copy_(self._host_tables[:n, :width], non_blocking=nb)
+        return self._replay(self._ids, pending, self._graphs.get(b), lambda: self._batch(b), n)
+
+    def _replay(self, ids: torch.Tensor, pending, graph: _Graph | None, batch, n: int) -> torch.Tensor:
+        """After a step's input copies are queued: the previous step's samples into `ids` (`pending`), an
+        event for the pinned buffers, then `graph`'s replay (with capture=False, `batch()` run eagerly, its
+        routing recorded and replayed as a capture would); the first n logits rows."""
         if pending is not None:
-            copy_rows(self._ids, *pending)
-        if nb:
+            copy_rows(ids, *pending)
+        if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
         if not self.capture:
             with torch.inference_mode():
-                logits = self.model.forward(self._batch(b), self.cache)
+                logits = self.model.forward(batch(), self.cache)
                 if self.experts is not None:
                     self.experts.replay(self.experts.record())
             return logits[:n]
-        g = self._graphs[b]
-        g.graph.replay()
+        graph.graph.replay()
         if self.experts is not None:
-            self.experts.replay(g.routing)
-        return g.logits[:n]
+            self.experts.replay(graph.routing)
+        return graph.logits[:n]
 
     def graph(self, b: int) -> torch.cuda.CUDAGraph:
         """Decode bucket b's captured graph (benchmarks: replaying it repeats the last step of that

@@ -106,6 +106,11 @@ def _lib() -> ctypes.CDLL | None:
         print(f"radianced: CPU block kernels unavailable ({e}); compact weights are dequantized per use "
               "(5-70x slower)", file=sys.stderr)
         return None
+    return declare(lib)
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` (a build of cpu_blocks.c) with its two functions' C signatures set."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.rad_blocks_matmul.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, i64, ctypes.c_int]
     lib.rad_blocks_dequantize.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ctypes.c_int]
