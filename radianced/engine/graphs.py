@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("radianced.engine")
 
+
 @contextlib.contextmanager
 def _no_collection():
     """Collect garbage now, then keep the cyclic collector off until the block ends.
