@@ -217,7 +217,7 @@ def start(flags: list[str], cache: Path) -> tuple[ChildDaemon, float, list[str]]
     t0 = time.monotonic()
     d = ChildDaemon.start(flags)
     seconds = time.monotonic() - t0
-    said = [ln for ln in d.log().splitlines() if re.search(r"warm-up|kernel cache|decode graphs|ready", ln)]
+    said = [ln for ln in d.log().splitlines() if re.search(r"warm-up|kernel cache|step graphs|ready", ln)]
     return d, seconds, said
 
 

@@ -14,7 +14,7 @@ tensors, sampler, settle). No synchronisation is added: a phase that waits for
 the device (collect) absorbs the device time queued before it. Writes
 OUT/time_step.json and prints a table, ms per step, with the whole step.
 
-On CUDA it also measures the decode graphs' memory against the "graph pool" line
+On CUDA it also measures the step graphs' memory against the "graph pool" line
 of the receipt planned with graphs (the engine is built eager, then the graphs
 are captured here between two readings of the allocator), and with `--kernels`
 the device time of each kernel per step from the CUDA profiler (graph replays

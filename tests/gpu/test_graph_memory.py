@@ -1,4 +1,4 @@
-"""The decode graphs hold no more device memory than the receipt's "graph pool" line says.
+"""The step graphs (decode and mixed) hold no more device memory than the receipt's "graph pool" line says.
 
 The engine is built with `--enforce-eager`, then the graphs are captured as
 `Engine.build` does, between two readings of the caching allocator, against the
