@@ -3,10 +3,10 @@
     python tools/startup_check.py --out DIR [--layers 4] [--spare-mib 24576] [--only NAME ...]
 
 For each flag combination (placement auto / resident / --deterministic, embedding
-placement vram / ram, decode graphs on / off with --enforce-eager) a fresh process
+placement vram / ram, step graphs on / off with --enforce-eager) a fresh process
 takes the card as a user's neighbour might: it allocates a filler so that only
 --spare-mib stays free, then runs the daemon's start-up itself (`Daemon._build`:
-the receipt from what the card reports, the arena, the loader, the decode graphs,
+the receipt from what the card reports, the arena, the loader, the step graphs,
 the warm-up of engine/warmup.py) with the flags left at their defaults otherwise,
 on a synthetic Qwen3-30B-A3B of --layers layers (tools/make_synthetic.py).
 
@@ -15,7 +15,7 @@ against the receipt's total (weights + workspace + state + elastic: target, at
 most that); what stays allocated in the default pool after start-up against the
 receipt's lines held past it: weights + state + the arena's allocation + the
 libraries line (the step thread's cuBLAS workspace), the gap in MiB (target:
-within 1 MiB); the decode graphs' pool, reserved, against its workspace line (the
+within 1 MiB); the step graphs' pool, reserved, against its workspace line (the
 capture stream's cuBLAS workspace is in it); whether expandable segments were on;
 the seconds to build and warm up; what stayed allocated, by allocator pool and by
 the line that allocated it.
@@ -76,7 +76,7 @@ def child(model: str, flags: list[str], spare_mib: int, snapshot: Path) -> dict:
     graph_line = sum(p.bytes for p in r.workspace if "graph" in p.name)
     # held past start-up: the weights (and the allocator's tails on them), the state, the arena and one cuBLAS
     # workspace (the step thread's)
-    # in the default pool; the decode graphs' pool (the capture stream's workspace in it) within its line
+    # in the default pool; the step graphs' pool (the capture stream's workspace in it) within its line
     expected = r.weights_bytes + r.state_bytes + r.arena_alloc_bytes + libraries
     allocated = round(default["live_mib"] * MiB)
     graph_reserved = round(sum(p["reserved_mib"] for p in pools.values()) * MiB)
