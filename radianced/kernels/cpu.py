@@ -161,23 +161,27 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor | CompactWeight, bias: torch.T
     return y if bias is None else y.add_(bias)
 
 
-# Each GGUF-format weight's `cpu_blocks.Matrix` (its checks made once), by the weight's identity: a model
-# hands the same CompactWeight objects to every step. An entry holds only a weak reference to its weight
-# and goes when the weight does (a model unloaded), so an id is never matched to a later object.
-_MATRICES: dict[int, tuple[weakref.ref, cpu_blocks.Matrix]] = {}
+def _kept(table: dict, obj, make, *also):
+    """`make()`, made once per live `obj` (by identity; and per the `also` objects it was made beside) and kept in
+    `table`: a model hands the same weights and cache views to every step. An entry holds only weak references
+    and goes when `obj` does, so an id is never matched to a later object."""
+    entry = table.get(id(obj))
+    if entry is not None and entry[0][0]() is obj and (not also or all(r() is o for r, o in zip(entry[0][1:], also))):
+        return entry[1]  # (no generator on a weight's lookup: 151 of them a SmolLM2 decode step)
+    key, value = id(obj), make()
+    table[key] = ((weakref.ref(obj, lambda _, key=key: table.pop(key, None)), *map(weakref.ref, also)), value)
+    return value
+
+
+_MATRICES: dict = {}  # each GGUF-format weight's `cpu_blocks.Matrix` (its checks made once), by `_kept`
 
 
 def _blocks(weight: CompactWeight) -> cpu_blocks.Matrix | None:
     """`weight`'s block-kernel matrix, or None where the kernels do not read its format (or are unavailable)."""
-    entry = _MATRICES.get(id(weight))
-    if entry is not None and entry[0]() is weight:
-        return entry[1]
     if weight.fmt not in cpu_blocks.FORMATS or not cpu_blocks.available():
         return None
-    key = id(weight)
-    matrix = cpu_blocks.Matrix(weight.data.reshape(weight.shape[0], -1), weight.fmt, weight.shape)
-    _MATRICES[key] = (weakref.ref(weight, lambda _, key=key: _MATRICES.pop(key, None)), matrix)
-    return matrix
+    return _kept(_MATRICES, weight,
+                 lambda: cpu_blocks.Matrix(weight.data.reshape(weight.shape[0], -1), weight.fmt, weight.shape))
 
 
 # An fp32 matrix this tall (an lm_head: SmolLM2's 49152 x 576) goes through oneDNN's matmul, not F.linear's
@@ -295,24 +299,17 @@ class _Rows:
         return _Rows(flat, (v_cache.storage_offset() - first) // row, n, sn // row, sp // row)
 
 
-# Each plain cache pair's `_Rows`, by the K view's identity: the engine's KVCache hands the same view objects
-# to every step (kv/cache.py `layer`) and never changes their shape or strides in place, and `_Rows.of` took
-# 5-8 us a layer of Python (storages, strides, a view). Entries hold weak references to the views and go
-# with them.
-_ROWS: dict[int, tuple[weakref.ref, weakref.ref, _Rows | None]] = {}
+# Each plain cache pair's `_Rows`, by `_kept` on the K view (and the V view beside it): the engine's KVCache
+# hands the same view objects to every step (kv/cache.py `layer`) and never changes their shape or strides in
+# place, and `_Rows.of` took 5-8 us a layer of Python (storages, strides, a view).
+_ROWS: dict = {}
 
 
 def _rows_of(k_cache, v_cache) -> _Rows | None:
     """`_Rows.of(k_cache, v_cache)`, made once per pair of views."""
     if isinstance(k_cache, KVPlane):
         return None
-    entry = _ROWS.get(id(k_cache))
-    if entry is not None and entry[0]() is k_cache and entry[1]() is v_cache:
-        return entry[2]
-    rows = _Rows.of(k_cache, v_cache)
-    key = id(k_cache)
-    _ROWS[key] = (weakref.ref(k_cache, lambda _, key=key: _ROWS.pop(key, None)), weakref.ref(v_cache), rows)
-    return rows
+    return _kept(_ROWS, k_cache, lambda: _Rows.of(k_cache, v_cache), v_cache)
 
 
 def _block_rows(blocks: torch.Tensor, layout: tuple) -> torch.Tensor:
