@@ -96,15 +96,10 @@ class Runner:
                 logits = self.graphs.run([s.token_ids[0] for s in seqs], [s.context_before for s in seqs],
                                          [s.block_table[0] for s in seqs], [s.state_slot for s in seqs], pending)
             elif mixed:  # any other step that fits a mixed graph (engine/graphs.py): the eager layout, replayed
-                logits = self.graphs.run_mixed(HostLayout.of(
-                    [list(s.token_ids) for s in seqs], [s.context_before for s in seqs],
-                    [list(s.block_table[0]) for s in seqs], self.cache.block_size, wanted), pending)
+                logits = self.graphs.run_mixed(HostLayout.of(**self._layout(seqs, wanted)), pending)
             else:
-                layout = dict(
-                    token_ids=[list(s.token_ids) for s in seqs], context_before=[s.context_before for s in seqs],
-                    block_tables=[list(s.block_table[0]) for s in seqs], block_size=self.cache.block_size,
-                    logits=wanted, state_slots=[s.state_slot for s in seqs] if self.cache.states is not None else None,
-                    drafts=[len(s.drafts) for s in seqs])
+                layout = dict(self._layout(seqs, wanted), drafts=[len(s.drafts) for s in seqs],
+                              state_slots=[s.state_slot for s in seqs] if self.cache.states is not None else None)
                 batch = ForwardBatch.build(**layout, device=self.device)
                 if pending is not None:
                     copy_rows(batch.input_ids, *pending)
@@ -138,6 +133,12 @@ class Runner:
                 done = torch.cuda.Event()
                 done.record()
         return InFlight(plan, query_start, decode, host, done, routing, timer, mtp, others)
+
+    def _layout(self, seqs: tuple[ScheduledSeq, ...], wanted: list[int]) -> dict:
+        """A step's rows as `HostLayout.of` takes them (`ForwardBatch.build` too, with the states and drafts)."""
+        return dict(token_ids=[list(s.token_ids) for s in seqs], context_before=[s.context_before for s in seqs],
+                    block_tables=[list(s.block_table[0]) for s in seqs], block_size=self.cache.block_size,
+                    logits=wanted)
 
     def collect(self, step: InFlight) -> StepOutput:
         """Wait for a launched step (steps are collected in launch order) and return its output."""
