@@ -171,15 +171,47 @@ async def step_kinds(http: httpx.AsyncClient) -> dict[str, tuple[float, float]]:
     return {k: (c, t) for k, (c, t) in out.items()}
 
 
+# the daemon's histograms read around the burst: where a client's long gap comes from (the engine's own ITL is
+# taken as it hands tokens to the event loop; a step's wall time; its device time by kind)
+BURST_HISTOGRAMS = ("radiance_inter_token_latency_seconds", "radiance_step_duration_seconds",
+                    "radiance_step_own_seconds")
+
+
+def bucket_counts(snap: Snapshot, name: str) -> dict[str, dict[str, float]]:
+    """A histogram's cumulative bucket counts: {label values ('' when none): {le: count}}."""
+    out: dict[str, dict[str, float]] = {}
+    for (n, labels), v in snap.values.items():
+        if n == f"{name}_bucket":
+            d = dict(labels)
+            le = d.pop("le")
+            out.setdefault(",".join(d.values()), {})[le] = v
+    return out
+
+
+def histogram_deltas(before: Snapshot, after: Snapshot) -> dict:
+    """BURST_HISTOGRAMS' observations between two reads, per bucket (not cumulative): {name: {labels: {le: n}}}."""
+    out = {}
+    for name in BURST_HISTOGRAMS:
+        a, b = bucket_counts(before, name), bucket_counts(after, name)
+        out[name] = {}
+        for labels, counts in b.items():
+            les = sorted(counts, key=float)
+            cum = [counts[le] - a.get(labels, {}).get(le, 0.0) for le in les]
+            out[name][labels] = {le: c - (cum[i - 1] if i else 0.0) for i, (le, c) in enumerate(zip(les, cum))}
+    return out
+
+
 async def prefill_burst(http, prompts: Callable[[int], list[int]]) -> dict:
     kinds_before = await step_kinds(http)
     streams = [asyncio.create_task(stream_request(http, COMPLETIONS, completion_body(prompts(64), 1024)))
                for _ in range(4)]
     await asyncio.sleep(0.3)  # their prefill done, their decode well under way (1,024 tokens: ~2 s on the H200)
+    hist_before = Snapshot.parse((await http.get("/metrics")).text)
     t_burst = time.perf_counter()
     burst = await asyncio.gather(*(stream_request(http, COMPLETIONS, completion_body(prompts(2000), 1))
                                    for _ in range(8)))
     t_end = time.perf_counter()
+    hist_after = Snapshot.parse((await http.get("/metrics")).text)
     running = await asyncio.gather(*streams)
     kinds = {k: (c - kinds_before.get(k, (0, 0))[0], t - kinds_before.get(k, (0, 0))[1])
              for k, (c, t) in (await step_kinds(http)).items()}
@@ -194,7 +226,8 @@ async def prefill_burst(http, prompts: Callable[[int], list[int]]) -> dict:
     return {"itl_all": summary(itl), "itl_during_burst": summary(during), "burst_seconds": t_end - t_burst,
             "burst_ttft": summary([s.ttft_s for s in burst if s.ok]),
             "running_ok": sum(s.ok for s in running), "burst_ok": sum(s.ok for s in burst),
-            "steps": {k: {"steps": c, "mean_ms": 1000 * t / c if c else None} for k, (c, t) in kinds.items()}}
+            "steps": {k: {"steps": c, "mean_ms": 1000 * t / c if c else None} for k, (c, t) in kinds.items()},
+            "burst_histograms": histogram_deltas(hist_before, hist_after)}
 
 
 async def measure(url: str, args, res: dict) -> None:
@@ -283,6 +316,9 @@ def main() -> int:
           f"{i['p99'] * 1e3:.1f} ms; {during}; the burst took {pb['burst_seconds']:.2f} s")
     print("  its steps: " + ", ".join(f"{k} {v['steps']:.0f} of {v['mean_ms']:.2f} ms" for k, v in pb["steps"].items()
                                       if v["steps"]))
+    for name, by_labels in pb["burst_histograms"].items():
+        for labels, counts in by_labels.items():
+            print(f"  during it, {name}{{{labels}}}: " + ", ".join(f"<={le} {n:.0f}" for le, n in counts.items() if n))
     return 0
 
 
