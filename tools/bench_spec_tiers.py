@@ -14,7 +14,7 @@ acceptance. Without CUDA (`--quick`, a dry run on a CPU) the sizes are tiny: it 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import gc
 import json
 import sys
 import time
@@ -33,7 +33,6 @@ from tools import gpu_bench  # noqa: E402
 from tools.bench_tiers import FULL, QUICK, _counters, engine_for, host_pool_mib, section_model, teardown  # noqa: E402
 
 COVERAGE = (0.10, 0.25)
-SPEC_EXTRA_MIB = 2048
 DRAFTS = 4
 PHRASE, REPEATS = 24, 6
 
@@ -59,21 +58,27 @@ def _decode(engine, device: str, prompt: list[int], tokens: int) -> dict:
             "drafted": seq.draft_stats.drafted, "accepted": seq.draft_stats.accepted}
 
 
+def _run(rad: RadFile, p, device: str, slots: int, spec: int, prompt: list[int], tokens: int) -> dict:
+    """One engine, built, warmed, measured and closed."""
+    engine = engine_for(rad, p, device, host_pool_mib=host_pool_mib(rad), expert_slots=slots, speculative=spec)
+    try:
+        _decode(engine, device, prompt, 8)  # warm-up: slots settle, kernels compile
+        return _decode(engine, device, prompt, tokens)
+    finally:
+        teardown(engine)
+
+
 def point(rad: RadFile, p, device: str, share: float, tokens: int) -> dict:
-    # --speculative 4 asks logits at 5 rows a sequence, and the mixed step graphs each hold theirs (on the
-    # H200, 1.52 GiB more than the preset on this vocabulary): the card budget is the tiers preset's plus SPEC_EXTRA_MIB, the same
-    # for both runs, whose expert slots are set by --expert-slots.
-    p = dataclasses.replace(p, gpu_memory_mib=p.gpu_memory_mib + SPEC_EXTRA_MIB)
+    """--speculative 0 and DRAFTS at `share` of the experts in card slots (--expert-slots), on the preset's budget."""
     slots = round(share * len(routed_experts(rad.header)))
     row = {"share": share, "expert_slots": slots}
     prompt = _prompt(rad.model.vocab_size)
     for spec in (0, DRAFTS):
-        engine = engine_for(rad, p, device, host_pool_mib=host_pool_mib(rad), expert_slots=slots, speculative=spec)
-        try:
-            _decode(engine, device, prompt, 8)  # warm-up: slots settle, kernels compile
-            got = row[f"spec{spec}"] = _decode(engine, device, prompt, tokens)
-        finally:
-            teardown(engine)
+        got = row[f"spec{spec}"] = _run(rad, p, device, slots, spec, prompt, tokens)
+        # the engine is gone: give its memory back to the card, which the next engine's plan reads as free
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
         print(f"   {share:.0%} slots, --speculative {spec}: {got['tok_s']:.1f} tok/s, "
               f"{got['miss_bytes_per_token'] / 2**20:.2f} MiB over the link per token", flush=True)
     return row
