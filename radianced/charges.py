@@ -219,7 +219,8 @@ def _logits(facts: ModelFacts, rows: int) -> Part:
 
 def _graph_pool(facts: ModelFacts, rows: int, card: Card, cfg: Config) -> Part:
     """The step graphs' pool (engine/graphs.py): one layer and logits at the largest graph's rows, plus what
-    each mixed graph holds past its capture: its fp32 logits and its stacked routing record (int64 ids)."""
+    the mixed graphs hold past their capture, one set between them (the largest's, each smaller one writes
+    its own into it): fp32 logits and the stacked routing record (int64 ids)."""
     if cfg.enforce_eager:
         return Part("graph pool", 0, "none: --enforce-eager")
     m = facts.model
@@ -228,11 +229,12 @@ def _graph_pool(facts: ModelFacts, rows: int, card: Card, cfg: Config) -> Part:
     tokens = max((rows, *mixed))
     logit_rows = max((rows, *(mixed_logits_rows(t, cfg.decode_tokens) for t in mixed)))
     pool = activation_bytes(m, facts.act_bytes, tokens, card.cuda) + card_logits_bytes(facts, logit_rows)
-    held = sum(mixed_logits_rows(t, cfg.decode_tokens) * m.vocab_size * FP32 for t in mixed) + \
-        sum(t * len(m.moe_layers) * m.num_experts_per_tok * ROUTING_ID_BYTES for t in mixed)
+    top = max(mixed, default=0)
+    held = mixed_logits_rows(top, cfg.decode_tokens) * m.vocab_size * FP32 + \
+        top * len(m.moe_layers) * m.num_experts_per_tok * ROUTING_ID_BYTES
     what = f"one layer at {tokens} tokens and logits at {logit_rows} rows"
     if mixed:
-        what += f", and the logits and routing each mixed graph holds ({fmt_mib(held)})"
+        what += f", and the logits and routing the mixed graphs hold ({fmt_mib(held)})"
     if not card.cuda:
         return Part("graph pool", pool + held, f"{what}, for step graphs")
     return Part("graph pool", pool + held + CAPTURE_WORKSPACE_BYTES,

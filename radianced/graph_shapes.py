@@ -12,10 +12,17 @@
   a search over query_start), so one graph of t token rows and --max-num-seqs sequence
   slots serves any step that fits: its rows come first, the rest are padding (token
   0, no KV write, owned by no sequence), the empty sequence slots own no rows. The
-  buckets are the powers of two above --max-num-seqs (a step of t <= B tokens over B
-  slots is decode-shaped to the attention's heuristics), from 16 up to
-  min(MIXED_TOKENS, --max-num-batched-tokens). A graph's logits are those of its first
-  `mixed_logits_rows` wanted rows.
+  buckets are above --max-num-seqs (a step of t <= B tokens over B slots is
+  decode-shaped to the attention's heuristics) and at most
+  min(MIXED_TOKENS, --max-num-batched-tokens): the powers of two from 16 to 256,
+  then every multiple of 256 (a step past 256 tokens pads at most 255 rows, under a
+  quarter of it), and the step budget itself where it falls between. Graphs past
+  256 tokens take the host out of the long steps too: on the H200 an eager step of
+  818 prompt tokens took 9.9 ms of device time in one request and 17.0 ms in its
+  twin's (the host's launches pace an eager step, and its hiccups land in it), which
+  left TTFT's first/twin p99 at 1.33-1.54 (bench/README, session 17). Steps past
+  MIXED_TOKENS (a raised --max-num-batched-tokens) run eagerly. A graph's logits are
+  those of its first `mixed_logits_rows` wanted rows.
 - Models with recurrent layers (Qwen3-Next) capture decode graphs only: their other
   steps walk the sequences on the host.
 """
@@ -23,8 +30,9 @@
 from __future__ import annotations
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-MIXED_TOKENS = 256  # the largest mixed graph's token rows
+MIXED_TOKENS = 2048  # the largest mixed graph's token rows (the default --max-num-batched-tokens)
 MIXED_MIN_TOKENS = 16
+MIXED_POWERS_UP_TO = 256  # then multiples of it
 
 
 def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -38,7 +46,10 @@ def mixed_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, 
     while t <= min(MIXED_TOKENS, max_num_batched_tokens):
         if t > max_num_seqs:
             out.append(t)
-        t *= 2
+        t = 2 * t if t < MIXED_POWERS_UP_TO else t + MIXED_POWERS_UP_TO
+    top = min(MIXED_TOKENS, max_num_batched_tokens)
+    if top > max(out, default=max_num_seqs):  # the step budget between two buckets: a graph of its own
+        out.append(top)
     return tuple(out)
 
 

@@ -200,9 +200,9 @@ def test_smollm2_bf16_receipt_by_hand():
     def layer(t):  # 4 hidden buffers + q, k, v, attention out + gate, up, act
         return 4 * t * 576 * 2 + t * (576 + 2 * 192 + 576) * 2 + t * 3 * 1536 * 2
 
-    # step graphs: the largest mixed bucket's 256 tokens (16 seqs: buckets 32, 64, 128, 256), logits at 16
-    # rows, and each mixed graph's held fp32 logits (16 rows each; no routing: dense)
-    graphs = layer(256) + logits + 4 * 16 * 49152 * 4
+    # step graphs: the largest mixed bucket's 2,048 tokens (16 seqs: buckets 32 .. 256, then 512 .. 2048 by 256),
+    # logits at 16 rows, and the fp32 logits the mixed graphs hold between them (16 rows; no routing: dense)
+    graphs = layer(2048) + logits + 16 * 49152 * 4
     assert [(p.name, p.bytes) for p in r.workspace] == [
         ("logits", logits), ("activations", layer(2048)), ("graph pool", graphs), ("libraries", 32 * MiB)]
     assert [(p.name, p.bytes) for p in r.state] == [("block tables", 16 * (8192 // 16) * 4)]
@@ -211,16 +211,16 @@ def test_smollm2_bf16_receipt_by_hand():
     elastic = 4000 * MiB - 96 * MiB - (lm_head + attention + norms + mlp) \
         - (logits + layer(2048) + graphs + 32 * MiB) - 16 * 512 * 4
     assert r.elastic == elastic
-    assert r.arena_pages == elastic // page == 2010
-    assert (r.expert_slots, r.kv_max_pages, r.kv_pool_tokens) == (0, 2010, 2010 * 5 * 16)
-    assert r.full_sessions == 2010 * 5 * 16 // 8192 == 19
-    assert r.worst_case_percent == 100 * 2010 * 80 // (16 * 8192) == 122
+    assert r.arena_pages == elastic // page == 1998
+    assert (r.expert_slots, r.kv_max_pages, r.kv_pool_tokens) == (0, 1998, 1998 * 5 * 16)
+    assert r.full_sessions == 1998 * 5 * 16 // 8192 == 19
+    assert r.worst_case_percent == 100 * 1998 * 80 // (16 * 8192) == 121
     lines = r.lines()
     assert "card: 4096.00 MiB total, 4000.00 MiB free, 96.00 MiB in use elsewhere" in lines
     assert ("kv_attn 360.00 KiB per 16-token block in auto: the activations' dtype, 2 bytes an element "
             "(22.50 KiB per token, 30 layers), 5 blocks per page") in lines
     assert "expert cache: none (dense model: every page holds KV)" in lines
-    assert lines[-1] == "kv: the pool backs 122% of the worst case (16 seqs x 8192 tokens) = 19 full-length sessions"
+    assert lines[-1] == "kv: the pool backs 121% of the worst case (16 seqs x 8192 tokens) = 19 full-length sessions"
 
 
 def test_graph_pool_charges_the_capture_workspace_on_a_gpu_and_nothing_when_eager():
@@ -255,10 +255,11 @@ def _tiny_moe_fixed(seqs=2, tokens=64, model_len=256) -> int:
         return 4 * t * 64 * 4 + t * (64 + 64 + 64) * 4 + t * 8 * 4 + 2 * t * 12 + 2 * t * (2 * 64 + 3 * 32) * 4
 
     logits = rows * 400 * (4 + 20)
-    # step graphs (graph_shapes.py): mixed buckets 16, 32, ... up to --max-num-batched-tokens, each holding
-    # its fp32 logits (seqs rows) and its int64 routing record (3 MoE layers x top-2 per row)
-    mixed = [t for t in (16, 32, 64, 128, 256) if seqs < t <= tokens]
-    graphs = layer(max([rows, *mixed])) + logits + sum(rows * 400 * 4 + t * 3 * 2 * 8 for t in mixed)
+    # step graphs (graph_shapes.py): mixed buckets 16, 32, ... up to --max-num-batched-tokens (64 in every
+    # caller), holding one set of fp32 logits (seqs rows) and int64 routing record (3 MoE layers x top-2 a row)
+    mixed = [t for t in (16, 32, 64) if seqs < t <= tokens]
+    held = rows * 400 * 4 + max(mixed) * 3 * 2 * 8 if mixed else 0
+    graphs = layer(max([rows, *mixed])) + logits + held
     workspace = logits + layer(tokens) + graphs + 32 * MiB
     state = seqs * (model_len // 16) * 4 + 3 * 8 * 8  # block tables, expert pointers
     return weights + workspace + state

@@ -35,12 +35,15 @@ bucket, a hybrid model's other steps and the disk tier (a host sync per layer)
 run eagerly.
 
 Memory: all graphs share one graph pool, captured largest first, charged by
-the receipt's "graph pool" workspace line; padding needs nothing beyond it.
+the receipt's "graph pool" workspace line; padding needs nothing beyond it. The
+mixed graphs share one set of outputs (logits and routing ids: the largest's,
+which each smaller one copies its own into, `_into`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import time
@@ -89,6 +92,21 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor  # [b, V] (decode) or [mixed_logits_rows, V] (mixed): the replay's output
     routing: Recording | None  # the slab's routing record, rewritten by each replay (ExpertSlab.record)
+
+
+def _into(shared: _Graph, logits: torch.Tensor, routing: Recording | None) -> tuple[torch.Tensor, Recording | None]:
+    """Inside a smaller mixed graph's capture: its logits and routing ids copied into the first rows of the
+    largest mixed graph's (`shared`), which it returns in their place. Only one step's outputs are alive at a
+    time (its sampling and its routing's host copy are queued before the next replay), so the mixed graphs
+    hold one set of outputs between them instead of one each; each graph's own are freed to the pool for the
+    next capture."""
+    out = shared.logits[:len(logits)]
+    out.copy_(logits)
+    if routing is None:
+        return out, None
+    ids = shared.routing.ids[:len(routing.ids)]
+    ids.copy_(routing.ids)
+    return out, dataclasses.replace(routing, ids=ids)
 
 
 class StepGraphs:
@@ -303,6 +321,7 @@ class StepGraphs:
             # line charges it (charges.CAPTURE_WORKSPACE_BYTES); kept, it sat outside every charge.
             stream.synchronize()
             torch._C._cuda_clearCublasWorkspaces()
+            shared: _Graph | None = None  # the largest mixed graph's outputs, which the others write into
             for graphs, size, batch in shapes:
                 static = batch(size)
                 graph = torch.cuda.CUDAGraph()
@@ -310,9 +329,13 @@ class StepGraphs:
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     logits = self.model.forward(static, self.cache)
                     routing = self.experts.record() if self.experts is not None else None  # stacked in the graph
+                    if shared is not None and graphs is self._mixed_graphs:
+                        logits, routing = _into(shared, logits, routing)
                 if self.experts is not None:
                     self.experts.end_step()  # nothing ran yet: the capture recorded, it did not count
                 graphs[size] = _Graph(graph, logits, routing)
+                if graphs is self._mixed_graphs and shared is None:
+                    shared = graphs[size]
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize(self.device)
         mixed = f", mixed graphs at {', '.join(map(str, self.mixed))} tokens" if self.mixed else ""

@@ -32,7 +32,8 @@ def build(rad, flags: dict, graphs: bool, mixed: bool = False) -> Engine:
     if graphs:
         runner = engine.runner
         buckets = mixed_buckets(cfg.max_num_seqs, cfg.max_num_batched_tokens) if mixed else ()
-        runner.graphs = StepGraphs(runner.model, runner.cache, cfg.max_num_seqs, 256 // BLOCK_TOKENS, engine.experts,
+        runner.graphs = StepGraphs(runner.model, runner.cache, cfg.max_num_seqs, cfg.max_model_len // BLOCK_TOKENS,
+                                   engine.experts,
                                    capture=False, mixed=buckets, decode_tokens=cfg.decode_tokens)
     return engine
 
@@ -43,12 +44,15 @@ def test_buckets_end_at_max_num_seqs():
     assert decode_buckets(40) == (1, 2, 4, 8, 16, 24, 32, 40)
 
 
-def test_mixed_buckets_are_the_powers_of_two_above_the_sequences_up_to_the_step_budget():
+def test_mixed_buckets_are_powers_of_two_then_multiples_of_256_above_the_sequences_up_to_the_step_budget():
     assert mixed_buckets(4, 64) == (16, 32, 64)
-    assert mixed_buckets(8, 2048) == (16, 32, 64, 128, 256)
-    assert mixed_buckets(16, 2048) == (32, 64, 128, 256)  # 16 tokens over 16 slots is decode-shaped
-    assert mixed_buckets(64, 100) == ()
-    assert mixed_buckets(256, 8192) == ()
+    assert mixed_buckets(8, 2048) == (16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048)
+    assert mixed_buckets(16, 512) == (32, 64, 128, 256, 512)  # 16 tokens over 16 slots is decode-shaped
+    assert mixed_buckets(8, 1000) == (16, 32, 64, 128, 256, 512, 768, 1000)  # the budget: a graph of its own
+    assert mixed_buckets(4, 100) == (16, 32, 64, 100)
+    assert mixed_buckets(64, 100) == (100,)
+    assert mixed_buckets(256, 8192) == (512, 768, 1024, 1280, 1536, 1792, 2048)  # past 2,048 tokens: eager
+    assert mixed_buckets(8, 8) == ()
 
 
 def _mixed_calls(engine: Engine) -> list[tuple[int, int]]:
@@ -64,17 +68,24 @@ def _mixed_calls(engine: Engine) -> list[tuple[int, int]]:
     return calls
 
 
+# (step budget, prompt lengths): small steps; prompts long enough for the buckets past 256 tokens (512, and the
+# budget itself)
+SHAPES = {"small": (64, (9, 33, 50, 21)), "long": (520, (300, 450, 120, 21))}
+
+
+@pytest.mark.parametrize("shape", ["small", "long"])
 @pytest.mark.parametrize("family, flags", [("llama", {}), ("qwen3_moe", EXPERTS)])
-def test_mixed_steps_in_the_padded_static_batch_give_the_eager_tokens_and_counts(tiny_rads, family, flags):
+def test_mixed_steps_in_the_padded_static_batch_give_the_eager_tokens_and_counts(tiny_rads, family, flags, shape):
     """Prompts of 9, 33 and 50 tokens under a 64-token step budget: chunks of prefill beside decodes, and
     whole short prompts, each step in the smallest mixed bucket it fits (16, 32 or 64 rows, the rest
-    padding owned by no sequence); a fourth request arrives mid-run. Tokens and expert counts equal the
-    eager engine's."""
+    padding owned by no sequence); a fourth request arrives mid-run. The same with prompts of 120-450 tokens
+    under a 520-token budget. Tokens and expert counts equal the eager engine's."""
     rad = tiny_rads[family]
-    ps = prompts(rad.model.vocab_size, (9, 33, 50, 21), seed=53)
+    budget, lengths = SHAPES[shape]
+    ps = prompts(rad.model.vocab_size, lengths, seed=53)
     runs, calls = [], []
     for graphs in (False, True):
-        engine = build(rad, flags, graphs, mixed=True)
+        engine = build(rad, {**flags, "max_num_batched_tokens": budget, "max_model_len": 512}, graphs, mixed=True)
         if graphs:
             calls = _mixed_calls(engine)
         out: dict = {}
@@ -90,8 +101,10 @@ def test_mixed_steps_in_the_padded_static_batch_give_the_eager_tokens_and_counts
         stats = engine.experts.stats if engine.experts is not None else None
         runs.append((out, stats and (stats.lookups, stats.hits, stats.routed)))
     assert runs[0] == runs[1]
-    assert len(calls) >= 3 and all(tokens <= 64 for tokens, _ in calls)
+    assert len(calls) >= 3 and all(tokens <= budget for tokens, _ in calls)
     assert any(tokens > 16 for tokens, _ in calls) and any(rows > 1 for _, rows in calls)  # chunks beside decodes
+    if shape == "long":
+        assert any(tokens > 256 for tokens, _ in calls)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])

@@ -34,7 +34,7 @@ def test_captured_graphs_fit_the_receipts_graph_pool(tiny_rads, family, max_num_
     device = gpu_device()
     if device != "cuda":
         pytest.skip("CUDA graphs need CUDA")
-    cfg = Config(max_model_len=256, max_num_seqs=max_num_seqs, max_num_batched_tokens=256)
+    cfg = Config(max_model_len=1024, max_num_seqs=max_num_seqs, max_num_batched_tokens=1000)  # buckets to 1,000
     engine = Engine.build(tiny_rads[family], msgspec.structs.replace(cfg, enforce_eager=True),
                           Card.from_mib(2048, cuda=True), device)
     gc.collect()  # engines of earlier tests give their memory back before the readings

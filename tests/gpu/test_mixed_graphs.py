@@ -5,7 +5,8 @@ Tiny llama and qwen3_moe (fp32, experts split between slots and the host pool), 
 `Engine.build` on the device twice, with its step graphs and with `--enforce-eager`,
 `--deterministic` so both compute the same bits. Three prompts under a 64-token step budget
 (chunks of prefill beside decodes, whole short prompts: mixed buckets 16, 32, 64) and a fourth
-arriving mid-run; then --speculative 3 with every decode drafting (verify steps of 4 rows a
+arriving mid-run, and the same with prompts of 120-450 tokens under a 520-token budget (the buckets
+past 256 tokens); then --speculative 3 with every decode drafting (verify steps of 4 rows a
 sequence). Each step's time is recorded by kind (mixed replays against eager steps of the same
 plan). Qwen3-Next captures decode graphs only: its engine must have no mixed bucket.
 """
@@ -65,25 +66,33 @@ def serve(engine: Engine, ps, late=None, draft=False) -> tuple[dict, list[float]
     return out, times, mixed[0]
 
 
+# (step budget, prompt lengths, the mixed buckets): small steps; long prompts in the buckets past 256 tokens
+# (multiples of 256, and the budget itself)
+SHAPES = {"small": (64, (9, 33, 50, 21), (16, 32, 64)),
+          "long": (520, (300, 450, 120, 21), (16, 32, 64, 128, 256, 512, 520))}
+
+
+@pytest.mark.parametrize("shape", ["small", "long"])
 @pytest.mark.parametrize("speculative", [0, 3])
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
-def test_mixed_graph_replays_give_the_eager_tokens(tiny_rads, family, speculative):  # noqa: F811
+def test_mixed_graph_replays_give_the_eager_tokens(tiny_rads, family, speculative, shape):  # noqa: F811
     device = _cuda()
     rad = tiny_rads[family]
-    ps = prompts(rad.model.vocab_size, (9, 33, 50, 21), seed=62)
+    budget, lengths, buckets = SHAPES[shape]
+    ps = prompts(rad.model.vocab_size, lengths, seed=62)
     runs = {}
     for eager in (True, False):
-        cfg = Config(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, deterministic=True,
+        cfg = Config(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=budget, deterministic=True,
                      enforce_eager=eager, speculative=speculative, **FLAGS[family])
         engine = Engine.build(rad, cfg, Card.from_mib(1024), device)
         if not eager:
-            assert engine.runner.graphs.mixed == (16, 32, 64)
+            assert engine.runner.graphs.mixed == buckets
         tokens, times, mixed = serve(engine, ps[:3], late=ps[3], draft=bool(speculative))
         stats = engine.experts.stats if engine.experts is not None else None
         runs[eager] = (tokens, stats and (stats.lookups, stats.hits, stats.routed), times, mixed)
         engine.close()
     (eager_tokens, eager_counts, eager_times, _), (tokens, counts, times, mixed) = runs[True], runs[False]
-    record({"test": "mixed_graphs", "family": family, "speculative": speculative, "mixed_steps": mixed,
+    record({"test": "mixed_graphs", "family": family, "speculative": speculative, "shape": shape, "mixed_steps": mixed,
             "steps": len(times), "eager_step_ms": [round(1e3 * t, 3) for t in eager_times],
             "graph_step_ms": [round(1e3 * t, 3) for t in times]})
     assert tokens == eager_tokens and counts == eager_counts
