@@ -27,9 +27,16 @@ Two caps, both from the steps the daemon runs:
   half prefill). Until the line is known the allowance starts at one block and doubles.
 
 Where the engine replays mixed CUDA graphs (engine/graphs.py), a step beside decodes also
-takes at most the largest one's tokens: past it the step runs eagerly, and an eager step's
+takes at most the largest one's tokens (past it the step runs eagerly, and an eager step's
 launches cost the H200's 8-layer synthetic model about 7-12 ms whatever its size, against
-a decode step's 1.6 ms.
+a decode step's 1.6 ms), and at most BESIDE_DECODES tokens: there a MoE step that prefills
+reads nearly every expert, so its fixed part alone is about the target (3.8 ms beside 1.5 ms
+decodes at --itl-factor 2.5), and the half-prefill rule above doubled it. Measured on the
+H200 (bench/README, session 17), 4 streams decoding while 8 prompts of 2,000 tokens
+arrive: with graphs up to 2,048 tokens and no such cap, 11 steps of ~1,450 tokens, 8.9 ms
+each, the streams' ITL p99 15.2x the median (the burst in 0.13 s); with steps beside
+decodes kept to 256 tokens, 161 steps of 3.8 ms, 4.1x (the burst in 0.63 s). A prefill
+with nobody decoding takes the whole budget in one graph.
 
 Each step is timed on its own (engine/step_timer.py); a decode step's time is the
 baseline. Each cap grows at most twofold a step, so one short step never sends the next
@@ -43,6 +50,7 @@ from radianced.config import Config
 from radianced.sizing import BLOCK_TOKENS
 
 FORGET = 0.8  # the weight of a prefill step in the step-time line falls by this with each newer one
+BESIDE_DECODES = 256  # the most tokens a step with decodes takes where the engine replays graphs (docstring)
 
 
 class StepPacer:
@@ -111,8 +119,8 @@ class StepPacer:
         if not (decoding and self.itl_factor and self.decode_seconds):
             return self.budget
         beside = self.prefill_beside_decodes
-        if self.graph_tokens:  # the step stays in a mixed graph (module docstring)
-            beside = min(beside, self.graph_tokens - decoding)
+        if self.graph_tokens:  # the step stays in a mixed graph, and short (module docstring)
+            beside = min(beside, min(self.graph_tokens, BESIDE_DECODES) - decoding)
         return min(self.budget, max(self.floor, decoding + beside))
 
     @classmethod

@@ -11,7 +11,7 @@ import pytest
 
 from radianced.config import Config
 from radianced.engine.driver import AsyncEngine
-from radianced.engine.pacing import StepPacer
+from radianced.engine.pacing import BESIDE_DECODES, StepPacer
 from radianced.engine.sampling_params import SamplingParams
 from radianced.sizing import BLOCK_TOKENS
 from tests.engine.conftest import prompts, small_engine
@@ -115,6 +115,19 @@ def test_beside_decodes_a_step_stays_within_the_largest_mixed_graph():
     assert run_mixed_steps(pacer, 4, step_seconds(0.003, 20e-6), 8)[-1] == 60
     assert pacer.next_budget(0) == 2048
     assert StepPacer(2048, 0.5, 20, graph_tokens=64).next_budget(4) == 2048  # no --itl-factor: no cap
+
+
+def test_beside_decodes_a_replayed_step_takes_at_most_256_tokens_whatever_the_largest_graph():
+    """The H200's 8-layer MoE (bench/README, session 17): decodes 1.5 ms, a step that prefills beside them
+    ~3.7 ms fixed (it reads nearly every expert) + 3.7 us a token, --itl-factor 2.5: the fixed part passes
+    the target, so the half-prefill rule asks ~1,000 tokens; graphs up to 2,048 tokens would take them
+    (8.9 ms steps); the cap keeps 252 beside 4 decodes. With nobody decoding, the whole budget."""
+    pacer = StepPacer(2048, 0.5, 20, itl_factor=2.5, graph_tokens=2048)
+    pacer.observe(4, 4, 0.0015, decoding=4)
+    sizes = run_mixed_steps(pacer, 4, step_seconds(0.0037, 3.7e-6), 12)
+    assert sizes[-1] == BESIDE_DECODES - 4 == 252
+    assert StepPacer(2048, 0.5, 20, itl_factor=2.5).next_budget(4) == 2048  # before any decode step: no cap
+    assert pacer.next_budget(0) == 2048
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(max_step_seconds=-1.0), dict(floor=0),
