@@ -336,10 +336,6 @@ class StepGraphs:
                 graphs[size] = _Graph(graph, logits, routing)
                 if graphs is self._mixed_graphs and shared is None:
                     shared = graphs[size]
-            # A graph's first launch also uploads it to the device (CUDA does so unless cudaGraphUpload ran):
-            # here, on the padding inputs the captures saw (no KV or state written), not in a request's step.
-            for graphs, size, _ in shapes:
-                graphs[size].graph.replay()
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize(self.device)
         mixed = f", mixed graphs at {', '.join(map(str, self.mixed))} tokens" if self.mixed else ""
