@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from radianced.card import Card, MiB
 from radianced.config import Config
-from radianced.graph_shapes import mixed_buckets, mixed_logits_rows
+from radianced.graph_shapes import mixed_buckets_of, mixed_logits_rows, no_graphs
 from radianced.kernels.formats import is_compact
 from radianced.receipt import Part, fmt_mib
 from radianced.sizing import (
@@ -221,11 +221,11 @@ def _graph_pool(facts: ModelFacts, rows: int, card: Card, cfg: Config) -> Part:
     """The step graphs' pool (engine/graphs.py): one layer and logits at the largest graph's rows, plus what
     the mixed graphs hold past their capture, one set between them (the largest's, each smaller one writes
     its own into it): fp32 logits and the stacked routing record (int64 ids)."""
-    if cfg.enforce_eager:
-        return Part("graph pool", 0, "none: --enforce-eager")
     m = facts.model
-    mixed = () if recurrent_bytes_per_copy(m, facts.act_bytes) else \
-        mixed_buckets(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+    none = no_graphs(card.cuda, cfg.enforce_eager, cfg.drafts_with_mtp(m.num_mtp_layers))
+    if none is not None:
+        return Part("graph pool", 0, f"none: {none}")
+    mixed = mixed_buckets_of(bool(m.linear_attention_layers), cfg.max_num_seqs, cfg.max_num_batched_tokens)
     tokens = max((rows, *mixed))
     logit_rows = max((rows, *(mixed_logits_rows(t, cfg.decode_tokens) for t in mixed)))
     pool = activation_bytes(m, facts.act_bytes, tokens, card.cuda) + card_logits_bytes(facts, logit_rows)
@@ -235,8 +235,6 @@ def _graph_pool(facts: ModelFacts, rows: int, card: Card, cfg: Config) -> Part:
     what = f"one layer at {tokens} tokens and logits at {logit_rows} rows"
     if mixed:
         what += f", and the logits and routing the mixed graphs hold ({fmt_mib(held)})"
-    if not card.cuda:
-        return Part("graph pool", pool + held, f"{what}, for step graphs")
     return Part("graph pool", pool + held + CAPTURE_WORKSPACE_BYTES,
                 f"{what}, and the capture stream's cuBLAS workspace, for step graphs")
 

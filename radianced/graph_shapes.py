@@ -25,6 +25,10 @@
   those of its first `mixed_logits_rows` wanted rows.
 - Models with recurrent layers (Qwen3-Next) capture decode graphs only: their other
   steps walk the sequences on the host.
+- No graphs at all (`no_graphs`) on the CPU, with --enforce-eager, or where the MTP
+  head drafts (its pass follows every step on the host); the engine also runs the disk
+  tier eagerly (a host sync in every routed layer), which the receipt, planned before
+  the split that homes experts on disk, still charges a graph pool for.
 """
 
 from __future__ import annotations
@@ -33,6 +37,22 @@ DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIXED_TOKENS = 2048  # the largest mixed graph's token rows (the default --max-num-batched-tokens)
 MIXED_MIN_TOKENS = 16
 MIXED_POWERS_UP_TO = 256  # then multiples of it
+
+
+def no_graphs(cuda: bool, enforce_eager: bool, mtp_drafts: bool) -> str | None:
+    """Why no step graph is captured (module docstring), or None where they are."""
+    if not cuda:
+        return "the host backend runs every step eagerly"
+    if enforce_eager:
+        return "--enforce-eager"
+    if mtp_drafts:
+        return "the MTP head drafts after every step"
+    return None
+
+
+def mixed_buckets_of(recurrent: bool, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, ...]:
+    """`mixed_buckets` for a model with (`recurrent`: linear-attention layers, none) or without them."""
+    return () if recurrent else mixed_buckets(max_num_seqs, max_num_batched_tokens)
 
 
 def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:

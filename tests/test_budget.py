@@ -200,43 +200,49 @@ def test_smollm2_bf16_receipt_by_hand():
     def layer(t):  # 4 hidden buffers + q, k, v, attention out + gate, up, act
         return 4 * t * 576 * 2 + t * (576 + 2 * 192 + 576) * 2 + t * 3 * 1536 * 2
 
-    # step graphs: the largest mixed bucket's 2,048 tokens (16 seqs: buckets 32 .. 256, then 512 .. 2048 by 256),
-    # logits at 16 rows, and the fp32 logits the mixed graphs hold between them (16 rows; no routing: dense)
-    graphs = layer(2048) + logits + 16 * 49152 * 4
+    # no step graphs on this card (not CUDA): a graph pool of 0
     assert [(p.name, p.bytes) for p in r.workspace] == [
-        ("logits", logits), ("activations", layer(2048)), ("graph pool", graphs), ("libraries", 32 * MiB)]
+        ("logits", logits), ("activations", layer(2048)), ("graph pool", 0), ("libraries", 32 * MiB)]
     assert [(p.name, p.bytes) for p in r.state] == [("block tables", 16 * (8192 // 16) * 4)]
     page = 5 * 16 * 23040  # five whole 360 KiB blocks (16 tokens x 22.5 KiB) fit in 2 MiB
     assert r.page_bytes == page == 1_843_200
     elastic = 4000 * MiB - 96 * MiB - (lm_head + attention + norms + mlp) \
-        - (logits + layer(2048) + graphs + 32 * MiB) - 16 * 512 * 4
+        - (logits + layer(2048) + 32 * MiB) - 16 * 512 * 4
     assert r.elastic == elastic
-    assert r.arena_pages == elastic // page == 1998
-    assert (r.expert_slots, r.kv_max_pages, r.kv_pool_tokens) == (0, 1998, 1998 * 5 * 16)
-    assert r.full_sessions == 1998 * 5 * 16 // 8192 == 19
-    assert r.worst_case_percent == 100 * 1998 * 80 // (16 * 8192) == 121
+    assert r.arena_pages == elastic // page == 2028
+    assert (r.expert_slots, r.kv_max_pages, r.kv_pool_tokens) == (0, 2028, 2028 * 5 * 16)
+    assert r.full_sessions == 2028 * 5 * 16 // 8192 == 19
+    assert r.worst_case_percent == 100 * 2028 * 80 // (16 * 8192) == 123
     lines = r.lines()
     assert "card: 4096.00 MiB total, 4000.00 MiB free, 96.00 MiB in use elsewhere" in lines
     assert ("kv_attn 360.00 KiB per 16-token block in auto: the activations' dtype, 2 bytes an element "
             "(22.50 KiB per token, 30 layers), 5 blocks per page") in lines
     assert "expert cache: none (dense model: every page holds KV)" in lines
-    assert lines[-1] == "kv: the pool backs 121% of the worst case (16 seqs x 8192 tokens) = 19 full-length sessions"
+    assert lines[-1] == "kv: the pool backs 123% of the worst case (16 seqs x 8192 tokens) = 19 full-length sessions"
 
 
-def test_graph_pool_charges_the_capture_workspace_on_a_gpu_and_nothing_when_eager():
+def test_graph_pool_charges_the_largest_graph_on_a_gpu_and_nothing_where_no_graph_is_captured():
     facts, cfg = ModelFacts.from_config(SMOLLM2, 2), flags("--max-model-len 4096")
 
-    def pool(card, cfg=cfg):
+    def pool(card, cfg=cfg, facts=facts):
         return next(p for p in plan(card, facts, cfg).workspace if p.name == "graph pool")
 
-    cpu, gpu = pool(Card.from_mib(4096)), pool(Card.from_mib(4096, cuda=True))
-    # on CUDA also the flash-decoding partials: min(16 rows x 32 splits, 2 x 256 SMs / 3 KV heads)
-    # partial rows x 9 query heads x (64 dims + lse) in fp32
+    gpu = pool(Card.from_mib(4096, cuda=True))
+    t, rows = 2048, 16  # the largest mixed graph (16 seqs: 32 .. 256, then 512 .. 2,048 by 256); 16 logits rows
+    layer = 4 * t * 576 * 2 + t * (576 + 2 * 192 + 576) * 2 + t * 3 * 1536 * 2  # as in the receipt by hand
+    # the flash-decoding partials: min(16 rows x 32 splits, 2 x 256 SMs / 3 KV heads) partial rows x 9 query
+    # heads x (64 dims + lse) in fp32
     partials = 170 * 9 * 65 * 4
-    assert gpu.bytes - cpu.bytes == CAPTURE_WORKSPACE_BYTES + partials and CAPTURE_WORKSPACE_BYTES == 32 * MiB
-    assert "capture stream's cuBLAS workspace" in gpu.detail and "cuBLAS" not in cpu.detail
+    logits, held = rows * 49152 * (2 + 20), rows * 49152 * 4  # the temporary, and the outputs the graphs hold
+    assert gpu.bytes == layer + partials + logits + held + CAPTURE_WORKSPACE_BYTES and CAPTURE_WORKSPACE_BYTES == 32 * MiB
+    assert "capture stream's cuBLAS workspace" in gpu.detail
+    assert (pool(Card.from_mib(4096)).bytes, pool(Card.from_mib(4096)).detail) == (
+        0, "none: the host backend runs every step eagerly")
     eager = pool(Card.from_mib(4096, cuda=True), flags("--max-model-len 4096 --enforce-eager"))
     assert (eager.bytes, eager.detail) == (0, "none: --enforce-eager")
+    mtp = pool(Card.from_mib(200000, cuda=True), flags("--max-model-len 4096 --speculative 2 --host-pool-mib 200000"),
+               ModelFacts.from_config(QWEN3_NEXT, 2))
+    assert (mtp.bytes, mtp.detail) == (0, "none: the MTP head drafts after every step")
 
 
 def test_smollm2_fp32_pages_hold_two_720_kib_blocks():
@@ -255,12 +261,7 @@ def _tiny_moe_fixed(seqs=2, tokens=64, model_len=256) -> int:
         return 4 * t * 64 * 4 + t * (64 + 64 + 64) * 4 + t * 8 * 4 + 2 * t * 12 + 2 * t * (2 * 64 + 3 * 32) * 4
 
     logits = rows * 400 * (4 + 20)
-    # step graphs (graph_shapes.py): mixed buckets 16, 32, ... up to --max-num-batched-tokens (64 in every
-    # caller), holding one set of fp32 logits (seqs rows) and int64 routing record (3 MoE layers x top-2 a row)
-    mixed = [t for t in (16, 32, 64) if seqs < t <= tokens]
-    held = rows * 400 * 4 + max(mixed) * 3 * 2 * 8 if mixed else 0
-    graphs = layer(max([rows, *mixed])) + logits + held
-    workspace = logits + layer(tokens) + graphs + 32 * MiB
+    workspace = logits + layer(tokens) + 32 * MiB  # a CPU card: no graph pool (the host captures no graphs)
     state = seqs * (model_len // 16) * 4 + 3 * 8 * 8  # block tables, expert pointers
     return weights + workspace + state
 
@@ -557,7 +558,7 @@ def test_the_guide_worked_example_is_what_plan_prints():
     # the refusal shown for Qwen3-Next on the same card
     shown = re.search(r"When plan refuses.*?\n\n((?:    [^\n]*\n)+)", text, re.S)[1]
     with pytest.raises(PlanError) as e:
-        plan(Card.from_mib(cfg.card_mib), ModelFacts.from_config(QWEN3_NEXT, 2), cfg)
+        plan(Card.from_mib(cfg.card_mib, cuda=True), ModelFacts.from_config(QWEN3_NEXT, 2), cfg)
     assert " ".join(shown.split()) == str(e.value)
 
 

@@ -68,7 +68,7 @@ def capture(engine: Engine, cfg: Config, env: dict[str, str]):
     os.environ.update(env)
     pdl._level.cache_clear()
     try:
-        return engine_module._step_graphs(engine, cfg, engine.receipt)
+        return engine_module._step_graphs(engine, cfg, engine.receipt, True)
     finally:
         for k, v in saved.items():
             if v is None:

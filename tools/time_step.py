@@ -101,7 +101,7 @@ def capture_graphs(engine: Engine, rad: RadFile, cfg: Config) -> dict | None:
     torch.cuda.synchronize()
     before, reserved = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
     torch.cuda.reset_peak_memory_stats(dev)
-    graphs = engine_module._step_graphs(engine, cfg, engine.receipt)
+    graphs = engine_module._step_graphs(engine, cfg, engine.receipt, True)
     if graphs is None:
         return None
     engine.runner.graphs = graphs

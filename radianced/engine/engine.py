@@ -41,7 +41,7 @@ from radianced.engine.drafting import DraftPlanner
 from radianced.engine.speculation import TOKEN_COST, DraftPolicy, mtp_drafts, ngram_drafts
 from radianced.engine.tp_memory import plan_ranks, rank_memory, refuse_device
 from radianced.engine.tp_workers import StepBroadcast
-from radianced.graph_shapes import mixed_buckets
+from radianced.graph_shapes import mixed_buckets_of, no_graphs
 from radianced.kernels import ops
 from radianced.kv.blocks import BlockAllocator
 from radianced.kv.cache import KVCache, RecurrentState, kv_format
@@ -216,8 +216,7 @@ class Engine:
         if experts is not None and experts.placement.disk and engine.pipelined:
             engine.pipelined = False  # its host sync per routed layer leaves nothing to overlap
             log.info("steps run one after the other: the disk tier reads experts with a host sync per layer")
-        if torch.device(device).type == "cuda" and not cfg.enforce_eager:
-            engine.runner.graphs = _step_graphs(engine, cfg, receipt)
+        engine.runner.graphs = _step_graphs(engine, cfg, receipt, torch.device(device).type == "cuda")
         return engine
 
     @classmethod
@@ -306,18 +305,19 @@ def _draft_policy(cfg: Config, mtp: bool, device: torch.device) -> DraftPolicy:
     return DraftPolicy(cfg.speculative, TOKEN_COST[device.type], propose=mtp_drafts if mtp else ngram_drafts)
 
 
-def _step_graphs(engine: Engine, cfg: Config, receipt: Receipt) -> StepGraphs | None:
+def _step_graphs(engine: Engine, cfg: Config, receipt: Receipt, cuda: bool) -> StepGraphs | None:
     """Capture the step graphs (engine/graphs.py), or None where every step runs eagerly (said in the
-    log). A model with recurrent layers gets decode graphs only (graph_shapes.py says why)."""
-    runner = engine.runner
-    if runner.model.mtp is not None:
-        log.info("step graphs: none, every step runs eagerly: the MTP head drafts after every step")
-        return None
-    if engine.experts is not None and engine.experts.placement.disk:
-        log.info("step graphs: none, every step runs eagerly: the disk tier reads experts with a host sync "
-                 "in every routed layer")
+    log, as the receipt's graph-pool line says it). A model with recurrent layers gets decode graphs only
+    (graph_shapes.py says why)."""
+    runner, m = engine.runner, engine.runner.model.cfg
+    none = no_graphs(cuda, cfg.enforce_eager, cfg.drafts_with_mtp(m.num_mtp_layers))
+    if none is None and engine.experts is not None and engine.experts.placement.disk:
+        none = "the disk tier reads experts with a host sync in every routed layer"
+    if none is not None:
+        if cuda:
+            log.info("step graphs: none, every step runs eagerly: %s", none)
         return None
     max_blocks = -(-receipt.max_model_len // BLOCK_TOKENS)
-    mixed = () if runner.cache.states is not None else mixed_buckets(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+    mixed = mixed_buckets_of(bool(m.linear_attention_layers), cfg.max_num_seqs, cfg.max_num_batched_tokens)
     return StepGraphs(runner.model, runner.cache, cfg.max_num_seqs, max_blocks, engine.experts, mixed=mixed,
                       decode_tokens=cfg.decode_tokens)

@@ -44,7 +44,7 @@ HOST_POOL = dict(card_mib=256, host_pool_mib=1, expert_slots=4)  # every expert 
 DISK = dict(card_mib=256, host_pool_mib=0, weights_disk_tier=True, expert_slots=3)  # ... in the model file
 # qwen3_moe: a card of 20 (card 0) and 23 (card 1) arena pages, 12 of them expert slots at start: four
 # requests of ~160 tokens need 12 pages of KV (64 tokens a page), so rank 0's KV takes slots back
-SMALL_CARD = dict(card_mib=33, gpu_headroom_mib=0, max_num_batched_tokens=96, host_pool_mib=1)
+SMALL_CARD = dict(card_mib=33, gpu_headroom_mib=0, max_num_batched_tokens=172, host_pool_mib=1)
 
 
 def _allocation(arena: Arena, slab: ExpertSlab | None, resources: list) -> dict:
@@ -182,10 +182,10 @@ def test_card_1_gives_rank_0s_kv_the_slot_pages_rank_0_gives_it(tiny_rads, group
     rad = tiny_rads["qwen3_moe"]
     flags = {**CFG, **SMALL_CARD}
     ps = prompts(rad.model.vocab_size, (100, 104, 108, 112), seed=31)
-    reference = Engine.build(rad, Config(**{**CFG, "max_num_batched_tokens": 96}), Card.from_mib(256, cuda=False))
+    reference = Engine.build(rad, Config(**{**CFG, "max_num_batched_tokens": 172}), Card.from_mib(256, cuda=False))
     want, _ = _serve(reference, ps, 48)
     two = _two_cards(rad, flags, group)
-    assert [(r.arena_pages, r.expert_slots) for r in two.cards.receipts] == [(11, 8), (14, 11)]
+    assert [(r.arena_pages, r.expert_slots) for r in two.cards.receipts] == [(12, 8), (14, 10)]
     got, _ = _serve(two, ps, 48)
     moved = dict(two.arena.stats().moved)
     _, given = _finish(two)

@@ -68,13 +68,13 @@ def test_pinned_experts_are_never_given_up(tiny_rads):
 
 def test_a_card_pinning_more_experts_than_card_0_is_refused(tiny_rads):
     """Card 1 holds fewer weights, so its arena has room to pin all 12 of its experts where card 0 pins
-    10: on pages 10 and 11, which card 0's KV may lease."""
+    11: on page 11, which card 0's KV may lease."""
     cfg = Config(tp=2, card_mib=33, gpu_headroom_mib=0, max_model_len=256, max_num_seqs=4,
-                 max_num_batched_tokens=80, deterministic=True, host_pool_mib=1)
-    with pytest.raises(PlanError, match=r"--tp 2: card 1 pins 12 experts, more than card 0's 10, on arena pages card 0 "
-                                        r"may give to KV; give each card the room to pin the same \(--expert-slots 10"):
+                 max_num_batched_tokens=152, deterministic=True, host_pool_mib=1)
+    with pytest.raises(PlanError, match=r"--tp 2: card 1 pins 12 experts, more than card 0's 11, on arena pages card 0 "
+                                        r"may give to KV; give each card the room to pin the same \(--expert-slots 11"):
         plan_ranks(tiny_rads["qwen3_moe"], cfg)
-    plan_ranks(tiny_rads["qwen3_moe"], msgspec.structs.replace(cfg, expert_slots=10))
+    plan_ranks(tiny_rads["qwen3_moe"], msgspec.structs.replace(cfg, expert_slots=11))
 
 
 def test_a_quantized_kv_cache_is_each_cards_blocks_of_its_kv_heads(tiny_rads):

@@ -91,7 +91,7 @@ def test_decode_graphs_capture_while_dead_pinned_memory_awaits_collection(tiny_r
     cfg = Config(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, enforce_eager=True, **EXPERTS)
     engine = Engine.build(rad, cfg, Card.from_mib(1024), "cuda")
     engine.runner.model = _Leaky(engine.runner.model, forwards=2 * len(decode_buckets(cfg.max_num_seqs)))
-    graphs = engine_module._step_graphs(engine, cfg, engine.receipt)  # every bucket captured
+    graphs = engine_module._step_graphs(engine, cfg, engine.receipt, True)  # every bucket captured
     assert sorted(graphs._graphs) == list(graphs.buckets)
     gc.collect()  # the cycles go now, outside any capture
     torch.cuda.synchronize()

@@ -44,7 +44,7 @@ def test_captured_graphs_fit_the_receipts_graph_pool(tiny_rads, family, max_num_
     torch.cuda.synchronize()
     allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
-    graphs = engine_module._step_graphs(engine, cfg, engine.receipt)
+    graphs = engine_module._step_graphs(engine, cfg, engine.receipt, True)
     assert graphs is not None
     held = torch.cuda.memory_allocated() - allocated
     peak = torch.cuda.max_memory_reserved() - reserved
