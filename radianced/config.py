@@ -354,7 +354,8 @@ def _split_flags(g, d: Config) -> None:
                         f"prefill in chunks (0: the token budget alone; default {d.itl_factor:g})")
     g.add_argument("--sequential-steps", action="store_true",
                    help="plan each step after the previous one finished, instead of while it runs "
-                        "(slower; for debugging and measuring)")
+                        "(slower on a GPU; for debugging and measuring; always so on the CPU, where a step "
+                        "is computed as it is launched)")
     g.add_argument("--weights-disk-tier", action="store_true",
                    help="experts that fit neither card nor host pool stay in the model file")
     g.add_argument("--expert-slots", type=int, help="cap on VRAM expert slots (default: what the budget allows)")

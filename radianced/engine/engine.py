@@ -216,6 +216,12 @@ class Engine:
         if experts is not None and experts.placement.disk and engine.pipelined:
             engine.pipelined = False  # its host sync per routed layer leaves nothing to overlap
             log.info("steps run one after the other: the disk tier reads experts with a host sync per layer")
+        if torch.device(device).type != "cuda" and engine.pipelined:
+            # A host launch computes the step: planning ahead overlaps nothing and hands each token to its
+            # stream a step late (SmolLM2, 2 cores, c = 8: TTFT 568-633 ms pipelined, 231-372 ms not, the same
+            # tok/s; bench/results/2026-12-03-cpu-02ecfbb-served-c8-breakdown.md).
+            engine.pipelined = False
+            log.info("steps run one after the other: on the host a step is computed as it is launched")
         engine.runner.graphs = _step_graphs(engine, cfg, receipt, torch.device(device).type == "cuda")
         return engine
 

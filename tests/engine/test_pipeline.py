@@ -222,6 +222,7 @@ def test_moe_with_the_expert_slab_counts_like_the_sequential_engine(tiny_rads, r
 
     def make():
         engine = Engine.build(rad, Config(**MOE), Card.from_mib(256))
+        engine.pipelined = True  # a GPU's pipelined rounds, checked on the host (which steps one by one)
         if not rebalance:
             engine.experts.rebalance = lambda: 0
         return engine
@@ -254,6 +255,17 @@ def test_moe_with_the_expert_slab_counts_like_the_sequential_engine(tiny_rads, r
     assert runs[1][3] > 10
     if not rebalance:
         assert runs[0][2] == runs[1][2]
+
+
+def test_the_host_backend_steps_one_after_the_other(tiny_rads):
+    """On the CPU a launch computes the step: the engine plans nothing ahead, even when asked to."""
+    rad = tiny_rads["llama"]
+    engine = Engine.build(rad, Config(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64),
+                          Card.from_mib(256))
+    trace = Trace(engine)
+    ps = prompts(rad.model.vocab_size, (9, 33), seed=52)
+    drive(engine, {0: [request(engine, f"p{i}", p, max_tokens=8) for i, p in enumerate(ps)]}, True)
+    assert not engine.pipelined and trace.ahead == 0
 
 
 async def _serve(engine: Engine, ps, params) -> list:
@@ -298,6 +310,7 @@ def test_decode_graph_inputs_gathered_from_the_previous_step_give_the_eager_toke
     for graphs in (False, True):
         engine = Engine.build(rad, Config(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, **flags),
                               Card.from_mib(256))
+        engine.pipelined = True  # a GPU's pipelined rounds, checked on the host (which steps one by one)
         if graphs:
             engine.runner.graphs = StepGraphs(engine.runner.model, engine.runner.cache, 4, 256 // BLOCK_TOKENS,
                                                 engine.experts, capture=False)
