@@ -75,6 +75,7 @@ class EngineMetrics(Protocol):
 
     def observe_step(self, seconds: float) -> None: ...
     def observe_step_kind(self, kind: str, seconds: float) -> None: ...
+    def observe_loop_wait(self, seconds: float) -> None: ...
     def observe_ttft(self, seconds: float) -> None: ...
     def observe_inter_token(self, seconds: float) -> None: ...
     def observe_e2e(self, seconds: float) -> None: ...
@@ -91,6 +92,7 @@ class EngineMetrics(Protocol):
 class NoMetrics:
     def observe_step(self, seconds: float) -> None: pass
     def observe_step_kind(self, kind: str, seconds: float) -> None: pass
+    def observe_loop_wait(self, seconds: float) -> None: pass
     def observe_ttft(self, seconds: float) -> None: pass
     def observe_inter_token(self, seconds: float) -> None: pass
     def observe_e2e(self, seconds: float) -> None: pass
@@ -228,6 +230,7 @@ class AsyncEngine:
                     continue
                 start = start or time.perf_counter()
                 done = await loop.run_in_executor(self._worker, engine.execute, work)
+                self.metrics.observe_loop_wait(time.perf_counter() - done.ended)  # the event loop's work ahead
                 events = engine.apply(done)
                 if done.finished is not None:
                     self._count_step(done, events, time.perf_counter() - start)

@@ -23,6 +23,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                  1.0, 2.5, 5.0, 10.0)
+# A round's hand-back to the event loop: ~0.1 ms when nothing is queued ahead of it, ms behind HTTP work.
+LOOP_WAIT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 # One expert read with O_DIRECT: ~0.1 ms for a small extent from NVMe, up to seconds on a slow or busy disk.
 DISK_READ_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                      2.5, 5.0)
@@ -87,6 +89,9 @@ class Metrics:
             self._kernel_builds.labels(phase="serving", kind=kind)  # exported as 0 from the start
         self._step = Histogram("radiance_step_duration_seconds", "Wall time of one engine step.",
                                buckets=TOKEN_BUCKETS, registry=r)
+        self._loop_wait = Histogram("radiance_step_loop_wait_seconds", "From a round's end on the step worker to "
+                                    "the engine task resuming on the event loop (HTTP work queued ahead of it "
+                                    "delays the next step's plan).", buckets=LOOP_WAIT_BUCKETS, registry=r)
         self._step_kind = Histogram("radiance_step_own_seconds", "One step's own time on the device (CUDA events "
                                     "around it; on the CPU its launch), by kind: decode, mixed (decodes beside "
                                     "prefill), prefill.", ["kind"], buckets=TOKEN_BUCKETS, registry=r)
@@ -119,6 +124,9 @@ class Metrics:
 
     def observe_step(self, seconds: float) -> None:
         self._step.observe(seconds)
+
+    def observe_loop_wait(self, seconds: float) -> None:
+        self._loop_wait.observe(seconds)
 
     def observe_step_kind(self, kind: str, seconds: float) -> None:
         """One step's own time (engine/step_timer.py) by kind: decode, mixed (decodes and prefill), prefill."""

@@ -184,6 +184,9 @@ async def test_metrics_move_with_each_request(daemon):
     assert moved("radiance_e2e_request_latency_seconds_count") == 2
     assert moved("radiance_inter_token_latency_seconds_count") == generated - 2
     assert moved("radiance_step_duration_seconds_count") >= 9
+    # every round waits for the event loop once (rounds that only launch included)
+    assert moved("radiance_step_loop_wait_seconds_count") >= moved("radiance_step_duration_seconds_count")
+    assert moved("radiance_step_loop_wait_seconds_sum") >= 0
     assert after["radiance_kv_util"] == 0.0
 
 
