@@ -9,9 +9,9 @@
  * o = sum p v / sum p. All in fp32; no key past a sequence's length is read. No allocation, no state: safe
  * from any thread.
  *
- * A dot product keeps 8 lane sums (two vectors of them, alternating, where AVX2 is compiled in and D is a
- * multiple of 16), added across lanes at the end; the weighted V sums are lane-wise (vectorized by the compiler
- * without reordering a sum). */
+ * A dot product keeps 8 lane sums, added across lanes at the end (8 keys' together where AVX2 is compiled in and
+ * D is a multiple of 8); each output value's weighted V sum runs in key order. Measured per step below
+ * (kernels/cpu_attention.py). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -78,29 +78,25 @@ static inline void exps(float *p, int64_t n, float top, float *l) {
 }
 
 #ifdef __AVX2__
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+/* the 8 scores q . k_u of the keys at kv + at[u] (d a multiple of 8): each key's 8 lane sums, then the 8 keys'
+ * lanes added together (hadd: lanes 0+1, 2+3, those two, then the halves), one vector of 8 scores. 8 keys
+ * at a time: 8 independent sums and one reduction instead of 8 (a dot and its reduction a key took the kernel
+ * 60 -> 50 us at b8, contexts 45-70, one thread). */
+static inline __m256 dot8(const float *q, const float *kv, const int64_t *at, int64_t d) {
+    __m256 a[8];
+    for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+        const __m256 x = _mm256_loadu_ps(q + i);
+        for (int u = 0; u < 8; u++) a[u] = _mm256_add_ps(a[u], _mm256_mul_ps(x, _mm256_loadu_ps(kv + at[u] + i)));
+    }
+    const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
 }
 #endif
 
-/* a . b over d values: 8 lane sums (two vectors of them alternating where d is a multiple of 16), added
- * across lanes at the end */
+/* a . b over d values: 8 lane sums, added in lane order at the end */
 static inline float dot(const float *a, const float *b, int64_t d) {
-#ifdef __AVX2__
-    if (d % 8 == 0) {
-        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-        int64_t i = 0;
-        for (; i + 16 <= d; i += 16) {
-            s0 = _mm256_add_ps(s0, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
-            s1 = _mm256_add_ps(s1, _mm256_mul_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8)));
-        }
-        if (i < d) s0 = _mm256_add_ps(s0, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
-        return hsum(_mm256_add_ps(s0, s1));
-    }
-#endif
     float lane[LANES] = {0};
     int64_t i = 0;
     for (; i + LANES <= d; i += LANES)
@@ -109,6 +105,63 @@ static inline float dot(const float *a, const float *b, int64_t d) {
     float s = 0.0f;
     for (int l = 0; l < LANES; l++) s += lane[l];
     return s;
+}
+
+/* p[j][t] = (q_j . k_t) * scale for the chunk's cn keys (K row t at kv + at[t]) and the g heads */
+static inline void scores(const float *q, const float *kv, int64_t *at, int64_t cn, int64_t g, int64_t d,
+                          float scale, float (*p)[CHUNK]) {
+#ifdef __AVX2__
+    if (d % 8 == 0) {
+        for (int64_t t = cn; t < (cn + 7) / 8 * 8; t++) at[t] = at[cn - 1]; /* a last 8 filled with a read key */
+        for (int64_t t = 0; t < cn; t += 8)
+            for (int64_t j = 0; j < g; j++)
+                _mm256_storeu_ps(p[j] + t, _mm256_mul_ps(dot8(q + j * d, kv, at + t, d), _mm256_set1_ps(scale)));
+        return;
+    }
+#endif
+    for (int64_t t = 0; t < cn; t++)
+        for (int64_t j = 0; j < g; j++) p[j][t] = dot(q + j * d, kv + at[t], d) * scale;
+}
+
+#ifdef __AVX2__
+/* add_values' work for NJ (a constant) heads from j: their 8 sums at i kept in registers over the chunk */
+static inline __attribute__((always_inline)) void values_at(float *o, const float (*p)[CHUNK], const float *v,
+                                                            const int64_t *at, int64_t cn, int64_t j, int64_t d,
+                                                            int64_t i, const int NJ) {
+    __m256 acc[4];
+    for (int h = 0; h < NJ; h++) acc[h] = _mm256_loadu_ps(o + (j + h) * d + i);
+    for (int64_t t = 0; t < cn; t++) {
+        const __m256 x = _mm256_loadu_ps(v + at[t] + i);
+        for (int h = 0; h < NJ; h++) acc[h] = _mm256_add_ps(acc[h], _mm256_mul_ps(_mm256_set1_ps(p[j + h][t]), x));
+    }
+    for (int h = 0; h < NJ; h++) _mm256_storeu_ps(o + (j + h) * d + i, acc[h]);
+}
+#endif
+
+/* o[j] += sum over the chunk's keys t of p[j][t] v_t, for the g heads (V row t at v + at[t]): each sum in key
+ * order, so the same values whichever way it runs. With AVX2 and D a multiple of 8, up to 4 heads' 8 sums at a
+ * time stay in registers over the chunk (o read and written once a chunk, not once a key: the store-bound
+ * lane-wise loop was ~30% of the kernel, which took 75 -> 61 us at b8, one thread); otherwise lane-wise over o. */
+static inline void add_values(float *o, const float (*p)[CHUNK], const float *v, const int64_t *at, int64_t cn,
+                              int64_t g, int64_t d) {
+#ifdef __AVX2__
+    if (d % 8 == 0) {
+        for (int64_t i = 0; i < d; i += 8)
+            for (int64_t j = 0; j < g; j += 4) switch (g - j < 4 ? g - j : 4) {
+                case 4: values_at(o, p, v, at, cn, j, d, i, 4); break;
+                case 3: values_at(o, p, v, at, cn, j, d, i, 3); break;
+                case 2: values_at(o, p, v, at, cn, j, d, i, 2); break;
+                default: values_at(o, p, v, at, cn, j, d, i, 1);
+                }
+        return;
+    }
+#endif
+    for (int64_t t = 0; t < cn; t++)
+        for (int64_t j = 0; j < g; j++) {
+            const float w = p[j][t], *x = v + at[t];
+            float *oj = o + j * d;
+            for (int64_t i = 0; i < d; i++) oj[i] += w * x[i];
+        }
 }
 
 /* one (sequence, KV head): the g query heads at q (D apart) over its n keys, into o (g rows of D) */
@@ -126,9 +179,8 @@ static void attend(const float *q, const float *kv, int64_t row, int64_t v_rows,
         for (int64_t t = 0; t < cn; t++) {
             const int64_t c = c0 + t;
             at[t] = (block_rows[c / bs] + c % bs) * row;
-            const float *k = kv + at[t];
-            for (int64_t j = 0; j < g; j++) p[j][t] = dot(q + j * d, k, d) * scale;
         }
+        scores(q, kv, at, cn, g, d, scale, p);
         for (int64_t j = 0; j < g; j++) {
             float top = m[j];
             for (int64_t t = 0; t < cn; t++) top = p[j][t] > top ? p[j][t] : top;
@@ -142,14 +194,7 @@ static void attend(const float *q, const float *kv, int64_t row, int64_t v_rows,
             }
             exps(p[j], cn, top, &l[j]);
         }
-        for (int64_t t = 0; t < cn; t++) {
-            const float *v = kv + at[t] + v_rows * row;
-            for (int64_t j = 0; j < g; j++) {
-                const float w = p[j][t];
-                float *oj = o + j * d;
-                for (int64_t i = 0; i < d; i++) oj[i] += w * v[i];
-            }
-        }
+        add_values(o, p, kv + v_rows * row, at, cn, g, d);
     }
     for (int64_t j = 0; j < g; j++) /* n = 0: 0 / 0 would be NaN; no key read is an output of zeros */
         if (l[j] > 0.0f)

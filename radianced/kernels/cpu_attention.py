@@ -6,12 +6,12 @@ layer (one index_select: B x C x Hkv x D x 2 floats) and ran torch's SDPA over i
 longest under an additive mask. The C kernel reads each key and value row where it lies, only the sequence's
 own keys, an online softmax in fp32 over (sequence, KV head) pairs on OpenMP threads.
 
-Values: each score is q . k (8 lane sums added in order) times the scale, then e^(score - running max) (within
-1 unit of fp32 rounding: cpu_attention.c `exp_neg`), the V rows summed with those weights and divided by their
-sum once: the reference's products, summed in another order and rescaled per chunk of keys, so the output
-differs from `reference.paged_attention` by fp32 rounding (up to 1.1e-6 of max |ref| over 213 keys, SDPA's up
-to 7.1e-7 on the same cases; tests/kernels/test_cpu_attention.py holds it to 4e-6). The sums do not depend on
-the thread count: one thread computes a (sequence, KV head) pair whole.
+Values: each score is q . k (8 lane sums, then added across lanes) times the scale, then e^(score - running
+max) (within 1 unit of fp32 rounding: cpu_attention.c `exp_neg`), the V rows summed with those weights and
+divided by their sum once: the reference's products, summed in another order and rescaled per chunk of keys, so
+the output differs from `reference.paged_attention` by fp32 rounding (up to 9.9e-7 of max |ref| over 213 keys,
+SDPA's up to 7.1e-7 on the same cases; tests/kernels/test_cpu_attention.py holds it to 4e-6). The sums do not
+depend on the thread count: one thread computes a (sequence, KV head) pair whole.
 """
 
 from __future__ import annotations

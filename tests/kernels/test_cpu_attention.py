@@ -132,9 +132,10 @@ def test_decode_flag_refuses_a_prefill_step_like_the_reference():
 # The in-place decode kernel (kernels/cpu_attention.py) against the reference: within 4e-6 of max |ref|. Its
 # scores, exponentials and weighted sums are the reference's fp32 products summed in another order (8 lane sums
 # of a dot, a running maximum rescaled per chunk of keys, one division at the end) and its e^x is within 1 unit
-# of fp32 rounding, so the two differ by rounding that grows with the context: on the cases below up to 2.4e-7
-# at short contexts and 1.1e-6 where a sequence reads 213 keys (torch's SDPA path, the same cases: up to 7.1e-7).
-# 4e-6 leaves 4x of that; one key left out of 213, or the scale off by 0.1%, moves the output by 6e-4 or more.
+# of fp32 rounding, so the two differ by rounding that grows with the context: on the cases below 0 with one key,
+# up to 1.0e-7 within 64 keys and 9.9e-7 where a sequence reads 213 (torch's SDPA path on the same cases: 0, 1.0e-7,
+# 7.1e-7). 4e-6 leaves 4x of that; one key left out of 213, or the scale off by 0.1%, moves the output by 6e-4
+# or more.
 LONG = 13 * BLOCK + 5  # a context crossing 14 blocks (several of the kernel's chunks of keys)
 needs_c = pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler: the C kernels are not built")
 
@@ -173,6 +174,18 @@ def test_the_in_place_decode_kernel_matches_the_reference(b, ratio, d, first):
     context, rows = _context(tables, lens, k_cache, v_cache)
     got = context(q, rows.flat, rows.layout[3], d ** -0.5)
     assert got.shape == want.shape and torch.isfinite(got).all() and rel_err(got, want) < 4e-6
+
+
+@needs_c
+@pytest.mark.parametrize("d", [12, 20])
+def test_the_in_place_decode_kernel_reads_head_dims_that_are_no_multiple_of_8(d):
+    """Such heads take the kernel's lane-by-lane loops (no 8-wide vectors)."""
+    q, k_cache, v_cache, tables, starts, lens = _layout([1] * 3, [LONG, 1, 40], 6, 2, d, seed=d)
+    _poison_unread(tables, lens, k_cache, v_cache)
+    want = reference.paged_attention(q, k_cache, v_cache, tables, starts, lens, d ** -0.5)
+    context, rows = _context(tables, lens, k_cache, v_cache)
+    got = context(q, rows.flat, rows.layout[3], d ** -0.5)
+    assert torch.isfinite(got).all() and rel_err(got, want) < 4e-6
 
 
 @needs_c
