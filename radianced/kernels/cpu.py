@@ -71,6 +71,18 @@ this (in-process, alternating): b1 3.69 -> 3.21 ms, b8 over equal contexts 6.41 
 ones 9.05 -> 7.98 ms. tools/cpu_step.py, two interleaved rounds: b1 18.6-18.8 -> 16.4-16.5 ms a step, b8
 34.5-35.0 -> 31.4-32.6 ms. Left at decode: SDPA (~15 us a layer at b1, ~50 at b8), the context's gather
 (one index_select, ~5-20 us), the rotation's roll (~5-10 us) and ~10 small ops.
+
+Issue 23, attention in place (same model and settings): a decode step over a plain fp32 cache reads K and V where
+they lie through the C kernel of `cpu_attention.Context` (the step's block-table rows made once in `_DecodeStep`)
+instead of gathering every context a layer for a padded, masked SDPA; without a C compiler the torch path is as
+before. SmolLM2's heads (9 q, 3 KV, D 64), 2 threads, us a layer, kernel / gather + SDPA: b1 over 60 keys 12.7-13.2
+/ 40.4-40.5, b8 over 60 each 34.0-34.7 / 97.0-98.1, over 45-70 32.5-40.2 / 112-123, over 400 each 169-254 / 441-795
+(a loaded minute). tools/cpu_step.py, main and this tree interleaved, three rounds (contexts 43-73): b1 16.9-18.1
+-> 15.2-15.9 ms a step (the attention op 3.8-4.1 -> 2.7-2.9 ms), b8 32.2-32.6 -> 29.7-33.5 ms (the op 6.7-6.8 ->
+4.9-5.6; the step's spread is the matmuls'); `--steps 125` (contexts 43-168, as served), two rounds: b8 34.7-35.5
+-> 33.0-33.8 ms (the op 8.5-8.7 -> 6.6-7.1). Left in the op at b8, ~175 us a layer: the K/V write's index_copy_
+(18 us a call in the profiler), the rotation (roll, cat, mul, add: ~25 us), the kernel (~30 us), and the
+rest the op's Python and its other small ops.
 """
 
 from __future__ import annotations
