@@ -22,8 +22,8 @@ $(STAMP): pyproject.toml | $(VPY)
 	$(VPY) -c "import liburing"
 	touch $(STAMP)
 
-# The host backend's block kernels (radianced/kernels/cpu_blocks.c), compiled once for this machine into
-# $(CACHE)/kernels under a name keyed by the source: quick when already built.
+# The host backend's C kernels (radianced/kernels/cpu_blocks.c, cpu_attention.c), compiled once for this machine
+# into $(CACHE)/kernels under a name keyed by the sources: quick when already built.
 kernels: $(STAMP)
 	$(VPY) -m radianced.kernels.cpu_blocks
 

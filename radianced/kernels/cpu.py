@@ -71,6 +71,18 @@ this (in-process, alternating): b1 3.69 -> 3.21 ms, b8 over equal contexts 6.41 
 ones 9.05 -> 7.98 ms. tools/cpu_step.py, two interleaved rounds: b1 18.6-18.8 -> 16.4-16.5 ms a step, b8
 34.5-35.0 -> 31.4-32.6 ms. Left at decode: SDPA (~15 us a layer at b1, ~50 at b8), the context's gather
 (one index_select, ~5-20 us), the rotation's roll (~5-10 us) and ~10 small ops.
+
+Issue 23, attention in place (same model and settings): a decode step over a plain fp32 cache reads K and V where
+they lie through the C kernel of `cpu_attention.Context` (the step's block-table rows made once in `_DecodeStep`)
+instead of gathering every context a layer for a padded, masked SDPA; without a C compiler the torch path is as
+before. SmolLM2's heads (9 q, 3 KV, D 64), 2 threads, us a layer, kernel / gather + SDPA: b1 over 60 keys 12.7-13.2
+/ 40.4-40.5, b8 over 60 each 34.0-34.7 / 97.0-98.1, over 45-70 32.5-40.2 / 112-123, over 400 each 169-254 / 441-795
+(a loaded minute). tools/cpu_step.py, main and this tree interleaved, three rounds (contexts 43-73): b1 16.9-18.1
+-> 15.2-15.9 ms a step (the attention op 3.8-4.1 -> 2.7-2.9 ms), b8 32.2-32.6 -> 29.7-33.5 ms (the op 6.7-6.8 ->
+4.9-5.6; the step's spread is the matmuls'); `--steps 125` (contexts 43-168, as served), two rounds: b8 34.7-35.5
+-> 33.0-33.8 ms (the op 8.5-8.7 -> 6.6-7.1). Left in the op at b8, ~175 us a layer: the K/V write's index_copy_
+(18 us a call in the profiler), the rotation (roll, cat, mul, add: ~25 us), the kernel (~30 us), and the
+rest the op's Python and its other small ops.
 """
 
 from __future__ import annotations
@@ -81,7 +93,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from radianced.kernels import cpu_blocks, reference
+from radianced.kernels import cpu_attention, cpu_blocks, reference
 from radianced.kernels.compact import CompactWeight, RowStack, dense
 from radianced.kernels.kv_quant import KVPlane
 
@@ -476,17 +488,24 @@ def _gather(cache: torch.Tensor | KVPlane, plan: _ReadPlan) -> torch.Tensor:
 class _DecodeStep:
     """All that the layers of a decode step over a plain cache (`_Rows`) share, made on its first layer
     (`_decode_step`) from the same helpers as the general path: the rotation's tables, the K/V write's rows,
-    the context's rows and SDPA's mask (None over equal contexts). One per-step lookup a layer instead of
-    four, and the decode check made once a step (query_start is one step's tensor, never written)."""
+    and how the context is read: in fp32 with the C kernels built, by `cpu_attention.Context` (each block-table
+    entry's row, checked once a step); otherwise the context's rows for one gather and SDPA's mask (None over
+    equal contexts). One per-step lookup a layer instead of four, and the decode check made once a step
+    (query_start is one step's tensor, never written)."""
 
-    __slots__ = ("cos", "sin", "kept", "write_at", "read_rows", "mask", "b", "ctx")
+    __slots__ = ("cos", "sin", "kept", "write_at", "context", "read_rows", "mask", "b", "ctx")
 
     def __init__(self, positions, inv_freq, dtype, slot_mapping, block_tables, query_start, seq_lens, s, layout):
         reference.check_decode(query_start.tolist() if isinstance(query_start, torch.Tensor) else query_start)
-        plan = _ReadPlan(block_tables, query_start, seq_lens, s)
         self.cos, self.sin = _rope_tables.__wrapped__(positions, inv_freq, dtype)
         kept, self.write_at = _write_plan.__wrapped__(slot_mapping, s, layout)
         self.kept = None if kept is None else torch.cat((kept, kept + len(slot_mapping)))  # rows of cat((k, v))
+        self.context = None
+        if dtype == torch.float32 and cpu_attention.available():
+            lens = torch.as_tensor(seq_lens, dtype=torch.int64)
+            self.context = cpu_attention.Context(_block_rows(block_tables[:len(lens)].long(), layout), lens, s)
+            return
+        plan = _ReadPlan(block_tables, query_start, seq_lens, s)
         self.read_rows = _read_rows.__wrapped__(plan, layout)
         self.mask, self.b, self.ctx = plan.mask_for(dtype), plan.b, plan.ctx
 
@@ -496,13 +515,15 @@ _decode_step = _per_step(_DecodeStep)
 
 def _decode(rows: _Rows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: _DecodeStep,
             scale: float) -> torch.Tensor:
-    """`rotary_paged_attention` at decode over a plain cache of q's dtype (qk-norm done): `_rotate_qk`,
-    `_write` and `_attend`'s decode case in one function over one `_DecodeStep` (the same ops)."""
+    """`rotary_paged_attention` at decode over a plain cache of q's dtype (qk-norm done): `_rotate_qk`, `_write`,
+    then the step's `cpu_attention.Context` (K and V read in place) or `_attend`'s decode case (the same ops)."""
     q, k = _rotate_qk(q, k, step.cos, step.sin)
     kv = torch.cat((k, v))
     if step.kept is not None:
         kv = kv[step.kept]
     rows.flat.index_copy_(0, step.write_at, kv.view(kv.shape[0], -1))
+    if step.context is not None:
+        return step.context(q, rows.flat, rows.layout[3], scale)  # [T, Hq, D]: one row per sequence
     hkv, d = k.shape[1], k.shape[2]
     k, v = rows.flat.index_select(0, step.read_rows).view(2, step.b, step.ctx, hkv, d).transpose(2, 3).unbind()
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=step.mask, scale=scale,

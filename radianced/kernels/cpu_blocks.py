@@ -33,11 +33,11 @@ torch's fp32 GEMM, the values unchanged. Measured (2 threads, us a call, kernel 
 1536 x 576 q4_1 at M = 48: 689 / 1045, M = 64: 936 / 1121, M = 128: 1899 / 1665; 576 x 1536 q4_1 at
 M = 64: 1003 / 963; the q8_0 lm_head (49152 x 576) at M = 64: 29 / 93 ms.
 
-The library is compiled with `-O3 -march=native -ffp-contract=off` (no fused multiply-add where
-gguf's dequantization rounds twice) into radianced's cache folder, named by the source's hash and the
-machine, atomically (`make install` builds it; a missing one is built at first use, about a second).
-Where no C compiler is found, `available` is False, one line on stderr says so, and compact matrices
-are dequantized per use as the reference ops do (correct, 5-70x slower).
+The library (this file's kernels and the decode attention's, cpu_attention.py: `SOURCES`) is compiled
+with `-O3 -march=native -ffp-contract=off` (no fused multiply-add where gguf's dequantization rounds
+twice) into radianced's cache folder, named by the sources' hash and the machine, atomically (`make install` builds it; a missing one is built at first use, about a second).
+Where no C compiler is found, `available` is False, one line on stderr says so, compact matrices
+are dequantized per use as the reference ops do (correct, 5-70x slower) and decode attention stays torch's.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ import torch
 
 from radianced.kernels.formats import CPU_BLOCKS, FORMATS as ALL_FORMATS
 
-SOURCE = Path(__file__).with_name("cpu_blocks.c")
+# the host backend's C kernels, one library: the block matmuls and the decode attention (cpu_attention.py)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_blocks.c", "cpu_attention.c"))
 FORMATS = {f: CPU_BLOCKS.index(f) for f in CPU_BLOCKS}  # cpu_blocks.c's format codes
 PREFILL_ROWS = 64  # rows of x past which dequantize + torch's GEMM is faster (measured: module docstring)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -71,13 +72,13 @@ def library_path() -> Path:
     """Where this machine's build lives: radianced's cache folder, named by source, flags and machine."""
     from radianced.model.default import cache_dir
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + platform.machine().encode()
-                         + platform.node().encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode()
+                         + platform.machine().encode() + platform.node().encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"cpu_blocks-{key}.so"
 
 
 def build() -> Path:
-    """Compile cpu_blocks.c for this machine unless built already; returns the library's path.
+    """Compile the C sources for this machine unless built already; returns the library's path.
     BuildError when no C compiler is found or it fails."""
     out = library_path()
     if out.exists():
@@ -89,10 +90,10 @@ def build() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+    done = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True)
     if done.returncode != 0:
         os.unlink(tmp)
-        raise BuildError(f"{cc} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+        raise BuildError(f"{cc} failed on {', '.join(s.name for s in SOURCES)}: {done.stderr.strip()[-2000:]}")
     os.replace(tmp, out)  # atomic: a concurrent build leaves one whole file
     return out
 
@@ -110,11 +111,13 @@ def _lib() -> ctypes.CDLL | None:
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """`lib` (a build of cpu_blocks.c) with its two functions' C signatures set."""
+    """`lib` (a build of `SOURCES`) with its three functions' C signatures set."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.rad_blocks_matmul.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, i64, ctypes.c_int]
     lib.rad_blocks_dequantize.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ctypes.c_int]
-    lib.rad_blocks_matmul.restype = lib.rad_blocks_dequantize.restype = None
+    lib.rad_decode_attention.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
+                                         ptr, ctypes.c_int]
+    lib.rad_blocks_matmul.restype = lib.rad_blocks_dequantize.restype = lib.rad_decode_attention.restype = None
     return lib
 
 

@@ -4,14 +4,15 @@ RoPE, KV write, attention), on odd shapes: head dims 8..80, GQA and MHA, one blo
 a batch of one, decode rows, prefill chunks and both mixed in one step, sequences with no new
 token. Caches are strided views of an interleaved storage with shuffled block tables, as the
 engine lays them out. fp32 must match within 1e-5 of max|ref| (the same products, summed in
-another order)."""
+another order). The decode kernel that reads the cache in place (kernels/cpu_attention.py) is
+held to 4e-6 (below)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from radianced.kernels import cpu, reference
+from radianced.kernels import cpu, cpu_attention, reference
 from tests.kernels.compare import rel_err
 
 BLOCK = 16
@@ -126,3 +127,135 @@ def test_decode_flag_refuses_a_prefill_step_like_the_reference():
         cpu.rotary_paged_attention(q, q[:, :1], q[:, :1], torch.zeros(t, dtype=torch.int64),
                                    reference.rotary_inv_freq(8, 1e4, "cpu"), k_cache, v_cache,
                                    torch.full((t,), -1), tables, starts, lens, 1.0, decode=True)
+
+
+# The in-place decode kernel (kernels/cpu_attention.py) against the reference: within 4e-6 of max |ref|. Its
+# scores, exponentials and weighted sums are the reference's fp32 products summed in another order (8 lane sums
+# of a dot, a running maximum rescaled per chunk of keys, one division at the end) and its e^x is within 1 unit
+# of fp32 rounding, so the two differ by rounding that grows with the context: on the cases below 0 with one key,
+# up to 1.0e-7 within 64 keys and 9.9e-7 where a sequence reads 213 (torch's SDPA path on the same cases: 0, 1.0e-7,
+# 7.1e-7). 4e-6 leaves 4x of that; one key left out of 213, or the scale off by 0.1%, moves the output by 6e-4
+# or more.
+LONG = 13 * BLOCK + 5  # a context crossing 14 blocks (several of the kernel's chunks of keys)
+needs_c = pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler: the C kernels are not built")
+
+
+def _context(tables, lens, k_cache, v_cache):
+    """(the step's `cpu_attention.Context`, the cache pair's `_Rows`)."""
+    rows = cpu._rows_of(k_cache, v_cache)
+    blocks = cpu._block_rows(tables.long(), rows.layout)
+    return cpu_attention.Context(blocks, torch.tensor(lens), k_cache.shape[2]), rows
+
+
+def _poison_unread(tables, lens, k_cache, v_cache):
+    """Every slot no context holds: NaN or inf (what an arena's other pages may hold)."""
+    written = {(int(row[t // BLOCK]), t % BLOCK) for row, n in zip(tables, lens) for t in range(n)}
+    for block in range(k_cache.shape[0] * PER_PAGE):
+        for slot in range(BLOCK):
+            if (block, slot) not in written:
+                for cache in (k_cache, v_cache):
+                    cache[block // PER_PAGE, block % PER_PAGE, slot] = float("nan") if slot % 2 else float("inf")
+
+
+@needs_c
+@pytest.mark.parametrize("first", [1, LONG], ids=["context_1", "context_long"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("ratio", [1, 3], ids=["mha", "gqa3"])
+@pytest.mark.parametrize("b", range(1, 9))
+def test_the_in_place_decode_kernel_matches_the_reference(b, ratio, d, first):
+    """Unequal contexts (the first sequence's `first`, the others drawn from 1..LONG), each read in place from
+    shuffled blocks; the slots no context holds are NaN or inf, so a key read past a context shows."""
+    g = torch.Generator().manual_seed(b * 100 + ratio * 10 + d)
+    lens = [first] + torch.randint(1, LONG + 1, (b - 1,), generator=g).tolist()
+    hkv = 3
+    q, k_cache, v_cache, tables, starts, lens = _layout([1] * b, lens, hkv * ratio, hkv, d, seed=b)
+    _poison_unread(tables, lens, k_cache, v_cache)
+    want = reference.paged_attention(q, k_cache, v_cache, tables, starts, lens, d ** -0.5)
+    context, rows = _context(tables, lens, k_cache, v_cache)
+    got = context(q, rows.flat, rows.layout[3], d ** -0.5)
+    assert got.shape == want.shape and torch.isfinite(got).all() and rel_err(got, want) < 4e-6
+
+
+@needs_c
+@pytest.mark.parametrize("d", [12, 20])
+def test_the_in_place_decode_kernel_reads_head_dims_that_are_no_multiple_of_8(d):
+    """Such heads take the kernel's lane-by-lane loops (no 8-wide vectors)."""
+    q, k_cache, v_cache, tables, starts, lens = _layout([1] * 3, [LONG, 1, 40], 6, 2, d, seed=d)
+    _poison_unread(tables, lens, k_cache, v_cache)
+    want = reference.paged_attention(q, k_cache, v_cache, tables, starts, lens, d ** -0.5)
+    context, rows = _context(tables, lens, k_cache, v_cache)
+    got = context(q, rows.flat, rows.layout[3], d ** -0.5)
+    assert torch.isfinite(got).all() and rel_err(got, want) < 4e-6
+
+
+@needs_c
+def test_the_in_place_decode_kernel_gives_the_same_bits_on_any_thread_count_and_q_stride():
+    """One thread computes a (sequence, KV head) pair whole: the thread count changes no sum; q may be a view
+    whose rows are wider than Hq * D (the fused q/k/v projection's)."""
+    q, k_cache, v_cache, tables, _, lens = _layout([1] * 5, [LONG, 1, 40, 17, 90], 9, 3, 64)
+    context, rows = _context(tables, lens, k_cache, v_cache)
+    wide = torch.cat((q, torch.randn(5, 6, 64)), dim=1)[:, :9]  # rows 15 * 64 apart
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = context(q, rows.flat, rows.layout[3], 0.125)
+        torch.set_num_threads(2)
+        assert torch.equal(context(q, rows.flat, rows.layout[3], 0.125), one)
+        assert torch.equal(context(wide, rows.flat, rows.layout[3], 0.125), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_c
+def test_the_in_place_decode_kernel_refuses_what_would_read_outside_the_cache():
+    q, k_cache, v_cache, tables, _, lens = _layout([1, 1], [20, 3], 4, 2, 16)
+    rows = cpu._rows_of(k_cache, v_cache)
+    blocks = cpu._block_rows(tables.long(), rows.layout)
+    with pytest.raises(ValueError, match="lens must be"):
+        cpu_attention.Context(blocks, torch.tensor([20, 2 * BLOCK + 1]), BLOCK)  # past the table's 2 blocks
+    context = cpu_attention.Context(blocks, torch.tensor(lens), BLOCK)
+    with pytest.raises(ValueError, match="the keys read reach row"):
+        context(q, rows.flat[: int(blocks.max())], rows.layout[3], 0.25)
+    with pytest.raises(ValueError, match="do not fit"):
+        context(q[:1], rows.flat, rows.layout[3], 0.25)
+
+
+def _decode_layer_op(seed=3):
+    """`cpu.rotary_paged_attention` at decode over unequal contexts against the reference's: (out, want) and
+    the caches each wrote, compared bit for bit."""
+    q_lens, ctx_lens, hq, hkv, d = CASES["decode_batch"]
+    q, k_cache, v_cache, tables, starts, lens = _layout(q_lens, ctx_lens, hq, hkv, d, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn((len(q), hkv, d), generator=g), torch.randn((len(q), hkv, d), generator=g)
+    positions = torch.tensor([n - 1 for n in lens])
+    slots = torch.tensor([int(tables[b, p // BLOCK]) * BLOCK + p % BLOCK for b, p in enumerate(positions.tolist())])
+    inv_freq = reference.rotary_inv_freq(d, 10000.0, "cpu")
+    runs = []
+    for op in (cpu.rotary_paged_attention, reference.rotary_paged_attention):
+        storage = k_cache._base.clone()
+        kc, vc = storage[:, :, 1, 0], storage[:, :, 1, 1]
+        runs.append((op(q, k, v, positions, inv_freq, kc, vc, slots, tables, starts, lens, d ** -0.5, decode=True),
+                     kc, vc))
+    (got, kg, vg), (want, kw, vw) = runs
+    assert torch.equal(kg, kw) and torch.equal(vg, vw)
+    return got, want
+
+
+@needs_c
+def test_the_layer_op_reads_a_decode_step_through_the_in_place_kernel(monkeypatch):
+    calls = []
+    run = cpu_attention.Context.__call__
+    monkeypatch.setattr(cpu_attention.Context, "__call__", lambda self, *a: calls.append(1) or run(self, *a))
+    got, want = _decode_layer_op(seed=7)
+    assert calls and rel_err(got, want) < 4e-6
+
+
+def test_without_the_c_kernels_a_decode_step_is_gathered_for_sdpa_as_before(monkeypatch):
+    """No C compiler: the torch path (one gather of the context's rows, SDPA under the additive mask)."""
+    def refused(*_):
+        raise AssertionError("the C kernel was used though unavailable")
+
+    monkeypatch.setattr(cpu_attention, "available", lambda: False)
+    monkeypatch.setattr(cpu_attention, "Context", refused)
+    got, want = _decode_layer_op(seed=11)
+    assert rel_err(got, want) < 1e-5

@@ -1,0 +1,218 @@
+/* One decode step's attention over the host backend's paged KV cache, K and V read in place from the cache
+ * pair's rows (kernels/cpu_attention.py says why and what it was measured at; kernels/cpu.py `_Rows` the layout).
+ *
+ * The cache pair is rows of Hkv * D fp32 values (`kv`): token c of sequence b is the row
+ * block_rows[b, c / S] + c % S, its V row that plus v_rows. Each (sequence, KV head) pair is one task: its
+ * Hq / Hkv query heads go over the head's keys together (each key and value row fetched once), in chunks of
+ * CHUNK keys: the chunk's scores (q . k, then times scale, as the reference rounds them), one rescale of the
+ * running sums to the chunk's maximum, then e^(score - max) and the weighted V rows added. Output
+ * o = sum p v / sum p. All in fp32; no key past a sequence's length is read. No allocation, no state: safe
+ * from any thread.
+ *
+ * A dot product keeps 8 lane sums, added across lanes at the end (8 keys' together where AVX2 is compiled in and
+ * D is a multiple of 8); each output value's weighted V sum runs in key order. Measured per step below
+ * (kernels/cpu_attention.py). */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#define CHUNK 32 /* keys scored before one rescale */
+#define G_MAX 16 /* query heads a KV head (GQA ratio) */
+#define LANES 8
+
+/* e^x for x <= 0 (every argument here: a score less the running maximum): Cephes' expf (x = n ln 2 + r,
+ * |r| <= ln 2 / 2, a polynomial in r, times 2^n), within 0.99 units of fp32 rounding of e^x on every float of
+ * -87..0 (libm's expf: 0.5). 8 at a time where the compiler has AVX2, the same operations one at a time
+ * otherwise and for a chunk's last scores: the same values either way. One scalar exp a score was a quarter of
+ * the kernel's time at b8 (perf; libm's expf no faster); 8 at a time the kernel took 91 -> 75 us (one thread,
+ * b8, contexts 45-70). Below -87.3, where e^x leaves fp32's normal range, it is e^-87.3 (1.2e-38): beside the
+ * maximum's e^0 = 1 in every sum. */
+#define EXP_MIN -87.3f
+#define LOG2E 1.44269504088896341f
+#define ROUND 12582912.0f /* 1.5 * 2^23: (y + ROUND) - ROUND is y rounded to an integer */
+#define LN2_HI 0.693359375f
+#define LN2_LO -2.12194440e-4f
+static const float POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                               1.6666665459e-1f, 5.0000001201e-1f};
+
+static inline float exp_neg(float x) {
+    x = x < EXP_MIN ? EXP_MIN : x;
+    const float n = (x * LOG2E + ROUND) - ROUND;
+    const float r = (x - n * LN2_HI) - n * LN2_LO;
+    float p = POLY[0];
+    for (int i = 1; i < 6; i++) p = p * r + POLY[i];
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23; /* 2^n: n in -126 .. 0 */
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+#ifdef __AVX2__
+static inline __m256 exp_neg8(__m256 x) { /* exp_neg's operations, 8 lanes */
+    x = _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN));
+    const __m256 round = _mm256_set1_ps(ROUND);
+    const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), round), round);
+    const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(LN2_HI))),
+                                   _mm256_mul_ps(n, _mm256_set1_ps(LN2_LO)));
+    __m256 p = _mm256_set1_ps(POLY[0]);
+    for (int i = 1; i < 6; i++) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(POLY[i]));
+    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
+/* p[0 .. n - 1] = e^(p - top), summed (in order) into *l */
+static inline void exps(float *p, int64_t n, float top, float *l) {
+    int64_t t = 0;
+#ifdef __AVX2__
+    for (; t + 8 <= n; t += 8)
+        _mm256_storeu_ps(p + t, exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(p + t), _mm256_set1_ps(top))));
+#endif
+    for (; t < n; t++) p[t] = exp_neg(p[t] - top);
+    for (t = 0; t < n; t++) *l += p[t];
+}
+
+#ifdef __AVX2__
+/* the 8 scores q . k_u of the keys at kv + at[u] (d a multiple of 8): each key's 8 lane sums, then the 8 keys'
+ * lanes added together (hadd: lanes 0+1, 2+3, those two, then the halves), one vector of 8 scores. 8 keys
+ * at a time: 8 independent sums and one reduction instead of 8 (a dot and its reduction a key took the kernel
+ * 60 -> 50 us at b8, contexts 45-70, one thread). */
+static inline __m256 dot8(const float *q, const float *kv, const int64_t *at, int64_t d) {
+    __m256 a[8];
+    for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+        const __m256 x = _mm256_loadu_ps(q + i);
+        for (int u = 0; u < 8; u++) a[u] = _mm256_add_ps(a[u], _mm256_mul_ps(x, _mm256_loadu_ps(kv + at[u] + i)));
+    }
+    const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+#endif
+
+/* a . b over d values: 8 lane sums, added in lane order at the end */
+static inline float dot(const float *a, const float *b, int64_t d) {
+    float lane[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= d; i += LANES)
+        for (int l = 0; l < LANES; l++) lane[l] += a[i + l] * b[i + l];
+    for (int l = 0; i < d; i++, l++) lane[l] += a[i] * b[i];
+    float s = 0.0f;
+    for (int l = 0; l < LANES; l++) s += lane[l];
+    return s;
+}
+
+/* p[j][t] = (q_j . k_t) * scale for the chunk's cn keys (K row t at kv + at[t]) and the g heads */
+static inline void scores(const float *q, const float *kv, int64_t *at, int64_t cn, int64_t g, int64_t d,
+                          float scale, float (*p)[CHUNK]) {
+#ifdef __AVX2__
+    if (d % 8 == 0) {
+        for (int64_t t = cn; t < (cn + 7) / 8 * 8; t++) at[t] = at[cn - 1]; /* a last 8 filled with a read key */
+        for (int64_t t = 0; t < cn; t += 8)
+            for (int64_t j = 0; j < g; j++)
+                _mm256_storeu_ps(p[j] + t, _mm256_mul_ps(dot8(q + j * d, kv, at + t, d), _mm256_set1_ps(scale)));
+        return;
+    }
+#endif
+    for (int64_t t = 0; t < cn; t++)
+        for (int64_t j = 0; j < g; j++) p[j][t] = dot(q + j * d, kv + at[t], d) * scale;
+}
+
+#ifdef __AVX2__
+/* add_values' work for NJ (a constant) heads from j: their 8 sums at i kept in registers over the chunk */
+static inline __attribute__((always_inline)) void values_at(float *o, const float (*p)[CHUNK], const float *v,
+                                                            const int64_t *at, int64_t cn, int64_t j, int64_t d,
+                                                            int64_t i, const int NJ) {
+    __m256 acc[4];
+    for (int h = 0; h < NJ; h++) acc[h] = _mm256_loadu_ps(o + (j + h) * d + i);
+    for (int64_t t = 0; t < cn; t++) {
+        const __m256 x = _mm256_loadu_ps(v + at[t] + i);
+        for (int h = 0; h < NJ; h++) acc[h] = _mm256_add_ps(acc[h], _mm256_mul_ps(_mm256_set1_ps(p[j + h][t]), x));
+    }
+    for (int h = 0; h < NJ; h++) _mm256_storeu_ps(o + (j + h) * d + i, acc[h]);
+}
+#endif
+
+/* o[j] += sum over the chunk's keys t of p[j][t] v_t, for the g heads (V row t at v + at[t]): each sum in key
+ * order, so the same values whichever way it runs. With AVX2 and D a multiple of 8, up to 4 heads' 8 sums at a
+ * time stay in registers over the chunk (o read and written once a chunk, not once a key: the store-bound
+ * lane-wise loop was ~30% of the kernel, which took 75 -> 61 us at b8, one thread); otherwise lane-wise over o. */
+static inline void add_values(float *o, const float (*p)[CHUNK], const float *v, const int64_t *at, int64_t cn,
+                              int64_t g, int64_t d) {
+#ifdef __AVX2__
+    if (d % 8 == 0) {
+        for (int64_t i = 0; i < d; i += 8)
+            for (int64_t j = 0; j < g; j += 4) switch (g - j < 4 ? g - j : 4) {
+                case 4: values_at(o, p, v, at, cn, j, d, i, 4); break;
+                case 3: values_at(o, p, v, at, cn, j, d, i, 3); break;
+                case 2: values_at(o, p, v, at, cn, j, d, i, 2); break;
+                default: values_at(o, p, v, at, cn, j, d, i, 1);
+                }
+        return;
+    }
+#endif
+    for (int64_t t = 0; t < cn; t++)
+        for (int64_t j = 0; j < g; j++) {
+            const float w = p[j][t], *x = v + at[t];
+            float *oj = o + j * d;
+            for (int64_t i = 0; i < d; i++) oj[i] += w * x[i];
+        }
+}
+
+/* one (sequence, KV head): the g query heads at q (D apart) over its n keys, into o (g rows of D) */
+static void attend(const float *q, const float *kv, int64_t row, int64_t v_rows, const int64_t *block_rows,
+                   int64_t bs, int64_t n, int64_t g, int64_t d, float scale, float *o) {
+    float m[G_MAX], l[G_MAX], p[G_MAX][CHUNK];
+    int64_t at[CHUNK];
+    for (int64_t j = 0; j < g; j++) {
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+        for (int64_t i = 0; i < d; i++) o[j * d + i] = 0.0f;
+    }
+    for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
+        const int64_t cn = n - c0 < CHUNK ? n - c0 : CHUNK;
+        for (int64_t t = 0; t < cn; t++) {
+            const int64_t c = c0 + t;
+            at[t] = (block_rows[c / bs] + c % bs) * row;
+        }
+        scores(q, kv, at, cn, g, d, scale, p);
+        for (int64_t j = 0; j < g; j++) {
+            float top = m[j];
+            for (int64_t t = 0; t < cn; t++) top = p[j][t] > top ? p[j][t] : top;
+            if (top > m[j]) { /* the sums so far, rescaled to the new maximum (none before the first chunk) */
+                if (c0) {
+                    const float r = exp_neg(m[j] - top);
+                    l[j] *= r;
+                    for (int64_t i = 0; i < d; i++) o[j * d + i] *= r;
+                }
+                m[j] = top;
+            }
+            exps(p[j], cn, top, &l[j]);
+        }
+        add_values(o, p, kv + v_rows * row, at, cn, g, d);
+    }
+    for (int64_t j = 0; j < g; j++) /* n = 0: 0 / 0 would be NaN; no key read is an output of zeros */
+        if (l[j] > 0.0f)
+            for (int64_t i = 0; i < d; i++) o[j * d + i] /= l[j];
+}
+
+/* out [B, Hq, D] = attention of q [B, Hq, D] (rows ldq apart, heads D apart) over each sequence b's lens[b]
+ * keys: K rows of kv (Hkv * D values a row) at block_rows[b, c / bs] + c % bs (block_rows: [B, nb]), V rows
+ * v_rows further. Query head i reads KV head i / (Hq / Hkv). On `threads` OpenMP threads, a (b, KV head)
+ * pair each task. */
+void rad_decode_attention(const float *q, int64_t ldq, const float *kv, int64_t v_rows, const int64_t *block_rows,
+                          int64_t nb, const int64_t *lens, int64_t bs, int64_t B, int64_t hq, int64_t hkv, int64_t d,
+                          float scale, float *out, int threads) {
+    const int64_t g = hq / hkv;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t task = 0; task < B * hkv; task++) {
+        const int64_t b = task / hkv, h = task % hkv;
+        attend(q + b * ldq + h * g * d, kv + h * d, hkv * d, v_rows, block_rows + b * nb, bs, lens[b], g, d, scale,
+               out + (b * hq + h * g) * d);
+    }
+}

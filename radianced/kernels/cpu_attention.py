@@ -1,0 +1,75 @@
+"""One decode step's attention read in place from the host backend's paged KV cache (cpu_attention.c, built
+into the block kernels' library by cpu_blocks.py).
+
+Why: kernels/cpu.py's decode gathered every sequence's whole context out of the cache pair's rows in each
+layer (one index_select: B x C x Hkv x D x 2 floats) and ran torch's SDPA over it, the contexts padded to the
+longest under an additive mask. The C kernel reads each key and value row where it lies, only the sequence's
+own keys, an online softmax in fp32 over (sequence, KV head) pairs on OpenMP threads.
+
+Values: each score is q . k (8 lane sums, then added across lanes) times the scale, then e^(score - running
+max) (within 1 unit of fp32 rounding: cpu_attention.c `exp_neg`), the V rows summed with those weights and
+divided by their sum once: the reference's products, summed in another order and rescaled per chunk of keys, so
+the output differs from `reference.paged_attention` by fp32 rounding (up to 9.9e-7 of max |ref| over 213 keys,
+SDPA's up to 7.1e-7 on the same cases; tests/kernels/test_cpu_attention.py holds it to 4e-6). The sums do not
+depend on the thread count: one thread computes a (sequence, KV head) pair whole.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radianced.kernels import cpu_blocks
+
+G_MAX = 16  # query heads a KV head the kernel holds (cpu_attention.c)
+
+
+def available() -> bool:
+    """Whether the kernel is built (or can be): the block kernels' library."""
+    return cpu_blocks.available()
+
+
+class Context:
+    """The keys a decode step's sequences read, checked once a step, the kernel's per-step arguments kept:
+    `Context(block_rows, lens, block_size)(q, flat, v_rows, scale)` is each sequence's attention over its
+    context. block_rows [B, nb] int: the row (of `flat`) of each block-table entry's token 0; lens [B]: the
+    context lengths (sequence b reads its tokens 0 .. lens[b] - 1 at rows block_rows[b, c // S] + c % S).
+    Like `cpu_blocks.Matrix` it holds its tensors, so the pointers it keeps stay valid while it lives."""
+
+    __slots__ = ("block_rows", "lens", "_args", "_top", "_run")
+
+    def __init__(self, block_rows: torch.Tensor, lens: torch.Tensor, block_size: int):
+        self.block_rows = block_rows.to(torch.int64).contiguous()
+        self.lens = lens.to(torch.int64).contiguous()
+        b, nb = self.block_rows.shape
+        if self.lens.shape != (b,) or bool((self.lens < 0).any()) or bool((self.lens > nb * block_size).any()):
+            raise ValueError(f"lens must be [{b}] in 0..{nb * block_size} (the block table's tokens), got "
+                             f"{self.lens.tolist()}")
+        used = torch.arange(nb) < (self.lens[:, None] + block_size - 1) // block_size  # the blocks read
+        read = self.block_rows[used]
+        if len(read) and int(read.min()) < 0:
+            raise ValueError("a block read lies before the cache's first row")
+        self._top = int(read.max()) + block_size if len(read) else 0  # rows below this one are read (K)
+        self._args = (self.block_rows.data_ptr(), nb, self.lens.data_ptr(), block_size, b)
+        self._run = cpu_blocks._lib().rad_decode_attention
+
+    def __call__(self, q: torch.Tensor, flat: torch.Tensor, v_rows: int, scale: float) -> torch.Tensor:
+        """q [B, Hq, D] fp32 (heads D apart, unit stride), flat [R, Hkv * D] fp32 rows (the cache pair, K
+        from row 0, V `v_rows` further) -> [B, Hq, D] fp32."""
+        b, hq, d = q.shape
+        hkv = flat.shape[1] // d
+        if q.dtype is not torch.float32 or flat.dtype is not torch.float32 or not q.is_cpu or not flat.is_cpu:
+            raise ValueError(f"q and the cache rows must be CPU fp32, got {q.dtype} and {flat.dtype}")
+        if b != self._args[4] or hkv * d != flat.shape[1] or hq % hkv or hq // hkv > G_MAX \
+                or flat.stride(1) != 1 or flat.stride(0) != flat.shape[1]:
+            raise ValueError(f"q {list(q.shape)} and cache rows {list(flat.shape)} (strides {flat.stride()}) do "
+                             f"not fit {self._args[4]} sequences, Hq a multiple of Hkv (at most {G_MAX}x)")
+        if v_rows < 0 or self._top + v_rows > flat.shape[0]:
+            raise ValueError(f"the keys read reach row {self._top + v_rows} of {flat.shape[0]}")
+        if q.stride(2) != 1 or q.stride(1) != d:
+            q = q.contiguous()
+        out = torch.empty(b, hq, d, dtype=torch.float32)
+        if b:
+            rows, nb, lens, s, _ = self._args
+            self._run(q.data_ptr(), q.stride(0), flat.data_ptr(), v_rows, rows, nb, lens, s, b, hq, hkv, d, scale,
+                      out.data_ptr(), torch.get_num_threads())
+        return out
