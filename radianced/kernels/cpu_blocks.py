@@ -35,7 +35,8 @@ M = 64: 1003 / 963; the q8_0 lm_head (49152 x 576) at M = 64: 29 / 93 ms.
 
 The library (this file's kernels and the decode attention's, cpu_attention.py: `SOURCES`) is compiled
 with `-O3 -march=native -ffp-contract=off` (no fused multiply-add where gguf's dequantization rounds
-twice) into radianced's cache folder, named by the sources' hash and the machine, atomically (`make install` builds it; a missing one is built at first use, about a second).
+twice) into radianced's cache folder, named by the sources' hash and the machine, atomically (`make
+install` builds it; a missing one is built at first use, about a second).
 Where no C compiler is found, `available` is False, one line on stderr says so, compact matrices
 are dequantized per use as the reference ops do (correct, 5-70x slower) and decode attention stays torch's.
 """
