@@ -489,22 +489,26 @@ class _DecodeStep:
     """All that the layers of a decode step over a plain cache (`_Rows`) share, made on its first layer
     (`_decode_step`) from the same helpers as the general path: the rotation's tables, the K/V write's rows,
     and how the context is read: in fp32 with the C kernels built, by `cpu_attention.Context` (each block-table
-    entry's row, checked once a step); otherwise the context's rows for one gather and SDPA's mask (None over
-    equal contexts). One per-step lookup a layer instead of four, and the decode check made once a step
-    (query_start is one step's tensor, never written)."""
+    entry's row and each new token's K row, -1 where its slot is none, checked once a step); otherwise the
+    context's rows for one gather and SDPA's mask (None over equal contexts). One per-step lookup a layer
+    instead of four, and the decode check made once a step (query_start is one step's tensor, never written)."""
 
     __slots__ = ("cos", "sin", "kept", "write_at", "context", "read_rows", "mask", "b", "ctx")
 
     def __init__(self, positions, inv_freq, dtype, slot_mapping, block_tables, query_start, seq_lens, s, layout):
         reference.check_decode(query_start.tolist() if isinstance(query_start, torch.Tensor) else query_start)
         self.cos, self.sin = _rope_tables.__wrapped__(positions, inv_freq, dtype)
-        kept, self.write_at = _write_plan.__wrapped__(slot_mapping, s, layout)
-        self.kept = None if kept is None else torch.cat((kept, kept + len(slot_mapping)))  # rows of cat((k, v))
+        kept, write_at = _write_plan.__wrapped__(slot_mapping, s, layout)
         self.context = None
         if dtype == torch.float32 and cpu_attention.available():
             lens = torch.as_tensor(seq_lens, dtype=torch.int64)
-            self.context = cpu_attention.Context(_block_rows(block_tables[:len(lens)].long(), layout), lens, s)
+            k_rows = write_at[:len(write_at) // 2]
+            if kept is not None:
+                k_rows = torch.full((len(slot_mapping),), -1, dtype=torch.int64).index_copy_(0, kept, k_rows)
+            self.context = cpu_attention.Context(_block_rows(block_tables[:len(lens)].long(), layout), lens, s, k_rows)
             return
+        self.kept = None if kept is None else torch.cat((kept, kept + len(slot_mapping)))  # rows of cat((k, v))
+        self.write_at = write_at
         plan = _ReadPlan(block_tables, query_start, seq_lens, s)
         self.read_rows = _read_rows.__wrapped__(plan, layout)
         self.mask, self.b, self.ctx = plan.mask_for(dtype), plan.b, plan.ctx
@@ -515,15 +519,16 @@ _decode_step = _per_step(_DecodeStep)
 
 def _decode(rows: _Rows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: _DecodeStep,
             scale: float) -> torch.Tensor:
-    """`rotary_paged_attention` at decode over a plain cache of q's dtype (qk-norm done): `_rotate_qk`, `_write`,
-    then the step's `cpu_attention.Context` (K and V read in place) or `_attend`'s decode case (the same ops)."""
+    """`rotary_paged_attention` at decode over a plain cache of q's dtype (qk-norm done): the step's
+    `cpu_attention.Context` in one C call (rotation, K/V write, attention over K and V in place), or
+    `_rotate_qk`, `_write` and `_attend`'s decode case (the same ops)."""
+    if step.context is not None:  # [T, Hq, D]: one row per sequence
+        return step.context.rotary(q, k, v, step.cos, step.sin, rows.flat, rows.layout[3], scale)[0]
     q, k = _rotate_qk(q, k, step.cos, step.sin)
     kv = torch.cat((k, v))
     if step.kept is not None:
         kv = kv[step.kept]
     rows.flat.index_copy_(0, step.write_at, kv.view(kv.shape[0], -1))
-    if step.context is not None:
-        return step.context(q, rows.flat, rows.layout[3], scale)  # [T, Hq, D]: one row per sequence
     hkv, d = k.shape[1], k.shape[2]
     k, v = rows.flat.index_select(0, step.read_rows).view(2, step.b, step.ctx, hkv, d).transpose(2, 3).unbind()
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=step.mask, scale=scale,

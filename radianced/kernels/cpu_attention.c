@@ -201,18 +201,55 @@ static void attend(const float *q, const float *kv, int64_t row, int64_t v_rows,
             for (int64_t i = 0; i < d; i++) o[j * d + i] /= l[j];
 }
 
+/* y = rotate-half RoPE of x (d values) by the row's cos and signed sin (r values each, -sin on the first half):
+ * y_i = x_i cos_i + x_(i + r/2 mod r) sin_i for i < r, each product rounded, then their sum (the build's
+ * -ffp-contract=off: no fused multiply-add), which is kernels/cpu.py `_rotate`'s x * cos + roll(x) * sin bit for
+ * bit; the values past r pass. */
+static inline void rotate(const float *x, const float *cos, const float *sin, int64_t r, int64_t d, float *y) {
+    const int64_t half = r / 2;
+    for (int64_t i = 0; i < half; i++) y[i] = x[i] * cos[i] + x[i + half] * sin[i];
+    for (int64_t i = half; i < r; i++) y[i] = x[i] * cos[i] + x[i - half] * sin[i];
+    for (int64_t i = r; i < d; i++) y[i] = x[i];
+}
+
 /* out [B, Hq, D] = attention of q [B, Hq, D] (rows ldq apart, heads D apart) over each sequence b's lens[b]
  * keys: K rows of kv (Hkv * D values a row) at block_rows[b, c / bs] + c % bs (block_rows: [B, nb]), V rows
  * v_rows further. Query head i reads KV head i / (Hq / Hkv). On `threads` OpenMP threads, a (b, KV head)
- * pair each task. */
-void rad_decode_attention(const float *q, int64_t ldq, const float *kv, int64_t v_rows, const int64_t *block_rows,
-                          int64_t nb, const int64_t *lens, int64_t bs, int64_t B, int64_t hq, int64_t hkv, int64_t d,
-                          float scale, float *out, int threads) {
-    const int64_t g = hq / hkv;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t task = 0; task < B * hkv; task++) {
-        const int64_t b = task / hkv, h = task % hkv;
-        attend(q + b * ldq + h * g * d, kv + h * d, hkv * d, v_rows, block_rows + b * nb, bs, lens[b], g, d, scale,
-               out + (b * hq + h * g) * d);
+ * pair each task.
+ *
+ * With k given, the step's new token first (the decode layer's prologue, kernels/cpu.py `_decode`): q and k
+ * [B, Hkv, D] (rows ldk apart) rotated by row b's cos and sin (`rotate`: [B, r] each), the rotated q into
+ * q_rot [B, Hq, D] (what is attended), and where write_rows[b] >= 0 the rotated k into K row write_rows[b] and
+ * v (rows ldv apart) into its V row; all written (one barrier) before any key is read, as the torch path's
+ * write precedes its read. */
+void rad_decode_attention(const float *q, int64_t ldq, const float *k, int64_t ldk, const float *v, int64_t ldv,
+                          const float *cos, const float *sin, int64_t r, const int64_t *write_rows, float *q_rot,
+                          float *kv, int64_t v_rows, const int64_t *block_rows, int64_t nb, const int64_t *lens,
+                          int64_t bs, int64_t B, int64_t hq, int64_t hkv, int64_t d, float scale, float *out,
+                          int threads) {
+    const int64_t g = hq / hkv, row = hkv * d;
+#pragma omp parallel num_threads(threads)
+    {
+        if (k) {
+#pragma omp for schedule(static)
+            for (int64_t task = 0; task < B * hkv; task++) {
+                const int64_t b = task / hkv, h = task % hkv;
+                const float *cb = cos + b * r, *sb = sin + b * r;
+                for (int64_t j = h * g; j < (h + 1) * g; j++)
+                    rotate(q + b * ldq + j * d, cb, sb, r, d, q_rot + (b * hq + j) * d);
+                if (write_rows[b] >= 0) {
+                    float *kr = kv + write_rows[b] * row + h * d;
+                    rotate(k + b * ldk + h * d, cb, sb, r, d, kr);
+                    memcpy(kr + v_rows * row, v + b * ldv + h * d, d * sizeof(float));
+                }
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < B * hkv; task++) {
+            const int64_t b = task / hkv, h = task % hkv;
+            const float *qb = k ? q_rot + b * hq * d : q + b * ldq;
+            attend(qb + h * g * d, kv + h * d, row, v_rows, block_rows + b * nb, bs, lens[b], g, d, scale,
+                   out + (b * hq + h * g) * d);
+        }
     }
 }

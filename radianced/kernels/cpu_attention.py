@@ -12,6 +12,9 @@ divided by their sum once: the reference's products, summed in another order and
 the output differs from `reference.paged_attention` by fp32 rounding (up to 9.9e-7 of max |ref| over 213 keys,
 SDPA's up to 7.1e-7 on the same cases; tests/kernels/test_cpu_attention.py holds it to 4e-6). The sums do not
 depend on the thread count: one thread computes a (sequence, KV head) pair whole.
+
+`Context.rotary` does a decode layer's prologue in the same call: RoPE on q and k and the new token's K and V
+rows written (kernels/cpu.py `_rotate` and `_write`'s values bit for bit), then the attention.
 """
 
 from __future__ import annotations
@@ -33,11 +36,13 @@ class Context:
     `Context(block_rows, lens, block_size)(q, flat, v_rows, scale)` is each sequence's attention over its
     context. block_rows [B, nb] int: the row (of `flat`) of each block-table entry's token 0; lens [B]: the
     context lengths (sequence b reads its tokens 0 .. lens[b] - 1 at rows block_rows[b, c // S] + c % S).
+    write_rows [B] int (`rotary`'s): the K row each sequence's new token goes to, -1 for none (a padding row).
     Like `cpu_blocks.Matrix` it holds its tensors, so the pointers it keeps stay valid while it lives."""
 
-    __slots__ = ("block_rows", "lens", "_args", "_top", "_run")
+    __slots__ = ("block_rows", "lens", "write_rows", "_args", "_top", "_run")
 
-    def __init__(self, block_rows: torch.Tensor, lens: torch.Tensor, block_size: int):
+    def __init__(self, block_rows: torch.Tensor, lens: torch.Tensor, block_size: int,
+                 write_rows: torch.Tensor | None = None):
         self.block_rows = block_rows.to(torch.int64).contiguous()
         self.lens = lens.to(torch.int64).contiguous()
         b, nb = self.block_rows.shape
@@ -49,12 +54,17 @@ class Context:
         if len(read) and int(read.min()) < 0:
             raise ValueError("a block read lies before the cache's first row")
         self._top = int(read.max()) + block_size if len(read) else 0  # rows below this one are read (K)
+        self.write_rows = None
+        if write_rows is not None:
+            self.write_rows = write_rows.to(torch.int64).contiguous()
+            if self.write_rows.shape != (b,) or bool((self.write_rows < -1).any()):
+                raise ValueError(f"write_rows must be [{b}] rows (-1: none), got {self.write_rows.tolist()}")
+            self._top = max(self._top, int(self.write_rows.max()) + 1 if b else 0)  # and written (K and V)
         self._args = (self.block_rows.data_ptr(), nb, self.lens.data_ptr(), block_size, b)
         self._run = cpu_blocks._lib().rad_decode_attention
 
-    def __call__(self, q: torch.Tensor, flat: torch.Tensor, v_rows: int, scale: float) -> torch.Tensor:
-        """q [B, Hq, D] fp32 (heads D apart, unit stride), flat [R, Hkv * D] fp32 rows (the cache pair, K
-        from row 0, V `v_rows` further) -> [B, Hq, D] fp32."""
+    def _check(self, q: torch.Tensor, flat: torch.Tensor, v_rows: int) -> tuple[int, int, int, int]:
+        """(B, Hq, Hkv, D), once q and the cache rows are checked to fit the step."""
         b, hq, d = q.shape
         hkv = flat.shape[1] // d
         if q.dtype is not torch.float32 or flat.dtype is not torch.float32 or not q.is_cpu or not flat.is_cpu:
@@ -65,11 +75,48 @@ class Context:
                              f"not fit {self._args[4]} sequences, Hq a multiple of Hkv (at most {G_MAX}x)")
         if v_rows < 0 or self._top + v_rows > flat.shape[0]:
             raise ValueError(f"the keys read reach row {self._top + v_rows} of {flat.shape[0]}")
-        if q.stride(2) != 1 or q.stride(1) != d:
-            q = q.contiguous()
+        return b, hq, hkv, d
+
+    def __call__(self, q: torch.Tensor, flat: torch.Tensor, v_rows: int, scale: float) -> torch.Tensor:
+        """q [B, Hq, D] fp32 (heads D apart, unit stride), flat [R, Hkv * D] fp32 rows (the cache pair, K
+        from row 0, V `v_rows` further) -> [B, Hq, D] fp32."""
+        b, hq, hkv, d = self._check(q, flat, v_rows)
+        q = _rows(q)
         out = torch.empty(b, hq, d, dtype=torch.float32)
         if b:
             rows, nb, lens, s, _ = self._args
-            self._run(q.data_ptr(), q.stride(0), flat.data_ptr(), v_rows, rows, nb, lens, s, b, hq, hkv, d, scale,
-                      out.data_ptr(), torch.get_num_threads())
+            self._run(q.data_ptr(), q.stride(0), None, 0, None, 0, None, None, 0, None, None, flat.data_ptr(), v_rows,
+                      rows, nb, lens, s, b, hq, hkv, d, scale, out.data_ptr(), torch.get_num_threads())
         return out
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               flat: torch.Tensor, v_rows: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode layer's rotation, K/V write and attention in one call: q [B, Hq, D] and k [B, Hkv, D]
+        rotated by cos and signed sin ([B, 1, R] or [B, R], kernels/cpu.py `_rope_tables`': the dims past R
+        pass), the rotated k and v [B, Hkv, D] written to each sequence's `write_rows` (K) and V rows, then the
+        rotated q's attention as `__call__`'s -> (out [B, Hq, D], the rotated q [B, Hq, D]). The rotation is
+        kernels/cpu.py `_rotate`'s bit for bit (the same products and sums); the K and V rows it writes too."""
+        if self.write_rows is None:
+            raise ValueError("rotary needs the Context made with write_rows")
+        b, hq, hkv, d = self._check(q, flat, v_rows)
+        r = cos.shape[-1]
+        if k.shape != (b, hkv, d) or v.shape != (b, hkv, d) or k.dtype is not torch.float32 \
+                or v.dtype is not torch.float32 or not k.is_cpu or not v.is_cpu or r % 2 or r > d \
+                or cos.dtype is not torch.float32 or sin.dtype is not torch.float32 or cos.numel() != b * r \
+                or sin.numel() != b * r or not cos.is_contiguous() or not sin.is_contiguous():
+            raise ValueError(f"k {list(k.shape)} and v {list(v.shape)} must be [{b}, {hkv}, {d}] CPU fp32, cos and "
+                             f"sin {list(cos.shape)} {list(sin.shape)} [{b}, R] contiguous fp32, R even, at most {d}")
+        q, k, v = _rows(q), _rows(k), _rows(v)
+        out = torch.empty(b, hq, d, dtype=torch.float32)
+        q_rot = torch.empty(b, hq, d, dtype=torch.float32)
+        if b:
+            rows, nb, lens, s, _ = self._args
+            self._run(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), cos.data_ptr(),
+                      sin.data_ptr(), r, self.write_rows.data_ptr(), q_rot.data_ptr(), flat.data_ptr(), v_rows, rows,
+                      nb, lens, s, b, hq, hkv, d, scale, out.data_ptr(), torch.get_num_threads())
+        return out, q_rot
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [B, H, D] as the kernel reads it: heads D apart, unit stride (its rows any distance apart)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()

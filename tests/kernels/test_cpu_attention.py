@@ -244,10 +244,81 @@ def _decode_layer_op(seed=3):
 @needs_c
 def test_the_layer_op_reads_a_decode_step_through_the_in_place_kernel(monkeypatch):
     calls = []
-    run = cpu_attention.Context.__call__
-    monkeypatch.setattr(cpu_attention.Context, "__call__", lambda self, *a: calls.append(1) or run(self, *a))
+    run = cpu_attention.Context.rotary
+    monkeypatch.setattr(cpu_attention.Context, "rotary", lambda self, *a: calls.append(1) or run(self, *a))
     got, want = _decode_layer_op(seed=7)
     assert calls and rel_err(got, want) < 4e-6
+
+
+# The fused call (`Context.rotary`: rotation, K/V write and attention in one C call) against the unfused torch path
+# it replaces (`cpu._rotate_qk`, then `cpu._write`, then the kernel's attention alone over the rotated q): the
+# rotated q and every cache row bit for bit (the rotation is the same products and sums, without fused
+# multiply-adds), hence the same output bit for bit (the same kernel over the same bits); tolerance 0.
+@needs_c
+@pytest.mark.parametrize("partial", [False, True], ids=["rope_whole_head", "rope_half_head"])
+@pytest.mark.parametrize("d", [64, 20])
+@pytest.mark.parametrize("ratio", [1, 3], ids=["mha", "gqa3"])
+@pytest.mark.parametrize("b", [1, 2, 8])
+def test_the_fused_rotary_call_equals_the_unfused_torch_path_bit_for_bit(b, ratio, d, partial):
+    """q, k and v are views of one fused q/k/v projection's rows (as the model hands them), contexts unequal; past
+    b1 the first sequence's slot a padding row's (-1: it writes nothing, its q still rotated and attended)."""
+    g = torch.Generator().manual_seed(b * 100 + ratio * 10 + d)
+    hkv = 3
+    hq = hkv * ratio
+    lens = [LONG] + torch.randint(1, LONG + 1, (b - 1,), generator=g).tolist()
+    _, k_cache, v_cache, tables, _, lens = _layout([1] * b, lens, hq, hkv, d, seed=b)
+    qkv = torch.randn((b, (hq + 2 * hkv) * d), generator=g).view(b, hq + 2 * hkv, d)
+    q, k, v = qkv.split_with_sizes((hq, hkv, hkv), dim=1)
+    positions = torch.tensor([n - 1 for n in lens])
+    slots = torch.tensor([int(tables[i, p // BLOCK]) * BLOCK + p % BLOCK for i, p in enumerate(positions.tolist())])
+    if b > 1:
+        slots[0] = -1
+    cos, sin = cpu._rope_tables.__wrapped__(positions, reference.rotary_inv_freq(d // 2 if partial else d, 1e4, "cpu"),
+                                            torch.float32)
+    storage = k_cache._base
+    runs = []
+    for fused in (True, False):
+        base = storage.clone()  # each run writes its own copy of the interleaved layout
+        kc, vc = base[:, :, 1, 0], base[:, :, 1, 1]
+        rows = cpu._rows_of(kc, vc)
+        kept, write_at = cpu._write_plan.__wrapped__(slots, BLOCK, rows.layout)
+        k_rows = write_at[:b] if kept is None else \
+            torch.full((b,), -1, dtype=torch.int64).index_copy_(0, kept, write_at[:len(kept)])
+        context = cpu_attention.Context(cpu._block_rows(tables.long(), rows.layout), torch.tensor(lens), BLOCK, k_rows)
+        if fused:
+            out, q_rot = context.rotary(q, k, v, cos, sin, rows.flat, rows.layout[3], d ** -0.5)
+        else:
+            q_rot, k_rot = cpu._rotate_qk(q, k, cos, sin)
+            cpu._write(rows, kc, vc, k_rot, v, slots)
+            out = context(q_rot, rows.flat, rows.layout[3], d ** -0.5)
+        runs.append((out, q_rot, base))
+    (out, q_rot, base), (want, q_want, base_want) = runs
+    assert not torch.equal(q_rot, q)  # rotated (positions >= 1 for all but a context of one key)
+    assert torch.equal(q_rot, q_want) and torch.equal(base, base_want) and torch.equal(out, want)
+    assert not torch.equal(base, storage)  # the new tokens were written
+
+
+@needs_c
+def test_the_fused_rotary_call_refuses_tables_or_rows_that_do_not_fit():
+    q, k_cache, v_cache, tables, _, lens = _layout([1, 1], [20, 3], 4, 2, 16)
+    rows = cpu._rows_of(k_cache, v_cache)
+    blocks = cpu._block_rows(tables.long(), rows.layout)
+    k = v = torch.randn(2, 2, 16)
+    cos, sin = cpu._rope_tables.__wrapped__(torch.tensor([19, 2]), reference.rotary_inv_freq(16, 1e4, "cpu"),
+                                            torch.float32)
+    with pytest.raises(ValueError, match="needs the Context made with write_rows"):
+        cpu_attention.Context(blocks, torch.tensor(lens), BLOCK).rotary(q, k, v, cos, sin, rows.flat,
+                                                                         rows.layout[3], 0.25)
+    with pytest.raises(ValueError, match="write_rows must be"):
+        cpu_attention.Context(blocks, torch.tensor(lens), BLOCK, torch.tensor([3]))
+    context = cpu_attention.Context(blocks, torch.tensor(lens), BLOCK, torch.tensor([5, rows.flat.shape[0]]))
+    with pytest.raises(ValueError, match="the keys read reach row"):  # a row written past the cache
+        context.rotary(q, k, v, cos, sin, rows.flat, rows.layout[3], 0.25)
+    context = cpu_attention.Context(blocks, torch.tensor(lens), BLOCK, torch.tensor([5, -1]))
+    with pytest.raises(ValueError, match="must be"):
+        context.rotary(q, k[:, :1], v, cos, sin, rows.flat, rows.layout[3], 0.25)
+    with pytest.raises(ValueError, match="must be"):
+        context.rotary(q, k, v, cos[..., :15], sin[..., :15], rows.flat, rows.layout[3], 0.25)
 
 
 def test_without_the_c_kernels_a_decode_step_is_gathered_for_sdpa_as_before(monkeypatch):
