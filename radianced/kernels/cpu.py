@@ -83,6 +83,14 @@ before. SmolLM2's heads (9 q, 3 KV, D 64), 2 threads, us a layer, kernel / gathe
 -> 33.0-33.8 ms (the op 8.5-8.7 -> 6.6-7.1). Left in the op at b8, ~175 us a layer: the K/V write's index_copy_
 (18 us a call in the profiler), the rotation (roll, cat, mul, add: ~25 us), the kernel (~30 us), and the
 rest the op's Python and its other small ops.
+
+Issue 23, the rotation and K/V write in the C call (same model and settings): `Context.rotary` rotates q and k
+(`_rotate`'s products and sums, bit for bit), writes k and v to the new token's rows and attends, one C call a
+layer instead of roll/cat/mul/add, cat and index_copy_ before it. tools/cpu_step.py, main and this tree
+interleaved, four rounds (the first two with main's steps slowed by another job: b8 44.2-47.1 ms): b8 29.6-30.0
+-> 27.9-28.1 ms a step in the quiet two (the attention op 4.9 -> 3.5-3.6 ms, 6.9-7.2 -> 3.6-4.1 in the loaded
+ones), b1 15.6 -> 13.8-14.1 ms (the op 2.8-2.9 -> 1.75-1.8; loaded, 16.6-24.3 -> 14.4-14.7). Left in the op at
+b8, ~120 us a layer (3.5-3.6 ms over 30 layers), not yet broken down between the C call and the op's Python.
 """
 
 from __future__ import annotations
