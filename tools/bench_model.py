@@ -60,7 +60,8 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 import torch  # noqa: E402
 import uvloop  # noqa: E402
 
-from radianced.engine.driver import AsyncEngine, NoMetrics  # noqa: E402
+from radianced.engine.driver import AsyncEngine  # noqa: E402
+from radianced.engine.engine_metrics import NoMetrics  # noqa: E402
 from tools.gpu_bench import (  # noqa: E402
     GiB, MiB, Skip, _mib, _ms, _rate, _section, ceiling_copy, ceiling_matmul, commit, fingerprint,
     timeit)

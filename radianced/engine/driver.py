@@ -21,13 +21,13 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from radianced.engine.detokenizer import IncrementalDetokenizer
 from radianced.engine.engine import Engine, Executed
+from radianced.engine.engine_metrics import EngineMetrics, NoMetrics
 from radianced.engine.pacing import StepPacer
 from radianced.engine.request import FinishReason, Request, SeqStatus
 from radianced.engine.request_log import expert_line, request_line
@@ -68,42 +68,6 @@ class LiveRequest:
     prompt_tokens: int
     generated: int
     age_s: float
-
-
-class EngineMetrics(Protocol):
-    """What the driver reports (server/metrics.py's `Metrics` has these methods)."""
-
-    def observe_step(self, seconds: float) -> None: ...
-    def observe_step_kind(self, kind: str, seconds: float) -> None: ...
-    def observe_loop_wait(self, seconds: float) -> None: ...
-    def observe_ttft(self, seconds: float) -> None: ...
-    def observe_inter_token(self, seconds: float) -> None: ...
-    def observe_e2e(self, seconds: float) -> None: ...
-    def add_prompt_tokens(self, n: int) -> None: ...
-    def add_generated_tokens(self, n: int) -> None: ...
-    def add_prefix_hit_tokens(self, n: int) -> None: ...
-    def add_expert_lookups(self, lookups: int, hits: int, overflow_bytes: int) -> None: ...
-    def add_drafts(self, drafted: int, accepted: int) -> None: ...
-    def add_expert_disk_reads(self, nbytes: int, seconds: Sequence[float]) -> None: ...
-    def set_arena_pages(self, tenant: str, pages: int) -> None: ...
-    def add_pages_moved(self, src: str, dst: str, pages: int) -> None: ...
-
-
-class NoMetrics:
-    def observe_step(self, seconds: float) -> None: pass
-    def observe_step_kind(self, kind: str, seconds: float) -> None: pass
-    def observe_loop_wait(self, seconds: float) -> None: pass
-    def observe_ttft(self, seconds: float) -> None: pass
-    def observe_inter_token(self, seconds: float) -> None: pass
-    def observe_e2e(self, seconds: float) -> None: pass
-    def add_prompt_tokens(self, n: int) -> None: pass
-    def add_generated_tokens(self, n: int) -> None: pass
-    def add_prefix_hit_tokens(self, n: int) -> None: pass
-    def add_expert_lookups(self, lookups: int, hits: int, overflow_bytes: int) -> None: pass
-    def add_drafts(self, drafted: int, accepted: int) -> None: pass
-    def add_expert_disk_reads(self, nbytes: int, seconds: Sequence[float]) -> None: pass
-    def set_arena_pages(self, tenant: str, pages: int) -> None: pass
-    def add_pages_moved(self, src: str, dst: str, pages: int) -> None: pass
 
 
 @dataclass

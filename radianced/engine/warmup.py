@@ -56,7 +56,7 @@ import torch
 
 from radianced.budget import PlanError
 from radianced.engine.drafting import DraftPlanner
-from radianced.engine.driver import NoMetrics
+from radianced.engine.engine_metrics import NoMetrics
 from radianced.engine.request import Request
 from radianced.engine.sampling_params import SamplingParams
 from radianced.engine.speculation import ngram_drafts

@@ -13,7 +13,7 @@ from radianced.arena import EXPERTS, KV
 from radianced.budget import plan
 from radianced.card import Card
 from radianced.config import Config
-from radianced.engine.driver import NoMetrics
+from radianced.engine.engine_metrics import NoMetrics
 from radianced.engine.engine import Engine
 from radianced.sizing import ModelFacts
 from tests.engine.conftest import prompts, serve_greedy

@@ -11,7 +11,7 @@ import re
 
 from radianced.card import Card
 from radianced.config import Config
-from radianced.engine.driver import NoMetrics
+from radianced.engine.engine_metrics import NoMetrics
 from radianced.engine.engine import Engine
 from radianced.engine.request import Request
 from radianced.engine.sampling_params import SamplingParams
