@@ -217,10 +217,10 @@ static inline void rotate(const float *x, const float *cos, const float *sin, in
  * v_rows further. Query head i reads KV head i / (Hq / Hkv). On `threads` OpenMP threads, a (b, KV head)
  * pair each task.
  *
- * With k given, the step's new token first (the decode layer's prologue, kernels/cpu.py `_decode`): q and k
- * [B, Hkv, D] (rows ldk apart) rotated by row b's cos and sin (`rotate`: [B, r] each), the rotated q into
- * q_rot [B, Hq, D] (what is attended), and where write_rows[b] >= 0 the rotated k into K row write_rows[b] and
- * v (rows ldv apart) into its V row; all written (one barrier) before any key is read, as the torch path's
+ * First the step's new token (the decode layer's prologue, kernels/cpu.py `_decode`): q and k [B, Hkv, D]
+ * (rows ldk apart) rotated by row b's cos and sin (`rotate`: [B, r] each), the rotated q into q_rot
+ * [B, Hq, D] (what is attended), and where write_rows[b] >= 0 the rotated k into K row write_rows[b] and v
+ * (rows ldv apart) into its V row; all written (one barrier) before any key is read, as the torch path's
  * write precedes its read. */
 void rad_decode_attention(const float *q, int64_t ldq, const float *k, int64_t ldk, const float *v, int64_t ldv,
                           const float *cos, const float *sin, int64_t r, const int64_t *write_rows, float *q_rot,
@@ -230,25 +230,22 @@ void rad_decode_attention(const float *q, int64_t ldq, const float *k, int64_t l
     const int64_t g = hq / hkv, row = hkv * d;
 #pragma omp parallel num_threads(threads)
     {
-        if (k) {
 #pragma omp for schedule(static)
-            for (int64_t task = 0; task < B * hkv; task++) {
-                const int64_t b = task / hkv, h = task % hkv;
-                const float *cb = cos + b * r, *sb = sin + b * r;
-                for (int64_t j = h * g; j < (h + 1) * g; j++)
-                    rotate(q + b * ldq + j * d, cb, sb, r, d, q_rot + (b * hq + j) * d);
-                if (write_rows[b] >= 0) {
-                    float *kr = kv + write_rows[b] * row + h * d;
-                    rotate(k + b * ldk + h * d, cb, sb, r, d, kr);
-                    memcpy(kr + v_rows * row, v + b * ldv + h * d, d * sizeof(float));
-                }
+        for (int64_t task = 0; task < B * hkv; task++) {
+            const int64_t b = task / hkv, h = task % hkv;
+            const float *cb = cos + b * r, *sb = sin + b * r;
+            for (int64_t j = h * g; j < (h + 1) * g; j++)
+                rotate(q + b * ldq + j * d, cb, sb, r, d, q_rot + (b * hq + j) * d);
+            if (write_rows[b] >= 0) {
+                float *kr = kv + write_rows[b] * row + h * d;
+                rotate(k + b * ldk + h * d, cb, sb, r, d, kr);
+                memcpy(kr + v_rows * row, v + b * ldv + h * d, d * sizeof(float));
             }
         }
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < B * hkv; task++) {
             const int64_t b = task / hkv, h = task % hkv;
-            const float *qb = k ? q_rot + b * hq * d : q + b * ldq;
-            attend(qb + h * g * d, kv + h * d, row, v_rows, block_rows + b * nb, bs, lens[b], g, d, scale,
+            attend(q_rot + b * hq * d + h * g * d, kv + h * d, row, v_rows, block_rows + b * nb, bs, lens[b], g, d, scale,
                    out + (b * hq + h * g) * d);
         }
     }

@@ -32,17 +32,17 @@ def available() -> bool:
 
 
 class Context:
-    """The keys a decode step's sequences read, checked once a step, the kernel's per-step arguments kept:
-    `Context(block_rows, lens, block_size)(q, flat, v_rows, scale)` is each sequence's attention over its
-    context. block_rows [B, nb] int: the row (of `flat`) of each block-table entry's token 0; lens [B]: the
-    context lengths (sequence b reads its tokens 0 .. lens[b] - 1 at rows block_rows[b, c // S] + c % S).
-    write_rows [B] int (`rotary`'s): the K row each sequence's new token goes to, -1 for none (a padding row).
-    Like `cpu_blocks.Matrix` it holds its tensors, so the pointers it keeps stay valid while it lives."""
+    """The keys a decode step's sequences read and the rows its new tokens write, checked once a step, the
+    kernel's per-step arguments kept: `Context(block_rows, lens, block_size, write_rows).rotary(...)` is a
+    decode layer's rotation, K/V write and each sequence's attention over its context. block_rows [B, nb] int:
+    the row (of `flat`) of each block-table entry's token 0; lens [B]: the context lengths (sequence b reads
+    its tokens 0 .. lens[b] - 1 at rows block_rows[b, c // S] + c % S); write_rows [B] int: the K row each
+    sequence's new token goes to, -1 for none (a padding row). Like `cpu_blocks.Matrix` it holds its tensors,
+    so the pointers it keeps stay valid while it lives."""
 
     __slots__ = ("block_rows", "lens", "write_rows", "_args", "_top", "_run")
 
-    def __init__(self, block_rows: torch.Tensor, lens: torch.Tensor, block_size: int,
-                 write_rows: torch.Tensor | None = None):
+    def __init__(self, block_rows: torch.Tensor, lens: torch.Tensor, block_size: int, write_rows: torch.Tensor):
         self.block_rows = block_rows.to(torch.int64).contiguous()
         self.lens = lens.to(torch.int64).contiguous()
         b, nb = self.block_rows.shape
@@ -54,12 +54,10 @@ class Context:
         if len(read) and int(read.min()) < 0:
             raise ValueError("a block read lies before the cache's first row")
         self._top = int(read.max()) + block_size if len(read) else 0  # rows below this one are read (K)
-        self.write_rows = None
-        if write_rows is not None:
-            self.write_rows = write_rows.to(torch.int64).contiguous()
-            if self.write_rows.shape != (b,) or bool((self.write_rows < -1).any()):
-                raise ValueError(f"write_rows must be [{b}] rows (-1: none), got {self.write_rows.tolist()}")
-            self._top = max(self._top, int(self.write_rows.max()) + 1 if b else 0)  # and written (K and V)
+        self.write_rows = write_rows.to(torch.int64).contiguous()
+        if self.write_rows.shape != (b,) or bool((self.write_rows < -1).any()):
+            raise ValueError(f"write_rows must be [{b}] rows (-1: none), got {self.write_rows.tolist()}")
+        self._top = max(self._top, int(self.write_rows.max()) + 1 if b else 0)  # and written (K and V)
         self._args = (self.block_rows.data_ptr(), nb, self.lens.data_ptr(), block_size, b)
         self._run = cpu_blocks._lib().rad_decode_attention
 
@@ -77,27 +75,14 @@ class Context:
             raise ValueError(f"the keys read reach row {self._top + v_rows} of {flat.shape[0]}")
         return b, hq, hkv, d
 
-    def __call__(self, q: torch.Tensor, flat: torch.Tensor, v_rows: int, scale: float) -> torch.Tensor:
-        """q [B, Hq, D] fp32 (heads D apart, unit stride), flat [R, Hkv * D] fp32 rows (the cache pair, K
-        from row 0, V `v_rows` further) -> [B, Hq, D] fp32."""
-        b, hq, hkv, d = self._check(q, flat, v_rows)
-        q = _rows(q)
-        out = torch.empty(b, hq, d, dtype=torch.float32)
-        if b:
-            rows, nb, lens, s, _ = self._args
-            self._run(q.data_ptr(), q.stride(0), None, 0, None, 0, None, None, 0, None, None, flat.data_ptr(), v_rows,
-                      rows, nb, lens, s, b, hq, hkv, d, scale, out.data_ptr(), torch.get_num_threads())
-        return out
-
     def rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                flat: torch.Tensor, v_rows: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode layer's rotation, K/V write and attention in one call: q [B, Hq, D] and k [B, Hkv, D]
         rotated by cos and signed sin ([B, 1, R] or [B, R], kernels/cpu.py `_rope_tables`': the dims past R
         pass), the rotated k and v [B, Hkv, D] written to each sequence's `write_rows` (K) and V rows, then the
-        rotated q's attention as `__call__`'s -> (out [B, Hq, D], the rotated q [B, Hq, D]). The rotation is
-        kernels/cpu.py `_rotate`'s bit for bit (the same products and sums); the K and V rows it writes too."""
-        if self.write_rows is None:
-            raise ValueError("rotary needs the Context made with write_rows")
+        rotated q's attention over each context (q's rows any distance apart; flat [R, Hkv * D] fp32 rows, the
+        cache pair: K from row 0, V `v_rows` further) -> (out [B, Hq, D], the rotated q [B, Hq, D]). The rotation
+        is kernels/cpu.py `_rotate`'s bit for bit (the same products and sums); the K and V rows it writes too."""
         b, hq, hkv, d = self._check(q, flat, v_rows)
         r = cos.shape[-1]
         if k.shape != (b, hkv, d) or v.shape != (b, hkv, d) or k.dtype is not torch.float32 \

@@ -141,10 +141,22 @@ needs_c = pytest.mark.skipif(not cpu_attention.available(), reason="no C compile
 
 
 def _context(tables, lens, k_cache, v_cache):
-    """(the step's `cpu_attention.Context`, the cache pair's `_Rows`)."""
+    """(the step's `cpu_attention.Context` writing no row, the cache pair's `_Rows`)."""
     rows = cpu._rows_of(k_cache, v_cache)
     blocks = cpu._block_rows(tables.long(), rows.layout)
-    return cpu_attention.Context(blocks, torch.tensor(lens), k_cache.shape[2]), rows
+    return cpu_attention.Context(blocks, torch.tensor(lens), k_cache.shape[2], _no_rows(len(lens))), rows
+
+
+def _no_rows(b: int) -> torch.Tensor:
+    return torch.full((b,), -1, dtype=torch.int64)
+
+
+def _attend(context, q, flat, v_rows, scale):
+    """`context`'s attention alone: `rotary` by the identity (cos 1, sin 0: each q value x * 1 + y * 0 = x) where
+    the context writes no row (`_no_rows`)."""
+    b, _, d = q.shape
+    nothing = torch.zeros(b, flat.shape[1] // d, d)
+    return context.rotary(q, nothing, nothing, torch.ones(b, d), torch.zeros(b, d), flat, v_rows, scale)[0]
 
 
 def _poison_unread(tables, lens, k_cache, v_cache):
@@ -172,7 +184,7 @@ def test_the_in_place_decode_kernel_matches_the_reference(b, ratio, d, first):
     _poison_unread(tables, lens, k_cache, v_cache)
     want = reference.paged_attention(q, k_cache, v_cache, tables, starts, lens, d ** -0.5)
     context, rows = _context(tables, lens, k_cache, v_cache)
-    got = context(q, rows.flat, rows.layout[3], d ** -0.5)
+    got = _attend(context, q, rows.flat, rows.layout[3], d ** -0.5)
     assert got.shape == want.shape and torch.isfinite(got).all() and rel_err(got, want) < 4e-6
 
 
@@ -184,7 +196,7 @@ def test_the_in_place_decode_kernel_reads_head_dims_that_are_no_multiple_of_8(d)
     _poison_unread(tables, lens, k_cache, v_cache)
     want = reference.paged_attention(q, k_cache, v_cache, tables, starts, lens, d ** -0.5)
     context, rows = _context(tables, lens, k_cache, v_cache)
-    got = context(q, rows.flat, rows.layout[3], d ** -0.5)
+    got = _attend(context, q, rows.flat, rows.layout[3], d ** -0.5)
     assert torch.isfinite(got).all() and rel_err(got, want) < 4e-6
 
 
@@ -198,10 +210,10 @@ def test_the_in_place_decode_kernel_gives_the_same_bits_on_any_thread_count_and_
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = context(q, rows.flat, rows.layout[3], 0.125)
+        one = _attend(context, q, rows.flat, rows.layout[3], 0.125)
         torch.set_num_threads(2)
-        assert torch.equal(context(q, rows.flat, rows.layout[3], 0.125), one)
-        assert torch.equal(context(wide, rows.flat, rows.layout[3], 0.125), one)
+        assert torch.equal(_attend(context, q, rows.flat, rows.layout[3], 0.125), one)
+        assert torch.equal(_attend(context, wide, rows.flat, rows.layout[3], 0.125), one)
     finally:
         torch.set_num_threads(threads)
 
@@ -212,12 +224,12 @@ def test_the_in_place_decode_kernel_refuses_what_would_read_outside_the_cache():
     rows = cpu._rows_of(k_cache, v_cache)
     blocks = cpu._block_rows(tables.long(), rows.layout)
     with pytest.raises(ValueError, match="lens must be"):
-        cpu_attention.Context(blocks, torch.tensor([20, 2 * BLOCK + 1]), BLOCK)  # past the table's 2 blocks
-    context = cpu_attention.Context(blocks, torch.tensor(lens), BLOCK)
+        cpu_attention.Context(blocks, torch.tensor([20, 2 * BLOCK + 1]), BLOCK, _no_rows(2))  # past 2 blocks
+    context = cpu_attention.Context(blocks, torch.tensor(lens), BLOCK, _no_rows(2))
     with pytest.raises(ValueError, match="the keys read reach row"):
-        context(q, rows.flat[: int(blocks.max())], rows.layout[3], 0.25)
+        _attend(context, q, rows.flat[: int(blocks.max())], rows.layout[3], 0.25)
     with pytest.raises(ValueError, match="do not fit"):
-        context(q[:1], rows.flat, rows.layout[3], 0.25)
+        _attend(context, q[:1], rows.flat, rows.layout[3], 0.25)
 
 
 def _decode_layer_op(seed=3):
@@ -290,7 +302,8 @@ def test_the_fused_rotary_call_equals_the_unfused_torch_path_bit_for_bit(b, rati
         else:
             q_rot, k_rot = cpu._rotate_qk(q, k, cos, sin)
             cpu._write(rows, kc, vc, k_rot, v, slots)
-            out = context(q_rot, rows.flat, rows.layout[3], d ** -0.5)
+            reader = cpu_attention.Context(context.block_rows, context.lens, BLOCK, _no_rows(b))  # writes nothing
+            out = _attend(reader, q_rot, rows.flat, rows.layout[3], d ** -0.5)
         runs.append((out, q_rot, base))
     (out, q_rot, base), (want, q_want, base_want) = runs
     assert not torch.equal(q_rot, q)  # rotated (positions >= 1 for all but a context of one key)
@@ -306,9 +319,6 @@ def test_the_fused_rotary_call_refuses_tables_or_rows_that_do_not_fit():
     k = v = torch.randn(2, 2, 16)
     cos, sin = cpu._rope_tables.__wrapped__(torch.tensor([19, 2]), reference.rotary_inv_freq(16, 1e4, "cpu"),
                                             torch.float32)
-    with pytest.raises(ValueError, match="needs the Context made with write_rows"):
-        cpu_attention.Context(blocks, torch.tensor(lens), BLOCK).rotary(q, k, v, cos, sin, rows.flat,
-                                                                         rows.layout[3], 0.25)
     with pytest.raises(ValueError, match="write_rows must be"):
         cpu_attention.Context(blocks, torch.tensor(lens), BLOCK, torch.tensor([3]))
     context = cpu_attention.Context(blocks, torch.tensor(lens), BLOCK, torch.tensor([5, rows.flat.shape[0]]))
