@@ -50,12 +50,13 @@ def random_blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> torch.T
 
 
 def load_source(spec: str, folder: Path) -> ctypes.CDLL:
-    """Compile `FILE.c[:EXTRA FLAGS]` with cpu_blocks' flags (and the extra ones, e.g. -DNAME=1) and load it
-    with the same signatures."""
+    """Compile `FILE.c[:EXTRA FLAGS]` in cpu_blocks.c's place beside the library's other sources, with its flags
+    (and the extra ones, e.g. -DNAME=1), and load it with the same signatures."""
     source, _, extra = spec.partition(":")
     out = folder / f"{Path(source).stem}-{len(list(folder.iterdir()))}.so"
-    done = subprocess.run(["cc", *cpu_blocks.FLAGS, *extra.split(), "-o", str(out), source], capture_output=True,
-                          text=True)
+    others = [str(s) for s in cpu_blocks.SOURCES if s.name != "cpu_blocks.c"]
+    done = subprocess.run(["cc", *cpu_blocks.FLAGS, *extra.split(), "-o", str(out), source, *others],
+                          capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"cc failed on {source}: {done.stderr}")
     return cpu_blocks.declare(ctypes.CDLL(str(out)))

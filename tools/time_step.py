@@ -23,8 +23,8 @@ included), biggest first.
 With `--prefill-chunk N` the timed steps are mixed steps, as a prefill beside running streams makes them
 (issue 18's ITL under a burst): after the warm-up a long prompt joins, and each step takes the batch's
 decodes and the prompt's next N tokens (the scheduler's step budget set to batch + N, as the daemon's
-pacer sets it). Such a step replays a mixed graph where batch + N fits one (at most 256 tokens,
-engine/graphs.py), else runs eagerly: comparing the phases' host time with the kernels' device time says
+pacer sets it). Such a step replays a mixed graph where batch + N fits one (at most 2,048 tokens,
+radianced/graph_shapes.py), else runs eagerly: comparing the phases' host time with the kernels' device time says
 how much of its cost is the host launching it.
 """
 
