@@ -12,7 +12,8 @@ progress or has nothing to do.
 Stop: SIGTERM, SIGINT or `radiancectl drain` stops admitting (new requests and
 /health get 503), lets in-flight requests finish for up to --drain-timeout,
 cancels what is left (those streams still end with `[DONE]`, finish_reason
-"abort"), closes the sockets and exits 0. A second SIGINT skips the wait. A
+"abort"), closes the sockets and exits 0. A second SIGINT skips the wait; a
+signal once the loop has closed changes nothing (the status stays). A
 fatal engine error fails the live requests (500) and exits 1, so systemd
 restarts the unit; so does any start-up failure, with one line saying why.
 
@@ -178,6 +179,9 @@ class Daemon:
             if self.ranks is not None:  # rank 0's engine closes (their step loops end), then they are awaited
                 self.ranks.stop(self.engine.engine if self.engine is not None and self._fatal is None else None)
             gc_pauses.close()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # the loop's handlers would give way to the default (death
+            loop.remove_signal_handler(sig)         # by the signal) while it closes and the interpreter ends:
+            signal.signal(sig, signal.SIG_IGN)      # a late SIGTERM must not turn this status into -15
         log.info("exiting with status %d", code)
         return code
 

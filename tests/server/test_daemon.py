@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 
@@ -108,6 +109,22 @@ async def test_sigterm_lets_eight_streams_finish_refuses_new_requests_and_exits_
     assert len(watchdogs) >= 3 and fields.index("STOPPING=1") > fields.index("READY=1")
     assert any(i > fields.index("READY=1") for i in watchdogs)
     assert "SIGTERM: draining" in d.log() and "exiting with status 0" in d.log()
+
+
+def test_sigterm_after_sigterm_until_the_process_ends_still_exits_0(tiny_model):
+    """A shell's process-group kill or `make` forwarding repeats SIGTERM; one that lands after the
+    loop has closed (its handlers gone) had killed the process: status -15 in CI."""
+    d = start_daemon(tiny_model)
+    try:
+        signals = 0
+        while d.proc.poll() is None:
+            d.proc.send_signal(signal.SIGTERM)
+            signals += 1
+            time.sleep(0.002)
+        assert d.proc.wait() == 0 and signals > 1
+    finally:
+        d.stop(signal.SIGKILL)
+    assert "already draining" in d.log() and "exiting with status 0" in d.log()
 
 
 async def test_radiancectl_drain_past_the_drain_timeout_aborts_streams_cleanly_over_the_unix_socket(
