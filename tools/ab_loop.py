@@ -1,21 +1,22 @@
-"""A/B of the daemon's step loop: the loop at 86e83d5 against today's, interleaved rounds.
+"""A/B of the daemon's step loop: rounds on the event loop (b40e1cf) against rounds on the step thread.
 
     python tools/ab_loop.py --out OUT [--layers 8] [--batches 1,32] [--steps 128] [--rounds 7]
 
-Issue 17 replaced the driver's own pipelined loop (86e83d5's `AsyncEngine.run`, which
-launched and collected through the runner itself) by the engine's three phases
-(`Engine.plan`, `execute`, `apply`) that every caller drives. Both are timed here on
-one engine, one model and one machine, in the same process: a synthetic
-Qwen3-30B-A3B-shaped `.rad` (tools/make_synthetic.py) with every expert resident
-and decode graphs captured. `_OldLoop.run` below is 86e83d5's loop body verbatim
-(with its `Engine.plan_ahead` and `_launch_then_collect` inlined); everything under
-it (scheduler, runner, graphs, slab) is today's code for both, so the difference is
-the loop alone. Each round serves `batch` requests of a 1K-token prompt (the same
-prompts every round: after the first, prefill is a prefix-cache hit and the context
-is the same) and times `--steps` steady-state decode steps of each loop in turn
-(greedy), with `tools/bench_model.daemon_loop`. A single run's share of the bytes
-floor swings with the host from one machine to the next; interleaved in one
-process, the ratio does not. Writes OUT/ab_loop.json; prints new/old per batch.
+Until b40e1cf the driver planned and applied each round on the event loop and
+executed it on its worker thread, a thread round trip a round (`_LoopRounds.run`
+below is that loop, over today's engine phases); now the step thread runs the
+rounds on its own (engine/driver.py). Both are timed here on one engine, one
+model and one machine, in the same process: a synthetic Qwen3-30B-A3B-shaped
+`.rad` (tools/make_synthetic.py) with every expert resident and decode graphs
+captured; everything under the loop (scheduler, runner, graphs, slab) is the
+same code for both, so the difference is the loop alone. Each round serves
+`batch` requests of a 1K-token prompt (the same prompts every round: after the
+first, prefill is a prefix-cache hit and the context is the same) and times
+`--steps` steady-state decode steps of each loop in turn (greedy), with
+`tools/bench_model.daemon_loop`. No HTTP work runs beside them: this is the
+hand-off's cost alone, not the event loop's queue that the change takes the
+rounds out of (tools/bench_served.py's burst rows measure that). Writes
+OUT/ab_loop.json; prints new/old per batch.
 """
 
 from __future__ import annotations
@@ -45,47 +46,33 @@ from tools.make_synthetic import make_synthetic  # noqa: E402
 PROMPT = 1024
 
 
-class _OldLoop(AsyncEngine):
-    """86e83d5's `AsyncEngine.run`: the step in flight kept by the loop itself."""
-
-    in_flight = None
+class _LoopRounds(AsyncEngine):
+    """b40e1cf's `AsyncEngine.run`: each round planned and applied on the event loop and executed on
+    the worker thread (a thread round trip a round), which rounds on the step thread replaced."""
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        runner = self.engine.runner
+        loop, engine = asyncio.get_running_loop(), self.engine
+        self._loop = loop
+        start = None
         try:
             while True:
-                if self.in_flight is None:
-                    plan = self.scheduler.schedule() if self.scheduler.has_unfinished else None
-                    if plan is None or plan.is_empty:
-                        self._wake.clear()
-                        await self._wake.wait()
-                        continue
-                    start = time.perf_counter()
-                    self.in_flight = await loop.run_in_executor(self._worker, runner.launch, plan)
-                else:
-                    start = time.perf_counter()
-                ahead = self.scheduler.schedule_ahead() if self.engine.pipelined else None  # Engine.plan_ahead
-                ahead = None if ahead is None or ahead.is_empty else ahead
-                step = self.in_flight
-                self.in_flight, output = await loop.run_in_executor(self._worker, _launch_then_collect, runner,
-                                                                    ahead, step)
-                self.metrics.observe_step(time.perf_counter() - start)
-                self._count_experts(step.plan, output)
-                self._dispatch(self.scheduler.update(step.plan, output))
-                self.engine.settle()
-                self._count_tiers()
-                self.steps += 1
+                self._take_inbox()
+                if (work := engine.plan()) is None:  # the requests were added before the run: it ends idle
+                    await asyncio.sleep(0.001)
+                    continue
+                start = start or time.perf_counter()
+                done = await loop.run_in_executor(self._worker, engine.execute, work)
+                events = engine.apply(done)
+                if done.finished is not None:
+                    counts = self._count_step(done, time.perf_counter() - start)
+                    self._dispatch(events, counts, time.perf_counter())
+                    start = time.perf_counter() if done.launched is not None else None
         finally:
             self._worker.shutdown(wait=True)
 
 
-def _launch_then_collect(runner, plan, step):
-    launched = runner.launch(plan) if plan is not None else None
-    return launched, runner.collect(step)
-
-
-LOOPS = {"old_86e83d5": _OldLoop, "new": AsyncEngine}
+LOOPS = {"loop_rounds_b40e1cf": _LoopRounds, "new": AsyncEngine}
+OLD = "loop_rounds_b40e1cf"
 
 
 def serve_round(engine: Engine, prompts: list[tuple[int, ...]], steps: int, loop_cls) -> float:
@@ -129,12 +116,12 @@ def main(argv=None) -> int:
     median = {b: {n: statistics.median(v) for n, v in t.items()} for b, t in times.items()}
     result = {"device": torch.cuda.get_device_name(), "layers": args.layers, "steps": args.steps,
               "rounds": args.rounds, "times_s": times, "median_s": median,
-              "new_speed_over_old": {b: m["old_86e83d5"] / m["new"] for b, m in median.items()}}
+              "new_speed_over_old": {b: m[OLD] / m["new"] for b, m in median.items()}}
     (out / "ab_loop.json").write_text(json.dumps(result, indent=2))
     print(f"daemon loop A/B, {args.layers} layers, {args.rounds} interleaved rounds x {args.steps} steps "
           f"({result['device']}), median ms a step:")
     for b, m in median.items():
-        print(f"  b{b:<3} old (86e83d5) {1e3 * m['old_86e83d5']:.3f}  new {1e3 * m['new']:.3f}  "
+        print(f"  b{b:<3} old (rounds on the loop) {1e3 * m[OLD]:.3f}  new {1e3 * m['new']:.3f}  "
               f"new speed / old {result['new_speed_over_old'][b]:.3f}x")
     return 0
 

@@ -261,25 +261,27 @@ def section_decode(st: State, batch: int, hbm: float | None, matmul: float | Non
 
 
 class _StepClock(NoMetrics):
-    """The driver's metrics, reduced to what a timing needs: the wall time when step n ended."""
+    """The driver's metrics, reduced to what a timing needs: the wall time when step n ended (observed
+    on the step thread; the loop's event set through the loop)."""
 
     def __init__(self, marks: dict[int, asyncio.Event]):
         self.marks, self.steps, self.ended = marks, 0, {}
+        self.loop = asyncio.get_running_loop()
 
     def observe_step(self, seconds: float) -> None:
         self.steps += 1
         if self.steps in self.marks:
             self.ended[self.steps] = time.perf_counter()
-            self.marks[self.steps].set()
+            self.loop.call_soon_threadsafe(self.marks[self.steps].set)
 
 
 def daemon_loop(eng, warmup: int, reps: int, driver=AsyncEngine) -> dict:
-    """Seconds per step of the daemon's own loop: `AsyncEngine.run` (engine/driver.py: plan and
-    apply on the daemon's event loop, uvloop, and execute on its worker thread; step N+1 launched
-    before step N is collected), over the requests already in the scheduler: the wall time between
-    the ends of step `warmup` and step `warmup + reps`, in steady state. Then the requests are
-    ended and the driver stops idle (nothing left in flight). `driver`: the AsyncEngine class
-    (tools/ab_loop.py passes the loop of an earlier commit)."""
+    """Seconds per step of the daemon's own loop: `AsyncEngine.run` (engine/driver.py: the rounds on
+    its step thread beside the daemon's event loop, uvloop; step N+1 launched before step N is
+    collected), over the requests already in the scheduler: the wall time between the ends of step
+    `warmup` and step `warmup + reps`, in steady state. Then the requests are ended and the driver
+    stops idle (nothing left in flight). `driver`: the AsyncEngine class (tools/ab_loop.py passes the
+    loop of an earlier commit)."""
     async def run() -> float:
         marks = {warmup: asyncio.Event(), warmup + reps: asyncio.Event()}
         clock = _StepClock(marks)
@@ -287,8 +289,8 @@ def daemon_loop(eng, warmup: int, reps: int, driver=AsyncEngine) -> dict:
         task = asyncio.create_task(loop.run())
         await marks[warmup + reps].wait()
         seconds = clock.ended[warmup + reps] - clock.ended[warmup]
-        eng.scheduler.abort_all()
-        while eng.in_flight is not None or getattr(loop, "in_flight", None) is not None:
+        await loop.between_steps(eng.scheduler.abort_all)
+        while eng.in_flight is not None:
             await asyncio.sleep(0.001)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

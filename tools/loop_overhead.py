@@ -9,14 +9,15 @@ synchronize does) until that step is done and samples token 7 for every row.
 Three loops step it, the same requests each time:
 
 - `Engine.step(ahead=True)`: the engine's rounds, synchronously, on one thread;
-- `AsyncEngine.run`: the daemon's loop (uvloop, `execute` on its worker thread);
-- the same, with the engine's phases timed: plan, the worker round trip, execute
-  (inside the worker), apply, and the driver's own counting.
+- `AsyncEngine.run`: the daemon's loop (uvloop; the rounds on its step thread);
+- the same, with the engine's phases timed: plan, execute, apply, and the rest: the
+  driver's own work (counting, the events handed to the event loop).
 
-The daemon's loop minus the synchronous rounds is what the loop's thread hand-offs
-and asyncio cost a step; on the H200 at b1 (0.6 ms of device work a step) that
-made the daemon's step 1.31 ms where `Engine.step` took 0.84 (bench/README,
-session 8). Prints a table; with --out writes loop_overhead.json.
+The daemon's loop minus the synchronous rounds is what the driver costs a step. When
+the event loop planned and applied each round (until b40e1cf) that was a thread round
+trip a step: on the H200 at b1 (0.6 ms of device work a step) the daemon's step took
+1.31 ms where `Engine.step` took 0.84 (bench/README, session 8). Prints a table; with
+--out writes loop_overhead.json.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def measure(batch: int, device_s: float, steps: int) -> dict:
     acc, calls = timed_phases(engine)
     timed = daemon_loop(engine, 1, steps)["mean_s"]
     phases = {k: v / calls[k] for k, v in acc.items()}  # a round a step, in steady state
-    phases["round trip to the worker, less execute"] = timed - sum(phases.values())
+    phases["the driver's own"] = timed - sum(phases.values())
     return {"batch": batch, "device_s": device_s, "engine_rounds_s": rounds, "daemon_loop_s": loop,
             "daemon_loop_timed_s": timed, "phases_s": phases}
 

@@ -1,17 +1,25 @@
-"""The async driver: the engine's rounds with `execute` on a worker thread, the rest on the loop.
+"""The async driver: the engine's rounds on the step thread, the requests' streams on the event loop.
 
-DESIGN.md "Threads and I/O": the event loop owns the scheduler, the request
-streams and the telemetry and never calls into torch; one worker thread runs
-the runner. `run` is the engine's one loop (engine/engine.py: plan, execute,
-apply), pipelined: the loop plans step N+1 while step N is in flight, the
-worker launches N+1 and then collects N, and the loop applies N; then it turns
-the step's events into stream chunks and metrics. Adds and cancels arriving
-while a step runs are applied by the loop before the next plan.
+DESIGN.md "Threads and I/O" has the event loop own the HTTP work and the
+streams and never call into torch. The step thread runs the engine's one loop
+(engine/engine.py: plan, execute, apply) on its own: each round's bookkeeping
+runs beside the step on the device, and no round waits for the event loop.
+Before, the loop planned and applied every round, so a round waited for
+whatever the loop was doing: on the H200 a burst of 8 prompts of 2,000 tokens
+(their HTTP bodies, admission, responses) held rounds 10-20 ms while every
+step's device time was under 5 ms. The loop hands the thread its changes (a
+request to add, one to cancel, a call to make between steps) through an inbox
+the thread empties before each plan, and the thread hands each finished step's
+events back with `call_soon_threadsafe`; the loop turns them into stream chunks.
+A stop string is found there, by the request's detokenizer, so the step thread
+may run a step or two more for that request before it takes the cancel; their
+tokens are dropped.
 
 The server's API: `submit()` queues a request at once (or raises `QueueFull`)
 and returns its `RequestStream`; `generate()` is the same as one async iterator
 that queues on its first `__anext__`. Either way, leaving the stream before its
-last chunk cancels the request and frees its blocks before the next step. If the
+last chunk cancels the request; its blocks are freed before the next step.
+`between_steps(fn)` runs fn on the step thread between two rounds. If the
 engine task dies, every live stream raises `EngineFailed`.
 """
 
@@ -20,8 +28,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -33,6 +43,7 @@ from radianced.engine.request import FinishReason, Request, SeqStatus
 from radianced.engine.request_log import expert_line, request_line
 from radianced.engine.sampling_params import SamplingParams
 from radianced.engine.scheduler import SeqEvent
+from radianced.engine.speculation import DraftStats
 
 log = logging.getLogger("radianced.requests")
 
@@ -104,7 +115,7 @@ class RequestStream:
     @property
     def num_reused_tokens(self) -> int:
         """Prompt tokens the prefix cache served (0 until the request is admitted)."""
-        return self._stream.seq.num_reused_tokens or 0
+        return _reused(self._stream)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -141,23 +152,29 @@ class AsyncEngine:
                  step_thread: ThreadPoolExecutor | None = None):
         """pacer: caps each step's tokens at a step time measured here (engine/pacing.py); None
         keeps the scheduler's --max-num-batched-tokens budget. step_thread: the one-worker executor
-        steps run on (the daemon's, which ran the warm-up there: a thread's first steps pay its own
+        the rounds run on (the daemon's, which ran the warm-up there: a thread's first steps pay its own
         set-up, torch's CPU thread team and cuBLAS handle among it); None: a new one."""
         self.engine = engine
         self.pacer = pacer
         self.scheduler = engine.scheduler
         self.metrics = metrics or NoMetrics()
-        self._streams: dict[str, _Stream] = {}
-        self._wake = asyncio.Event()
+        self._streams: dict[str, _Stream] = {}  # the loop's: live requests by id
         self._worker = step_thread or step_executor()
         self._ids = itertools.count()
         self._failed: BaseException | None = None
+        self._inbox: deque[Callable[[], None]] = deque()  # the loop's changes, for the step thread
+        self._arriving = 0  # requests in the inbox, not yet added (under _lock)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()  # set with each inbox entry: the step thread may be waiting
+        self._closing = False
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.steps = 0  # completed steps: the watchdog's sign of progress
         self.restart_counts()
 
     def restart_counts(self) -> None:
         """Report the slab's and the arena's counts from here: what the start fill and the warm-up
-        (engine/warmup.py: requests served before ready) did is not traffic."""
+        (engine/warmup.py: requests served before ready) did is not traffic. Between steps (the
+        step thread's, or before `run`)."""
         slab, arena = self.engine.experts, self.engine.arena
         self._slab_seen = (slab.stats.total_lookups, slab.stats.total_hits) if slab is not None else None
         self._disk_seen = slab.stats.disk_bytes if slab is not None else 0
@@ -178,28 +195,20 @@ class AsyncEngine:
     @property
     def idle(self) -> bool:
         """Nothing to compute: no live request."""
-        return not self.scheduler.has_unfinished
+        return not self._streams
 
     async def run(self) -> None:
-        """The engine task: the engine's rounds (engine/engine.py) until cancelled: plan and apply
-        here, execute on the worker. If a round raises, every live stream raises EngineFailed and
-        so does this task."""
-        loop, engine = asyncio.get_running_loop(), self.engine
-        start = None  # when the step being finished began (its launch's round)
+        """The engine task: the rounds run on the step thread until this task is cancelled (the thread
+        ends after its round). If a round raises, every live stream raises EngineFailed and so does
+        this task."""
+        self._loop = asyncio.get_running_loop()
+        rounds = self._loop.run_in_executor(self._worker, self._rounds)
         try:
-            while True:
-                if (work := engine.plan()) is None:  # idle, or nothing fits until a request ends
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                start = start or time.perf_counter()
-                done = await loop.run_in_executor(self._worker, engine.execute, work)
-                self.metrics.observe_loop_wait(time.perf_counter() - done.ended)  # the event loop's work ahead
-                events = engine.apply(done)
-                if done.finished is not None:
-                    self._count_step(done, events, time.perf_counter() - start)
-                    start = time.perf_counter() if done.launched is not None else None
+            await asyncio.shield(rounds)
         except asyncio.CancelledError:
+            self._closing = True
+            self._wake.set()
+            await asyncio.gather(rounds, return_exceptions=True)
             raise
         except BaseException as e:
             self._fail(e)
@@ -207,9 +216,63 @@ class AsyncEngine:
         finally:
             self._worker.shutdown(wait=True)
 
-    def _count_step(self, done: Executed, events: list[SeqEvent], seconds: float) -> None:
-        """A finished step: its time (and the next step's budget), its tokens to their streams,
-        the tiers' counts."""
+    async def between_steps(self, fn: Callable[[], object]) -> object:
+        """fn() on the step thread between two rounds (what reads or changes the engine's state:
+        `Engine.expert_routing`, warm-up's `forget`); its result or exception."""
+        if self._failed is not None:
+            raise EngineFailed(f"the engine failed: {self._failed!r}")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def call() -> None:
+            try:
+                result, error = fn(), None
+            except BaseException as e:  # handed to the caller
+                result, error = None, e
+            loop.call_soon_threadsafe(_settle, done, result, error)
+
+        self._post(call)
+        return await done
+
+    # -- the step thread ------------------------------------------------------------------
+
+    def _rounds(self) -> None:
+        """The engine's rounds (engine/engine.py) until `run` is cancelled: the inbox taken, then
+        plan, execute and apply; a finished step's events go to the loop."""
+        engine, loop = self.engine, self._loop
+        start = None  # when the step being finished began (its launch's round)
+        while not self._closing:
+            self._wake.clear()  # before the inbox is read: an entry posted after it sets it again
+            self._take_inbox()
+            if (work := engine.plan()) is None:  # idle, or nothing fits until a request ends
+                self._wake.wait()
+                continue
+            start = start or time.perf_counter()
+            done = engine.execute(work)
+            events = engine.apply(done)
+            if done.finished is not None:
+                counts = self._count_step(done, time.perf_counter() - start)
+                loop.call_soon_threadsafe(self._dispatch, events, counts, time.perf_counter())
+                start = time.perf_counter() if done.launched is not None else None
+        self._take_inbox()  # what came with the cancel: `between_steps` callers are answered
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            calls = list(self._inbox)
+            self._inbox.clear()
+        for call in calls:
+            call()
+
+    def _add(self, stream: _Stream) -> None:
+        try:
+            stream.seq = self.scheduler.add(stream.request)
+        finally:
+            with self._lock:
+                self._arriving -= 1
+
+    def _count_step(self, done: Executed, seconds: float) -> list[tuple[int, list[int]]]:
+        """A finished step: its time (and the next step's budget), the tiers' counts; its
+        sequences' expert counts (seq_id, counts), for their requests."""
         self.metrics.observe_step(seconds)
         plan, own = done.finished.plan, done.output.seconds  # the step's own time, not the round's
         if own is not None:
@@ -218,13 +281,21 @@ class AsyncEngine:
             if self.pacer is not None:
                 decoding = sum(not s.is_prefilling for s in self.scheduler.running)
                 self.scheduler.step_tokens = self.pacer.observe(plan.num_tokens, len(plan.seqs), own, decoding, d)
-        self._count_experts(plan, done.output)
         for s, tokens in zip(plan.seqs, done.output.token_ids):
             if s.drafts:
                 self.metrics.add_drafts(len(s.drafts), len(tokens) - 1)
-        self._dispatch(events)
+        counts = self._count_experts(plan, done.output)
         self._count_tiers()
         self.steps += 1
+        return counts
+
+    # -- the event loop -------------------------------------------------------------------
+
+    def _post(self, call: Callable[[], None], arriving: bool = False) -> None:
+        with self._lock:
+            self._inbox.append(call)
+            self._arriving += arriving
+        self._wake.set()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
         """Queue a request now and return its stream. Raises QueueFull when --max-queue
@@ -235,14 +306,17 @@ class AsyncEngine:
         if self._failed is not None:
             raise EngineFailed(f"the engine failed: {self._failed!r}")
         request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already live")
+        with self._lock:
+            self.scheduler.check_room(self._arriving)
         request = Request(request_id, tuple(prompt_ids), params,
                           frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                               else frozenset(self.tokenizer.eos_token_ids)))
         stream = _Stream(request, IncrementalDetokenizer.for_request(self.tokenizer, params, prompt_ids))
-        stream.seq = self.scheduler.add(request)
         self._streams[request_id] = stream
         self.metrics.add_prompt_tokens(len(prompt_ids))
-        self._wake.set()
+        self._post(lambda: self._add(stream), arriving=True)
         return RequestStream(self, stream)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
@@ -260,14 +334,15 @@ class AsyncEngine:
             stream.close()
 
     def cancel(self, request_id: str) -> bool:
-        """End a live request now (its blocks return at once). False if it is not live."""
+        """End a live request now: its stream ends at once, its blocks are freed before the next
+        step. False if it is not live."""
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return False
-        self.scheduler.cancel(request_id)
+        self._post(lambda: self.scheduler.cancel(request_id))
         self._log_done(stream, FinishReason.ABORT.value)
-        reused = stream.seq.num_reused_tokens or 0
-        stream.queue.put_nowait(Chunk((), stream.detok.finish().text, FinishReason.ABORT.value, None, reused))
+        stream.queue.put_nowait(Chunk((), stream.detok.finish().text, FinishReason.ABORT.value, None,
+                                      _reused(stream)))
         return True
 
     def cancel_all(self) -> int:
@@ -278,7 +353,7 @@ class AsyncEngine:
         """The live requests, oldest first."""
         now = time.perf_counter()
         return [LiveRequest(s.request.request_id,
-                            "waiting" if s.seq.status is SeqStatus.WAITING else "running",
+                            "running" if s.seq is not None and s.seq.status is not SeqStatus.WAITING else "waiting",
                             len(s.request.prompt_token_ids), s.generated, now - s.arrived)
                 for s in self._streams.values()]
 
@@ -288,21 +363,18 @@ class AsyncEngine:
             stream.queue.put_nowait(error)
         self._streams.clear()
 
-    def _count_experts(self, plan, output) -> None:
-        """Add the step's per-sequence expert counts to their requests; the slab's step totals
-        (distinct experts of the whole step: what actually moved) to the metrics."""
-        if output.expert_counts is not None:
-            by_seq = {s.seq.seq_id: s for s in self._streams.values()}
-            for s, counts in zip(plan.seqs, output.expert_counts):
-                stream = by_seq.get(s.seq_id)
-                if counts is not None and stream is not None:
-                    stream.experts = [a + b for a, b in zip(stream.experts, counts)]
+    def _count_experts(self, plan, output) -> list[tuple[int, list[int]]]:
+        """The slab's step totals (distinct experts of the whole step: what actually moved) to the
+        metrics; the step's per-sequence expert counts, returned for their requests."""
         slab = self.engine.experts
         if slab is not None:
             lookups, hits = slab.stats.total_lookups, slab.stats.total_hits
             dl, dh = lookups - self._slab_seen[0], hits - self._slab_seen[1]
             self._slab_seen = (lookups, hits)
             self.metrics.add_expert_lookups(dl, dh, (dl - dh) * slab.extent_bytes)
+        if output.expert_counts is None:
+            return []
+        return [(s.seq_id, counts) for s, counts in zip(plan.seqs, output.expert_counts) if counts is not None]
 
     def _count_tiers(self) -> None:
         """Since the last call: the disk tier's bytes and per-expert read times, arena pages
@@ -322,12 +394,19 @@ class AsyncEngine:
                 self.metrics.add_pages_moved(src, dst, n - self._moved_seen.get((src, dst), 0))
         self._moved_seen = dict(stats.moved)
 
-    def _dispatch(self, events: list[SeqEvent]) -> None:
+    def _dispatch(self, events: list[SeqEvent], expert_counts: list[tuple[int, list[int]]], posted: float) -> None:
+        """A finished step's events (and its sequences' expert counts) into their streams; on the loop."""
         now = time.perf_counter()
         m = self.metrics
+        m.observe_loop_wait(now - posted)  # how long the step's tokens waited for the event loop
+        if expert_counts:
+            by_seq = {s.seq.seq_id: s for s in self._streams.values() if s.seq is not None}
+            for seq_id, counts in expert_counts:
+                if (stream := by_seq.get(seq_id)) is not None:
+                    stream.experts = [a + b for a, b in zip(stream.experts, counts)]
         for ev in events:
             stream = self._streams.get(ev.request_id)
-            if stream is None:
+            if stream is None:  # cancelled, or ended by a stop string while this step ran
                 continue
             if ev.error is not None:
                 del self._streams[ev.request_id]
@@ -337,7 +416,7 @@ class AsyncEngine:
             if stream.first_token is None:
                 stream.first_token = now
                 m.observe_ttft(now - stream.arrived)
-                m.add_prefix_hit_tokens(stream.seq.num_reused_tokens or 0)
+                m.add_prefix_hit_tokens(_reused(stream))
             else:
                 m.observe_inter_token(now - stream.last_token)
             stream.last_token = now
@@ -347,7 +426,7 @@ class AsyncEngine:
             reason = ev.finish_reason.value if ev.finish_reason is not None else None
             text = delta.text
             if delta.stop is not None and reason is None:
-                self.scheduler.cancel(ev.request_id)  # a stop string ended it: free its blocks now
+                self._post(lambda rid=ev.request_id: self.scheduler.cancel(rid))  # a stop string ended it
                 reason = FinishReason.STOP.value
             elif reason is not None:
                 text += stream.detok.finish().text
@@ -355,12 +434,25 @@ class AsyncEngine:
                 del self._streams[ev.request_id]
                 m.observe_e2e(now - stream.arrived)
                 self._log_done(stream, reason)
-            reused = (stream.seq.num_reused_tokens or 0) if reason is not None else None
+            reused = _reused(stream) if reason is not None else None
             stream.queue.put_nowait(Chunk(ev.token_ids, text, reason, ev.logprobs, reused))
 
     def _log_done(self, s: _Stream, reason: str) -> None:
-        log.info("%s", request_line(s.request.request_id, len(s.request.prompt_token_ids),
-                                    s.seq.num_reused_tokens or 0, s.arrived, s.first_token, s.generated,
-                                    s.seq.draft_stats, reason))
+        drafts = s.seq.draft_stats if s.seq is not None else DraftStats()
+        log.info("%s", request_line(s.request.request_id, len(s.request.prompt_token_ids), _reused(s), s.arrived,
+                                    s.first_token, s.generated, drafts, reason))
         if self.engine.experts is not None:
             log.info("%s: %s", s.request.request_id, expert_line(*s.experts))
+
+
+def _reused(stream: _Stream) -> int:
+    """Prompt tokens the prefix cache served the stream's request (0 before it is added)."""
+    return (stream.seq.num_reused_tokens or 0) if stream.seq is not None else 0
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if not future.done():
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)

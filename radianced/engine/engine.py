@@ -1,9 +1,9 @@
 """One served model, stepped by one loop in three phases.
 
 A step is planned, executed and applied, and every caller drives those three
-phases: the daemon's driver (engine/driver.py: `plan` and `apply` on the event
-loop, `execute` on its worker thread), `step()` for synchronous callers (tests,
-benchmarks, the profiling run), and nothing else.
+phases: the daemon's driver (engine/driver.py: all three on its step thread,
+the event loop only handing it requests and taking its tokens), `step()` for
+synchronous callers (tests, benchmarks, the profiling run), and nothing else.
 
 - `plan(ahead)` (bookkeeping, no torch): the work of the next round, a `Work`:
   the plan to launch, and the step in flight to collect after launching it.
@@ -142,10 +142,8 @@ class Engine:
 
     def apply(self, done: Executed) -> list[SeqEvent]:
         """The bookkeeping half of a round: the step launched stays in flight; the step collected
-        updates the scheduler, then the engine settles. Its events ([] when none was collected).
-        The driver calls it on the event loop because `settle` moves pages the scheduler owns; on
-        CUDA the slab's expert copies are the loop's only device calls, made while the worker is
-        idle (queued behind the step in flight, they reach the step after it)."""
+        updates the scheduler, then the engine settles (the slab's expert copies, queued behind the
+        step in flight, reach the step after it). Its events ([] when none was collected)."""
         self._in_flight = done.launched
         if done.finished is None:
             return []

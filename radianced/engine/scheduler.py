@@ -146,15 +146,20 @@ class Scheduler:
         first: 8 slots and --max-queue 16 take 24, not 16)."""
         if request.request_id in self._by_request:
             raise ValueError(f"request id {request.request_id!r} is already live")
-        queued = len(self.waiting) - max(0, self.max_num_seqs - len(self.running))
-        if queued >= self.max_queue:
-            raise QueueFull(f"{queued} requests are waiting (--max-queue {self.max_queue}); retry later")
+        self.check_room()
         seq = Sequence(self._next_seq_id, request, self.allocator.num_groups)
         self._next_seq_id += 1
         self.waiting.append(seq)
         self._by_request[request.request_id] = seq
         self._by_seq[seq.seq_id] = seq
         return seq
+
+    def check_room(self, arriving: int = 0) -> None:
+        """Raise QueueFull unless one more request can wait beside `arriving` ones not added yet (the
+        driver's, on their way to the step thread). Reads only lengths: safe from another thread."""
+        queued = len(self.waiting) + arriving - max(0, self.max_num_seqs - len(self.running))
+        if queued >= self.max_queue:
+            raise QueueFull(f"{queued} requests are waiting (--max-queue {self.max_queue}); retry later")
 
     def cancel(self, request_id: str) -> bool:
         """End a request now and free its blocks and slots. False if it is not live."""

@@ -180,8 +180,8 @@ async def warm_up_served(engine, vocab_size: int, then: Callable[[], Awaitable[o
     HTTP API submits them, then one of --max-num-batched-tokens + 1 tokens (two chunks; on the CPU
     CPU_WARMUP_TOKENS + 1), then `then` (the daemon's requests through its own socket,
     server/self_warmup.py), before ready:
-    `warm_up` steps the engine synchronously, so the served path's own first uses (pipelined rounds
-    planned and applied on the event loop, a step planned ahead, its input read from the step before on
+    `warm_up` steps the engine synchronously, so the served path's own first uses (the driver's rounds
+    on its step thread, a step planned ahead, its input read from the step before on
     the device, the detokenizer, streams) still fell on the first request. Not counted: the metrics are
     off while they run, their prefix-cache blocks are dropped, and the slab's and arena's counts restart
     after them."""
@@ -201,8 +201,7 @@ async def warm_up_served(engine, vocab_size: int, then: Callable[[], Awaitable[o
             await then()
     finally:
         engine.metrics = metrics
-    forget(engine.engine)
-    engine.restart_counts()
+    await engine.between_steps(lambda: (forget(engine.engine), engine.restart_counts()))
 
 
 def forget(engine) -> None:

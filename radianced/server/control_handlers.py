@@ -95,7 +95,7 @@ class ControlHandlers:
             raise control.ControlError(f"{d.model_name} is a dense model: it routes no experts, so it has no "
                                        f"expert profile to save")
         if d.cfg.tp > 1:  # each card counts its own experts: gathered to rank 0 between steps, on their thread
-            routing = await asyncio.get_running_loop().run_in_executor(d.step_thread, engine.engine.expert_routing)
+            routing = await engine.between_steps(engine.engine.expert_routing)
         else:  # a dict copy runs without giving up the GIL, so the step thread cannot change it mid-copy
             routing = dict(engine.engine.experts.routing)
         steps = engine.steps

@@ -89,9 +89,9 @@ class Metrics:
             self._kernel_builds.labels(phase="serving", kind=kind)  # exported as 0 from the start
         self._step = Histogram("radiance_step_duration_seconds", "Wall time of one engine step.",
                                buckets=TOKEN_BUCKETS, registry=r)
-        self._loop_wait = Histogram("radiance_step_loop_wait_seconds", "From a round's end on the step worker to "
-                                    "the engine task resuming on the event loop (HTTP work queued ahead of it "
-                                    "delays the next step's plan).", buckets=LOOP_WAIT_BUCKETS, registry=r)
+        self._loop_wait = Histogram("radiance_step_loop_wait_seconds", "From a step's end on the step thread to "
+                                    "its tokens' dispatch on the event loop (HTTP work queued ahead delays the "
+                                    "streams, not the steps).", buckets=LOOP_WAIT_BUCKETS, registry=r)
         self._step_kind = Histogram("radiance_step_own_seconds", "One step's own time on the device (CUDA events "
                                     "around it; on the CPU its launch), by kind: decode, mixed (decodes beside "
                                     "prefill), prefill.", ["kind"], buckets=TOKEN_BUCKETS, registry=r)

@@ -277,6 +277,7 @@ async def _serve(engine: Engine, ps, params) -> list:
         return "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], chunks[-1].finish_reason
 
     out = await asyncio.gather(*(one(p) for p in ps))
+    await ae.between_steps(lambda: None)  # a stop string's cancel reaches the step thread
     assert ae.scheduler.allocator.num_used == 0
     task.cancel()
     return out

@@ -144,9 +144,17 @@ def _fed(d, max_tokens: int) -> int:
     return len(PROMPT_IDS) + r.json()["usage"]["completion_tokens"] - 1
 
 
+def _quiet(d) -> StatusResult:
+    """Status once no request runs: a stop string ends a request on the event loop, and the step thread
+    may run a step or two for it before it takes the cancel (engine/driver.py)."""
+    while (status := msgspec.convert(control.call(d.control_socket, "status"), StatusResult)).running:
+        time.sleep(0.01)
+    return status
+
+
 def test_status_and_metrics_count_the_experts_of_both_cards(two):
     d = two
-    before = msgspec.convert(control.call(d.control_socket, "status"), StatusResult).experts
+    before = _quiet(d).experts
     fed = _fed(d, 6)
     e = msgspec.convert(control.call(d.control_socket, "status"), StatusResult).experts
     assert (e.slots, e.pinned, e.host, e.disk) == (8, 0, 24, 0)  # 4 slots and 12 host experts a card
