@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -64,4 +65,21 @@ async def test_concurrent_streams_each_get_their_own_tokens(served, tiny_rads):
     for p, (_, ids, _) in zip(ps, together):
         _, alone, _ = await _collect(ae, p, params)
         assert ids == alone
+    task.cancel()
+
+
+async def test_steps_go_on_while_the_event_loop_is_busy(served, tiny_rads):
+    """The rounds run on the step thread: a loop held by other work (a burst's HTTP bodies, say) delays
+    the streams, not the steps; the tokens made meanwhile arrive in order once it is free."""
+    ae, task = await served()
+    prompt = prompts(tiny_rads["llama"].model.vocab_size, (12,), seed=14)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    _, alone, _ = await _collect(ae, prompt, params)
+    stream = ae.generate(prompt, params)
+    first = await stream.__anext__()
+    before = ae.steps
+    time.sleep(0.3)  # the event loop held: no await
+    assert ae.steps - before >= 5
+    rest = [c async for c in stream]
+    assert [t for c in (first, *rest) for t in c.token_ids] == alone
     task.cancel()
