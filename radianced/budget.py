@@ -246,6 +246,12 @@ def _plan(card: Card, facts: ModelFacts, cfg: Config) -> Receipt:
     _check_headroom(card, cfg, fixed)
     mode = resident if cfg.placement == "resident" else deterministic if cfg.deterministic else lending
     split = mode(_room(card, facts, cfg, fixed.elastic, groups, page, L))
+    if split.experts_disk:  # the disk tier runs every step eagerly: the graph pool's bytes go to the arena
+        lean = fixed_charges(card, facts, cfg, groups, L, disk_tier=True)
+        if lean.elastic > fixed.elastic:
+            again = mode(_room(card, facts, cfg, lean.elastic, groups, page, L))
+            if again.experts_disk:  # else those bytes would take every expert off the disk, and graphs would be
+                fixed, split = lean, again  # captured after all: the first split stands, its pool charged unused
     state, host_weights, staging = fixed.state, fixed.host_weights, 0
     if split.disk_buffer_pages:
         state += (Part("disk-tier buffers", split.disk_buffer_pages * page,

@@ -80,13 +80,14 @@ class FixedCharges:
 
 
 def fixed_charges(card: Card, facts: ModelFacts, cfg: Config, groups: tuple[PagingGroup, ...],
-                  max_model_len: int) -> FixedCharges:
-    """The fixed part of `card`'s split for `facts` under `cfg`, KV in `groups`."""
+                  max_model_len: int, disk_tier: bool = False) -> FixedCharges:
+    """The fixed part of `card`'s split for `facts` under `cfg`, KV in `groups`; `disk_tier`: the split
+    homes experts in the model file (no step graph is captured then)."""
     headroom = cfg.headroom_bytes(card.total_bytes)
     flag = f"--gpu-memory-mib {cfg.gpu_memory_mib}" if cfg.gpu_memory_mib is not None \
         else f"--gpu-headroom-mib {cfg.headroom_mib}"
     weights, host_weights, idle = _weights(facts, cfg, card.cuda)
-    workspace = _workspace(facts, card, cfg) + _allocator_tails(facts, weights, card)
+    workspace = _workspace(facts, card, cfg, disk_tier) + _allocator_tails(facts, weights, card)
     state = tuple(_state(facts, cfg, groups, max_model_len))
     elastic = card.free_bytes - headroom - sum(p.bytes for p in weights + workspace + state)
     return FixedCharges(headroom, flag, weights, host_weights, idle, workspace, state, elastic)
@@ -156,13 +157,13 @@ def _compact_formats(facts: ModelFacts, cls: str) -> tuple[str, ...]:
     return formats if any(is_compact(f) for f in formats) else ()
 
 
-def _workspace(facts: ModelFacts, card: Card, cfg: Config) -> tuple[Part, ...]:
+def _workspace(facts: ModelFacts, card: Card, cfg: Config, disk_tier: bool) -> tuple[Part, ...]:
     m, act, T = facts.model, facts.act_bytes, cfg.max_num_batched_tokens
     rows = min(T, cfg.decode_tokens)
     return (
         _logits(facts, rows),
         _activations(facts, card, cfg),
-        _graph_pool(facts, rows, card, cfg),
+        _graph_pool(facts, rows, card, cfg, disk_tier),
         Part("libraries", LIBRARY_BYTES, "cuBLAS workspaces, Triton scratch"),
     )
 
@@ -217,12 +218,12 @@ def _logits(facts: ModelFacts, rows: int) -> Part:
                                                          f"sampler buffers")
 
 
-def _graph_pool(facts: ModelFacts, rows: int, card: Card, cfg: Config) -> Part:
+def _graph_pool(facts: ModelFacts, rows: int, card: Card, cfg: Config, disk_tier: bool) -> Part:
     """The step graphs' pool (engine/graphs.py): one layer and logits at the largest graph's rows, plus what
     the mixed graphs hold past their capture, one set between them (the largest's, each smaller one writes
     its own into it): fp32 logits and the stacked routing record (int64 ids)."""
     m = facts.model
-    none = no_graphs(card.cuda, cfg.enforce_eager, cfg.drafts_with_mtp(m.num_mtp_layers))
+    none = no_graphs(card.cuda, cfg.enforce_eager, cfg.drafts_with_mtp(m.num_mtp_layers), disk_tier)
     if none is not None:
         return Part("graph pool", 0, f"none: {none}")
     mixed = mixed_buckets_of(bool(m.linear_attention_layers), cfg.max_num_seqs, cfg.max_num_batched_tokens)

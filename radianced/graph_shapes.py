@@ -39,14 +39,17 @@ MIXED_MIN_TOKENS = 16
 MIXED_POWERS_UP_TO = 256  # then multiples of it
 
 
-def no_graphs(cuda: bool, enforce_eager: bool, mtp_drafts: bool) -> str | None:
-    """Why no step graph is captured (module docstring), or None where they are."""
+def no_graphs(cuda: bool, enforce_eager: bool, mtp_drafts: bool, disk_tier: bool = False) -> str | None:
+    """Why no step graph is captured (module docstring), or None where they are. disk_tier: experts are
+    homed in the model file (the receipt's split)."""
     if not cuda:
         return "the host backend runs every step eagerly"
     if enforce_eager:
         return "--enforce-eager"
     if mtp_drafts:
         return "the MTP head drafts after every step"
+    if disk_tier:
+        return "the disk tier reads experts with a host sync in every routed layer"
     return None
 
 

@@ -23,7 +23,7 @@ from radianced.config import Config, parse_config
 from radianced.model.config import ModelConfig
 from radianced.model.hf_plan import expected_layer
 from radianced.receipt import Part, fmt_gib
-from radianced.sizing import BLOCK_TOKENS, ModelFacts, PagingGroup, kv_pages, kv_token_bytes, slot_bytes
+from radianced.sizing import BLOCK_TOKENS, ModelFacts, PagingGroup, kv_pages, kv_token_bytes, paging_groups, slot_bytes
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -344,6 +344,38 @@ def test_disk_tier_leaves_what_the_host_pool_cannot_hold_in_the_file():
     assert (r.experts_pinned, r.experts_host, r.experts_disk) == (0, 0, 24)
     assert r.state[-1].name == "disk-tier buffers" and r.state[-1].bytes == 2 * 8 * TINY_SLOT
     assert r.arena_pages == 14 and r.expert_floor == 6 and r.kv_max_pages == 8
+
+
+def _graph_pool(r) -> Part:
+    return next(p for p in r.workspace if p.name == "graph pool")
+
+
+def test_a_disk_tier_on_a_gpu_is_charged_no_graph_pool_and_its_bytes_go_to_the_arena():
+    """The disk tier's steps run eagerly (a host sync per routed layer), so its split is planned again
+    without the pool: the receipt does not charge graphs the engine never captures."""
+    facts = ModelFacts.from_config(QWEN3_30B, 2)
+    cfg = flags("--max-model-len 4096 --max-num-seqs 4 --host-pool-mib 8192 --weights-disk-tier")
+    card = Card.from_mib(24576, cuda=True)
+    charged = fixed_charges(card, facts, cfg, paging_groups(facts, cfg), 4096)
+    pool = _graph_pool(charged).bytes
+    r = plan(card, facts, cfg)
+    assert pool > 300 * MiB and r.experts_disk > 0
+    assert (_graph_pool(r).bytes, _graph_pool(r).detail) == (
+        0, "none: the disk tier reads experts with a host sync in every routed layer")
+    assert r.elastic + r.disk_buffer_pages * r.page_bytes == charged.elastic + pool  # the pool's bytes: the arena's
+
+
+def test_where_the_pool_alone_would_take_every_expert_off_the_disk_the_first_split_stands():
+    """With a host pool of 34,000 MiB, 2,367 experts stay in the file; planned without the pool's 324 MiB
+    the card would pin what the host cannot hold (no disk tier: graphs captured after all), so the
+    first split stands, its pool charged though the disk tier captures none."""
+    facts = ModelFacts.from_config(QWEN3_30B, 2)
+    card = Card.from_mib(24576, cuda=True)
+    given = "--max-model-len 4096 --max-num-seqs 4 --host-pool-mib 34000 --weights-disk-tier"
+    r = plan(card, facts, flags(given))
+    assert r.experts_disk == 2367 and _graph_pool(r).bytes > 300 * MiB
+    eager = plan(card, facts, flags(given + " --enforce-eager"))  # the same split without the pool's bytes
+    assert eager.experts_disk == 0 and eager.experts_pinned > 0
 
 
 def test_refusals_that_are_not_about_memory():

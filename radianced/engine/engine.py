@@ -317,9 +317,7 @@ def _step_graphs(engine: Engine, cfg: Config, receipt: Receipt, cuda: bool) -> S
     log, as the receipt's graph-pool line says it). A model with recurrent layers gets decode graphs only
     (graph_shapes.py says why)."""
     runner, m = engine.runner, engine.runner.model.cfg
-    none = no_graphs(cuda, cfg.enforce_eager, cfg.drafts_with_mtp(m.num_mtp_layers))
-    if none is None and engine.experts is not None and engine.experts.placement.disk:
-        none = "the disk tier reads experts with a host sync in every routed layer"
+    none = no_graphs(cuda, cfg.enforce_eager, cfg.drafts_with_mtp(m.num_mtp_layers), bool(receipt.experts_disk))
     if none is not None:
         if cuda:
             log.info("step graphs: none, every step runs eagerly: %s", none)
