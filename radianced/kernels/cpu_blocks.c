@@ -27,6 +27,12 @@
 #define RAD_AVX2 1
 #endif
 
+#if defined(RAD_AVX2) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define RAD_AMX 1
+#endif
+
 enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 };
 
 static inline int block_bytes(int fmt) {
@@ -379,6 +385,209 @@ EACH_FMT(MATMUL_FMT)
 EACH_FMT(DEQUANT_FMT)
 #endif
 
+#ifdef RAD_AMX
+/* AMX: rows of W's chunks as exact bf16 integers (A tiles), x as three bf16 parts (B tiles), a chunk's
+ * integer dot products in a C tile, scaled in AVX-512 (the header says why and what it costs). */
+#define AMX_MIN 5  /* rows of x from which the AMX path runs */
+#define XG 16      /* rows of x a pass: a B tile's 16 columns */
+#define KS 1024    /* values of K a segment: its packed x (3 parts: 96 KiB, Q6_K's 6: 192) on the caller's stack */
+
+/* Whether this process may use the tiles: Linux hands out the tile state on request (arch_prctl
+ * ARCH_REQ_XCOMP_PERM = 0x1023 for XFEATURE_XTILEDATA = 18), once for the process; where it refuses
+ * (an old kernel), the AVX2 tiles run. Asked at most a few times (a race asks twice, with one answer). */
+static int amx_granted(void) {
+    static int state; /* 0: not asked, 1: granted, -1: refused */
+    int s = __atomic_load_n(&state, __ATOMIC_RELAXED);
+    if (!s) {
+        s = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+        __atomic_store_n(&state, s, __ATOMIC_RELAXED);
+    }
+    return s > 0;
+}
+
+/* Tiles, all 16 rows x 64 bytes: 0 C (W's 16 rows x x's 16 rows, fp32), 1 A (W's 16 rows, a chunk's 32
+ * values as bf16), 2-4 B (x's chunk: part 1, 2, 3; pairs of values in 32-bit lanes, one x row a lane), 5 a
+ * second C for Q6_K's second half of 16 values (its own scale) */
+static void amx_configure(void) {
+    struct { uint8_t palette, start, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 6; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+/* A row's 32-bit lane j holds two values of the chunk: (2j, 2j + 1), or for Q4_0 / Q4_1 (j, j + 16), the
+ * two nibbles of byte j (an unpack less); x's B tiles pair its values the same way */
+static inline int nibble_pairs(int fmt) { return fmt == Q4_0 || fmt == Q4_1; }
+
+/* bf16 bit patterns of the quant values for index i (0..31; Q6_K's 32..63 with `upper`), for vpermw */
+static __m512i q_table(int fmt, int upper) {
+    _Alignas(64) float f[32];
+    for (int i = 0; i < 32; i++) {
+        const int v = i + 32 * upper;
+        f[i] = (float)(fmt == Q4_0 ? (v & 15) - 8 : fmt == Q5_K ? v : fmt == Q6_K ? v - 32 : v & 15);
+    }
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(f + 16), _mm512_load_ps(f));
+}
+
+/* chunk c of block b as 32 bf16 (exact: integers of at most 8 bits), lanes paired as nibble_pairs says */
+INLINE __m512i a_row(const uint8_t *b, const int fmt, int c, __m512i tab, __m512i tab_hi) {
+    switch (fmt) {
+    case Q4_0: case Q4_1: { /* dword j = byte j: ((byte << 12) | byte) & 0x000F000F is (lo, hi) nibble */
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (fmt == Q4_1 ? 4 : 2))));
+        const __m512i q = _mm512_ternarylogic_epi32(_mm512_slli_epi32(v, 12), v, _mm512_set1_epi32(0x000F000F), 0xA8);
+        return _mm512_permutexvar_epi16(q, tab);
+    }
+    case Q8_0: {
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2))));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18))));
+        return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    }
+    case Q4_K: {
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (c / 2))));
+        return _mm512_permutexvar_epi16(_mm512_srl_epi16(v, _mm_cvtsi32_si128(4 * (c % 2))), tab);
+    }
+    case Q5_K: {
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 48 + 32 * (c / 2))));
+        const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 16)));
+        const __m512i lo = _mm512_and_si512(_mm512_srl_epi16(v, _mm_cvtsi32_si128(4 * (c % 2))), _mm512_set1_epi16(15));
+        const __m512i bit = _mm512_and_si512(_mm512_srl_epi16(h, _mm_cvtsi32_si128(c)), _mm512_set1_epi16(1));
+        return _mm512_permutexvar_epi16(_mm512_or_si512(lo, _mm512_slli_epi16(bit, 4)), tab);
+    }
+    default: { /* Q6_K: 6-bit index q + 32 into the 64-entry table */
+        const int h = c / 4, k = c % 4;
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (k % 2))));
+        const __m512i u = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
+        const __m512i lo = _mm512_and_si512(_mm512_srl_epi16(v, _mm_cvtsi32_si128(4 * (k / 2))), _mm512_set1_epi16(15));
+        const __m512i hi = _mm512_and_si512(_mm512_srl_epi16(u, _mm_cvtsi32_si128(2 * k)), _mm512_set1_epi16(3));
+        return _mm512_permutex2var_epi16(tab, _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)), tab_hi);
+    }
+    }
+}
+
+/* x's row m (zeros past mg rows), chunk ci of the segment, into the segment's B tiles: x = x1 + x2 + x3,
+ * xk = bf16(x - x1 - ... - xk-1) (round to nearest even; each difference exact in fp32), so the three
+ * parts carry x's 24 bits and each q * xk is exact in fp32. Also the chunk's sum of x (sx) for the min. */
+INLINE void pack_x(const float *xr, int m, int mg, int64_t ci, uint32_t *xb, float *sx, const int fmt) {
+    const int parts = fmt == Q6_K ? 6 : 3;
+    __m512 v0 = _mm512_setzero_ps(), v1 = v0;
+    if (m < mg) v0 = _mm512_loadu_ps(xr), v1 = _mm512_loadu_ps(xr + 16);
+    sx[ci * XG + m] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(XG));
+    uint32_t *t = xb + ci * parts * 256 + m;
+    for (int s = 0; s < 3; s++) {
+        const __m512i p = (__m512i)_mm512_cvtne2ps_pbh(v1, v0); /* words 0..15: values 0..15, 16..31: 16..31 */
+        v0 = _mm512_sub_ps(v0, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(p)), 16)));
+        v1 = _mm512_sub_ps(v1, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(p, 1)), 16)));
+        const __m512i q = nibble_pairs(fmt) ? _mm512_permutexvar_epi16(pairs, p) : p;
+        if (fmt == Q6_K) { /* B tiles 0-2: values 0..15 (lanes 0..7), 3-5: 16..31, the other lanes zero */
+            _mm512_i32scatter_epi32(t + s * 256, rows, _mm512_maskz_mov_epi32(0x00FF, q), 4);
+            _mm512_i32scatter_epi32(t + (s + 3) * 256, rows, _mm512_maskz_mov_epi32(0xFF00, q), 4);
+        } else {
+            _mm512_i32scatter_epi32(t + s * 256, rows, q, 4);
+        }
+    }
+}
+
+/* W's rows [0, nr) (nr <= 16) against x's packed rows over the segment's ncs chunks from chunk c0, into y
+ * (y's rows [0, mg)): from zero on the first segment, else adding to y. Per chunk, per W row n and x row m:
+ * y += d * (sum of q x1 + sum of q x2 + sum of q x3) (+ or - m * sum of x), the C tile's fp32 sums of exact
+ * products; so a row's result depends on that row of W and of x alone. */
+INLINE void amx_tile(const uint8_t *w, int64_t row_bytes, int nr, int64_t c0, int64_t ncs, const uint32_t *xb,
+                     const float *sx, float *y, int64_t ldy, int mg, int first, const int fmt, __m512i tab,
+                     __m512i tab_hi) {
+    const int bb = block_bytes(fmt), nc = block_chunks(fmt), parts = fmt == Q6_K ? 6 : 3;
+    const int has_min = fmt == Q4_1 || fmt == Q4_K || fmt == Q5_K;
+    _Alignas(64) uint16_t a[16][32];
+    _Alignas(64) float c[2][16][16], d[2][16], mn[16], out[16][16];
+    if (nr < 16) memset(a, 0, sizeof a);
+    __m512 acc[16];
+    for (int r = 0; r < 16; r++) {
+        for (int m = 0; m < 16; m++) out[r][m] = first || r >= nr || m >= mg ? 0.0f : y[m * ldy + r];
+        acc[r] = _mm512_load_ps(out[r]);
+    }
+    for (int64_t ci = 0; ci < ncs; ci++) {
+        const int64_t b = (c0 + ci) / nc;
+        const int cc = (c0 + ci) % nc;
+        for (int r = 0; r < 16; r++) {
+            float dd[2] = {0.0f, 0.0f}, m = 0.0f;
+            if (r < nr) {
+                const uint8_t *blk = w + r * row_bytes + b * bb;
+                _mm512_store_si512(a[r], a_row(blk, fmt, cc, tab, tab_hi));
+                chunk_scales(blk, fmt, cc, dd, &m);
+            }
+            d[0][r] = dd[0], d[1][r] = dd[1], mn[r] = fmt == Q4_1 ? m : -m;
+        }
+        const uint32_t *xt = xb + ci * parts * 256;
+        _tile_loadd(1, a, 64);
+        _tile_zero(0);
+        _tile_loadd(2, xt, 64);
+        _tile_loadd(3, xt + 256, 64);
+        _tile_loadd(4, xt + 512, 64);
+        _tile_dpbf16ps(0, 1, 2);
+        _tile_dpbf16ps(0, 1, 3);
+        _tile_dpbf16ps(0, 1, 4);
+        _tile_stored(0, c[0], 64);
+        if (fmt == Q6_K) {
+            _tile_zero(5);
+            _tile_loadd(2, xt + 768, 64);
+            _tile_loadd(3, xt + 1024, 64);
+            _tile_loadd(4, xt + 1280, 64);
+            _tile_dpbf16ps(5, 1, 2);
+            _tile_dpbf16ps(5, 1, 3);
+            _tile_dpbf16ps(5, 1, 4);
+            _tile_stored(5, c[1], 64);
+        }
+        const __m512 s = _mm512_load_ps(sx + ci * XG);
+        UNROLL
+        for (int r = 0; r < 16; r++) {
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d[0][r]), _mm512_load_ps(c[0][r]), acc[r]);
+            if (fmt == Q6_K) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d[1][r]), _mm512_load_ps(c[1][r]), acc[r]);
+            if (has_min) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(mn[r]), s, acc[r]);
+        }
+    }
+    for (int r = 0; r < 16; r++) _mm512_store_ps(out[r], acc[r]);
+    for (int m = 0; m < mg; m++)
+        for (int r = 0; r < nr; r++) y[m * ldy + r] = out[r][m];
+}
+
+/* one format's AMX product: for each 16 rows of x and each segment of K, the threads pack x's segment
+ * together, then take static shares of W's tiles of 16 rows */
+#define AMX_FMT(FMT)                                                                                           \
+    static void amx_##FMT(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,     \
+                          int64_t row_bytes, float *y, int64_t ldy, int threads) {                            \
+        _Alignas(64) uint32_t xb[KS / 32 * 6 * 256];                                                          \
+        _Alignas(64) float sx[KS / 32 * XG];                                                                  \
+        const int64_t chunks = K / 32, tiles = (N + 15) / 16;                                                 \
+        _Pragma("omp parallel num_threads(threads)")                                                          \
+        {                                                                                                     \
+            amx_configure();                                                                                  \
+            const __m512i tab = q_table(FMT, 0), tab_hi = q_table(FMT, 1);                                    \
+            for (int64_t m0 = 0; m0 < M; m0 += XG) {                                                          \
+                const int mg = M - m0 < XG ? (int)(M - m0) : XG;                                              \
+                for (int64_t c0 = 0; c0 < chunks; c0 += KS / 32) {                                            \
+                    const int64_t ncs = chunks - c0 < KS / 32 ? chunks - c0 : KS / 32;                        \
+                    _Pragma("omp for schedule(static)")                                                       \
+                    for (int64_t i = 0; i < ncs * XG; i++)                                                    \
+                        pack_x(x + (m0 + i % XG) * ldx + (c0 + i / XG) * 32, (int)(i % XG), mg, i / XG, xb,   \
+                               sx, FMT);                                                                      \
+                    _Pragma("omp for schedule(static)")                                                       \
+                    for (int64_t t = 0; t < tiles; t++) {                                                     \
+                        const int nr = N - 16 * t < 16 ? (int)(N - 16 * t) : 16;                              \
+                        amx_tile(w + 16 * t * row_bytes, row_bytes, nr, c0, ncs, xb, sx, y + m0 * ldy + 16 * t, \
+                                 ldy, mg, c0 == 0, FMT, tab, tab_hi);                                         \
+                    }                                                                                         \
+                }                                                                                             \
+            }                                                                                                 \
+            _tile_release();                                                                                  \
+        }                                                                                                     \
+    }
+EACH_FMT(AMX_FMT)
+#endif
+
 #ifndef RAD_AVX2
 static void row(const float *x, int64_t M, int64_t ldx, const uint8_t *wrow, int64_t nb, int fmt, float *y,
                 int64_t ldy) {
@@ -401,6 +610,10 @@ static void row(const float *x, int64_t M, int64_t ldx, const uint8_t *wrow, int
  * `threads` OpenMP threads (torch's own runtime: the same libgomp.so.1 is already loaded). */
 void rad_blocks_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
                        int64_t row_bytes, int fmt, float *y, int64_t ldy, int threads) {
+#ifdef RAD_AMX
+#define CALL_AMX(FMT) case FMT: amx_##FMT(x, M, K, ldx, w, N, row_bytes, y, ldy, threads); return;
+    if (M >= AMX_MIN && amx_granted()) switch (fmt) { EACH_FMT(CALL_AMX) }
+#endif
 #ifdef RAD_AVX2
 #define CALL_MATMUL(FMT) case FMT: matmul_##FMT(x, M, K, ldx, w, N, row_bytes, y, ldy, threads); break;
     switch (fmt) { EACH_FMT(CALL_MATMUL) }
