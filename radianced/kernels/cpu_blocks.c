@@ -30,6 +30,7 @@
 #if defined(RAD_AVX2) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <omp.h>
 #define RAD_AMX 1
 #endif
 
@@ -390,7 +391,7 @@ EACH_FMT(DEQUANT_FMT)
  * integer dot products in a C tile, scaled in AVX-512 (the header says why and what it costs). */
 #define AMX_MIN 5  /* rows of x from which the AMX path runs */
 #define XG 16      /* rows of x a pass: a B tile's 16 columns */
-#define KS 1024    /* values of K a segment: its packed x (3 parts: 96 KiB, Q6_K's 6: 192) on the caller's stack */
+#define KS 512     /* values of K a segment: its packed x (3 parts: up to 48 KiB, Q6_K's 6: 96) on the stack */
 
 /* Whether this process may use the tiles: Linux hands out the tile state on request (arch_prctl
  * ARCH_REQ_XCOMP_PERM = 0x1023 for XFEATURE_XTILEDATA = 18), once for the process; where it refuses
@@ -405,14 +406,14 @@ static int amx_granted(void) {
     return s > 0;
 }
 
-/* Tiles, all 16 rows x 64 bytes: 0 C (W's 16 rows x x's 16 rows, fp32), 1 A (W's 16 rows, a chunk's 32
- * values as bf16), 2-4 B (x's chunk: part 1, 2, 3; pairs of values in 32-bit lanes, one x row a lane), 5 a
- * second C for Q6_K's second half of 16 values (its own scale) */
-static void amx_configure(void) {
+/* Tiles, all 16 rows x 64 bytes: 0 and 7 C (W's 16 rows x x's 16 rows, fp32), 1 and 6 A (W's 16 rows, a
+ * chunk's 32 values as bf16), 2-4 B (x's chunk: part 1, 2, 3; pairs of values in 32-bit lanes, one x row a
+ * lane); amx_tile alternates the A and C pairs */
+static void amx_configure(int mg) {
     struct { uint8_t palette, start, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 6; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = t == 1 || t == 6 ? 64 : 4 * mg, cfg.rows[t] = 16;
     _tile_loadconfig(&cfg);
 }
 
@@ -470,119 +471,160 @@ INLINE __m512i a_row(const uint8_t *b, const int fmt, int c, __m512i tab, __m512
  * parts carry x's 24 bits and each q * xk is exact in fp32. Also the chunk's sum of x (sx) for the min. */
 INLINE void pack_x(const float *xr, int m, int mg, int64_t ci, uint32_t *xb, float *sx, const int fmt) {
     const int parts = fmt == Q6_K ? 6 : 3;
-    __m512 v0 = _mm512_setzero_ps(), v1 = v0;
-    if (m < mg) v0 = _mm512_loadu_ps(xr), v1 = _mm512_loadu_ps(xr + 16);
+    __m512 v0 = _mm512_loadu_ps(xr), v1 = _mm512_loadu_ps(xr + 16);
     sx[ci * XG + m] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
     const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                            6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(XG));
-    uint32_t *t = xb + ci * parts * 256 + m;
+                                            _mm512_set1_epi32(mg));
+    uint32_t *t = xb + ci * parts * 16 * mg + m;
     for (int s = 0; s < 3; s++) {
         const __m512i p = (__m512i)_mm512_cvtne2ps_pbh(v1, v0); /* words 0..15: values 0..15, 16..31: 16..31 */
         v0 = _mm512_sub_ps(v0, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(p)), 16)));
         v1 = _mm512_sub_ps(v1, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(p, 1)), 16)));
         const __m512i q = nibble_pairs(fmt) ? _mm512_permutexvar_epi16(pairs, p) : p;
         if (fmt == Q6_K) { /* B tiles 0-2: values 0..15 (lanes 0..7), 3-5: 16..31, the other lanes zero */
-            _mm512_i32scatter_epi32(t + s * 256, rows, _mm512_maskz_mov_epi32(0x00FF, q), 4);
-            _mm512_i32scatter_epi32(t + (s + 3) * 256, rows, _mm512_maskz_mov_epi32(0xFF00, q), 4);
+            _mm512_i32scatter_epi32(t + s * 16 * mg, rows, _mm512_maskz_mov_epi32(0x00FF, q), 4);
+            _mm512_i32scatter_epi32(t + (s + 3) * 16 * mg, rows, _mm512_maskz_mov_epi32(0xFF00, q), 4);
         } else {
-            _mm512_i32scatter_epi32(t + s * 256, rows, q, 4);
+            _mm512_i32scatter_epi32(t + s * 16 * mg, rows, q, 4);
         }
     }
 }
 
 /* W's rows [0, nr) (nr <= 16) against x's packed rows over the segment's ncs chunks from chunk c0, into y
- * (y's rows [0, mg)): from zero on the first segment, else adding to y. Per chunk, per W row n and x row m:
+ * (y's rows [0, mg)): from zero on the first segment, else adding to y. Per chunk (a step; Q6_K: two, one a
+ * half of 16 values with its own scale, the B tiles of the other half zero), per W row n and x row m:
  * y += d * (sum of q x1 + sum of q x2 + sum of q x3) (+ or - m * sum of x), the C tile's fp32 sums of exact
- * products; so a row's result depends on that row of W and of x alone. */
-INLINE void amx_tile(const uint8_t *w, int64_t row_bytes, int nr, int64_t c0, int64_t ncs, const uint32_t *xb,
-                     const float *sx, float *y, int64_t ldy, int mg, int first, const int fmt, __m512i tab,
-                     __m512i tab_hi) {
-    const int bb = block_bytes(fmt), nc = block_chunks(fmt), parts = fmt == Q6_K ? 6 : 3;
+ * products; so a row's result depends on that row of W and of x alone.
+ *
+ * A software pipeline: step s + 1's A rows are made (AVX-512 stores) while step s's tiles run, step s - 1's
+ * C is stored and step s - 2's scaled. Memory written by one side and read by the other (A rows by
+ * tileloadd, C by vector loads) waits until the stores have left the core: done in the same step, each step
+ * waited for the last (1536 x 576 q4_1, M = 8, one thread: 132 us with one A and one C tile; 92 alternating
+ * two of each; ... with the pipeline). */
+INLINE void amx_tile(const uint8_t *w, int64_t row_bytes, int nr, int next, int64_t c0, int64_t ncs,
+                     const uint32_t *xb, const float *sx, float *y, int64_t ldy, int mg, int first, const int fmt,
+                     __m512i tab, __m512i tab_hi) {
+    const int bb = block_bytes(fmt), nc = block_chunks(fmt), halves = fmt == Q6_K ? 2 : 1;
     const int has_min = fmt == Q4_1 || fmt == Q4_K || fmt == Q5_K;
-    _Alignas(64) uint16_t a[16][32];
-    _Alignas(64) float c[2][16][16], d[2][16], mn[16], out[16][16];
-    if (nr < 16) memset(a, 0, sizeof a);
+    const int64_t steps = ncs * halves, rps = (16 + steps - 1) / steps; /* next tile's rows to prefetch a step */
+    const int64_t seg0 = c0 / nc * bb, seg_bytes = (ncs + nc - 1) / nc * bb;
+    _Alignas(64) uint16_t a[2][16][32];
+    _Alignas(64) float c[2][16][16], d[4][16], mn[4][16], out[16][16];
+    if (nr < 16) memset(a, 0, sizeof a), memset(d, 0, sizeof d), memset(mn, 0, sizeof mn);
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32((int)row_bytes));
+    const __mmask16 rmask = (__mmask16)((1u << nr) - 1), cols = (__mmask16)((1u << mg) - 1); /* C's columns */
     __m512 acc[16];
-    for (int r = 0; r < 16; r++) {
+    for (int r = 0; r < 16; r++)
         for (int m = 0; m < 16; m++) out[r][m] = first || r >= nr || m >= mg ? 0.0f : y[m * ldy + r];
-        acc[r] = _mm512_load_ps(out[r]);
+    UNROLL
+    for (int r = 0; r < 16; r++) acc[r] = _mm512_load_ps(out[r]);
+
+    /* step s's A rows into a[s % 2], its scales into d[s % 4], mn[s % 4]; a share of the next tile prefetched */
+#define PREP(s)                                                                                                \
+    do {                                                                                                       \
+        const int64_t cg_ = c0 + (s) / halves;                                                                 \
+        const int h_ = (int)((s) % halves), cc_ = (int)(cg_ % nc), p_ = (int)((s) & 1), q_ = (int)((s) & 3);  \
+        for (int64_t r_ = (s) * rps; r_ < ((s) + 1) * rps && r_ < next; r_++)                                  \
+            for (int64_t o_ = 0; o_ < seg_bytes; o_ += 64)                                                     \
+                _mm_prefetch((const char *)(w + (16 + r_) * row_bytes + seg0 + o_), _MM_HINT_T0);             \
+        const uint8_t *blk_ = w + cg_ / nc * bb;                                                               \
+        for (int r = 0; r < nr; r++) _mm512_store_si512(a[p_][r], a_row(blk_ + r * row_bytes, fmt, cc_, tab, tab_hi)); \
+        if (fmt <= Q8_0) { /* the 16 rows' fp16 d (and m) at the block's start, gathered */                   \
+            const __m512i g_ = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rmask, rows, blk_, 1);      \
+            _mm512_store_ps(d[q_], _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g_)));                                 \
+            if (has_min) _mm512_store_ps(mn[q_], _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g_, 16)))); \
+        } else {                                                                                               \
+            for (int r = 0; r < nr; r++) {                                                                     \
+                float dd_[2], m_;                                                                              \
+                chunk_scales(blk_ + r * row_bytes, fmt, cc_, dd_, &m_);                                        \
+                d[q_][r] = dd_[h_], mn[q_][r] = -m_;                                                           \
+            }                                                                                                  \
+        }                                                                                                      \
+    } while (0)
+    /* step s on A tile TA and C tile TC (TP: the other C, holding step s - 1) */
+#define STEP(TA, TC, TP, s)                                                                                    \
+    do {                                                                                                       \
+        if ((s) + 1 < steps) PREP((s) + 1);                                                                    \
+        const uint32_t *xt_ = xb + (s) * 3 * 16 * mg;                                                          \
+        _tile_loadd(TA, a[(s) & 1], 64);                                                                       \
+        _tile_zero(TC);                                                                                        \
+        _tile_loadd(2, xt_, 4 * mg);                                                                           \
+        _tile_loadd(3, xt_ + 16 * mg, 4 * mg);                                                                 \
+        _tile_loadd(4, xt_ + 32 * mg, 4 * mg);                                                                 \
+        if ((s) > 0) _tile_stored(TP, c[((s) - 1) & 1], 64); /* before step s's products: the unit runs in order */ \
+        _tile_dpbf16ps(TC, TA, 2);                                                                             \
+        _tile_dpbf16ps(TC, TA, 3);                                                                             \
+        _tile_dpbf16ps(TC, TA, 4);                                                                             \
+        if ((s) > 1) SCALE((s) - 2);                                                                           \
+    } while (0)
+    /* acc[r] (lanes: x's rows) += d[r] * C[r] (+ mn[r] * the chunk's sums of x), step s's stored C */
+#define SCALE(s)                                                                                               \
+    do {                                                                                                       \
+        const __m512 sx_ = _mm512_maskz_load_ps(cols, sx + (s) / halves * XG);                                             \
+        const float *d_ = d[(s) & 3], *mn_ = mn[(s) & 3];                                                      \
+        UNROLL                                                                                                 \
+        for (int r = 0; r < 16; r++) {                                                                         \
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d_[r]), _mm512_maskz_load_ps(cols, c[(s) & 1][r]), acc[r]); \
+            if (has_min) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(mn_[r]), sx_, acc[r]);                        \
+        }                                                                                                      \
+    } while (0)
+    PREP(0);
+    for (int64_t s = 0; s < steps; s += 2) {
+        STEP(1, 0, 7, s);
+        if (s + 1 < steps) STEP(6, 7, 0, s + 1);
     }
-    for (int64_t ci = 0; ci < ncs; ci++) {
-        const int64_t b = (c0 + ci) / nc;
-        const int cc = (c0 + ci) % nc;
-        for (int r = 0; r < 16; r++) {
-            float dd[2] = {0.0f, 0.0f}, m = 0.0f;
-            if (r < nr) {
-                const uint8_t *blk = w + r * row_bytes + b * bb;
-                _mm512_store_si512(a[r], a_row(blk, fmt, cc, tab, tab_hi));
-                chunk_scales(blk, fmt, cc, dd, &m);
-            }
-            d[0][r] = dd[0], d[1][r] = dd[1], mn[r] = fmt == Q4_1 ? m : -m;
-        }
-        const uint32_t *xt = xb + ci * parts * 256;
-        _tile_loadd(1, a, 64);
-        _tile_zero(0);
-        _tile_loadd(2, xt, 64);
-        _tile_loadd(3, xt + 256, 64);
-        _tile_loadd(4, xt + 512, 64);
-        _tile_dpbf16ps(0, 1, 2);
-        _tile_dpbf16ps(0, 1, 3);
-        _tile_dpbf16ps(0, 1, 4);
-        _tile_stored(0, c[0], 64);
-        if (fmt == Q6_K) {
-            _tile_zero(5);
-            _tile_loadd(2, xt + 768, 64);
-            _tile_loadd(3, xt + 1024, 64);
-            _tile_loadd(4, xt + 1280, 64);
-            _tile_dpbf16ps(5, 1, 2);
-            _tile_dpbf16ps(5, 1, 3);
-            _tile_dpbf16ps(5, 1, 4);
-            _tile_stored(5, c[1], 64);
-        }
-        const __m512 s = _mm512_load_ps(sx + ci * XG);
-        UNROLL
-        for (int r = 0; r < 16; r++) {
-            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d[0][r]), _mm512_load_ps(c[0][r]), acc[r]);
-            if (fmt == Q6_K) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d[1][r]), _mm512_load_ps(c[1][r]), acc[r]);
-            if (has_min) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(mn[r]), s, acc[r]);
-        }
-    }
+    if (steps % 2) _tile_stored(0, c[(steps - 1) & 1], 64);
+    else _tile_stored(7, c[(steps - 1) & 1], 64);
+    if (steps > 1) SCALE(steps - 2);
+    SCALE(steps - 1);
+#undef PREP
+#undef STEP
+#undef SCALE
+    UNROLL
     for (int r = 0; r < 16; r++) _mm512_store_ps(out[r], acc[r]);
     for (int m = 0; m < mg; m++)
         for (int r = 0; r < nr; r++) y[m * ldy + r] = out[r][m];
 }
 
-/* one format's AMX product: for each 16 rows of x and each segment of K, the threads pack x's segment
- * together, then take static shares of W's tiles of 16 rows */
+/* One format's AMX product. Each thread takes a static share of W's tiles of 16 rows and, for each 16 rows
+ * of x and each segment of K, packs x's segment itself (on its own stack) before its tiles: the same work on
+ * every thread (1536 x 576 q4_1, M = 8: ~2 us), but no barrier between packing and products, where a
+ * thread the other engineer's jobs delay holds all (measured: ...). */
+INLINE void amx_share(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t t0, int64_t t1,
+                      int64_t N, int64_t row_bytes, float *y, int64_t ldy, const int fmt) {
+    _Alignas(64) uint32_t xb[KS / 32 * (fmt == Q6_K ? 6 : 3) * 256];
+    _Alignas(64) float sx[KS / 32 * XG];
+    const __m512i tab = q_table(fmt, 0), tab_hi = q_table(fmt, 1);
+    const int64_t chunks = K / 32;
+    for (int64_t m0 = 0; m0 < M; m0 += XG) {
+        const int mg = M - m0 < XG ? (int)(M - m0) : XG;
+        amx_configure(mg);
+        for (int64_t c0 = 0; c0 < chunks; c0 += KS / 32) {
+            const int64_t ncs = chunks - c0 < KS / 32 ? chunks - c0 : KS / 32;
+            for (int64_t i = 0; i < ncs * mg; i++)
+                pack_x(x + (m0 + i % mg) * ldx + (c0 + i / mg) * 32, (int)(i % mg), mg, i / mg, xb, sx, fmt);
+            for (int64_t t = t0; t < t1; t++) {
+                const int64_t n = 16 * t, nr = N - n < 16 ? N - n : 16, next = t + 1 < t1 ? (N - n - 16 < 16 ? N - n - 16 : 16) : 0;
+                amx_tile(w + n * row_bytes, row_bytes, (int)nr, (int)next, c0, ncs, xb, sx, y + m0 * ldy + n, ldy, mg,
+                         c0 == 0, fmt, tab, tab_hi);
+            }
+        }
+    }
+    _tile_release();
+}
+
 #define AMX_FMT(FMT)                                                                                           \
     static void amx_##FMT(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,     \
                           int64_t row_bytes, float *y, int64_t ldy, int threads) {                            \
-        _Alignas(64) uint32_t xb[KS / 32 * 6 * 256];                                                          \
-        _Alignas(64) float sx[KS / 32 * XG];                                                                  \
-        const int64_t chunks = K / 32, tiles = (N + 15) / 16;                                                 \
+        const int64_t tiles = (N + 15) / 16;                                                                  \
         _Pragma("omp parallel num_threads(threads)")                                                          \
         {                                                                                                     \
-            amx_configure();                                                                                  \
-            const __m512i tab = q_table(FMT, 0), tab_hi = q_table(FMT, 1);                                    \
-            for (int64_t m0 = 0; m0 < M; m0 += XG) {                                                          \
-                const int mg = M - m0 < XG ? (int)(M - m0) : XG;                                              \
-                for (int64_t c0 = 0; c0 < chunks; c0 += KS / 32) {                                            \
-                    const int64_t ncs = chunks - c0 < KS / 32 ? chunks - c0 : KS / 32;                        \
-                    _Pragma("omp for schedule(static)")                                                       \
-                    for (int64_t i = 0; i < ncs * XG; i++)                                                    \
-                        pack_x(x + (m0 + i % XG) * ldx + (c0 + i / XG) * 32, (int)(i % XG), mg, i / XG, xb,   \
-                               sx, FMT);                                                                      \
-                    _Pragma("omp for schedule(static)")                                                       \
-                    for (int64_t t = 0; t < tiles; t++) {                                                     \
-                        const int nr = N - 16 * t < 16 ? (int)(N - 16 * t) : 16;                              \
-                        amx_tile(w + 16 * t * row_bytes, row_bytes, nr, c0, ncs, xb, sx, y + m0 * ldy + 16 * t, \
-                                 ldy, mg, c0 == 0, FMT, tab, tab_hi);                                         \
-                    }                                                                                         \
-                }                                                                                             \
-            }                                                                                                 \
-            _tile_release();                                                                                  \
+            const int64_t share = (tiles + omp_get_num_threads() - 1) / omp_get_num_threads();               \
+            const int64_t t0 = omp_get_thread_num() * share, t1 = t0 + share < tiles ? t0 + share : tiles;    \
+            if (t0 < t1) amx_share(x, M, K, ldx, w, t0, t1, N, row_bytes, y, ldy, FMT);                       \
         }                                                                                                     \
     }
 EACH_FMT(AMX_FMT)
