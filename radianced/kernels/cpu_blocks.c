@@ -414,6 +414,7 @@ static void amx_configure(int mg) {
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) cfg.colsb[t] = t == 1 || t == 6 ? 64 : 4 * mg, cfg.rows[t] = 16;
+    __asm__ volatile("" : : "m"(cfg)); /* gcc 12 does not see ldtilecfg read cfg: its stores were dropped */
     _tile_loadconfig(&cfg);
 }
 
@@ -663,6 +664,16 @@ void rad_blocks_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const 
     const int64_t nb = K / (32 * block_chunks(fmt));
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n = 0; n < N; n++) row(x, M, ldx, w + n * row_bytes, nb, fmt, y + n, ldy);
+#endif
+}
+
+/* rows of x from which rad_blocks_matmul runs the AMX path on this machine and process; 0 where it does not
+ * (built without AMX, or the kernel refused the tile state) */
+int rad_blocks_amx_rows(void) {
+#ifdef RAD_AMX
+    return amx_granted() ? AMX_MIN : 0;
+#else
+    return 0;
 #endif
 }
 

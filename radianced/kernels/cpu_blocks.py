@@ -112,19 +112,25 @@ def _lib() -> ctypes.CDLL | None:
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """`lib` (a build of `SOURCES`) with its three functions' C signatures set."""
+    """`lib` (a build of `SOURCES`) with its functions' C signatures set."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.rad_blocks_matmul.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, i64, ctypes.c_int]
     lib.rad_blocks_dequantize.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ctypes.c_int]
     lib.rad_decode_attention.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64,
                                          ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
     lib.rad_blocks_matmul.restype = lib.rad_blocks_dequantize.restype = lib.rad_decode_attention.restype = None
+    lib.rad_blocks_amx_rows.argtypes, lib.rad_blocks_amx_rows.restype = [], ctypes.c_int
     return lib
 
 
 def available() -> bool:
     """Whether the kernels are built (or can be) on this machine."""
     return _lib() is not None
+
+
+def amx_rows() -> int:
+    """Rows of x from which `matmul` runs the AMX path here (cpu_blocks.c's header), 0 where it does not."""
+    return _lib().rad_blocks_amx_rows() if available() else 0
 
 
 def _check(data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> tuple[int, int, int]:
