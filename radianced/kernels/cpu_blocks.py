@@ -119,7 +119,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.rad_decode_attention.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64,
                                          ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
     lib.rad_blocks_matmul.restype = lib.rad_blocks_dequantize.restype = lib.rad_decode_attention.restype = None
-    lib.rad_blocks_amx_rows.argtypes, lib.rad_blocks_amx_rows.restype = [], ctypes.c_int
+    if hasattr(lib, "rad_blocks_amx_rows"):  # an older cpu_blocks.c (tools/bench_cpu_blocks.py --source) has none
+        lib.rad_blocks_amx_rows.argtypes, lib.rad_blocks_amx_rows.restype = [], ctypes.c_int
     return lib
 
 
