@@ -387,10 +387,11 @@ EACH_FMT(DEQUANT_FMT)
 #endif
 
 #ifdef RAD_AMX
-/* AMX: rows of W's chunks as exact bf16 integers (A tiles), x as three bf16 parts (B tiles), a chunk's
- * integer dot products in a C tile, scaled in AVX-512 (the header says why and what it costs). */
+/* AMX: x's rows as three bf16 parts (A tiles), W's chunks as exact bf16 integers (B tiles, built by AVX-512
+ * from W's blocks), a chunk's dot products in a C tile, scaled in AVX-512 (the header says why and what it
+ * costs). */
 #define AMX_MIN 5  /* rows of x from which the AMX path runs */
-#define XG 16      /* rows of x a pass: a B tile's 16 columns */
+#define XG 16      /* rows of x a pass: an A tile's 16 rows */
 #define KS 512     /* values of K a segment: its packed x (3 parts: up to 48 KiB, Q6_K's 6: 96) on the stack */
 
 /* Whether this process may use the tiles: Linux hands out the tile state on request (arch_prctl
@@ -406,23 +407,24 @@ static int amx_granted(void) {
     return s > 0;
 }
 
-/* Tiles, all 16 rows x 64 bytes: 0 and 7 C (W's 16 rows x x's 16 rows, fp32), 1 and 6 A (W's 16 rows, a
- * chunk's 32 values as bf16), 2-4 B (x's chunk: part 1, 2, 3; pairs of values in 32-bit lanes, one x row a
- * lane); amx_tile alternates the A and C pairs */
+/* Tiles: 2-4 A (x's mg rows, a chunk's 32 values as bf16: part 1, 2, 3), 1 and 6 B (16 rows, each a pair of
+ * the chunk's values for W's 16 rows: 32-bit lane n is W's row n), 0 and 7 C (x's mg rows x W's 16 rows,
+ * fp32); amx_tile alternates the B and C pairs */
 static void amx_configure(int mg) {
     struct { uint8_t palette, start, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 8; t++) cfg.colsb[t] = t == 1 || t == 6 ? 64 : 4 * mg, cfg.rows[t] = 16;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = t == 1 || t == 6 ? 16 : mg;
     __asm__ volatile("" : : "m"(cfg)); /* gcc 12 does not see ldtilecfg read cfg: its stores were dropped */
     _tile_loadconfig(&cfg);
 }
 
-/* A row's 32-bit lane j holds two values of the chunk: (2j, 2j + 1), or for Q4_0 / Q4_1 (j, j + 16), the
- * two nibbles of byte j (an unpack less); x's B tiles pair its values the same way */
+/* B row j holds two values of the chunk: (2j, 2j + 1), or for Q4_0 / Q4_1 (j, j + 16), the two nibbles of
+ * byte j (one byte a row); x's A rows pair its values the same way */
 static inline int nibble_pairs(int fmt) { return fmt == Q4_0 || fmt == Q4_1; }
 
-/* bf16 bit patterns of the quant values for index i (0..31; Q6_K's 32..63 with `upper`), for vpermw */
+/* bf16 bit patterns of the quant values for index i (0..31; Q6_K's 32..63 with `upper`), for vpermw, which
+ * reads an index's low 5 bits: Q4's i & 15 lets a byte's high nibble ride along in bits 4-7 */
 static __m512i q_table(int fmt, int upper) {
     _Alignas(64) float f[32];
     for (int i = 0; i < 32; i++) {
@@ -432,78 +434,108 @@ static __m512i q_table(int fmt, int upper) {
     return (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(f + 16), _mm512_load_ps(f));
 }
 
-/* chunk c of block b as 32 bf16 (exact: integers of at most 8 bits), lanes paired as nibble_pairs says */
-INLINE __m512i a_row(const uint8_t *b, const int fmt, int c, __m512i tab, __m512i tab_hi) {
+/* bytes 4j .. 4j + 3 at p of W's rows (`rows`: their offsets; rows past nr, masked off, read as zero) */
+INLINE __m512i gather4(const uint8_t *p, __m512i rows, __mmask16 rmask) {
+    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rmask, rows, p, 1);
+}
+
+/* byte k of each 32-bit lane into its word 0 and byte k + 1 into word 1 (k + 1 = 0x80: zero), zero-extended */
+INLINE __m512i bytes_to_words(__m512i g, int k, int k1) {
+    const __m512i lane = _mm512_set_epi32(0xC000C, 0x80008, 0x40004, 0, 0xC000C, 0x80008, 0x40004, 0, 0xC000C,
+                                          0x80008, 0x40004, 0, 0xC000C, 0x80008, 0x40004, 0); /* 4p: lane p's bytes */
+    return _mm512_shuffle_epi8(g, _mm512_add_epi32(lane, _mm512_set1_epi32(k | 0x80 << 8 | k1 << 16 | 0x80 << 24)));
+}
+
+/* chunk c of the blocks at blk (W's 16 rows, offsets `rows`) as the 16 B rows in b: exact bf16 integers */
+INLINE void b_rows(const uint8_t *blk, __m512i rows, __mmask16 rmask, const int fmt, int c, __m512i tab,
+                   __m512i tab_hi, uint32_t (*b)[16]) {
     switch (fmt) {
-    case Q4_0: case Q4_1: { /* dword j = byte j: ((byte << 12) | byte) & 0x000F000F is (lo, hi) nibble */
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (fmt == Q4_1 ? 4 : 2))));
-        const __m512i q = _mm512_ternarylogic_epi32(_mm512_slli_epi32(v, 12), v, _mm512_set1_epi32(0x000F000F), 0xA8);
-        return _mm512_permutexvar_epi16(q, tab);
+    case Q4_0: case Q4_1: { /* row j: byte j's nibbles; word 1 = byte >> 4, word 0 = byte (vpermw reads i & 15) */
+        const __m512i hi = _mm512_set1_epi32(0x00040000);
+        UNROLL
+        for (int j = 0; j < 4; j++) {
+            const __m512i g = gather4(blk + (fmt == Q4_1 ? 4 : 2) + 4 * j, rows, rmask);
+            UNROLL
+            for (int i = 0; i < 4; i++)
+                _mm512_store_si512(b[4 * j + i], _mm512_permutexvar_epi16(_mm512_srlv_epi16(bytes_to_words(g, i, i), hi), tab));
+        }
+        break;
     }
-    case Q8_0: {
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2))));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18))));
-        return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    case Q8_0: { /* byte k of a lane, sign-extended, to fp32 (exact), whose top half is its bf16 */
+        const __m512i top = _mm512_set1_epi32((int)0xFFFF0000);
+        UNROLL
+        for (int j = 0; j < 8; j++) {
+            const __m512i g = gather4(blk + 2 + 4 * j, rows, rmask);
+            __m512i f[4];
+            UNROLL
+            for (int k = 0; k < 4; k++)
+                f[k] = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(g, 24 - 8 * k), 24)));
+            UNROLL
+            for (int h = 0; h < 2; h++) /* (f[2h] >> 16) | (f[2h + 1] & top) */
+                _mm512_store_si512(b[2 * j + h], _mm512_ternarylogic_epi32(_mm512_srli_epi32(f[2 * h], 16), f[2 * h + 1], top, 0xD8));
+        }
+        break;
     }
-    case Q4_K: {
-        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (c / 2))));
-        return _mm512_permutexvar_epi16(_mm512_srl_epi16(v, _mm_cvtsi32_si128(4 * (c % 2))), tab);
-    }
-    case Q5_K: {
-        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 48 + 32 * (c / 2))));
-        const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 16)));
-        const __m512i lo = _mm512_and_si512(_mm512_srl_epi16(v, _mm_cvtsi32_si128(4 * (c % 2))), _mm512_set1_epi16(15));
-        const __m512i bit = _mm512_and_si512(_mm512_srl_epi16(h, _mm_cvtsi32_si128(c)), _mm512_set1_epi16(1));
-        return _mm512_permutexvar_epi16(_mm512_or_si512(lo, _mm512_slli_epi16(bit, 4)), tab);
-    }
-    default: { /* Q6_K: 6-bit index q + 32 into the 64-entry table */
-        const int h = c / 4, k = c % 4;
-        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (k % 2))));
-        const __m512i u = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
-        const __m512i lo = _mm512_and_si512(_mm512_srl_epi16(v, _mm_cvtsi32_si128(4 * (k / 2))), _mm512_set1_epi16(15));
-        const __m512i hi = _mm512_and_si512(_mm512_srl_epi16(u, _mm_cvtsi32_si128(2 * k)), _mm512_set1_epi16(3));
-        return _mm512_permutex2var_epi16(tab, _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)), tab_hi);
+    default: { /* K-quants: value i is byte i's bits (shifted, masked) and, Q5_K / Q6_K, high bits from qh */
+        const uint8_t *ql = fmt == Q4_K ? blk + 16 + 32 * (c / 2) : fmt == Q5_K ? blk + 48 + 32 * (c / 2)
+                          : blk + 64 * (c / 4) + 32 * (c % 4 % 2);
+        const uint8_t *qh = fmt == Q5_K ? blk + 16 : blk + 128 + 32 * (c / 4);
+        const int lo_shift = fmt == Q6_K ? 4 * (c % 4 / 2) : 4 * (c % 2), hi_shift = fmt == Q6_K ? 2 * (c % 4) : c;
+        const __m512i m15 = _mm512_set1_epi16(15), hmask = _mm512_set1_epi16(fmt == Q6_K ? 3 : 1);
+        UNROLL
+        for (int j = 0; j < 8; j++) {
+            const __m512i g = gather4(ql + 4 * j, rows, rmask);
+            __m512i gh = _mm512_setzero_si512();
+            if (fmt != Q4_K) gh = gather4(qh + 4 * j, rows, rmask);
+            UNROLL
+            for (int h = 0; h < 2; h++) {
+                __m512i q = _mm512_srl_epi16(bytes_to_words(g, 2 * h, 2 * h + 1), _mm_cvtsi32_si128(lo_shift));
+                if (fmt != Q4_K) {
+                    const __m512i u = _mm512_srl_epi16(bytes_to_words(gh, 2 * h, 2 * h + 1), _mm_cvtsi32_si128(hi_shift));
+                    q = _mm512_or_si512(_mm512_and_si512(q, m15), _mm512_slli_epi16(_mm512_and_si512(u, hmask), 4));
+                }
+                _mm512_store_si512(b[2 * j + h], fmt == Q6_K ? _mm512_permutex2var_epi16(tab, q, tab_hi)
+                                                             : _mm512_permutexvar_epi16(q, tab));
+            }
+        }
     }
     }
 }
 
-/* x's row m (zeros past mg rows), chunk ci of the segment, into the segment's B tiles: x = x1 + x2 + x3,
- * xk = bf16(x - x1 - ... - xk-1) (round to nearest even; each difference exact in fp32), so the three
- * parts carry x's 24 bits and each q * xk is exact in fp32. Also the chunk's sum of x (sx) for the min. */
+/* x's row m, chunk ci of the segment, into the segment's A tiles: x = x1 + x2 + x3, xk = bf16(x - x1 - ...
+ * - xk-1) (round to nearest even; each difference exact in fp32), so the three parts carry x's 24 bits and
+ * each q * xk is exact in fp32. Also the chunk's sum of x (sx) for the min. */
 INLINE void pack_x(const float *xr, int m, int mg, int64_t ci, uint32_t *xb, float *sx, const int fmt) {
     const int parts = fmt == Q6_K ? 6 : 3;
     __m512 v0 = _mm512_loadu_ps(xr), v1 = _mm512_loadu_ps(xr + 16);
     sx[ci * XG + m] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
     const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                            6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(mg));
-    uint32_t *t = xb + ci * parts * 16 * mg + m;
+    uint32_t *t = xb + ci * parts * 16 * mg + 16 * m;
     for (int s = 0; s < 3; s++) {
         const __m512i p = (__m512i)_mm512_cvtne2ps_pbh(v1, v0); /* words 0..15: values 0..15, 16..31: 16..31 */
         v0 = _mm512_sub_ps(v0, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(p)), 16)));
         v1 = _mm512_sub_ps(v1, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(p, 1)), 16)));
         const __m512i q = nibble_pairs(fmt) ? _mm512_permutexvar_epi16(pairs, p) : p;
-        if (fmt == Q6_K) { /* B tiles 0-2: values 0..15 (lanes 0..7), 3-5: 16..31, the other lanes zero */
-            _mm512_i32scatter_epi32(t + s * 16 * mg, rows, _mm512_maskz_mov_epi32(0x00FF, q), 4);
-            _mm512_i32scatter_epi32(t + (s + 3) * 16 * mg, rows, _mm512_maskz_mov_epi32(0xFF00, q), 4);
+        if (fmt == Q6_K) { /* A tiles 0-2: values 0..15 (lanes 0..7), 3-5: 16..31, the other lanes zero */
+            _mm512_store_si512(t + s * 16 * mg, _mm512_maskz_mov_epi32(0x00FF, q));
+            _mm512_store_si512(t + (s + 3) * 16 * mg, _mm512_maskz_mov_epi32(0xFF00, q));
         } else {
-            _mm512_i32scatter_epi32(t + s * 16 * mg, rows, q, 4);
+            _mm512_store_si512(t + s * 16 * mg, q);
         }
     }
 }
 
 /* W's rows [0, nr) (nr <= 16) against x's packed rows over the segment's ncs chunks from chunk c0, into y
  * (y's rows [0, mg)): from zero on the first segment, else adding to y. Per chunk (a step; Q6_K: two, one a
- * half of 16 values with its own scale, the B tiles of the other half zero), per W row n and x row m:
- * y += d * (sum of q x1 + sum of q x2 + sum of q x3) (+ or - m * sum of x), the C tile's fp32 sums of exact
+ * half of 16 values with its own scale, the A tiles of the other half zero), per x row m and W row n:
+ * y += d * (sum of x1 q + sum of x2 q + sum of x3 q) (+ or - m * sum of x), the C tile's fp32 sums of exact
  * products; so a row's result depends on that row of W and of x alone.
  *
- * A software pipeline: step s + 1's A rows are made (AVX-512 stores) while step s's tiles run, step s - 1's
- * C is stored and step s - 2's scaled. Memory written by one side and read by the other (A rows by
- * tileloadd, C by vector loads) waits until the stores have left the core: done in the same step, each step
- * waited for the last (1536 x 576 q4_1, M = 8, one thread: 132 us with one A and one C tile; 92 alternating
- * two of each; ... with the pipeline). */
+ * A software pipeline: step s + 1's B rows are made (AVX-512 stores) while step s's tiles run, step s - 1's
+ * C is stored and step s - 2's scaled; memory one side writes and the other reads waits until the stores
+ * have left the core, so neither waits on the step it follows (header: measured). W's next tile of rows is
+ * prefetched a row or more a step (the lm_head comes from memory). */
 INLINE void amx_tile(const uint8_t *w, int64_t row_bytes, int nr, int next, int64_t c0, int64_t ncs,
                      const uint32_t *xb, const float *sx, float *y, int64_t ldy, int mg, int first, const int fmt,
                      __m512i tab, __m512i tab_hi) {
@@ -511,66 +543,65 @@ INLINE void amx_tile(const uint8_t *w, int64_t row_bytes, int nr, int next, int6
     const int has_min = fmt == Q4_1 || fmt == Q4_K || fmt == Q5_K;
     const int64_t steps = ncs * halves, rps = (16 + steps - 1) / steps; /* next tile's rows to prefetch a step */
     const int64_t seg0 = c0 / nc * bb, seg_bytes = (ncs + nc - 1) / nc * bb;
-    _Alignas(64) uint16_t a[2][16][32];
-    _Alignas(64) float c[2][16][16], d[4][16], mn[4][16], out[16][16];
-    if (nr < 16) memset(a, 0, sizeof a), memset(d, 0, sizeof d), memset(mn, 0, sizeof mn);
+    _Alignas(64) uint32_t b[2][16][16];
+    _Alignas(64) float c[2][16][16], d[4][16], mn[4][16];
     const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32((int)row_bytes));
-    const __mmask16 rmask = (__mmask16)((1u << nr) - 1), cols = (__mmask16)((1u << mg) - 1); /* C's columns */
-    __m512 acc[16];
-    for (int r = 0; r < 16; r++)
-        for (int m = 0; m < 16; m++) out[r][m] = first || r >= nr || m >= mg ? 0.0f : y[m * ldy + r];
+    const __mmask16 rmask = (__mmask16)((1u << nr) - 1);
+    __m512 acc[XG]; /* acc[m]: x's row m, lane n: W's row n */
     UNROLL
-    for (int r = 0; r < 16; r++) acc[r] = _mm512_load_ps(out[r]);
+    for (int m = 0; m < XG; m++)
+        acc[m] = first || m >= mg ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(rmask, y + m * ldy);
 
-    /* step s's A rows into a[s % 2], its scales into d[s % 4], mn[s % 4]; a share of the next tile prefetched */
+    /* step s's B rows into b[s % 2], its scales into d[s % 4], mn[s % 4]; a share of the next tile prefetched */
 #define PREP(s)                                                                                                \
     do {                                                                                                       \
         const int64_t cg_ = c0 + (s) / halves;                                                                 \
-        const int h_ = (int)((s) % halves), cc_ = (int)(cg_ % nc), p_ = (int)((s) & 1), q_ = (int)((s) & 3);  \
+        const int h_ = (int)((s) % halves), cc_ = (int)(cg_ % nc), q_ = (int)((s) & 3);                       \
         for (int64_t r_ = (s) * rps; r_ < ((s) + 1) * rps && r_ < next; r_++)                                  \
             for (int64_t o_ = 0; o_ < seg_bytes; o_ += 64)                                                     \
                 _mm_prefetch((const char *)(w + (16 + r_) * row_bytes + seg0 + o_), _MM_HINT_T0);             \
         const uint8_t *blk_ = w + cg_ / nc * bb;                                                               \
-        for (int r = 0; r < nr; r++) _mm512_store_si512(a[p_][r], a_row(blk_ + r * row_bytes, fmt, cc_, tab, tab_hi)); \
-        if (fmt <= Q8_0) { /* the 16 rows' fp16 d (and m) at the block's start, gathered */                   \
-            const __m512i g_ = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rmask, rows, blk_, 1);      \
+        b_rows(blk_, rows, rmask, fmt, cc_, tab, tab_hi, b[(s) & 1]);                                          \
+        if (fmt <= Q8_0) { /* the 16 rows' fp16 d (and m) at the block's start */                              \
+            const __m512i g_ = gather4(blk_, rows, rmask);                                                     \
             _mm512_store_ps(d[q_], _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g_)));                                 \
             if (has_min) _mm512_store_ps(mn[q_], _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g_, 16)))); \
         } else {                                                                                               \
-            for (int r = 0; r < nr; r++) {                                                                     \
-                float dd_[2], m_;                                                                              \
-                chunk_scales(blk_ + r * row_bytes, fmt, cc_, dd_, &m_);                                        \
+            for (int r = 0; r < 16; r++) {                                                                     \
+                float dd_[2] = {0.0f, 0.0f}, m_ = 0.0f;                                                        \
+                if (r < nr) chunk_scales(blk_ + r * row_bytes, fmt, cc_, dd_, &m_);                            \
                 d[q_][r] = dd_[h_], mn[q_][r] = -m_;                                                           \
             }                                                                                                  \
         }                                                                                                      \
     } while (0)
-    /* step s on A tile TA and C tile TC (TP: the other C, holding step s - 1) */
-#define STEP(TA, TC, TP, s)                                                                                    \
+    /* step s on B tile TB and C tile TC (TP: the other C, holding step s - 1) */
+#define STEP(TB, TC, TP, s)                                                                                    \
     do {                                                                                                       \
         if ((s) + 1 < steps) PREP((s) + 1);                                                                    \
         const uint32_t *xt_ = xb + (s) * 3 * 16 * mg;                                                          \
-        _tile_loadd(TA, a[(s) & 1], 64);                                                                       \
+        _tile_loadd(TB, b[(s) & 1], 64);                                                                       \
         _tile_zero(TC);                                                                                        \
-        _tile_loadd(2, xt_, 4 * mg);                                                                           \
-        _tile_loadd(3, xt_ + 16 * mg, 4 * mg);                                                                 \
-        _tile_loadd(4, xt_ + 32 * mg, 4 * mg);                                                                 \
+        _tile_loadd(2, xt_, 64);                                                                               \
+        _tile_loadd(3, xt_ + 16 * mg, 64);                                                                     \
+        _tile_loadd(4, xt_ + 32 * mg, 64);                                                                     \
         if ((s) > 0) _tile_stored(TP, c[((s) - 1) & 1], 64); /* before step s's products: the unit runs in order */ \
-        _tile_dpbf16ps(TC, TA, 2);                                                                             \
-        _tile_dpbf16ps(TC, TA, 3);                                                                             \
-        _tile_dpbf16ps(TC, TA, 4);                                                                             \
+        _tile_dpbf16ps(TC, 2, TB);                                                                             \
+        _tile_dpbf16ps(TC, 3, TB);                                                                             \
+        _tile_dpbf16ps(TC, 4, TB);                                                                             \
         if ((s) > 1) SCALE((s) - 2);                                                                           \
     } while (0)
-    /* acc[r] (lanes: x's rows) += d[r] * C[r] (+ mn[r] * the chunk's sums of x), step s's stored C */
+    /* acc[m] += d * C[m] (+ mn * the chunk's sum of x's row m), step s's stored C; lanes: W's rows */
 #define SCALE(s)                                                                                               \
     do {                                                                                                       \
-        const __m512 sx_ = _mm512_maskz_load_ps(cols, sx + (s) / halves * XG);                                             \
-        const float *d_ = d[(s) & 3], *mn_ = mn[(s) & 3];                                                      \
+        const float *sx_ = sx + (s) / halves * XG;                                                             \
+        const __m512 d_ = _mm512_load_ps(d[(s) & 3]), mn_ = _mm512_load_ps(mn[(s) & 3]);                       \
         UNROLL                                                                                                 \
-        for (int r = 0; r < 16; r++) {                                                                         \
-            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d_[r]), _mm512_maskz_load_ps(cols, c[(s) & 1][r]), acc[r]); \
-            if (has_min) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(mn_[r]), sx_, acc[r]);                        \
-        }                                                                                                      \
+        for (int m = 0; m < XG; m++)                                                                           \
+            if (m < mg) {                                                                                      \
+                acc[m] = _mm512_fmadd_ps(d_, _mm512_load_ps(c[(s) & 1][m]), acc[m]);                           \
+                if (has_min) acc[m] = _mm512_fmadd_ps(mn_, _mm512_set1_ps(sx_[m]), acc[m]);                    \
+            }                                                                                                  \
     } while (0)
     PREP(0);
     for (int64_t s = 0; s < steps; s += 2) {
@@ -585,18 +616,17 @@ INLINE void amx_tile(const uint8_t *w, int64_t row_bytes, int nr, int next, int6
 #undef STEP
 #undef SCALE
     UNROLL
-    for (int r = 0; r < 16; r++) _mm512_store_ps(out[r], acc[r]);
-    for (int m = 0; m < mg; m++)
-        for (int r = 0; r < nr; r++) y[m * ldy + r] = out[r][m];
+    for (int m = 0; m < XG; m++)
+        if (m < mg) _mm512_mask_storeu_ps(y + m * ldy, rmask, acc[m]);
 }
 
 /* One format's AMX product. Each thread takes a static share of W's tiles of 16 rows and, for each 16 rows
  * of x and each segment of K, packs x's segment itself (on its own stack) before its tiles: the same work on
- * every thread (1536 x 576 q4_1, M = 8: ~2 us), but no barrier between packing and products, where a
- * thread the other engineer's jobs delay holds all (measured: ...). */
+ * every thread, but no barrier between packing and products, where a thread the machine's other jobs delay
+ * holds all. */
 INLINE void amx_share(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t t0, int64_t t1,
                       int64_t N, int64_t row_bytes, float *y, int64_t ldy, const int fmt) {
-    _Alignas(64) uint32_t xb[KS / 32 * (fmt == Q6_K ? 6 : 3) * 256];
+    _Alignas(64) uint32_t xb[KS / 32 * (fmt == Q6_K ? 6 : 3) * 16 * XG];
     _Alignas(64) float sx[KS / 32 * XG];
     const __m512i tab = q_table(fmt, 0), tab_hi = q_table(fmt, 1);
     const int64_t chunks = K / 32;
