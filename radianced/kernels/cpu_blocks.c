@@ -390,9 +390,13 @@ EACH_FMT(DEQUANT_FMT)
 /* AMX: x's rows as three bf16 parts (A tiles), W's chunks as exact bf16 integers (B tiles, built by AVX-512
  * from W's blocks), a chunk's dot products in a C tile, scaled in AVX-512 (the header says why and what it
  * costs). */
-#define AMX_MIN 5  /* rows of x from which the AMX path runs */
 #define XG 16      /* rows of x a pass: an A tile's 16 rows */
 #define KS 512     /* values of K a segment: its packed x (3 parts: up to 48 KiB, Q6_K's 6: 96) on the stack */
+
+/* rows of x from which the AMX path beats the AVX2 tiles, by format (measured: header). Q8_0 and Q6_K lose
+ * below: the AVX2 tiles read Q8_0's bytes at memory speed at M = 1-3, and Q6_K's two half chunks double the
+ * tile work. */
+static const int amx_min[] = {[Q4_0] = 1, [Q4_1] = 1, [Q8_0] = 4, [Q4_K] = 2, [Q5_K] = 2, [Q6_K] = 8};
 
 /* Whether this process may use the tiles: Linux hands out the tile state on request (arch_prctl
  * ARCH_REQ_XCOMP_PERM = 0x1023 for XFEATURE_XTILEDATA = 18), once for the process; where it refuses
@@ -685,7 +689,7 @@ void rad_blocks_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const 
                        int64_t row_bytes, int fmt, float *y, int64_t ldy, int threads) {
 #ifdef RAD_AMX
 #define CALL_AMX(FMT) case FMT: amx_##FMT(x, M, K, ldx, w, N, row_bytes, y, ldy, threads); return;
-    if (M >= AMX_MIN && amx_granted()) switch (fmt) { EACH_FMT(CALL_AMX) }
+    if (M >= amx_min[fmt] && amx_granted()) switch (fmt) { EACH_FMT(CALL_AMX) }
 #endif
 #ifdef RAD_AVX2
 #define CALL_MATMUL(FMT) case FMT: matmul_##FMT(x, M, K, ldx, w, N, row_bytes, y, ldy, threads); break;
@@ -697,12 +701,13 @@ void rad_blocks_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const 
 #endif
 }
 
-/* rows of x from which rad_blocks_matmul runs the AMX path on this machine and process; 0 where it does not
- * (built without AMX, or the kernel refused the tile state) */
-int rad_blocks_amx_rows(void) {
+/* rows of x from which rad_blocks_matmul runs the AMX path for format fmt on this machine and process; 0
+ * where it does not (built without AMX, or the kernel refused the tile state) */
+int rad_blocks_amx_rows(int fmt) {
 #ifdef RAD_AMX
-    return amx_granted() ? AMX_MIN : 0;
+    return amx_granted() ? amx_min[fmt] : 0;
 #else
+    (void)fmt;
     return 0;
 #endif
 }

@@ -120,7 +120,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                          ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
     lib.rad_blocks_matmul.restype = lib.rad_blocks_dequantize.restype = lib.rad_decode_attention.restype = None
     if hasattr(lib, "rad_blocks_amx_rows"):  # an older cpu_blocks.c (tools/bench_cpu_blocks.py --source) has none
-        lib.rad_blocks_amx_rows.argtypes, lib.rad_blocks_amx_rows.restype = [], ctypes.c_int
+        lib.rad_blocks_amx_rows.argtypes, lib.rad_blocks_amx_rows.restype = [ctypes.c_int], ctypes.c_int
     return lib
 
 
@@ -129,9 +129,10 @@ def available() -> bool:
     return _lib() is not None
 
 
-def amx_rows() -> int:
-    """Rows of x from which `matmul` runs the AMX path here (cpu_blocks.c's header), 0 where it does not."""
-    return _lib().rad_blocks_amx_rows() if available() else 0
+def amx_rows(fmt: str) -> int:
+    """Rows of x from which `matmul` runs `fmt` through the AMX path here (cpu_blocks.c's header), 0 where it
+    does not."""
+    return _lib().rad_blocks_amx_rows(FORMATS[fmt]) if available() else 0
 
 
 def _check(data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> tuple[int, int, int]:

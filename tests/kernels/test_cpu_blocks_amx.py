@@ -1,5 +1,5 @@
-"""kernels/cpu_blocks.c's AMX path (M >= `cpu_blocks.amx_rows()` where the CPU has AMX-BF16 and Linux grants the
-tile state): W's quants as exact bf16 integers, x in three bf16 parts, y += d * sum(q x) (+- m * sum(x)) a chunk.
+"""kernels/cpu_blocks.c's AMX path (M >= `cpu_blocks.amx_rows(fmt)` where the CPU has AMX-BF16 and Linux grants
+the tile state): W's quants as exact bf16 integers, x in three bf16 parts, y += d * sum(q x) (+- m * sum(x)) a chunk.
 
 That is gguf's w = d * q + m factored, not W's dequantized fp32 values multiplied, so the product is checked
 against the exact one (float64) within what fp32 rounding allows any order of sums: |y - y64| <= (K + 64) u
@@ -18,7 +18,6 @@ from radianced.kernels import cpu_blocks
 from tests.kernels.test_cpu_blocks import TYPES, _matrix
 
 U = 2.0 ** -24
-AMX = cpu_blocks.amx_rows()
 
 
 def _min_bound(data: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
@@ -54,10 +53,10 @@ def _ks(fmt: str) -> list[int]:
 
 @pytest.mark.parametrize("fmt", list(TYPES))
 @pytest.mark.parametrize("n", [17, 130])
-@pytest.mark.parametrize("m", [1, 4, 5, 6, 8, 15, 16, 17, 31, 32, 33, 35])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 35])
 def test_products_around_the_threshold_are_exact_to_fp32_rounding(fmt, n, m):
-    """Rows of x below and past the threshold, one and several groups of 16 (the B tiles' columns), W's tiles
-    of 16 rows and a tail (17, 130), every format, each K; `_matrix` puts a zero row and a constant row
+    """Rows of x below and past each format's threshold (1-8), one and several groups of 16 (the A tiles' rows),
+    W's tiles of 16 rows and a tail (17, 130), every format, each K; `_matrix` puts a zero row and a constant row
     (a min-only Q4_1 block) in the quantized formats."""
     for k in _ks(fmt):
         data, ref = _matrix(fmt, n, k, seed=m)
@@ -97,7 +96,7 @@ def test_x_keeps_all_its_24_bits(m):
 
 @pytest.mark.parametrize("m", [5, 8, 17, 33])
 def test_rows_are_the_same_whatever_the_threads_and_neighbours(m):
-    """Each W row's sums are its own (its row of the A tile, its row of C), whichever thread takes it and
+    """Each W row's sums are its own (its lane of the B tiles and of C), whichever thread takes it and
     whatever rows share its tile of 16: y is the same bit for bit on 1 or 2 threads and for W's slices."""
     n, k = 130, 576
     data, _ = _matrix("q4_1", n, k, seed=m)
@@ -116,12 +115,13 @@ def test_rows_are_the_same_whatever_the_threads_and_neighbours(m):
 
 
 def test_a_row_of_x_is_the_same_whatever_the_others():
-    """Past the threshold x's rows are the B tiles' columns, each summed alone: a row of y does not depend on
-    M or on the other rows of x (below it the AVX2 tiles' sums depend on M, cpu_blocks.c's J_OF)."""
-    if not AMX:
+    """Past the threshold x's rows are the A tiles' rows, each summed alone: a row of y does not depend on M
+    or on the other rows of x (below it the AVX2 tiles' sums depend on M, cpu_blocks.c's J_OF)."""
+    amx = cpu_blocks.amx_rows("q8_0")
+    if not amx:
         pytest.skip("no AMX path on this machine")
     data, _ = _matrix("q8_0", 48, 576)
     x = torch.randn(40, 576, generator=torch.Generator().manual_seed(0))
     full = cpu_blocks.matmul(x, data, "q8_0", (48, 576))
-    for m0, m1 in ((0, AMX), (3, 20), (17, 40)):
+    for m0, m1 in ((0, amx), (3, 20), (17, 40)):
         assert torch.equal(cpu_blocks.matmul(x[m0:m1], data, "q8_0", (48, 576)), full[m0:m1])
