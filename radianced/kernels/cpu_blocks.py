@@ -62,6 +62,10 @@ from radianced.kernels.formats import CPU_BLOCKS, FORMATS as ALL_FORMATS
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_blocks.c", "cpu_attention.c"))
 FORMATS = {f: CPU_BLOCKS.index(f) for f in CPU_BLOCKS}  # cpu_blocks.c's format codes
 PREFILL_ROWS = 64  # rows of x past which dequantize + torch's GEMM is faster (measured: module docstring)
+# formats whose AMX product (cpu_blocks.c) beats dequantize + GEMM at every M measured, 65 to 512 rows (2 threads,
+# Sapphire Rapids: 1536 x 576 q4_1 at M = 512 2.0 ms against 3.1, the q8_0 lm_head at M = 128 20 ms against 57);
+# the K-quants' does not (Q6_K at M = 65: 2.8 ms against 2.2), so they keep PREFILL_ROWS
+AMX_PREFILL = ("q4_0", "q4_1", "q8_0")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -119,8 +123,10 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.rad_decode_attention.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64,
                                          ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
     lib.rad_blocks_matmul.restype = lib.rad_blocks_dequantize.restype = lib.rad_decode_attention.restype = None
-    if hasattr(lib, "rad_blocks_amx_rows"):  # an older cpu_blocks.c (tools/bench_cpu_blocks.py --source) has none
+    if hasattr(lib, "rad_blocks_amx_rows"):
         lib.rad_blocks_amx_rows.argtypes, lib.rad_blocks_amx_rows.restype = [ctypes.c_int], ctypes.c_int
+    else:  # an older cpu_blocks.c (tools/bench_cpu_blocks.py --source): no AMX path
+        lib.rad_blocks_amx_rows = lambda fmt: 0
     return lib
 
 
@@ -161,13 +167,14 @@ class Matrix:
     0), 2 threads, x [1, 32]: 13.0 us a call through `matmul` before, 5.9 us through `__call__`, of which the
     ctypes call is 3.0 and `torch.empty` for y 1.2-1.4 (kernels/cpu.py `_matmul`: 15.4 -> 7.0 us)."""
 
-    __slots__ = ("data", "fmt", "shape", "_w", "_run")
+    __slots__ = ("data", "fmt", "shape", "_w", "_run", "_gemm_past")
 
     def __init__(self, data: torch.Tensor, fmt: str, shape: tuple[int, int]):
         n, k, row_bytes = _check(data, fmt, shape)
         self.data, self.fmt, self.shape = data, fmt, (n, k)
         self._w = (data.data_ptr(), row_bytes, FORMATS[fmt])
         self._run = _lib().rad_blocks_matmul
+        self._gemm_past = None if fmt in AMX_PREFILL and amx_rows(fmt) else PREFILL_ROWS  # rows of x
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] fp32 @ W.T -> [..., N] fp32."""
@@ -179,7 +186,7 @@ class Matrix:
         (m, kx), (ldx, unit) = x.shape, x.stride()
         if kx != k or unit != 1:
             return self._general(x)
-        if m > PREFILL_ROWS:
+        if self._gemm_past is not None and m > self._gemm_past:
             return x @ dequantize(self.data, self.fmt, self.shape).t()
         y = torch.empty(m, n, dtype=torch.float32)
         if m:
