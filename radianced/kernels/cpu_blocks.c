@@ -3,21 +3,51 @@
  *
  * W [N, K] is N rows of blocks (ggml's block_q4_0 / q4_1 / q8_0 of 32 values, block_q4_K / q5_K / q6_K
  * of 256, byte for byte). A block is read as chunks of 32 values, each with its own scale (and min): a
- * K-quant's 8 sub-blocks of 32 (Q6_K's 16 of 16, two a chunk). Each weight is dequantized in fp32 exactly
- * as gguf's numpy dequantizers do (the same products and sums in the same order, each rounded once), so
- * W's values are the reference's bit for bit and a product differs from the reference's fp32 F.linear
- * only in the order of its sums.
+ * K-quant's 8 sub-blocks of 32 (Q6_K's 16 of 16, two a chunk).
  *
- * y [M, N] = x [M, K] @ W.T: each thread takes a static share of W's rows, two at a time (AVX2 + FMA; a
- * portable loop where the compiler has no AVX2). Up to 4 rows of x, the two rows' chunks are dequantized
- * in registers as the tile goes and each x vector loaded feeds both rows' FMAs; from 5 rows, each 512
- * values of the two rows are dequantized once into a buffer in L1 that every 4 rows of x then read
- * (`panel`). No allocation (the buffer is on the stack), no state: safe from any thread.
+ * Two products, y [M, N] = x [M, K] @ W.T:
  *
- * Measured on the 2-core EPYC (Zen 3), 2 threads, each call on the next of 8 copies of W
- * (tools/bench_cpu_blocks.py), microseconds a call before -> after this layout:
- *     1536 x 576 q4_1   M = 1: 107 -> 76   M = 2: 145 -> 96   M = 4: 173 -> 124   M = 8: 193 -> 150
- *     49152 x 576 q8_0  M = 1: 2460 -> 1629                                        M = 8: 5746 -> 4104
+ * AVX2 tiles (any x86-64 with AVX2 + FMA; a portable loop without): each weight is dequantized in fp32
+ * exactly as gguf's numpy dequantizers do (the same products and sums in the same order, each rounded
+ * once), so W's values are the reference's bit for bit and a product differs from the reference's fp32
+ * F.linear only in the order of its sums. Each thread takes a static share of W's rows, two at a time. Up
+ * to 4 rows of x, the two rows' chunks are dequantized in registers as the tile goes and each x vector
+ * loaded feeds both rows' FMAs; from 5 rows, each 512 values of the two rows are dequantized once into a
+ * buffer in L1 that every 4 rows of x then read (`panel`). rad_blocks_dequantize is this code too.
+ *
+ * AMX (Sapphire Rapids and later: AMX-BF16 and AVX512-BF16, built with -march=native there, and Linux
+ * granting the tile state at run time; from amx_min[fmt] rows of x): gguf's w = d * q (+ m) factored,
+ * y = sum over chunks of d * sum(q x) (+ m * sum(x)). Every format's q is an integer of at most 8 bits,
+ * exact in bf16; x is split exactly into three bf16 parts x1 + x2 + x3 (x1 = bf16(x), x2 = bf16(x - x1),
+ * x3 = bf16(x - x1 - x2): 24 bits, x itself for normal values), so every q * xk is exact in fp32 and a
+ * chunk's C tile (TDPBF16PS: fp32 sums of exact products) is sum(q x) up to fp32 rounding of its sums; each
+ * C is scaled by d (and the min added) in AVX-512 before the next chunk. No weight is rounded to fp32 any
+ * more: a product is no longer F.linear on W's dequantized values reordered, but within fp32 rounding of
+ * the exact product all the same (tests/kernels/test_cpu_blocks_amx.py: (K + 64) u |x| @ (|W| + 2 |m|).T,
+ * the bound fp32's own F.linear meets; SmolLM2 stays token-exact against transformers).
+ *   Tiles: x's rows (up to 16) and three parts as the A tiles, W's 16 rows as the B tile: lane n of each
+ * of its 16 rows holds a pair of row n's values, made from W's quant bytes gathered from the 16 rows
+ * (vpgatherdd) and mapped to bf16 by vpermw from a 32-entry table (Q8_0 through fp32). The C tile's rows
+ * are x's rows with W's 16 rows in lanes, so the scaling is one FMA by the 16 rows' d (and one by their m)
+ * a row of x. A row's result depends on that row of W and of x alone: not on the thread count, M, or its
+ * neighbours. Two B and two C tiles alternate in a software pipeline (amx_tile).
+ *
+ * Measured on the 2-core Sapphire Rapids, microseconds a call. Layouts on one thread, one copy of 1536 x
+ * 576 q4_1 (in L2), M = 8 (the harness a C main calling rad_blocks_matmul): AVX2 tiles 202; AMX with W as
+ * the A tiles (C's lanes x's rows, half of them idle at M = 8) and one A and one C tile 132, each chunk
+ * waiting for the last; alternating two of each, pipelined 95 (taking parts out: B's conversion and its
+ * store ~35% of that, the min's FMAs ~17%, gathering d and m ~15%, the tile unit's own work ~45 us); W as
+ * the B tiles 65. Two threads, each call on the next of 8 copies of W (tools/bench_cpu_blocks.py, the
+ * main branch's AVX2 build against this one, load average 0.5-0.9 from another engineer's jobs):
+ *     shape            M = 1: main  this   M = 8: main  this   M = 32: main  this   M = 64: main  this
+ *     1536 x 576 q4_1          68    53           164    65           427   146            807   277
+ *     576 x 1536 q4_1          67    56           169    72           405   165            808   311
+ *     3072 x 576 q4_1         117    94           260   119           777   272           1606   507
+ *     49152 x 576 q8_0       1500  1432          3760  2590         12884  5614          26199 10439
+ * (the q8_0 lm_head at M = 1 is the AVX2 tiles in both: they stream it at ~21 GB/s, which the AMX path,
+ * 1.6 ms from a copy in L3, does not reach.) A SmolLM2 decode step (tools/cpu_step.py, 2 threads, three
+ * interleaved rounds): batch 8 25.2-27.6 ms -> 17.4-17.9, batch 1 13.9-15.3 -> 10.9-11.9.
+ * No allocation (buffers on the stack), no state but the tile permission: safe from any thread.
  */
 #include <stdint.h>
 #include <string.h>
