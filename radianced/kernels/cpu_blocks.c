@@ -37,18 +37,19 @@
  * the A tiles (C's lanes x's rows, half of them idle at M = 8) and one A and one C tile 132, each chunk
  * waiting for the last; alternating two of each, pipelined 95 (taking parts out: B's conversion and its
  * store ~35% of that, the min's FMAs ~17%, gathering d and m ~15%, the tile unit's own work ~45 us); W as
- * the B tiles 65. Two threads, each call on the next of 8 copies of W (tools/bench_cpu_blocks.py, the
- * main branch's AVX2 build against this one, load average 0.5-0.9 from another engineer's jobs):
+ * the B tiles 65. Two threads, each call on the next of 8 copies of W (tools/bench_cpu_blocks.py --no-fp32,
+ * the main branch's build as --source, load average 0.6-0.9 from another engineer's jobs):
  *     shape            M = 1: main  this   M = 8: main  this   M = 32: main  this   M = 64: main  this
- *     1536 x 576 q4_1          68    53           164    65           427   146            807   277
- *     576 x 1536 q4_1          67    56           169    72           405   165            808   311
- *     3072 x 576 q4_1         117    94           260   119           777   272           1606   507
- *     49152 x 576 q8_0       1500  1432          3760  2590         12884  5614          26199 10439
- * (the q8_0 lm_head at M = 1 is the AVX2 tiles in both: they stream it at ~21 GB/s, which the AMX path,
- * 1.6 ms from a copy in L3, does not reach.) At M = 8 the Q4_1 shapes run near the speed the AVX2 tiles
- * stream them at M = 1, the weights coming from memory as in a step. A SmolLM2 decode step (tools/cpu_step.py,
- * 2 threads, this branch's base against it in three interleaved rounds, load average 0.8-1.2 with the runs):
- * batch 8 25.0-27.1 ms -> 17.1-18.9, batch 1 13.7-14.2 -> 11.0-11.7.
+ *     1536 x 576 q4_1          55    40           145    47           426   113            742   220
+ *     576 x 1536 q4_1          56    38           144    51           406   129            692   246
+ *     3072 x 576 q4_1         108    70           262    81           735   221           1472   442
+ *     49152 x 576 q8_0       1373  1364          3500  2422         11773  5402          23651  9780
+ * With F.linear on the dequantized copies between calls (weights from memory, not L3) M = 8 reads, this
+ * against main, 65 / 164, 72 / 169, 119 / 260, 2590 / 3760: the Q4_1 shapes near the speed the AVX2 tiles
+ * stream them at M = 1 (68, 67, 117). The q8_0 lm_head at M = 1 is the AVX2 tiles in both: they stream it
+ * at ~21 GB/s, which the AMX path (1.6 ms from a copy in L3) does not reach. A SmolLM2 decode step
+ * (tools/cpu_step.py, 2 threads, this branch's base against it in three interleaved rounds, load average
+ * 0.8-1.2 with the runs): batch 8 25.0-27.1 ms -> 17.1-18.9, batch 1 13.7-14.2 -> 11.0-11.7.
  * No allocation (buffers on the stack), no state but the tile permission: safe from any thread.
  */
 #include <stdint.h>
@@ -59,7 +60,8 @@
 #define RAD_AVX2 1
 #endif
 
-#if defined(RAD_AVX2) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(RAD_AVX2) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) \
+    && defined(__AVX512BW__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <omp.h>
@@ -493,7 +495,8 @@ INLINE void b_rows(const uint8_t *blk, __m512i rows, __mmask16 rmask, const int 
             const __m512i g = gather4(blk + (fmt == Q4_1 ? 4 : 2) + 4 * j, rows, rmask);
             UNROLL
             for (int i = 0; i < 4; i++)
-                _mm512_store_si512(b[4 * j + i], _mm512_permutexvar_epi16(_mm512_srlv_epi16(bytes_to_words(g, i, i), hi), tab));
+                _mm512_store_si512(b[4 * j + i],
+                                   _mm512_permutexvar_epi16(_mm512_srlv_epi16(bytes_to_words(g, i, i), hi), tab));
         }
         break;
     }
@@ -508,7 +511,8 @@ INLINE void b_rows(const uint8_t *blk, __m512i rows, __mmask16 rmask, const int 
                 f[k] = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(g, 24 - 8 * k), 24)));
             UNROLL
             for (int h = 0; h < 2; h++) /* (f[2h] >> 16) | (f[2h + 1] & top) */
-                _mm512_store_si512(b[2 * j + h], _mm512_ternarylogic_epi32(_mm512_srli_epi32(f[2 * h], 16), f[2 * h + 1], top, 0xD8));
+                _mm512_store_si512(b[2 * j + h],
+                                   _mm512_ternarylogic_epi32(_mm512_srli_epi32(f[2 * h], 16), f[2 * h + 1], top, 0xD8));
         }
         break;
     }
@@ -527,7 +531,8 @@ INLINE void b_rows(const uint8_t *blk, __m512i rows, __mmask16 rmask, const int 
             for (int h = 0; h < 2; h++) {
                 __m512i q = _mm512_srl_epi16(bytes_to_words(g, 2 * h, 2 * h + 1), _mm_cvtsi32_si128(lo_shift));
                 if (fmt != Q4_K) {
-                    const __m512i u = _mm512_srl_epi16(bytes_to_words(gh, 2 * h, 2 * h + 1), _mm_cvtsi32_si128(hi_shift));
+                    const __m512i u =
+                        _mm512_srl_epi16(bytes_to_words(gh, 2 * h, 2 * h + 1), _mm_cvtsi32_si128(hi_shift));
                     q = _mm512_or_si512(_mm512_and_si512(q, m15), _mm512_slli_epi16(_mm512_and_si512(u, hmask), 4));
                 }
                 _mm512_store_si512(b[2 * j + h], fmt == Q6_K ? _mm512_permutex2var_epi16(tab, q, tab_hi)
@@ -550,8 +555,10 @@ INLINE void pack_x(const float *xr, int m, int mg, int64_t ci, uint32_t *xb, flo
     uint32_t *t = xb + ci * parts * 16 * mg + 16 * m;
     for (int s = 0; s < 3; s++) {
         const __m512i p = (__m512i)_mm512_cvtne2ps_pbh(v1, v0); /* words 0..15: values 0..15, 16..31: 16..31 */
-        v0 = _mm512_sub_ps(v0, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(p)), 16)));
-        v1 = _mm512_sub_ps(v1, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(p, 1)), 16)));
+        const __m512i w0 = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(p));
+        const __m512i w1 = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(p, 1));
+        v0 = _mm512_sub_ps(v0, _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16))); /* x minus its bf16, exact */
+        v1 = _mm512_sub_ps(v1, _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)));
         const __m512i q = nibble_pairs(fmt) ? _mm512_permutexvar_epi16(pairs, p) : p;
         if (fmt == Q6_K) { /* A tiles 0-2: values 0..15 (lanes 0..7), 3-5: 16..31, the other lanes zero */
             _mm512_store_si512(t + s * 16 * mg, _mm512_maskz_mov_epi32(0x00FF, q));
@@ -675,7 +682,8 @@ INLINE void amx_share(const float *x, int64_t M, int64_t K, int64_t ldx, const u
             for (int64_t i = 0; i < ncs * mg; i++)
                 pack_x(x + (m0 + i % mg) * ldx + (c0 + i / mg) * 32, (int)(i % mg), mg, i / mg, xb, sx, fmt);
             for (int64_t t = t0; t < t1; t++) {
-                const int64_t n = 16 * t, nr = N - n < 16 ? N - n : 16, next = t + 1 < t1 ? (N - n - 16 < 16 ? N - n - 16 : 16) : 0;
+                const int64_t n = 16 * t, nr = N - n < 16 ? N - n : 16;
+                const int64_t next = t + 1 < t1 ? (N - n - 16 < 16 ? N - n - 16 : 16) : 0; /* rows of the next tile */
                 amx_tile(w + n * row_bytes, row_bytes, (int)nr, (int)next, c0, ncs, xb, sx, y + m0 * ldy + n, ldy, mg,
                          c0 == 0, fmt, tab, tab_hi);
             }
