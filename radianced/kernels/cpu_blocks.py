@@ -17,8 +17,10 @@ On a CPU with AMX-BF16 (Sapphire Rapids on), from `amx_rows(fmt)` rows of x (Q4_
 4), the product runs on the tile unit instead: gguf's w = d * q + m factored into d * sum(q x) + m * sum(x)
 a chunk, the integer q exact in bf16 and x split exactly into three bf16 parts, so it is still within
 fp32 rounding of the exact product, but W's dequantized values are no longer its operands (cpu_blocks.c's
-header; `dequantize` stays bit for bit). On the 2-core Sapphire Rapids: M = 8 2.2-2.5x faster on SmolLM2's
-Q4_1 shapes, 1.45x on the Q8_0 lm_head; a batch-8 decode step 26 -> 17.5 ms, batch 1 14 -> 11 ms.
+header; `dequantize` stays bit for bit). On the 2-core Sapphire Rapids at M = 8: 2.2-2.5x faster on
+SmolLM2's Q4_1 shapes with the weights from memory, 2.8-3.2x from L3, 1.45x on the Q8_0 lm_head; a batch-8
+decode step 25-27 -> 17-19 ms, batch 1 14 -> 11 ms. A build without AMX (another CPU, or -mno-amx-tile) or
+a kernel that refuses the tile state keeps the AVX2 tiles below.
 
 Measured on this repository's 2-core AMD EPYC (AVX2 + FMA, no AVX-512), microseconds a call, each of
 8 copies in turn (weights from memory, as a step reads its layers), against fp32 F.linear on the

@@ -10,6 +10,10 @@ On a machine without the path these run the AVX2 tiles, which meet the same boun
 
 from __future__ import annotations
 
+import ctypes
+import shutil
+import subprocess
+
 import numpy as np
 import pytest
 import torch
@@ -125,3 +129,27 @@ def test_a_row_of_x_is_the_same_whatever_the_others():
     full = cpu_blocks.matmul(x, data, "q8_0", (48, 576))
     for m0, m1 in ((0, amx), (3, 20), (17, 40)):
         assert torch.equal(cpu_blocks.matmul(x[m0:m1], data, "q8_0", (48, 576)), full[m0:m1])
+
+
+def test_a_build_without_amx_runs_the_avx2_tiles_with_the_dequantized_values(tmp_path, monkeypatch):
+    """The fallback a CPU without AMX gets (here: the same source built with -mno-amx-tile): no AMX path
+    (`amx_rows` 0, the long prefill back on dequantize + GEMM) and the AVX2 tiles' product, W's dequantized
+    values summed in another order, on the rows of x an AMX machine sends to the tiles."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or not cpu_blocks.available():
+        pytest.skip("no C compiler")
+    out = tmp_path / "no_amx.so"
+    done = subprocess.run([cc, *cpu_blocks.FLAGS, "-mno-amx-tile", "-mno-amx-bf16", "-o", str(out),
+                           *map(str, cpu_blocks.SOURCES)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    lib = cpu_blocks.declare(ctypes.CDLL(str(out)))
+    monkeypatch.setattr(cpu_blocks, "_lib", lambda: lib)
+    assert cpu_blocks.amx_rows("q4_1") == 0
+    for fmt in TYPES:
+        k = _ks(fmt)[1]
+        data, ref = _matrix(fmt, 130, k)
+        for m in (1, 5, 8, 17, cpu_blocks.PREFILL_ROWS + 1):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            expected = x @ ref.t()
+            torch.testing.assert_close(cpu_blocks.matmul(x, data, fmt, (130, k)), expected, rtol=0,
+                                       atol=1e-5 * expected.abs().max().item())
