@@ -44,6 +44,9 @@
  *     576 x 1536 q4_1          56    38           144    51           406   129            692   246
  *     3072 x 576 q4_1         108    70           262    81           735   221           1472   442
  *     49152 x 576 q8_0       1373  1364          3500  2422         11773  5402          23651  9780
+ * Thresholds (amx_min; AVX2 tiles against AMX, 2 threads, best of 40-200 calls): 1536 x 576 q4_1 at M = 1
+ * 36 / 28 us; the q8_0 lm_head at M = 3 1.48 / 1.73 ms, M = 4 1.80 / 1.56; 3072 x 512 Q4_K at M = 1 93 / 106,
+ * M = 2 109 / 107; Q5_K 141 / 147, 163 / 144; Q6_K at M = 4 191 / 239, M = 8 273 / 239.
  * With F.linear on the dequantized copies between calls (weights from memory, not L3) M = 8 reads, this
  * against main, 65 / 164, 72 / 169, 119 / 260, 2590 / 3760: the Q4_1 shapes near the speed the AVX2 tiles
  * stream them at M = 1 (68, 67, 117). The q8_0 lm_head at M = 1 is the AVX2 tiles in both: they stream it
