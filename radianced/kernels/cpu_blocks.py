@@ -13,6 +13,15 @@ code does and multiplies in fp32: W's values are the reference's bit for bit and
 from `F.linear(x, W.dequantize())` only in the order of its sums, like any fp32 GEMM. It reads the
 `.rad`'s bytes in place (the int4 kernel needed a second packing in RAM).
 
+On a CPU with AMX-BF16 (Sapphire Rapids on), from `amx_rows(fmt)` rows of x (Q4_0 / Q4_1 from 1, Q8_0 from
+4), the product runs on the tile unit instead: gguf's w = d * q + m factored into d * sum(q x) + m * sum(x)
+a chunk, the integer q exact in bf16 and x split exactly into three bf16 parts, so it is still within
+fp32 rounding of the exact product, but W's dequantized values are no longer its operands (cpu_blocks.c's
+header; `dequantize` stays bit for bit). On the 2-core Sapphire Rapids at M = 8: 2.2-2.5x faster on
+SmolLM2's Q4_1 shapes with the weights from memory, 2.8-3.2x from L3, 1.45x on the Q8_0 lm_head; a batch-8
+decode step 25-27 -> 17-19 ms, batch 1 14 -> 11 ms. A build without AMX (another CPU, or -mno-amx-tile) or
+a kernel that refuses the tile state keeps the AVX2 tiles below.
+
 Measured on this repository's 2-core AMD EPYC (AVX2 + FMA, no AVX-512), microseconds a call, each of
 8 copies in turn (weights from memory, as a step reads its layers), against fp32 F.linear on the
 dequantized matrix and the int4 kernel in bf16 (2 threads; the blocks' column before the two-row tiles
@@ -31,7 +40,8 @@ At a long prefill a GEMM library beats it (W's blocks are dequantized again for 
 past `PREFILL_ROWS` rows the matrix is dequantized by the same C code into a scratch and multiplied by
 torch's fp32 GEMM, the values unchanged. Measured (2 threads, us a call, kernel / dequantize + GEMM):
 1536 x 576 q4_1 at M = 48: 689 / 1045, M = 64: 936 / 1121, M = 128: 1899 / 1665; 576 x 1536 q4_1 at
-M = 64: 1003 / 963; the q8_0 lm_head (49152 x 576) at M = 64: 29 / 93 ms.
+M = 64: 1003 / 963; the q8_0 lm_head (49152 x 576) at M = 64: 29 / 93 ms. The AMX product of Q4_0 / Q4_1 /
+Q8_0 beats it to 512 rows and keeps them (`AMX_PREFILL`).
 
 The library (this file's kernels and the decode attention's, cpu_attention.py: `SOURCES`) is compiled
 with `-O3 -march=native -ffp-contract=off` (no fused multiply-add where gguf's dequantization rounds
@@ -62,6 +72,10 @@ from radianced.kernels.formats import CPU_BLOCKS, FORMATS as ALL_FORMATS
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_blocks.c", "cpu_attention.c"))
 FORMATS = {f: CPU_BLOCKS.index(f) for f in CPU_BLOCKS}  # cpu_blocks.c's format codes
 PREFILL_ROWS = 64  # rows of x past which dequantize + torch's GEMM is faster (measured: module docstring)
+# formats whose AMX product (cpu_blocks.c) beats dequantize + GEMM at every M measured, 65 to 512 rows (2 threads,
+# Sapphire Rapids: 1536 x 576 q4_1 at M = 512 2.0 ms against 3.1, the q8_0 lm_head at M = 128 20 ms against 57);
+# the K-quants' does not (Q6_K at M = 65: 2.8 ms against 2.2), so they keep PREFILL_ROWS
+AMX_PREFILL = ("q4_0", "q4_1", "q8_0")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -112,19 +126,29 @@ def _lib() -> ctypes.CDLL | None:
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """`lib` (a build of `SOURCES`) with its three functions' C signatures set."""
+    """`lib` (a build of `SOURCES`) with its functions' C signatures set."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.rad_blocks_matmul.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, i64, ctypes.c_int]
     lib.rad_blocks_dequantize.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ctypes.c_int]
     lib.rad_decode_attention.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64,
                                          ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
     lib.rad_blocks_matmul.restype = lib.rad_blocks_dequantize.restype = lib.rad_decode_attention.restype = None
+    if hasattr(lib, "rad_blocks_amx_rows"):
+        lib.rad_blocks_amx_rows.argtypes, lib.rad_blocks_amx_rows.restype = [ctypes.c_int], ctypes.c_int
+    else:  # an older cpu_blocks.c (tools/bench_cpu_blocks.py --source): no AMX path
+        lib.rad_blocks_amx_rows = lambda fmt: 0
     return lib
 
 
 def available() -> bool:
     """Whether the kernels are built (or can be) on this machine."""
     return _lib() is not None
+
+
+def amx_rows(fmt: str) -> int:
+    """Rows of x from which `matmul` runs `fmt` through the AMX path here (cpu_blocks.c's header), 0 where it
+    does not."""
+    return _lib().rad_blocks_amx_rows(FORMATS[fmt]) if available() else 0
 
 
 def _check(data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> tuple[int, int, int]:
@@ -153,13 +177,14 @@ class Matrix:
     0), 2 threads, x [1, 32]: 13.0 us a call through `matmul` before, 5.9 us through `__call__`, of which the
     ctypes call is 3.0 and `torch.empty` for y 1.2-1.4 (kernels/cpu.py `_matmul`: 15.4 -> 7.0 us)."""
 
-    __slots__ = ("data", "fmt", "shape", "_w", "_run")
+    __slots__ = ("data", "fmt", "shape", "_w", "_run", "_gemm_past")
 
     def __init__(self, data: torch.Tensor, fmt: str, shape: tuple[int, int]):
         n, k, row_bytes = _check(data, fmt, shape)
         self.data, self.fmt, self.shape = data, fmt, (n, k)
         self._w = (data.data_ptr(), row_bytes, FORMATS[fmt])
         self._run = _lib().rad_blocks_matmul
+        self._gemm_past = None if fmt in AMX_PREFILL and amx_rows(fmt) else PREFILL_ROWS  # rows of x
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] fp32 @ W.T -> [..., N] fp32."""
@@ -171,7 +196,7 @@ class Matrix:
         (m, kx), (ldx, unit) = x.shape, x.stride()
         if kx != k or unit != 1:
             return self._general(x)
-        if m > PREFILL_ROWS:
+        if self._gemm_past is not None and m > self._gemm_past:
             return x @ dequantize(self.data, self.fmt, self.shape).t()
         y = torch.empty(m, n, dtype=torch.float32)
         if m:

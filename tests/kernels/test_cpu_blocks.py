@@ -4,7 +4,9 @@ Q4_0 / Q4_1 / Q8_0 weights come from `gguf.quants.quantize` (llama.cpp's layouts
 K-quants, which gguf's Python package does not quantize, are random blocks with finite fp16 scales (every
 bit pattern of their quants, scales and mins is a valid block). The oracle is `gguf.quants.dequantize`
 then an fp32 matmul. The kernels' dequantization must be gguf's bit for bit, and a product may differ
-from the oracle's only by the order of its fp32 sums."""
+from the oracle's only by fp32 rounding: by the order of its sums in the AVX2 tiles; past
+`cpu_blocks.amx_rows(fmt)` rows of x on an AMX machine, also by gguf's w = d * q + m factored into
+d * sum(q x) + m * sum(x) a chunk (test_cpu_blocks_amx.py bounds it against the exact product)."""
 
 from __future__ import annotations
 
