@@ -158,8 +158,7 @@ def _compact_formats(facts: ModelFacts, cls: str) -> tuple[str, ...]:
 
 
 def _workspace(facts: ModelFacts, card: Card, cfg: Config, disk_tier: bool) -> tuple[Part, ...]:
-    m, act, T = facts.model, facts.act_bytes, cfg.max_num_batched_tokens
-    rows = min(T, cfg.decode_tokens)
+    rows = min(cfg.max_num_batched_tokens, cfg.decode_tokens)
     return (
         _logits(facts, rows),
         _activations(facts, card, cfg),

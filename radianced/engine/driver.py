@@ -33,7 +33,6 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from radianced.engine.detokenizer import IncrementalDetokenizer
 from radianced.engine.engine import Engine, Executed
@@ -43,103 +42,12 @@ from radianced.engine.request import FinishReason, Request, SeqStatus
 from radianced.engine.request_log import expert_line, request_line
 from radianced.engine.sampling_params import SamplingParams
 from radianced.engine.scheduler import SeqEvent
+from radianced.engine.streams import (
+    Chunk, EngineFailed, LiveRequest, RequestFailed, RequestStream, StreamState, reused_tokens,
+)
 from radianced.engine.speculation import DraftStats
 
 log = logging.getLogger("radianced.requests")
-
-
-class EngineFailed(RuntimeError):
-    """The request cannot go on: the engine task died (no live request will get another
-    token), or, as `RequestFailed`, a step could not compute this request."""
-
-
-class RequestFailed(EngineFailed):
-    """This request failed (an expert it routed to could not be read); the engine and the
-    other requests go on. The message says what failed and what to do."""
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """What one step produced for a request: new token ids, the text they settle,
-    and, on the last chunk, why the request ended."""
-
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    logprobs: object = None
-    reused_tokens: int | None = None  # on the last chunk: prompt tokens the prefix cache served
-
-
-@dataclass(frozen=True)
-class LiveRequest:
-    """One live request as `radiancectl status` lists it."""
-
-    request_id: str
-    state: str  # "waiting" | "running"
-    prompt_tokens: int
-    generated: int
-    age_s: float
-
-
-@dataclass
-class _Stream:
-    """The loop's view of one live request."""
-
-    request: Request
-    detok: IncrementalDetokenizer
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    arrived: float = field(default_factory=time.perf_counter)
-    first_token: float | None = None
-    last_token: float | None = None
-    generated: int = 0
-    seq: object = None  # the scheduler's Sequence (read for reuse counts)
-    experts: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # decode (lookups, hits, routed, missed routed)
-
-
-class RequestStream:
-    """One submitted request's chunks, in order; the last has a finish_reason.
-
-    `close()` (or `aclose()`) before the last chunk cancels the request; after
-    it, or twice, it does nothing. Raises EngineFailed if the engine task dies.
-    """
-
-    def __init__(self, engine: AsyncEngine, stream: _Stream):
-        self._engine = engine
-        self._stream = stream
-        self.done = False
-
-    @property
-    def request_id(self) -> str:
-        return self._stream.request.request_id
-
-    @property
-    def num_reused_tokens(self) -> int:
-        """Prompt tokens the prefix cache served (0 until the request is admitted)."""
-        return _reused(self._stream)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> Chunk:
-        if self.done:
-            raise StopAsyncIteration
-        chunk = await self._stream.queue.get()
-        if isinstance(chunk, RequestFailed):
-            self.done = True
-            raise chunk
-        if isinstance(chunk, BaseException):
-            self.done = True
-            raise EngineFailed(f"the engine failed: {chunk!r}") from chunk
-        self.done = chunk.finish_reason is not None
-        return chunk
-
-    def close(self) -> None:
-        if not self.done:
-            self.done = True
-            self._engine.cancel(self.request_id)
-
-    async def aclose(self) -> None:
-        self.close()
 
 
 def step_executor() -> ThreadPoolExecutor:
@@ -158,7 +66,7 @@ class AsyncEngine:
         self.pacer = pacer
         self.scheduler = engine.scheduler
         self.metrics = metrics or NoMetrics()
-        self._streams: dict[str, _Stream] = {}  # the loop's: live requests by id
+        self._streams: dict[str, StreamState] = {}  # the loop's: live requests by id
         self._worker = step_thread or step_executor()
         self._ids = itertools.count()
         self._failed: BaseException | None = None
@@ -263,7 +171,7 @@ class AsyncEngine:
         for call in calls:
             call()
 
-    def _add(self, stream: _Stream) -> None:
+    def _add(self, stream: StreamState) -> None:
         try:
             stream.seq = self.scheduler.add(stream.request)
         finally:
@@ -313,7 +221,7 @@ class AsyncEngine:
         request = Request(request_id, tuple(prompt_ids), params,
                           frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                               else frozenset(self.tokenizer.eos_token_ids)))
-        stream = _Stream(request, IncrementalDetokenizer.for_request(self.tokenizer, params, prompt_ids))
+        stream = StreamState(request, IncrementalDetokenizer.for_request(self.tokenizer, params, prompt_ids))
         self._streams[request_id] = stream
         self.metrics.add_prompt_tokens(len(prompt_ids))
         self._post(lambda: self._add(stream), arriving=True)
@@ -342,7 +250,7 @@ class AsyncEngine:
         self._post(lambda: self.scheduler.cancel(request_id))
         self._log_done(stream, FinishReason.ABORT.value)
         stream.queue.put_nowait(Chunk((), stream.detok.finish().text, FinishReason.ABORT.value, None,
-                                      _reused(stream)))
+                                      reused_tokens(stream)))
         return True
 
     def cancel_all(self) -> int:
@@ -416,7 +324,7 @@ class AsyncEngine:
             if stream.first_token is None:
                 stream.first_token = now
                 m.observe_ttft(now - stream.arrived)
-                m.add_prefix_hit_tokens(_reused(stream))
+                m.add_prefix_hit_tokens(reused_tokens(stream))
             else:
                 m.observe_inter_token(now - stream.last_token)
             stream.last_token = now
@@ -434,20 +342,15 @@ class AsyncEngine:
                 del self._streams[ev.request_id]
                 m.observe_e2e(now - stream.arrived)
                 self._log_done(stream, reason)
-            reused = _reused(stream) if reason is not None else None
+            reused = reused_tokens(stream) if reason is not None else None
             stream.queue.put_nowait(Chunk(ev.token_ids, text, reason, ev.logprobs, reused))
 
-    def _log_done(self, s: _Stream, reason: str) -> None:
+    def _log_done(self, s: StreamState, reason: str) -> None:
         drafts = s.seq.draft_stats if s.seq is not None else DraftStats()
-        log.info("%s", request_line(s.request.request_id, len(s.request.prompt_token_ids), _reused(s), s.arrived,
+        log.info("%s", request_line(s.request.request_id, len(s.request.prompt_token_ids), reused_tokens(s), s.arrived,
                                     s.first_token, s.generated, drafts, reason))
         if self.engine.experts is not None:
             log.info("%s: %s", s.request.request_id, expert_line(*s.experts))
-
-
-def _reused(stream: _Stream) -> int:
-    """Prompt tokens the prefix cache served the stream's request (0 before it is added)."""
-    return (stream.seq.num_reused_tokens or 0) if stream.seq is not None else 0
 
 
 def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:

@@ -12,7 +12,7 @@ import time
 
 from starlette.responses import StreamingResponse
 
-from radianced.engine.driver import Chunk, EngineFailed, RequestStream
+from radianced.engine.streams import Chunk, EngineFailed, RequestStream
 from radianced.server import api_responses as r
 from radianced.server.api_errors import ProtocolError
 from radianced.server.state import Served

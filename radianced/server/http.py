@@ -35,7 +35,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from radianced.engine.driver import EngineFailed, RequestStream
+from radianced.engine.streams import EngineFailed, RequestStream
 from radianced.engine.scheduler import QueueFull
 from radianced.server.answers import Answer, EventStream
 from radianced.server.api_errors import ProtocolError, error_body
