@@ -59,7 +59,7 @@ class StreamState:
     first_token: float | None = None
     last_token: float | None = None
     generated: int = 0
-    seq: object = None  # the scheduler's Sequence (read for reuse counts)
+    seq: object = None  # the scheduler's Sequence, once the step thread has added the request (read-only here)
     experts: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # decode (lookups, hits, routed, missed routed)
 
 
