@@ -51,6 +51,7 @@ from radianced.engine.pacing import StepPacer
 from radianced.engine.tp_memory import refuse_device
 from radianced.engine.tp_processes import RankWorkers
 from radianced.engine.warmup import warm_up_served, warm_up_start
+from radianced.handoff import call_into
 from radianced.kernels.compiles import CompileLog
 from radianced.model.config import UnsupportedModel
 from radianced.model.parallel import SINGLE, Group
@@ -237,16 +238,8 @@ class Daemon:
         came first (the thread is a daemon thread: exiting does not wait for it).
         Raises _StartFailed, logged, when loading fails."""
         loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-
-        def build() -> None:
-            try:
-                result, error = self._build(), None
-            except BaseException as e:  # handed to the loop, which reports it
-                result, error = None, e
-            loop.call_soon_threadsafe(_settle, done, result, error)
-
-        threading.Thread(target=build, name="radianced-load", daemon=True).start()
+        done: asyncio.Future = loop.create_future()  # a load error is reported below
+        threading.Thread(target=call_into, args=(loop, done, self._build), name="radianced-load", daemon=True).start()
         stop = asyncio.create_task(self._stop.wait())
         while not done.done() and not stop.done():
             notify.extend_timeout(int(EXTEND_S * 1e6))
@@ -395,8 +388,3 @@ def use_kernel_cache() -> Path:
 def _unlink(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-
-
-def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
-    if not future.done():
-        future.set_result(result) if error is None else future.set_exception(error)

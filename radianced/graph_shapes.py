@@ -25,10 +25,10 @@
   those of its first `mixed_logits_rows` wanted rows.
 - Models with recurrent layers (Qwen3-Next) capture decode graphs only: their other
   steps walk the sequences on the host.
-- No graphs at all (`no_graphs`) on the CPU, with --enforce-eager, or where the MTP
-  head drafts (its pass follows every step on the host); the engine also runs the disk
-  tier eagerly (a host sync in every routed layer), which the receipt, planned before
-  the split that homes experts on disk, still charges a graph pool for.
+- No graphs at all (`no_graphs`) on the CPU, with --enforce-eager, where the MTP head
+  drafts (its pass follows every step on the host), or where the receipt's split homes
+  experts on disk (a host sync in every routed layer; budget.py plans that split again
+  without the pool).
 """
 
 from __future__ import annotations

@@ -172,8 +172,8 @@ async def step_kinds(http: httpx.AsyncClient) -> dict[str, tuple[float, float]]:
 
 
 # the daemon's histograms read around the burst: where a client's long gap comes from (the engine's own ITL is
-# taken as it hands tokens to the event loop; a step's wall time; its device time by kind; the rounds' waits for
-# the event loop)
+# taken as the loop hands tokens to their streams; a step's wall time; its device time by kind; the finished steps'
+# tokens' wait for the event loop)
 BURST_HISTOGRAMS = ("radiance_inter_token_latency_seconds", "radiance_step_duration_seconds",
                     "radiance_step_own_seconds", "radiance_step_loop_wait_seconds")
 

@@ -46,6 +46,7 @@ from radianced.engine.speculation import DraftStats
 from radianced.engine.streams import (
     Chunk, EngineFailed, LiveRequest, RequestFailed, RequestStream, StreamState, reused_tokens,
 )
+from radianced.handoff import call_into
 
 log = logging.getLogger("radianced.requests")
 
@@ -131,15 +132,7 @@ class AsyncEngine:
             raise EngineFailed(f"the engine failed: {self._failed!r}")
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-
-        def call() -> None:
-            try:
-                result, error = fn(), None
-            except BaseException as e:  # handed to the caller
-                result, error = None, e
-            loop.call_soon_threadsafe(_settle, done, result, error)
-
-        self._post(call)
+        self._post(lambda: call_into(loop, done, fn))
         return await done
 
     # -- the step thread ------------------------------------------------------------------
@@ -351,11 +344,3 @@ class AsyncEngine:
                                     s.first_token, s.generated, drafts, reason))
         if self.engine.experts is not None:
             log.info("%s: %s", s.request.request_id, expert_line(*s.experts))
-
-
-def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
-    if not future.done():
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)

@@ -23,7 +23,6 @@ receipt's elastic line, and the KV cache is a view over its pages.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -85,13 +84,11 @@ class Executed:
     launched: the step it launched and left in flight, or None.
     finished: the step it collected, or None.
     output: `finished`'s output (None with it).
-    ended: when it returned (time.perf_counter()): the driver's loop wait starts there.
     """
 
     launched: InFlight | None
     finished: InFlight | None
     output: StepOutput | None
-    ended: float = field(default_factory=time.perf_counter)
 
 
 @dataclass

@@ -23,7 +23,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                  1.0, 2.5, 5.0, 10.0)
-# A round's hand-back to the event loop: ~0.1 ms when nothing is queued ahead of it, ms behind HTTP work.
+# A step's tokens' wait for the event loop: ~0.1 ms when nothing is queued ahead of them, ms behind HTTP work.
 LOOP_WAIT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 # One expert read with O_DIRECT: ~0.1 ms for a small extent from NVMe, up to seconds on a slow or busy disk.
 DISK_READ_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
