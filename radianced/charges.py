@@ -181,16 +181,24 @@ def _allocator_tails(facts: ModelFacts, weights: tuple[Part, ...], card: Card) -
                  "a large tensor's 2 MiB segment it cannot split off"),)
 
 
+def _deterministic_rows(facts: ModelFacts, card: Card, cfg: Config, tokens: int) -> int:
+    """On a CUDA card under --deterministic, the MoE's fp32 rows (one per routed assignment, summed in a fixed
+    order) once more at `tokens`: freed after a layer, their block is split by the next layer's smaller
+    tensors, so the next layer's rows take a new one. The same holds inside the step graphs' private pool."""
+    m = facts.model
+    if not (cfg.deterministic and card.cuda and m.moe_layers):
+        return 0
+    return tokens * m.num_experts_per_tok * m.hidden_size * FP32
+
+
 def _activations(facts: ModelFacts, card: Card, cfg: Config) -> Part:
-    """One layer's activations at --max-num-batched-tokens. On a CUDA card under --deterministic, the MoE's
-    fp32 rows (one per routed assignment, summed in a fixed order) once more: freed after a layer, their
-    block is split by the next layer's smaller tensors, so the next layer's rows take a new one (the
-    H200's start-up check at 4 layers: the peak passed the receipt by 6.8 MiB without it)."""
+    """One layer's activations at --max-num-batched-tokens, and the deterministic MoE's rows once more (the
+    H200's start-up check at 4 layers: the peak passed the receipt by 6.8 MiB without them)."""
     m, T = facts.model, cfg.max_num_batched_tokens
     n = activation_bytes(m, facts.act_bytes, T, card.cuda)
-    if not (cfg.deterministic and card.cuda and m.moe_layers):
+    rows = _deterministic_rows(facts, card, cfg, T)
+    if not rows:
         return Part("activations", n, f"one layer at {T} tokens")
-    rows = T * m.num_experts_per_tok * m.hidden_size * FP32
     return Part("activations", n + rows, f"one layer at {T} tokens, and the deterministic MoE's fp32 rows once "
                 f"more ({fmt_mib(rows)}: the allocator splits their freed block between layers)")
 
@@ -228,11 +236,14 @@ def _graph_pool(facts: ModelFacts, rows: int, card: Card, cfg: Config, disk_tier
     mixed = mixed_buckets_of(bool(m.linear_attention_layers), cfg.max_num_seqs, cfg.max_num_batched_tokens)
     tokens = max((rows, *mixed))
     logit_rows = max((rows, *(mixed_logits_rows(t, cfg.decode_tokens) for t in mixed)))
-    pool = activation_bytes(m, facts.act_bytes, tokens, card.cuda) + card_logits_bytes(facts, logit_rows)
+    det = _deterministic_rows(facts, card, cfg, tokens)
+    pool = activation_bytes(m, facts.act_bytes, tokens, card.cuda) + det + card_logits_bytes(facts, logit_rows)
     top = max(mixed, default=0)
     held = mixed_logits_rows(top, cfg.decode_tokens) * m.vocab_size * FP32 + \
         top * len(m.moe_layers) * m.num_experts_per_tok * ROUTING_ID_BYTES
     what = f"one layer at {tokens} tokens and logits at {logit_rows} rows"
+    if det:
+        what += f", the deterministic MoE's fp32 rows once more ({fmt_mib(det)})"
     if mixed:
         what += f", and the logits and routing the mixed graphs hold ({fmt_mib(held)})"
     return Part("graph pool", pool + held + CAPTURE_WORKSPACE_BYTES,

@@ -8,6 +8,8 @@ weights' tensors are also charged what torch's caching allocator holds past thei
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from radianced.card import Card, MiB
@@ -75,6 +77,23 @@ def test_deterministic_moe_rows_are_charged_twice_on_a_cuda_card_only():
     assert "deterministic MoE's fp32 rows once more" in activations(moe, True, deterministic=True).detail
     assert activations(moe, False, deterministic=True).bytes == activations(moe, False).bytes
     assert activations(UNTIED, True, deterministic=True).bytes == activations(UNTIED, True).bytes
+
+
+def test_deterministic_moe_rows_are_charged_twice_in_the_graph_pool_too():
+    """The step graphs capture the same layer into their own pool, where the allocator splits the rows' freed
+    block the same way (the H200's start-up check: 374 MiB reserved against a 364 MiB line without them)."""
+    moe = ModelFacts.from_config(ModelConfig(family="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                                             moe_intermediate_size=32, **_TINY), 2)
+
+    def pool(facts, cuda, **flags):
+        return next(p for p in _charges(facts, cuda, **flags).workspace if p.name == "graph pool")
+
+    plain, det = pool(moe, True), pool(moe, True, deterministic=True)
+    tokens = int(re.search(r"one layer at (\d+) tokens", plain.detail)[1])
+    assert det.bytes == plain.bytes + tokens * 2 * 64 * 4  # its tokens x k x H x fp32
+    assert "deterministic MoE's fp32 rows once more" in det.detail
+    assert pool(moe, False, deterministic=True).bytes == pool(moe, False).bytes == 0
+    assert pool(UNTIED, True, deterministic=True).bytes == pool(UNTIED, True).bytes
 
 
 @pytest.mark.parametrize("nbytes,tail", [

@@ -41,6 +41,7 @@ FLAGS = ("--host-pool-mib", "1", "--expert-slots", "4", "--max-num-seqs", "4",
          "--api-key", API_KEY, "--served-model-name", SERVED_NAME)
 K = 2  # the tiny qwen3_moe's experts per token
 STARTUP_TIMEOUT_S = 90.0
+ON_THE_CPU = {"CUDA_VISIBLE_DEVICES": ""}  # on a GPU machine too: --tp over NCCL is refused until it has run on cards
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def moe_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def daemons(moe_model):
     """(--tp 1, --tp 2), loading at the same time."""
-    pair = [start_daemon(moe_model, *FLAGS, *tp, wait_ready=False, timeout_s=STARTUP_TIMEOUT_S)
+    pair = [start_daemon(moe_model, *FLAGS, *tp, env=ON_THE_CPU, wait_ready=False, timeout_s=STARTUP_TIMEOUT_S)
             for tp in ((), ("--tp", "2"))]
     for d in pair:
         wait_until_ready(d, STARTUP_TIMEOUT_S)
@@ -215,7 +216,7 @@ async def test_sigterm_lets_the_streams_finish_and_both_ranks_exit_0(two):
 
 
 def test_a_killed_rank_stops_the_daemon_naming_it(moe_model):
-    d = start_daemon(moe_model, *FLAGS, "--tp", "2", timeout_s=STARTUP_TIMEOUT_S)
+    d = start_daemon(moe_model, *FLAGS, "--tp", "2", env=ON_THE_CPU, timeout_s=STARTUP_TIMEOUT_S)
     _worker(d).kill()
     start = time.monotonic()
     try:

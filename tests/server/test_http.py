@@ -12,6 +12,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from radianced.card import Card
@@ -58,10 +59,12 @@ async def wait_idle(daemon, timeout: float = 5.0) -> dict[str, float]:
 
 @pytest.fixture
 async def local_engine(tiny_model):
-    """The daemon's engine, in this process: same .rad, same flags, same card."""
+    """The daemon's engine, in this process: same .rad, same flags, same card, on the daemon's device (a seed's
+    draws differ between torch's CPU and CUDA generators)."""
     rad = RadFile.open(tiny_model)
     cfg = Config(card_mib=CARD_MIB, max_model_len=MAX_MODEL_LEN)
-    ae = AsyncEngine(Engine.build(rad, cfg, Card.from_mib(CARD_MIB)))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ae = AsyncEngine(Engine.build(rad, cfg, Card.from_mib(CARD_MIB, cuda=device == "cuda"), device))
     task = asyncio.create_task(ae.run())
     yield ae
     task.cancel()

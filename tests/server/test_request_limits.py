@@ -18,8 +18,8 @@ from radianced.server.prompts import prepare
 from radianced.server.state import Served
 
 USER = [{"role": "user", "content": "hi"}]
-DEEP_JSON = ("the request body nests JSON arrays or objects too deeply to decode (the limit is Python's recursion "
-             "depth, about a thousand levels; a request needs a handful)")
+DEEP_JSON = ("the request body nests JSON arrays or objects too deeply to decode (the limit is the interpreter's "
+             "recursion depth, a thousand levels or more; a request needs a handful)")
 
 
 def refusal(fn, data: bytes, *args, **kw) -> tuple[int, str | None, str]:
@@ -78,7 +78,7 @@ def test_a_lone_surrogate_is_named_not_called_truncated(escape):
     assert parse_completion(b'{"prompt": "a\\u0000b"}').request.prompt == "a\x00b"  # NUL is a character
 
 
-@pytest.mark.parametrize("depth", [1_000, 100_000])
+@pytest.mark.parametrize("depth", [20_000, 100_000])  # past the limit of Python 3.11 (1,000) and 3.12 (C's, more)
 def test_deep_json_is_a_400_on_both_endpoints(depth):
     nest = b"[" * depth + b"]" * depth
     assert refusal(parse_completion, b'{"x": ' * depth + b"1" + b"}" * depth) == (400, None, DEEP_JSON)
