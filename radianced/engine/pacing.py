@@ -7,7 +7,8 @@ Two caps, both from the steps the daemon runs:
   long: SmolLM2 on a 2-core CPU took about 15 s for 2,048 tokens, and a request that
   arrived, or a cancel, waited that long for the step to end (issue 19, finding 4). The
   next step's tokens are capped at what the measured prefill rate does in
-  `--max-step-seconds` (0.5 s by default); a fast device (every GPU) never reaches it.
+  `--max-step-seconds` (0.5 s by default), a rate measured on steps of at least a quarter
+  of it (`RATE_FROM`); a fast device (every GPU) never reaches it.
 - **Running streams' inter-token latency.** While sequences decode, a step that also
   prefills delays each of their next tokens by its prefill's time. Uncapped, a burst of
   long prompts on the H200 took steps of 2,048 tokens between 1.7 ms decode steps (issue
@@ -49,6 +50,11 @@ from __future__ import annotations
 from radianced.config import Config
 from radianced.sizing import BLOCK_TOKENS
 
+# A step shorter than this share of --max-step-seconds only lets the step-time cap grow: its time is mostly fixed
+# costs, and a rate through zero from it cut the next long prompt into chunks for nothing (on the H200 the rate of
+# the daemon's own warm-up prompts of 3-17 tokens, ~4 ms a step, chunked the first user prompt: 551 tokens in 3
+# steps, 11.6 ms of device time, against one step of 5.9 ms for its twin).
+RATE_FROM = 0.25
 FORGET = 0.8  # the weight of a prefill step in the step-time line falls by this with each newer one
 BESIDE_DECODES = 256  # the most tokens a step with decodes takes where the engine replays graphs (docstring)
 
@@ -83,8 +89,10 @@ class StepPacer:
             self.decode_seconds = seconds
         elif seconds > 0:
             if self.max_step_seconds:
-                fits = int(tokens * self.max_step_seconds / seconds)
-                self.budget = max(self.floor, min(self.max_tokens, fits, 2 * max(tokens, self.budget)))
+                grown = min(self.max_tokens, 2 * max(tokens, self.budget))
+                if seconds >= RATE_FROM * self.max_step_seconds:
+                    grown = max(self.floor, min(grown, int(tokens * self.max_step_seconds / seconds)))
+                self.budget = grown
             prefill = tokens - sequences
             if decodes:  # the line is a step beside decodes (module docstring)
                 self._fit = [FORGET * old + new for old, new in

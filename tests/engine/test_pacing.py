@@ -29,6 +29,16 @@ def test_the_budget_is_what_the_measured_rate_does_in_the_target_time():
     assert pacer.observe(1500, 1, 0.001) == 2048  # never past the flag
 
 
+def test_a_short_step_lets_the_cap_grow_but_never_cuts_it():
+    """A step under a quarter of the target is mostly fixed costs: no rate from it (the H200's warm-up prompts of
+    3 tokens in 4 ms said 375 tokens fit in 0.5 s, and the first user prompt of 551 tokens took 3 steps)."""
+    pacer = StepPacer(2048, 0.5, 24)
+    assert pacer.observe(3, 1, 0.004) == 2048
+    assert pacer.observe(17, 1, 0.1249) == 2048
+    assert pacer.observe(17, 1, 0.125) == 68  # a quarter of the target: its rate counts
+    assert pacer.observe(60, 1, 0.05) == 136  # short again: twice the larger of the step and the cap
+
+
 def test_decode_steps_leave_the_budget_alone_and_the_floor_holds():
     pacer = StepPacer(512, 0.5, 24)
     assert pacer.observe(8, 8, 3.0) == 512  # a decode step's time is fixed cost, not a rate
