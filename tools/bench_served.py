@@ -1,6 +1,7 @@
 """Issue 18's rows: what a user of the HTTP API sees from a daemon started as users start it.
 
     python tools/bench_served.py --out DIR [--layers 8] [--requests 200] [--bursts 25] [--env K=V] [--name N]
+                                 [--switch-interval-ms MS]
                                  [-- FLAGS]
 
 On a synthetic Qwen3-30B-A3B-shaped `.rad` (tools/make_synthetic.py, Zipf 1.0) the
@@ -22,7 +23,7 @@ request goes over HTTP, streamed (`radianced.bench.client.stream_request`).
 - c-sweep: 16 requests of 128 prompt and 128 output tokens at c = 1 and c = 8:
   aggregate generated tok/s (target: c = 8 at least 3x c = 1);
 - prefill burst: 4 streams decoding 1,024 tokens; 0.3 s after they start, 8 prompts
-  of 2,000 tokens arrive together; the running streams' ITL p50 and p99 while the burst
+  of 2,000 tokens arrive together from another process (other users' clients); the running streams' ITL p50 and p99 while the burst
   prefills, against their median over the whole run (target: p99 at most 3x p50).
 
 Writes DIR/NAME.json (default bench_served.json); prints a table.
@@ -34,6 +35,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -41,6 +43,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -202,18 +205,32 @@ def histogram_deltas(before: Snapshot, after: Snapshot) -> dict:
     return out
 
 
-async def prefill_burst(http, prompts: Callable[[int], list[int]]) -> dict:
-    kinds_before = await step_kinds(http)
-    streams = [asyncio.create_task(stream_request(http, COMPLETIONS, completion_body(prompts(64), 1024)))
-               for _ in range(4)]
-    await asyncio.sleep(0.3)  # their prefill done, their decode well under way (1,024 tokens: ~2 s on the H200)
-    hist_before = Snapshot.parse((await http.get("/metrics")).text)
-    t_burst = time.perf_counter()
-    burst = await asyncio.gather(*(stream_request(http, COMPLETIONS, completion_body(prompts(2000), 1))
-                                   for _ in range(8)))
-    t_end = time.perf_counter()
-    hist_after = Snapshot.parse((await http.get("/metrics")).text)
-    running = await asyncio.gather(*streams)
+def burst_elsewhere(url: str, bodies: list[dict]) -> tuple[float, float, list[tuple[bool, float | None]]]:
+    """`bodies` sent together and streamed from this process, another user's client: (when sent, when all were
+    answered, (ok, TTFT) each). Sent from the streams' own client, the burst's requests took its event loop from
+    their chunks and stretched the gaps it measured (the daemon's own ITL histogram stayed under 20 ms while the
+    client saw 33-35 ms)."""
+    async def send() -> tuple[float, float, list[tuple[bool, float | None]]]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            t0 = time.perf_counter()  # CLOCK_MONOTONIC: the same clock in every process
+            samples = await asyncio.gather(*(stream_request(http, COMPLETIONS, b) for b in bodies))
+            return t0, time.perf_counter(), [(s.ok, s.ttft_s) for s in samples]
+    return asyncio.run(send())
+
+
+async def prefill_burst(http, prompts: Callable[[int], list[int]], url: str) -> dict:
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as other:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(other, burst_elsewhere, url, [])  # started and imported before the streams
+        kinds_before = await step_kinds(http)
+        streams = [asyncio.create_task(stream_request(http, COMPLETIONS, completion_body(prompts(64), 1024)))
+                   for _ in range(4)]
+        await asyncio.sleep(0.3)  # their prefill done, their decode well under way (1,024 tokens: ~2 s on the H200)
+        hist_before = Snapshot.parse((await http.get("/metrics")).text)
+        t_burst, t_end, burst = await loop.run_in_executor(
+            other, burst_elsewhere, url, [completion_body(prompts(2000), 1) for _ in range(8)])
+        hist_after = Snapshot.parse((await http.get("/metrics")).text)
+        running = await asyncio.gather(*streams)
     kinds = {k: (c - kinds_before.get(k, (0, 0))[0], t - kinds_before.get(k, (0, 0))[1])
              for k, (c, t) in (await step_kinds(http)).items()}
     itl = [g for s in running for g in s.itl_s]
@@ -225,8 +242,8 @@ async def prefill_burst(http, prompts: Callable[[int], list[int]]) -> dict:
             if t_burst <= at <= t_end:
                 during.append(gap)
     return {"itl_all": summary(itl), "itl_during_burst": summary(during), "burst_seconds": t_end - t_burst,
-            "burst_ttft": summary([s.ttft_s for s in burst if s.ok]),
-            "running_ok": sum(s.ok for s in running), "burst_ok": sum(s.ok for s in burst),
+            "burst_ttft": summary([ttft for ok, ttft in burst if ok]),
+            "running_ok": sum(s.ok for s in running), "burst_ok": sum(ok for ok, _ in burst),
             "steps": {k: {"steps": c, "mean_ms": 1000 * t / c if c else None} for k, (c, t) in kinds.items()},
             "burst_histograms": histogram_deltas(hist_before, hist_after)}
 
@@ -239,19 +256,28 @@ async def measure(url: str, args, res: dict) -> None:
         res["serving_builds_before"] = before
         for name, part in (("ttft", lambda: ttft_rows(http, prompts, args.requests, args.bursts)),
                            ("sweep", lambda: sweeps(http, prompts)),
-                           ("prefill_burst", lambda: prefill_burst(http, prompts))):
+                           ("prefill_burst", lambda: prefill_burst(http, prompts, url))):
             t0 = time.perf_counter()
             res[name] = await part()
             res["serving_builds"] = await serving_builds(http) - before
             print(f"  {name}: {time.perf_counter() - t0:.1f} s", flush=True)
 
 
-def start(flags: list[str], cache: Path) -> tuple[ChildDaemon, float, list[str]]:
+def start(flags: list[str], cache: Path, site: Path | None) -> tuple[ChildDaemon, float, list[str]]:
+    """The daemon started on the kernel cache `cache`, with `site` (a sitecustomize's folder) first on its
+    PYTHONPATH only: (the daemon, seconds to ready, what its log said of warm-up)."""
     os.environ["TRITON_CACHE_DIR"] = str(cache)
+    path = os.environ.get("PYTHONPATH")
+    if site is not None:
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(site), path)))
     t0 = time.monotonic()
-    d = ChildDaemon.start(flags)
+    try:
+        d = ChildDaemon.start(flags)
+    finally:
+        os.environ.pop("PYTHONPATH", None) if path is None else os.environ.update(PYTHONPATH=path)
     seconds = time.monotonic() - t0
-    said = [ln for ln in d.log().splitlines() if re.search(r"warm-up|kernel cache|step graphs|ready", ln)]
+    said = [ln for ln in d.log().splitlines()
+            if re.search(r"warm-up|kernel cache|step graphs|ready|GIL switch interval", ln)]
     return d, seconds, said
 
 
@@ -269,6 +295,10 @@ def main() -> int:
     ap.add_argument("--one-start", action="store_true",
                     help="start the daemon once (an empty kernel cache) and measure that one: the serving rows "
                          "without the warm restart's start-up time")
+    ap.add_argument("--switch-interval-ms", type=float,
+                    help="the daemon's GIL switch interval (sys.setswitchinterval, set by a sitecustomize on its "
+                         "PYTHONPATH; Python's default is 5 ms): does a step thread waiting for the GIL while the "
+                         "event loop runs Python stretch the steps of a prefill burst?")
     ap.add_argument("flags", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -289,16 +319,23 @@ def main() -> int:
             torch.cuda.empty_cache()  # the daemon plans the card's free memory: leave it what generating took
             print(f"synthetic model written in {time.monotonic() - t0:.1f} s", flush=True)
         flags = ["--model", str(model), *flags]
-        result = {"flags": flags, "layers": args.layers, "env": args.env}
+        result = {"flags": flags, "layers": args.layers, "env": args.env, "switch_interval_ms": args.switch_interval_ms}
+        site = None
+        if args.switch_interval_ms is not None:
+            site = Path(d) / "site"
+            site.mkdir()
+            (site / "sitecustomize.py").write_text(
+                f"import sys\nsys.setswitchinterval({args.switch_interval_ms / 1000!r})\n"
+                f"print('bench_served: GIL switch interval', sys.getswitchinterval(), 's', file=sys.stderr)\n")
         cache = Path(d) / "kernels"
-        daemon, cold, said = start(flags, cache)
+        daemon, cold, said = start(flags, cache, site)
         print(f"cold start-up to ready: {cold:.1f} s", flush=True)
         result["startup"] = {"cold_s": cold, "cold_log": said}
         if args.one_start:
             result["startup"].update(warm_s=None, warm_log=said)
         else:
             daemon.stop()
-            daemon, warm, said = start(flags, cache)
+            daemon, warm, said = start(flags, cache, site)
             result["startup"].update(warm_s=warm, warm_log=said)
             print(f"start-up to ready: cold cache {cold:.1f} s, warm restart {warm:.1f} s", flush=True)
         try:
