@@ -3,7 +3,8 @@
     python tools/startup_check.py --out DIR [--layers 4] [--spare-mib 24576] [--only NAME ...]
 
 For each flag combination (placement auto / resident / --deterministic, embedding
-placement vram / ram, step graphs on / off with --enforce-eager) a fresh process
+placement vram / ram, step graphs on / off with --enforce-eager; and placement auto
+with experts on the disk tier: --weights-disk-tier, no host pool, 64 slots) a fresh process
 takes the card as a user's neighbour might: it allocates a filler so that only
 --spare-mib stays free, then runs the daemon's start-up itself (`Daemon._build`:
 the receipt from what the card reports, the arena, the loader, the step graphs,
@@ -39,6 +40,9 @@ COMBOS = {f"{p}-emb_{e}-{g}": flags for p, pf in (("auto", []), ("resident", ["-
                                                   ("deterministic", ["--deterministic"]))
           for e in ("vram", "ram") for g, gf in (("graphs", []), ("eager", ["--enforce-eager"]))
           for flags in [[*pf, "--embedding-placement", e, *gf]]}
+# experts that fit neither the card's 64 slots nor a host pool of 0 MiB stay in the model file: the disk tier's two
+# buffers are charged and, its steps being eager, no graph pool (the receipt says "none: ...")
+COMBOS["auto-disk_tier"] = ["--weights-disk-tier", "--host-pool-mib", "0", "--expert-slots", "64"]
 
 
 def child(model: str, flags: list[str], spare_mib: int, snapshot: Path) -> dict:

@@ -58,7 +58,8 @@ from typing import Any
 
 from radianced.engine.drafting import DraftPlanner
 from radianced.engine.kv_manager import KVManager
-from radianced.engine.plan import PENDING, ScheduledSeq, StepOutput, StepPlan
+from radianced.engine.plan import PENDING, StepOutput, StepPlan
+from radianced.engine.plan_assembly import Chunk, scheduled
 from radianced.engine.request import FinishReason, Request, Sequence, SeqStatus
 from radianced.kv.blocks import BlockAllocator
 from radianced.kv.prefix import PrefixCache
@@ -79,15 +80,6 @@ class SeqEvent:
     finish_reason: FinishReason | None = None
     logprobs: Any = None
     error: str | None = None  # with FinishReason.ERROR
-
-
-@dataclass(slots=True)
-class _Chunk:
-    seq: Sequence
-    n: int
-    drafts: tuple[int, ...]  # drafted tokens fed after the chunk's (a decode's last token)
-    before: list[StateCopy]  # state resets and checkpoint restores, before the forward
-    after: list[StateCopy]  # checkpoint saves, after it
 
 
 class Scheduler:
@@ -219,7 +211,7 @@ class Scheduler:
         """ahead: a plan made while one is in flight: no drafts and no lookahead (the blocks counted
         by `schedule_ahead` are exactly the chunks' own, so nobody in flight can be preempted)."""
         budget = self.step_tokens
-        chunks: dict[int, _Chunk] = {}  # seq_id -> chunk, in plan order
+        chunks: dict[int, Chunk] = {}  # seq_id -> chunk, in plan order
         preempted: list[int] = []
         for seq in self._running_order():
             if budget == 0:
@@ -308,7 +300,7 @@ class Scheduler:
             n = seq.checkpoint_at - start  # end the chunk where the prompt checkpoint is taken
         return n
 
-    def _admit(self, seq: Sequence, budget: int) -> _Chunk | None:
+    def _admit(self, seq: Sequence, budget: int) -> Chunk | None:
         """Start the head of the waiting queue after its longest prefix hit, or None if
         its first chunk does not fit."""
         match = self.kv.match(seq)
@@ -327,13 +319,13 @@ class Scheduler:
         return self._plan_chunk(seq, n, before)
 
     def _plan_chunk(self, seq: Sequence, n: int, before: list[StateCopy] | None = None,
-                    drafts: tuple[int, ...] = ()) -> _Chunk:
+                    drafts: tuple[int, ...] = ()) -> Chunk:
         end = seq.num_computed_tokens + n
-        return _Chunk(seq, n, drafts, before or [], self.kv.checkpoint_saves(seq, end, sample=end == seq.num_tokens))
+        return Chunk(seq, n, drafts, before or [], self.kv.checkpoint_saves(seq, end, sample=end == seq.num_tokens))
 
     def _emit(self, chunks, preempted: list[int]) -> StepPlan:
         self._preempted += preempted
-        seqs = tuple(self._scheduled(c.seq, c.n, self._sample_rows, c.drafts) for c in chunks)
+        seqs = tuple(scheduled(c.seq, c.n, self._sample_rows, c.drafts) for c in chunks)
         if not seqs:
             return StepPlan()
         for c in chunks:  # the plan's tokens count as computed (queued), a sampled one is PENDING
@@ -352,28 +344,7 @@ class Scheduler:
         self._in_flight.append(plan)
         return plan
 
-    @staticmethod
-    def _scheduled(seq: Sequence, n: int, sample_rows: dict[int, int], drafts: tuple[int, ...]) -> ScheduledSeq:
-        """sample_rows: the previous plan's sampled-token rows (where a PENDING input comes from)."""
-        start = seq.num_computed_tokens
-        sample = start + n == seq.num_tokens
-        pending = seq.token_ids[start] == PENDING  # then n == 1: the pending token is the last
-        return ScheduledSeq(
-            seq_id=seq.seq_id,
-            token_ids=tuple(seq.token_ids[start:start + n]) + drafts,
-            context_before=start,
-            block_table=seq.block_table.frozen(),
-            state_slot=seq.state_slot,
-            sample=sample,
-            prompt_token_ids=seq.request.prompt_token_ids,
-            output_token_ids=tuple(seq.token_ids[seq.num_prompt_tokens:]) if sample else (),
-            params=seq.params,
-            input_from=sample_rows[seq.seq_id] if pending else None,
-            drafts=drafts,
-            next_token_id=None if sample else seq.token_ids[start + n],
-        )
-
-    def _preempt(self, seq: Sequence, chunks: dict[int, _Chunk]) -> int:
+    def _preempt(self, seq: Sequence, chunks: dict[int, Chunk]) -> int:
         """Send a running sequence back to the front of the waiting queue, to be
         recomputed; returns the budget its chunk in this plan held."""
         while seq.pending:  # (schedule_ahead counts its blocks, so it should never come to this) the token
