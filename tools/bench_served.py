@@ -23,8 +23,9 @@ request goes over HTTP, streamed (`radianced.bench.client.stream_request`).
 - c-sweep: 16 requests of 128 prompt and 128 output tokens at c = 1 and c = 8:
   aggregate generated tok/s (target: c = 8 at least 3x c = 1);
 - prefill burst: 4 streams decoding 1,024 tokens; 0.3 s after they start, 8 prompts
-  of 2,000 tokens arrive together from another process (other users' clients); the running streams' ITL p50 and p99 while the burst
-  prefills, against their median over the whole run (target: p99 at most 3x p50).
+  of 2,000 tokens arrive together from another process (other users' clients); the
+  running streams' ITL p50 and p99 while the burst prefills, against their median over
+  the whole run (target: p99 at most 3x p50).
 
 Writes DIR/NAME.json (default bench_served.json); prints a table.
 """
@@ -274,7 +275,10 @@ def start(flags: list[str], cache: Path, site: Path | None) -> tuple[ChildDaemon
     try:
         d = ChildDaemon.start(flags)
     finally:
-        os.environ.pop("PYTHONPATH", None) if path is None else os.environ.update(PYTHONPATH=path)
+        if path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = path
     seconds = time.monotonic() - t0
     said = [ln for ln in d.log().splitlines()
             if re.search(r"warm-up|kernel cache|step graphs|ready|GIL switch interval", ln)]

@@ -39,8 +39,8 @@ def decode(data: bytes, kind: type[msgspec.Struct]):
         raise ProtocolError(400, f"the request body is not valid JSON ({_why(data, e)})") from None
     except RecursionError:
         raise ProtocolError(400, "the request body nests JSON arrays or objects too deeply to decode (the limit "
-                            "is the interpreter's recursion depth, a thousand levels or more; a request needs a handful)") \
-            from None
+                            "is the interpreter's recursion depth, a thousand levels or more; a request needs a "
+                            "handful)") from None
 
 
 def _why(data: bytes, e: msgspec.DecodeError) -> str:
