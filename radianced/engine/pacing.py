@@ -7,8 +7,14 @@ Two caps, both from the steps the daemon runs:
   long: SmolLM2 on a 2-core CPU took about 15 s for 2,048 tokens, and a request that
   arrived, or a cancel, waited that long for the step to end (issue 19, finding 4). The
   next step's tokens are capped at what the measured prefill rate does in
-  `--max-step-seconds` (0.5 s by default), a rate measured on steps of at least a quarter
-  of it (`RATE_FROM`); a fast device (every GPU) never reaches it.
+  `--max-step-seconds` (0.5 s by default); a fast device (every GPU) never reaches it.
+  The rate is the largest prefill step's so far, or a full step's at the cap, or one's over
+  the target: a small step's time is mostly fixed cost, and its rate through zero says far
+  fewer tokens fit than do (on the H200 the daemon's own warm-up prompts of 3-17 tokens, ~4
+  ms a step, said 375: the first user prompt of 551 tokens took 3 steps, 11.6 ms of device
+  time, against one of 5.9 ms for its twin). On a CPU the warm-up's largest prompt (65
+  tokens) already gives the rate: SmolLM2's first prompt of 2,000 tokens runs in 6 steps of
+  ~0.44 s on the 2-core CPU, not one of 3.1 s.
 - **Running streams' inter-token latency.** While sequences decode, a step that also
   prefills delays each of their next tokens by its prefill's time. Uncapped, a burst of
   long prompts on the H200 took steps of 2,048 tokens between 1.7 ms decode steps (issue
@@ -50,11 +56,6 @@ from __future__ import annotations
 from radianced.config import Config
 from radianced.sizing import BLOCK_TOKENS
 
-# A step shorter than this share of --max-step-seconds only lets the step-time cap grow: its time is mostly fixed
-# costs, and a rate through zero from it cut the next long prompt into chunks for nothing (on the H200 the rate of
-# the daemon's own warm-up prompts of 3-17 tokens, ~4 ms a step, chunked the first user prompt: 551 tokens in 3
-# steps, 11.6 ms of device time, against one step of 5.9 ms for its twin).
-RATE_FROM = 0.25
 FORGET = 0.8  # the weight of a prefill step in the step-time line falls by this with each newer one
 BESIDE_DECODES = 256  # the most tokens a step with decodes takes where the engine replays graphs (docstring)
 
@@ -78,6 +79,7 @@ class StepPacer:
         self.floor = min(floor, max_tokens)
         self.itl_factor = itl_factor
         self.budget = max_tokens  # the step-time cap
+        self._rate, self._rate_tokens = 0.0, 0  # prefill tokens a second, and the step's tokens it was measured on
         self.decode_seconds = 0.0  # the latest decode-only step's time (0: none yet)
         self._fit = [0.0] * 5  # prefill steps' (n: prefill tokens, t: seconds), weighted: sums of 1, n, n², t, nt
         self.prefill_beside_decodes = BLOCK_TOKENS  # prefill tokens a step with decodes may take
@@ -89,10 +91,10 @@ class StepPacer:
             self.decode_seconds = seconds
         elif seconds > 0:
             if self.max_step_seconds:
-                grown = min(self.max_tokens, 2 * max(tokens, self.budget))
-                if seconds >= RATE_FROM * self.max_step_seconds:
-                    grown = max(self.floor, min(grown, int(tokens * self.max_step_seconds / seconds)))
-                self.budget = grown
+                if tokens >= min(self._rate_tokens, self.budget) or seconds > self.max_step_seconds:
+                    self._rate, self._rate_tokens = tokens / seconds, tokens  # the step that says the most
+                fits = int(self._rate * self.max_step_seconds)
+                self.budget = max(self.floor, min(self.max_tokens, fits, 2 * max(tokens, self.budget)))
             prefill = tokens - sequences
             if decodes:  # the line is a step beside decodes (module docstring)
                 self._fit = [FORGET * old + new for old, new in

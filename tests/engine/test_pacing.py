@@ -29,14 +29,25 @@ def test_the_budget_is_what_the_measured_rate_does_in_the_target_time():
     assert pacer.observe(1500, 1, 0.001) == 2048  # never past the flag
 
 
-def test_a_short_step_lets_the_cap_grow_but_never_cuts_it():
-    """A step under a quarter of the target is mostly fixed costs: no rate from it (the H200's warm-up prompts of
-    3 tokens in 4 ms said 375 tokens fit in 0.5 s, and the first user prompt of 551 tokens took 3 steps)."""
+def test_the_rate_is_the_largest_steps_not_a_later_small_ones():
+    """A small step's time is mostly fixed cost: its rate through zero says far fewer tokens fit than do. The
+    H200's warm-up: a 2,048-token step in 12 ms, then the HTTP warm-up's prompts of 3-17 tokens in 4 ms each,
+    whose rate (375 tokens in 0.5 s) had chunked the first user prompt of 551 tokens into 3 steps."""
     pacer = StepPacer(2048, 0.5, 24)
+    assert pacer.observe(2048, 1, 0.012) == 2048
     assert pacer.observe(3, 1, 0.004) == 2048
-    assert pacer.observe(17, 1, 0.1249) == 2048
-    assert pacer.observe(17, 1, 0.125) == 68  # a quarter of the target: its rate counts
-    assert pacer.observe(60, 1, 0.05) == 136  # short again: twice the larger of the step and the cap
+    assert pacer.observe(17, 1, 0.004) == 2048
+    assert pacer.observe(2048, 1, 0.013) == 2048  # as large: its rate replaces the last
+
+
+def test_a_full_step_at_the_cap_or_one_over_the_target_measures_the_rate_again():
+    pacer = StepPacer(2048, 0.5, 24)
+    assert pacer.observe(65, 1, 0.1) == 325  # a CPU's warm-up prompt: 650 tokens a second
+    assert pacer.observe(8, 1, 0.03) == 325  # a smaller step: the rate stays (its own says 133 fit)
+    assert pacer.observe(325, 1, 0.4) == 406  # a full step at the cap measures it again
+    assert pacer.observe(100, 1, 1.0) == 50  # over the target, however small: its rate
+    assert pacer.observe(30, 1, 0.05) == 50  # under the cap: the rate stays
+    assert pacer.observe(50, 1, 0.06) == 100  # a full step at the cap: 416 fit, at most twice the cap
 
 
 def test_decode_steps_leave_the_budget_alone_and_the_floor_holds():
