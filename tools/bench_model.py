@@ -275,17 +275,16 @@ class _StepClock(NoMetrics):
             self.loop.call_soon_threadsafe(self.marks[self.steps].set)
 
 
-def daemon_loop(eng, warmup: int, reps: int, driver=AsyncEngine) -> dict:
+def daemon_loop(eng, warmup: int, reps: int) -> dict:
     """Seconds per step of the daemon's own loop: `AsyncEngine.run` (engine/driver.py: the rounds on
     its step thread beside the daemon's event loop, uvloop; step N+1 launched before step N is
     collected), over the requests already in the scheduler: the wall time between the ends of step
     `warmup` and step `warmup + reps`, in steady state. Then the requests are ended and the driver
-    stops idle (nothing left in flight). `driver`: the AsyncEngine class (tools/ab_loop.py passes the
-    loop of an earlier commit)."""
+    stops idle (nothing left in flight)."""
     async def run() -> float:
         marks = {warmup: asyncio.Event(), warmup + reps: asyncio.Event()}
         clock = _StepClock(marks)
-        loop = driver(eng, clock)
+        loop = AsyncEngine(eng, clock)
         task = asyncio.create_task(loop.run())
         await marks[warmup + reps].wait()
         seconds = clock.ended[warmup + reps] - clock.ended[warmup]
@@ -299,7 +298,7 @@ def daemon_loop(eng, warmup: int, reps: int, driver=AsyncEngine) -> dict:
 
     seconds = uvloop.run(run())  # the daemon runs on uvloop (daemon.main)
     return {"mean_s": seconds / reps, "reps": reps, "warmup": warmup, "timer": "perf_counter, steady state",
-            "loop": f"{driver.__module__}.{driver.__qualname__}.run"}
+            "loop": f"{AsyncEngine.__module__}.{AsyncEngine.__qualname__}.run"}
 
 
 def section_prefill(st: State, matmul: float | None) -> dict:
