@@ -3,7 +3,8 @@
 DESIGN.md "Threads and I/O" has the event loop own the HTTP work and the
 streams and never call into torch. The step thread runs the engine's one loop
 (engine/engine.py: plan, execute, apply) on its own: each round's bookkeeping
-runs beside the step on the device, and no round waits for the event loop.
+runs beside the step on the device, and no round waits for the event loop
+(only for the GIL, when the loop runs Python: tools/gil_stall.py).
 Before, the loop planned and applied every round, so a round waited for
 whatever the loop was doing: on the H200 a burst of 8 prompts of 2,000 tokens
 (their HTTP bodies, admission, responses) held rounds 10-20 ms while every

@@ -169,6 +169,11 @@ static inline void add_values(float *o, const float (*p)[CHUNK], const float *v,
         }
 }
 
+/* at[t] = the offset (in floats) of key c0 + t's K row, for the n keys from c0 */
+static inline void key_rows(const int64_t *block_rows, int64_t bs, int64_t row, int64_t c0, int64_t n, int64_t *at) {
+    for (int64_t t = 0; t < n; t++) at[t] = (block_rows[(c0 + t) / bs] + (c0 + t) % bs) * row;
+}
+
 /* the d floats at base + at[t] for the n rows, into the cache (a cache line a 16 floats) */
 static inline void prefetch_rows(const float *base, const int64_t *at, int64_t n, int64_t d) {
     for (int64_t t = 0; t < n; t++)
@@ -187,17 +192,12 @@ static void attend(const float *q, const float *kv, int64_t row, int64_t v_rows,
     }
     for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
         const int64_t cn = n - c0 < CHUNK ? n - c0 : CHUNK;
-        for (int64_t t = 0; t < cn; t++) {
-            const int64_t c = c0 + t;
-            at[t] = (block_rows[c / bs] + c % bs) * row;
-        }
+        key_rows(block_rows, bs, row, c0, cn, at);
         prefetch_rows(kv + v_rows * row, at, cn, d); /* the chunk's V rows, read after its scores */
-        {
-            int64_t next[CHUNK], nn = n - c0 - CHUNK < CHUNK ? n - c0 - CHUNK : CHUNK;
-            for (int64_t t = 0; t < nn; t++) {
-                const int64_t c = c0 + CHUNK + t;
-                next[t] = (block_rows[c / bs] + c % bs) * row;
-            }
+        if (c0 + CHUNK < n) { /* the next chunk's K rows */
+            int64_t next[CHUNK];
+            const int64_t nn = n - c0 - CHUNK < CHUNK ? n - c0 - CHUNK : CHUNK;
+            key_rows(block_rows, bs, row, c0 + CHUNK, nn, next);
             prefetch_rows(kv, next, nn, d);
         }
         scores(q, kv, at, cn, g, d, scale, p);
@@ -261,9 +261,11 @@ void rad_decode_attention(const float *q, int64_t ldq, const float *k, int64_t l
                 rotate(k + b * ldk + h * d, cb, sb, r, d, kr);
                 memcpy(kr + v_rows * row, v + b * ldv + h * d, d * sizeof(float));
             }
-            for (int64_t c = 0; c < lens[b] && c < CHUNK; c++) /* the task's first K rows, on their way */
-                for (int64_t i = 0; i < d; i += 16)
-                    __builtin_prefetch(kv + (block_rows[b * nb + c / bs] + c % bs) * row + h * d + i, 0, 2);
+            int64_t first[CHUNK]; /* the task's first K rows, on their way (into L2) */
+            const int64_t fn = lens[b] < CHUNK ? lens[b] : CHUNK;
+            key_rows(block_rows + b * nb, bs, row, 0, fn, first);
+            for (int64_t t = 0; t < fn; t++)
+                for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(kv + h * d + first[t] + i, 0, 2);
         }
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < B * hkv; task++) {

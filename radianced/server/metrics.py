@@ -91,7 +91,8 @@ class Metrics:
                                buckets=TOKEN_BUCKETS, registry=r)
         self._loop_wait = Histogram("radiance_step_loop_wait_seconds", "From a step's end on the step thread to "
                                     "its tokens' dispatch on the event loop (HTTP work queued ahead delays the "
-                                    "streams, not the steps).", buckets=LOOP_WAIT_BUCKETS, registry=r)
+                                    "streams; the steps only through the GIL the two threads share).",
+                                    buckets=LOOP_WAIT_BUCKETS, registry=r)
         self._step_kind = Histogram("radiance_step_own_seconds", "One step's own time on the device (CUDA events "
                                     "around it; on the CPU its launch), by kind: decode, mixed (decodes beside "
                                     "prefill), prefill.", ["kind"], buckets=TOKEN_BUCKETS, registry=r)
