@@ -143,6 +143,13 @@ class Receipt:
         return align_up((self.arena_pages + self.disk_buffer_pages) * self.page_bytes, self.alloc_granule)
 
     @property
+    def held_bytes(self) -> int:
+        """What start-up leaves allocated on the card: the weights, the state and the arena's allocation
+        (which holds the disk-tier buffers the state charges: counted once)."""
+        buffers = self.disk_buffer_pages * self.page_bytes
+        return self.weights_bytes + self.state_bytes - buffers + self.arena_alloc_bytes
+
+    @property
     def kv_start_pages(self) -> int:
         return self.arena_pages - self.expert_slots
 

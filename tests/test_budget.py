@@ -344,6 +344,8 @@ def test_disk_tier_leaves_what_the_host_pool_cannot_hold_in_the_file():
     assert (r.experts_pinned, r.experts_host, r.experts_disk) == (0, 0, 24)
     assert r.state[-1].name == "disk-tier buffers" and r.state[-1].bytes == 2 * 8 * TINY_SLOT
     assert r.arena_pages == 14 and r.expert_floor == 6 and r.kv_max_pages == 8
+    # the arena allocates the buffers beside its pages: what start-up holds counts them once
+    assert r.held_bytes == r.weights_bytes + r.state_bytes + r.arena_pages * TINY_SLOT
 
 
 def _graph_pool(r) -> Part:

@@ -975,7 +975,9 @@ def cmd_report(args) -> int:
     junit = _junit(out / "pytest_junit.xml")
     tests = _tests_jsonl(out / "tests_gpu.jsonl")
     rcs = {"pytest": args.pytest_rc, "bench": args.bench_rc}
-    env = bench.get("env", {})
+    # the bench part writes the environment; without it (other parts only) the report reads it now
+    env = bench.get("env") or section_env(out)
+    device_type = bench.get("device_type") or ("cuda" if _cuda() else "cpu")
     rows = serve_rows(out) + report_rows(bench, junit, tests, rcs)
     dev = env.get("device", "?")
     smi = _g(env, "nvidia_smi_start", "gpus")
@@ -988,7 +990,7 @@ def cmd_report(args) -> int:
     title = (f"radianced gpu_check: {env.get('date_utc', '?')}, {dev}, commit {env.get('commit', '?')}, "
              f"fingerprint {env.get('fingerprint', '?')}, torch {env.get('torch', '?')}")
     warn = []
-    if bench.get("device_type") != "cuda":
+    if device_type != "cuda":
         warn.append("**CPU dry run: no CUDA here. These numbers describe this CPU and only show that the code runs.**")
     if env.get("commit", "unknown").startswith("unknown"):
         warn.append("commit unknown: set RADIANCED_COMMIT (the fingerprint still identifies the code)")

@@ -81,7 +81,7 @@ def child(model: str, flags: list[str], spare_mib: int, snapshot: Path) -> dict:
     # held past start-up: the weights (and the allocator's tails on them), the state, the arena and one cuBLAS
     # workspace (the step thread's)
     # in the default pool; the step graphs' pool (the capture stream's workspace in it) within its line
-    expected = r.weights_bytes + r.state_bytes + r.arena_alloc_bytes + libraries
+    expected = r.held_bytes + libraries
     allocated = round(default["live_mib"] * MiB)
     graph_reserved = round(sum(p["reserved_mib"] for p in pools.values()) * MiB)
     peak = torch.cuda.max_memory_reserved() - filler.numel()

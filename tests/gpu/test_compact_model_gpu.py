@@ -131,7 +131,7 @@ def _engine_tokens(rad: RadFile, flags: dict, device: str, eager: bool = True) -
     if cuda and eager:
         torch.cuda.synchronize()
         numbers |= {"allocated": torch.cuda.memory_allocated() - before,
-                    "expected": r.weights_bytes + r.state_bytes + r.arena_alloc_bytes}
+                    "expected": r.held_bytes}
         assert placed.device_bytes == r.weights_bytes, numbers
         assert placed.host_bytes == sum(p.bytes for p in r.host_weights if p.name == "embeddings"), numbers
         assert abs(numbers["allocated"] - numbers["expected"]) <= MiB, numbers

@@ -54,7 +54,7 @@ def _serve(rad: RadFile, device: str, eager: bool, kv_dtype: str) -> tuple[list[
     if cuda and eager:
         torch.cuda.synchronize()
         numbers |= {"allocated": torch.cuda.memory_allocated() - before,
-                    "expected": r.weights_bytes + r.state_bytes + r.arena_alloc_bytes}
+                    "expected": r.held_bytes}
     ps = prompts(rad.model.vocab_size, (9, 33, 50), seed=21)
     runs = [run_all(engine, [request(engine, f"{k}{i}", p, max_tokens=STEPS, ignore_eos=True) for i, p in enumerate(ps)])
             for k in ("a", "b")]  # the second: the same prompts, their full blocks from the prefix cache
