@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,6 +30,12 @@ from radianced.kernels import attention  # noqa: E402
 from tests.gpu.test_kv_quant_gpu import SHAPES, _bench_caches  # noqa: E402
 
 HBM_BYTES_S = 4.8e12  # the H200's HBM3e, as H200.md states it
+
+
+@triton.jit
+def own_only(own, offsets, BLOCK_SIZE: tl.constexpr):
+    """`kv_fp8.add_block_first` left out (`--no-first-term`)."""
+    return own
 
 
 def timed(fn) -> float:
@@ -70,9 +78,23 @@ def run_case(batch: int, ctx: int, rows: int, shape: str, overrides: list[dict])
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--no-first-term", action="store_true",
+                    help="a diagnostic: fp8's K logits without their block-first term (wrong values; what the term "
+                         "costs), default configurations and 128-key prefill tiles only; run in a process of its own "
+                         "(a kernel compiled before the patch keeps its cache key)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
+    if args.no_first_term:
+        from radianced.kernels import kv_fp8
+
+        kv_fp8.add_block_first = own_only
+        rows = []
+        for batch in (8, 32):
+            rows += run_case(batch, 16384, 1, "qwen3", [{}])
+        rows += run_case(1, 4096, 4096, "qwen3", [{}, {"block_n": 128}])
+        (args.out / "sweep_attention_no_first_term.json").write_text(json.dumps(rows, indent=1))
+        return 0
     rows = []
     splits = [{}] + [{"num_splits": s} for s in (4, 8, 16, 32, 64)]
     stages = [{"num_stages": s} for s in (3, 4)]

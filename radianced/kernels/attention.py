@@ -252,6 +252,8 @@ def _paged_attention_kernel(
                              mask=d_ok)
                 tl.debug_barrier()
 
+    if K_BITS > 0:
+        q = kv_int.dot_operand(q)  # fp16 dots on the codes where the activations are bf16
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked row gives p = 0, not NaN
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)

@@ -20,7 +20,7 @@ sequence, so only the latter.
 
 In the attention loop a key's logit is q . k_j = s_j (q . c_j) (+ the same of its
 block's first token when j is not the first): one dot of q with the codes as they
-are (E4M3 values are exact in bf16 and fp32), the per-token scale on the logit
+are (E4M3 values are exact in fp16 and fp32: `kv_int.dot_operand`), the per-token scale on the logit
 (`key_logits`), the first token's part taken from the same tile (a BLOCK_N tile
 holds whole blocks). V's scale goes into P before P @ V (`scaled_values`).
 """

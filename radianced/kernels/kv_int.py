@@ -200,6 +200,18 @@ def dct_rows(src, row_ok, basis_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def dot_operand(q):
+    """q's operand for the dots over a quantized cache: fp16 where q is bf16, else q. The codes go to
+    the dot's dtype in the loop, every tile: E4M3 to fp16 is one instruction a pair on sm_89 and later
+    (exact), to bf16 it goes through fp32; bf16's 8 bits are exact in fp16 in its normal range (2^-14
+    to 65,504: a query or key beyond it would not be a transformer's), and P and the dequantized int
+    rows are rounded to 11 bits, not 8. Products accumulate in fp32 either way."""
+    if q.dtype == tl.bfloat16:
+        return q.to(tl.float16)
+    return q
+
+
+@triton.jit
 def key_logits(q, codes_src, scale_src, k_ok, offsets, d, d_ok, D: tl.constexpr, BITS: tl.constexpr,
                DOT_PRECISION: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """q [M, BLOCK_D] against a tile of delta-K rows at codes_src [N] and scale_src [N] (whole blocks,
@@ -374,5 +386,5 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     return q_out
 
 
-__all__ = ["KernelCache", "dct_rows", "kernel_cache", "key_logits", "load_rows",
+__all__ = ["KernelCache", "dct_rows", "dot_operand", "kernel_cache", "key_logits", "load_rows",
            "rotary_write_kv", "store_rows", "store_unrotated", "stored_rows", "value_operands"]

@@ -8,7 +8,7 @@ rope.rotary_qk returns) while thousands of programs run at once (a block's first
 the same launch as its later ones: the race kernels/kv_fp8.py avoids), a rotated V plane's up to
 its rotation's last bit (kernels/kv_int.py: at most V_FLIPS of its codes, steps and mins one off; the
 shares are recorded); the attention must be within 1e-2 of the fp32 reference attention over the
-same bytes (P is rounded to bf16 in P @ V, as for an auto cache). The timings are the issue's bars
+same bytes (the dots run in fp16 on the codes: kv_int.dot_operand). The timings are the issue's bars
 for the attention alone: decode at context 16K (b8, b32) at least 1.3x faster than auto, prefill of
 a 4K prompt at most 10% slower.
 """

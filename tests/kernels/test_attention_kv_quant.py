@@ -198,7 +198,7 @@ def test_fused_decode_is_the_two_launches_and_the_reference(case, kv_dtype):
     """`rotary_paged_attention(decode=True)` (the KV write in the attention launch) into a quantized
     cache: the bytes of the reference write (`same_bytes`), the output and bytes of the two launches bit
     for bit, and the output within fp32 rounding of the reference attention over the same bytes (bf16:
-    P and V's values rounded to bf16 in P @ V, as for an auto cache; a rotated V rotated back once)."""
+    the dots in fp16 over the codes, `kv_int.dot_operand`; a rotated V rotated back once)."""
     ctx_lens, hq, hkv, d, splits, dtype, rot, qk_norm = DECODES[case]
     step = Step([1] * len(ctx_lens), ctx_lens, hq, hkv, d, dtype, rotary_dim=rot, qk_norm=qk_norm, seed=len(case),
                 kv_dtype=kv_dtype)
