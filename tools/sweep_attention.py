@@ -34,8 +34,20 @@ HBM_BYTES_S = 4.8e12  # the H200's HBM3e, as H200.md states it
 
 @triton.jit
 def own_only(own, offsets, BLOCK_SIZE: tl.constexpr):
-    """`kv_fp8.add_block_first` left out (`--no-first-term`)."""
+    """`kv_fp8.add_block_first` left out (`--first-term none`)."""
     return own
+
+
+@triton.jit
+def first_by_gather(own, offsets, BLOCK_SIZE: tl.constexpr):
+    """`kv_fp8.add_block_first` with each key's block-first logit taken by tl.gather (`--first-term gather`)."""
+    M: tl.constexpr = own.shape[0]
+    N: tl.constexpr = own.shape[1]
+    first = tl.gather(own, tl.broadcast_to((tl.arange(0, N) - offsets)[None, :], [M, N]), 1)
+    return own + tl.where((offsets > 0)[None, :], first, 0.0)
+
+
+FIRST_TERMS = {"none": own_only, "gather": first_by_gather}
 
 
 def timed(fn) -> float:
@@ -78,22 +90,23 @@ def run_case(batch: int, ctx: int, rows: int, shape: str, overrides: list[dict])
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--no-first-term", action="store_true",
-                    help="a diagnostic: fp8's K logits without their block-first term (wrong values; what the term "
-                         "costs), default configurations and 128-key prefill tiles only; run in a process of its own "
-                         "(a kernel compiled before the patch keeps its cache key)")
+    ap.add_argument("--first-term", choices=sorted(FIRST_TERMS),
+                    help="fp8's block-first term in the K logits replaced (`none`: left out, wrong values, what the "
+                         "term costs; `gather`: taken by tl.gather, not a reshape), default configurations and "
+                         "128-key prefill tiles only; run in a process of its own (a kernel compiled before the "
+                         "patch keeps its cache key)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
-    if args.no_first_term:
+    if args.first_term:
         from radianced.kernels import kv_fp8
 
-        kv_fp8.add_block_first = own_only
+        kv_fp8.add_block_first = FIRST_TERMS[args.first_term]
         rows = []
         for batch in (8, 32):
             rows += run_case(batch, 16384, 1, "qwen3", [{}])
         rows += run_case(1, 4096, 4096, "qwen3", [{}, {"block_n": 128}])
-        (args.out / "sweep_attention_no_first_term.json").write_text(json.dumps(rows, indent=1))
+        (args.out / f"sweep_attention_first_term_{args.first_term}.json").write_text(json.dumps(rows, indent=1))
         return 0
     rows = []
     splits = [{}] + [{"num_splits": s} for s in (4, 8, 16, 32, 64)]
