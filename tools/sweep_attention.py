@@ -26,7 +26,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from radianced.kernels import attention  # noqa: E402
+from radianced.kernels import attention, kv_fp8  # noqa: E402
 from tests.gpu.test_kv_quant_gpu import SHAPES, _bench_caches  # noqa: E402
 
 HBM_BYTES_S = 4.8e12  # the H200's HBM3e, as H200.md states it
@@ -47,7 +47,7 @@ def first_by_gather(own, offsets, BLOCK_SIZE: tl.constexpr):
     return own + tl.where((offsets > 0)[None, :], first, 0.0)
 
 
-FIRST_TERMS = {"none": own_only, "gather": first_by_gather}
+FIRST_TERMS = {"none": own_only, "gather": first_by_gather, "reshape": kv_fp8.add_block_first}
 
 
 def timed(fn) -> float:
@@ -92,15 +92,13 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--first-term", choices=sorted(FIRST_TERMS),
                     help="fp8's block-first term in the K logits replaced (`none`: left out, wrong values, what the "
-                         "term costs; `gather`: taken by tl.gather, not a reshape), default configurations and "
+                         "term costs; `gather`: taken by tl.gather, not a reshape; `reshape`: the kernel's own), default configurations and "
                          "128-key prefill tiles only; run in a process of its own (a kernel compiled before the "
                          "patch keeps its cache key)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     if args.first_term:
-        from radianced.kernels import kv_fp8
-
         kv_fp8.add_block_first = FIRST_TERMS[args.first_term]
         rows = []
         for batch in (8, 32):

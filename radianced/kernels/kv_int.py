@@ -206,9 +206,7 @@ def dot_operand(q):
     (exact), to bf16 it goes through fp32; bf16's 8 bits are exact in fp16 in its normal range (2^-14
     to 65,504: a query or key beyond it would not be a transformer's), and P and the dequantized int
     rows are rounded to 11 bits, not 8. Products accumulate in fp32 either way."""
-    if q.dtype == tl.bfloat16:
-        return q.to(tl.float16)
-    return q
+    return q.to(tl.float16) if q.dtype == tl.bfloat16 else q
 
 
 @triton.jit
