@@ -1,0 +1,90 @@
+"""Compile the attention launches for Hopper (sm_90) on a machine without a GPU: what the interpreter cannot see.
+
+    python -m tests.kernels.hopper_compile        # prints one line a compiled kernel; exit 1 on a compile error
+
+The interpreter (tests/kernels/interpreter.py) runs a kernel's Python, so a kernel that only
+Triton's compiler refuses passes every CPU test: on the H200, `kv_int.dot_operand` written as a
+static `if` with two returns of different dtypes stopped every quantized cache's attention from
+compiling ("at 99:12"), after its interpreter tests had passed. Here Triton's own compiler and
+the ptxas its wheel carries build the real kernels: a stand-in driver names an sm_90 target and
+launches nothing (each launch returns once its kernel is built). The steps are
+test_attention's `Step` (an auto cache, qk-norm) and test_attention_kv_quant's (each quantized
+format): decode (the fused write) and prefill, bf16 and fp32 activations. Run in a process
+of its own: `@triton.jit` decides at import whether it interprets.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import CompiledKernel
+from triton.runtime.jit import JITFunction
+
+TARGET = GPUTarget("cuda", 90, 32)  # the H200's
+
+
+class _CompileOnly:
+    """The driver Triton asks for the device, stream and target: sm_90, and no device behind it."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return TARGET
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+def main() -> int:
+    triton.runtime.driver.set_active(_CompileOnly())
+    CompiledKernel._init_handles = lambda self: None  # no binary is loaded, nothing launched
+    CompiledKernel.launch_metadata = lambda self, *a: None
+    CompiledKernel.run = lambda *a, **k: None
+    built = []
+    compile_kernel = JITFunction._do_compile
+
+    def record(self, *args, **kwargs):
+        kernel = compile_kernel(self, *args, **kwargs)
+        built.append(self.fn.__name__)
+        return kernel
+
+    JITFunction._do_compile = record
+    stub = types.ModuleType("tests.kernels.interpreter")  # the tests' interpreter switch, off
+    stub.DEVICE = "cpu"
+    stub.require_interpreted = lambda *a, **k: None
+    sys.modules["tests.kernels.interpreter"] = stub
+    from tests.kernels import test_attention, test_attention_kv_quant
+
+    failed = 0
+    for kv_dtype in ("auto", "fp8", "fp8_v4", "k6_v4"):
+        for dtype in (torch.bfloat16, torch.float32):
+            for decode in (True, False):
+                case = f"{kv_dtype} {str(dtype)[6:]} {'decode' if decode else 'prefill'}"
+                q_lens = [1, 1] if decode else [5, 17]
+                before = len(built)
+                try:
+                    if kv_dtype == "auto":
+                        step = test_attention.Step(q_lens, [40, 36], 8, 2, 64, 64, qk_norm=True, dtype=dtype)
+                    else:
+                        step = test_attention_kv_quant.Step(q_lens, [40, 36], 8, 2, 64, dtype, seed=1,
+                                                            kv_dtype=kv_dtype)
+                    step.fused(decode=decode)
+                except triton.CompilationError as e:
+                    failed += 1
+                    print(f"{case}: {type(e).__name__}: {e}", flush=True)
+                    continue
+                print(f"{case}: built {', '.join(built[before:]) or 'nothing new'}", flush=True)
+    print(f"{len(built)} kernels built for sm_{TARGET.arch}; {failed} cases did not compile")
+    return 1 if failed or not built else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
