@@ -6,11 +6,12 @@ The interpreter (tests/kernels/interpreter.py) runs a kernel's Python, so a kern
 Triton's compiler refuses passes every CPU test: on the H200, `kv_int.dot_operand` written as a
 static `if` with two returns of different dtypes stopped every quantized cache's attention from
 compiling ("at 99:12"), after its interpreter tests had passed. Here Triton's own compiler and
-the ptxas its wheel carries build the real kernels: a stand-in driver names an sm_90 target and
-launches nothing (each launch returns once its kernel is built). The steps are
-test_attention's `Step` (an auto cache, qk-norm) and test_attention_kv_quant's (each quantized
-format): decode (the fused write) and prefill, bf16 and fp32 activations. Run in a process
-of its own: `@triton.jit` decides at import whether it interprets.
+the ptxas its wheel carries build the real kernels: `compile_only` puts a stand-in driver that
+names an sm_90 target and launches nothing (each launch returns once its kernel is built). The
+steps (`attention_step`) are test_attention's `Step` (an auto cache, qk-norm) and
+test_attention_kv_quant's (each quantized format): decode (the fused write) and prefill, bf16 and
+fp32 activations. Run in a process of its own: `@triton.jit` decides at import whether it
+interprets. tools/sass_loop.py reads the built kernels' SASS.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from triton.compiler.compiler import CompiledKernel
 from triton.runtime.jit import JITFunction
 
 TARGET = GPUTarget("cuda", 90, 32)  # the H200's
+KV_DTYPES = ("auto", "fp8", "fp8_v4", "k6_v4")
 
 
 class _CompileOnly:
@@ -43,17 +45,19 @@ class _CompileOnly:
         return torch.device("cpu")
 
 
-def main() -> int:
+def compile_only() -> list[tuple[str, CompiledKernel]]:
+    """From now on this process builds kernels for sm_90 and launches none; returns the list each
+    built kernel is appended to, as (its function's name, the kernel)."""
     triton.runtime.driver.set_active(_CompileOnly())
     CompiledKernel._init_handles = lambda self: None  # no binary is loaded, nothing launched
     CompiledKernel.launch_metadata = lambda self, *a: None
     CompiledKernel.run = lambda *a, **k: None
-    built = []
+    built: list[tuple[str, CompiledKernel]] = []
     compile_kernel = JITFunction._do_compile
 
     def record(self, *args, **kwargs):
         kernel = compile_kernel(self, *args, **kwargs)
-        built.append(self.fn.__name__)
+        built.append((self.fn.__name__, kernel))
         return kernel
 
     JITFunction._do_compile = record
@@ -61,27 +65,38 @@ def main() -> int:
     stub.DEVICE = "cpu"
     stub.require_interpreted = lambda *a, **k: None
     sys.modules["tests.kernels.interpreter"] = stub
+    return built
+
+
+def attention_step(kv_dtype: str, dtype: torch.dtype, decode: bool, heads: tuple[int, int, int] = (8, 2, 64),
+                   contexts: tuple[int, int] = (40, 36), prefill: int = 17) -> None:
+    """One attention step through the launches the engine uses (`compile_only` first)."""
     from tests.kernels import test_attention, test_attention_kv_quant
 
+    hq, hkv, d = heads
+    q_lens = [1, 1] if decode else [min(5, contexts[0]), min(prefill, contexts[1])]
+    if kv_dtype == "auto":
+        step = test_attention.Step(q_lens, list(contexts), hq, hkv, d, d, qk_norm=True, dtype=dtype)
+    else:
+        step = test_attention_kv_quant.Step(q_lens, list(contexts), hq, hkv, d, dtype, seed=1, kv_dtype=kv_dtype)
+    step.fused(decode=decode)
+
+
+def main() -> int:
+    built = compile_only()
     failed = 0
-    for kv_dtype in ("auto", "fp8", "fp8_v4", "k6_v4"):
+    for kv_dtype in KV_DTYPES:
         for dtype in (torch.bfloat16, torch.float32):
             for decode in (True, False):
                 case = f"{kv_dtype} {str(dtype)[6:]} {'decode' if decode else 'prefill'}"
-                q_lens = [1, 1] if decode else [5, 17]
                 before = len(built)
                 try:
-                    if kv_dtype == "auto":
-                        step = test_attention.Step(q_lens, [40, 36], 8, 2, 64, 64, qk_norm=True, dtype=dtype)
-                    else:
-                        step = test_attention_kv_quant.Step(q_lens, [40, 36], 8, 2, 64, dtype, seed=1,
-                                                            kv_dtype=kv_dtype)
-                    step.fused(decode=decode)
+                    attention_step(kv_dtype, dtype, decode)
                 except triton.CompilationError as e:
                     failed += 1
                     print(f"{case}: {type(e).__name__}: {e}", flush=True)
                     continue
-                print(f"{case}: built {', '.join(built[before:]) or 'nothing new'}", flush=True)
+                print(f"{case}: built {', '.join(n for n, _ in built[before:]) or 'nothing new'}", flush=True)
     print(f"{len(built)} kernels built for sm_{TARGET.arch}; {failed} cases did not compile")
     return 1 if failed or not built else 0
 
