@@ -158,7 +158,7 @@ def _store_token(k_new, v_src, slot, k_dst, v_dst, ks_ptr, vs_ptr, basis_ptr, kv
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     block_tables_ptr, query_start_ptr, seq_lens_ptr,
-    scale_log2, num_seqs, num_tokens, blocks_per_page,
+    scale_log2, num_seqs, num_tokens, blocks_per_page: tl.constexpr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_kn, stride_ks, stride_kh,
     stride_vp, stride_vn, stride_vs, stride_vh,
@@ -181,7 +181,10 @@ def _paged_attention_kernel(
     ks_ptr, vs_ptr their fp16 scales (kernels/kv_fp8.py, kernels/kv_int.py: the new token's K stored
     as its residual from its block's first token, which an earlier launch wrote; fp8 scales folded
     into the logits and P, int rows dequantized); V_BITS 4: V in the DCT basis (basis_ptr: C), the
-    output rotated back once (o @ C)."""
+    output rotated back once (o @ C). blocks_per_page is a constexpr (one value a cache, so one
+    variant a daemon): a key's page and block in it are then a multiply and shift, not a division
+    (tools/sass_loop.py: the decode loop's instructions a key tile, auto 946 -> 620, fp8 1,685 -> 1,081
+    with the int32 ids below)."""
     pdl.wait(PDL)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -260,8 +263,8 @@ def _paged_attention_kernel(
     for start in range(k_lo, k_hi, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         k_ok = keys < k_hi
-        block = tl.load(block_tables_ptr + b * stride_bt + keys // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        page = block // blocks_per_page
+        block = tl.load(block_tables_ptr + b * stride_bt + keys // BLOCK_SIZE, mask=k_ok, other=0)
+        page = (block // blocks_per_page).to(tl.int64)  # on the int32 ids: 64-bit integer arithmetic is long
         in_page = block % blocks_per_page
         slot = keys % BLOCK_SIZE
         k_off = page * stride_kp + in_page * stride_kn + slot * stride_ks + kvh * stride_kh
