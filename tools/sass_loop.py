@@ -12,51 +12,11 @@ loop saves before a device measures it. bf16 activations, Qwen3-30B-A3B's heads 
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-def disassemble(cubin: bytes) -> str:
-    """The whole SASS of `cubin` (the wheel's nvdisasm; Triton's `get_sass` cut k6_v4's decode kernel short,
-    before its key loop)."""
-    import triton
-
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
-
-
-def loop_mix(sass: str) -> dict:
-    """The loop (a branch back to a label above it) of nvdisasm's `sass` with the most dot instructions (HMMA,
-    or Hopper's HGMMA), the longest of those: {instructions, ops}."""
-    labels, body = {}, []  # label -> index of the instruction after it; the instructions' text
-    for line in sass.splitlines():
-        if m := re.match(r"^(\.L_x_\d+):", line):
-            labels[m[1]] = len(body)
-        elif m := re.match(r"^\s+/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line):
-            body.append(m[1])
-    if not any(text.startswith("EXIT") or " EXIT" in text for text in body):
-        raise RuntimeError("the disassembly has no EXIT: it is incomplete")
-    loops = [(labels[m[1]], i) for i, text in enumerate(body)
-             if (m := re.search(r"BRA\s+`\((\.L_x_\d+)\)", text)) and labels.get(m[1], i + 1) <= i]
-    if not loops:
-        return {"instructions": 0, "ops": {}}
-
-    def dots(r):
-        return sum("MMA" in text for text in body[r[0]:r[1] + 1]), r[1] - r[0]
-
-    lo, hi = max(loops, key=dots)
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for text in body[lo:hi + 1])
-    return {"instructions": hi - lo + 1, "ops": dict(ops.most_common())}
 
 
 def main(argv=None) -> int:
@@ -67,7 +27,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", nargs="*", default=[], metavar="FIELD=N",
                     help="attention_config's fields overridden, e.g. num_warps=8 block_n=32")
     args = ap.parse_args(argv)
-    from tests.kernels.hopper_compile import attention_step, compile_only
+    from tests.kernels.hopper_compile import attention_step, compile_only, disassemble, loop_mix
 
     built = compile_only()
     import torch

@@ -85,13 +85,15 @@ class AttentionConfig:
 
 def attention_config(num_tokens: int, num_seqs: int, q_heads: int, kv_heads: int, head_dim: int,
                      device: torch.device, max_seq_len: int | None = None,
-                     num_splits: int | None = None) -> AttentionConfig:
+                     num_splits: int | None = None, k_bits: int = 0) -> AttentionConfig:
     """Tile sizes from the step's shape alone (T, B, heads), so one decode bucket gets one config.
 
     A decode-like step (T <= B) packs the GQA group into a 16-row tile and splits
     the keys until about two programs run per SM; prefill uses 64-row tiles and no
     split. `max_seq_len` (when the host knows it) caps the split count so each
-    split keeps at least MIN_KEYS_PER_SPLIT keys.
+    split keeps at least MIN_KEYS_PER_SPLIT keys. An int6 K (`k_bits` 6) at decode takes 8 warps: at 4
+    its unpacking spills registers in the key loop (tools/sass_loop.py, Qwen3-30B-A3B's heads: 243 local
+    loads and 241 stores a key tile; none at 8, with as many instructions in all).
     """
     group_pad = triton.next_power_of_2(q_heads // kv_heads)
     decode = num_tokens <= num_seqs
@@ -105,7 +107,7 @@ def attention_config(num_tokens: int, num_seqs: int, q_heads: int, kv_heads: int
             num_splits = max(1, min(MAX_SPLITS, (2 * pdl.sm_count(device)) // programs))
             if max_seq_len is not None:
                 num_splits = max(1, min(num_splits, triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)))
-    num_warps = 4 if block_m * head_dim <= 64 * 128 else 8
+    num_warps = 4 if block_m * head_dim <= 64 * 128 and not (decode and k_bits == 6) else 8
     return AttentionConfig(block_m, block_q, block_n, num_splits, num_warps, num_stages=2)
 
 
@@ -470,7 +472,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | KVPlane, v_cache: t
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     if t == 0 or sl.shape[0] == 0:
         return out
-    cfg = attention_config(t, sl.shape[0], hq, cache.shape[3], d, q.device, max_seq_len, num_splits)
+    cfg = attention_config(t, sl.shape[0], hq, cache.shape[3], d, q.device, max_seq_len, num_splits, cache.k_bits)
     _launch_paged_attention(q, cache, block_tables, qs, sl, scale, out, cfg)
     return out
 
@@ -523,7 +525,7 @@ def rotary_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     if t == 0:
         return out
     v = v if v.stride(2) == 1 else v.contiguous()
-    cfg = attention_config(t, t, hq, cache.shape[3], d, q.device, max_seq_len, num_splits)
+    cfg = attention_config(t, t, hq, cache.shape[3], d, q.device, max_seq_len, num_splits, cache.k_bits)
     prologue = _Prologue(k, v, slot_mapping, positions, inv_freq, weights, eps, zero_centred)
     _launch_paged_attention(q, cache, block_tables, qs, sl, scale, out, cfg, prologue)
     return out

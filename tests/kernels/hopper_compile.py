@@ -10,14 +10,22 @@ the ptxas its wheel carries build the real kernels: `compile_only` puts a stand-
 names an sm_90 target and launches nothing (each launch returns once its kernel is built). The
 steps (`attention_step`) are test_attention's `Step` (an auto cache, qk-norm) and
 test_attention_kv_quant's (each quantized format): decode (the fused write) and prefill, bf16 and
-fp32 activations. Run in a process of its own: `@triton.jit` decides at import whether it
-interprets. tools/sass_loop.py reads the built kernels' SASS.
+fp32 activations, at the test's shapes and Qwen3-30B-A3B's (32 / 4 heads x 128). Each kernel's key loop
+in bf16 (`loop_mix`, from the wheel's nvdisasm) must not spill registers: an int6 K's decode did at 4
+warps (243 local loads, 241 stores a key tile). fp32 activations (IEEE dots: FMAs, the tiny families'
+correctness path on a GPU) are only compiled; their prefill loops spill. Run in a process of its own: `@triton.jit` decides at import
+whether it interprets. tools/sass_loop.py prints a loop's instruction mix.
 """
 
 from __future__ import annotations
 
+import collections
+import re
+import subprocess
 import sys
+import tempfile
 import types
+from pathlib import Path
 
 import torch
 import triton
@@ -82,24 +90,73 @@ def attention_step(kv_dtype: str, dtype: torch.dtype, decode: bool, heads: tuple
     step.fused(decode=decode)
 
 
+def disassemble(cubin: bytes) -> str:
+    """The whole SASS of `cubin` (the wheel's nvdisasm; Triton's `get_sass` cut k6_v4's decode kernel short,
+    before its key loop)."""
+    import triton
+
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def loop_mix(sass: str) -> dict:
+    """The loop (a branch back to a label above it) of nvdisasm's `sass` with the most dot instructions (HMMA,
+    or Hopper's HGMMA), the longest of those: {instructions, ops}."""
+    labels, body = {}, []  # label -> index of the instruction after it; the instructions' text
+    for line in sass.splitlines():
+        if m := re.match(r"^(\.L_x_\d+):", line):
+            labels[m[1]] = len(body)
+        elif m := re.match(r"^\s+/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line):
+            body.append(m[1])
+    if not any(text.startswith("EXIT") or " EXIT" in text for text in body):
+        raise RuntimeError("the disassembly has no EXIT: it is incomplete")
+    loops = [(labels[m[1]], i) for i, text in enumerate(body)
+             if (m := re.search(r"BRA\s+`\((\.L_x_\d+)\)", text)) and labels.get(m[1], i + 1) <= i]
+    if not loops:
+        return {"instructions": 0, "ops": {}}
+
+    def dots(r):
+        return sum("MMA" in text for text in body[r[0]:r[1] + 1]), r[1] - r[0]
+
+    lo, hi = max(loops, key=dots)
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for text in body[lo:hi + 1])
+    return {"instructions": hi - lo + 1, "ops": dict(ops.most_common())}
+
+
+# (heads: Hq, Hkv, D; contexts; activations): the tests' small shape, and Qwen3-30B-A3B's in bf16
+CASES = (((8, 2, 64), (40, 36), (torch.bfloat16, torch.float32)), ((32, 4, 128), (120, 120), (torch.bfloat16,)))
+
+
 def main() -> int:
     built = compile_only()
-    failed = 0
-    for kv_dtype in KV_DTYPES:
-        for dtype in (torch.bfloat16, torch.float32):
-            for decode in (True, False):
-                case = f"{kv_dtype} {str(dtype)[6:]} {'decode' if decode else 'prefill'}"
-                before = len(built)
-                try:
-                    attention_step(kv_dtype, dtype, decode)
-                except triton.CompilationError as e:
-                    failed += 1
-                    print(f"{case}: {type(e).__name__}: {e}", flush=True)
-                    continue
-                print(f"{case}: built {', '.join(n for n, _ in built[before:]) or 'nothing new'}", flush=True)
-    print(f"{len(built)} kernels built for sm_{TARGET.arch}; {failed} cases did not compile")
-    return 1 if failed or not built else 0
-
+    failed = spilled = 0
+    for heads, contexts, dtypes in CASES:
+        for kv_dtype in KV_DTYPES:
+            for dtype in dtypes:
+                for decode in (True, False):
+                    case = f"{kv_dtype} {str(dtype)[6:]} {heads} {'decode' if decode else 'prefill'}"
+                    before = len(built)
+                    try:
+                        attention_step(kv_dtype, dtype, decode, heads, contexts)
+                    except triton.CompilationError as e:
+                        failed += 1
+                        print(f"{case}: {type(e).__name__}: {e}", flush=True)
+                        continue
+                    names = ", ".join(n for n, _ in built[before:]) or "nothing new"
+                    if dtype != torch.bfloat16:  # fp32's IEEE dots are FMAs: a correctness path, not a fast one
+                        print(f"{case}: built {names}", flush=True)
+                        continue
+                    kernel = next(k for n, k in reversed(built) if n == "_paged_attention_kernel")
+                    ops = loop_mix(disassemble(kernel.asm["cubin"]))["ops"]
+                    local = ops.get("LDL", 0) + ops.get("STL", 0)  # registers spilled in the key loop
+                    spilled += local > 0
+                    print(f"{case}: built {names}; the key loop {sum(ops.values())} instructions"
+                          + (f", {local} of them to local memory (spills)" if local else ""), flush=True)
+    print(f"{len(built)} kernels built for sm_{TARGET.arch}; {failed} cases did not compile, {spilled} spill")
+    return 1 if failed or spilled or not built else 0
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -11,10 +11,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_every_attention_launch_compiles_for_sm_90(tmp_path):
+def test_every_attention_launch_compiles_for_sm_90_and_its_bf16_key_loop_spills_nothing(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # built here, not found in a cache
     r = subprocess.run([sys.executable, "-m", "tests.kernels.hopper_compile"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    assert "24 kernels built for sm_90; 0 cases did not compile" in r.stdout, r.stdout[-4000:]
+    assert "0 cases did not compile, 0 spill" in r.stdout, r.stdout[-4000:]
