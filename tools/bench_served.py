@@ -256,7 +256,11 @@ async def prefill_burst(http, prompts: Callable[[int], list[int]], url: str) -> 
             "longest_gaps": [{"gap_ms": 1e3 * g, "ended_ms": 1e3 * e} for g, e in sorted(ends, reverse=True)[:8]],
             "running_ok": sum(s.ok for s in running), "burst_ok": sum(ok for ok, _ in burst),
             "steps": {k: {"steps": c, "mean_ms": 1000 * t / c if c else None} for k, (c, t) in kinds.items()},
-            "burst_histograms": histogram_deltas(hist_before, hist_after)}
+            "burst_histograms": histogram_deltas(hist_before, hist_after),
+            # cudaMalloc and cudaFree while the burst is served (a free synchronizes the device)
+            "burst_allocator": {n: hist_after.total(f"radiance_cuda_allocator_{n}")
+                                - hist_before.total(f"radiance_cuda_allocator_{n}")
+                                for n in ("mallocs", "frees", "retries")}}
 
 
 async def measure(url: str, args, res: dict) -> None:
@@ -376,6 +380,7 @@ def main() -> int:
           + ", ".join(f"{g['gap_ms']:.1f} at {g['ended_ms']:.0f}" for g in pb["longest_gaps"]))
     print("  its steps: " + ", ".join(f"{k} {v['steps']:.0f} of {v['mean_ms']:.2f} ms" for k, v in pb["steps"].items()
                                       if v["steps"]))
+    print("  during it, the CUDA allocator: " + ", ".join(f"{k} {v:.0f}" for k, v in pb["burst_allocator"].items()))
     for name, by_labels in pb["burst_histograms"].items():
         for labels, counts in by_labels.items():
             print(f"  during it, {name}{{{labels}}}: " + ", ".join(f"<={le} {n:.0f}" for le, n in counts.items() if n))

@@ -4,9 +4,10 @@
 
 Builds `_paged_attention_kernel` for sm_90 (tests/kernels/hopper_compile.py: Triton's compiler and
 the wheel's ptxas, nothing launched), disassembles it (the wheel's nvdisasm) and reads the loop over
-key tiles (the one with the dots): its instructions and their opcodes. Where a kernel is bound by its instructions, not its bytes (fp8's decode at 16K on the H200:
-15-17% of HBM against auto's 44-57%, tools/sweep_attention.py), this counts what a change to the
-loop saves before a device measures it. bf16 activations, Qwen3-30B-A3B's heads by default.
+key tiles (the one with the dots): its instructions and their opcodes. Where a kernel is bound by
+its instructions, not its bytes (fp8's decode at 16K on the H200: 15-17% of HBM against auto's
+44-57%, tools/sweep_attention.py), this counts what a change to the loop saves before a device
+measures it. bf16 activations, Qwen3-30B-A3B's heads by default.
 """
 
 from __future__ import annotations

@@ -91,10 +91,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--first-term", choices=sorted(FIRST_TERMS),
-                    help="fp8's block-first term in the K logits replaced (`none`: left out, wrong values, what the "
-                         "term costs; `gather`: taken by tl.gather, not a reshape; `reshape`: the kernel's own), default configurations and "
-                         "128-key prefill tiles only; run in a process of its own (a kernel compiled before the "
-                         "patch keeps its cache key)")
+                    help="fp8's block-first term in the K logits replaced (`none`: left out, wrong values, what "
+                         "the term costs; `gather`: taken by tl.gather, not a reshape; `reshape`: the kernel's "
+                         "own), default configurations and 128-key prefill tiles only; run in a process of its "
+                         "own (a kernel compiled before the patch keeps its cache key)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False

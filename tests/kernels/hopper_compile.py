@@ -10,11 +10,12 @@ the ptxas its wheel carries build the real kernels: `compile_only` puts a stand-
 names an sm_90 target and launches nothing (each launch returns once its kernel is built). The
 steps (`attention_step`) are test_attention's `Step` (an auto cache, qk-norm) and
 test_attention_kv_quant's (each quantized format): decode (the fused write) and prefill, bf16 and
-fp32 activations, at the test's shapes and Qwen3-30B-A3B's (32 / 4 heads x 128). Each kernel's key loop
-in bf16 (`loop_mix`, from the wheel's nvdisasm) must not spill registers: an int6 K's decode did at 4
-warps (243 local loads, 241 stores a key tile). fp32 activations (IEEE dots: FMAs, the tiny families'
-correctness path on a GPU) are only compiled; their prefill loops spill. Run in a process of its own: `@triton.jit` decides at import
-whether it interprets. tools/sass_loop.py prints a loop's instruction mix.
+fp32 activations, at the tests' small shape and Qwen3-30B-A3B's (32 / 4 heads x 128). Each key
+loop in bf16 (`loop_mix`, from the wheel's nvdisasm) must not spill registers: an int6 K's decode
+did at 4 warps (243 local loads, 241 stores a key tile). fp32 activations (IEEE dots: FMAs, the
+tiny families' correctness path on a GPU) are only compiled; their prefill loops spill. Run in a
+process of its own: `@triton.jit` decides at import whether it interprets. tools/sass_loop.py
+prints a loop's instruction mix.
 """
 
 from __future__ import annotations
