@@ -1,6 +1,6 @@
 """Compile the attention launches for Hopper (sm_90) on a machine without a GPU: what the interpreter cannot see.
 
-    python -m tests.kernels.hopper_compile        # prints one line a compiled kernel; exit 1 on a compile error
+    python -m tests.kernels.hopper_compile    # a line a case; exit 1 on a compile error or a spill
 
 The interpreter (tests/kernels/interpreter.py) runs a kernel's Python, so a kernel that only
 Triton's compiler refuses passes every CPU test: on the H200, `kv_int.dot_operand` written as a
@@ -94,8 +94,6 @@ def attention_step(kv_dtype: str, dtype: torch.dtype, decode: bool, heads: tuple
 def disassemble(cubin: bytes) -> str:
     """The whole SASS of `cubin` (the wheel's nvdisasm; Triton's `get_sass` cut k6_v4's decode kernel short,
     before its key loop)."""
-    import triton
-
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
