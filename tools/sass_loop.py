@@ -28,13 +28,12 @@ def main(argv=None) -> int:
     ap.add_argument("--config", nargs="*", default=[], metavar="FIELD=N",
                     help="attention_config's fields overridden, e.g. num_warps=8 block_n=32")
     args = ap.parse_args(argv)
-    from tests.kernels.hopper_compile import attention_step, compile_only, disassemble, loop_mix
-
-    built = compile_only()
     import torch
 
     from radianced.kernels import attention
+    from tests.kernels.hopper_compile import attention_step, compile_only, disassemble, loop_mix
 
+    built = compile_only()
     if args.config:
         overrides = {k: int(v) for k, v in (c.split("=") for c in args.config)}
         chosen = attention.attention_config
