@@ -1,13 +1,16 @@
-"""The attention kernel's key loop as the H200 runs it, read on a machine without a GPU (issue 21).
+"""The attention kernel's key loop as the H200 runs it, read on a machine without a GPU (issues 21, 20).
 
     python tools/sass_loop.py [--kv-dtype auto fp8 ...] [--prefill] [--heads 32,4,128] [--config num_warps=8 ...]
+    python tools/sass_loop.py --moe bf16 q8_0 q4_0 fp8_b128 [--tokens 32]
 
 Builds `_paged_attention_kernel` for sm_90 (tests/kernels/hopper_compile.py: Triton's compiler and
 the wheel's ptxas, nothing launched), disassembles it (the wheel's nvdisasm) and reads the loop over
 key tiles (the one with the dots): its instructions and their opcodes. Where a kernel is bound by
 its instructions, not its bytes (fp8's decode at 16K on the H200: 15-17% of HBM against auto's
 44-57%, tools/sweep_attention.py), this counts what a change to the loop saves before a device
-measures it. bf16 activations, Qwen3-30B-A3B's heads by default.
+measures it. bf16 activations, Qwen3-30B-A3B's heads by default. With --moe, the routed MoE's
+gate/up and down kernels over bf16 or compact experts (issue 20): their K loops, and the
+instructions a dot (tensor-core work against the rest).
 """
 
 from __future__ import annotations
@@ -27,13 +30,30 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", default="32,4,128", help="query heads, KV heads, head dim")
     ap.add_argument("--config", nargs="*", default=[], metavar="FIELD=N",
                     help="attention_config's fields overridden, e.g. num_warps=8 block_n=32")
+    ap.add_argument("--moe", nargs="*", metavar="FORMAT",
+                    help="the routed MoE's kernels instead, over experts of these formats (bf16, q8_0, q4_0, "
+                         "q4_1, fp8_b128, q4_0+q8_0) at --tokens rows, Qwen3-30B-A3B's widths")
+    ap.add_argument("--tokens", type=int, default=32, help="with --moe: the step's tokens (default 32)")
     args = ap.parse_args(argv)
     import torch
 
     from radianced.kernels import attention
-    from tests.kernels.hopper_compile import attention_step, compile_only, disassemble, loop_mix
+    from tests.kernels.hopper_compile import attention_step, compile_only, disassemble, loop_mix, moe_step
 
     built = compile_only()
+    if args.moe:
+        for fmt in args.moe:
+            before = len(built)
+            moe_step(fmt, args.tokens)
+            for name, kernel in built[before:]:
+                if name in ("_moe_gate_up_kernel", "_moe_down_kernel"):
+                    ops = loop_mix(disassemble(kernel.asm["cubin"]))["ops"]
+                    dots = sum(n for op, n in ops.items() if "MMA" in op)
+                    top = ", ".join(f"{op} {n}" for op, n in list(ops.items())[:12])
+                    print(f"{fmt:9s} {name:20s} T={args.tokens}: {sum(ops.values())} instructions a K step, "
+                          f"{dots} dots ({sum(ops.values()) / max(dots, 1):.1f} a dot), "
+                          f"{ops.get('LDL', 0) + ops.get('STL', 0)} spilled; {top}", flush=True)
+        return 0
     if args.config:
         overrides = {k: int(v) for k, v in (c.split("=") for c in args.config)}
         chosen = attention.attention_config

@@ -91,6 +91,21 @@ def attention_step(kv_dtype: str, dtype: torch.dtype, decode: bool, heads: tuple
     step.fused(decode=decode)
 
 
+def moe_step(fmt: str, tokens: int, experts: int = 8, hidden: int = 2048, inter: int = 768, top_k: int = 8) -> None:
+    """One routed-MoE step (`moe.moe`, bf16 activations) over `experts` experts of Qwen3-30B-A3B's widths,
+    bf16 (`fmt` "bf16") or compact (test_moe_compact's formats), one expert in host rows (`compile_only`
+    first)."""
+    from tests.kernels import test_moe, test_moe_compact
+
+    for module in (test_moe, test_moe_compact):  # the harnesses' shapes, widened
+        module.E, module.H, module.I = experts, hidden, inter
+    test_moe_compact.HOST_EXPERTS, test_moe_compact.SPARE = {1: 0}, 1
+    if fmt == "bf16":
+        test_moe.Experts(tokens, top_k, torch.bfloat16).kernel()
+    else:
+        test_moe_compact.CompactExperts(fmt, tokens, top_k, torch.bfloat16).kernel()
+
+
 def disassemble(cubin: bytes) -> str:
     """The whole SASS of `cubin` (the wheel's nvdisasm; Triton's `get_sass` cut k6_v4's decode kernel short,
     before its key loop)."""
