@@ -1,4 +1,4 @@
-"""Compile the attention launches for Hopper (sm_90) on a machine without a GPU: what the interpreter cannot see.
+"""Compile the attention and MoE launches for Hopper (sm_90) without a GPU: what the interpreter cannot see.
 
     python -m tests.kernels.hopper_compile    # a line a case; exit 1 on a compile error or a spill
 
@@ -10,7 +10,8 @@ the ptxas its wheel carries build the real kernels: `compile_only` puts a stand-
 names an sm_90 target and launches nothing (each launch returns once its kernel is built). The
 steps (`attention_step`) are test_attention's `Step` (an auto cache, qk-norm) and
 test_attention_kv_quant's (each quantized format): decode (the fused write) and prefill, bf16 and
-fp32 activations, at the tests' small shape and Qwen3-30B-A3B's (32 / 4 heads x 128). Each key
+fp32 activations, at the tests' small shape and Qwen3-30B-A3B's (32 / 4 heads x 128); and the routed
+MoE (`moe_step`) over bf16 and each compact format at T = 1 and 32, compiled only. Each attention key
 loop in bf16 (`loop_mix`, from the wheel's nvdisasm) must not spill registers: an int6 K's decode
 did at 4 warps (243 local loads, 241 stores a key tile). fp32 activations (IEEE dots: FMAs, the
 tiny families' correctness path on a GPU) are only compiled; their prefill loops spill. Run in a
@@ -140,6 +141,7 @@ def loop_mix(sass: str) -> dict:
     return {"instructions": hi - lo + 1, "ops": dict(ops.most_common())}
 
 
+MOE_FORMATS = ("bf16", "q8_0", "q4_0", "q4_1", "fp8_b128", "q4_0+q8_0")  # the routed MoE's experts
 # (heads: Hq, Hkv, D; contexts; activations): the tests' small shape, and Qwen3-30B-A3B's in bf16
 CASES = (((8, 2, 64), (40, 36), (torch.bfloat16, torch.float32)), ((32, 4, 128), (120, 120), (torch.bfloat16,)))
 
@@ -169,6 +171,17 @@ def main() -> int:
                     spilled += local > 0
                     print(f"{case}: built {names}; the key loop {sum(ops.values())} instructions"
                           + (f", {local} of them to local memory (spills)" if local else ""), flush=True)
+    for fmt in MOE_FORMATS:  # compiled only: the GGUF gate/up loops spill a little at T = 32 (issue 20)
+        for tokens in (1, 32):
+            case = f"moe {fmt} T={tokens}"
+            before = len(built)
+            try:
+                moe_step(fmt, tokens)
+            except triton.CompilationError as e:
+                failed += 1
+                print(f"{case}: {type(e).__name__}: {e}", flush=True)
+                continue
+            print(f"{case}: built {', '.join(n for n, _ in built[before:]) or 'nothing new'}", flush=True)
     print(f"{len(built)} kernels built for sm_{TARGET.arch}; {failed} cases did not compile, {spilled} spill")
     return 1 if failed or spilled or not built else 0
 
