@@ -184,18 +184,17 @@ static inline void prefetch_rows(const float *base, const int64_t *at, int64_t n
 static void attend(const float *q, const float *kv, int64_t row, int64_t v_rows, const int64_t *block_rows,
                    int64_t bs, int64_t n, int64_t g, int64_t d, float scale, float *o) {
     float m[G_MAX], l[G_MAX], p[G_MAX][CHUNK];
-    int64_t at[CHUNK];
+    int64_t rows[2][CHUNK], *at = rows[0], *next = rows[1]; /* this chunk's key rows, the next one's */
     for (int64_t j = 0; j < g; j++) {
         m[j] = -INFINITY;
         l[j] = 0.0f;
         for (int64_t i = 0; i < d; i++) o[j * d + i] = 0.0f;
     }
+    key_rows(block_rows, bs, row, 0, n < CHUNK ? n : CHUNK, at);
     for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
         const int64_t cn = n - c0 < CHUNK ? n - c0 : CHUNK;
-        key_rows(block_rows, bs, row, c0, cn, at);
         prefetch_rows(kv + v_rows * row, at, cn, d); /* the chunk's V rows, read after its scores */
         if (c0 + CHUNK < n) { /* the next chunk's K rows */
-            int64_t next[CHUNK];
             const int64_t nn = n - c0 - CHUNK < CHUNK ? n - c0 - CHUNK : CHUNK;
             key_rows(block_rows, bs, row, c0 + CHUNK, nn, next);
             prefetch_rows(kv, next, nn, d);
@@ -215,6 +214,9 @@ static void attend(const float *q, const float *kv, int64_t row, int64_t v_rows,
             exps(p[j], cn, top, &l[j]);
         }
         add_values(o, p, kv + v_rows * row, at, cn, g, d);
+        int64_t *done = at; /* the next chunk's rows, found above, are its own */
+        at = next;
+        next = done;
     }
     for (int64_t j = 0; j < g; j++) /* n = 0: 0 / 0 would be NaN; no key read is an output of zeros */
         if (l[j] > 0.0f)
