@@ -86,17 +86,23 @@ async def serving_builds(http: httpx.AsyncClient) -> float:
     return sum(v for (name, labels), v in snap.values.items() if name == BUILDS and ("phase", "serving") in labels)
 
 
-async def counters(http: httpx.AsyncClient) -> dict[str, float]:
-    """From the daemon's /metrics: torch's CUDA allocator counters (cudaMalloc, cudaFree, retries), the
-    garbage collector's collections and seconds (radiance_gc_pause_seconds), and the engine steps'
-    count, wall seconds (radiance_step_duration_seconds) and own seconds on the device
-    (radiance_step_own_seconds, every kind): a slow request's time is in its steps or around them."""
-    snap = Snapshot.parse((await http.get("/metrics")).text)
+ALLOCATOR = ("mallocs", "frees", "retries")  # torch's CUDA allocator: cudaMalloc, cudaFree, retries
 
+
+async def counters(http: httpx.AsyncClient) -> dict[str, float]:
+    """From the daemon's /metrics: `counter_totals`."""
+    return counter_totals(Snapshot.parse((await http.get("/metrics")).text))
+
+
+def counter_totals(snap: Snapshot) -> dict[str, float]:
+    """torch's CUDA allocator counters (ALLOCATOR), the garbage collector's collections and seconds
+    (radiance_gc_pause_seconds), and the engine steps' count, wall seconds (radiance_step_duration_seconds)
+    and own seconds on the device (radiance_step_own_seconds, every kind): a slow request's time is in its
+    steps or around them."""
     def total(name: str) -> float:
         return sum(v for (n, _), v in snap.values.items() if n == name)
 
-    out = {n: snap.total(f"radiance_cuda_allocator_{n}") for n in ("mallocs", "frees", "retries")}
+    out = {n: snap.total(f"radiance_cuda_allocator_{n}") for n in ALLOCATOR}
     out.update(gc_count=total("radiance_gc_pause_seconds_count"), gc_s=total("radiance_gc_pause_seconds_sum"),
                steps=total("radiance_step_duration_seconds_count"), step_s=total("radiance_step_duration_seconds_sum"),
                own_s=total("radiance_step_own_seconds_sum"))
@@ -243,24 +249,23 @@ async def prefill_burst(http, prompts: Callable[[int], list[int]], url: str) -> 
     kinds = {k: (c - kinds_before.get(k, (0, 0))[0], t - kinds_before.get(k, (0, 0))[1])
              for k, (c, t) in (await step_kinds(http)).items()}
     itl = [g for s in running for g in s.itl_s]
-    during, ends = [], []  # the gaps that ended while the burst was being served, and when (after it was sent)
+    during = []  # (gap, when it ended after the burst was sent) for the gaps that ended while it was served
     for s in running:
         at = s.sent_at + (s.ttft_s or 0.0)
         for gap in s.itl_s:
             at += gap
             if t_burst <= at <= t_end:
-                during.append(gap)
-                ends.append((gap, at - t_burst))
-    return {"itl_all": summary(itl), "itl_during_burst": summary(during), "burst_seconds": t_end - t_burst,
+                during.append((gap, at - t_burst))
+    after, before = counter_totals(hist_after), counter_totals(hist_before)
+    return {"itl_all": summary(itl), "itl_during_burst": summary([g for g, _ in during]),
+            "burst_seconds": t_end - t_burst,
             "burst_ttft": summary([ttft for ok, ttft in burst if ok]),
-            "longest_gaps": [{"gap_ms": 1e3 * g, "ended_ms": 1e3 * e} for g, e in sorted(ends, reverse=True)[:8]],
+            "longest_gaps": [{"gap_ms": 1e3 * g, "ended_ms": 1e3 * e} for g, e in sorted(during, reverse=True)[:8]],
             "running_ok": sum(s.ok for s in running), "burst_ok": sum(ok for ok, _ in burst),
             "steps": {k: {"steps": c, "mean_ms": 1000 * t / c if c else None} for k, (c, t) in kinds.items()},
             "burst_histograms": histogram_deltas(hist_before, hist_after),
             # cudaMalloc and cudaFree while the burst is served (a free synchronizes the device)
-            "burst_allocator": {n: hist_after.total(f"radiance_cuda_allocator_{n}")
-                                - hist_before.total(f"radiance_cuda_allocator_{n}")
-                                for n in ("mallocs", "frees", "retries")}}
+            "burst_allocator": {n: after[n] - before[n] for n in ALLOCATOR}}
 
 
 async def measure(url: str, args, res: dict) -> None:
