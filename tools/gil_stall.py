@@ -14,7 +14,8 @@ busy can wait up to N intervals.
 On this repository's 2-core CPU (session 19): 10 launches, loop busy 20 ms every 50: p99 20.2 ms at
 5 ms, 14.1 at 1 ms, 6.2 at 0.2 ms (2.6 with the loop idle). On the H200 the daemon's decode steps
 during a prefill burst reached 5-20 ms of device time against 1.7-2.0 (bench/README, session 19);
-`tools/bench_served.py --switch-interval-ms` measures the daemon itself.
+`tools/bench_served.py --switch-interval-ms` measures the daemon itself: on the H200 at 0.5 ms the burst's
+stall stayed (session 20), so the daemon keeps Python's interval.
 """
 
 from __future__ import annotations
