@@ -113,7 +113,7 @@ def pack_fp8_b128(values: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor
     """The inverse of `split_fp8_b128`: fp8_b128 bytes (scales as fp32, then the values, zero-padded)."""
     n, k = values.shape
     scales = scale_inv.float().contiguous().view(torch.uint8).reshape(-1)
-    data = torch.zeros(FORMATS["fp8_b128"].nbytes((n, k)), dtype=torch.uint8)
+    data = torch.zeros(FORMATS["fp8_b128"].nbytes((n, k)), dtype=torch.uint8, device=values.device)
     data[:scales.numel()] = scales
     data[scales.numel():scales.numel() + n * k] = values.contiguous().view(torch.uint8).reshape(-1)
     return data
