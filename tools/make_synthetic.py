@@ -1,7 +1,7 @@
 """Synthetic `.rad` models: real per-layer shapes, random weights, a router skew you choose.
 
     python tools/make_synthetic.py OUT.rad --layers 8 [--shape qwen3-30b-a3b] [--zipf 1.2] \
-        [--dtype bf16] [--seed 0] [--vocab N] [--narrow 1] [--device cuda]
+        [--dtype bf16] [--seed 0] [--vocab N] [--narrow 1] [--device cuda] [--quantize experts=int4]
 
 For benchmarks only (the header says `synthetic`): the weights are random, so
 the text is noise, but every tensor has the shape, dtype and byte size of the
@@ -34,6 +34,12 @@ compute); the file is written in large sequential writes through
 a time. The same arguments on the same device kind write the same bytes.
 `narrow` divides the width (hidden size, head counts, intermediate sizes) for
 tests on a CPU; experts, top_k, head dims and the layer pattern stay.
+
+Compact weights (`--quantize`, `radiancectl convert`'s classes and schemes: experts,
+layers; model/quantize.py): the random tensors are made as above and quantized on
+`--device` as they are written, so a compact model is its float twin (same seed)
+rounded, routing included: the rows D stay zero in every format. The embeddings
+class is refused (the tables are written in row blocks).
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ import torch  # noqa: E402
 
 from radianced.model.config import ModelConfig  # noqa: E402
 from radianced.model.hf_plan import expected_layer  # noqa: E402
+from radianced.model.quantize import fits, parse_quantize, plain_format, quantize as to_compact  # noqa: E402
 from radianced.model.rad_format import DTYPES  # noqa: E402
 from radianced.model.rad_writer import RadWriter  # noqa: E402
 from radianced.model.tiny import CHAT_TEMPLATE, ENDOFTEXT_ID, IM_END_ID, VOCAB_SIZE, _write_tokenizer  # noqa: E402
@@ -279,14 +286,19 @@ class _Weights:
         w[:, self.u] = (offsets / self.a).to(self.dtype)
         return w
 
-    def experts(self, count: int) -> Iterator[torch.Tensor]:
-        """`count` expert extents [3*I*H] (gate [I, H] | up [I, H] | down [H, I]), in groups, on the CPU."""
+    def experts(self, count: int, fmt: str | None = None) -> Iterator[tuple]:
+        """`count` experts' (gate [I, H], up [I, H], down [H, I]) on the CPU, made in groups; in compact
+        format `fmt` (quantized where they were made) or None: as they are."""
         h, i = self.cfg.hidden_size, self.cfg.moe_intermediate_size
         per = max(1, EXPERT_GROUP_BYTES // (3 * i * h * self.dtype.itemsize))
         for start in range(0, count, per):
             group = self.randn((min(per, count - start), 3 * i * h))
             group[:, 2 * i * h:].view(-1, h, i)[:, self.protected] = 0  # down rows D
-            yield from group.cpu()
+            if fmt is None:
+                group = group.cpu()
+            for extent in group:
+                pieces = (extent[:i * h].view(i, h), extent[i * h:2 * i * h].view(i, h), extent[2 * i * h:].view(h, i))
+                yield pieces if fmt is None else tuple(to_compact(p, fmt).to("cpu") for p in pieces)
 
 
 # -- the file ----------------------------------------------------------------------------
@@ -294,23 +306,37 @@ class _Weights:
 
 def make_synthetic(path, *, shape: str = "qwen3-30b-a3b", layers: int, zipf: float = 0.0, dtype: str = "bf16",
                    seed: int = 0, vocab: int | None = None, narrow: int = 1, device: str = "cpu",
-                   progress: bool = True) -> Path:
+                   progress: bool = True, quantize: str | None = None) -> Path:
     """Write a synthetic `.rad` at `path` (module docstring); returns `path` as a Path.
 
     shape: a key of SHAPES; layers: decoder layers written (the real model has 48);
     zipf: router skew (0 = uniform); dtype: bf16, f16 or f32; vocab: None = the real
-    model's; narrow: width divisor (tests); device: where the random numbers are made.
+    model's; narrow: width divisor (tests); device: where the random numbers are made;
+    quantize: `--quantize`'s CLASS=SCHEME list for the experts and layers classes, or None.
     Raises SyntheticError for bad arguments and RadError if the file cannot be written.
     """
     if dtype not in DTYPES or dtype == "f8_e4m3":
         raise SyntheticError(f"dtype {dtype!r} is not supported; use bf16, f16 or f32")
     if zipf < 0:
         raise SyntheticError(f"zipf must be >= 0, got {zipf}")
+    try:
+        formats = parse_quantize(quantize) if quantize is not None else {}
+    except ValueError as e:
+        raise SyntheticError(str(e)) from None
+    if "embeddings" in formats:
+        raise SyntheticError("--quantize embeddings=... is not made here (the tables are written in row blocks); "
+                             "quantize experts and layers, or convert the float model with radiancectl convert")
     cfg = shape_config(shape, layers, narrow, vocab)
+    fmt = formats.get("experts")
+    if fmt is not None and not (fits(fmt, (cfg.moe_intermediate_size, cfg.hidden_size))
+                                and fits(fmt, (cfg.hidden_size, cfg.moe_intermediate_size))):
+        raise SyntheticError(f"experts of [{cfg.moe_intermediate_size}, {cfg.hidden_size}] at narrow {narrow} do not "
+                             f"split into {fmt}'s blocks; choose a narrow that leaves both a multiple of 32")
     path = Path(path)
     source = (f"synthetic:{shape}, {layers} of {SHAPES[shape]['num_hidden_layers']} layers"
               + (f", width / {narrow}" if narrow != 1 else "") + f", zipf {zipf}, seed {seed}, {dtype} "
-              f"made on {torch.device(device).type} (tools/make_synthetic.py): random weights")
+              f"made on {torch.device(device).type}" + (f", --quantize {quantize}" if formats else "")
+              + " (tools/make_synthetic.py): random weights")
     w = _Weights(cfg, DTYPES[dtype], device, seed)
     t0 = time.perf_counter()
     with RadWriter(path, model=cfg, tokenizer_json=_tokenizer_json(cfg.vocab_size), chat_template=CHAT_TEMPLATE,
@@ -320,7 +346,7 @@ def make_synthetic(path, *, shape: str = "qwen3-30b-a3b", layers: int, zipf: flo
         embed = "model.embed_tokens.weight"
         out.add_tensor_chunks(embed, w.dtype, (V, H), w.chunks(embed, (V, H)))
         for layer in range(layers):
-            _write_layer(out, w, layer, zipf)
+            _write_layer(out, w, layer, zipf, formats)
             if progress:
                 written = out.tmp_path.stat().st_size / GiB
                 print(f"make_synthetic: layer {layer + 1}/{layers}, {written:.2f} GiB written, "
@@ -333,20 +359,21 @@ def make_synthetic(path, *, shape: str = "qwen3-30b-a3b", layers: int, zipf: flo
     return path
 
 
-def _write_layer(out: RadWriter, w: _Weights, layer: int, zipf: float) -> None:
-    """Decoder layer `layer`: its tensors in checkpoint order, then its routed experts."""
+def _write_layer(out: RadWriter, w: _Weights, layer: int, zipf: float, formats: dict[str, str]) -> None:
+    """Decoder layer `layer`: its tensors in checkpoint order (those `formats` names compact), then its
+    routed experts."""
     cfg = w.cfg
     moe = cfg.is_moe_layer(layer)
     for name, shape in expected_layer(cfg, f"model.layers.{layer}.", cfg.layer_type(layer), moe):
         if name.endswith("mlp.gate.weight"):
             out.add_tensor(name, w.router(shape, zipf).cpu())
+        elif (fmt := plain_format(name, shape, formats)) is not None:
+            out.add_compact(name, to_compact(w.plain(name, shape), fmt).to("cpu"))
         else:
             out.add_tensor_chunks(name, w.dtype, shape, w.chunks(name, shape))
     if moe:
-        H, I = cfg.hidden_size, cfg.moe_intermediate_size
-        for e, extent in enumerate(w.experts(cfg.num_experts)):
-            out.add_expert(layer, e, extent[:I * H].view(I, H), extent[I * H:2 * I * H].view(I, H),
-                           extent[2 * I * H:].view(H, I))
+        for e, (gate, up, down) in enumerate(w.experts(cfg.num_experts, formats.get("experts"))):
+            out.add_expert(layer, e, gate, up, down)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -360,10 +387,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, help="vocabulary size (default: the real model's)")
     ap.add_argument("--narrow", type=int, default=1, help="divide the width by this (tests on a CPU)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quantize", metavar="CLASS=SCHEME,...",
+                    help="compact experts and layers, as radiancectl convert's, e.g. experts=int4,layers=fp8")
     args = ap.parse_args(argv)
     try:
         make_synthetic(args.out, shape=args.shape, layers=args.layers, zipf=args.zipf, dtype=args.dtype,
-                       seed=args.seed, vocab=args.vocab, narrow=args.narrow, device=args.device)
+                       seed=args.seed, vocab=args.vocab, narrow=args.narrow, device=args.device,
+                       quantize=args.quantize)
     except SyntheticError as e:
         ap.error(str(e))
     return 0

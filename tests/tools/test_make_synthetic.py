@@ -19,6 +19,7 @@ from radianced.model.experts import ResidentExperts
 from radianced.model.loader import load_model
 from radianced.model.rad import RadFile
 from radianced.model.tokenizer import Tokenizer
+from radianced.model.quantize import quantize
 from tools.make_synthetic import SyntheticError, make_synthetic, shape_config, zipf_targets
 
 BLOCK = 16
@@ -29,7 +30,7 @@ class CountingExperts(ResidentExperts):
 
     def __init__(self, rad: RadFile):
         base = ResidentExperts.from_rad(rad)
-        super().__init__(base.slab, base._tables)
+        super().__init__(base.slab, base._tables, base._formats)
         self.num_experts = rad.model.num_experts
         self.counts: dict[int, torch.Tensor] = {}
 
@@ -161,3 +162,30 @@ def test_bad_arguments_are_refused_by_name(tmp_path, kwargs, words):
     with pytest.raises(SyntheticError, match=words):
         make_synthetic(tmp_path / "x.rad", layers=1, **kwargs)
     assert not (tmp_path / "x.rad").exists()
+
+
+def test_compact_twin_is_the_float_model_rounded(tmp_path):
+    """--quantize experts=int4,layers=fp8: the same random tensors as the float model of the same seed, quantized
+    (model/quantize.py), and the same routing: the rows D stay zero, so every token picks the same experts."""
+    kw = dict(layers=2, zipf=1.2, vocab=1024, narrow=8, dtype="f32", progress=False)
+    plain = RadFile.open(make_synthetic(tmp_path / "f32.rad", **kw))
+    compact = RadFile.open(make_synthetic(tmp_path / "q.rad", quantize="experts=int4,layers=fp8", **kw))
+    assert {e.dtype for e in compact.header.experts} == {"q4_0"}
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    assert compact.tensor_entry(q_proj).dtype == "fp8_b128"
+    assert compact.tensor_entry("model.layers.0.mlp.gate.weight").dtype == "f32"  # the router as it is
+    assert torch.equal(compact.tensor(q_proj).data, quantize(plain.tensor(q_proj), "fp8_b128").data)
+    for got, want in zip(compact.expert(1, 5), plain.expert(1, 5)):
+        assert torch.equal(got.data, quantize(want, "q4_0").data)
+    counted = [CountingExperts(r) for r in (plain, compact)]
+    for rad, experts in zip((plain, compact), counted):
+        forward(rad, 4, 32, experts=experts)
+    for layer in counted[0].counts:
+        assert torch.equal(counted[0].counts[layer], counted[1].counts[layer]), f"layer {layer}"
+
+
+def test_compact_experts_need_whole_blocks(tmp_path):
+    with pytest.raises(SyntheticError, match="narrow 16"):
+        make_synthetic(tmp_path / "x.rad", layers=1, narrow=16, quantize="experts=int4")
+    with pytest.raises(SyntheticError, match="embeddings"):
+        make_synthetic(tmp_path / "x.rad", layers=1, narrow=8, quantize="embeddings=int8")
