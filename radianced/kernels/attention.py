@@ -85,21 +85,28 @@ class AttentionConfig:
 
 def attention_config(num_tokens: int, num_seqs: int, q_heads: int, kv_heads: int, head_dim: int,
                      device: torch.device, max_seq_len: int | None = None,
-                     num_splits: int | None = None, k_bits: int = 0) -> AttentionConfig:
+                     num_splits: int | None = None, k_bits: int = 0, v_bits: int = 0) -> AttentionConfig:
     """Tile sizes from the step's shape alone (T, B, heads), so one decode bucket gets one config.
 
     A decode-like step (T <= B) packs the GQA group into a 16-row tile and splits
     the keys until about two programs run per SM; prefill uses 64-row tiles and no
     split. `max_seq_len` (when the host knows it) caps the split count so each
-    split keeps at least MIN_KEYS_PER_SPLIT keys. An int6 K (`k_bits` 6) at decode takes 8 warps: at 4
+    split keeps at least MIN_KEYS_PER_SPLIT keys. `k_bits`, `v_bits`: the cache's format (KernelCache's:
+    auto 0, 0; fp8 8, 8; fp8_v4 8, 4; k6_v4 6, 4). An int6 K (`k_bits` 6) at decode takes 8 warps: at 4
     its unpacking spills registers in the key loop (tools/sass_loop.py, Qwen3-30B-A3B's heads: 243 local
-    loads and 241 stores a key tile; none at 8, with as many instructions in all).
+    loads and 241 stores a key tile; none at 8, with as many instructions in all). fp8 at head dim <= 128
+    takes 128-key prefill tiles and 3 stages at decode: measured at 128 (Qwen3-30B-A3B's heads) in
+    bench/results/2026-12-03-h200-9ec6e66-sweep-attention.json, 4K prefill 1.28 -> 0.875 ms (auto 0.736),
+    16K decode b32 0.478 -> 0.431 ms at 3 stages and at 4, b8 0.133 -> 0.146 at 3 and 0.121 at 4 (3 and 4
+    build the same PTX here: b8's spread is noise). At 256, fp8's 64-key prefill tiles were slower (1.70 ->
+    1.96 ms) and its decode is unmeasured; fp8_v4 and k6_v4 keep auto's tiles until measured.
     """
     group_pad = triton.next_power_of_2(q_heads // kv_heads)
     decode = num_tokens <= num_seqs
+    fp8_tiles = k_bits == 8 and v_bits == 8 and head_dim <= 128  # fp8's own, where measured
     block_m = max(16 if decode else (64 if head_dim <= 128 else 32), group_pad)
     block_q = block_m // group_pad
-    block_n = 64 if head_dim <= 128 else 32
+    block_n = 128 if fp8_tiles and not decode else (64 if head_dim <= 128 else 32)
     if num_splits is None:
         num_splits = 1
         if decode and device.type == "cuda":
@@ -108,7 +115,8 @@ def attention_config(num_tokens: int, num_seqs: int, q_heads: int, kv_heads: int
             if max_seq_len is not None:
                 num_splits = max(1, min(num_splits, triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)))
     num_warps = 4 if block_m * head_dim <= 64 * 128 and not (decode and k_bits == 6) else 8
-    return AttentionConfig(block_m, block_q, block_n, num_splits, num_warps, num_stages=2)
+    num_stages = 3 if fp8_tiles and decode else 2
+    return AttentionConfig(block_m, block_q, block_n, num_splits, num_warps, num_stages)
 
 
 # -- kernels ---------------------------------------------------------------------------------------
@@ -472,7 +480,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | KVPlane, v_cache: t
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     if t == 0 or sl.shape[0] == 0:
         return out
-    cfg = attention_config(t, sl.shape[0], hq, cache.shape[3], d, q.device, max_seq_len, num_splits, cache.k_bits)
+    cfg = attention_config(t, sl.shape[0], hq, cache.shape[3], d, q.device, max_seq_len, num_splits,
+                           cache.k_bits, cache.v_bits)
     _launch_paged_attention(q, cache, block_tables, qs, sl, scale, out, cfg)
     return out
 
@@ -525,7 +534,8 @@ def rotary_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     if t == 0:
         return out
     v = v if v.stride(2) == 1 else v.contiguous()
-    cfg = attention_config(t, t, hq, cache.shape[3], d, q.device, max_seq_len, num_splits, cache.k_bits)
+    cfg = attention_config(t, t, hq, cache.shape[3], d, q.device, max_seq_len, num_splits, cache.k_bits,
+                           cache.v_bits)
     prologue = _Prologue(k, v, slot_mapping, positions, inv_freq, weights, eps, zero_centred)
     _launch_paged_attention(q, cache, block_tables, qs, sl, scale, out, cfg, prologue)
     return out

@@ -11,6 +11,8 @@ within 1e-2 of the fp32 reference on the same (bf16-rounded) inputs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -115,6 +117,43 @@ def test_the_receipt_bounds_the_split_partials(monkeypatch, sms):
         for rows in range(1, 300):
             cfg = attention.attention_config(rows, rows, 8 * kv_heads, kv_heads, 128, torch.device("cuda"))
             assert cfg.num_splits == 1 or cfg.num_splits * rows <= min(rows * sizing.ATTENTION_MAX_SPLITS, bound)
+
+
+# (k_bits, v_bits) of each format, as kv_int.kernel_cache gives them to attention_config
+FORMAT_BITS = {"auto": (0, 0), "fp8": (8, 8), "fp8_v4": (8, 4), "k6_v4": (6, 4)}
+QWEN3, NEXT = (32, 4, 128), (16, 2, 256)  # Hq, Hkv, D
+CONFIG_STEPS = ((4096, 1, False), (300, 4, False), (8, 8, True), (32, 32, True))  # T, B, decode-like
+
+
+def test_auto_keeps_its_tiles_at_the_measured_shapes(monkeypatch):
+    """auto's configs at tools/sweep_attention.py's shapes (H200: 132 SMs), as they were when the fp8 tiles
+    were chosen: a 4K prefill, decode b8 and b32 at 16K."""
+    monkeypatch.setattr(attention.pdl, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    got = {(heads[2], t, b): attention.attention_config(t, b, *heads, cuda, 4096 if t > b else 16384)
+           for heads in (QWEN3, NEXT) for t, b in ((4096, 1), (8, 8), (32, 32))}
+    assert got == {(128, 4096, 1): attention.AttentionConfig(64, 8, 64, 1, 4, 2),
+                   (128, 8, 8): attention.AttentionConfig(16, 2, 64, 8, 4, 2),
+                   (128, 32, 32): attention.AttentionConfig(16, 2, 64, 2, 4, 2),
+                   (256, 4096, 1): attention.AttentionConfig(32, 4, 32, 1, 4, 2),
+                   (256, 8, 8): attention.AttentionConfig(16, 2, 32, 16, 4, 2),
+                   (256, 32, 32): attention.AttentionConfig(16, 2, 32, 4, 4, 2)}
+
+
+@pytest.mark.parametrize("fmt", list(FORMAT_BITS))
+@pytest.mark.parametrize("heads", [(9, 3, 64), QWEN3, NEXT])
+def test_fp8_alone_takes_its_measured_tiles(monkeypatch, fmt, heads):
+    """attention_config's fp8 tiles (bench/results/2026-12-03-h200-9ec6e66-sweep-attention.json): 128-key
+    prefill tiles and 3 stages at decode, at head dim <= 128; every other format and head dim keeps auto's
+    (an int6 K's decode its 8 warps)."""
+    monkeypatch.setattr(attention.pdl, "sm_count", lambda device: 132)
+    fp8 = fmt == "fp8" and heads[2] <= 128
+    for t, b, decode in CONFIG_STEPS:
+        auto = attention.attention_config(t, b, *heads, torch.device("cuda"), 16384)
+        got = attention.attention_config(t, b, *heads, torch.device("cuda"), 16384, None, *FORMAT_BITS[fmt])
+        assert got == dataclasses.replace(auto, block_n=128 if fp8 and not decode else auto.block_n,
+                                          num_stages=3 if fp8 and decode else auto.num_stages,
+                                          num_warps=8 if fmt == "k6_v4" and decode else auto.num_warps)
 
 
 def test_decode_split_in_bf16():

@@ -11,6 +11,8 @@ them (kv/cache.py), block tables shuffled across pages. The reference write is g
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -250,6 +252,27 @@ def test_the_attention_reads_the_bytes_it_is_given(kv_dtype):
     moved = reference.paged_attention(q, *step.cache.layer(1), *args)
     assert rel_err(moved, want) > 1e-3
     assert rel_err(attention.paged_attention(q, *step.cache.layer(1), *args), moved) < 2e-6
+
+
+BITS = {"fp8": (8, 8), "fp8_v4": (8, 4), "k6_v4": (6, 4)}  # (k_bits, v_bits): fp8's K is fp8_v4's
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_the_launches_give_attention_config_the_format(kv_dtype, monkeypatch):
+    """paged_attention and the fused decode tell attention_config the cache's K and V formats (fp8's own tiles
+    are fp8_v4's only if measured there)."""
+    config, seen = attention.attention_config, []
+
+    def spy(*args, **kwargs):
+        bound = inspect.signature(config).bind(*args, **kwargs)
+        bound.apply_defaults()
+        seen.append((bound.arguments["k_bits"], bound.arguments["v_bits"]))
+        return config(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "attention_config", spy)
+    Step([1, 1], [20, 9], 4, 2, 32, seed=12, kv_dtype=kv_dtype).fused(decode=True)
+    Step([5, 1], [20, 9], 4, 2, 32, seed=13, kv_dtype=kv_dtype).fused()
+    assert seen == [BITS[kv_dtype]] * 2
 
 
 def test_planes_of_two_formats_are_refused():
