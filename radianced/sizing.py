@@ -51,10 +51,12 @@ DENSE_PAGE_BYTES = 2 * MiB  # a dense model's page: whole KV blocks up to this s
 SAMPLER_BYTES = 20  # per (sampled row, vocab entry): fp32 logits, probs, sorted copy + int64 index
 DELTANET_CHUNK = 64  # chunk length of the chunked gated delta rule
 # Flash-decoding partials (kernels/attention.py): a decode step splits keys only while splits x
-# sequences x KV heads <= 2 x the device's SMs; this bounds the SMs of any device planned for (an
-# H200 has 132), so one step's partial rows (split, token) stay under 2 x MAX_SMS / KV heads.
+# sequences x KV heads <= ATTENTION_PROGRAMS_PER_SM x the device's SMs; MAX_SMS bounds the SMs of any
+# device planned for (an H200 has 132), so one step's partial rows (split, token) stay under
+# ATTENTION_PROGRAMS_PER_SM x MAX_SMS / KV heads.
 MAX_SMS = 256
 ATTENTION_MAX_SPLITS = 32  # kernels/attention.MAX_SPLITS (tests/kernels/test_attention.py holds them equal)
+ATTENTION_PROGRAMS_PER_SM = 8  # kernels/attention.MAX_PROGRAMS_PER_SM (likewise)
 FP32 = 4
 
 # bytes per element of the plain `.rad` dtypes (rad_format.DTYPES); a compact format has no element size
@@ -279,7 +281,8 @@ def activation_bytes(m: ModelConfig, act: int, tokens: int, cuda: bool = False) 
     if m.full_attention_layers:
         q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
         gated = 2 if m.family == "qwen3_next" else 1
-        partial_rows = min(tokens * ATTENTION_MAX_SPLITS, 2 * MAX_SMS // m.num_key_value_heads) if cuda else 0
+        partial_rows = min(tokens * ATTENTION_MAX_SPLITS,
+                           ATTENTION_PROGRAMS_PER_SM * MAX_SMS // m.num_key_value_heads) if cuda else 0
         partials = partial_rows * m.num_attention_heads * (m.head_dim + 1) * FP32  # fp32 o and lse per head
         mixers.append(tokens * (q * gated + 2 * kv + q) * act + partials)
     if m.linear_attention_layers:

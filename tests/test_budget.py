@@ -230,9 +230,9 @@ def test_graph_pool_charges_the_largest_graph_on_a_gpu_and_nothing_where_no_grap
     gpu = pool(Card.from_mib(4096, cuda=True))
     t, rows = 2048, 16  # the largest mixed graph (16 seqs: 32 .. 256, then 512 .. 2,048 by 256); 16 logits rows
     layer = 4 * t * 576 * 2 + t * (576 + 2 * 192 + 576) * 2 + t * 3 * 1536 * 2  # as in the receipt by hand
-    # the flash-decoding partials: min(16 rows x 32 splits, 2 x 256 SMs / 3 KV heads) partial rows x 9 query
-    # heads x (64 dims + lse) in fp32
-    partials = 170 * 9 * 65 * 4
+    # the flash-decoding partials: min(2,048 rows x 32 splits, 8 programs x 256 SMs / 3 KV heads) partial rows x 9
+    # query heads x (64 dims + lse) in fp32
+    partials = 682 * 9 * 65 * 4
     logits, held = rows * 49152 * (2 + 20), rows * 49152 * 4  # the temporary, and the outputs the graphs hold
     assert gpu.bytes == layer + partials + logits + held + CAPTURE_WORKSPACE_BYTES and CAPTURE_WORKSPACE_BYTES == 32 * MiB
     assert "capture stream's cuBLAS workspace" in gpu.detail

@@ -64,6 +64,8 @@ LOG2E = 1.4426950408889634
 # us per layer at 1,024 / 1,100 keys: 16 splits 6.7 / 8.4 (a context just past 1,024 rounds to two
 # tiles a split), 32 splits 7.4 / 7.4, 64 splits 7.8 / 8.1 (a wider merge), 8 splits 8.3 / 10.0.
 MAX_SPLITS = 32
+MIN_SPLITS = 8  # at decode on CUDA, up to MAX_PROGRAMS_PER_SM (attention_config's docstring)
+MAX_PROGRAMS_PER_SM = 8  # sizing.ATTENTION_PROGRAMS_PER_SM: the receipt's bound on the split partials
 MIN_KEYS_PER_SPLIT = 64
 # The step's counts are plain integers to the compiler: Triton would otherwise build a variant per
 # value class (== 1, divisible by 16) met on the request path (kernels/compiles.py).
@@ -89,8 +91,12 @@ def attention_config(num_tokens: int, num_seqs: int, q_heads: int, kv_heads: int
     """Tile sizes from the step's shape alone (T, B, heads), so one decode bucket gets one config.
 
     A decode-like step (T <= B) packs the GQA group into a 16-row tile and splits
-    the keys until about two programs run per SM; prefill uses 64-row tiles and no
-    split. `max_seq_len` (when the host knows it) caps the split count so each
+    the keys until about two programs run per SM, and in at least MIN_SPLITS parts while at most
+    MAX_PROGRAMS_PER_SM run per SM; prefill uses 64-row tiles and no split. The floor: at b32 (Qwen3-30B-A3B's heads, 16K context)
+    two splits, two programs an SM, took 0.389-0.390 ms in two sweeps on the H200, 8 splits
+    0.271 (4: 0.270, 16: 0.277): a split's 8K keys are read by too few loads in flight
+    (bench/results/2026-12-03-h200-{9ec6e66,c7322d6}-sweep-attention.json; at b8, 8 splits
+    already). `max_seq_len` (when the host knows it) caps the split count so each
     split keeps at least MIN_KEYS_PER_SPLIT keys. `k_bits`, `v_bits`: the cache's format (KernelCache's:
     auto 0, 0; fp8 8, 8; fp8_v4 8, 4; k6_v4 6, 4). An int6 K (`k_bits` 6) at decode takes 8 warps: at 4
     its unpacking spills registers in the key loop (tools/sass_loop.py, Qwen3-30B-A3B's heads: 243 local
@@ -111,7 +117,9 @@ def attention_config(num_tokens: int, num_seqs: int, q_heads: int, kv_heads: int
         num_splits = 1
         if decode and device.type == "cuda":
             programs = max(1, num_seqs * kv_heads)
-            num_splits = max(1, min(MAX_SPLITS, (2 * pdl.sm_count(device)) // programs))
+            sms = pdl.sm_count(device)
+            floor = min(MIN_SPLITS, MAX_PROGRAMS_PER_SM * sms // programs)
+            num_splits = max(1, min(MAX_SPLITS, max(floor, 2 * sms // programs)))
             if max_seq_len is not None:
                 num_splits = max(1, min(num_splits, triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)))
     num_warps = 4 if block_m * head_dim <= 64 * 128 and not (decode and k_bits == 6) else 8

@@ -106,14 +106,15 @@ def test_decode_split_over_keys_merges_to_the_reference(splits):
 
 @pytest.mark.parametrize("sms", [78, 132, 256])
 def test_the_receipt_bounds_the_split_partials(monkeypatch, sms):
-    """sizing.activation_bytes charges splits x rows partial rows up to 2 x MAX_SMS / Hkv: what
+    """sizing.activation_bytes charges splits x rows partial rows up to PROGRAMS_PER_SM x MAX_SMS / Hkv: what
     attention_config gives any decode batch on a device of up to MAX_SMS SMs."""
     from radianced import sizing
 
     assert attention.MAX_SPLITS == sizing.ATTENTION_MAX_SPLITS and sms <= sizing.MAX_SMS
+    assert attention.MAX_PROGRAMS_PER_SM == sizing.ATTENTION_PROGRAMS_PER_SM
     monkeypatch.setattr(attention.pdl, "sm_count", lambda device: sms)
     for kv_heads in (1, 2, 4, 8):
-        bound = 2 * sizing.MAX_SMS // kv_heads
+        bound = sizing.ATTENTION_PROGRAMS_PER_SM * sizing.MAX_SMS // kv_heads
         for rows in range(1, 300):
             cfg = attention.attention_config(rows, rows, 8 * kv_heads, kv_heads, 128, torch.device("cuda"))
             assert cfg.num_splits == 1 or cfg.num_splits * rows <= min(rows * sizing.ATTENTION_MAX_SPLITS, bound)
@@ -126,18 +127,18 @@ CONFIG_STEPS = ((4096, 1, False), (300, 4, False), (8, 8, True), (32, 32, True))
 
 
 def test_auto_keeps_its_tiles_at_the_measured_shapes(monkeypatch):
-    """auto's configs at tools/sweep_attention.py's shapes (H200: 132 SMs), as they were when the fp8 tiles
-    were chosen: a 4K prefill, decode b8 and b32 at 16K."""
+    """auto's configs at tools/sweep_attention.py's shapes (H200: 132 SMs): a 4K prefill, decode b8 and b32 at
+    16K (as when the fp8 tiles were chosen, but decode's MIN_SPLITS: b32's 2 splits became 8)."""
     monkeypatch.setattr(attention.pdl, "sm_count", lambda device: 132)
     cuda = torch.device("cuda")
     got = {(heads[2], t, b): attention.attention_config(t, b, *heads, cuda, 4096 if t > b else 16384)
            for heads in (QWEN3, NEXT) for t, b in ((4096, 1), (8, 8), (32, 32))}
     assert got == {(128, 4096, 1): attention.AttentionConfig(64, 8, 64, 1, 4, 2),
                    (128, 8, 8): attention.AttentionConfig(16, 2, 64, 8, 4, 2),
-                   (128, 32, 32): attention.AttentionConfig(16, 2, 64, 2, 4, 2),
+                   (128, 32, 32): attention.AttentionConfig(16, 2, 64, 8, 4, 2),
                    (256, 4096, 1): attention.AttentionConfig(32, 4, 32, 1, 4, 2),
                    (256, 8, 8): attention.AttentionConfig(16, 2, 32, 16, 4, 2),
-                   (256, 32, 32): attention.AttentionConfig(16, 2, 32, 4, 4, 2)}
+                   (256, 32, 32): attention.AttentionConfig(16, 2, 32, 8, 4, 2)}
 
 
 @pytest.mark.parametrize("fmt", list(FORMAT_BITS))
