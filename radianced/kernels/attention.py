@@ -90,13 +90,13 @@ def attention_config(num_tokens: int, num_seqs: int, q_heads: int, kv_heads: int
                      num_splits: int | None = None, k_bits: int = 0, v_bits: int = 0) -> AttentionConfig:
     """Tile sizes from the step's shape alone (T, B, heads), so one decode bucket gets one config.
 
-    A decode-like step (T <= B) packs the GQA group into a 16-row tile and splits
-    the keys until about two programs run per SM, and in at least MIN_SPLITS parts while at most
-    MAX_PROGRAMS_PER_SM run per SM; prefill uses 64-row tiles and no split. The floor: at b32 (Qwen3-30B-A3B's heads, 16K context)
-    two splits, two programs an SM, took 0.389-0.390 ms in two sweeps on the H200, 8 splits
-    0.271 (4: 0.270, 16: 0.277): a split's 8K keys are read by too few loads in flight
-    (bench/results/2026-12-03-h200-{9ec6e66,c7322d6}-sweep-attention.json; at b8, 8 splits
-    already). `max_seq_len` (when the host knows it) caps the split count so each
+    A decode-like step (T <= B) packs the GQA group into a 16-row tile and splits the keys until
+    about two programs run per SM, and into at least MIN_SPLITS parts while at most
+    MAX_PROGRAMS_PER_SM run per SM; prefill uses 64-row tiles and no split. The floor is measured:
+    at b32 over a 16K context (Qwen3-30B-A3B's heads), two splits (two programs an SM) took
+    0.389-0.390 ms in two sweeps on the H200, 4, 8 and 16 splits 0.270, 0.271, 0.277; with the floor
+    the default took 0.267 (bench/results/2026-12-03-h200-{9ec6e66,c7322d6,8a2f6bf}-sweep-attention
+    .json); b8 had 8 splits already. `max_seq_len` (when the host knows it) caps the split count so each
     split keeps at least MIN_KEYS_PER_SPLIT keys. `k_bits`, `v_bits`: the cache's format (KernelCache's:
     auto 0, 0; fp8 8, 8; fp8_v4 8, 4; k6_v4 6, 4). An int6 K (`k_bits` 6) at decode takes 8 warps: at 4
     its unpacking spills registers in the key loop (tools/sass_loop.py, Qwen3-30B-A3B's heads: 243 local
