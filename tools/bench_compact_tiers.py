@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from radianced.engine.engine import Engine  # noqa: E402
 from radianced.model.rad import RadFile  # noqa: E402
 from radianced.sizing import ModelFacts, slot_bytes  # noqa: E402
 from radianced.tiers.placement import routed_experts  # noqa: E402
-from tools import gpu_bench  # noqa: E402
+from tools import bench_tiers, gpu_bench  # noqa: E402
 from tools.bench_tiers import decode, host_pool_mib, run_totals, teardown  # noqa: E402
 from tools.make_synthetic import make_synthetic  # noqa: E402
 
@@ -52,7 +51,6 @@ MiB, GiB = 1 << 20, 1 << 30
 FORMATS = {"bf16": None, "fp8": "experts=fp8", "int4": "experts=int4"}  # -> make_synthetic's quantize
 SHARES = (0.10, 0.25)  # of bf16's experts' slot bytes
 RESIDENT_C = (1, 32)
-GRACE_S = 20
 
 
 @dataclass(frozen=True)
@@ -72,14 +70,6 @@ FULL = Preset(layers=4, narrow=1, vocab=None, dtype="bf16", gpu_memory_mib=16384
               budgets={"ceilings": 25, "model": 60, "slots": 25, "first_slots": 90, "resident": 35})
 QUICK = Preset(layers=2, narrow=8, vocab=2048, dtype="f32", gpu_memory_mib=2048, warm=4, steps=6,
                budgets={"ceilings": 30, "model": 60, "slots": 60, "first_slots": 60, "resident": 60})
-
-
-class SectionTimeout(Exception):
-    """A section ran past its budget plus the grace."""
-
-
-def _alarm(signum, frame):
-    raise SectionTimeout("past the section's budget plus the grace; what it measured so far is lost")
 
 
 def engine_for(rad: RadFile, p: Preset, device: str, **flags) -> Engine:
@@ -137,17 +127,8 @@ def section_resident(rad: RadFile, p: Preset, device: str, deadline: float) -> d
 
 
 def run_section(results: dict, out: Path, name: str, budget: float, fn, *args) -> dict:
-    """gpu_bench's section runner under a soft deadline (fn's last argument) and a hard alarm."""
-    deadline = time.perf_counter() + budget
-    signal.signal(signal.SIGALRM, _alarm)
-    signal.setitimer(signal.ITIMER_REAL, budget + GRACE_S)
-    try:
-        res = gpu_bench._section(results, out / "compact_tiers.json", name, fn, *args, deadline)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-    gpu_bench._free_cuda()
-    (out / "compact_tiers.md").write_text(render(results))
-    return res
+    """bench_tiers' section runner (a soft deadline, a hard alarm), writing compact_tiers.json / .md."""
+    return bench_tiers.run_section(results, out, name, budget, fn, *args, stem="compact_tiers", report=render)
 
 
 def bf16_slot_count(results: dict, share: float) -> int:

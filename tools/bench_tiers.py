@@ -261,20 +261,22 @@ def _alarm(signum, frame):
     raise SectionTimeout("past the section's budget plus the grace; what it measured so far is lost")
 
 
-def run_section(results: dict, out: Path, name: str, budget: float, fn, *args) -> dict:
-    """gpu_bench's section runner (records errors, rewrites the JSON) under a soft deadline passed
-    to `fn` as its last argument and a hard alarm at the budget plus the grace; re-renders the report."""
+def run_section(results: dict, out: Path, name: str, budget: float, fn, *args, stem: str = "tiers",
+                report=None) -> dict:
+    """gpu_bench's section runner (records errors, rewrites OUT/STEM.json) under a soft deadline passed
+    to `fn` as its last argument and a hard alarm at the budget plus the grace; re-renders OUT/STEM.md
+    with `report` (default: this tool's `render`)."""
     deadline = time.perf_counter() + budget
     signal.signal(signal.SIGALRM, _alarm)
     signal.setitimer(signal.ITIMER_REAL, budget + GRACE_S)
     try:
-        res = gpu_bench._section(results, out / "tiers.json", name, fn, *args, deadline)
+        res = gpu_bench._section(results, out / f"{stem}.json", name, fn, *args, deadline)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
     gpu_bench._free_cuda()  # the section's engine is gone with its frame
     res["budget_s"] = budget
-    gpu_bench._write_json(out / "tiers.json", results)
-    (out / "tiers.md").write_text(render(results))
+    gpu_bench._write_json(out / f"{stem}.json", results)
+    (out / f"{stem}.md").write_text((report or render)(results))
     return res
 
 
