@@ -44,7 +44,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help=f"with --url: the daemon's --max-num-seqs (default {DEFAULTS.max_num_seqs})")
     run.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue,
                      help=f"with --url: the daemon's --max-queue (default {DEFAULTS.max_queue})")
+    run.add_argument("--workloads", type=workload_names, metavar="NAME,...",
+                     help="run only these, in their usual order (default: all): decode, prefill, sweep, overload, "
+                          "multi-turn, stability (--full), quality")
     run.add_argument("daemon_args", nargs=argparse.REMAINDER, help="with --start: `--` then radianced's flags")
+
+
+def workload_names(text: str) -> frozenset[str]:
+    """An argparse type: a comma-separated list of `bench run` workloads (the error names the unknown ones)."""
+    from radianced.bench.workloads import WORKLOADS
+
+    names = frozenset(n.strip() for n in text.split(",") if n.strip())
+    unknown = sorted(names - WORKLOADS.keys())
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown workload(s) {', '.join(unknown) or '(none given)'}; choose from "
+                                         f"{', '.join(WORKLOADS)}")
+    return names
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,10 +132,11 @@ async def _measure(args: argparse.Namespace, url: str, key: str | None, limits: 
         meter = EnergyMeter.open()
         with _Progress() as progress:
             ctx = BenchContext(http, sizes, daemon, models["id"], meter, pid, progress.update)
-            rows = await run_all(ctx)
+            rows = await run_all(ctx, args.workloads)
     mode = "quick" if args.quick else "full" if args.full else "default"
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "url": url, "model": models["id"],
-            "mode": mode, "client_commit": _commit(),
+            "mode": mode, "workloads": ",".join(sorted(args.workloads)) if args.workloads else "all",
+            "client_commit": _commit(),
             "device": meter.device_name() if meter else "no NVIDIA GPU seen by NVML",
             "energy": "NVML" if meter else NOT_MEASURED,
             "limits": {"max_num_seqs": daemon.max_num_seqs, "max_queue": daemon.max_queue,

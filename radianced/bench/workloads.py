@@ -281,13 +281,15 @@ async def quality(ctx: BenchContext) -> list[WorkloadResult]:
     return [WorkloadResult("quality", "quality", 1, samples, server, energy, notes, lag)]
 
 
-WORKLOADS = (decode, prefill, sweep, overload, multi_turn, stability, quality)
+WORKLOADS = {"decode": decode, "prefill": prefill, "sweep": sweep, "overload": overload, "multi-turn": multi_turn,
+             "stability": stability, "quality": quality}  # `bench run --workloads` names, in the order they run
 
 
-async def run_all(ctx: BenchContext) -> list[WorkloadResult]:
-    """Every workload in order, after one warm-up request."""
+async def run_all(ctx: BenchContext, only: frozenset[str] | None = None) -> list[WorkloadResult]:
+    """Every workload in order (or those named in `only`), after one warm-up request."""
     await warm_up(ctx)
     rows: list[WorkloadResult] = []
-    for workload in WORKLOADS:
-        rows += await workload(ctx)
+    for name, workload in WORKLOADS.items():
+        if only is None or name in only:
+            rows += await workload(ctx)
     return rows

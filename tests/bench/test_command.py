@@ -44,3 +44,12 @@ def test_the_api_key_comes_from_a_file_the_environment_or_the_started_daemon(tmp
     assert api_key(None, None, {}) is None
     with pytest.raises(ApiKeyError, match="both"):
         api_key(str(path), None, {"RADIANCED_API_KEY": "k-env"})
+
+
+def test_workloads_are_named_or_refused(capsys):
+    from radianced.bench.command import workload_names
+
+    assert workload_names("sweep, decode") == {"decode", "sweep"}
+    with pytest.raises(SystemExit):
+        main(["bench", "run", "--url", "http://127.0.0.1:9", "--workloads", "decode,burst"])
+    assert "unknown workload(s) burst; choose from decode, prefill, sweep, overload, multi-turn" in capsys.readouterr().err
