@@ -175,13 +175,22 @@ def _shares(counts: np.ndarray, layers, top_k: int) -> np.ndarray:
 # -- radiancectl plan's block ----------------------------------------------------
 
 
+def predictions(rad, receipt, profile: Profile) -> list[Prediction]:
+    """Decode at batch 1 and at the receipt's --max-num-seqs with `profile`'s traffic and the receipt's
+    placement of `rad`'s experts (the start slots filled in the profile's rank order, as start-up fills them)."""
+    from radianced.tiers.placement import place_receipt, routed_experts
+
+    placement = place_receipt(receipt, routed_experts(rad.header), ranking=profile.rank())
+    resident = sum(p.bytes for p in receipt.weights if p.name != "embeddings")
+    return [predict(profile, placement, top_k=rad.model.num_experts_per_tok, extent_bytes=receipt.expert_extent,
+                    resident_bytes=resident, batch=batch) for batch in sorted({1, receipt.max_num_seqs})]
+
+
 def plan_lines(rad, receipt, *, pcie_gbps: float | None = None, hbm_gbps: float | None = None) -> list[str]:
     """The "predicted" block `radiancectl plan` prints after the receipt of `rad` (a `RadFile`; its
-    header is all that is read, and the profile beside it): decode at batch 1 and at the receipt's
-    --max-num-seqs. The link rate is `pcie_gbps`, else probed when CUDA is there (as start-up
-    probes it), else the tok/s lines say to give one. Empty for a dense model. Raises
-    ProfileError for a profile that does not belong to the model."""
-    from radianced.tiers.placement import place_receipt, routed_experts
+    header is all that is read, and the profile beside it): `predictions`. The link rate is `pcie_gbps`,
+    else probed when CUDA is there (as start-up probes it), else the tok/s lines say to give one. Empty
+    for a dense model. Raises ProfileError for a profile that does not belong to the model."""
     from radianced.tiers.profile import profile_path
 
     if not receipt.experts:
@@ -191,12 +200,10 @@ def plan_lines(rad, receipt, *, pcie_gbps: float | None = None, hbm_gbps: float 
         return [f"predicted: no expert profile ({path.name}) beside the model: run radiancectl profile MODEL "
                 f"--prompts FILE to predict the hit rate, overflow and tok/s"]
     profile = Profile.load_for(rad, path)
-    placement = place_receipt(receipt, routed_experts(rad.header), ranking=profile.rank())
-    resident = sum(p.bytes for p in receipt.weights if p.name != "embeddings")
-    link, where = _link_rate(pcie_gbps) if placement.host or placement.disk else (None, "")  # none: all on the card
-    disk = _disk_rate(rad.path) if placement.disk and link else None
-    preds = [predict(profile, placement, top_k=rad.model.num_experts_per_tok, extent_bytes=receipt.expert_extent,
-                     resident_bytes=resident, batch=batch) for batch in sorted({1, receipt.max_num_seqs})]
+    preds = predictions(rad, receipt, profile)
+    homed_off_card = receipt.experts_host or receipt.experts_disk
+    link, where = _link_rate(pcie_gbps) if homed_off_card else (None, "")  # none: all on the card
+    disk = _disk_rate(rad.path) if receipt.experts_disk and link else None
     out = [f"predicted ({profile.line(path)}, {preds[0].profile_tokens} tokens; steady state: the "
            f"{preds[0].slots} start slots hold the profile's top-ranked experts):"]
     for pr in preds:

@@ -1,0 +1,53 @@
+"""tools/bench_headline.py's dry run on the CPU: the model, the profile the daemon saves, three cards each
+predicted and measured, and a second call that reuses what the first made. Structure and consistency, no timing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tools import bench_headline
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    home, out = tmp_path_factory.mktemp("headline-home"), tmp_path_factory.mktemp("headline-out")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RADIANCED_CPU_THREADS", "1")
+    try:
+        assert bench_headline.main(["--out", str(out), "--dir", str(home)]) == 0
+    finally:
+        mp.undo()
+    return home, out, json.loads((out / "headline.json").read_text())
+
+
+def test_each_card_is_predicted_and_measured_at_b1_and_b8(run):
+    _, out, state = run
+    assert state["quick"] and state["model"]["quantize"] == "experts=int4"
+    assert "ranked pairs" in state["profile"]["said"]
+    cards = [state["cards"][k] for k in sorted(state["cards"], key=int)]
+    assert len(cards) == 3
+    slots = [c["expert_slots"] for c in cards]
+    assert slots == sorted(slots) and slots[0] < slots[-1] < state["model"]["experts"]
+    for card in cards:
+        assert [p["batch"] for p in card["predicted"]] == [1, 8]
+        assert [m["batch"] for m in card["measured"] if "batch" in m] == [1, 8]
+        assert all(p["slots"] == card["expert_slots"] for p in card["predicted"])
+        bench = json.loads((out / f"headline-{card['card_mib']}-bench.json").read_text())
+        decode = next(w for w in bench["workloads"] if w["name"] == "decode")
+        b1 = card["measured"][0]
+        assert b1["overflow_bytes_per_token"] == decode["server"]["overflow_bytes"] / decode["summary"]["output_tokens"]
+        assert b1["hit_rate"] == decode["server"]["hit_rate"]
+        assert {w["name"].split()[0] for w in bench["workloads"]} == {"decode", "prefill", "sweep"}
+    hits = [c["predicted"][0]["hit_rate"] for c in cards]
+    assert hits == sorted(hits)  # more slots, the profile's next-ranked experts: a higher predicted hit rate
+    md = (out / "headline.md").read_text()
+    assert "CPU dry run" in md and md.count("| 1 |") == 3 and md.count("| 8 |") == 3
+
+
+def test_a_second_call_reuses_the_model_profile_and_cards(run, tmp_path):
+    home, _, state = run
+    assert bench_headline.main(["--out", str(tmp_path), "--dir", str(home), "--steps", "cards"]) == 0
+    again = json.loads((tmp_path / "headline.json").read_text())
+    assert again["cards"] == state["cards"] and again["model"] == state["model"]
