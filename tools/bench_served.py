@@ -193,7 +193,8 @@ async def step_kinds(http: httpx.AsyncClient) -> dict[str, tuple[float, float]]:
 # taken as the loop hands tokens to their streams; a step's wall time; its device time by kind; the finished steps'
 # tokens' wait for the event loop; the garbage collector's pauses, which stop both threads)
 BURST_HISTOGRAMS = ("radiance_inter_token_latency_seconds", "radiance_step_duration_seconds",
-                    "radiance_step_own_seconds", "radiance_step_loop_wait_seconds", "radiance_gc_pause_seconds")
+                    "radiance_step_own_seconds", "radiance_step_loop_wait_seconds", "radiance_step_launch_seconds",
+                    "radiance_step_launch_wait_seconds", "radiance_gc_pause_seconds")
 
 
 def bucket_counts(snap: Snapshot, name: str) -> dict[str, dict[str, float]]:

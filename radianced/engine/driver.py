@@ -151,6 +151,8 @@ class AsyncEngine:
                 continue
             start = start or time.perf_counter()
             done = engine.execute(work)
+            if work.launch is not None:
+                self.metrics.observe_launch(done.launch_s, done.launch_s - done.launch_cpu_s)
             events = engine.apply(done)
             if done.finished is not None:
                 counts = self._count_step(done, time.perf_counter() - start)

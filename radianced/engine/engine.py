@@ -23,6 +23,7 @@ receipt's elastic line, and the KV cache is a view over its pages.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -84,11 +85,16 @@ class Executed:
     launched: the step it launched and left in flight, or None.
     finished: the step it collected, or None.
     output: `finished`'s output (None with it).
+    launch_s, launch_cpu_s: the launch's wall time and the launching thread's CPU time in it (0 without a
+        launch): on CUDA a launch only queues work, so wall well past CPU is the thread waiting (for the GIL,
+        while the event loop runs Python), not working.
     """
 
     launched: InFlight | None
     finished: InFlight | None
     output: StepOutput | None
+    launch_s: float = 0.0
+    launch_cpu_s: float = 0.0
 
 
 @dataclass
@@ -131,11 +137,14 @@ class Engine:
     def execute(self, work: Work) -> Executed:
         """Launch the work's plan, then collect the step it finishes: the runner's half of a round
         (the driver's worker thread; nothing else calls the runner)."""
+        wall, cpu = time.perf_counter(), time.thread_time()
         launched = self.runner.launch(work.launch) if work.launch is not None else None
+        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
         finished = launched if work.wait else work.collect
         if work.wait:
             launched = None
-        return Executed(launched, finished, self.runner.collect(finished) if finished is not None else None)
+        return Executed(launched, finished, self.runner.collect(finished) if finished is not None else None,
+                        wall if work.launch is not None else 0.0, cpu if work.launch is not None else 0.0)
 
     def apply(self, done: Executed) -> list[SeqEvent]:
         """The bookkeeping half of a round: the step launched stays in flight; the step collected

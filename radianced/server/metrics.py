@@ -93,6 +93,12 @@ class Metrics:
                                     "its tokens' dispatch on the event loop (HTTP work queued ahead delays the "
                                     "streams; the steps only through the GIL the two threads share).",
                                     buckets=LOOP_WAIT_BUCKETS, registry=r)
+        self._launch = Histogram("radiance_step_launch_seconds", "Wall time of one step's launch on the step thread "
+                                 "(on CUDA it queues the step's work: the graph replay or the eager kernels, the "
+                                 "sampler, the copies back).", buckets=LOOP_WAIT_BUCKETS, registry=r)
+        self._launch_wait = Histogram("radiance_step_launch_wait_seconds", "Of a launch's wall time, what the step "
+                                      "thread did not run (wall minus its CPU time): waiting for the GIL while the "
+                                      "event loop runs Python, or for a core.", buckets=LOOP_WAIT_BUCKETS, registry=r)
         self._step_kind = Histogram("radiance_step_own_seconds", "One step's own time on the device (CUDA events "
                                     "around it; on the CPU its launch), by kind: decode, mixed (decodes beside "
                                     "prefill), prefill.", ["kind"], buckets=TOKEN_BUCKETS, registry=r)
@@ -128,6 +134,10 @@ class Metrics:
 
     def observe_loop_wait(self, seconds: float) -> None:
         self._loop_wait.observe(seconds)
+
+    def observe_launch(self, seconds: float, waited: float) -> None:
+        self._launch.observe(seconds)
+        self._launch_wait.observe(max(0.0, waited))
 
     def observe_step_kind(self, kind: str, seconds: float) -> None:
         """One step's own time (engine/step_timer.py) by kind: decode, mixed (decodes and prefill), prefill."""

@@ -190,6 +190,11 @@ async def test_metrics_move_with_each_request(daemon):
     # every round waits for the event loop once (rounds that only launch included)
     assert moved("radiance_step_loop_wait_seconds_count") >= moved("radiance_step_duration_seconds_count")
     assert moved("radiance_step_loop_wait_seconds_sum") >= 0
+    # a launch a step (the CPU launches and finishes a step in one round): its wall, and what of it the step
+    # thread did not run
+    assert moved("radiance_step_launch_seconds_count") == moved("radiance_step_duration_seconds_count")
+    assert moved("radiance_step_launch_wait_seconds_count") == moved("radiance_step_launch_seconds_count")
+    assert 0 <= moved("radiance_step_launch_wait_seconds_sum") <= moved("radiance_step_launch_seconds_sum")
     assert after["radiance_kv_util"] == 0.0
 
 

@@ -21,7 +21,8 @@ def test_fresh_metrics_parse_and_start_at_zero():
                  "radiance_prefix_cache_hit_tokens_total", "radiance_sequences_running",
                  "radiance_sequences_waiting", "radiance_kv_util", "radiance_time_to_first_token_seconds_count",
                  "radiance_inter_token_latency_seconds_count", "radiance_e2e_request_latency_seconds_count",
-                 "radiance_step_duration_seconds_count", "radiance_step_loop_wait_seconds_count"):
+                 "radiance_step_duration_seconds_count", "radiance_step_loop_wait_seconds_count",
+                 "radiance_step_launch_seconds_count", "radiance_step_launch_wait_seconds_count"):
         assert s[(name, ())] == 0.0, name
     assert not any(name == "radiance_requests_total" for name, _ in s)  # no status seen yet
     assert not any(name.startswith(("process_", "python_gc")) for name, _ in s)  # not the global registry
