@@ -139,8 +139,12 @@ class Daemon:
 
     async def run(self) -> int:
         loop = self._loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, self.request_stop, "SIGTERM")
-        loop.add_signal_handler(signal.SIGINT, self.request_stop, "SIGINT", True)
+        # Python-level handlers, which the loop runs when a signal wakes it (uvloop runs CPython's pending
+        # handlers), not `loop.add_signal_handler`: removing a loop's handler puts back the default action
+        # for a moment before SIG_IGN can follow, and a SIGTERM landing there ended the process with -15
+        # (tests/server/test_daemon.py, under load); ours are swapped for SIG_IGN in one call at the end.
+        signal.signal(signal.SIGTERM, lambda *_: loop.call_soon_threadsafe(self.request_stop, "SIGTERM"))
+        signal.signal(signal.SIGINT, lambda *_: loop.call_soon_threadsafe(self.request_stop, "SIGINT", True))
         try:
             self.http.api_key = load_api_key(self.cfg, os.environ)
         except ApiKeyError as e:
@@ -180,9 +184,8 @@ class Daemon:
             if self.ranks is not None:  # rank 0's engine closes (their step loops end), then they are awaited
                 self.ranks.stop(self.engine.engine if self.engine is not None and self._fatal is None else None)
             gc_pauses.close()
-        for sig in (signal.SIGTERM, signal.SIGINT):  # the loop's handlers would give way to the default (death
-            loop.remove_signal_handler(sig)         # by the signal) while it closes and the interpreter ends:
-            signal.signal(sig, signal.SIG_IGN)      # a late SIGTERM must not turn this status into -15
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a late SIGTERM must not turn this status into -15
+            signal.signal(sig, signal.SIG_IGN)
         log.info("exiting with status %d", code)
         return code
 
