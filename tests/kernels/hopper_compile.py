@@ -1,6 +1,6 @@
 """Compile the attention and MoE launches for Hopper (sm_90) without a GPU: what the interpreter cannot see.
 
-    python -m tests.kernels.hopper_compile    # a line a case; exit 1 on a compile error or a spill
+    python -m tests.kernels.hopper_compile [--shard I/N]   # a line a case; exit 1 on a compile error or a spill
 
 The interpreter (tests/kernels/interpreter.py) runs a kernel's Python, so a kernel that only
 Triton's compiler refuses passes every CPU test: on the H200, `kv_int.dot_operand` written as a
@@ -146,44 +146,47 @@ MOE_FORMATS = ("bf16", "q8_0", "q4_0", "q4_1", "fp8_b128", "q4_0+q8_0")  # the r
 CASES = (((8, 2, 64), (40, 36), (torch.bfloat16, torch.float32)), ((32, 4, 128), (120, 120), (torch.bfloat16,)))
 
 
-def main() -> int:
+def cases() -> list[tuple[str, tuple]]:
+    """Every case, in order: ("attention", (kv_dtype, dtype, decode, heads, contexts)) and ("moe", (fmt, tokens))."""
+    out = [("attention", (kv_dtype, dtype, decode, heads, contexts)) for heads, contexts, dtypes in CASES
+           for kv_dtype in KV_DTYPES for dtype in dtypes for decode in (True, False)]
+    # MoE compiled only: the GGUF gate/up loops spill a little at T = 32 (issue 20)
+    return out + [("moe", (fmt, tokens)) for fmt in MOE_FORMATS for tokens in (1, 32)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`--shard I/N`: every N-th case from the I-th (0-based), so N processes share the compiles."""
+    shard = (argv if argv is not None else sys.argv[1:])
+    i, n = (int(x) for x in shard[1].split("/")) if shard[:1] == ["--shard"] else (0, 1)
     built = compile_only()
     failed = spilled = 0
-    for heads, contexts, dtypes in CASES:
-        for kv_dtype in KV_DTYPES:
-            for dtype in dtypes:
-                for decode in (True, False):
-                    case = f"{kv_dtype} {str(dtype)[6:]} {heads} {'decode' if decode else 'prefill'}"
-                    before = len(built)
-                    try:
-                        attention_step(kv_dtype, dtype, decode, heads, contexts)
-                    except triton.CompilationError as e:
-                        failed += 1
-                        print(f"{case}: {type(e).__name__}: {e}", flush=True)
-                        continue
-                    names = ", ".join(n for n, _ in built[before:]) or "nothing new"
-                    if dtype != torch.bfloat16:  # fp32's IEEE dots are FMAs: a correctness path, not a fast one
-                        print(f"{case}: built {names}", flush=True)
-                        continue
-                    kernel = next(k for n, k in reversed(built) if n == "_paged_attention_kernel")
-                    ops = loop_mix(disassemble(kernel.asm["cubin"]))["ops"]
-                    local = ops.get("LDL", 0) + ops.get("STL", 0)  # registers spilled in the key loop
-                    spilled += local > 0
-                    print(f"{case}: built {names}; the key loop {sum(ops.values())} instructions"
-                          + (f", {local} of them to local memory (spills)" if local else ""), flush=True)
-    for fmt in MOE_FORMATS:  # compiled only: the GGUF gate/up loops spill a little at T = 32 (issue 20)
-        for tokens in (1, 32):
+    for kind, args in cases()[i::n]:
+        if kind == "moe":
+            fmt, tokens = args
             case = f"moe {fmt} T={tokens}"
-            before = len(built)
-            try:
-                moe_step(fmt, tokens)
-            except triton.CompilationError as e:
-                failed += 1
-                print(f"{case}: {type(e).__name__}: {e}", flush=True)
-                continue
-            print(f"{case}: built {', '.join(n for n, _ in built[before:]) or 'nothing new'}", flush=True)
+        else:
+            kv_dtype, dtype, decode, heads, contexts = args
+            case = f"{kv_dtype} {str(dtype)[6:]} {heads} {'decode' if decode else 'prefill'}"
+        before = len(built)
+        try:
+            (moe_step if kind == "moe" else attention_step)(*args)
+        except triton.CompilationError as e:
+            failed += 1
+            print(f"{case}: {type(e).__name__}: {e}", flush=True)
+            continue
+        names = ", ".join(n for n, _ in built[before:]) or "nothing new"
+        if kind == "moe" or args[1] != torch.bfloat16:  # fp32's IEEE dots are FMAs: a correctness path
+            print(f"{case}: built {names}", flush=True)
+            continue
+        kernel = next(k for n, k in reversed(built) if n == "_paged_attention_kernel")
+        ops = loop_mix(disassemble(kernel.asm["cubin"]))["ops"]
+        local = ops.get("LDL", 0) + ops.get("STL", 0)  # registers spilled in the key loop
+        spilled += local > 0
+        print(f"{case}: built {names}; the key loop {sum(ops.values())} instructions"
+              + (f", {local} of them to local memory (spills)" if local else ""), flush=True)
     print(f"{len(built)} kernels built for sm_{TARGET.arch}; {failed} cases did not compile, {spilled} spill")
     return 1 if failed or spilled or not built else 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main())
