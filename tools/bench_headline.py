@@ -57,6 +57,7 @@ from radianced.tiers.predict import predictions  # noqa: E402
 from radianced.tiers.profile import Profile, profile_path  # noqa: E402
 from radianced.tp_plan import detect_cards  # noqa: E402
 from tools import gpu_bench  # noqa: E402
+from tools.bench_tiers import host_pool_mib  # noqa: E402
 from tools.make_synthetic import make_synthetic  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -95,20 +96,15 @@ def step_model(state: dict, home: Path, mode: Mode, quantize: str, device: str) 
     with RadFile.open(path) as rad:
         facts = ModelFacts.from_header(rad.header)
         experts = len(routed_experts(rad.header))
+        pool_mib = host_pool_mib(rad)  # every routed expert homed in the pinned host pool
     state["model"] = {"path": str(path), "shape": mode.shape, "layers": mode.layers, "narrow": mode.narrow,
                       "quantize": quantize, "bytes": path.stat().st_size, "seconds": time.perf_counter() - t0,
-                      "experts": experts, "extent_bytes": facts.expert_extent_bytes}
-
-
-def host_pool_mib(state: dict) -> int:
-    """A pool that holds every routed expert (an extent a row, rounded up to 4 KiB)."""
-    m = state["model"]
-    return -(-m["experts"] * (-(-m["extent_bytes"] // 4096) * 4096) // MiB) + 1
+                      "experts": experts, "extent_bytes": facts.expert_extent_bytes, "host_pool_mib": pool_mib}
 
 
 def serving_flags(state: dict, mode: Mode, card_mib: int) -> list[str]:
     return ["--model", state["model"]["path"], "--gpu-memory-mib", str(card_mib),
-            "--host-pool-mib", str(host_pool_mib(state)), *mode.serving]
+            "--host-pool-mib", str(state["model"]["host_pool_mib"]), *mode.serving]
 
 
 def step_profile(state: dict, home: Path, mode: Mode, cards: list[int]) -> None:
