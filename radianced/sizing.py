@@ -50,10 +50,8 @@ BLOCK_TOKENS = 16  # tokens per KV block, every paging group
 DENSE_PAGE_BYTES = 2 * MiB  # a dense model's page: whole KV blocks up to this size
 SAMPLER_BYTES = 20  # per (sampled row, vocab entry): fp32 logits, probs, sorted copy + int64 index
 DELTANET_CHUNK = 64  # chunk length of the chunked gated delta rule
-# Flash-decoding partials (kernels/attention.py): a decode step splits keys only while splits x
-# sequences x KV heads <= ATTENTION_PROGRAMS_PER_SM x the device's SMs; MAX_SMS bounds the SMs of any
-# device planned for (an H200 has 132), so one step's partial rows (split, token) stay under
-# ATTENTION_PROGRAMS_PER_SM x MAX_SMS / KV heads.
+# Flash-decoding partials (kernels/attention.py): splits x sequences x KV heads <= PROGRAMS_PER_SM x SMs, and
+# MAX_SMS bounds any device planned for (an H200 has 132): partial rows <= PROGRAMS_PER_SM x MAX_SMS / KV heads.
 MAX_SMS = 256
 ATTENTION_MAX_SPLITS = 32  # kernels/attention.MAX_SPLITS (tests/kernels/test_attention.py holds them equal)
 ATTENTION_PROGRAMS_PER_SM = 8  # kernels/attention.MAX_PROGRAMS_PER_SM (likewise)

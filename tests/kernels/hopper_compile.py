@@ -21,6 +21,7 @@ prints a loop's instruction mix.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import re
 import subprocess
@@ -155,9 +156,10 @@ def cases() -> list[tuple[str, tuple]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`--shard I/N`: every N-th case from the I-th (0-based), so N processes share the compiles."""
-    shard = (argv if argv is not None else sys.argv[1:])
-    i, n = (int(x) for x in shard[1].split("/")) if shard[:1] == ["--shard"] else (0, 1)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shard", default="0/1", metavar="I/N",
+                    help="every N-th case from the I-th (0-based), so N processes share the compiles")
+    i, n = (int(x) for x in ap.parse_args(argv).shard.split("/"))
     built = compile_only()
     failed = spilled = 0
     for kind, args in cases()[i::n]:
