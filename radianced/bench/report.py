@@ -16,11 +16,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from radianced.bench.energy import MIN_UPDATES
 from radianced.bench.loop_lag import client_bound
 from radianced.bench.result import WorkloadResult
 from radianced.bench.stats import Distribution
 
 NOT_MEASURED = "not measured"
+TOO_SHORT = "too short"  # the row's energy spans too few of the counter's updates (bench/energy.py)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,12 @@ class Report:
         lines += ["| " + " | ".join(_cells(r)) + " |" for r in self.rows]
         lines += ["", "Times in ms (p50/p95/p99). Energy: " + ("NVML, excluding load and warm-up"
                   if any(r.energy for r in self.rows) else NOT_MEASURED + " (no NVIDIA GPU with an energy counter)")]
+        short = [r for r in self.rows if r.energy and not r.energy.resolved]
+        if short:
+            lines += ["", f"{TOO_SHORT}: the row ran under {MIN_UPDATES} of the energy counter's updates (every "
+                      f"{short[0].energy.update_s * 1000:.0f} ms), so its energy could be off by over 10%: "
+                      + ", ".join(f"{r.name} ({r.energy.seconds:.2f} s)" for r in short)
+                      + ". The full mode's longer rows measure it."]
         bound = [f"{r.name} (lag p99 {_ms(r.client_lag.p99)} ms)" for r in self.rows
                  if client_bound(r.client_lag, r.summary.itl)]
         if bound:
@@ -91,8 +99,16 @@ def _cells(r: WorkloadResult) -> list[str]:
             _pcts(s.ttft) + mark, _ms(s.tpot.p50), _pcts(s.itl) + mark,
             "-" if d.hit_rate is None else f"{d.hit_rate:.1%}",
             f"{d.overflow_bytes / 2**20:.1f}", str(d.prefix_hit_tokens),
-            NOT_MEASURED if r.energy is None else _num(r.joules_per_token, 3),
-            NOT_MEASURED if r.energy is None else f"{r.energy.mean_w:.0f}"]
+            *_energy_cells(r)]
+
+
+def _energy_cells(r: WorkloadResult) -> list[str]:
+    """J/tok and mean W, or why not: no meter, or a row too short for the counter's updates."""
+    if r.energy is None:
+        return [NOT_MEASURED] * 2
+    if not r.energy.resolved:
+        return [TOO_SHORT] * 2
+    return [_num(r.joules_per_token, 3), f"{r.energy.mean_w:.0f}"]
 
 
 def _server_agrees(r: WorkloadResult) -> bool:
@@ -106,7 +122,8 @@ def _row_json(r: WorkloadResult) -> dict[str, Any]:
     server = dataclasses.asdict(r.server) | {"hit_rate": r.server.hit_rate, "overflow_share": r.server.overflow_share}
     energy: Any = NOT_MEASURED
     if r.energy is not None:
-        energy = dataclasses.asdict(r.energy) | {"mean_w": r.energy.mean_w, "joules_per_token": r.joules_per_token}
+        energy = dataclasses.asdict(r.energy) | {"mean_w": r.energy.mean_w, "joules_per_token": r.joules_per_token,
+                                                 "resolved": r.energy.resolved}
     lag = None if r.client_lag is None else dataclasses.asdict(r.client_lag) | {
         "client_bound": client_bound(r.client_lag, r.summary.itl)}
     return {"name": r.name, "kind": r.kind, "concurrency": r.concurrency,

@@ -31,4 +31,4 @@ class WorkloadResult:
     @property
     def joules_per_token(self) -> float | None:
         tokens = self.summary.output_tokens
-        return self.energy.joules / tokens if self.energy is not None and tokens else None
+        return self.energy.joules / tokens if self.energy is not None and self.energy.resolved and tokens else None

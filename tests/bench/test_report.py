@@ -67,8 +67,18 @@ def test_json_keeps_every_sample_and_markdown_has_a_row_per_workload():
 
 def test_energy_gives_joules_per_token_and_mean_watts():
     r = row("decode", "decode", [sample(tokens=10)])
-    r = WorkloadResult(r.name, r.kind, 1, r.samples, r.server, EnergyReading(50.0, 2.0, 1, ()))
+    r = WorkloadResult(r.name, r.kind, 1, r.samples, r.server, EnergyReading(50.0, 2.0, 1, (), update_s=0.1))
     assert r.joules_per_token == 5.0 and r.energy.mean_w == 25.0
+    assert "| 5.000 | 25 |" in Report({}, (r,)).markdown()
+
+
+def test_a_row_too_short_for_the_energy_counter_says_so():
+    r = row("decode", "decode", [sample(tokens=10)])
+    r = WorkloadResult(r.name, r.kind, 1, r.samples, r.server, EnergyReading(0.0, 0.05, 1, (), update_s=0.1))
+    assert r.joules_per_token is None and r.energy.mean_w is None  # not 0 J: the counter had not moved yet
+    md = Report({}, (r,)).markdown()
+    assert "| too short | too short |" in md and "decode (0.05 s)" in md and "every 100 ms" in md
+    assert Report({}, (r,)).to_json()["workloads"][0]["energy"]["resolved"] is False
 
 
 def test_plots_are_drawn_for_the_data_there_is(tmp_path):
