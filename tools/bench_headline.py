@@ -76,7 +76,9 @@ class Mode:
     profile_tokens: int  # output tokens each
 
 
-FULL = Mode("qwen3-next-80b-a3b", 48, 1, None, ("--max-num-seqs", "8", "--max-model-len", "20480"), (), 32, 128)
+# 16 x 128 tokens at c = 8: ~256 steps, ~1M routed assignments over 24,576 experts (the H200's first run took 32 x 128
+# in 252 s with the daemon's start-up; half the traffic ranks the Zipf head alike and leaves time for a card)
+FULL = Mode("qwen3-next-80b-a3b", 48, 1, None, ("--max-num-seqs", "8", "--max-model-len", "20480"), (), 16, 128)
 QUICK = Mode("qwen3-30b-a3b", 2, 8, 2048, ("--max-num-seqs", "8", "--max-queue", "8", "--max-model-len", "512"),
              ("--quick",), 8, 16)
 FULL_CARDS_MIB = (24576, 32768, 49152)
@@ -107,7 +109,7 @@ def serving_flags(state: dict, mode: Mode, card_mib: int) -> list[str]:
             "--host-pool-mib", str(state["model"]["host_pool_mib"]), *mode.serving]
 
 
-def step_profile(state: dict, home: Path, mode: Mode, cards: list[int]) -> None:
+def step_profile(state: dict, home: Path, mode: Mode, cards: list[int], out: Path) -> None:
     path = profile_path(home / "model.rad")
     if "profile" in state and path.exists():
         print(f"profile: {path} (made before)", flush=True)
@@ -115,17 +117,20 @@ def step_profile(state: dict, home: Path, mode: Mode, cards: list[int]) -> None:
     t0 = time.perf_counter()
     socket = Path(tempfile.mkdtemp(prefix="radiance-headline-")) / "control.sock"
     daemon = ChildDaemon.start(serving_flags(state, mode, max(cards)) + ["--control-socket", str(socket)])
+    start_s = time.perf_counter() - t0
     try:
         asyncio.run(_decode_traffic(daemon.url, mode))
+        traffic_s = time.perf_counter() - t0 - start_s
         saved = subprocess.run([sys.executable, "-m", "radianced.ctl", "profile", "--save", "--replace",
                                 "--control-socket", str(socket)], capture_output=True, text=True, timeout=120)
     finally:
         daemon.stop()
+        shutil.copy(daemon.log_path, out / "headline-profile-daemon.log")
     if saved.returncode:
         raise RuntimeError(f"radiancectl profile --save failed: {saved.stderr.strip() or saved.stdout.strip()}")
     state["profile"] = {"path": str(path), "card_mib": max(cards), "requests": mode.profile_requests,
-                        "tokens": mode.profile_tokens, "said": saved.stdout.strip(),
-                        "seconds": time.perf_counter() - t0}
+                        "tokens": mode.profile_tokens, "said": saved.stdout.strip(), "start_s": start_s,
+                        "traffic_s": traffic_s, "seconds": time.perf_counter() - t0}
 
 
 async def _decode_traffic(url: str, mode: Mode) -> None:
@@ -256,12 +261,13 @@ def _cells(mib: str, row: dict) -> list[str]:
 
 
 def render(state: dict) -> str:
-    m, rates = state.get("model", {}), state.get("rates", {})
+    m, rates, prof = state.get("model", {}), state.get("rates", {}), state.get("profile", {})
+    took = f" (daemon ready in {prof['start_s']:.0f} s, traffic {prof['traffic_s']:.0f} s)" if "start_s" in prof else ""
     lines = [f"## headline: {m.get('shape')} at {m.get('layers')} layers ({m.get('quantize')}, "
              f"{m.get('bytes', 0) / GiB:.2f} GiB), {state.get('device')}, commit {state.get('commit')}"
              + (" (**CPU dry run: the numbers describe nothing**)" if state.get("quick") else ""), "",
              f"PCIe {_f(rates.get('pcie_gbps'))} GB/s (probed as start-up probes it), HBM copy "
-             f"{_f(rates.get('hbm_gbps'))} GB/s; profile: {state.get('profile', {}).get('said', '-')}", "",
+             f"{_f(rates.get('hbm_gbps'))} GB/s; profile: {prof.get('said', '-')}{took}", "",
              "| card | b | slots | hit rate pred / meas | overflow MiB a token pred / meas | tok/s pred link bound / "
              "pred serial / meas | meas / serial | J/token | TTFT p50 |", "|---|---|---|---|---|---|---|---|---|"]
     for mib, row in sorted(state.get("cards", {}).items(), key=lambda kv: int(kv[0])):
@@ -314,7 +320,7 @@ def main(argv=None) -> int:
     cards = [int(c) for c in args.cards_mib.split(",")] if args.cards_mib else \
         list(FULL_CARDS_MIB) if mode is FULL else quick_cards(state, mode)
     if "profile" in steps:
-        step_profile(state, home, mode, cards)
+        step_profile(state, home, mode, cards, args.out)
         save()
     if "cards" in steps:
         if "rates" not in state or args.again:

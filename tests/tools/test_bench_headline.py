@@ -25,7 +25,8 @@ def run(tmp_path_factory):
 def test_each_card_is_predicted_and_measured_at_b1_and_b8(run):
     _, out, state = run
     assert state["quick"] and state["model"]["quantize"] == "experts=int4"
-    assert "ranked pairs" in state["profile"]["said"]
+    assert "ranked pairs" in state["profile"]["said"] and state["profile"]["start_s"] > 0
+    assert (out / "headline-profile-daemon.log").exists()
     cards = [state["cards"][k] for k in sorted(state["cards"], key=int)]
     assert len(cards) == 3
     slots = [c["expert_slots"] for c in cards]
