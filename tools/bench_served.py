@@ -86,7 +86,9 @@ async def serving_builds(http: httpx.AsyncClient) -> float:
     return sum(v for (name, labels), v in snap.values.items() if name == BUILDS and ("phase", "serving") in labels)
 
 
-ALLOCATOR = ("mallocs", "frees", "retries")  # torch's CUDA allocator: cudaMalloc, cudaFree, retries
+# torch's CUDA allocator (cudaMalloc, cudaFree, retries) and its pinned host allocator (cudaHostAlloc: calls, seconds)
+DEVICE_ALLOCATOR = ("mallocs", "frees", "retries")
+ALLOCATOR = DEVICE_ALLOCATOR + ("host_allocs", "host_alloc_s")
 
 
 async def counters(http: httpx.AsyncClient) -> dict[str, float]:
@@ -102,7 +104,9 @@ def counter_totals(snap: Snapshot) -> dict[str, float]:
     def total(name: str) -> float:
         return sum(v for (n, _), v in snap.values.items() if n == name)
 
-    out = {n: snap.total(f"radiance_cuda_allocator_{n}") for n in ALLOCATOR}
+    out = {n: snap.total(f"radiance_cuda_allocator_{n}") for n in DEVICE_ALLOCATOR}
+    out.update(host_allocs=snap.total("radiance_cuda_host_allocs"),
+               host_alloc_s=snap.total("radiance_cuda_host_alloc_seconds"))
     out.update(gc_count=total("radiance_gc_pause_seconds_count"), gc_s=total("radiance_gc_pause_seconds_sum"),
                steps=total("radiance_step_duration_seconds_count"), step_s=total("radiance_step_duration_seconds_sum"),
                own_s=total("radiance_step_own_seconds_sum"))
@@ -386,7 +390,7 @@ def main() -> int:
           + ", ".join(f"{g['gap_ms']:.1f} at {g['ended_ms']:.0f}" for g in pb["longest_gaps"]))
     print("  its steps: " + ", ".join(f"{k} {v['steps']:.0f} of {v['mean_ms']:.2f} ms" for k, v in pb["steps"].items()
                                       if v["steps"]))
-    print("  during it, the CUDA allocator: " + ", ".join(f"{k} {v:.0f}" for k, v in pb["burst_allocator"].items()))
+    print("  during it, the CUDA allocator: " + ", ".join(f"{k} {v:.4g}" for k, v in pb["burst_allocator"].items()))
     for name, by_labels in pb["burst_histograms"].items():
         for labels, counts in by_labels.items():
             print(f"  during it, {name}{{{labels}}}: " + ", ".join(f"<={le} {n:.0f}" for le, n in counts.items() if n))

@@ -202,7 +202,10 @@ class CudaAllocator:
     """torch's CUDA caching allocator as counters, read from `torch.cuda.memory_stats` at each scrape:
     its cudaMalloc and cudaFree calls, and its retries (a cudaMalloc that failed, so the allocator freed
     its whole cache, which waits for the device, and tried again). On a card the arena fills, a step of a
-    shape the cache cannot serve pays for these on the request path; growing counts while serving say so."""
+    shape the cache cannot serve pays for these on the request path; growing counts while serving say so.
+    Beside them the pinned host allocator's (`torch.cuda.host_memory_stats`): a step's host-to-device copies
+    stage through pinned blocks (model/batch.py), and a block it has not cached is a cudaHostAlloc (pinning
+    pages, milliseconds for megabytes) on the step thread."""
 
     def __init__(self, device) -> None:
         self.device = device
@@ -217,3 +220,8 @@ class CudaAllocator:
                 ("radiance_cuda_allocator_retries", "num_alloc_retries",
                  "Allocations that failed once, emptied the allocator's cache (a device sync) and retried.")):
             yield CounterMetricFamily(name, help_text, value=stats.get(key, 0))
+        host = torch.cuda.host_memory_stats()
+        yield CounterMetricFamily("radiance_cuda_host_allocs", "cudaHostAlloc calls by torch's pinned allocator.",
+                                  value=host.get("num_host_alloc", 0))
+        yield CounterMetricFamily("radiance_cuda_host_alloc_seconds", "Seconds in those cudaHostAlloc calls.",
+                                  value=host.get("host_alloc_time.total", 0) / 1e6)

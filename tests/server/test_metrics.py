@@ -121,14 +121,19 @@ def test_kernel_builds_are_exported_as_zero_while_serving_from_the_start():
 def test_the_cuda_allocator_counters_are_read_at_each_scrape(monkeypatch):
     """No GPU here: torch.cuda.memory_stats stands in, and each scrape reads it anew."""
     stats = {"num_device_alloc": 5, "num_device_free": 2, "num_alloc_retries": 0}
+    host = {"num_host_alloc": 3, "host_alloc_time.total": 2500}  # microseconds
     monkeypatch.setattr("torch.cuda.memory_stats", lambda device: dict(stats))
+    monkeypatch.setattr("torch.cuda.host_memory_stats", lambda: dict(host))
     m = Metrics()
     m.watch_cuda_allocator("cuda:0")
     s = samples(m)
     assert [s[(f"radiance_cuda_allocator_{n}_total", ())] for n in ("mallocs", "frees", "retries")] == [5, 2, 0]
+    assert s[("radiance_cuda_host_allocs_total", ())] == 3 and s[("radiance_cuda_host_alloc_seconds_total", ())] == 0.0025
     stats.update(num_device_alloc=9, num_alloc_retries=1)
+    host.update(num_host_alloc=4)
     s = samples(m)
     assert [s[(f"radiance_cuda_allocator_{n}_total", ())] for n in ("mallocs", "frees", "retries")] == [9, 2, 1]
+    assert s[("radiance_cuda_host_allocs_total", ())] == 4
 
 
 def test_step_times_by_kind():
