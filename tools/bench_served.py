@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import multiprocessing
@@ -58,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from radianced.bench.client import completion_body, stream_request  # noqa: E402
 from radianced.bench.daemon_process import ChildDaemon  # noqa: E402
+from tools.gil_sample import GilSample, lines as gil_lines  # noqa: E402
 from radianced.bench.scrape import Snapshot  # noqa: E402
 from radianced.bench.workloads import PROMPT_ID_RANGE, prompt_ids  # noqa: E402
 
@@ -238,8 +240,9 @@ def burst_elsewhere(url: str, bodies: list[dict]) -> tuple[float, float, list[tu
     return asyncio.run(send())
 
 
-async def prefill_burst(http, prompts: Callable[[int], list[int]], url: str) -> dict:
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as other:
+async def prefill_burst(http, prompts: Callable[[int], list[int]], url: str, watch=contextlib.nullcontext) -> dict:
+    """`watch()` (a context manager) spans the streams' first 0.3 s and the burst."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as other, watch():
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(other, burst_elsewhere, url, [])  # started and imported before the streams
         kinds_before = await step_kinds(http)
@@ -273,19 +276,27 @@ async def prefill_burst(http, prompts: Callable[[int], list[int]], url: str) -> 
             "burst_allocator": {n: after[n] - before[n] for n in ALLOCATOR}}
 
 
-async def measure(url: str, args, res: dict) -> None:
-    """Each part's rows into `res` as it ends (a run cut short keeps what it measured), with its time."""
+async def measure(url: str, pid: int, args, res: dict) -> None:
+    """Each part's rows into `res` as it ends (a run cut short keeps what it measured), with its time. The burst
+    runs twice: measured, then again with the GIL's holders sampled (tools/gil_sample.py)."""
     prompts = prompt_source()
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:
         before = await serving_builds(http)
         res["serving_builds_before"] = before
         for name, part in (("ttft", lambda: ttft_rows(http, prompts, args.requests, args.bursts)),
                            ("sweep", lambda: sweeps(http, prompts)),
-                           ("prefill_burst", lambda: prefill_burst(http, prompts, url))):
+                           ("prefill_burst", lambda: prefill_burst(http, prompts, url)),
+                           ("burst_gil", lambda: gil_burst(http, prompts, url, pid))):
             t0 = time.perf_counter()
             res[name] = await part()
             res["serving_builds"] = await serving_builds(http) - before
             print(f"  {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+async def gil_burst(http, prompts: Callable[[int], list[int]], url: str, pid: int) -> dict:
+    gil = GilSample(pid)
+    burst = await prefill_burst(http, prompts, url, watch=lambda: gil)
+    return {"gil": gil.summary(), "itl_during_burst": burst["itl_during_burst"], "steps": burst["steps"]}
 
 
 def start(flags: list[str], cache: Path, site: Path | None) -> tuple[ChildDaemon, float, list[str]]:
@@ -367,7 +378,7 @@ def main() -> int:
             result["startup"].update(warm_s=warm, warm_log=said)
             print(f"start-up to ready: cold cache {cold:.1f} s, warm restart {warm:.1f} s", flush=True)
         try:
-            asyncio.run(measure(daemon.url, args, result))
+            asyncio.run(measure(daemon.url, daemon.proc.pid, args, result))
         finally:
             result["exit"] = daemon.stop()
             result["log_tail"] = daemon.log()[-4000:]
@@ -394,6 +405,9 @@ def main() -> int:
     for name, by_labels in pb["burst_histograms"].items():
         for labels, counts in by_labels.items():
             print(f"  during it, {name}{{{labels}}}: " + ", ".join(f"<={le} {n:.0f}" for le, n in counts.items() if n))
+    g = result["burst_gil"]
+    print(f"the burst again, sampled (ITL during it p99 {g['itl_during_burst']['p99'] * 1e3:.1f} ms); "
+          + "\n".join(gil_lines(g["gil"])))
     return 0
 
 

@@ -29,6 +29,8 @@
 #                 progress with rich (on a terminal only); neither is in the image, nor are matplotlib's contourpy,
 #                 cycler, fonttools, kiwisolver, pillow, pyparsing, python-dateutil (4.x: it needs tzdata, not six)
 #                 or rich's markdown-it-py, mdurl, pygments (packaging is: transformers needs it). ~26 MiB
+#   py-spy        tools/gil_sample.py samples which thread holds the GIL during bench_served's burst (a binary:
+#                 the install puts it in $SITE/bin, which gpu_check puts on PATH)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-}
@@ -36,7 +38,7 @@ if [ -z "$PY" ]; then if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else
 version() { $PY -c "import importlib.metadata as m; print(m.version('$1'))"; }
 WANT=("msgspec==$(version msgspec)" "transformers==$(version transformers)" "regex==$(version regex)"
       "fla-core==0.6.0" "gguf==$(version gguf)" "starlette==$(version starlette)" "uvicorn==$(version uvicorn)"
-      "accelerate==$(version accelerate)")
+      "accelerate==$(version accelerate)" "py-spy==$(version py-spy)")
 for p in openai httpx2 httpcore2 truststore anyio idna pydantic pydantic-core jiter annotated-types \
     typing-inspection typing-extensions sniffio pytest-asyncio matplotlib contourpy cycler fonttools kiwisolver \
     pillow pyparsing python-dateutil tzdata rich markdown-it-py mdurl pygments; do WANT+=("$p==$(version $p)"); done
