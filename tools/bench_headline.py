@@ -23,7 +23,8 @@ and later ones run a card or two while the machine stays warm; a card already me
    counts include its prompts' prefill (the daemon's counters do not split it out), which the decode
    prediction leaves out: short prompts and long outputs keep that small.
 
-Every call writes OUT/headline.json (the state) and OUT/headline.md (the table), and each card run its bench
+Every call writes OUT/headline.json (the state), OUT/headline.md (the table) and, once a card has rows,
+OUT/headline-chain.png (tools/headline_plot.py: card -> slots -> hit rate -> overflow -> tok/s), and each card run its bench
 report, plots and daemon log as OUT/headline-MIB-*. Without CUDA (`--quick`, the CPU)
 the model is 2 layers of Qwen3-30B-A3B at width / 8 and the cards are the smallest budgets that start plus 10%,
 25% and 50% of the experts' bytes: it proves the code runs.
@@ -58,6 +59,7 @@ from radianced.tiers.profile import Profile, profile_path  # noqa: E402
 from radianced.tp_plan import detect_cards  # noqa: E402
 from tools import gpu_bench  # noqa: E402
 from tools.bench_tiers import host_pool_mib  # noqa: E402
+from tools.headline_plot import chain_plot  # noqa: E402
 from tools.make_synthetic import make_synthetic  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -313,6 +315,7 @@ def main(argv=None) -> int:
         state_path.write_text(json.dumps(state, indent=1, default=str))
         shutil.copy(state_path, args.out / "headline.json")
         (args.out / "headline.md").write_text(render(state))
+        chain_plot(state, args.out / "headline-chain.png")
 
     if "model" in steps or "model" not in state:
         step_model(state, home, mode, args.quantize, device)

@@ -45,6 +45,7 @@ def test_each_card_is_predicted_and_measured_at_b1_and_b8(run):
     assert hits == sorted(hits)  # more slots, the profile's next-ranked experts: a higher predicted hit rate
     md = (out / "headline.md").read_text()
     assert "CPU dry run" in md and md.count("| 1 |") == 3 and md.count("| 8 |") == 3
+    assert (out / "headline-chain.png").stat().st_size > 20_000  # four panels of three cards
 
 
 def test_a_second_call_reuses_the_model_profile_and_cards(run, tmp_path):
