@@ -2,6 +2,7 @@
 
     python tools/bench_headline.py --out OUT [--quick] [--dir DIR] [--steps model,profile,cards] \
         [--cards-mib 24576,32768,49152] [--shape qwen3-next-80b-a3b] [--layers 48] [--quantize experts=int4]
+        (the second model: --shape qwen3-30b-a3b --quantize experts=fp8; a new model removes the other's file)
 
 The model is tools/make_synthetic.py's (real per-layer shapes, random weights, a Zipf 1.0 router), at every layer,
 its experts compact (`--quantize experts=int4`: Qwen3-Next-80B-A3B in about 47 GiB, so it fits the H200 machine's
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -60,7 +62,7 @@ from radianced.tp_plan import detect_cards  # noqa: E402
 from tools import gpu_bench  # noqa: E402
 from tools.bench_tiers import host_pool_mib  # noqa: E402
 from tools.headline_plot import chain_plot  # noqa: E402
-from tools.make_synthetic import make_synthetic  # noqa: E402
+from tools.make_synthetic import SHAPES, make_synthetic  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 WORKLOADS = "decode,prefill,sweep"
@@ -76,27 +78,33 @@ class Mode:
     bench: tuple[str, ...]  # `bench run`'s size flag
     profile_requests: int  # decode-like requests of the profiling traffic, 8 at a time
     profile_tokens: int  # output tokens each
+    quick: bool  # the CPU dry run's sizes
 
 
 # 16 x 128 tokens at c = 8: ~256 steps, ~1M routed assignments over 24,576 experts (the H200's first run took 32 x 128
 # in 252 s with the daemon's start-up; half the traffic ranks the Zipf head alike and leaves time for a card)
-FULL = Mode("qwen3-next-80b-a3b", 48, 1, None, ("--max-num-seqs", "8", "--max-model-len", "20480"), (), 16, 128)
+FULL = Mode("qwen3-next-80b-a3b", 48, 1, None, ("--max-num-seqs", "8", "--max-model-len", "20480"), (), 16, 128,
+            False)
 QUICK = Mode("qwen3-30b-a3b", 2, 8, 2048, ("--max-num-seqs", "8", "--max-queue", "8", "--max-model-len", "512"),
-             ("--quick",), 8, 16)
+             ("--quick",), 8, 16, True)
 FULL_CARDS_MIB = (24576, 32768, 49152)
 
 
 # -- the steps ---------------------------------------------------------------------------------
 
 
-def step_model(state: dict, home: Path, mode: Mode, quantize: str, device: str) -> None:
+def step_model(state: dict, home: Path, mode: Mode, quantize: str, device: str, folder: Path) -> None:
     path = home / "model.rad"
     if "model" in state and path.exists():
         print(f"model: {path} (made before, {state['model']['bytes'] / GiB:.2f} GiB)", flush=True)
         return
+    for other in folder.glob("radianced-headline-*/model.rad"):  # the device's disk holds one headline model
+        if other != path:
+            print(f"model: removing {other} ({other.stat().st_size / GiB:.2f} GiB) to make room", flush=True)
+            other.unlink()
     t0 = time.perf_counter()
     make_synthetic(path, shape=mode.shape, layers=mode.layers, zipf=1.0, vocab=mode.vocab, narrow=mode.narrow,
-                   device=device, quantize=quantize, progress=mode is FULL)
+                   device=device, quantize=quantize, progress=not mode.quick)
     with RadFile.open(path) as rad:
         facts = ModelFacts.from_header(rad.header)
         experts = len(routed_experts(rad.header))
@@ -298,16 +306,20 @@ def main(argv=None) -> int:
     ap.add_argument("--cards-mib", help="card budgets (--gpu-memory-mib), comma-separated (default: 24, 32 and 48 "
                                         "GiB; the dry run's: its smallest that starts plus 10/25/50%% of the experts)")
     ap.add_argument("--quantize", default="experts=int4", help="make_synthetic's --quantize")
+    ap.add_argument("--shape", choices=sorted(SHAPES), help=f"make_synthetic's shape (default {FULL.shape}; the "
+                    "second model: qwen3-30b-a3b with --quantize experts=fp8, ~30 GiB)")
+    ap.add_argument("--layers", type=int, help=f"decoder layers (default {FULL.layers})")
     ap.add_argument("--again", action="store_true", help="run cards already measured again")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mode = QUICK if args.quick or device == "cpu" else FULL
+    mode = dataclasses.replace(mode, shape=args.shape or mode.shape, layers=args.layers or mode.layers)
     home = args.dir / f"radianced-headline-{mode.shape}-{mode.layers}l-{args.quantize.replace('=', '-')}"
     home.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     state_path = home / "headline.json"
     state = json.loads(state_path.read_text()) if state_path.exists() else {}
-    state.update(quick=mode is QUICK, device=gpu_bench.section_env(args.out).get("device"),
+    state.update(quick=mode.quick, device=gpu_bench.section_env(args.out).get("device"),
                  commit=gpu_bench.commit()["commit"])
     steps = set(args.steps.split(","))
 
@@ -318,10 +330,10 @@ def main(argv=None) -> int:
         chain_plot(state, args.out / "headline-chain.png")
 
     if "model" in steps or "model" not in state:
-        step_model(state, home, mode, args.quantize, device)
+        step_model(state, home, mode, args.quantize, device, args.dir)
         save()
     cards = [int(c) for c in args.cards_mib.split(",")] if args.cards_mib else \
-        list(FULL_CARDS_MIB) if mode is FULL else quick_cards(state, mode)
+        quick_cards(state, mode) if mode.quick else list(FULL_CARDS_MIB)
     if "profile" in steps:
         step_profile(state, home, mode, cards, args.out)
         save()

@@ -53,3 +53,16 @@ def test_a_second_call_reuses_the_model_profile_and_cards(run, tmp_path):
     assert bench_headline.main(["--out", str(tmp_path), "--dir", str(home), "--steps", "cards"]) == 0
     again = json.loads((tmp_path / "headline.json").read_text())
     assert again["cards"] == state["cards"] and again["model"] == state["model"]
+
+
+def test_another_shape_or_depth_is_its_own_model_and_replaces_the_others_file(tmp_path):
+    other = tmp_path / "radianced-headline-qwen3-next-80b-a3b-48l-experts-int4" / "model.rad"
+    other.parent.mkdir()
+    other.write_bytes(b"the first model")  # the device's disk holds one headline model at a time
+    out = tmp_path / "out"
+    assert bench_headline.main(["--out", str(out), "--dir", str(tmp_path), "--steps", "model", "--layers", "1",
+                                "--shape", "qwen3-30b-a3b", "--quantize", "experts=fp8"]) == 0
+    state = json.loads((out / "headline.json").read_text())
+    assert (state["model"]["shape"], state["model"]["layers"], state["model"]["quantize"]) == \
+        ("qwen3-30b-a3b", 1, "experts=fp8")
+    assert not other.exists() and (tmp_path / "radianced-headline-qwen3-30b-a3b-1l-experts-fp8" / "model.rad").exists()
