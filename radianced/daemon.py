@@ -64,6 +64,7 @@ from radianced.server.control_handlers import ControlHandlers
 from radianced.server.http import build_app
 from radianced.server.http_server import SHUTDOWN_GRACE_S, HttpServer, listen
 from radianced.server.limits import max_prompt_bytes
+from radianced.server.log_writer import logs_off_the_loop
 from radianced.server.metrics import Metrics
 from radianced.server.self_warmup import address_of, warm_up_http
 from radianced.server.state import Phase, Served, ServerState
@@ -82,9 +83,8 @@ _LOAD_ERRORS = (RadError, FileNotFoundError, PlanError, ConfigError, Unsupported
 
 def main(cfg: Config) -> int:
     """Run the daemon until it is stopped; the process exit status."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return uvloop.run(Daemon(cfg).run())
+    with logs_off_the_loop(sys.stderr):
+        return uvloop.run(Daemon(cfg).run())
 
 
 def cpu_threads() -> int:
