@@ -68,11 +68,14 @@ class RequestStream:
 
     `close()` (or `aclose()`) before the last chunk cancels the request; after
     it, or twice, it does nothing. Raises EngineFailed if the engine task dies.
+    `ready()` takes the chunks already queued without waiting, so a reader that fell
+    behind the steps sends them in one write (vLLM's output collector merges them too).
     """
 
     def __init__(self, engine: AsyncEngine, stream: StreamState):
         self._engine = engine
         self._stream = stream
+        self._failure: BaseException | None = None  # met by `ready()`, raised by the next `__anext__`
         self.done = False
 
     @property
@@ -90,7 +93,7 @@ class RequestStream:
     async def __anext__(self) -> Chunk:
         if self.done:
             raise StopAsyncIteration
-        chunk = await self._stream.queue.get()
+        chunk, self._failure = self._failure or await self._stream.queue.get(), None
         if isinstance(chunk, RequestFailed):
             self.done = True
             raise chunk
@@ -99,6 +102,18 @@ class RequestStream:
             raise EngineFailed(f"the engine failed: {chunk!r}") from chunk
         self.done = chunk.finish_reason is not None
         return chunk
+
+    def ready(self) -> list[Chunk]:
+        """The chunks queued now, in order, up to the last one or a failure (kept for `__anext__` to raise)."""
+        out: list[Chunk] = []
+        while not self.done and self._failure is None and not self._stream.queue.empty():
+            item = self._stream.queue.get_nowait()
+            if isinstance(item, BaseException):
+                self._failure = item
+            else:
+                out.append(item)
+                self.done = item.finish_reason is not None
+        return out
 
     def close(self) -> None:
         if not self.done:
