@@ -99,7 +99,7 @@ def step_model(state: dict, home: Path, mode: Mode, quantize: str, device: str, 
         print(f"model: {path} (made before, {state['model']['bytes'] / GiB:.2f} GiB)", flush=True)
         return
     for other in folder.glob("radianced-headline-*/model.rad"):  # the device's disk holds one headline model
-        if other != path:
+        if other != path and _quick(other.parent) == mode.quick:  # a dry run never removes a full run's model
             print(f"model: removing {other} ({other.stat().st_size / GiB:.2f} GiB) to make room", flush=True)
             other.unlink()
     t0 = time.perf_counter()
@@ -112,6 +112,12 @@ def step_model(state: dict, home: Path, mode: Mode, quantize: str, device: str, 
     state["model"] = {"path": str(path), "shape": mode.shape, "layers": mode.layers, "narrow": mode.narrow,
                       "quantize": quantize, "bytes": path.stat().st_size, "seconds": time.perf_counter() - t0,
                       "experts": experts, "extent_bytes": facts.expert_extent_bytes, "host_pool_mib": pool_mib}
+
+
+def _quick(home: Path) -> bool | None:
+    """Whether the headline run kept in `home` was a dry run (None: no state there)."""
+    state = home / "headline.json"
+    return json.loads(state.read_text()).get("quick") if state.exists() else None
 
 
 def serving_flags(state: dict, mode: Mode, card_mib: int) -> list[str]:
@@ -135,7 +141,8 @@ def step_profile(state: dict, home: Path, mode: Mode, cards: list[int], out: Pat
                                 "--control-socket", str(socket)], capture_output=True, text=True, timeout=120)
     finally:
         daemon.stop()
-        shutil.copy(daemon.log_path, out / "headline-profile-daemon.log")
+        if daemon.log_path.exists():
+            shutil.copy(daemon.log_path, out / "headline-profile-daemon.log")
     if saved.returncode:
         raise RuntimeError(f"radiancectl profile --save failed: {saved.stderr.strip() or saved.stdout.strip()}")
     state["profile"] = {"path": str(path), "card_mib": max(cards), "requests": mode.profile_requests,

@@ -59,7 +59,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from radianced.bench.client import completion_body, stream_request  # noqa: E402
 from radianced.bench.daemon_process import ChildDaemon  # noqa: E402
-from tools.gil_sample import GilSample, lines as gil_lines  # noqa: E402
+from tools.gil_sample import GilSample  # noqa: E402
+from tools.served_report import lines as served_lines  # noqa: E402
 from radianced.bench.scrape import Snapshot  # noqa: E402
 from radianced.bench.workloads import PROMPT_ID_RANGE, prompt_ids  # noqa: E402
 
@@ -241,17 +242,18 @@ def burst_elsewhere(url: str, bodies: list[dict]) -> tuple[float, float, list[tu
 
 
 async def prefill_burst(http, prompts: Callable[[int], list[int]], url: str, watch=contextlib.nullcontext) -> dict:
-    """`watch()` (a context manager) spans the streams' first 0.3 s and the burst."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as other, watch():
+    """`watch()` (a context manager) spans the streams' 0.3 s of decoding before the burst, and the burst."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as other:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(other, burst_elsewhere, url, [])  # started and imported before the streams
         kinds_before = await step_kinds(http)
         streams = [asyncio.create_task(stream_request(http, COMPLETIONS, completion_body(prompts(64), 1024)))
                    for _ in range(4)]
-        await asyncio.sleep(0.3)  # their prefill done, their decode well under way (1,024 tokens: ~2 s on the H200)
-        hist_before = Snapshot.parse((await http.get("/metrics")).text)
-        t_burst, t_end, burst = await loop.run_in_executor(
-            other, burst_elsewhere, url, [completion_body(prompts(2000), 1) for _ in range(8)])
+        with watch():
+            await asyncio.sleep(0.3)  # their prefill done, their decode under way (1,024 tokens: ~2 s on the H200)
+            hist_before = Snapshot.parse((await http.get("/metrics")).text)
+            t_burst, t_end, burst = await loop.run_in_executor(
+                other, burst_elsewhere, url, [completion_body(prompts(2000), 1) for _ in range(8)])
         hist_after = Snapshot.parse((await http.get("/metrics")).text)
         running = await asyncio.gather(*streams)
     kinds = {k: (c - kinds_before.get(k, (0, 0))[0], t - kinds_before.get(k, (0, 0))[1])
@@ -383,31 +385,7 @@ def main() -> int:
             result["exit"] = daemon.stop()
             result["log_tail"] = daemon.log()[-4000:]
             (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
-    t, s, pb = result["ttft"], result["sweep"], result["prefill_burst"]
-    for line in result["startup"]["warm_log"]:
-        print("   ", line[-200:])
-    for k in ("one", "one_ratio", "burst", "burst_ratio", "burst_last_ratio"):
-        v = t[k]
-        if v["n"]:
-            print(f"TTFT {k:12s} n={v['n']:4d} p50 {v['p50']:.3f} p99 {v['p99']:.3f} max {v['max']:.3f}")
-    print(f"failed requests: {t['failed']}; kernel builds while serving: {result['serving_builds']:.0f}")
-    print(f"c-sweep: c=1 {s[0]['tok_s']:.0f} tok/s, c=8 {s[1]['tok_s']:.0f} tok/s ({s[1]['tok_s'] / s[0]['tok_s']:.2f}x)")
-    i, b = pb["itl_all"], pb["itl_during_burst"]
-    during = (f"during it p99 {b['p99'] * 1e3:.1f} ms max {b['max'] * 1e3:.1f} ms ({b['p99'] / i['p50']:.2f}x the "
-              f"median, {b['n']} gaps)" if b["n"] else "no gap ended during it")
-    print(f"prefill burst (8 x 2,000 tokens) under 4 decoding streams: ITL p50 {i['p50'] * 1e3:.1f} ms p99 "
-          f"{i['p99'] * 1e3:.1f} ms; {during}; the burst took {pb['burst_seconds']:.2f} s")
-    print("  its longest gaps (ms, ended ms after the burst was sent): "
-          + ", ".join(f"{g['gap_ms']:.1f} at {g['ended_ms']:.0f}" for g in pb["longest_gaps"]))
-    print("  its steps: " + ", ".join(f"{k} {v['steps']:.0f} of {v['mean_ms']:.2f} ms" for k, v in pb["steps"].items()
-                                      if v["steps"]))
-    print("  during it, the CUDA allocator: " + ", ".join(f"{k} {v:.4g}" for k, v in pb["burst_allocator"].items()))
-    for name, by_labels in pb["burst_histograms"].items():
-        for labels, counts in by_labels.items():
-            print(f"  during it, {name}{{{labels}}}: " + ", ".join(f"<={le} {n:.0f}" for le, n in counts.items() if n))
-    g = result["burst_gil"]
-    print(f"the burst again, sampled (ITL during it p99 {g['itl_during_burst']['p99'] * 1e3:.1f} ms); "
-          + "\n".join(gil_lines(g["gil"])))
+    print("\n".join(served_lines(result)))
     return 0
 
 

@@ -93,7 +93,10 @@ class RequestStream:
     async def __anext__(self) -> Chunk:
         if self.done:
             raise StopAsyncIteration
-        chunk, self._failure = self._failure or await self._stream.queue.get(), None
+        if self._failure is not None:  # met by `ready()` after the chunks it returned
+            chunk, self._failure = self._failure, None
+        else:
+            chunk = await self._stream.queue.get()
         if isinstance(chunk, RequestFailed):
             self.done = True
             raise chunk

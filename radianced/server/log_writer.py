@@ -12,21 +12,30 @@ FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 @contextlib.contextmanager
 def logs_off_the_loop(stream):
-    """While inside, every logger's records (INFO and up) go through a queue to one thread that writes them to
-    `stream`; on leaving, the records still queued are written first. A write can block (a full pipe; stderr
-    redirected to a file while the page cache writes back a model just made, a possible cause of the one
-    100 ms stall the H200 showed between a request's arrival and the engine, at 7d62b54): it then stalls that
-    thread, not the event loop or the step thread, which only format and enqueue."""
-    records: queue.SimpleQueue = queue.SimpleQueue()
+    """While inside, INFO records go through a queue to one thread that writes them to `stream`: a write can
+    block (a full pipe; stderr redirected to a file while the page cache writes back a model just made, a
+    possible cause of the one 100 ms stall the H200 showed between a request's arrival and the engine, at
+    7d62b54), and then it stalls that thread, not the event loop or the step thread, which only format and
+    enqueue. WARNING and above are written at once by the thread that logs them (one handler, one lock, for
+    both paths): they are rare, and the lines that explain a crash must not wait in a queue a SIGKILL or a
+    segfault would lose (INFO lines still queued then are lost). On leaving, every record is written at once
+    again and what is queued is written first; records from other threads meanwhile are kept (one may be
+    written twice, none lost)."""
     handler = logging.StreamHandler(stream)
     handler.setFormatter(logging.Formatter(FORMAT))
-    enqueue, root = QueueHandler(records), logging.getLogger()
+    handler.setLevel(logging.WARNING)  # the records it gets from the root logger; the queue's all reach it
+    records: queue.SimpleQueue = queue.SimpleQueue()
+    enqueue = QueueHandler(records)
+    enqueue.addFilter(lambda record: record.levelno < logging.WARNING)
+    root = logging.getLogger()
     root.setLevel(logging.INFO)
+    root.addHandler(handler)
     root.addHandler(enqueue)
     writer = QueueListener(records, handler)
     writer.start()
     try:
         yield
     finally:
-        writer.stop()
+        handler.setLevel(logging.NOTSET)  # from here every record is written at once
         root.removeHandler(enqueue)
+        writer.stop()  # after the records still queued

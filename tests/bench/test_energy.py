@@ -60,7 +60,7 @@ class SteppedNvml(FakeNvml):
 
 
 def test_the_counters_update_interval_is_measured():
-    assert abs(update_interval(SteppedNvml(0.02), 0) - 0.02) < 0.005
+    assert 0.015 <= update_interval(SteppedNvml(0.02), 0) <= 0.03  # the median gap: one late poll moves it little
     assert update_interval(SteppedNvml(10.0), 0, probe_s=0.05) == 0.05  # no change seen: the probe is the bound
 
 

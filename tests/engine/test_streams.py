@@ -84,3 +84,12 @@ async def test_a_failure_after_queued_chunks_sends_them_then_the_error():
     s, _ = stream_of(chunk("a"), chunk("b"), RuntimeError("boom"))
     writes = [w async for w in answer().events(s)]
     assert writes[0].count(b"data: ") == 2 and b"the engine failed" in writes[1] and writes[-1] == b"data: [DONE]\n\n"
+
+
+async def test_the_usage_chunk_follows_the_write_that_holds_the_finish_reason():
+    a = answer()
+    a.req.include_usage = True
+    s, _ = stream_of(chunk("a"), chunk("b", "stop"))
+    writes = [w async for w in a.events(s)]
+    assert len(writes) == 3 and writes[0].count(b"data: ") == 2 and b'"finish_reason":"stop"' in writes[0]
+    assert b'"usage"' in writes[1] and b'"completion_tokens":2' in writes[1] and writes[2] == b"data: [DONE]\n\n"

@@ -6,6 +6,8 @@ import logging
 import logging.handlers
 import threading
 
+import pytest
+
 from radianced.server.log_writer import logs_off_the_loop
 
 
@@ -24,6 +26,16 @@ class StuckStream:
         pass
 
 
+@pytest.fixture(autouse=True)
+def root_level():
+    """The root logger's level and handlers as they were (logs_off_the_loop sets INFO and keeps a handler)."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    yield
+    root.setLevel(level)
+    root.handlers[:] = handlers
+
+
 def test_logging_returns_while_the_write_is_stuck_and_every_record_lands_in_order():
     stream, log = StuckStream(), logging.getLogger("radianced.test_log_writer")
     with logs_off_the_loop(stream):
@@ -39,3 +51,27 @@ def test_logging_returns_while_the_write_is_stuck_and_every_record_lands_in_orde
     assert " INFO radianced.test_log_writer: record 0" in lines[0]
     assert stream.writer is not threading.current_thread()
     assert not any(isinstance(h, logging.handlers.QueueHandler) for h in logging.getLogger().handlers)
+
+
+class ListStream:
+    def __init__(self):
+        self.text, self.threads = [], []
+
+    def write(self, s: str) -> None:
+        self.text.append(s)
+        self.threads.append(threading.current_thread())
+
+    def flush(self) -> None:
+        pass
+
+
+def test_warnings_are_written_at_once_by_the_thread_that_logs_and_records_after_the_end_still_land():
+    stream, log = ListStream(), logging.getLogger("radianced.test_log_writer")
+    with logs_off_the_loop(stream):
+        log.error("the card fell off the bus")
+        assert stream.text and "ERROR radianced.test_log_writer: the card fell off the bus" in stream.text[0]
+        assert stream.threads == [threading.current_thread()]  # not queued: a crash right after keeps it
+        log.info("queued")
+    log.info("after the end")
+    lines = "".join(stream.text).splitlines()
+    assert [line.split(": ", 1)[1] for line in lines] == ["the card fell off the bus", "queued", "after the end"]

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -22,19 +23,20 @@ not a stack line
 
 
 def test_collapsed_stacks_become_each_threads_share_and_innermost_frames():
-    s = summarize(RAW)
-    assert s["samples"] == 8
+    s = summarize(RAW, rate=100, seconds=0.1)  # a window of 10 samples' time: 8 with a GIL holder
+    assert (s["samples"], s["rate"], s["seconds"]) == (8, 100, 0.1)
     step, main = s["threads"]
-    assert (step["thread"], step["samples"], step["share"]) == ("thread (11): radianced-step_0", 4, 0.5)
+    assert (step["thread"], step["samples"], step["of_wall"]) == ("thread (11): radianced-step_0", 4, 0.4)
     assert step["top"] == [{"frame": "PrefixCache.insert (radianced/kv/prefix.py:152)", "samples": 3},
                            {"frame": "AsyncEngine._rounds (radianced/engine/driver.py:156)", "samples": 1}]
     # no frame of ours or the serving libraries: the innermost frame stands for the stack
     assert [f["frame"] for f in main["top"]] == ["Server.on_tick (uvicorn/server.py:240)", "spin (x.py:3)"]
-    assert lines(s)[1] == "  thread (11): radianced-step_0: 4 (50%)"
+    assert lines(s)[0] == "GIL holders (8 samples at 100/s over 0.10 s):"
+    assert lines(s)[1] == "  thread (11): radianced-step_0: 4 samples, 40% of the wall time"
 
 
 def test_without_py_spy_the_summary_says_why(monkeypatch):
-    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name, path=None: None)
     with GilSample(1) as gil:
         pass
     s = gil.summary()
@@ -52,7 +54,10 @@ print("go", flush=True)
 """
 
 
-@pytest.mark.skipif(shutil.which("py-spy") is None, reason="py-spy not installed (the test extra has it)")
+PY_SPY = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+
+
+@pytest.mark.skipif(PY_SPY is None, reason="py-spy not installed (the test extra has it)")
 def test_a_live_process_busy_thread_holds_the_gil():
     proc = subprocess.Popen([sys.executable, "-c", SPIN], stdout=subprocess.PIPE, text=True)
     try:
@@ -66,5 +71,6 @@ def test_a_live_process_busy_thread_holds_the_gil():
     if s["samples"] == 0 and any(w in s.get("why", "").lower() for w in ("ptrace", "permission")):
         pytest.skip(f"py-spy may not attach here: {s['why']}")
     spinner = s["threads"][0]
-    assert spinner["thread"].endswith("spinner") and spinner["share"] > 0.9, s
+    assert spinner["thread"].endswith("spinner") and spinner["samples"] > 0.9 * s["samples"], s
+    assert 0 < spinner["of_wall"] <= 1.05 and s["seconds"] >= 1.5
     assert "busy_loop" in spinner["top"][0]["frame"]
