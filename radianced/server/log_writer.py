@@ -19,8 +19,8 @@ def logs_off_the_loop(stream):
     enqueue. WARNING and above are written at once by the thread that logs them (one handler, one lock, for
     both paths): they are rare, and the lines that explain a crash must not wait in a queue a SIGKILL or a
     segfault would lose (INFO lines still queued then are lost). On leaving, every record is written at once
-    again and what is queued is written first; records from other threads meanwhile are kept (one may be
-    written twice, none lost)."""
+    again, and what is still queued is written before this returns; a record another thread logs meanwhile is
+    kept (it may be written twice, or before the queued ones, never lost)."""
     handler = logging.StreamHandler(stream)
     handler.setFormatter(logging.Formatter(FORMAT))
     handler.setLevel(logging.WARNING)  # the records it gets from the root logger; the queue's all reach it
