@@ -1,7 +1,7 @@
 """Issue 18's rows: what a user of the HTTP API sees from a daemon started as users start it.
 
     python tools/bench_served.py --out DIR [--layers 8] [--requests 200] [--bursts 25] [--env K=V] [--name N]
-                                 [--switch-interval-ms MS]
+                                 [--switch-interval-ms MS] [--burst-repeats 5]
                                  [-- FLAGS]
 
 On a synthetic Qwen3-30B-A3B-shaped `.rad` (tools/make_synthetic.py, Zipf 1.0) the
@@ -29,7 +29,8 @@ request goes over HTTP, streamed (`radianced.bench.client.stream_request`).
 - prefill burst: 4 streams decoding 1,024 tokens; 0.3 s after they start, 8 prompts
   of 2,000 tokens arrive together from another process (other users' clients); the
   running streams' ITL p50 and p99 while the burst prefills, against their median over
-  the whole run (target: p99 at most 3x p50).
+  the whole run (target: p99 at most 3x p50); `--burst-repeats` times, each burst's ratio kept and all their
+  gaps pooled (one burst's p99 is its third-largest gap); then once more with the GIL's holders sampled.
 
 Writes DIR/NAME.json (default bench_served.json); prints a table.
 """
@@ -59,22 +60,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from radianced.bench.client import completion_body, stream_request  # noqa: E402
 from radianced.bench.daemon_process import ChildDaemon  # noqa: E402
-from tools.gil_sample import GilSample  # noqa: E402
-from tools.served_report import lines as served_lines  # noqa: E402
 from radianced.bench.scrape import Snapshot  # noqa: E402
 from radianced.bench.workloads import PROMPT_ID_RANGE, prompt_ids  # noqa: E402
+from tools.gil_sample import GilSample  # noqa: E402
+from tools.served_metrics import (ALLOCATOR, counter_totals, counters, histogram_deltas, pct,  # noqa: E402
+                                  serving_builds, step_kinds, summary)
+from tools.served_report import lines as served_lines  # noqa: E402
 
 COMPLETIONS = "/v1/completions"
-BUILDS = "radiance_kernel_builds_total"  # a sample's name as /metrics writes it (Snapshot.values' keys)
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
-def summary(xs: list[float]) -> dict:
-    return {"n": len(xs), "p50": pct(xs, 0.5), "p99": pct(xs, 0.99), "max": max(xs)} if xs else {"n": 0}
 
 
 def prompt_source() -> Callable[[int], list[int]]:
@@ -82,38 +75,6 @@ def prompt_source() -> Callable[[int], list[int]]:
     no prompt is a prefix-cache hit for another."""
     seeds = itertools.count()
     return lambda n: prompt_ids(n, f"served-{next(seeds)}")
-
-
-async def serving_builds(http: httpx.AsyncClient) -> float:
-    snap = Snapshot.parse((await http.get("/metrics")).text)
-    return sum(v for (name, labels), v in snap.values.items() if name == BUILDS and ("phase", "serving") in labels)
-
-
-# torch's CUDA allocator (cudaMalloc, cudaFree, retries) and its pinned host allocator (cudaHostAlloc: calls, seconds)
-DEVICE_ALLOCATOR = ("mallocs", "frees", "retries")
-ALLOCATOR = DEVICE_ALLOCATOR + ("host_allocs", "host_alloc_s")
-
-
-async def counters(http: httpx.AsyncClient) -> dict[str, float]:
-    """From the daemon's /metrics: `counter_totals`."""
-    return counter_totals(Snapshot.parse((await http.get("/metrics")).text))
-
-
-def counter_totals(snap: Snapshot) -> dict[str, float]:
-    """torch's CUDA allocator counters (ALLOCATOR), the garbage collector's collections and seconds
-    (radiance_gc_pause_seconds), and the engine steps' count, wall seconds (radiance_step_duration_seconds)
-    and own seconds on the device (radiance_step_own_seconds, every kind): a slow request's time is in its
-    steps or around them."""
-    def total(name: str) -> float:
-        return sum(v for (n, _), v in snap.values.items() if n == name)
-
-    out = {n: snap.total(f"radiance_cuda_allocator_{n}") for n in DEVICE_ALLOCATOR}
-    out.update(host_allocs=snap.total("radiance_cuda_host_allocs"),
-               host_alloc_s=snap.total("radiance_cuda_host_alloc_seconds"))
-    out.update(gc_count=total("radiance_gc_pause_seconds_count"), gc_s=total("radiance_gc_pause_seconds_sum"),
-               steps=total("radiance_step_duration_seconds_count"), step_s=total("radiance_step_duration_seconds_sum"),
-               own_s=total("radiance_step_own_seconds_sum"))
-    return out
 
 
 async def timed_with_counters(http, prompt: list[int]):
@@ -185,49 +146,6 @@ async def sweeps(http, prompts: Callable[[int], list[int]]) -> list[dict]:
     return [await sweep(http, prompts, c) for c in (1, 8)]
 
 
-async def step_kinds(http: httpx.AsyncClient) -> dict[str, tuple[float, float]]:
-    """kind -> (steps, seconds) of the daemon's radiance_step_own_seconds (decode, mixed, prefill)."""
-    snap = Snapshot.parse((await http.get("/metrics")).text)
-    out: dict[str, list[float]] = {}
-    for (name, labels), v in snap.values.items():
-        for i, part in enumerate(("count", "sum")):
-            if name == f"radiance_step_own_seconds_{part}":
-                out.setdefault(dict(labels)["kind"], [0.0, 0.0])[i] += v
-    return {k: (c, t) for k, (c, t) in out.items()}
-
-
-# the daemon's histograms read around the burst: where a client's long gap comes from (the engine's own ITL is
-# taken as the loop hands tokens to their streams; a step's wall time; its device time by kind; the finished steps'
-# tokens' wait for the event loop; the garbage collector's pauses, which stop both threads)
-BURST_HISTOGRAMS = ("radiance_inter_token_latency_seconds", "radiance_step_duration_seconds",
-                    "radiance_step_own_seconds", "radiance_step_loop_wait_seconds", "radiance_step_launch_seconds",
-                    "radiance_step_launch_wait_seconds", "radiance_gc_pause_seconds")
-
-
-def bucket_counts(snap: Snapshot, name: str) -> dict[str, dict[str, float]]:
-    """A histogram's cumulative bucket counts: {label values ('' when none): {le: count}}."""
-    out: dict[str, dict[str, float]] = {}
-    for (n, labels), v in snap.values.items():
-        if n == f"{name}_bucket":
-            d = dict(labels)
-            le = d.pop("le")
-            out.setdefault(",".join(d.values()), {})[le] = v
-    return out
-
-
-def histogram_deltas(before: Snapshot, after: Snapshot) -> dict:
-    """BURST_HISTOGRAMS' observations between two reads, per bucket (not cumulative): {name: {labels: {le: n}}}."""
-    out = {}
-    for name in BURST_HISTOGRAMS:
-        a, b = bucket_counts(before, name), bucket_counts(after, name)
-        out[name] = {}
-        for labels, counts in b.items():
-            les = sorted(counts, key=float)
-            cum = [counts[le] - a.get(labels, {}).get(le, 0.0) for le in les]
-            out[name][labels] = {le: c - (cum[i - 1] if i else 0.0) for i, (le, c) in enumerate(zip(les, cum))}
-    return out
-
-
 def burst_elsewhere(url: str, bodies: list[dict]) -> tuple[float, float, list[tuple[bool, float | None]]]:
     """`bodies` sent together and streamed from this process, another user's client: (when sent, when all were
     answered, (ok, TTFT) each). Sent from the streams' own client, the burst's requests took its event loop from
@@ -268,6 +186,7 @@ async def prefill_burst(http, prompts: Callable[[int], list[int]], url: str, wat
                 during.append((gap, at - t_burst))
     after, before = counter_totals(hist_after), counter_totals(hist_before)
     return {"itl_all": summary(itl), "itl_during_burst": summary([g for g, _ in during]),
+            "gaps_during": [g for g, _ in during],
             "burst_seconds": t_end - t_burst,
             "burst_ttft": summary([ttft for ok, ttft in burst if ok]),
             "longest_gaps": [{"gap_ms": 1e3 * g, "ended_ms": 1e3 * e} for g, e in sorted(during, reverse=True)[:8]],
@@ -276,6 +195,17 @@ async def prefill_burst(http, prompts: Callable[[int], list[int]], url: str, wat
             "burst_histograms": histogram_deltas(hist_before, hist_after),
             # cudaMalloc and cudaFree while the burst is served (a free synchronizes the device)
             "burst_allocator": {n: after[n] - before[n] for n in ALLOCATOR}}
+
+
+async def prefill_bursts(http, prompts: Callable[[int], list[int]], url: str, repeats: int) -> dict:
+    """The burst `repeats` times: the first one's whole record, each one's p99 against its own median, and all of
+    their gaps during a burst pooled against the runs' median (one burst's p99 is its third-largest gap)."""
+    runs = [await prefill_burst(http, prompts, url) for _ in range(repeats)]
+    median = pct([r["itl_all"]["p50"] for r in runs], 0.5)
+    pooled = summary([g for r in runs for g in r["gaps_during"]])
+    each = [{"p99_ms": 1e3 * r["itl_during_burst"]["p99"], "ratio": r["itl_during_burst"]["p99"] / r["itl_all"]["p50"],
+             "burst_s": r["burst_seconds"]} for r in runs if r["itl_during_burst"]["n"]]
+    return runs[0] | {"repeats": each, "pooled": pooled | {"median": median}}
 
 
 async def measure(url: str, pid: int, args, res: dict) -> None:
@@ -287,7 +217,7 @@ async def measure(url: str, pid: int, args, res: dict) -> None:
         res["serving_builds_before"] = before
         for name, part in (("ttft", lambda: ttft_rows(http, prompts, args.requests, args.bursts)),
                            ("sweep", lambda: sweeps(http, prompts)),
-                           ("prefill_burst", lambda: prefill_burst(http, prompts, url)),
+                           ("prefill_burst", lambda: prefill_bursts(http, prompts, url, args.burst_repeats)),
                            ("burst_gil", lambda: gil_burst(http, prompts, url, pid))):
             t0 = time.perf_counter()
             res[name] = await part()
@@ -333,6 +263,7 @@ def main() -> int:
                     help="set in the daemon's environment (repeatable), e.g. CUDA_MODULE_LOADING=EAGER: does "
                          "the first/twin gap come from CUDA loading each library kernel at its first launch?")
     ap.add_argument("--name", default="bench_served", help="the result file's name, DIR/NAME.json")
+    ap.add_argument("--burst-repeats", type=int, default=5, help="prefill bursts measured (their gaps pooled)")
     ap.add_argument("--one-start", action="store_true",
                     help="start the daemon once (an empty kernel cache) and measure that one: the serving rows "
                          "without the warm restart's start-up time")

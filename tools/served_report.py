@@ -34,6 +34,7 @@ def _burst(pb: dict) -> list[str]:
               f"median, {b['n']} gaps)" if b["n"] else "no gap ended during it")
     out = [f"prefill burst (8 x 2,000 tokens) under 4 decoding streams: ITL p50 {i['p50'] * 1e3:.1f} ms p99 "
            f"{i['p99'] * 1e3:.1f} ms; {during}; the burst took {pb['burst_seconds']:.2f} s",
+           *_pooled(pb),
            "  its longest gaps (ms, ended ms after the burst was sent): "
            + ", ".join(f"{g['gap_ms']:.1f} at {g['ended_ms']:.0f}" for g in pb["longest_gaps"]),
            "  its steps: " + ", ".join(f"{k} {v['steps']:.0f} of {v['mean_ms']:.2f} ms"
@@ -44,3 +45,14 @@ def _burst(pb: dict) -> list[str]:
             out.append(f"  during it, {name}{{{labels}}}: " + ", ".join(f"<={le} {n:.0f}" for le, n in counts.items()
                                                                          if n))
     return out
+
+
+def _pooled(pb: dict) -> list[str]:
+    """The repeated bursts' line, where the run repeated them."""
+    if "pooled" not in pb:
+        return []
+    p, each = pb["pooled"], pb["repeats"]
+    if not p["n"]:
+        return [f"  {len(each)} bursts: no gap ended during them"]
+    return [f"  {len(each)} bursts pooled: during them p99 {p['p99'] * 1e3:.1f} ms = {p['p99'] / p['median']:.2f}x the "
+            f"median ({p['n']} gaps); each burst's p99 / median: " + ", ".join(f"{e['ratio']:.2f}" for e in each)]
