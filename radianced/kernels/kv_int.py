@@ -32,8 +32,8 @@ offline) shows why: a bf16 prefill at D 256 spills 35 KB with the IEEE (FMA) dot
 In the loop an int6 K tile is dequantized to values (its residuals; the dot in q's
 dtype, the block's first key's logit added as fp8 adds it: `kv_fp8.add_block_first`),
 an int4 V tile to values in q's dtype beside P (bf16: rounded as an auto cache holds
-V). Codes are gathered a byte per dim (int6: two where the code straddles bytes);
-scales a group at a time.
+V). Codes are read a byte once (int4: its two nibbles joined; int6: the three bytes of four dims as one
+word, its four codes joined back in dim order); scales a group at a time.
 
 `rotary_write_kv` here is `rope.rotary_write_kv` for these two formats (its kernel takes
 fp8 and auto only): q, k and v in one launch, K as the residual from its block's first
@@ -135,16 +135,21 @@ def _load_int(codes_src, scale_src, row_ok, d, d_ok, D: tl.constexpr, BITS: tl.c
     """The stored fp32 values [R, BLOCK_D] of rows at codes_src [R] and scale_src [R]; 0 on rows not
     row_ok and past the head dim."""
     BLOCK_D: tl.constexpr = d.shape[0]
-    ok = row_ok[:, None] & d_ok[None, :]
-    if BITS == 4:
-        byte = tl.load(codes_src[:, None] + (d // 2)[None, :], mask=ok, other=0).to(tl.int32)
-        q = (byte >> (4 * (d % 2))[None, :]) & 15
-    else:
-        at = (6 * d) // 8
-        shift = (6 * d) % 8
-        lo = tl.load(codes_src[:, None] + at[None, :], mask=ok, other=0).to(tl.int32)
-        hi = tl.load(codes_src[:, None] + at[None, :] + 1, mask=ok & (shift > 2)[None, :], other=0).to(tl.int32)
-        q = ((lo | (hi << 8)) >> shift[None, :]) & 63
+    R: tl.constexpr = codes_src.shape[0]
+    if BITS == 4:  # each byte read once: its low nibble the even dim, its high the odd (`_store_int`'s split undone)
+        j = tl.arange(0, BLOCK_D // 2)
+        byte = tl.load(codes_src[:, None] + j[None, :], mask=row_ok[:, None] & (j < (D + 1) // 2)[None, :],
+                       other=0).to(tl.int32)
+        q = tl.reshape(tl.join(byte & 15, byte >> 4), [R, BLOCK_D])
+    else:  # each 3-byte word of four dims read once, its codes joined back in dim order
+        j = tl.arange(0, BLOCK_D // 4)
+        at = codes_src[:, None] + 3 * j[None, :]
+        ok = row_ok[:, None] & (j < (D + 3) // 4)[None, :]
+        word = tl.load(at, mask=ok, other=0).to(tl.int32) | (tl.load(at + 1, mask=ok, other=0).to(tl.int32) << 8) \
+            | (tl.load(at + 2, mask=ok, other=0).to(tl.int32) << 16)
+        a = tl.join(word & 63, (word >> 12) & 63)  # dims 4i, 4i + 2
+        b = tl.join((word >> 6) & 63, (word >> 18) & 63)  # 4i + 1, 4i + 3
+        q = tl.reshape(tl.join(a, b), [R, BLOCK_D])
     g, g_ok = _groups(D, BLOCK_D)
     at = scale_src[:, None] + 2 * g[None, :]
     step = tl.load(at, mask=row_ok[:, None] & g_ok[None, :], other=0.0)
