@@ -8,8 +8,10 @@ For issue 18's burst (tools/bench_served.py): the running streams' longest gaps 
 that spent milliseconds off the CPU (radiance_step_launch_wait_seconds); if another thread holds the GIL then,
 its samples say which and where. `--nonblocking` reads the process without pausing it, so sampling does not
 add gaps of its own (py-spy's default stops the process at each sample). With `--gil` py-spy keeps only the
-samples in which some thread holds the GIL, so a thread's share of the wall time is its samples over rate x
-the seconds watched (`of_wall`); what is left of 1 is the time no thread held it. Without py-spy (on PATH or
+samples in which some thread holds the GIL, so a thread's share of the wall time is about its samples over
+rate x the seconds watched (`of_wall`; py-spy's sampling starts once it has attached and ends when it handles
+the SIGINT, so a thread that held it throughout reads near 1, not exactly 1); what is left of 1 is the time no
+thread held it. Without py-spy (on PATH or
 beside this Python), or where it may not attach (ptrace), `summary()` says why instead.
 """
 

@@ -72,5 +72,7 @@ def test_a_live_process_busy_thread_holds_the_gil():
         pytest.skip(f"py-spy may not attach here: {s['why']}")
     spinner = s["threads"][0]
     assert spinner["thread"].endswith("spinner") and spinner["samples"] > 0.9 * s["samples"], s
-    assert 0 < spinner["of_wall"] <= 1.05 and s["seconds"] >= 1.5
+    # it held the GIL all along: about 1 of the wall time (py-spy's samples start after it attaches and run until it
+    # handles the SIGINT, while `seconds` is the window around them: a ratio near 1, not exactly 1)
+    assert 0.2 < spinner["of_wall"] < 2 and s["seconds"] >= 1.5  # (loose: a loaded machine delays py-spy)
     assert "busy_loop" in spinner["top"][0]["frame"]
