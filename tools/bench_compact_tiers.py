@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from radianced.model.rad import RadFile  # noqa: E402
 from radianced.sizing import ModelFacts, slot_bytes  # noqa: E402
 from radianced.tiers.placement import routed_experts  # noqa: E402
 from tools import bench_tiers, gpu_bench  # noqa: E402
-from tools.bench_tiers import decode, host_pool_mib, run_totals, teardown  # noqa: E402
+from tools.bench_tiers import _f, decode, host_pool_mib, run_totals, teardown  # noqa: E402
 from tools.make_synthetic import make_synthetic  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -185,10 +184,6 @@ def floor_share(run: dict, extent: int, dense: int, hbm: float | None) -> tuple[
     lookups = sum(s["lookups"] for s in run["steps"]) / max(1, len(run["steps"]))
     step_bytes = dense + lookups * extent
     return (step_bytes / hbm / t["step_s"] if hbm and t["step_s"] else None), step_bytes
-
-
-def _f(v, fmt: str = "{:.1f}") -> str:
-    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
 
 
 def rows(results: dict) -> list[tuple[str, str, str, str, str]]:

@@ -137,14 +137,15 @@ class Engine:
     def execute(self, work: Work) -> Executed:
         """Launch the work's plan, then collect the step it finishes: the runner's half of a round
         (the driver's worker thread; nothing else calls the runner)."""
-        wall, cpu = time.perf_counter(), time.thread_time()
-        launched = self.runner.launch(work.launch) if work.launch is not None else None
-        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        launched, wall, cpu = None, 0.0, 0.0
+        if work.launch is not None:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            launched = self.runner.launch(work.launch)
+            wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
         finished = launched if work.wait else work.collect
         if work.wait:
             launched = None
-        return Executed(launched, finished, self.runner.collect(finished) if finished is not None else None,
-                        wall if work.launch is not None else 0.0, cpu if work.launch is not None else 0.0)
+        return Executed(launched, finished, self.runner.collect(finished) if finished is not None else None, wall, cpu)
 
     def apply(self, done: Executed) -> list[SeqEvent]:
         """The bookkeeping half of a round: the step launched stays in flight; the step collected
