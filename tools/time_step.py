@@ -1,10 +1,10 @@
 """Where a decode step's time goes, by phase, on the device (host wall time per call), and by kernel.
 
-    python tools/time_step.py --out OUT [--layers 2] [--batch 1] [--steps 40] [--kernels] [--sequential]
+    python tools/time_step.py --out OUT [--shape S] [--quantize CLASS=SCHEME] [--layers 2] [--batch 1] [--steps 40] [--kernels] [--sequential]
                               [--prefill-chunk N]
 
-Builds a synthetic Qwen3-30B-A3B-shaped model (tools/make_synthetic.py) with
-`--layers` layers, serves `--batch` requests of a 1K-token prompt through
+Builds a synthetic Qwen3-30B-A3B-shaped model (tools/make_synthetic.py; `--shape`, `--quantize`
+pick another shape and compact experts or layers) with `--layers` layers, serves `--batch` requests of a 1K-token prompt through
 `Engine.build` (resident placement; decode CUDA graphs on CUDA), and after a
 warm-up steps it as the daemon's loop does (`Engine.step(ahead=True)`: step N+1
 launched before step N is collected; `--sequential`: `Engine.step()`), timing each phase
@@ -136,6 +136,8 @@ def kernel_table(step, steps: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--shape", default="qwen3-30b-a3b", help="a tools/make_synthetic.py shape")
+    ap.add_argument("--quantize", default=None, help="make_synthetic's --quantize, e.g. experts=int4")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--narrow", type=int, default=1, help="width divisor (CPU checks)")
     ap.add_argument("--batch", type=int, default=1)
@@ -148,8 +150,9 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir="/var/tmp" if Path("/var/tmp").is_dir() else None) as tmp:
-        path = make_synthetic(Path(tmp) / "m.rad", layers=args.layers, narrow=args.narrow, device=device,
-                              vocab=None if args.narrow == 1 else 4096, progress=False)
+        path = make_synthetic(Path(tmp) / "m.rad", shape=args.shape, layers=args.layers, narrow=args.narrow,
+                              device=device, vocab=None if args.narrow == 1 else 4096, progress=False,
+                              quantize=args.quantize)
         rad = RadFile.open(path)
         chunk = args.prefill_chunk
         long_prompt = chunk * (2 * args.steps + 4)  # a chunk for each timed and each profiled step, and spare
@@ -180,7 +183,8 @@ def main(argv=None) -> int:
         whole = time.perf_counter() - t0
         per_step = {k: 1e3 * v / args.steps for k, v in totals.items()}  # before the profiled steps add to it
         kernels = kernel_table(step, args.steps) if args.kernels and device == "cuda" else None
-    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "layers": args.layers,
+    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "shape": args.shape,
+              "quantize": args.quantize, "layers": args.layers,
               "batch": args.batch, "prefill_chunk": chunk, "steps": args.steps,
               "graphs": engine.runner.graphs is not None,
               "loop": "Engine.step (sequential)" if args.sequential else "Engine.step(ahead=True)",
@@ -188,7 +192,7 @@ def main(argv=None) -> int:
               "kernels_us_per_step": kernels}
     (out / "time_step.json").write_text(json.dumps(result, indent=2))
     kind = f"mixed step ({chunk} prefill tokens)" if chunk else "decode step"
-    print(f"{kind}, {args.layers} layers, batch {args.batch}, graphs {result['graphs']}, {result['loop']}: "
+    print(f"{kind}, {args.shape} {args.quantize or ''} {args.layers} layers, batch {args.batch}, graphs {result['graphs']}, {result['loop']}: "
           f"{result['step_ms']:.3f} ms per step")
     for k, v in sorted(per_step.items(), key=lambda kv: -kv[1]):
         print(f"  {v:8.3f} ms  {k}")
