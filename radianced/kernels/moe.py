@@ -58,7 +58,7 @@ import triton.language as tl
 
 from radianced.kernels import arrival, pdl, router
 from radianced.kernels.formats import COMPACT_TILES, FORMATS, expert_formats
-from radianced.kernels.weight_tiles import GGUF_TILES, PLAIN_TILES, weight_tile
+from radianced.kernels.weight_tiles import GGUF_TILES, PLAIN_TILES, gguf_rows_products, weight_tile
 
 # Experts up to which `route_moe` ranks them inside the gate/up programs at T == 1. Ranking is E^2
 # comparisons in every program, before its weight loads: at 4 warps 128 a thread for E = 128
@@ -72,6 +72,10 @@ GROUP_FUSED_MAX = 1024
 # (assignments per chunk, tiles per chunk, warps) of the grouping programs. On the H200 the counting
 # sort took 25-28 us at T = 32 (k = 8) for chunks of 32 to 128 and 4 or 8 warps (tools/bench_kernels.py).
 GROUP_LAUNCH = (64, 64, 4)
+# Tokens a step up to which GGUF experts take the few-rows path (`gguf_rows_dot`: no tensor cores, at most
+# FMA_MAX_ROWS rows a tile); above, the tensor-core tiles.
+FMA_MAX_TOKENS = 8
+FMA_MAX_ROWS = 2
 
 # -- heuristics ------------------------------------------------------------------------------------
 
@@ -85,6 +89,7 @@ class MoEConfig:
     block_k_down: int  # reduction step over I
     num_warps: int
     num_stages: int
+    fma: bool = False  # GGUF pieces through `gguf_rows_dot` (block_m rows, no tensor cores)
 
 
 def moe_config(num_tokens: int, dtype: torch.dtype, gate_up: str = "", down: str = "") -> MoEConfig:
@@ -106,6 +111,12 @@ def moe_config(num_tokens: int, dtype: torch.dtype, gate_up: str = "", down: str
     KB. fp8_b128 keeps 128-wide steps (one scale a row a step). Measured on the H200 with the block-wise
     tiles (tests/gpu/test_moe_compact_gpu.py, bench/README session 13; the config and the tiles changed
     together): T = 1 q8_0 1.08x, q4_0 0.92x, q4_1 0.92x of bf16's speed, T = 32 0.20x, 0.35x, 0.61x."""
+    if num_tokens <= FMA_MAX_TOKENS and gate_up in GGUF_TILES and down in GGUF_TILES:
+        # q8_0's blocks are 16 words of quants, q4's 8: q8_0 takes half the blocks a step (its products kept
+        # over the loop, [rows, 32, blocks, words] fp32, spilled at 8 blocks on sm_90)
+        return MoEConfig(min(FMA_MAX_ROWS, triton.next_power_of_2(max(num_tokens, 1))),
+                         32, 128 if gate_up == "q8_0" else 256, 32, 128 if down == "q8_0" else 256,
+                         num_warps=4, num_stages=1, fma=True)
     block_m = min(64, max(16, triton.next_power_of_2(max(num_tokens, 1))))
     wide = dtype == torch.float32  # fp32 tiles take twice the shared memory
     if block_m <= 32:
@@ -285,7 +296,7 @@ def _moe_gate_up_kernel(
     TABLE_IS_PTR: tl.constexpr, HAS_HOST: tl.constexpr, PER_ASSIGNMENT: tl.constexpr, FMT: tl.constexpr,
     ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    FMA: tl.constexpr, PDL: tl.constexpr,
 ):
     """h[row, n] = silu(x[tok] . gate[n]) * (x[tok] . up[n]) for the tile's sorted rows; h: [A, I].
     gate [I, H] starts the expert's row, up [I, H] `up_offset` further (elements of w_ptr), both in FMT
@@ -311,15 +322,25 @@ def _moe_gate_up_kernel(
     x_row = x_ptr + tok[:, None].to(tl.int64) * stride_x
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < hidden
-        x = tl.load(x_row + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        w_mask = n_ok[:, None] & k_ok[None, :]
-        wg = weight_tile(base, n, k, w_mask, inter, hidden, FMT).to(x.dtype)  # [BLOCK_N, BLOCK_K]
-        wu = weight_tile(base + up_offset, n, k, w_mask, inter, hidden, FMT).to(x.dtype)
-        acc_gate = tl.dot(x, tl.trans(wg), acc_gate, input_precision=DOT_PRECISION)
-        acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision=DOT_PRECISION)
+    if FMA:  # few rows of a GGUF expert: no tensor cores, the products summed after the loop
+        x_rows = x_ptr + tok.to(tl.int64) * stride_x
+        part_gate = gguf_rows_products(base, n, 0, x_rows, row_ok, inter, hidden, FMT, BLOCK_K // 32)
+        part_up = gguf_rows_products(base + up_offset, n, 0, x_rows, row_ok, inter, hidden, FMT, BLOCK_K // 32)
+        for k0 in range(BLOCK_K, hidden, BLOCK_K):
+            part_gate += gguf_rows_products(base, n, k0, x_rows, row_ok, inter, hidden, FMT, BLOCK_K // 32)
+            part_up += gguf_rows_products(base + up_offset, n, k0, x_rows, row_ok, inter, hidden, FMT, BLOCK_K // 32)
+        acc_gate = tl.sum(tl.sum(part_gate, 3), 2)
+        acc_up = tl.sum(tl.sum(part_up, 3), 2)
+    else:
+        for k0 in range(0, hidden, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < hidden
+            x = tl.load(x_row + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+            w_mask = n_ok[:, None] & k_ok[None, :]
+            wg = weight_tile(base, n, k, w_mask, inter, hidden, FMT).to(x.dtype)  # [BLOCK_N, BLOCK_K]
+            wu = weight_tile(base + up_offset, n, k, w_mask, inter, hidden, FMT).to(x.dtype)
+            acc_gate = tl.dot(x, tl.trans(wg), acc_gate, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision=DOT_PRECISION)
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up
     tl.store(h_ptr + rows[:, None].to(tl.int64) * inter + n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])
@@ -334,7 +355,7 @@ def _moe_down_kernel(
     DETERMINISTIC: tl.constexpr,
     SUM_LAST: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    FMA: tl.constexpr, PDL: tl.constexpr,
 ):
     """y = weight * (h[row] . down[n]) (down [H, I] `down_offset` into the expert's row, in FMT);
     atomically added to out[tok] (fp32 [T, H]), or, DETERMINISTIC, stored to out[assignment]
@@ -352,12 +373,19 @@ def _moe_down_kernel(
     n_ok = n < hidden
     h_row = h_ptr + rows[:, None].to(tl.int64) * inter
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < inter
-        h = tl.load(h_row + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        w = weight_tile(base + down_offset, n, k, n_ok[:, None] & k_ok[None, :], hidden, inter, FMT).to(h.dtype)
-        acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if FMA:  # few rows of a GGUF expert: no tensor cores, the products summed after the loop
+        h_rows = h_ptr + rows.to(tl.int64) * inter
+        part = gguf_rows_products(base + down_offset, n, 0, h_rows, row_ok, hidden, inter, FMT, BLOCK_K // 32)
+        for k0 in range(BLOCK_K, inter, BLOCK_K):
+            part += gguf_rows_products(base + down_offset, n, k0, h_rows, row_ok, hidden, inter, FMT, BLOCK_K // 32)
+        acc = tl.sum(tl.sum(part, 3), 2)
+    else:
+        for k0 in range(0, inter, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < inter
+            h = tl.load(h_row + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+            w = weight_tile(base + down_offset, n, k, n_ok[:, None] & k_ok[None, :], hidden, inter, FMT).to(h.dtype)
+            acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
     weight = tl.load(topk_weights_ptr + assignment, mask=row_ok, other=0.0).to(tl.float32)
     y = acc * weight[:, None]
     mask = row_ok[:, None] & n_ok[None, :]
@@ -463,7 +491,7 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         FMT=layout.gate_up, ROUTE=route, RENORMALIZE=renormalize, BLOCK_E=block_e,
         BLOCK_C=min(block_e, router.ROUTE_CHUNK // block_e),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_up, BLOCK_K=cfg.block_k_up,
-        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PRECISION=precision, FMA=cfg.fma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl.launch(dev, tiles * up_blocks))
     if deterministic:
         y = torch.empty((a, hidden), dtype=torch.float32, device=dev)  # every row written: one per assignment
@@ -480,7 +508,7 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         TABLE_IS_PTR=table_is_ptr, HAS_HOST=host is not None, PER_ASSIGNMENT=per_assignment, FMT=layout.down,
         DETERMINISTIC=deterministic, SUM_LAST=per_assignment, HAS_RESIDUAL=residual is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down,
-        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PRECISION=precision, FMA=cfg.fma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl.launch(dev, tiles * column_blocks))
     if per_assignment:
         return out

@@ -186,4 +186,58 @@ def _gguf_values(piece, n, k, mask, K, FMT: tl.constexpr):
     return w
 
 
-__all__ = ["GGUF_TILES", "PLAIN_TILES", "weight_tile"]
+@triton.jit
+def gguf_rows_products(piece, n, k0, x_rows, row_ok, N, K, FMT: tl.constexpr, BLOCKS: tl.constexpr):
+    """The products x[m, k] * W[n, k] for k in [k0, k0 + 32 * BLOCKS) of a GGUF matrix W [N, K] whose
+    bytes start at `piece`, unsummed: [BLOCK_M, BLOCK_N, BLOCKS, P] fp32 (P the 16-bit words of a
+    block's quants: 8, or 16 for q8_0), x_rows [BLOCK_M] pointers to each row's x (masked by row_ok), n
+    [BLOCK_N] int32, k0 a multiple of 32 * BLOCKS. Summed over its last two axes it is the K step's part
+    of x . W[n]; a caller that adds the products of every step elementwise and sums once at the end
+    keeps the reduction out of its loop.
+
+    The few-rows path (decode) of the MoE: no tensor cores, so no dequantized tile is put in their
+    operand layout (what `weight_tile` + tl.dot pays per value: the join / permute / reshape into k
+    order and its layout conversions; on sm_90, 13 instructions a value at T = 1 against bf16's 1.2).
+    Each block's quants are read as 16-bit words (q4_0's and q8_0's blocks start 2 mod 4; every block
+    starts 2-aligned) and used where they lie: x is gathered to match them instead (word i of a q4
+    block holds values 2i, 2i + 16, 2i + 1, 2i + 17 in its four nibbles; of a q8_0 block, values 2i and
+    2i + 1). Each weight is the fp32 value `dequant.py` gives (q4_1's `d * q + m` may fuse, as in
+    `weight_tile`), multiplied by x in fp32 without first rounding it to x's dtype, as the tensor-core
+    path must: with bf16 activations this path is the more exact of the two by that rounding."""
+    BYTES: tl.constexpr = 34 if FMT == "q8_0" else (18 if FMT == "q4_0" else 20)
+    QS: tl.constexpr = 4 if FMT == "q4_1" else 2  # the quants' offset in a block
+    P: tl.constexpr = 16 if FMT == "q8_0" else 8
+    kb = k0 // 32 + tl.arange(0, BLOCKS)  # [BLOCKS] block columns
+    kb_ok = kb * 32 < K
+    ok = (n < N)[:, None] & kb_ok[None, :]  # [BLOCK_N, BLOCKS]
+    block = piece + n[:, None] * (K // 32 * BYTES) + kb[None, :] * BYTES
+    d = tl.load(block.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0).to(tl.float32)[:, :, None]
+    i = tl.arange(0, P)
+    q = tl.load((block + QS).to(tl.pointer_type(tl.int16))[:, :, None] + i[None, None, :], mask=ok[:, :, None],
+                other=0).to(tl.int32)  # [BLOCK_N, BLOCKS, P], sign-extended
+    x_at = x_rows[:, None, None] + (kb * 32)[None, :, None] + 2 * i[None, None, :]  # value 2i of each block
+    x_ok = row_ok[:, None, None] & kb_ok[None, :, None]
+    if FMT == "q8_0":
+        products = _times_x((q << 24) >> 24, d, 0.0, x_at, x_ok) + _times_x(q >> 8, d, 0.0, x_at + 1, x_ok)
+    else:
+        if FMT == "q4_0":
+            shift = -8.0 * d  # d * q - 8 d = d * (q - 8), exactly: an fp16 d times at most 4 bits fits fp32
+        else:
+            tl.static_assert(FMT == "q4_1", "gguf_rows_products reads q8_0, q4_0 and q4_1")
+            shift = tl.load((block + 2).to(tl.pointer_type(tl.float16)), mask=ok, other=0.0).to(tl.float32)
+            shift = shift[:, :, None]
+        products = (_times_x(q & 15, d, shift, x_at, x_ok) + _times_x((q >> 4) & 15, d, shift, x_at + 16, x_ok)
+                    + _times_x((q >> 8) & 15, d, shift, x_at + 1, x_ok)
+                    + _times_x((q >> 12) & 15, d, shift, x_at + 17, x_ok))
+    return products
+
+
+@triton.jit
+def _times_x(q, scale, shift, x_at, x_ok):
+    """[BLOCK_M, BLOCK_N, BLOCKS, P] products x * w, w = scale * q + shift in fp32 ([BLOCK_N, BLOCKS, P]
+    int quants; scale, shift [BLOCK_N, BLOCKS, 1] or 0.0), x [BLOCK_M, BLOCKS, P] loaded from x_at."""
+    x = tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32)
+    return x[:, None, :, :] * (q.to(tl.float32) * scale + shift)[None, :, :, :]
+
+
+__all__ = ["GGUF_TILES", "PLAIN_TILES", "gguf_rows_products", "weight_tile"]

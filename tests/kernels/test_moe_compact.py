@@ -88,11 +88,12 @@ class CompactExperts:
 FORMATS = ("q8_0", "q4_0", "q4_1", "fp8_b128", "q4_0+q8_0")
 
 
-@pytest.mark.parametrize("t", [1, 5])
+@pytest.mark.parametrize("t", [1, 5, 12])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_compact_extents_match_the_reference_in_slab_and_host_rows(fmt, t):
-    """T = 1 (one tile per assignment, the ordered sum in the down launch) and T = 5 (grouped by
-    expert); the table pointing at slab rows, then two experts at host rows (negative entries)."""
+    """T = 1 (one tile per assignment, the ordered sum in the down launch), T = 5 (grouped by expert;
+    GGUF pieces through the few-rows path, 2 rows a tile) and T = 12 (the tensor-core tiles); the table
+    pointing at slab rows, then two experts at host rows (negative entries)."""
     experts = CompactExperts(fmt, t)
     assert rel_err(experts.kernel(), experts.reference()) < 1e-4
     assert rel_err(experts.kernel(host=True), experts.reference(host=True)) < 1e-4
@@ -102,9 +103,11 @@ def test_compact_extents_match_the_reference_in_slab_and_host_rows(fmt, t):
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "fp8_b128"])
 def test_dequantized_in_registers_equals_the_dense_slab_bit_for_bit(fmt, monkeypatch):
     """A product-only dequantization gives the very fp32 weights the dense slab holds, so the same
-    kernel, same tiles (the compact pieces' `moe_config` for both), same order, gives the same bits."""
+    kernel, same tiles (the compact pieces' tensor-core `moe_config` for both: 16 rows a tile, as past
+    FMA_MAX_TOKENS), same order, gives the same bits."""
     experts = CompactExperts(fmt, t=3, seed=1)
-    cfg = moe_kernels.moe_config(3, torch.float32, *expert_formats(fmt))
+    cfg = moe_kernels.moe_config(moe_kernels.FMA_MAX_TOKENS + 1, torch.float32, *expert_formats(fmt))
+    assert not cfg.fma and cfg.block_m == 16
     monkeypatch.setattr(moe_kernels, "moe_config", lambda *args: cfg)
     plain = moe_kernels.moe(experts.x, experts.ids, experts.weights, experts.table, experts.dense_slab, I,
                             deterministic=True).cpu()
