@@ -66,16 +66,16 @@ def sweep_shape(name: str, formats, tokens, layers: int, hbm: float) -> list[dic
                    for _ in range(layers)]
             ws = [torch.full((t, top_k), 1.0 / top_k, dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
             distinct = sum(int(i.unique().numel()) for i in ids) / layers
-            chosen = moe.moe_config(t, torch.bfloat16, layout.gate_up, layout.down)
+            chosen = moe.moe_config(t, torch.bfloat16, layout.gate_up, layout.down, top_k, experts)
             configs = [("chosen", chosen)]
             if fmt != "bf16":
                 for bm, bn, bk, warps in FMA_VARIANTS:
                     if bm <= max(1, t):
                         configs.append((f"fma m{bm} n{bn} k{bk} w{warps}",
                                         moe.MoEConfig(bm, bn, bk, bn, bk, warps, 1, fma=True)))
-                mma = moe.moe_config(moe.FMA_MAX_TOKENS + 1, torch.bfloat16, layout.gate_up, layout.down)
-                configs.append(("tensor cores", dataclasses.replace(
-                    mma, block_m=min(64, max(16, 1 << (max(t, 1) - 1).bit_length())))))
+                # asked with no experts to spread the rows over, moe_config gives the tensor-core tiles
+                configs.append(("tensor cores", moe.moe_config(t, torch.bfloat16, layout.gate_up, layout.down,
+                                                               top_k, num_experts=0)))
             for label, cfg in configs:
                 def step(cfg=cfg):
                     for l in range(layers):

@@ -72,10 +72,14 @@ GROUP_FUSED_MAX = 1024
 # (assignments per chunk, tiles per chunk, warps) of the grouping programs. On the H200 the counting
 # sort took 25-28 us at T = 32 (k = 8) for chunks of 32 to 128 and 4 or 8 warps (tools/bench_kernels.py).
 GROUP_LAUNCH = (64, 64, 4)
-# Tokens a step up to which GGUF experts take the few-rows path (`gguf_rows_dot`: no tensor cores, at most
-# FMA_MAX_ROWS rows a tile); above, the tensor-core tiles.
-FMA_MAX_TOKENS = 8
-FMA_MAX_ROWS = 2
+# GGUF experts take the few-rows path (`gguf_rows_products`: no tensor cores, one row a tile) while a step routes
+# at most this many assignments an expert on average (T * k <= it * E); above, the tensor-core tiles. On the H200
+# (tools/sweep_moe_compact.py, Qwen3-Next's 512 experts, top-10, T = 1 to 17: about 1 assignment an expert)
+# the path took 0.47x the tensor-core tiles' time at T = 1 and 0.30x at T = 17 (q4_0; q8_0 0.25x, 0.22x), and
+# one row a tile beat two and four rows at every T. It re-reads an expert's weights for each of its rows
+# (from L2) where a tensor-core tile reads them once but pays ~3.3x the instructions a value: even near 3
+# (an estimate from those counts; no T with more rows an expert was measured).
+FMA_ROWS_PER_EXPERT = 3
 
 # -- heuristics ------------------------------------------------------------------------------------
 
@@ -92,11 +96,13 @@ class MoEConfig:
     fma: bool = False  # GGUF pieces through `gguf_rows_dot` (block_m rows, no tensor cores)
 
 
-def moe_config(num_tokens: int, dtype: torch.dtype, gate_up: str = "", down: str = "") -> MoEConfig:
+def moe_config(num_tokens: int, dtype: torch.dtype, gate_up: str = "", down: str = "", top_k: int = 1,
+               num_experts: int = 1) -> MoEConfig:
     """Small T (decode) is a weight stream: narrow column blocks give enough programs to fill the
     GPU with loads in flight; large T (prefill) uses square-ish tiles for the tensor cores.
 
-    gate_up, down: the pieces' formats (`ExtentLayout`). At decode a GGUF piece (GGUF_TILES) takes
+    gate_up, down: the pieces' formats (`ExtentLayout`); top_k, num_experts: the routing's, which choose
+    the few-rows path for GGUF pieces (FMA_ROWS_PER_EXPERT). Otherwise, at decode a GGUF piece (GGUF_TILES) takes
     32 columns x 256 values of K a step instead of 64 x 128: the same 8,192 values a tile (the
     registers of its dequantized fp32 values, 64 a thread at 4 warps, as the bf16 tile's), but half
     the K steps, each loading 2x the blocks (a 256-wide step is 8 q4 blocks a row: 144-160 bytes,
@@ -111,12 +117,11 @@ def moe_config(num_tokens: int, dtype: torch.dtype, gate_up: str = "", down: str
     KB. fp8_b128 keeps 128-wide steps (one scale a row a step). Measured on the H200 with the block-wise
     tiles (tests/gpu/test_moe_compact_gpu.py, bench/README session 13; the config and the tiles changed
     together): T = 1 q8_0 1.08x, q4_0 0.92x, q4_1 0.92x of bf16's speed, T = 32 0.20x, 0.35x, 0.61x."""
-    if num_tokens <= FMA_MAX_TOKENS and gate_up in GGUF_TILES and down in GGUF_TILES:
-        # q8_0's blocks are 16 words of quants, q4's 8: q8_0 takes half the blocks a step (its products kept
-        # over the loop, [rows, 32, blocks, words] fp32, spilled at 8 blocks on sm_90)
-        return MoEConfig(min(FMA_MAX_ROWS, triton.next_power_of_2(max(num_tokens, 1))),
-                         32, 128 if gate_up == "q8_0" else 256, 32, 128 if down == "q8_0" else 256,
-                         num_warps=4, num_stages=1, fma=True)
+    if gate_up in GGUF_TILES and down in GGUF_TILES and num_tokens * top_k <= FMA_ROWS_PER_EXPERT * num_experts:
+        # 16 columns x 256 values a program, one row a tile, 4 warps: the H200's fastest of the sweep's variants
+        # for q4_0 and q8_0 at every T but one (q4_0 at T = 17: 128-value steps 2% faster); 32 columns took
+        # 1.03-1.16x its time, 64 columns 1.15-1.9x
+        return MoEConfig(1, 16, 256, 16, 256, num_warps=4, num_stages=1, fma=True)
     block_m = min(64, max(16, triton.next_power_of_2(max(num_tokens, 1))))
     wide = dtype == torch.float32  # fp32 tiles take twice the shared memory
     if block_m <= 32:
@@ -467,7 +472,7 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     top_k = topk_ids.shape[1]
     num_experts = table.shape[0]
     a = t * top_k
-    cfg = cfg or moe_config(t, x.dtype, layout.gate_up, layout.down)
+    cfg = cfg or moe_config(t, x.dtype, layout.gate_up, layout.down, top_k, num_experts)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     dev = x.device
 

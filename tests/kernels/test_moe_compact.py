@@ -103,10 +103,10 @@ def test_compact_extents_match_the_reference_in_slab_and_host_rows(fmt, t):
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "fp8_b128"])
 def test_dequantized_in_registers_equals_the_dense_slab_bit_for_bit(fmt, monkeypatch):
     """A product-only dequantization gives the very fp32 weights the dense slab holds, so the same
-    kernel, same tiles (the compact pieces' tensor-core `moe_config` for both: 16 rows a tile, as past
-    FMA_MAX_TOKENS), same order, gives the same bits."""
+    kernel, same tiles (the compact pieces' tensor-core `moe_config` for both: asked with no experts to
+    spread the rows over, it never picks the few-rows path), same order, gives the same bits."""
     experts = CompactExperts(fmt, t=3, seed=1)
-    cfg = moe_kernels.moe_config(moe_kernels.FMA_MAX_TOKENS + 1, torch.float32, *expert_formats(fmt))
+    cfg = moe_kernels.moe_config(3, torch.float32, *expert_formats(fmt), top_k=2, num_experts=0)
     assert not cfg.fma and cfg.block_m == 16
     monkeypatch.setattr(moe_kernels, "moe_config", lambda *args: cfg)
     plain = moe_kernels.moe(experts.x, experts.ids, experts.weights, experts.table, experts.dense_slab, I,
@@ -191,12 +191,24 @@ def test_the_moe_layer_passes_its_sources_format_to_the_ops_cuda_binds(t):
     assert rel_err(got, want) < 1e-4
 
 
+def test_gguf_experts_take_the_few_rows_path_while_a_step_routes_few_rows_an_expert():
+    """Qwen3-Next's routing (512 experts, top-10): one row a tile, 16 columns x 256 values, up to 153
+    tokens (3 assignments an expert on average); then the tensor-core tiles. Not when a piece is not GGUF."""
+    bf16 = torch.bfloat16
+    few = moe_kernels.MoEConfig(1, 16, 256, 16, 256, 4, 1, fma=True)
+    assert moe_kernels.moe_config(1, bf16, "q4_0", "q4_0", top_k=10, num_experts=512) == few
+    assert moe_kernels.moe_config(153, bf16, "q4_0", "q8_0", top_k=10, num_experts=512) == few
+    assert not moe_kernels.moe_config(154, bf16, "q4_0", "q8_0", top_k=10, num_experts=512).fma
+    assert not moe_kernels.moe_config(1, bf16, "q4_0", "fp8_b128", top_k=10, num_experts=512).fma
+    assert not moe_kernels.moe_config(1, bf16, top_k=10, num_experts=512).fma
+
+
 def test_decode_steps_of_a_gguf_piece_are_wider_and_its_columns_narrower():
     """`moe_config` at decode: a GGUF piece takes 32 columns x 256 values a step, other pieces 64 x 128
     (per piece: q4_0 gate/up beside an fp8_b128 down); prefill tiles are 64 x 64 whatever the format."""
     bf16 = torch.bfloat16
     assert moe_kernels.moe_config(1, bf16, "q4_0", "fp8_b128") == moe_kernels.MoEConfig(16, 32, 256, 64, 128, 4, 4)
     assert moe_kernels.moe_config(32, bf16, "fp8_b128", "q8_0") == moe_kernels.MoEConfig(32, 64, 128, 32, 256, 4, 4)
-    assert moe_kernels.moe_config(32, torch.float32, "q4_1", "q4_1").num_stages == 3
+    assert moe_kernels.moe_config(32, torch.float32, "q4_1", "q4_1", top_k=8, num_experts=64).num_stages == 3
     assert moe_kernels.moe_config(1, bf16) == moe_kernels.MoEConfig(16, 64, 128, 64, 128, 4, 4)
     assert moe_kernels.moe_config(100, bf16, "q4_0", "q4_0") == moe_kernels.MoEConfig(64, 64, 64, 64, 64, 4, 3)
