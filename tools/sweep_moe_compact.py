@@ -6,8 +6,8 @@
 For each shape (Qwen3-Next-80B-A3B's experts: E = 512, k = 10, H = 2048, I = 512; Qwen3-30B-A3B's: 128,
 8, 2048, 768), format and step size T, times `moe` (gate/up and down launches, grouping included) over
 `--layers` layers of distinct experts (so no layer finds its experts in the 60 MB L2), captured in one
-CUDA graph, under `moe_config`'s choice and, for GGUF experts, the few-rows path's variants (rows a tile,
-columns a program, K step, warps) and the tensor-core tiles. Each row: us a layer, and the experts' bytes
+CUDA graph, under `moe_config`'s choice and, for GGUF experts, the few-rows path's variants (columns a
+program, K step, warps) and the tensor-core tiles. Each row: us a layer, and the experts' bytes
 a layer (each distinct expert's extent once) over that time as a share of the device copy rate measured
 in the same run (bytes read + written / time of a 1 GiB device-to-device copy). Weights are random bytes:
 the time does not depend on their values. Writes OUT/sweep_moe_compact.json (after every shape) and
@@ -31,10 +31,10 @@ from tools.bench_kernels import time_graph  # noqa: E402
 from tools.gpu_bench import timeit  # noqa: E402
 
 SHAPES = {"next": (512, 10, 2048, 512), "q30": (128, 8, 2048, 768)}  # E, k, H, I
-FMA_VARIANTS = [  # (rows a tile, columns a program, K step, warps)
-    (1, 32, 256, 4), (2, 32, 256, 4), (4, 32, 256, 4), (1, 16, 256, 4), (1, 64, 256, 4), (1, 32, 128, 4),
-    (1, 16, 256, 2), (2, 16, 256, 2),
+FMA_VARIANTS = [  # (columns a program, K step, warps), one assignment a tile
+    (16, 256, 4), (32, 256, 4), (64, 256, 4), (16, 128, 4), (32, 128, 4), (16, 256, 2), (16, 512, 4),
 ]
+
 
 def copy_rate() -> float:
     n = 1 << 30
@@ -69,15 +69,13 @@ def sweep_shape(name: str, formats, tokens, layers: int, hbm: float) -> list[dic
             chosen = moe.moe_config(t, torch.bfloat16, layout.gate_up, layout.down, top_k, experts)
             configs = [("chosen", chosen)]
             if fmt != "bf16":
-                for bm, bn, bk, warps in FMA_VARIANTS:
-                    if bm <= max(1, t):
-                        configs.append((f"fma m{bm} n{bn} k{bk} w{warps}",
-                                        moe.MoEConfig(bm, bn, bk, bn, bk, warps, 1, fma=True)))
+                for bn, bk, warps in FMA_VARIANTS:
+                    configs.append((f"fma n{bn} k{bk} w{warps}", moe.MoEConfig(1, bn, bk, bn, bk, warps, 1, fma=True)))
                 # asked with no experts to spread the rows over, moe_config gives the tensor-core tiles
                 configs.append(("tensor cores", moe.moe_config(t, torch.bfloat16, layout.gate_up, layout.down,
                                                                top_k, num_experts=0)))
             for label, cfg in configs:
-                def step(cfg=cfg):
+                def step(cfg=cfg, slab=slab):
                     for l in range(layers):
                         moe._launch_moe(xs[l], ids[l], ws[l].reshape(-1), tables[l], slab, slab.stride(0), False,
                                         inter, False, layout, cfg=cfg)

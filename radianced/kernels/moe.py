@@ -20,6 +20,8 @@ At T == 1 (decode at batch 1) step 1 is skipped: the k experts are distinct, so
 tile i is simply assignment i, and the ordered sum replaces the atomics,
 whichever was asked for; the down launch does that sum itself (the last of a
 column block's k programs to finish, kernels/arrival.py): 2 launches in all.
+GGUF experts at few assignments an expert (`moe_config`'s few-rows path) skip
+step 1 too: one assignment a tile, through `weight_tiles.gguf_rows_products`.
 
 `route_moe` takes the router's logits instead of its ids and weights: `route`
 then `moe`, except at T == 1 with E <= ROUTE_FUSED_MAX_EXPERTS, where there is
@@ -93,7 +95,7 @@ class MoEConfig:
     block_k_down: int  # reduction step over I
     num_warps: int
     num_stages: int
-    fma: bool = False  # GGUF pieces through `gguf_rows_dot` (block_m rows, no tensor cores)
+    fma: bool = False  # GGUF pieces through `gguf_rows_products`: one assignment a tile, nothing sorted
 
 
 def moe_config(num_tokens: int, dtype: torch.dtype, gate_up: str = "", down: str = "", top_k: int = 1,
@@ -278,8 +280,8 @@ def _assignment_rows(tile, BLOCK_M: tl.constexpr):
 def _tile_rows(tile_info_ptr, order_ptr, tile, BLOCK_M: tl.constexpr, PER_ASSIGNMENT: tl.constexpr):
     """(expert or -1, sorted rows [BLOCK_M], their mask, their assignments t * k + j) of one tile.
 
-    PER_ASSIGNMENT (T == 1, where no expert repeats): tile i is assignment i and
-    tile_info_ptr points at the flat expert ids [k]; nothing was sorted.
+    PER_ASSIGNMENT (T == 1, where no expert repeats, or the few-rows path): tile i is assignment i
+    and tile_info_ptr points at the flat expert ids [A]; nothing was sorted.
     """
     if PER_ASSIGNMENT:
         expert = tl.load(tile_info_ptr + tile).to(tl.int32)
@@ -476,11 +478,15 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     dev = x.device
 
-    per_assignment = t == 1  # decode at batch 1: k distinct experts, one tile each, nothing to sort
+    sum_last = t == 1  # decode at batch 1: k distinct experts, one tile each, the down launch sums them
+    # one tile an assignment, nothing to sort: at T == 1, and on the few-rows path (one row a tile, and about
+    # one an expert: grouping would only order the tiles, and its one-program sort cost 69 us a layer on the
+    # H200 at Qwen3-Next's 512 experts and 170 assignments)
+    per_assignment = sum_last or cfg.fma
     if per_assignment:
         tile_info = order = topk_ids.reshape(-1)
-        tiles = top_k
-        deterministic = True  # the ordered sum is also the cheaper reduction here (no memset, no cast)
+        tiles = a
+        deterministic = deterministic or sum_last  # the ordered sum is the cheaper reduction at T == 1
     else:
         order, tile_info = group_by_expert(topk_ids, num_experts, cfg.block_m)
         tiles = tile_info.shape[0]
@@ -507,15 +513,15 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     out = y if scattered else torch.empty_like(x)
     _moe_down_kernel[(tiles, column_blocks)](
         h, w_ref, table, order, tile_info, weights, y, w_ref if host is None else host,
-        out if residual is None else residual, out, arrival.counters(dev, column_blocks) if per_assignment else y,
+        out if residual is None else residual, out, arrival.counters(dev, column_blocks) if sum_last else y,
         hidden, inter, top_k, stride_row, 0 if host is None else host.stride(0),
         0 if residual is None else residual.stride(0), layout.down_offset,
         TABLE_IS_PTR=table_is_ptr, HAS_HOST=host is not None, PER_ASSIGNMENT=per_assignment, FMT=layout.down,
-        DETERMINISTIC=deterministic, SUM_LAST=per_assignment, HAS_RESIDUAL=residual is not None,
+        DETERMINISTIC=deterministic, SUM_LAST=sum_last, HAS_RESIDUAL=residual is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down,
         DOT_PRECISION=precision, FMA=cfg.fma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl.launch(dev, tiles * column_blocks))
-    if per_assignment:
+    if sum_last:
         return out
     if scattered:
         return y if x.dtype == torch.float32 else y.to(x.dtype)
