@@ -310,7 +310,7 @@ def moe_sweep_section(hbm: float, deadline: float, layers: int = 4) -> dict:
             def step(xs=xs, ids=ids, ws=ws, cfg=cfg):
                 for l in range(layers):
                     moe._launch_moe(xs[l], ids[l], ws[l].reshape(-1), tables[l], slab, slab.stride(0), False,
-                                    INTER, False, cfg)
+                                    INTER, False, moe.extent_layout(None, INTER, HIDDEN), cfg=cfg)
 
             t = time_graph(step, reps=10)
             run = {"batch": batch, "config": cfg.__dict__, "s_per_layer": t["median_s"] / layers,

@@ -4,7 +4,7 @@
                                       [--tokens 1 4 8 17 32] [--layers 8]
 
 For each shape (Qwen3-Next-80B-A3B's experts: E = 512, k = 10, H = 2048, I = 512; Qwen3-30B-A3B's: 128,
-8, 2048, 768), format and step size T, times `moe` (gate/up and down launches, grouping included) over
+8, 2048, 768), format and step size T, times `moe` (gate/up and down launches, and the grouping where a config sorts) over
 `--layers` layers of distinct experts (so no layer finds its experts in the 60 MB L2), captured in one
 CUDA graph, under `moe_config`'s choice and, for GGUF experts, the few-rows path's variants (columns a
 program, K step, warps) and the tensor-core tiles. Each row: us a layer, and the experts' bytes
@@ -71,9 +71,8 @@ def sweep_shape(name: str, formats, tokens, layers: int, hbm: float) -> list[dic
             if fmt != "bf16":
                 for bn, bk, warps in FMA_VARIANTS:
                     configs.append((f"fma n{bn} k{bk} w{warps}", moe.MoEConfig(1, bn, bk, bn, bk, warps, 1, fma=True)))
-                # asked with no experts to spread the rows over, moe_config gives the tensor-core tiles
-                configs.append(("tensor cores", moe.moe_config(t, torch.bfloat16, layout.gate_up, layout.down,
-                                                               top_k, num_experts=0)))
+                # asked without the routing, moe_config gives the tensor-core tiles
+                configs.append(("tensor cores", moe.moe_config(t, torch.bfloat16, layout.gate_up, layout.down)))
             for label, cfg in configs:
                 def step(cfg=cfg, slab=slab):
                     for l in range(layers):

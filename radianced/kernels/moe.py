@@ -41,12 +41,16 @@ pieces, each with its scales inside), read as bytes and dequantized in registers
 (kernels/weight_tiles.py `weight_tile`, the format a constexpr: one kernel family, a specialization per
 format). Each weight tile is dequantized in fp32 as `dequant.py` does, then
 rounded to the activations' dtype for the dot, as the reference rounds a
-dequantized weight; the bytes read per expert are the compact extent's.
+dequantized weight; the bytes read per expert are the compact extent's. The
+few-rows path (GGUF experts, `moe_config`) does not round: fp32 FMAs
+(`weight_tiles.gguf_rows_products`), one assignment a tile, so an expert routed
+R times in a step is read R times; it is chosen only while few experts repeat
+(FMA_ROWS_PER_EXPERT, and far fewer where experts may be read over the link).
 
-BLOCK_M is next_pow2(T) up to 64. An expert serves at most T tokens (one per
-token), so for T <= 64 each expert is one tile and every weight byte is read
-exactly once per step; over PCIe this is DESIGN.md's "weights cross the link once
-per step". Above 64 tokens (prefill) an expert's weights are read once per
+Otherwise BLOCK_M is next_pow2(T) up to 64. An expert serves at most T tokens
+(one per token), so for T <= 64 each expert is one tile and every weight byte is
+read exactly once per step; over PCIe this is DESIGN.md's "weights cross the link
+once per step". Above 64 tokens (prefill) an expert's weights are read once per
 64-token tile, from VRAM.
 """
 
@@ -74,14 +78,18 @@ GROUP_FUSED_MAX = 1024
 # (assignments per chunk, tiles per chunk, warps) of the grouping programs. On the H200 the counting
 # sort took 25-28 us at T = 32 (k = 8) for chunks of 32 to 128 and 4 or 8 warps (tools/bench_kernels.py).
 GROUP_LAUNCH = (64, 64, 4)
-# GGUF experts take the few-rows path (`gguf_rows_products`: no tensor cores, one row a tile) while a step routes
-# at most this many assignments an expert on average (T * k <= it * E); above, the tensor-core tiles. On the H200
-# (tools/sweep_moe_compact.py, Qwen3-Next's 512 experts, top-10, T = 1 to 17: about 1 assignment an expert)
-# the path took 0.47x the tensor-core tiles' time at T = 1 and 0.30x at T = 17 (q4_0; q8_0 0.25x, 0.22x), and
-# one row a tile beat two and four rows at every T. It re-reads an expert's weights for each of its rows
-# (from L2) where a tensor-core tile reads them once but pays ~3.3x the instructions a value: even near 3
-# (an estimate from those counts; no T with more rows an expert was measured).
-FMA_ROWS_PER_EXPERT = 3
+# GGUF experts take the few-rows path (`gguf_rows_products`: no tensor cores, one assignment a tile) while a step
+# routes at most this many assignments an expert on average (T * k <= it * E); above, the tensor-core tiles. On
+# the H200 (tools/sweep_moe_compact.py, Qwen3-Next's 512 experts, top-10, T = 1 to 17: about 1 assignment an
+# expert, every expert in VRAM) the path took 0.47x the tensor-core tiles' time at T = 1 and 0.30x at T = 17
+# (q4_0; q8_0 0.25x, 0.22x), and one row a tile beat two and four at every T. It reads an expert once for each
+# of its rows (from VRAM, mostly L2) where a tensor-core tile reads it once but pays ~3.3x the instructions a
+# value: even near 3 (an estimate from those counts; no T with more rows an expert was measured).
+FMA_ROWS_PER_EXPERT = 3.0
+# The same where the table may name host rows (a host pool, or raw addresses): there a repeated expert crosses the
+# link again, the bytes the tiers exist to save. At T * k <= E / 4 a step repeats few (~7% of the assignments at
+# Qwen3-Next's b8, 12% at Qwen3-30B-A3B's b4, for uniform routing), and T = 1 none.
+FMA_ROWS_PER_EXPERT_LINK = 0.25
 
 # -- heuristics ------------------------------------------------------------------------------------
 
@@ -98,13 +106,14 @@ class MoEConfig:
     fma: bool = False  # GGUF pieces through `gguf_rows_products`: one assignment a tile, nothing sorted
 
 
-def moe_config(num_tokens: int, dtype: torch.dtype, gate_up: str = "", down: str = "", top_k: int = 1,
-               num_experts: int = 1) -> MoEConfig:
+def moe_config(num_tokens: int, dtype: torch.dtype, gate_up: str = "", down: str = "", top_k: int | None = None,
+               num_experts: int | None = None, link: bool = False) -> MoEConfig:
     """Small T (decode) is a weight stream: narrow column blocks give enough programs to fill the
     GPU with loads in flight; large T (prefill) uses square-ish tiles for the tensor cores.
 
     gate_up, down: the pieces' formats (`ExtentLayout`); top_k, num_experts: the routing's, which choose
-    the few-rows path for GGUF pieces (FMA_ROWS_PER_EXPERT). Otherwise, at decode a GGUF piece (GGUF_TILES) takes
+    the few-rows path for GGUF pieces (FMA_ROWS_PER_EXPERT, or FMA_ROWS_PER_EXPERT_LINK with `link`: the
+    table may name host rows; without them, never). Otherwise, at decode a GGUF piece (GGUF_TILES) takes
     32 columns x 256 values of K a step instead of 64 x 128: the same 8,192 values a tile (the
     registers of its dequantized fp32 values, 64 a thread at 4 warps, as the bf16 tile's), but half
     the K steps, each loading 2x the blocks (a 256-wide step is 8 q4 blocks a row: 144-160 bytes,
@@ -117,9 +126,12 @@ def moe_config(num_tokens: int, dtype: torch.dtype, gate_up: str = "", down: str
     gate's and up's words 34 KB a stage, x 3 = 150 KB, plus 32 KB to convert the two dequantized
     tiles for the dot: ~182 KB; fp32 x (32 KB a stage, 64 KB of fp32 tiles) keeps 3 stages: ~196
     KB. fp8_b128 keeps 128-wide steps (one scale a row a step). Measured on the H200 with the block-wise
-    tiles (tests/gpu/test_moe_compact_gpu.py, bench/README session 13; the config and the tiles changed
-    together): T = 1 q8_0 1.08x, q4_0 0.92x, q4_1 0.92x of bf16's speed, T = 32 0.20x, 0.35x, 0.61x."""
-    if gate_up in GGUF_TILES and down in GGUF_TILES and num_tokens * top_k <= FMA_ROWS_PER_EXPERT * num_experts:
+    tensor-core tiles (tests/gpu/test_moe_compact_gpu.py, bench/README session 13; the config and the tiles
+    changed together): T = 1 q8_0 1.08x, q4_0 0.92x, q4_1 0.92x of bf16's speed, T = 32 0.20x, 0.35x, 0.61x
+    (Qwen3-30B-A3B's widths; at Qwen3-Next's, session 23, q4_0 at T = 1 took 2.8x bf16's time)."""
+    per_expert = FMA_ROWS_PER_EXPERT_LINK if link else FMA_ROWS_PER_EXPERT
+    if gate_up in GGUF_TILES and down in GGUF_TILES and top_k is not None and num_experts is not None \
+            and (num_tokens == 1 or num_tokens * top_k <= per_expert * num_experts):
         # 16 columns x 256 values a program, one row a tile, 4 warps: the H200's fastest of the sweep's variants
         # for q4_0 and q8_0 at every T but one (q4_0 at T = 17: 128-value steps 2% faster); 32 columns took
         # 1.03-1.16x its time, 64 columns 1.15-1.9x
@@ -271,7 +283,7 @@ def _expert_base(w_ptr, table_ptr, expert, stride_row, host_ptr, stride_host_row
 
 @triton.jit
 def _assignment_rows(tile, BLOCK_M: tl.constexpr):
-    """(rows [BLOCK_M], their mask, their assignments) of tile i = assignment i (T == 1): one row."""
+    """(rows [BLOCK_M], their mask, their assignments) of tile i = assignment i: one row."""
     rows = tile + tl.arange(0, BLOCK_M)
     return rows, rows < tile + 1, rows.to(tl.int64)
 
@@ -307,8 +319,8 @@ def _moe_gate_up_kernel(
 ):
     """h[row, n] = silu(x[tok] . gate[n]) * (x[tok] . up[n]) for the tile's sorted rows; h: [A, I].
     gate [I, H] starts the expert's row, up [I, H] `up_offset` further (elements of w_ptr), both in FMT
-    (`weight_tile`), rounded to x's dtype for the dot as the reference rounds a dequantized weight.
-    ROUTE (T == 1): tile i's expert is the one of rank i among the logits [E] (`route`'s order),
+    (`weight_tile`), rounded to x's dtype for the dot as the reference rounds a dequantized weight (FMA:
+    `gguf_rows_products`, not rounded). ROUTE (T == 1): tile i's expert is the one of rank i among the logits [E] (`route`'s order),
     and program (i, 0) stores it to tile_info_ptr[i] (the ids [k] the down launch reads) and its
     weight to topk_weights_ptr[i]."""
     pdl.wait(PDL)
@@ -326,9 +338,6 @@ def _moe_gate_up_kernel(
                         TABLE_IS_PTR, HAS_HOST)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter
-    x_row = x_ptr + tok[:, None].to(tl.int64) * stride_x
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if FMA:  # few rows of a GGUF expert: no tensor cores, the products summed after the loop
         x_rows = x_ptr + tok.to(tl.int64) * stride_x
         part_gate = gguf_rows_products(base, n, 0, x_rows, row_ok, inter, hidden, FMT, BLOCK_K // 32)
@@ -339,6 +348,9 @@ def _moe_gate_up_kernel(
         acc_gate = tl.sum(tl.sum(part_gate, 3), 2)
         acc_up = tl.sum(tl.sum(part_up, 3), 2)
     else:
+        x_row = x_ptr + tok[:, None].to(tl.int64) * stride_x
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < hidden
@@ -364,7 +376,8 @@ def _moe_down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FMA: tl.constexpr, PDL: tl.constexpr,
 ):
-    """y = weight * (h[row] . down[n]) (down [H, I] `down_offset` into the expert's row, in FMT);
+    """y = weight * (h[row] . down[n]) (down [H, I] `down_offset` into the expert's row, in FMT; FMA: the
+    few-rows path, `gguf_rows_products`);
     atomically added to out[tok] (fp32 [T, H]), or, DETERMINISTIC, stored to out[assignment]
     (fp32 [A, H]) for an ordered sum over k afterwards. SUM_LAST (T == 1, PER_ASSIGNMENT and
     DETERMINISTIC): the last of the k programs of a column block to finish does that sum for the
@@ -378,8 +391,6 @@ def _moe_down_kernel(
                         TABLE_IS_PTR, HAS_HOST)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
-    h_row = h_ptr + rows[:, None].to(tl.int64) * inter
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if FMA:  # few rows of a GGUF expert: no tensor cores, the products summed after the loop
         h_rows = h_ptr + rows.to(tl.int64) * inter
         part = gguf_rows_products(base + down_offset, n, 0, h_rows, row_ok, hidden, inter, FMT, BLOCK_K // 32)
@@ -387,6 +398,8 @@ def _moe_down_kernel(
             part += gguf_rows_products(base + down_offset, n, k0, h_rows, row_ok, hidden, inter, FMT, BLOCK_K // 32)
         acc = tl.sum(tl.sum(part, 3), 2)
     else:
+        h_row = h_ptr + rows[:, None].to(tl.int64) * inter
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < inter
@@ -474,7 +487,10 @@ def _launch_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     top_k = topk_ids.shape[1]
     num_experts = table.shape[0]
     a = t * top_k
-    cfg = cfg or moe_config(t, x.dtype, layout.gate_up, layout.down, top_k, num_experts)
+    cfg = cfg or moe_config(t, x.dtype, layout.gate_up, layout.down, top_k, num_experts,
+                            link=host is not None or table_is_ptr)
+    if cfg.fma and cfg.block_m != 1:
+        raise ValueError(f"the few-rows path takes one assignment a tile, not block_m {cfg.block_m}")
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     dev = x.device
 

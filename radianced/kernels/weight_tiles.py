@@ -11,6 +11,9 @@ round a dequantized weight (`compact.dense`). The product-only formats (q8_0, q4
 the very fp32 weights the reference does; q4_1's `d * q + m` may fuse into one FMA here where
 numpy rounds twice (one fp32 rounding of the weight).
 
+`gguf_rows_products` is the MoE's few-rows path over GGUF blocks: the same fp32 weights, not
+rounded, multiplied by x without a tile in k order (its docstring says why).
+
 Byte offsets are int32: a matrix's bytes must stay under 2^31 (the callers check it).
 """
 

@@ -11,8 +11,8 @@ names an sm_90 target and launches nothing (each launch returns once its kernel 
 steps (`attention_step`) are test_attention's `Step` (an auto cache, qk-norm) and
 test_attention_kv_quant's (each quantized format): decode (the fused write) and prefill, bf16 and
 fp32 activations, at the tests' small shape and Qwen3-30B-A3B's (32 / 4 heads x 128); and the routed
-MoE (`moe_step`) over bf16 and each compact format at T = 1, 3 (GGUF: the few-rows path past T = 1) and
-32, compiled only. Each attention key
+MoE (`moe_step`) over bf16 and each compact format at T = 1, 3 (GGUF: the few-rows path, at T = 3 unsorted
+without the in-launch sum) and 32, compiled only. Each attention key
 loop in bf16 (`loop_mix`, from the wheel's nvdisasm) must not spill registers: an int6 K's decode
 did at 4 warps (243 local loads, 241 stores a key tile). fp32 activations (IEEE dots: FMAs, the
 tiny families' correctness path on a GPU) are only compiled; their prefill loops spill. Run in a

@@ -13,6 +13,8 @@ q4_0, fp8_b128) the kernel equals, bit for bit, the same kernel over the dequant
 
 from __future__ import annotations
 
+import sys
+
 import gguf
 import pytest
 import torch
@@ -91,9 +93,11 @@ FORMATS = ("q8_0", "q4_0", "q4_1", "fp8_b128", "q4_0+q8_0")
 @pytest.mark.parametrize("t", [1, 5, 12])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_compact_extents_match_the_reference_in_slab_and_host_rows(fmt, t):
-    """T = 1 (one tile per assignment, the ordered sum in the down launch), T = 5 (grouped by expert;
-    GGUF pieces through the few-rows path, 2 rows a tile) and T = 12 (the tensor-core tiles); the table
-    pointing at slab rows, then two experts at host rows (negative entries)."""
+    """T = 1 (one tile per assignment, the ordered sum in the down launch), T = 5 and T = 12; the table
+    pointing at slab rows, then two experts at host rows (negative entries). GGUF pieces take the few-rows
+    path at T = 1 (one assignment a tile, no tensor cores); at T = 5 the slab rows do (10 assignments <= 3 x
+    6 experts: unsorted, the atomic sum) and the host rows do not (a table with host rows allows E / 4):
+    grouped, the tensor-core tiles, as at T = 12 for both."""
     experts = CompactExperts(fmt, t)
     assert rel_err(experts.kernel(), experts.reference()) < 1e-4
     assert rel_err(experts.kernel(host=True), experts.reference(host=True)) < 1e-4
@@ -103,12 +107,12 @@ def test_compact_extents_match_the_reference_in_slab_and_host_rows(fmt, t):
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "fp8_b128"])
 def test_dequantized_in_registers_equals_the_dense_slab_bit_for_bit(fmt, monkeypatch):
     """A product-only dequantization gives the very fp32 weights the dense slab holds, so the same
-    kernel, same tiles (the compact pieces' tensor-core `moe_config` for both: asked with no experts to
-    spread the rows over, it never picks the few-rows path), same order, gives the same bits."""
+    kernel, same tiles (the compact pieces' tensor-core `moe_config` for both: asked without the routing,
+    it never picks the few-rows path), same order, gives the same bits."""
     experts = CompactExperts(fmt, t=3, seed=1)
-    cfg = moe_kernels.moe_config(3, torch.float32, *expert_formats(fmt), top_k=2, num_experts=0)
+    cfg = moe_kernels.moe_config(3, torch.float32, *expert_formats(fmt))
     assert not cfg.fma and cfg.block_m == 16
-    monkeypatch.setattr(moe_kernels, "moe_config", lambda *args: cfg)
+    monkeypatch.setattr(moe_kernels, "moe_config", lambda *args, **kwargs: cfg)
     plain = moe_kernels.moe(experts.x, experts.ids, experts.weights, experts.table, experts.dense_slab, I,
                             deterministic=True).cpu()
     assert torch.equal(experts.kernel(deterministic=True), plain)
@@ -136,12 +140,19 @@ def test_route_moe_at_batch_1_routes_in_the_gate_up_launch_over_compact_extents(
     assert torch.equal(out.cpu(), want)
 
 
-def test_raw_addresses_of_compact_extents():
-    """`moe_ptr`: each table entry is an extent's first byte (here CPU memory under the interpreter)."""
-    experts = CompactExperts("q8_0", t=4, seed=5)
+@pytest.mark.parametrize("t", [1, 4])
+def test_raw_addresses_of_compact_extents(t, monkeypatch):
+    """`moe_ptr`: each table entry is an extent's first byte (here CPU memory under the interpreter). Raw
+    addresses may name host memory, so at T = 4 `moe_ptr` keeps the tensor-core tiles where the slab's
+    table takes the few-rows path (FMA_ROWS_PER_EXPERT_LINK): the same tiles given to both, the same bits."""
+    experts = CompactExperts("q8_0", t=t, seed=5)
     addresses = experts.slab.data_ptr() + experts.table * experts.slab.stride(0)
     got = moe_kernels.moe_ptr(experts.x, experts.ids, experts.weights, addresses, I, deterministic=True,
                               weight_format="q8_0").cpu()
+    if t > 1:
+        cfg = moe_kernels.moe_config(t, torch.float32, "q8_0", "q8_0", top_k=2, num_experts=E, link=True)
+        assert not cfg.fma and moe_kernels.moe_config(t, torch.float32, "q8_0", "q8_0", top_k=2, num_experts=E).fma
+        monkeypatch.setattr(moe_kernels, "moe_config", lambda *args, **kwargs: cfg)
     assert torch.equal(got, experts.kernel(deterministic=True))
 
 
@@ -192,15 +203,39 @@ def test_the_moe_layer_passes_its_sources_format_to_the_ops_cuda_binds(t):
 
 
 def test_gguf_experts_take_the_few_rows_path_while_a_step_routes_few_rows_an_expert():
-    """Qwen3-Next's routing (512 experts, top-10): one row a tile, 16 columns x 256 values, up to 153
-    tokens (3 assignments an expert on average); then the tensor-core tiles. Not when a piece is not GGUF."""
+    """Qwen3-Next's routing (512 experts, top-10): one assignment a tile, 16 columns x 256 values, up to 153
+    tokens (3 assignments an expert on average) where every expert is in VRAM, up to 12 (E / 4) where the
+    table may name host rows, and always at T = 1; else the tensor-core tiles. Not when a piece is not GGUF,
+    nor without the routing."""
     bf16 = torch.bfloat16
     few = moe_kernels.MoEConfig(1, 16, 256, 16, 256, 4, 1, fma=True)
-    assert moe_kernels.moe_config(1, bf16, "q4_0", "q4_0", top_k=10, num_experts=512) == few
-    assert moe_kernels.moe_config(153, bf16, "q4_0", "q8_0", top_k=10, num_experts=512) == few
-    assert not moe_kernels.moe_config(154, bf16, "q4_0", "q8_0", top_k=10, num_experts=512).fma
-    assert not moe_kernels.moe_config(1, bf16, "q4_0", "fp8_b128", top_k=10, num_experts=512).fma
-    assert not moe_kernels.moe_config(1, bf16, top_k=10, num_experts=512).fma
+    routing = {"top_k": 10, "num_experts": 512}
+    assert moe_kernels.moe_config(1, bf16, "q4_0", "q4_0", **routing) == few
+    assert moe_kernels.moe_config(153, bf16, "q4_0", "q8_0", **routing) == few
+    assert not moe_kernels.moe_config(154, bf16, "q4_0", "q8_0", **routing).fma
+    assert moe_kernels.moe_config(12, bf16, "q4_1", "q4_1", **routing, link=True) == few
+    assert not moe_kernels.moe_config(13, bf16, "q4_1", "q4_1", **routing, link=True).fma
+    assert moe_kernels.moe_config(1, bf16, "q8_0", "q8_0", top_k=8, num_experts=8, link=True) == few
+    assert not moe_kernels.moe_config(1, bf16, "q4_0", "fp8_b128", **routing).fma
+    assert not moe_kernels.moe_config(1, bf16, **routing).fma
+    assert not moe_kernels.moe_config(1, bf16, "q4_0", "q4_0").fma
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_1"])
+def test_the_few_rows_path_over_several_k_steps(fmt, monkeypatch):
+    """H = 544 (two 256-value steps and one of a single block), I = 96 (down's one step, 3 of 8 blocks):
+    the path's K loop past its first step, its masked blocks, with the atomic sum (T = 3, unsorted) and the
+    ordered one (deterministic), fp32 and bf16 activations (bf16: within its rounding of the fp32
+    reference; the path multiplies the unrounded fp32 weights)."""
+    monkeypatch.setattr(sys.modules[__name__], "H", 544)
+    monkeypatch.setattr(sys.modules[__name__], "I", 96)
+    experts = CompactExperts(fmt, t=3, seed=8)
+    assert moe_kernels.moe_config(3, torch.float32, fmt, fmt, top_k=2, num_experts=E).fma
+    want = experts.reference()
+    assert rel_err(experts.kernel(), want) < 1e-4
+    assert rel_err(experts.kernel(deterministic=True), want) < 1e-4
+    bf16 = CompactExperts(fmt, t=3, dtype=torch.bfloat16, seed=8)
+    assert rel_err(bf16.kernel(), bf16.reference()) < 1e-2
 
 
 def test_decode_steps_of_a_gguf_piece_are_wider_and_its_columns_narrower():
