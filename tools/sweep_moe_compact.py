@@ -4,10 +4,10 @@
                                       [--tokens 1 4 8 17 32] [--layers 8]
 
 For each shape (Qwen3-Next-80B-A3B's experts: E = 512, k = 10, H = 2048, I = 512; Qwen3-30B-A3B's: 128,
-8, 2048, 768), format and step size T, times `moe` (gate/up and down launches, and the grouping where a config sorts) over
-`--layers` layers of distinct experts (so no layer finds its experts in the 60 MB L2), captured in one
-CUDA graph, under `moe_config`'s choice and, for GGUF experts, the few-rows path's variants (columns a
-program, K step, warps) and the tensor-core tiles. Each row: us a layer, and the experts' bytes
+8, 2048, 768), format and step size T, times `moe` (gate/up and down launches, and the grouping where a
+config sorts) over `--layers` layers of distinct experts (so no layer finds its experts in the 60 MB L2),
+captured in one CUDA graph, under `moe_config`'s choice and, for GGUF experts, the few-rows path's variants
+(columns a program, K step, warps) and the tensor-core tiles. Each row: us a layer, and the experts' bytes
 a layer (each distinct expert's extent once) over that time as a share of the device copy rate measured
 in the same run (bytes read + written / time of a 1 GiB device-to-device copy). Weights are random bytes:
 the time does not depend on their values. Writes OUT/sweep_moe_compact.json (after every shape) and

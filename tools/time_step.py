@@ -1,11 +1,12 @@
 """Where a decode step's time goes, by phase, on the device (host wall time per call), and by kernel.
 
-    python tools/time_step.py --out OUT [--shape S] [--quantize CLASS=SCHEME] [--layers 2] [--batch 1] [--steps 40] [--kernels] [--sequential]
+    python tools/time_step.py --out OUT [--shape S] [--quantize CLASS=SCHEME] [--layers 2] [--batch 1]
+                              [--steps 40] [--kernels] [--sequential]
                               [--prefill-chunk N]
 
 Builds a synthetic Qwen3-30B-A3B-shaped model (tools/make_synthetic.py; `--shape`, `--quantize`
-pick another shape and compact experts or layers) with `--layers` layers, serves `--batch` requests of a 1K-token prompt through
-`Engine.build` (resident placement; decode CUDA graphs on CUDA), and after a
+pick another shape and compact experts or layers) with `--layers` layers, serves `--batch` requests of a
+1K-token prompt through `Engine.build` (resident placement; decode CUDA graphs on CUDA), and after a
 warm-up steps it as the daemon's loop does (`Engine.step(ahead=True)`: step N+1
 launched before step N is collected; `--sequential`: `Engine.step()`), timing each phase
 by wrapping the engine's own methods (schedule / schedule_ahead / update, the
@@ -192,7 +193,8 @@ def main(argv=None) -> int:
               "kernels_us_per_step": kernels}
     (out / "time_step.json").write_text(json.dumps(result, indent=2))
     kind = f"mixed step ({chunk} prefill tokens)" if chunk else "decode step"
-    print(f"{kind}, {args.shape} {args.quantize or ''} {args.layers} layers, batch {args.batch}, graphs {result['graphs']}, {result['loop']}: "
+    print(f"{kind}, {args.shape} {args.quantize or ''} {args.layers} layers, batch {args.batch}, "
+          f"graphs {result['graphs']}, {result['loop']}: "
           f"{result['step_ms']:.3f} ms per step")
     for k, v in sorted(per_step.items(), key=lambda kv: -kv[1]):
         print(f"  {v:8.3f} ms  {k}")

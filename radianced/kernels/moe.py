@@ -320,9 +320,9 @@ def _moe_gate_up_kernel(
     """h[row, n] = silu(x[tok] . gate[n]) * (x[tok] . up[n]) for the tile's sorted rows; h: [A, I].
     gate [I, H] starts the expert's row, up [I, H] `up_offset` further (elements of w_ptr), both in FMT
     (`weight_tile`), rounded to x's dtype for the dot as the reference rounds a dequantized weight (FMA:
-    `gguf_rows_products`, not rounded). ROUTE (T == 1): tile i's expert is the one of rank i among the logits [E] (`route`'s order),
-    and program (i, 0) stores it to tile_info_ptr[i] (the ids [k] the down launch reads) and its
-    weight to topk_weights_ptr[i]."""
+    `gguf_rows_products`, not rounded). ROUTE (T == 1): tile i's expert is the one of rank i among the
+    logits [E] (`route`'s order), and program (i, 0) stores it to tile_info_ptr[i] (the ids [k] the down
+    launch reads) and its weight to topk_weights_ptr[i]."""
     pdl.wait(PDL)
     tile = tl.program_id(0)
     if ROUTE:
