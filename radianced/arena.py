@@ -9,6 +9,10 @@ take what:
   cheapest to get back per byte first (one eviction order for the whole arena);
   expert slots are taken back only down to `expert_floor`, and the KV tenant
   only ever gives up pages no live request uses (its reclaimer's contract).
+  A lease never takes the asking tenant's own pages: only the tenant can count
+  what recycling its own gains (a KV page holds free blocks its pool has already
+  counted), so it recycles them itself first when `recycles_first` says its own
+  are the cheapest to get back, and leases for the rest.
 - `FixedPolicy` (`--deterministic`): each tenant has a quota; no lending.
 
 Reuse after eviction: a released page is free at once. A step already queued
@@ -61,8 +65,8 @@ class Lease:
 
 
 class Reclaimer(Protocol):
-    """A tenant's side of eviction; the arena calls it while filling another lease
-    (or one of the tenant's own) and must not be re-entered from it."""
+    """A tenant's side of eviction; the arena calls it while filling another tenant's
+    lease (never the tenant's own: see `Arena.recycles_first`) and must not be re-entered from it."""
 
     def reclaim_cost(self) -> float:
         """Cost per byte of getting back the cheapest page it can give up now; math.inf if none."""
@@ -83,7 +87,7 @@ class Policy(Protocol):
         """How many of `free` free pages `tenant` may take."""
 
     def reclaimable(self, requester: str, victim: str, held: int) -> int:
-        """How many of the `held` pages of `victim` `requester` may take back."""
+        """How many of the `held` pages of `victim` `requester` (another tenant) may take back."""
 
 
 @dataclass(frozen=True)
@@ -98,8 +102,8 @@ class LendingPolicy:
         return max(0, free - self.kv_buffer) if tenant == EXPERTS else free
 
     def reclaimable(self, requester: str, victim: str, held: int) -> int:
-        if victim == EXPERTS:  # experts never evict each other here: the slab swaps its own slots
-            return 0 if requester == EXPERTS else max(0, held - self.expert_floor)
+        if victim == EXPERTS:  # KV takes slots back down to the floor (the slab swaps its own slots itself)
+            return max(0, held - self.expert_floor)
         return held  # KV's reclaimer gives up only pages no live request uses
 
 
@@ -114,7 +118,7 @@ class FixedPolicy:
         return free
 
     def reclaimable(self, requester: str, victim: str, held: int) -> int:
-        return held if requester == victim else 0  # a tenant may recycle only its own pages
+        return 0  # no lending: a tenant recycles only its own pages, itself
 
 
 def policy_for(receipt: Receipt) -> Policy:
@@ -175,30 +179,41 @@ class Arena:
     def available(self, tenant: str) -> int:
         """Pages `tenant` may lease now: free ones it may use, plus what the policy lets it
         take back from the other tenants' reclaimers."""
-        n = self._usable(tenant)
+        n = self.usable(tenant)
         for victim, r in self._reclaimers.items():
             if victim != tenant:
                 n += min(self.policy.reclaimable(tenant, victim, self._held[victim]), r.surrenderable())
         return n
 
+    def recycles_first(self, tenant: str) -> bool:
+        """Whether `tenant`'s own pages are the cheapest to get back (its reclaimer has one to give, at
+        a cost at most that of every tenant `lease` could take pages from): it recycles its own first."""
+        own = self._reclaimers.get(tenant)
+        if own is None:
+            return False
+        others = (r.reclaim_cost() for t, r in self._reclaimers.items()
+                  if t != tenant and self.policy.reclaimable(tenant, t, self._held[t]) > 0)
+        cost = own.reclaim_cost()
+        return math.isfinite(cost) and cost <= min(others, default=math.inf)
+
     def lease(self, tenant: str, n: int) -> Lease:
         """n pages for `tenant`, all or nothing; the lowest free page ids first.
 
-        Takes free pages the policy allows; if short, takes pages back from
-        registered tenants, cheapest to get back per byte first, until the free
-        pages cover n. Raises OutOfPages when the quota forbids it or the pages
+        Takes free pages the policy allows; if short, takes pages back from the
+        other registered tenants, cheapest to get back per byte first, until the
+        free pages cover n. Raises OutOfPages when the quota forbids it or the pages
         are not there now (pages taken back meanwhile stay free for the next call).
         """
         quota = self.policy.quota(tenant)
         if quota is not None and self._held[tenant] + n > quota:
             raise OutOfPages(f"{tenant}: {self._held[tenant]} pages held + {n} asked is past its quota of {quota}")
         exhausted: set[str] = set()
-        while self._usable(tenant) < n:
+        while self.usable(tenant) < n:
             victim = self._cheapest_victim(tenant, exhausted)
             if victim is None:
                 break
             allowed = self.policy.reclaimable(tenant, victim, self._held[victim])
-            given = self._reclaimers[victim].surrender(min(n - self._usable(tenant), allowed))
+            given = self._reclaimers[victim].surrender(min(n - self.usable(tenant), allowed))
             if not given.pages:
                 exhausted.add(victim)
                 continue
@@ -206,8 +221,8 @@ class Arena:
                 raise ValueError(f"{victim}'s reclaimer surrendered pages of {given.tenant}")
             self.release(given)
             self._moved[(victim, tenant)] += len(given)
-        if self._usable(tenant) < n:
-            raise OutOfPages(f"{tenant}: asked for {n} pages, {self._usable(tenant)} usable now "
+        if self.usable(tenant) < n:
+            raise OutOfPages(f"{tenant}: asked for {n} pages, {self.usable(tenant)} usable now "
                              f"({len(self._free)} free)")
         pages = tuple(heapq.heappop(self._free) for _ in range(n))
         for p in pages:
@@ -272,14 +287,16 @@ class Arena:
         if q is not None and pages:
             q.append((leased, pages))
 
-    def _usable(self, tenant: str) -> int:
+    def usable(self, tenant: str) -> int:
+        """Free pages `tenant` may lease now (without taking any back)."""
         return min(len(self._free), self.policy.free_allowance(tenant, len(self._free)))
 
     def _cheapest_victim(self, requester: str, exhausted: set[str]) -> str | None:
         best, best_cost = None, math.inf
         for t in TENANTS:
             r = self._reclaimers.get(t)
-            if r is None or t in exhausted or self.policy.reclaimable(requester, t, self._held[t]) <= 0:
+            if r is None or t == requester or t in exhausted \
+                    or self.policy.reclaimable(requester, t, self._held[t]) <= 0:
                 continue
             cost = r.reclaim_cost()
             if cost < best_cost:
@@ -323,6 +340,10 @@ class TenantPages:
 
     def lease(self, n: int) -> list[int]:
         return list(self.arena.lease(self.tenant, n).pages)
+
+    def cheaper_than_recycling(self) -> int:
+        return self.arena.available(self.tenant) if not self.arena.recycles_first(self.tenant) \
+            else self.arena.usable(self.tenant)
 
     def give_back(self, pages) -> None:
         self.arena.release(Lease(self.tenant, tuple(pages)))

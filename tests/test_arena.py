@@ -115,11 +115,24 @@ def test_one_eviction_order_cheapest_to_get_back_first():
     slab.take(4)  # 0..3, cost 1.0 each
     kv.take(4)  # 4..7, cost 5.0 each (cached, not live)
     kv.live = {6, 7}
-    # a request for 4 more KV pages: expert slots first (cheaper) down to the floor,
-    # then KV's own cached pages
-    assert kv.take(4) == (0, 1, 4, 5)
+    # KV's own cached pages cost more than expert slots: KV does not recycle first, and its leases
+    # take expert slots, down to the floor
+    assert not arena.recycles_first(KV)
+    assert kv.take(2) == (0, 1)
     assert slab.pages == [2, 3]
-    assert dict(arena.stats().moved) == {(EXPERTS, KV): 2, (KV, KV): 2}
+    assert dict(arena.stats().moved) == {(EXPERTS, KV): 2}
+
+
+def test_a_lease_never_takes_the_asking_tenants_own_pages():
+    """Only the tenant can count what recycling its own pages gains (a KV page's free blocks are
+    already in its pool's count), so the arena leaves that to it."""
+    arena, kv, slab = lending(pages=8, floor=2, buffer=0)
+    slab.take(4)
+    kv.take(4)  # 4..7, cached
+    kv.take(2)  # the slots above the floor
+    with pytest.raises(OutOfPages, match="kv: asked for 1 pages, 0 usable"):
+        kv.take(1)
+    assert kv.pages == [4, 5, 6, 7, 0, 1] and slab.pages == [2, 3]
 
 
 def test_cached_kv_goes_first_when_it_is_cheaper_than_an_expert():
@@ -128,8 +141,14 @@ def test_cached_kv_goes_first_when_it_is_cheaper_than_an_expert():
     slab.take(4)
     kv.take(4)
     kv.live = {6, 7}
-    assert kv.take(3) == (0, 4, 5)  # 4, 5 recycled from KV's cache, then one expert slot
-    assert slab.pages == [1, 2, 3]
+    assert arena.recycles_first(KV)  # KV evicts its own cached blocks before it leases
+    assert not arena.recycles_first(EXPERTS)  # dearer than KV's pages: the slab takes from KV
+    kv.cost = 9.0
+    assert arena.recycles_first(KV)  # a tie: recycling moves nothing between tenants
+    kv.live = {4, 5, 6, 7}  # KV has nothing to give (cost inf): it cannot recycle; the slab can
+    assert not arena.recycles_first(KV) and arena.recycles_first(EXPERTS)
+    slab.live = set(slab.pages)
+    assert not arena.recycles_first(KV) and not arena.recycles_first(EXPERTS)
 
 
 def test_pages_given_back_or_taken_back_are_leased_again_at_once():

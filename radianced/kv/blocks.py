@@ -55,6 +55,12 @@ class PageSource(Protocol):
         """Take back pages that hold no live or cached block."""
         ...
 
+    def cheaper_than_recycling(self) -> int:
+        """Pages `lease` would hand out at less cost than evicting the pools' own cached blocks (the
+        arena's one eviction order): the free ones, and those it would take back from tenants
+        cheaper to get back (then all of `available()`)."""
+        ...
+
 
 class FixedPages:
     """A fixed set of pages 0..num_pages-1, leased lowest id first."""
@@ -74,6 +80,9 @@ class FixedPages:
     def give_back(self, pages: Iterable[int]) -> None:
         self._free.extend(pages)
         self._free.sort(reverse=True)
+
+    def cheaper_than_recycling(self) -> int:
+        return len(self._free)  # all free: no other tenant
 
 
 class Reclaimer(Protocol):
@@ -231,8 +240,9 @@ class BlockAllocator:
 
     Paired verbs: `can_allocate`/`allocate`, `can_append`/`append` and its undo `truncate`, `free`.
     Each either does all of its work or raises `OutOfBlocks` having changed nothing.
-    Allocation takes free blocks first, then leases pages, and only then evicts
-    cached blocks (through `reclaimer`) for the part the pages cannot cover.
+    Allocation takes free blocks first, then leases pages cheaper to get than
+    its cached blocks (`cheaper_than_recycling`: the arena's one eviction order),
+    then evicts cached blocks (through `reclaimer`), and leases the rest.
     """
 
     def __init__(self, block_size: int, pages: PageSource, groups: Mapping[str, int] | None = None):
@@ -308,8 +318,10 @@ class BlockAllocator:
         if not self.can_allocate(n):
             raise OutOfBlocks(f"asked for {n} KV blocks; {self.num_allocatable()} can be handed out "
                               f"({self.num_used} in use)")
-        evict = 0
-        while self._pages_needed(n, evict) > self.pages.available():
+        # evict cached blocks until the pages cheaper than that cover the rest (a lease never recycles
+        # the pool's own pages: it cannot count the free blocks they hold); can_allocate counted the rest
+        evict, evictable, cheaper = 0, self.evictable(), self.pages.cheaper_than_recycling()
+        while evict < evictable and self._pages_needed(n, evict) > cheaper:
             evict += 1
         if evict:  # can_allocate counted these as evictable, so a reclaimer is set
             evicted = self.reclaimer.evict(evict)

@@ -9,6 +9,8 @@ allocator's eviction order).
 
 from __future__ import annotations
 
+import math
+
 from radianced.arena import KV, Lease
 from radianced.kv.blocks import BlockAllocator
 
@@ -27,7 +29,9 @@ class KVReclaimer:
             p.blocks_per_page for p in pools)
 
     def reclaim_cost(self) -> float:
-        return 1.0  # recompute of cached prefixes: dearer than a re-read only when the expert is cold
+        """Recompute of cached prefixes, 1.0 (an expert slot costs its score + 1.0: KV goes first unless
+        the coldest expert scores 0, a tie KV wins); math.inf when there is nothing to give up."""
+        return 1.0 if self.surrenderable() else math.inf
 
     def surrender(self, n: int) -> Lease:
         """Give up n pages (at most `surrenderable()`), evicting cached blocks as needed."""
