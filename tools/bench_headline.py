@@ -9,7 +9,8 @@ its experts compact (`--quantize experts=int4`: Qwen3-Next-80B-A3B in about 47 G
 64 GiB disk where fp8 would not). Each card budget (`--gpu-memory-mib`: 24, 32 and 48 GiB, the cards people own)
 keeps what fits and homes every expert in the pinned host pool. Steps, each kept in DIR/radianced-headline-NAME/
 (the model, its expert profile, headline.json) so that one device call (10 minutes at most) can make the model
-and later ones run a card or two while the machine stays warm; a card already measured is not run again:
+and later ones run a card or two while the machine stays warm; a card already measured is not run again (one
+that failed is):
 
 1. model: written once (a complete file is reused).
 2. profile: the daemon at the largest card serves decode-like traffic (short prompts, long outputs, c = 8) and
@@ -348,8 +349,8 @@ def main(argv=None) -> int:
         if "rates" not in state or args.again:
             state["rates"] = rates(device)
         for mib in cards:
-            if str(mib) in state.setdefault("cards", {}) and not args.again:
-                continue
+            if "error" not in state.setdefault("cards", {}).get(str(mib), {"error": ""}) and not args.again:
+                continue  # measured; a card that failed runs again
             print(f"card {mib} MiB", flush=True)
             try:
                 state["cards"][str(mib)] = step_card(state, mode, mib, args.out, state["rates"])

@@ -55,6 +55,20 @@ def test_a_second_call_reuses_the_model_profile_and_cards(run, tmp_path):
     assert again["cards"] == state["cards"] and again["model"] == state["model"]
 
 
+def test_a_card_that_failed_runs_again(run, tmp_path):
+    home, _, state = run
+    state_path = next(home.glob("radianced-headline-*/headline.json"))
+    failed = json.loads(state_path.read_text())
+    first = min(failed["cards"], key=int)
+    failed["cards"][first] = {"error": "ProfileError: cannot read the profile"}  # the H200's call of 2026-12-04
+    state_path.write_text(json.dumps(failed))
+    assert bench_headline.main(["--out", str(tmp_path), "--dir", str(home), "--steps", "cards"]) == 0
+    again = json.loads((tmp_path / "headline.json").read_text())
+    assert "error" not in again["cards"][first] and again["cards"][first]["card_mib"] == int(first)
+    assert {k: v for k, v in again["cards"].items() if k != first} == \
+        {k: v for k, v in state["cards"].items() if k != first}
+
+
 def test_another_shape_or_depth_is_its_own_model_and_replaces_the_others_file(tmp_path):
     other = tmp_path / "radianced-headline-qwen3-next-80b-a3b-48l-experts-int4" / "model.rad"
     other.parent.mkdir()
