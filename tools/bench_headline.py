@@ -23,11 +23,14 @@ that failed is):
    and the sweep's c = 8 row give the measured hit rate, overflow a token, tok/s and J/token, the prefill rows
    TTFT. The report sets predicted beside measured (the issue's target: within 10% each). A row's measured
    counts include its prompts' prefill (the daemon's counters do not split it out), which the decode
-   prediction leaves out: short prompts and long outputs keep that small.
+   prediction leaves out: short prompts and long outputs keep that small. Cards run largest first: where one
+   hits every expert, its decode step (TPOT p50 at that batch) predicts every card's tok/s with the card's
+   misses moved from HBM to the link (`Prediction.from_resident`: the chain's last link, overflow -> tok/s),
+   set against the measured decode rate (batch / TPOT p50).
 
 Every call writes OUT/headline.json (the state), OUT/headline.md (the table) and, once a card has rows,
-OUT/headline-chain.png (tools/headline_plot.py: card -> slots -> hit rate -> overflow -> tok/s), and each card run its bench
-report, plots and daemon log as OUT/headline-MIB-*. Without CUDA (`--quick`, the CPU)
+OUT/headline-chain.png (tools/headline_plot.py: card -> slots -> hit rate -> overflow -> tok/s), and each card
+run its bench report, plots and daemon log as OUT/headline-MIB-*. Without CUDA (`--quick`, the CPU)
 the model is 2 layers of Qwen3-30B-A3B at width / 8 and the cards are the smallest budgets that start plus 10%,
 25% and 50% of the experts' bytes: it proves the code runs.
 """
@@ -57,7 +60,7 @@ from radianced.budget import PlanError, plan  # noqa: E402
 from radianced.model.rad import RadFile  # noqa: E402
 from radianced.sizing import ModelFacts  # noqa: E402
 from radianced.tiers.placement import routed_experts  # noqa: E402
-from radianced.tiers.predict import predictions  # noqa: E402
+from radianced.tiers.predict import predictions, step_with_overflow  # noqa: E402
 from radianced.tiers.profile import Profile, profile_path  # noqa: E402
 from radianced.tp_plan import detect_cards  # noqa: E402
 from tools import gpu_bench  # noqa: E402
@@ -218,12 +221,33 @@ def measured(bench: dict) -> list[dict]:
             continue
         s, d = w["summary"], w["server"]
         energy = w["energy"] if isinstance(w["energy"], dict) else None
-        tokens = s["output_tokens"]
+        tokens, tpot = s["output_tokens"], s["tpot"]["p50"]
         out.append({"batch": batch, "row": name, "hit_rate": d["hit_rate"],
                     "overflow_bytes_per_token": d["overflow_bytes"] / tokens if tokens else None,
-                    "tok_s": s["output_tok_s"], "joules_per_token": energy and energy["joules_per_token"]})
+                    "tok_s": s["output_tok_s"], "tpot_p50_s": tpot, "decode_tok_s": batch / tpot if tpot else None,
+                    "joules_per_token": energy and energy["joules_per_token"]})
     ttft = {n: rows[n]["summary"]["ttft"]["p50"] for n in rows if n.startswith("prefill")}
     return out + [{"ttft_p50_s": ttft}] if ttft else out
+
+
+def from_resident(state: dict) -> None:
+    """Each card's predicted rows gain `tok_s_from_resident`: the decode step (TPOT p50) of the largest card
+    that hit every expert at that batch, with the card's predicted misses moved from HBM to the link; None
+    until such a card is measured. `resident_card_mib` names the card it came from."""
+    rates, cards = state.get("rates", {}), state.get("cards", {})
+    steps = {}  # batch -> (card MiB, TPOT p50 s)
+    for mib in sorted(cards, key=int):
+        for r in cards[mib].get("measured", []):
+            if r.get("hit_rate") == 1.0 and r.get("tpot_p50_s"):
+                steps[r["batch"]] = (int(mib), r["tpot_p50_s"])
+    for row in cards.values():
+        for pr in row.get("predicted", []):
+            mib, step = steps.get(pr["batch"], (None, None))
+            ok = step is not None and rates.get("pcie_gbps") and rates.get("hbm_gbps")
+            pr["resident_card_mib"] = mib if ok else None
+            pr["tok_s_from_resident"] = pr["batch"] / step_with_overflow(
+                step, pr["overflow_bytes_per_token"] * pr["batch"], rates["pcie_gbps"], rates["hbm_gbps"]) \
+                if ok else None
 
 
 # -- the cards of a dry run ----------------------------------------------------------------------
@@ -268,12 +292,13 @@ def _cells(mib: str, row: dict) -> list[str]:
         got = meas.get(pr["batch"], {})
         over = " / ".join("-" if v is None else f"{v / MiB:.2f}"
                           for v in (pr["overflow_bytes_per_token"], got.get("overflow_bytes_per_token")))
-        tok = " / ".join("-" if v is None else f"{v:,.1f}"
-                         for v in (pr["tok_s_link_bound"], pr["tok_s_serial"], got.get("tok_s")))
+        pred = " / ".join(_tok(v) for v in (pr["tok_s_link_bound"], pr["tok_s_serial"], pr.get("tok_s_from_resident")))
+        decode = got.get("decode_tok_s")
         joules = got.get("joules_per_token")
         first = ", ".join(f"{k}: {1e3 * v:.0f} ms" for k, v in ttft.items()) if pr["batch"] == 1 else ""
         out.append(f"| {_card(mib)} | {pr['batch']} | {pr['slots']} | {_pct(pr['hit_rate'])} / "
-                   f"{_pct(got.get('hit_rate'))} | {over} | {tok} | {_ratio(got.get('tok_s'), pr['tok_s_serial'])} | "
+                   f"{_pct(got.get('hit_rate'))} | {over} | {pred} | {_tok(decode)} / {_tok(got.get('tok_s'))} | "
+                   f"{_ratio(decode, pr.get('tok_s_from_resident'))} | {_ratio(decode, pr['tok_s_serial'])} | "
                    f"{'-' if joules is None else f'{joules:.3f}'} | {first} |")
     return out
 
@@ -287,10 +312,16 @@ def render(state: dict) -> str:
              f"PCIe {_f(rates.get('pcie_gbps'))} GB/s (probed as start-up probes it), HBM copy "
              f"{_f(rates.get('hbm_gbps'))} GB/s; profile: {prof.get('said', '-')}{took}", "",
              "| card | b | slots | hit rate pred / meas | overflow MiB a token pred / meas | tok/s pred link bound / "
-             "pred serial / meas | meas / serial | J/token | TTFT p50 |", "|---|---|---|---|---|---|---|---|---|"]
+             "serial / from the resident step | tok/s meas decode / over the run | decode / from resident | "
+             "decode / serial | J/token | TTFT p50 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for mib, row in sorted(state.get("cards", {}).items(), key=lambda kv: int(kv[0])):
-        lines += [f"| {_card(mib)} | | | | | | | | {row['error'][:300]} |"] if "error" in row \
+        lines += [f"| {_card(mib)} | | | | | | | | | | {row['error'][:300]} |"] if "error" in row \
             else _cells(mib, row)
+    resident = {pr["resident_card_mib"] for row in state.get("cards", {}).values()
+                for pr in row.get("predicted", []) if pr.get("resident_card_mib")}
+    lines += ["", "Decode is batch / TPOT p50 (\"over the run\" counts the prefill too); \"from the resident step\" "
+              f"is the decode step of the card that hit every expert ({', '.join(_card(m) for m in sorted(resident))}) "
+              "with each card's predicted misses moved from HBM to the link."] if resident else []
     return "\n".join(lines) + "\n"
 
 
@@ -300,6 +331,10 @@ def _card(mib) -> str:
 
 def _f(v) -> str:
     return "-" if v is None else f"{v:.1f}"
+
+
+def _tok(v) -> str:
+    return "-" if v is None else f"{v:,.1f}"
 
 
 # -- run ----------------------------------------------------------------------------------------
@@ -332,6 +367,7 @@ def main(argv=None) -> int:
     steps = set(args.steps.split(","))
 
     def save() -> None:
+        from_resident(state)
         state_path.write_text(json.dumps(state, indent=1, default=str))
         shutil.copy(state_path, args.out / "headline.json")
         (args.out / "headline.md").write_text(render(state))
@@ -348,7 +384,7 @@ def main(argv=None) -> int:
     if "cards" in steps:
         if "rates" not in state or args.again:
             state["rates"] = rates(device)
-        for mib in cards:
+        for mib in sorted(cards, reverse=True):  # the largest first: where every expert hits, its step predicts
             if "error" not in state.setdefault("cards", {}).get(str(mib), {"error": ""}) and not args.again:
                 continue  # measured; a card that failed runs again
             print(f"card {mib} MiB", flush=True)

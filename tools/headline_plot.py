@@ -5,8 +5,9 @@
 
 Four panels share the x axis (the card budget, GiB): the slots the plan gives, the hit rate, the overflow bytes
 a token and the tok/s. Predictions are open markers on dashed lines (tok/s: the serial prediction, the card's
-reads and the link's in turn, and the link-bound ceiling), measurements filled markers on solid lines; b = 1
-blue, b = 8 orange. Each link of the chain is read off one panel against the next.
+reads and the link's in turn, the link-bound ceiling, and the all-hit card's step with the misses moved to the
+link), measurements filled markers on solid lines (tok/s: decode, batch / TPOT p50, where the row has it);
+b = 1 blue, b = 8 orange. Each link of the chain is read off one panel against the next.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def chain_points(state: dict) -> dict[int, dict[str, list]]:
                             ("over_pred", pr["overflow_bytes_per_token"]),
                             ("over_meas", got.get("overflow_bytes_per_token")),
                             ("tok_serial", pr["tok_s_serial"]), ("tok_link", pr["tok_s_link_bound"]),
-                            ("tok_meas", got.get("tok_s"))):
+                            ("tok_resident", pr.get("tok_s_from_resident")),
+                            ("tok_meas", got.get("decode_tok_s", got.get("tok_s")))):
                 if v is not None:
                     s.setdefault(name, []).append((gib, v / MiB if name.startswith("over") else v))
     return series
@@ -50,7 +52,8 @@ def chain_plot(state: dict, path: Path) -> bool:
               ("expert hit rate", (("hit_pred", "predicted", "o", "--"), ("hit_meas", "measured", "s", "-"))),
               ("overflow MiB a token", (("over_pred", "predicted", "o", "--"), ("over_meas", "measured", "s", "-"))),
               ("tok/s", (("tok_link", "predicted, link bound", "^", ":"), ("tok_serial", "predicted, serial", "o", "--"),
-                         ("tok_meas", "measured", "s", "-"))))
+                         ("tok_resident", "predicted from the all-hit step", "D", "-."),
+                         ("tok_meas", "measured decode", "s", "-"))))
     for ax, (label, lines) in zip(axes, panels):
         for batch, s in sorted(series.items()):
             for key, what, marker, style in lines:

@@ -89,6 +89,17 @@ def test_tok_s_bounds_add_the_link_disk_and_card_times():
     assert pr.serial(0.0016, 0.0124, disk_gbps=0.0004) == pytest.approx(1000 / 3)  # + 1 ms disk
 
 
+def test_from_resident_trades_the_misses_hbm_reads_for_the_link():
+    pr = _predict(1)  # 1600 B a token miss the slots
+    # a 5 ms all-hit step; the misses' 1600 B leave HBM (1 ms at 1.6e6 B/s) and cross the link (2 ms at 0.8e6 B/s)
+    assert pr.from_resident(0.005, link_gbps=0.0008, hbm_gbps=0.0016) == pytest.approx(1 / 0.006)
+    b2 = _predict(2)  # 2.62 extents a step, over 2 tokens
+    assert b2.from_resident(0.010, link_gbps=0.0008, hbm_gbps=0.0016) == \
+        pytest.approx(2 / (0.010 + 2.62 * EXTENT / 0.8e6 - 2.62 * EXTENT / 1.6e6))
+    every = _predict(1, slots=8)
+    assert every.from_resident(0.005, link_gbps=25.0, hbm_gbps=3000.0) == pytest.approx(200.0)  # the step itself
+
+
 def test_every_expert_in_a_slot_hits_everything_and_overflows_nothing():
     pr = _predict(1, slots=8)
     assert pr.hit_rate == pytest.approx(1.0)

@@ -69,6 +69,26 @@ def test_a_card_that_failed_runs_again(run, tmp_path):
         {k: v for k, v in state["cards"].items() if k != first}
 
 
+def test_the_all_hit_cards_step_predicts_the_others_with_their_misses_on_the_link():
+    def card(hit, overflow, tpot):
+        return {"predicted": [{"batch": 1, "overflow_bytes_per_token": overflow, "tok_s_link_bound": None,
+                               "tok_s_serial": 100.0, "slots": 1, "hit_rate": hit}],
+                "measured": [{"batch": 1, "hit_rate": hit, "tpot_p50_s": tpot, "decode_tok_s": 1 / tpot,
+                              "overflow_bytes_per_token": overflow, "tok_s": 0.9 / tpot}]}
+    state = {"rates": {"pcie_gbps": 50.0, "hbm_gbps": 4000.0},
+             "cards": {"24576": card(0.9, 100e6, 0.01), "49152": card(1.0, 0.0, 0.008)}}
+    bench_headline.from_resident(state)
+    small, large = (state["cards"][k]["predicted"][0] for k in ("24576", "49152"))
+    assert large["tok_s_from_resident"] == pytest.approx(125.0) and large["resident_card_mib"] == 49152
+    assert small["tok_s_from_resident"] == pytest.approx(1 / (0.008 - 100e6 / 4000e9 + 100e6 / 50e9))
+    md = bench_headline.render(state)
+    assert "| 24 GiB | 1 | 1 | 90.0% / 90.0% |" in md and "from the resident step" in md
+    assert f"| {1 / 0.01:,.1f} / {0.9 / 0.01:,.1f} | {100 / small['tok_s_from_resident']:.2f} |" in md
+    del state["cards"]["49152"]
+    bench_headline.from_resident(state)  # no card hit everything: nothing to predict from
+    assert state["cards"]["24576"]["predicted"][0]["tok_s_from_resident"] is None
+
+
 def test_another_shape_or_depth_is_its_own_model_and_replaces_the_others_file(tmp_path):
     other = tmp_path / "radianced-headline-qwen3-next-80b-a3b-48l-experts-int4" / "model.rad"
     other.parent.mkdir()
