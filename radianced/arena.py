@@ -11,8 +11,8 @@ take what:
   only ever gives up pages no live request uses (its reclaimer's contract).
   A lease never takes the asking tenant's own pages: only the tenant can count
   what recycling its own gains (a KV page holds free blocks its pool has already
-  counted), so it recycles them itself first when `recycles_first` says its own
-  are the cheapest to get back, and leases for the rest.
+  counted), so it recycles them itself, first when they cost no more to get back
+  than the cheapest page of another tenant (`cheapest_other`), and leases the rest.
 - `FixedPolicy` (`--deterministic`): each tenant has a quota; no lending.
 
 Reuse after eviction: a released page is free at once. A step already queued
@@ -66,7 +66,7 @@ class Lease:
 
 class Reclaimer(Protocol):
     """A tenant's side of eviction; the arena calls it while filling another tenant's
-    lease (never the tenant's own: see `Arena.recycles_first`) and must not be re-entered from it."""
+    lease (never the tenant's own: see `Arena.cheapest_other`) and must not be re-entered from it."""
 
     def reclaim_cost(self) -> float:
         """Cost per byte of getting back the cheapest page it can give up now; math.inf if none."""
@@ -185,16 +185,11 @@ class Arena:
                 n += min(self.policy.reclaimable(tenant, victim, self._held[victim]), r.surrenderable())
         return n
 
-    def recycles_first(self, tenant: str) -> bool:
-        """Whether `tenant`'s own pages are the cheapest to get back (its reclaimer has one to give, at
-        a cost at most that of every tenant `lease` could take pages from): it recycles its own first."""
-        own = self._reclaimers.get(tenant)
-        if own is None:
-            return False
-        others = (r.reclaim_cost() for t, r in self._reclaimers.items()
-                  if t != tenant and self.policy.reclaimable(tenant, t, self._held[t]) > 0)
-        cost = own.reclaim_cost()
-        return math.isfinite(cost) and cost <= min(others, default=math.inf)
+    def cheapest_other(self, tenant: str) -> float:
+        """The cost per byte of the cheapest page `lease` could take back for `tenant` from another tenant
+        (math.inf if none): what `tenant` weighs recycling its own pages against (the module docstring)."""
+        return min((r.reclaim_cost() for t, r in self._reclaimers.items()
+                    if t != tenant and self.policy.reclaimable(tenant, t, self._held[t]) > 0), default=math.inf)
 
     def lease(self, tenant: str, n: int) -> Lease:
         """n pages for `tenant`, all or nothing; the lowest free page ids first.
@@ -341,8 +336,8 @@ class TenantPages:
     def lease(self, n: int) -> list[int]:
         return list(self.arena.lease(self.tenant, n).pages)
 
-    def cheaper_than_recycling(self) -> int:
-        return self.arena.available(self.tenant) if not self.arena.recycles_first(self.tenant) \
+    def cheaper_than_recycling(self, own_cost: float) -> int:
+        return self.arena.available(self.tenant) if self.arena.cheapest_other(self.tenant) < own_cost \
             else self.arena.usable(self.tenant)
 
     def give_back(self, pages) -> None:

@@ -115,12 +115,14 @@ def test_one_eviction_order_cheapest_to_get_back_first():
     slab.take(4)  # 0..3, cost 1.0 each
     kv.take(4)  # 4..7, cost 5.0 each (cached, not live)
     kv.live = {6, 7}
-    # KV's own cached pages cost more than expert slots: KV does not recycle first, and its leases
-    # take expert slots, down to the floor
-    assert not arena.recycles_first(KV)
+    # KV's own cached pages cost more than expert slots (KV weighs them against `cheapest_other`):
+    # its leases take expert slots, cheapest first, down to the floor
+    assert arena.cheapest_other(KV) == 1.0 < kv.cost
     assert kv.take(2) == (0, 1)
-    assert slab.pages == [2, 3]
+    assert slab.pages == [2, 3] and arena.cheapest_other(KV) == math.inf  # the floor: none left to take
     assert dict(arena.stats().moved) == {(EXPERTS, KV): 2}
+    assert arena.cheapest_other(EXPERTS) == 5.0  # KV's cached pages, for the slab's leases
+    assert slab.take(1) == (4,) and kv.pages == [5, 6, 7, 0, 1]
 
 
 def test_a_lease_never_takes_the_asking_tenants_own_pages():
@@ -141,14 +143,10 @@ def test_cached_kv_goes_first_when_it_is_cheaper_than_an_expert():
     slab.take(4)
     kv.take(4)
     kv.live = {6, 7}
-    assert arena.recycles_first(KV)  # KV evicts its own cached blocks before it leases
-    assert not arena.recycles_first(EXPERTS)  # dearer than KV's pages: the slab takes from KV
-    kv.cost = 9.0
-    assert arena.recycles_first(KV)  # a tie: recycling moves nothing between tenants
-    kv.live = {4, 5, 6, 7}  # KV has nothing to give (cost inf): it cannot recycle; the slab can
-    assert not arena.recycles_first(KV) and arena.recycles_first(EXPERTS)
-    slab.live = set(slab.pages)
-    assert not arena.recycles_first(KV) and not arena.recycles_first(EXPERTS)
+    assert arena.cheapest_other(EXPERTS) == 0.5  # the slab's leases take KV's cached pages first
+    assert slab.take(2) == (4, 5) and kv.pages == [6, 7]
+    assert arena.cheapest_other(KV) == 9.0  # a KV tenant weighs its own recycling against this
+    assert arena.cheapest_other(EXPERTS) == math.inf  # KV has nothing to give
 
 
 def test_pages_given_back_or_taken_back_are_leased_again_at_once():

@@ -31,6 +31,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 KVBlock = tuple[int, ...]  # one physical block id per paging group
+RECOMPUTE_COST = 1.0  # per byte, of an evicted cached block (its prefill again); an expert slot's is >= 1.0
 
 
 class OutOfBlocks(RuntimeError):
@@ -55,10 +56,10 @@ class PageSource(Protocol):
         """Take back pages that hold no live or cached block."""
         ...
 
-    def cheaper_than_recycling(self) -> int:
-        """Pages `lease` would hand out at less cost than evicting the pools' own cached blocks (the
-        arena's one eviction order): the free ones, and those it would take back from tenants
-        cheaper to get back (then all of `available()`)."""
+    def cheaper_than_recycling(self, own_cost: float) -> int:
+        """Pages `lease` would hand out at less cost than `own_cost`, the cost per byte of evicting the
+        pools' own cached blocks (the arena's one eviction order): the free ones, and all of
+        `available()` when another tenant's cheapest page costs less (a tie recycles)."""
         ...
 
 
@@ -81,7 +82,7 @@ class FixedPages:
         self._free.extend(pages)
         self._free.sort(reverse=True)
 
-    def cheaper_than_recycling(self) -> int:
+    def cheaper_than_recycling(self, own_cost: float) -> int:
         return len(self._free)  # all free: no other tenant
 
 
@@ -240,9 +241,10 @@ class BlockAllocator:
 
     Paired verbs: `can_allocate`/`allocate`, `can_append`/`append` and its undo `truncate`, `free`.
     Each either does all of its work or raises `OutOfBlocks` having changed nothing.
-    Allocation takes free blocks first, then leases pages cheaper to get than
-    its cached blocks (`cheaper_than_recycling`: the arena's one eviction order),
-    then evicts cached blocks (through `reclaimer`), and leases the rest.
+    Allocation takes free blocks first, then free pages (and pages of another
+    tenant cheaper to get back than a recompute: `cheaper_than_recycling`, the
+    arena's one eviction order), then evicts cached blocks (through `reclaimer`;
+    none that saves no page), and leases the rest.
     """
 
     def __init__(self, block_size: int, pages: PageSource, groups: Mapping[str, int] | None = None):
@@ -318,11 +320,16 @@ class BlockAllocator:
         if not self.can_allocate(n):
             raise OutOfBlocks(f"asked for {n} KV blocks; {self.num_allocatable()} can be handed out "
                               f"({self.num_used} in use)")
-        # evict cached blocks until the pages cheaper than that cover the rest (a lease never recycles
-        # the pool's own pages: it cannot count the free blocks they hold); can_allocate counted the rest
-        evict, evictable, cheaper = 0, self.evictable(), self.pages.cheaper_than_recycling()
-        while evict < evictable and self._pages_needed(n, evict) > cheaper:
-            evict += 1
+        # evict cached blocks until the pages cheaper than that cover the rest (a lease never recycles the
+        # pool's own pages: it cannot count the free blocks they hold), but none that saves no page;
+        # can_allocate counted the rest
+        evict, evictable = 0, self.evictable()
+        if evictable and self._pages_needed(n, 0):
+            cheaper = self.pages.cheaper_than_recycling(RECOMPUTE_COST)
+            while evict < evictable and self._pages_needed(n, evict) > cheaper:
+                evict += 1
+            while evict and self._pages_needed(n, evict - 1) == self._pages_needed(n, evict):
+                evict -= 1
         if evict:  # can_allocate counted these as evictable, so a reclaimer is set
             evicted = self.reclaimer.evict(evict)
             if evicted != evict:  # a broken reclaimer; not an assert: python -O would skip the eviction

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from radianced.arena import KV, Lease
-from radianced.kv.blocks import BlockAllocator
+from radianced.kv.blocks import RECOMPUTE_COST, BlockAllocator
 
 
 class KVReclaimer:
@@ -29,9 +29,9 @@ class KVReclaimer:
             p.blocks_per_page for p in pools)
 
     def reclaim_cost(self) -> float:
-        """Recompute of cached prefixes, 1.0 (an expert slot costs its score + 1.0: KV goes first unless
-        the coldest expert scores 0, a tie KV wins); math.inf when there is nothing to give up."""
-        return 1.0 if self.surrenderable() else math.inf
+        """For another tenant's lease: a recompute of cached prefixes (RECOMPUTE_COST), math.inf when no
+        whole page can be given up. (KV's own allocations weigh their cached blocks the same way.)"""
+        return RECOMPUTE_COST if self.surrenderable() else math.inf
 
     def surrender(self, n: int) -> Lease:
         """Give up n pages (at most `surrenderable()`), evicting cached blocks as needed."""
