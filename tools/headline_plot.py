@@ -51,7 +51,8 @@ def chain_plot(state: dict, path: Path) -> bool:
     panels = (("expert slots", (("slots", "the plan's", "o", "-"),)),
               ("expert hit rate", (("hit_pred", "predicted", "o", "--"), ("hit_meas", "measured", "s", "-"))),
               ("overflow MiB a token", (("over_pred", "predicted", "o", "--"), ("over_meas", "measured", "s", "-"))),
-              ("tok/s", (("tok_link", "predicted, link bound", "^", ":"), ("tok_serial", "predicted, serial", "o", "--"),
+              ("tok/s", (("tok_link", "predicted, link bound", "^", ":"),
+                         ("tok_serial", "predicted, serial", "o", "--"),
                          ("tok_resident", "predicted from the all-hit step", "D", "-."),
                          ("tok_meas", "measured decode", "s", "-"))))
     for ax, (label, lines) in zip(axes, panels):
