@@ -77,13 +77,16 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
     from radianced.config import add_flags
-    from radianced.tiers.predict import gbps
+    from radianced.tiers.predict import gbps, resident_step
 
     add_flags(p)
     p.add_argument("--pcie-gbps", type=gbps, metavar="GB/S", default=None,
                    help="host -> card link rate for the predicted tok/s (default: probed on CUDA)")
     p.add_argument("--hbm-gbps", type=gbps, metavar="GB/S", default=None,
                    help="card memory rate: adds the card's reads to the predicted tok/s")
+    p.add_argument("--resident-step-ms", type=resident_step, metavar="B=MS", action="append", default=[],
+                   help="a decode step of B sequences measured where every expert hits (e.g. TPOT p50 on a card "
+                        "that holds them all): predicts tok/s from it, the misses moved to the link (repeatable)")
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -106,7 +109,8 @@ def _plan(args: argparse.Namespace) -> int:
             return 0
         receipt = plan(cards[0], facts, cfg)
         print("\n".join(receipt.lines()))
-        for line in plan_lines(rad, receipt, pcie_gbps=args.pcie_gbps, hbm_gbps=args.hbm_gbps):
+        for line in plan_lines(rad, receipt, pcie_gbps=args.pcie_gbps, hbm_gbps=args.hbm_gbps,
+                               resident_steps=dict(args.resident_step_ms)):
             print(line)
     return 0
 

@@ -201,11 +201,14 @@ def predictions(rad, receipt, profile: Profile) -> list[Prediction]:
                     resident_bytes=resident, batch=batch) for batch in sorted({1, receipt.max_num_seqs})]
 
 
-def plan_lines(rad, receipt, *, pcie_gbps: float | None = None, hbm_gbps: float | None = None) -> list[str]:
+def plan_lines(rad, receipt, *, pcie_gbps: float | None = None, hbm_gbps: float | None = None,
+               resident_steps: dict[int, float] | None = None) -> list[str]:
     """The "predicted" block `radiancectl plan` prints after the receipt of `rad` (a `RadFile`; its
     header is all that is read, and the profile beside it): `predictions`. The link rate is `pcie_gbps`,
-    else probed when CUDA is there (as start-up probes it), else the tok/s lines say to give one. Empty
-    for a dense model. Raises ProfileError for a profile that does not belong to the model."""
+    else probed when CUDA is there (as start-up probes it), else the tok/s lines say to give one.
+    `resident_steps`: batch -> seconds of a decode step measured where every expert hits, for
+    `Prediction.from_resident` (with `hbm_gbps`). Empty for a dense model. Raises ProfileError for a
+    profile that does not belong to the model."""
     from radianced.tiers.profile import profile_path
 
     if not receipt.experts:
@@ -225,7 +228,25 @@ def plan_lines(rad, receipt, *, pcie_gbps: float | None = None, hbm_gbps: float 
         out += [f"  decode b{pr.batch}: hit rate {100 * pr.hit_rate:.1f}% ({pr.hits:.2f} of {pr.lookups:.2f} lookups "
                 f"a step); overflow {_mib(pr.overflow_bytes_per_token)} a token ({_mib(pr.disk_bytes_per_token)} "
                 f"of it from disk)", "    " + _tok_s(pr, link, where, hbm_gbps, disk)]
+        step = (resident_steps or {}).get(pr.batch)
+        if step is not None:
+            out.append("    " + _from_resident(pr, step, link, hbm_gbps))
     return out
+
+
+def resident_step(text: str) -> tuple[int, float]:
+    """An argparse type: B=MS, a decode step of B sequences measured where every expert hits, in ms."""
+    import argparse
+
+    batch, _, ms = text.partition("=")
+    try:
+        pair = int(batch), float(ms) / 1e3
+    except ValueError:
+        pair = None
+    if pair is None or pair[0] < 1 or not 0 < pair[1] < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give BATCH=MS, e.g. 1=6.4 (a batch of 1 or more, a step in "
+                                         f"ms above 0)")
+    return pair
 
 
 def gbps(text: str) -> float:
@@ -258,6 +279,15 @@ def _tok_s(pr: Prediction, link: float | None, where: str, hbm_gbps: float | Non
         return text + "; give --hbm-gbps for the bound with the card's reads added"
     return (text + f"; {pr.serial(link, hbm_gbps, disk):,.1f} with {_mib(pr.hbm_bytes_per_token)} a token at "
             f"{hbm_gbps:g} GB/s HBM added")
+
+
+def _from_resident(pr: Prediction, step_s: float, link: float | None, hbm_gbps: float | None) -> str:
+    """The tok/s line from a measured all-hit step (`Prediction.from_resident`)."""
+    said = f"from the all-hit step ({1e3 * step_s:g} ms at b{pr.batch})"
+    if pr.overflow_bytes_per_token and not (link and hbm_gbps):
+        return f"{said}: needs a link rate and --hbm-gbps (its misses' bytes move from HBM to the link)"
+    rate = pr.from_resident(step_s, link or 1.0, hbm_gbps or 1.0)  # no overflow: the rates do not enter
+    return f"{said}: {rate:,.1f} tok/s, its misses' bytes moved from HBM to the link"
 
 
 def _link_rate(pcie_gbps: float | None) -> tuple[float | None, str]:

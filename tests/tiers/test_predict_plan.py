@@ -71,6 +71,31 @@ def test_an_hbm_rate_adds_the_cards_reads_to_the_link_time(model, capsys):
     assert card_bytes > 5.6 * EXTENT
 
 
+def test_a_measured_all_hit_step_predicts_tok_s_with_the_misses_on_the_link(model, capsys):
+    _profile(model)
+    lines = _predicted(capsys, "--model", str(model), *FLAGS, "--pcie-gbps", "25", "--hbm-gbps", "4000",
+                       "--resident-step-ms", "1=2.5", "--resident-step-ms", "4=4")
+    b1_miss, b4_miss = .4 * EXTENT, (1 - .6 ** 4) * EXTENT  # bytes a step
+    b1 = 1 / (2.5e-3 - b1_miss / 4000e9 + b1_miss / 25e9)
+    b4 = 4 / (4e-3 - b4_miss / 4000e9 + b4_miss / 25e9)
+    assert lines[3] == f"    from the all-hit step (2.5 ms at b1): {b1:,.1f} tok/s, its misses' bytes moved from HBM " \
+                       "to the link"
+    assert lines[6] == f"    from the all-hit step (4 ms at b4): {b4:,.1f} tok/s, its misses' bytes moved from HBM " \
+                       "to the link"
+    lines = _predicted(capsys, "--model", str(model), *FLAGS, "--pcie-gbps", "25", "--resident-step-ms", "1=2.5")
+    assert lines[3] == "    from the all-hit step (2.5 ms at b1): needs a link rate and --hbm-gbps (its misses' " \
+                       "bytes move from HBM to the link)"
+    assert len(lines) == 6  # no b4 step given: no line
+
+
+@pytest.mark.parametrize("text", ["1", "0=2", "1=0", "x=2", "1=inf"])
+def test_a_resident_step_not_batch_equals_ms_is_refused_naming_the_flag(model, capsys, text):
+    with pytest.raises(SystemExit) as exit_:
+        ctl.main(["plan", "--model", str(model), *FLAGS, "--resident-step-ms", text])
+    assert exit_.value.code == 2
+    assert f"argument --resident-step-ms: {text!r}: give BATCH=MS, e.g. 1=6.4" in capsys.readouterr().err
+
+
 def test_without_a_profile_plan_says_how_to_make_one(model, capsys):
     assert _predicted(capsys, "--model", str(model), *FLAGS) == [
         "predicted: no expert profile (m.rad.expert-profile.bin) beside the model: run radiancectl profile MODEL "
