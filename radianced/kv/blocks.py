@@ -6,8 +6,8 @@
 - A *block* holds `block_size` consecutive tokens of one group.
 - A *page* is the arena's unit. Page p of a group holds that group's blocks
   p*N .. p*N+N-1 (N = the group's blocks per page), which is how `KVCache`
-  storage [P, N, ...] is indexed. Pools lease pages from a `PageSource` (the
-  arena's KV tenant, `arena.TenantPages`; `FixedPages`, a fixed set, where there
+  storage [P, N, ...] is indexed. Pools lease pages from a `PageSource` (kv/pages.py:
+  the arena's KV tenant, `arena.TenantPages`; `FixedPages`, a fixed set, where there
   is no arena: tests and the oracle's greedy driver), give back pages whose blocks
   are all free (`release_pages`), and surrender pages to the arena when it takes
   them back for expert slots (`surrender_pages`: empty pages, then evicting idle
@@ -20,7 +20,8 @@ Holders: each table listing a block holds one reference, and so does the
 prefix cache for every block it keeps. A block nobody holds is free. The prefix
 cache registers itself as the allocator's `reclaimer`: blocks only it holds are
 *evictable*, counted as available by `can_allocate`, and evicted (LRU) by
-`allocate` when free blocks and pages run out.
+`allocate` when free blocks and free pages run out, before pages are taken back
+from another tenant unless that tenant's are cheaper to get back.
 
 Pure Python, no torch.
 """
@@ -30,60 +31,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Protocol
 
+from radianced.kv.pages import RECOMPUTE_COST, FixedPages, OutOfBlocks, PageSource
+
 KVBlock = tuple[int, ...]  # one physical block id per paging group
-RECOMPUTE_COST = 1.0  # per byte, of an evicted cached block (its prefill again); an expert slot's is >= 1.0
-
-
-class OutOfBlocks(RuntimeError):
-    """The pool cannot hand out that many blocks; nothing was allocated."""
-
-
-class PageSource(Protocol):
-    """Where block pools get their pages: the arena's KV tenant.
-
-    Shared by every group of one allocator; a page is leased to one group at a time.
-    """
-
-    def available(self) -> int:
-        """Pages `lease` would hand out now."""
-        ...
-
-    def lease(self, n: int) -> list[int]:
-        """Exactly n page ids (n <= available())."""
-        ...
-
-    def give_back(self, pages: Iterable[int]) -> None:
-        """Take back pages that hold no live or cached block."""
-        ...
-
-    def cheaper_than_recycling(self, own_cost: float) -> int:
-        """Pages `lease` would hand out at less cost than `own_cost`, the cost per byte of evicting the
-        pools' own cached blocks (the arena's one eviction order): the free ones, and all of
-        `available()` when another tenant's cheapest page costs less (a tie recycles)."""
-        ...
-
-
-class FixedPages:
-    """A fixed set of pages 0..num_pages-1, leased lowest id first."""
-
-    def __init__(self, num_pages: int):
-        self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))  # pop() gives 0, 1, 2, ...
-
-    def available(self) -> int:
-        return len(self._free)
-
-    def lease(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfBlocks(f"asked for {n} pages, {len(self._free)} of {self.num_pages} left")
-        return [self._free.pop() for _ in range(n)]
-
-    def give_back(self, pages: Iterable[int]) -> None:
-        self._free.extend(pages)
-        self._free.sort(reverse=True)
-
-    def cheaper_than_recycling(self, own_cost: float) -> int:
-        return len(self._free)  # all free: no other tenant
 
 
 class Reclaimer(Protocol):

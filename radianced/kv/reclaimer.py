@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 
 from radianced.arena import KV, Lease
-from radianced.kv.blocks import RECOMPUTE_COST, BlockAllocator
+from radianced.kv.blocks import BlockAllocator
+from radianced.kv.pages import RECOMPUTE_COST
 
 
 class KVReclaimer:

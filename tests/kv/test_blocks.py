@@ -12,7 +12,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from radianced.kv.blocks import BlockAllocator, FixedPages, OutOfBlocks
+from radianced.kv.blocks import BlockAllocator, OutOfBlocks
+from radianced.kv.pages import FixedPages
 
 
 def test_fixed_pool_hands_out_lowest_ids_and_counts_exactly():

@@ -6,7 +6,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from radianced.kv.blocks import BlockAllocator, FixedPages
+from radianced.kv.blocks import BlockAllocator
+from radianced.kv.pages import FixedPages
 from radianced.kv.prefix import PrefixCache, PrefixMatch, extend_block_hashes, hash_block
 from radianced.kv.state import CheckpointSlots
 
