@@ -60,7 +60,7 @@ from radianced.budget import PlanError, plan  # noqa: E402
 from radianced.model.rad import RadFile  # noqa: E402
 from radianced.sizing import ModelFacts  # noqa: E402
 from radianced.tiers.placement import routed_experts  # noqa: E402
-from radianced.tiers.predict import predictions, step_with_overflow  # noqa: E402
+from radianced.tiers.predict import predictions, tok_s_from_resident  # noqa: E402
 from radianced.tiers.profile import Profile, profile_path  # noqa: E402
 from radianced.tp_plan import detect_cards  # noqa: E402
 from tools import gpu_bench  # noqa: E402
@@ -245,8 +245,8 @@ def from_resident(state: dict) -> None:
             mib, step = steps.get(pr["batch"], (None, None))
             ok = step is not None and rates.get("pcie_gbps") and rates.get("hbm_gbps")
             pr["resident_card_mib"] = mib if ok else None
-            pr["tok_s_from_resident"] = pr["batch"] / step_with_overflow(
-                step, pr["overflow_bytes_per_token"] * pr["batch"], rates["pcie_gbps"], rates["hbm_gbps"]) \
+            pr["tok_s_from_resident"] = tok_s_from_resident(
+                pr["batch"], pr["overflow_bytes_per_token"], step, rates["pcie_gbps"], rates["hbm_gbps"]) \
                 if ok else None
 
 

@@ -47,7 +47,7 @@ the link's time, or the disk's where that is longer. KV, activations and launch
 time are not counted: both are bounds. `from_resident` is a prediction, not a
 bound: a decode step measured where every expert hits (the same model and
 batch on a card that holds them all) stands for all that the bounds leave out,
-and the misses trade their HBM reads for the link's (`step_with_overflow`).
+and the misses trade their HBM reads for the link's (`tok_s_from_resident`).
 """
 
 from __future__ import annotations
@@ -128,14 +128,16 @@ class Prediction:
     def from_resident(self, resident_step_s: float, link_gbps: float, hbm_gbps: float) -> float:
         """Tok/s from `resident_step_s`, a decode step of `batch` tokens measured where every expert hits
         (module docstring); disk misses count at the link's rate."""
-        return self.batch / step_with_overflow(resident_step_s, self.overflow_bytes_per_token * self.batch,
-                                               link_gbps, hbm_gbps)
+        return tok_s_from_resident(self.batch, self.overflow_bytes_per_token, resident_step_s, link_gbps, hbm_gbps)
 
 
-def step_with_overflow(resident_step_s: float, overflow_bytes: float, link_gbps: float, hbm_gbps: float) -> float:
-    """A step's seconds when `overflow_bytes` of the experts an all-hit step of `resident_step_s` read from
-    HBM cross the link instead: their HBM time out, their link time in (no overlap)."""
-    return resident_step_s - overflow_bytes / (hbm_gbps * GB) + overflow_bytes / (link_gbps * GB)
+def tok_s_from_resident(batch: int, overflow_bytes_per_token: float, resident_step_s: float, link_gbps: float,
+                        hbm_gbps: float) -> float:
+    """Tok/s of `batch` sequences when the expert bytes a step misses (`overflow_bytes_per_token` a token),
+    which an all-hit step of `resident_step_s` read from HBM, cross the link instead: their HBM time out,
+    their link time in (no overlap)."""
+    missed = overflow_bytes_per_token * batch
+    return batch / (resident_step_s - missed / (hbm_gbps * GB) + missed / (link_gbps * GB))
 
 
 def predict(profile: Profile, placement: Placement, *, top_k: int, extent_bytes: int, resident_bytes: int = 0,
