@@ -35,16 +35,19 @@ noticed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from radianced.engine import ngram
 
-# r of the cost model, per device type. cpu: SmolLM2-135M fp32 on 2 cores at batch 1, a 5-token verify step
-# takes 71.7 ms against a plain step's 48.8 (1.47x: tools/bench_spec.py, bench/results/2026-12-02-cpu-*-spec.md),
-# so r = (c - 1) / (5 - c) = 0.13. cuda: a decode step at batch 1 is bound by reading the weights; not yet
-# measured on the H200 (issue 22): the value assumes one token's compute is 2% of that read.
+# r of the cost model, per device type, until the daemon's warm-up measures it on the machine it serves on
+# (engine/warmup.py, `token_cost_from_steps`). cpu: SmolLM2-135M fp32 on 2 cores with AMX at batch 1, a 5-token
+# verify step took 71.7 ms against a plain step's 48.8 (1.47x: tools/bench_spec.py,
+# bench/results/2026-12-02-cpu-*-spec.md), so r = (c - 1) / (5 - c) = 0.13; on 2 cores of an AMD EPYC without AMX
+# it was 2.39x (r = 0.53: 2026-12-04-cpu-*-spec.md). cuda: a decode step at batch 1 is bound by reading the
+# weights: the value assumes one token's compute is 2% of that read.
 TOKEN_COST = {"cpu": 0.13, "cuda": 0.02}
 PRIOR_ACCEPTED, PRIOR_DRAFTED = 2.0, 4.0
 DECAY = 0.9  # weight of a sequence's older steps in its acceptance estimate, per step
@@ -69,8 +72,22 @@ def expected_tokens(acceptance: float, n: int) -> float:
 
 
 def step_cost(n: int, batch: int, token_cost: float) -> float:
-    """A step with n drafts per sequence over one without, for `batch` sequences."""
+    """A step with n drafts per sequence over one without, for `batch` sequences (n + 1 where a token's
+    compute is all of a step's cost: token_cost inf)."""
+    if math.isinf(token_cost):
+        return float(n + 1)
     return (1.0 + token_cost * batch * (n + 1)) / (1.0 + token_cost * batch)
+
+
+def token_cost_from_steps(plain_s: float, verify_s: float, tokens: int) -> float:
+    """r of the cost model measured at batch 1: a plain decode step took `plain_s`, a verify step of
+    `tokens` positions (the last token and tokens - 1 drafts) `verify_s`. From c = verify_s / plain_s =
+    (1 + r tokens) / (1 + r): r = (c - 1) / (tokens - c); 0 where the verify step cost no more, inf where it
+    cost as much as `tokens` plain steps (then no number of drafts pays)."""
+    c = verify_s / plain_s
+    if c <= 1.0:
+        return 0.0
+    return math.inf if c >= tokens else (c - 1.0) / (tokens - c)
 
 
 def best_num_drafts(acceptance: float, limit: int, batch: int, token_cost: float) -> int:
@@ -145,7 +162,7 @@ class DraftPolicy:
     """What `--speculative N --speculative-method ngram` drafts for a sequence in a step.
 
     num_drafts: N, the most drafts per sequence and step.
-    token_cost: r of the cost model (`TOKEN_COST` of the device type).
+    token_cost: r of the cost model (`TOKEN_COST` of the device type, or what the daemon's warm-up measured).
     adaptive: choose n by the cost model (off: always N where the drafter proposes N; for measuring).
     propose: the drafter: (sequence, n) -> up to n drafted tokens to follow its history (`ngram_drafts`,
         `mtp_drafts`; tests and the forced-draft benchmark replay known continuations).

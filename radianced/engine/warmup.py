@@ -31,7 +31,11 @@ engine (scheduler, batch, runner, sampler: the served path), random token ids:
 - with --speculative, B = 1 and 2 sequences whose every decode step drafts N
   tokens (`forced_drafting`: a random-weights model or an unmatched prompt would
   leave n-gram drafting idle), so verify steps run, and a hybrid's per-position
-  state kernels with them.
+  state kernels with them. One sequence decoding as many tokens without drafts
+  runs first: the median of its steps' own time against each one-sequence verify
+  step's gives the cost model's r on this machine (engine/speculation.py,
+  `token_cost_from_steps`; on 2 CPU cores a 5-token verify step cost 1.5 plain
+  steps with AMX and 2.4 without), which the daemon's drafting then uses.
 
 Then it drops the prefix-cache blocks these left, zeroes the expert slab's counts
 (the status, the metrics and a saved expert profile count served traffic only),
@@ -48,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -59,7 +64,7 @@ from radianced.engine.drafting import DraftPlanner
 from radianced.engine.engine_metrics import NoMetrics
 from radianced.engine.request import Request
 from radianced.engine.sampling_params import SamplingParams
-from radianced.engine.speculation import ngram_drafts
+from radianced.engine.speculation import ngram_drafts, step_cost, token_cost_from_steps
 from radianced.kernels import gemm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
@@ -77,6 +82,7 @@ class Round:
     lengths: tuple[int, ...]
     params: tuple[SamplingParams, ...]
     drafting: bool = False  # every decode step drafts --speculative N tokens (`forced_drafting`)
+    plain: bool = False  # no decode step drafts: the verify steps' baseline (their cost model's r)
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,8 @@ class WarmupReport:
     seconds: float  # wall time of the whole warm-up
     tokens: int  # prompt tokens prefilled
     gemms: int  # cuBLAS calls at every row bucket of every dense shape the steps met (kernels/gemm.py)
+    plain_step_s: float | None = None  # with --speculative: one sequence's decode step, median own time
+    token_cost: float | None = None  # and the cost model's r its verify steps measured (None: not measured)
 
 
 def token_buckets(limit: int) -> list[int]:
@@ -111,6 +119,7 @@ def plan_rounds(max_batched_tokens: int, max_num_seqs: int, max_model_len: int, 
         rounds += [Round((5, 7), (SAMPLED, GREEDY))]
     if speculative:
         n = min(48, longest)
+        rounds += [Round((n,), (SPECULATIVE,), plain=True)]
         rounds += [Round((n,) * b, (SPECULATIVE,) * b, drafting=True) for b in range(1, min(2, max_num_seqs) + 1)]
     return rounds
 
@@ -132,21 +141,44 @@ def warm_up(engine, max_batched_tokens: int, max_num_seqs: int, max_model_len: i
     rounds = plan_rounds(max_batched_tokens, max_num_seqs, max_model_len, speculative)
     scheduler = engine.scheduler
     planner = scheduler.drafting
+    plain: list[float] = []  # one sequence's decode steps, own seconds
+    verify: list[tuple[int, float]] = []  # one sequence's verify steps: (positions, own seconds)
     for r, rnd in enumerate(rounds):
         for i, (n, params) in enumerate(zip(rnd.lengths, rnd.params)):
             engine.add(Request(f"warm-up-{r}-{i}", tuple(rng.randrange(vocab_size) for _ in range(n)), params))
             tokens += n
-        if rnd.drafting and planner is not None:
+        if rnd.plain:
+            scheduler.drafting = None
+        elif rnd.drafting and planner is not None:
             scheduler.drafting = forced_drafting(planner)
         try:
             while scheduler.has_unfinished:
-                engine.step()
+                done, _ = engine.step_done()
                 steps += 1
+                timed = _decode_time(done) if (rnd.plain or rnd.drafting) and len(rnd.lengths) == 1 else None
+                if timed is not None and timed[0] == 1:
+                    plain.append(timed[1])
+                elif timed is not None:
+                    verify.append(timed)
         finally:
             scheduler.drafting = planner
     forget(engine)
     gemms = gemm.warm_up()
-    return WarmupReport(len(rounds), steps, time.perf_counter() - start, tokens, gemms)
+    plain_s = statistics.median(plain) if plain else None
+    cost = (statistics.median(token_cost_from_steps(plain_s, s, n) for n, s in verify)
+            if plain_s and verify else None)
+    return WarmupReport(len(rounds), steps, time.perf_counter() - start, tokens, gemms, plain_s, cost)
+
+
+def _decode_time(done) -> tuple[int, float] | None:
+    """A finished one-sequence decode step's positions (1 + its drafts) and own time; None for any other
+    step, or where its time is not known."""
+    if done is None or done.output.seconds is None:
+        return None
+    plan = done.finished.plan
+    if len(plan.seqs) != 1 or plan.decodes != 1:
+        return None
+    return 1 + len(plan.seqs[0].drafts), done.output.seconds
 
 
 def warm_up_start(engine, cfg, device: str, vocab_size: int, step_thread, compiles) -> str:
@@ -167,6 +199,13 @@ def warm_up_start(engine, cfg, device: str, vocab_size: int, step_thread, compil
                         "--gpu-headroom-mib") from None
     said = (f"warm-up: {r.rounds} rounds, {r.steps} steps, {r.tokens} prompt tokens, {r.gemms} cuBLAS row "
             f"buckets in {r.seconds:.1f} s")
+    if r.token_cost is not None:  # drafting decides by this machine's verify cost, not the device type's guess
+        planner = engine.scheduler.drafting
+        engine.scheduler.drafting = dataclasses.replace(
+            planner, policy=dataclasses.replace(planner.policy, token_cost=r.token_cost))
+        said += (f"; speculative decoding's cost model measured: a decode step {1e3 * r.plain_step_s:.2f} ms, "
+                 f"r = {r.token_cost:.3g} (a {cfg.speculative + 1}-token verify step costs "
+                 f"{step_cost(cfg.speculative, 1, r.token_cost):.2f} plain steps)")
     if compiles is not None:
         built = compiles.builds[before:]
         tuned = sum(1 for b in built if b.kind == "autotune")

@@ -19,8 +19,9 @@ from radianced.config import Config
 from radianced.engine.engine import Engine
 from radianced.engine import ngram
 from radianced.engine.sampling_params import SamplingParams
-from radianced.engine.speculation import (NO_MATCH_PAUSE, PROBE_EVERY, TOKEN_COST, DraftPolicy, DraftStats, accepted,
-                                          best_num_drafts, draft_limit, expected_tokens, mtp_drafts, step_cost)
+from radianced.engine.speculation import (NO_MATCH_PAUSE, PROBE_EVERY, TOKEN_COST, DraftPolicy,
+                                          DraftStats, accepted, best_num_drafts, draft_limit, expected_tokens,
+                                          mtp_drafts, step_cost, token_cost_from_steps)
 from radianced.model.batch import ForwardBatch
 from radianced.model.convert import convert
 from radianced.model.rad import RadFile
@@ -106,6 +107,22 @@ def test_the_cost_model_drafts_more_at_high_acceptance_and_fewer_in_a_big_batch(
     assert best_num_drafts(0.9, 4, 1, 0.6) == 4
     assert best_num_drafts(0.3, 4, 1, 0.6) == 0  # 1.3 tokens for 1.375 steps: no
     assert best_num_drafts(0.9, 4, 1, 0.02) == 4 and best_num_drafts(0.9, 4, 64, 0.6) == 0
+
+
+@pytest.mark.parametrize("c", [1.05, 1.47, 2.39, 4.5])
+def test_the_cost_model_measured_from_two_step_times_gives_the_verify_cost_back(c):
+    """r from a plain step and a 5-token verify step c times as long (2.39: 2 CPU cores without AMX, where
+    r = 0.53), and step_cost with that r is c again."""
+    r = token_cost_from_steps(0.010, c * 0.010, 5)
+    assert step_cost(4, 1, r) == pytest.approx(c)
+    assert token_cost_from_steps(0.0157, 0.0375, 5) == pytest.approx(0.53, abs=0.005)  # 2026-12-04's bench_spec
+
+
+def test_a_measured_verify_step_no_dearer_than_a_plain_one_is_free_and_one_as_dear_as_its_tokens_never_pays():
+    assert token_cost_from_steps(0.010, 0.009, 5) == 0.0 and token_cost_from_steps(0.010, 0.010, 5) == 0.0
+    assert token_cost_from_steps(0.010, 0.050, 5) == token_cost_from_steps(0.010, 0.090, 5) == math.inf
+    assert step_cost(4, 1, math.inf) == 5 and step_cost(2, 8, math.inf) == 3
+    assert best_num_drafts(1.0, 4, 1, math.inf) == 0  # even all accepted: n + 1 tokens for n + 1 steps
 
 
 class _Seq:

@@ -58,6 +58,11 @@ def test_drafts_are_accepted_and_the_greedy_text_is_the_same_as_without():
     assert by_position[0] > 0 and by_position == sorted(by_position, reverse=True)  # a later draft needs the earlier
     assert sum(by_position) == m["radiance_spec_accepted_tokens_total"]
     assert "speculative decoding: up to 4 n-gram drafts per sequence and step" in spec.log()
+    # the warm-up timed a plain decode step and 5-token verify steps on this machine; drafting uses that r
+    measured = re.search(r"cost model measured: a decode step (\S+) ms, r = (\S+) \(a 5-token verify step costs "
+                         r"(\S+) plain steps\)", spec.log())
+    assert measured is not None and float(measured[1]) > 0 and 1 <= float(measured[3]) <= 5
+    assert float(measured[2]) >= 0
     served = "\n".join(ln for ln in spec.log().splitlines() if "warm-up-" not in ln)  # start-up's own requests
     lines = re.findall(r"drafts accepted (\d+)/(\d+) \((\d+\.\d)%\)", served)
     assert len(lines) == 3 and all(0 < int(a) <= int(d) for a, d, _ in lines)  # one line per request
