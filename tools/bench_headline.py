@@ -60,7 +60,7 @@ from radianced.budget import PlanError, plan  # noqa: E402
 from radianced.model.rad import RadFile  # noqa: E402
 from radianced.sizing import ModelFacts  # noqa: E402
 from radianced.tiers.placement import routed_experts  # noqa: E402
-from radianced.tiers.predict import predictions, tok_s_from_resident  # noqa: E402
+from radianced.tiers.predict import predictions, resident_step, tok_s_from_resident  # noqa: E402
 from radianced.tiers.profile import Profile, profile_path  # noqa: E402
 from radianced.tp_plan import detect_cards  # noqa: E402
 from tools import gpu_bench  # noqa: E402
@@ -233,9 +233,11 @@ def measured(bench: dict) -> list[dict]:
 def from_resident(state: dict) -> None:
     """Each card's predicted rows gain `tok_s_from_resident`: the decode step (TPOT p50) of the largest card
     that hit every expert at that batch, with the card's predicted misses moved from HBM to the link; None
-    until such a card is measured. `resident_card_mib` names the card it came from."""
+    until such a card is measured. `resident_card_mib` names the card it came from: 0 where the step was given
+    (`--resident-step-ms`, state["given_steps"]: measured in an earlier call) and no card of this state hit
+    every expert at that batch."""
     rates, cards = state.get("rates", {}), state.get("cards", {})
-    steps = {}  # batch -> (card MiB, TPOT p50 s)
+    steps = {int(b): (0, s) for b, s in state.get("given_steps", {}).items()}  # batch -> (card MiB, TPOT p50 s)
     for mib in sorted(cards, key=int):
         for r in cards[mib].get("measured", []):
             if r.get("hit_rate") == 1.0 and r.get("tpot_p50_s"):
@@ -244,7 +246,7 @@ def from_resident(state: dict) -> None:
         for pr in row.get("predicted", []):
             mib, step = steps.get(pr["batch"], (None, None))
             ok = step is not None and rates.get("pcie_gbps") and rates.get("hbm_gbps")
-            pr["resident_card_mib"] = mib if ok else None
+            pr["resident_card_mib"] = mib if ok else None  # 0: a given step
             pr["tok_s_from_resident"] = tok_s_from_resident(
                 pr["batch"], pr["overflow_bytes_per_token"], step, rates["pcie_gbps"], rates["hbm_gbps"]) \
                 if ok else None
@@ -318,9 +320,11 @@ def render(state: dict) -> str:
         lines += [f"| {_card(mib)} | | | | | | | | | | {row['error'][:300]} |"] if "error" in row \
             else _cells(mib, row)
     resident = {pr["resident_card_mib"] for row in state.get("cards", {}).values()
-                for pr in row.get("predicted", []) if pr.get("resident_card_mib")}
+                for pr in row.get("predicted", []) if pr.get("resident_card_mib") is not None}
+    given = ", ".join(f"{b}={1e3 * s:g}" for b, s in state.get("given_steps", {}).items())
+    named = [_card(m) if m else f"measured in an earlier call: --resident-step-ms {given}" for m in sorted(resident)]
     lines += ["", "Decode is batch / TPOT p50 (\"over the run\" counts the prefill too); \"from the resident step\" "
-              f"is the decode step of the card that hit every expert ({', '.join(_card(m) for m in sorted(resident))}) "
+              f"is the decode step of the card that hit every expert ({'; '.join(named)}) "
               "with each card's predicted misses moved from HBM to the link."] if resident else []
     return "\n".join(lines) + "\n"
 
@@ -353,10 +357,18 @@ def main(argv=None) -> int:
                     "second model: qwen3-30b-a3b with --quantize experts=fp8, ~30 GiB)")
     ap.add_argument("--layers", type=int, help=f"decoder layers (default {FULL.layers})")
     ap.add_argument("--again", action="store_true", help="run cards already measured again")
+    ap.add_argument("--bench-quick", action="store_true",
+                    help="`bench run --quick` on each card (its workloads sized down: a card that misses decodes far "
+                         "slower than one that hits, and the full sizes do not fit a device call beside the profile)")
+    ap.add_argument("--resident-step-ms", type=resident_step, metavar="B=MS", action="append", default=[],
+                    help="a decode step of B sequences (TPOT p50, ms) measured in an earlier call on a card that hit "
+                         "every expert: the cards' from-resident prediction where none of this call's hits every "
+                         "expert at B (a device call may not fit the largest card beside a smaller one)")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mode = QUICK if args.quick or device == "cpu" else FULL
-    mode = dataclasses.replace(mode, shape=args.shape or mode.shape, layers=args.layers or mode.layers)
+    mode = dataclasses.replace(mode, shape=args.shape or mode.shape, layers=args.layers or mode.layers,
+                               bench=("--quick",) if args.bench_quick else mode.bench)
     home = args.dir / f"radianced-headline-{mode.shape}-{mode.layers}l-{args.quantize.replace('=', '-')}"
     home.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -365,6 +377,7 @@ def main(argv=None) -> int:
     state.update(quick=mode.quick, device=gpu_bench.section_env(args.out).get("device"),
                  commit=gpu_bench.commit()["commit"])
     steps = set(args.steps.split(","))
+    state.setdefault("given_steps", {}).update({str(b): s for b, s in args.resident_step_ms})
 
     def save() -> None:
         from_resident(state)

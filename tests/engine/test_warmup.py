@@ -27,8 +27,8 @@ def test_token_buckets_are_the_powers_of_two_below_the_limit_then_the_limit(limi
 def test_plan_of_a_small_engine(speculative):
     """8-token steps, 3 sequences, a 64-token context: a prefill of each bucket's size T and of T + 1
     (a prompt may pass the step limit: it runs as two steps), 2 and 3 one-token sequences together,
-    the sampled rounds, and only with --speculative one sequence decoding without drafts (the verify steps'
-    baseline), then the forced-drafting rounds."""
+    the sampled rounds, and only with --speculative the drafting rounds: one sequence drafting every other
+    step (its steps timed in pairs), twice, and two drafting every step."""
     rounds = plan_rounds(8, 3, 64, speculative)
     want = [
         *(Round((n,), (GREEDY,)) for n in (1, 2, 3, 4, 5, 8, 9)),
@@ -36,7 +36,7 @@ def test_plan_of_a_small_engine(speculative):
         Round((5,), (SAMPLED,)), Round((5, 7), (SAMPLED, GREEDY)),
     ]
     if speculative:
-        want += [Round((8,), (SPECULATIVE,), plain=True), Round((8,), (SPECULATIVE,), drafting=True),
+        want += [Round((8,), (SPECULATIVE,), drafting=True, timed=True)] * 2 + [
                  Round((8, 8), (SPECULATIVE, SPECULATIVE), drafting=True)]
     assert rounds == want
     assert all(n + p.max_tokens <= 64 for r in rounds for n, p in zip(r.lengths, r.params))

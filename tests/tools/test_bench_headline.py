@@ -87,6 +87,12 @@ def test_the_all_hit_cards_step_predicts_the_others_with_their_misses_on_the_lin
     del state["cards"]["49152"]
     bench_headline.from_resident(state)  # no card hit everything: nothing to predict from
     assert state["cards"]["24576"]["predicted"][0]["tok_s_from_resident"] is None
+    state["given_steps"] = {"1": 0.008}  # --resident-step-ms 1=8: the large card's step from an earlier call
+    bench_headline.from_resident(state)
+    small = state["cards"]["24576"]["predicted"][0]
+    assert small["tok_s_from_resident"] == pytest.approx(1 / (0.008 - 100e6 / 4000e9 + 100e6 / 50e9))
+    assert small["resident_card_mib"] == 0
+    assert "measured in an earlier call: --resident-step-ms 1=8" in bench_headline.render(state)
 
 
 def test_another_shape_or_depth_is_its_own_model_and_replaces_the_others_file(tmp_path):
