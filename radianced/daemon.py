@@ -19,6 +19,8 @@ restarts the unit; so does any start-up failure, with one line saying why.
 
 Environment: RADIANCED_CPU_THREADS=N sets torch's CPU threads (default on the CPU
 backend: every usable core, OpenMP's idle threads spinning only briefly; tests use 1).
+RADIANCED_STEP_TRACE=FILE appends the step thread's rounds and the loop's arrivals
+and dispatches to FILE, one JSON line each (engine/step_trace.py).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from radianced.card import Card
 from radianced.config import Config, ConfigError
 from radianced.engine.driver import AsyncEngine, step_executor
 from radianced.engine.pacing import StepPacer
+from radianced.engine.step_trace import StepTrace
 from radianced.engine.tp_memory import refuse_device
 from radianced.engine.tp_processes import RankWorkers
 from radianced.engine.warmup import warm_up_served, warm_up_start
@@ -261,7 +264,8 @@ class Daemon:
             raise _StartFailed from None
         graphs = engine.runner.graphs
         graph_tokens = max(graphs.mixed, default=0) if graphs is not None else 0
-        return AsyncEngine(engine, self.metrics, StepPacer.for_config(self.cfg, graph_tokens), self.step_thread)
+        return AsyncEngine(engine, self.metrics, StepPacer.for_config(self.cfg, graph_tokens), self.step_thread,
+                           StepTrace.from_env())
 
     def _build(self):
         """Open the model, plan the card, allocate and load (on the loader thread)."""

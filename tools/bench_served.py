@@ -30,7 +30,9 @@ request goes over HTTP, streamed (`radianced.bench.client.stream_request`).
   of 2,000 tokens arrive together from another process (other users' clients); the
   running streams' ITL p50 and p99 while the burst prefills, against their median over
   the whole run (target: p99 at most 3x p50); `--burst-repeats` times, each burst's ratio kept and all their
-  gaps pooled (one burst's p99 is its third-largest gap); then once more with the GIL's holders sampled.
+  gaps pooled (one burst's p99 is its third-largest gap), and the daemon's step trace (RADIANCED_STEP_TRACE,
+  engine/step_trace.py) around each burst's longest gap: the rounds, arrivals and dispatches that made it;
+  then once more with the GIL's holders sampled.
 
 Writes DIR/NAME.json (default bench_served.json); prints a table.
 """
@@ -159,8 +161,19 @@ def burst_elsewhere(url: str, bodies: list[dict]) -> tuple[float, float, list[tu
     return asyncio.run(send())
 
 
-async def prefill_burst(http, prompts: Callable[[int], list[int]], url: str, watch=contextlib.nullcontext) -> dict:
-    """`watch()` (a context manager) spans the streams' 0.3 s of decoding before the burst, and the burst."""
+def trace_window(trace: Path | None, lo: float, hi: float) -> list[dict]:
+    """The daemon's step trace (RADIANCED_STEP_TRACE, engine/step_trace.py) between two of this machine's
+    perf_counter times: the rounds, arrivals and dispatches around a gap."""
+    if trace is None or not trace.exists():
+        return []
+    rows = (json.loads(line) for line in trace.read_text().splitlines() if line)
+    return [r for r in rows if lo <= r["t"] <= hi]
+
+
+async def prefill_burst(http, prompts: Callable[[int], list[int]], url: str, watch=contextlib.nullcontext,
+                        trace: Path | None = None) -> dict:
+    """`watch()` (a context manager) spans the streams' 0.3 s of decoding before the burst, and the burst.
+    `stall_trace`: the daemon's step trace from 3 ms before the longest gap began to 1 ms after it ended."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as other:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(other, burst_elsewhere, url, [])  # started and imported before the streams
@@ -185,6 +198,7 @@ async def prefill_burst(http, prompts: Callable[[int], list[int]], url: str, wat
             if t_burst <= at <= t_end:
                 during.append((gap, at - t_burst))
     after, before = counter_totals(hist_after), counter_totals(hist_before)
+    gap, ended = max(during, default=(0.0, 0.0))
     return {"itl_all": summary(itl), "itl_during_burst": summary([g for g, _ in during]),
             "gaps_during": [g for g, _ in during],
             "burst_seconds": t_end - t_burst,
@@ -194,17 +208,21 @@ async def prefill_burst(http, prompts: Callable[[int], list[int]], url: str, wat
             "steps": {k: {"steps": c, "mean_ms": 1000 * t / c if c else None} for k, (c, t) in kinds.items()},
             "burst_histograms": histogram_deltas(hist_before, hist_after),
             # cudaMalloc and cudaFree while the burst is served (a free synchronizes the device)
-            "burst_allocator": {n: after[n] - before[n] for n in ALLOCATOR}}
+            "burst_allocator": {n: after[n] - before[n] for n in ALLOCATOR},
+            "stall_trace": trace_window(trace, t_burst + ended - gap - 0.003, t_burst + ended + 0.001) if gap else []}
 
 
-async def prefill_bursts(http, prompts: Callable[[int], list[int]], url: str, repeats: int) -> dict:
-    """The burst `repeats` times: the first one's whole record, each one's p99 against its own median, and all of
-    their gaps during a burst pooled against the runs' median (one burst's p99 is its third-largest gap)."""
-    runs = [await prefill_burst(http, prompts, url) for _ in range(repeats)]
+async def prefill_bursts(http, prompts: Callable[[int], list[int]], url: str, repeats: int,
+                         trace: Path | None = None) -> dict:
+    """The burst `repeats` times: the first one's whole record, each one's p99 against its own median (and the
+    step trace around its longest gap), and all of their gaps during a burst pooled against the runs' median
+    (one burst's p99 is its third-largest gap)."""
+    runs = [await prefill_burst(http, prompts, url, trace=trace) for _ in range(repeats)]
     median = pct([r["itl_all"]["p50"] for r in runs], 0.5)
     pooled = summary([g for r in runs for g in r["gaps_during"]])
     each = [{"p99_ms": 1e3 * r["itl_during_burst"]["p99"], "ratio": r["itl_during_burst"]["p99"] / r["itl_all"]["p50"],
-             "burst_s": r["burst_seconds"]} for r in runs if r["itl_during_burst"]["n"]]
+             "burst_s": r["burst_seconds"], "longest_gap": r["longest_gaps"][:1], "stall_trace": r["stall_trace"]}
+            for r in runs if r["itl_during_burst"]["n"]]
     return runs[0] | {"repeats": each, "pooled": pooled | {"median": median}}
 
 
@@ -217,7 +235,8 @@ async def measure(url: str, pid: int, args, res: dict) -> None:
         res["serving_builds_before"] = before
         for name, part in (("ttft", lambda: ttft_rows(http, prompts, args.requests, args.bursts)),
                            ("sweep", lambda: sweeps(http, prompts)),
-                           ("prefill_burst", lambda: prefill_bursts(http, prompts, url, args.burst_repeats)),
+                           ("prefill_burst", lambda: prefill_bursts(http, prompts, url, args.burst_repeats,
+                                                                    args.trace)),
                            ("burst_gil", lambda: gil_burst(http, prompts, url, pid))):
             t0 = time.perf_counter()
             res[name] = await part()
@@ -282,6 +301,8 @@ def main() -> int:
     flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
     flags = flags or ["--placement", "resident", "--max-num-seqs", "8"]
     with tempfile.TemporaryDirectory(dir="/var/tmp" if Path("/var/tmp").is_dir() else None) as d:
+        args.trace = Path(d) / "step-trace.jsonl"  # the daemons' rounds (engine/step_trace.py), for the stalls
+        os.environ["RADIANCED_STEP_TRACE"] = str(args.trace)
         model = args.model
         if model is None:
             from tools.make_synthetic import make_synthetic

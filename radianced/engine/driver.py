@@ -43,6 +43,7 @@ from radianced.engine.request import FinishReason, Request, SeqStatus
 from radianced.engine.request_log import expert_line, request_line
 from radianced.engine.sampling_params import SamplingParams
 from radianced.engine.scheduler import SeqEvent
+from radianced.engine.step_trace import StepTrace
 from radianced.engine.speculation import DraftStats
 from radianced.engine.streams import (
     Chunk, EngineFailed, LiveRequest, RequestFailed, RequestStream, StreamState, reused_tokens,
@@ -59,13 +60,15 @@ def step_executor() -> ThreadPoolExecutor:
 
 class AsyncEngine:
     def __init__(self, engine: Engine, metrics: EngineMetrics | None = None, pacer: StepPacer | None = None,
-                 step_thread: ThreadPoolExecutor | None = None):
+                 step_thread: ThreadPoolExecutor | None = None, trace: StepTrace | None = None):
         """pacer: caps each step's tokens at a step time measured here (engine/pacing.py); None
         keeps the scheduler's --max-num-batched-tokens budget. step_thread: the one-worker executor
         the rounds run on (the daemon's, which ran the warm-up there: a thread's first steps pay its own
-        set-up, torch's CPU thread team and cuBLAS handle among it); None: a new one."""
+        set-up, torch's CPU thread team and cuBLAS handle among it); None: a new one. trace: the rounds'
+        timeline (engine/step_trace.py), closed when `run` ends; None: none."""
         self.engine = engine
         self.pacer = pacer
+        self.trace = trace or StepTrace.off()
         self.scheduler = engine.scheduler
         self.metrics = metrics or NoMetrics()
         self._streams: dict[str, StreamState] = {}  # the loop's: live requests by id
@@ -125,6 +128,7 @@ class AsyncEngine:
             raise
         finally:
             self._worker.shutdown(wait=True)
+            self.trace.close()
 
     async def between_steps(self, fn: Callable[[], object]) -> object:
         """fn() on the step thread between two rounds (what reads or changes the engine's state:
@@ -145,11 +149,13 @@ class AsyncEngine:
         start = None  # when the step being finished began (its launch's round)
         while not self._closing:
             self._wake.clear()  # before the inbox is read: an entry posted after it sets it again
-            self._take_inbox()
+            t = time.perf_counter()
+            taken = self._take_inbox()
             if (work := engine.plan()) is None:  # idle, or nothing fits until a request ends
                 self._wake.wait()
                 continue
-            start = start or time.perf_counter()
+            planned = time.perf_counter()
+            start = start or planned
             done = engine.execute(work)
             if work.launch is not None:
                 self.metrics.observe_launch(done.launch_s, done.launch_s - done.launch_cpu_s)
@@ -158,14 +164,17 @@ class AsyncEngine:
                 counts = self._count_step(done, time.perf_counter() - start)
                 loop.call_soon_threadsafe(self._dispatch, events, counts, time.perf_counter())
                 start = time.perf_counter() if done.launched is not None else None
+            self.trace.round(t, taken, planned - t, work, done, time.perf_counter())
         self._take_inbox()  # what came with the cancel: `between_steps` callers are answered
 
-    def _take_inbox(self) -> None:
+    def _take_inbox(self) -> int:
+        """Run the loop's changes posted so far; how many."""
         with self._lock:
             calls = list(self._inbox)
             self._inbox.clear()
         for call in calls:
             call()
+        return len(calls)
 
     def _add(self, stream: StreamState) -> None:
         try:
@@ -221,6 +230,7 @@ class AsyncEngine:
         self._streams[request_id] = stream
         self.metrics.add_prompt_tokens(len(prompt_ids))
         self._post(lambda: self._add(stream), arriving=True)
+        self.trace.submit(stream.arrived, request_id, len(prompt_ids))
         return RequestStream(self, stream)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
@@ -303,6 +313,7 @@ class AsyncEngine:
         now = time.perf_counter()
         m = self.metrics
         m.observe_loop_wait(now - posted)  # how long the step's tokens waited for the event loop
+        self.trace.dispatch(now, posted, len(events))
         if expert_counts:
             by_seq = {s.seq.seq_id: s for s in self._streams.values() if s.seq is not None}
             for seq_id, counts in expert_counts:

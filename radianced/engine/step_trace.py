@@ -1,0 +1,78 @@
+"""A timeline of the driver's rounds, for finding where a stall lives: `RADIANCED_STEP_TRACE=FILE`.
+
+The metrics say that a step took long (issue 18: a decode step of 10 ms while a burst of prompts
+arrives, against 1.6 ms typical); a histogram cannot say what that round did. With the variable
+set, the daemon appends one JSON line per event to FILE (line-buffered writes under a lock; the
+times are `time.perf_counter()`, CLOCK_MONOTONIC on Linux, so a client on the same machine can cut
+out a window of its own): on the step thread a line per round (`round`), on the event loop a line
+per request submitted (`submit`) and per step's events dispatched to the streams (`dispatch`).
+Unset, `StepTrace.off()` records nothing and costs a call a round.
+
+    {"k": "round", "t": start, "inbox": entries taken, "plan_s": planning, "launch": [seqs, decodes,
+     tokens] or null, "launch_s": wall, "launch_cpu_s": the thread's CPU in it, "collect": [seqs,
+     decodes, tokens] or null, "own_s": the collected step's device time, "end": the round's end}
+    {"k": "submit", "t": when, "id": request id, "prompt": tokens}
+    {"k": "dispatch", "t": when the loop ran it, "posted": when the step thread posted it, "events": n}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+ENV = "RADIANCED_STEP_TRACE"
+
+
+class StepTrace:
+    def __init__(self, path: str | None):
+        self._file = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - closed by close()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls) -> StepTrace:
+        return cls(os.environ.get(ENV) or None)
+
+    @classmethod
+    def off(cls) -> StepTrace:
+        return cls(None)
+
+    @property
+    def on(self) -> bool:
+        return self._file is not None
+
+    def round(self, t: float, inbox: int, plan_s: float, work, done, end: float) -> None:
+        """A round of `AsyncEngine._rounds`: `work` (engine.Work) planned, `done` (engine.Executed) its result."""
+        if self._file is None:
+            return
+        launched = work.launch
+        finished = done.finished
+        self._write({"k": "round", "t": t, "inbox": inbox, "plan_s": plan_s, "launch": _shape(launched),
+                     "launch_s": done.launch_s, "launch_cpu_s": done.launch_cpu_s,
+                     "collect": _shape(finished.plan if finished is not None else None),
+                     "own_s": done.output.seconds if done.output is not None else None, "end": end})
+
+    def submit(self, t: float, request_id: str, prompt: int) -> None:
+        if self._file is not None:
+            self._write({"k": "submit", "t": t, "id": request_id, "prompt": prompt})
+
+    def dispatch(self, t: float, posted: float, events: int) -> None:
+        if self._file is not None:
+            self._write({"k": "dispatch", "t": t, "posted": posted, "events": events})
+
+    def close(self) -> None:
+        if self._file is not None:
+            with self._lock:
+                self._file.close()
+                self._file = None
+
+    def _write(self, row: dict) -> None:
+        line = json.dumps(row, separators=(",", ":")) + "\n"
+        with self._lock:
+            if self._file is not None:
+                self._file.write(line)
+
+
+def _shape(plan) -> list[int] | None:
+    """[sequences, decodes, tokens] of a StepPlan, or None."""
+    return None if plan is None else [len(plan.seqs), plan.decodes, plan.num_tokens]
