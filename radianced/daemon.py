@@ -48,6 +48,7 @@ import uvloop
 from radianced.budget import PlanError
 from radianced.card import Card
 from radianced.config import Config, ConfigError
+from radianced.engine import drafting_cost
 from radianced.engine.driver import AsyncEngine, step_executor
 from radianced.engine.pacing import StepPacer
 from radianced.engine.step_trace import StepTrace
@@ -204,7 +205,7 @@ class Daemon:
         self.http.served = Served(engine, self.model_name, engine.engine.receipt.max_model_len,
                                   self._defaults, self._vocab_size)  # still LOADING: only warm-up is admitted
         try:
-            await warm_up_served(engine, self._vocab_size, then=self._warm_up_http)
+            await warm_up_served(engine, self._vocab_size, then=self._warm_up_rest)
         except Exception:
             log.exception("cannot start: the first requests through the served path failed")
             return 1
@@ -226,6 +227,14 @@ class Daemon:
                          exc_info=(type(error), error, error.__traceback__) if error else None)
             return 1
         return 1 if self._fatal else 0
+
+    async def _warm_up_rest(self) -> None:
+        """warm_up_served's last part: the HTTP path, then with --speculative the cost model measured
+        on this machine (engine/drafting_cost.py: on the step thread, now that the loader thread ended)."""
+        await self._warm_up_http()
+        if self.engine.scheduler.drafting is not None:
+            said = await self.engine.between_steps(lambda: drafting_cost.adopt(self.engine.engine, self._vocab_size))
+            log.info("%s", said or "speculative decoding's cost model: nothing measured, r stays the device type's")
 
     async def _warm_up_http(self) -> None:
         """The HTTP path's first uses, before ready: requests to the daemon's own socket (server/self_warmup.py)."""

@@ -31,13 +31,7 @@ engine (scheduler, batch, runner, sampler: the served path), random token ids:
 - with --speculative, B = 1 and 2 sequences whose every decode step drafts N
   tokens (`forced_drafting`: a random-weights model or an unmatched prompt would
   leave n-gram drafting idle), so verify steps run, and a hybrid's per-position
-  state kernels with them. At B = 1 (twice) every other decode step drafts, and
-  each verify step's own time against the plain step just before it gives the
-  cost model's r on this machine (engine/speculation.py, `token_cost_from_steps`;
-  the median over the pairs; on 2 CPU cores a 5-token verify step cost 1.5 plain
-  steps with AMX and 2.4 without), which the daemon's drafting then uses. Pairs
-  of neighbouring steps, not two rounds' medians: on a 2-core machine starting a
-  daemon, the same plain step took 21-30 ms from one start to the next.
+  state kernels with them.
 
 Then it drops the prefix-cache blocks these left, zeroes the expert slab's counts
 (the status, the metrics and a saved expert profile count served traffic only),
@@ -53,9 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import random
-import statistics
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -67,7 +59,7 @@ from radianced.engine.drafting import DraftPlanner
 from radianced.engine.engine_metrics import NoMetrics
 from radianced.engine.request import Request
 from radianced.engine.sampling_params import SamplingParams
-from radianced.engine.speculation import ngram_drafts, step_cost, token_cost_from_steps
+from radianced.engine.speculation import ngram_drafts
 from radianced.kernels import gemm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
@@ -85,7 +77,6 @@ class Round:
     lengths: tuple[int, ...]
     params: tuple[SamplingParams, ...]
     drafting: bool = False  # every decode step drafts --speculative N tokens (`forced_drafting`)
-    timed: bool = False  # with drafting, every other one does: verify steps timed against plain ones (r)
 
 
 @dataclass(frozen=True)
@@ -97,8 +88,6 @@ class WarmupReport:
     seconds: float  # wall time of the whole warm-up
     tokens: int  # prompt tokens prefilled
     gemms: int  # cuBLAS calls at every row bucket of every dense shape the steps met (kernels/gemm.py)
-    plain_step_s: float | None = None  # with --speculative: one sequence's plain decode step, median own time
-    token_cost: float | None = None  # the cost model's r, the median over the timed pairs (None: none timed)
 
 
 def token_buckets(limit: int) -> list[int]:
@@ -122,9 +111,7 @@ def plan_rounds(max_batched_tokens: int, max_num_seqs: int, max_model_len: int, 
         rounds += [Round((5, 7), (SAMPLED, GREEDY))]
     if speculative:
         n = min(48, longest)
-        rounds += [Round((n,), (SPECULATIVE,), drafting=True, timed=True)] * 2
-        if max_num_seqs >= 2:
-            rounds += [Round((n, n), (SPECULATIVE, SPECULATIVE), drafting=True)]
+        rounds += [Round((n,) * b, (SPECULATIVE,) * b, drafting=True) for b in range(1, min(2, max_num_seqs) + 1)]
     return rounds
 
 
@@ -136,14 +123,6 @@ def forced_drafting(planner: DraftPlanner) -> DraftPlanner:
     return dataclasses.replace(planner, policy=dataclasses.replace(policy, adaptive=False, propose=propose))
 
 
-def alternate_drafting(planner: DraftPlanner) -> DraftPlanner:
-    """`forced_drafting`, but every other decode step drafts nothing: neighbouring plain and verify steps."""
-    forced = forced_drafting(planner)
-    propose, calls = forced.policy.propose, itertools.count()
-    return dataclasses.replace(forced, policy=dataclasses.replace(
-        forced.policy, propose=lambda seq, n: propose(seq, n) if next(calls) % 2 else ()))
-
-
 def warm_up(engine, max_batched_tokens: int, max_num_seqs: int, max_model_len: int, speculative: int,
             vocab_size: int) -> WarmupReport:
     """Serve `plan_rounds`' requests on `engine` (stepped here; nothing else may step it yet), then
@@ -153,42 +132,21 @@ def warm_up(engine, max_batched_tokens: int, max_num_seqs: int, max_model_len: i
     rounds = plan_rounds(max_batched_tokens, max_num_seqs, max_model_len, speculative)
     scheduler = engine.scheduler
     planner = scheduler.drafting
-    pairs: list[tuple[float, int, float]] = []  # a timed round's plain step, then its verify step's positions, time
     for r, rnd in enumerate(rounds):
         for i, (n, params) in enumerate(zip(rnd.lengths, rnd.params)):
             engine.add(Request(f"warm-up-{r}-{i}", tuple(rng.randrange(vocab_size) for _ in range(n)), params))
             tokens += n
         if rnd.drafting and planner is not None:
-            scheduler.drafting = (alternate_drafting if rnd.timed else forced_drafting)(planner)
+            scheduler.drafting = forced_drafting(planner)
         try:
-            before = None  # a timed round's last step, if a plain decode
             while scheduler.has_unfinished:
-                done, _ = engine.step_done()
+                engine.step()
                 steps += 1
-                timed = _decode_time(done) if rnd.timed and planner is not None else None
-                if timed is not None and timed[0] > 1 and before is not None:
-                    pairs.append((before, *timed))
-                before = timed[1] if timed is not None and timed[0] == 1 else None
         finally:
             scheduler.drafting = planner
     forget(engine)
     gemms = gemm.warm_up()
-    if not pairs:
-        return WarmupReport(len(rounds), steps, time.perf_counter() - start, tokens, gemms)
-    cost = statistics.median(token_cost_from_steps(p, v, n) for p, n, v in pairs)
-    return WarmupReport(len(rounds), steps, time.perf_counter() - start, tokens, gemms,
-                        statistics.median(p for p, _, _ in pairs), cost)
-
-
-def _decode_time(done) -> tuple[int, float] | None:
-    """A finished one-sequence decode step's positions (1 + its drafts) and own time; None for any other
-    step, or where its time is not known."""
-    if done is None or done.output.seconds is None:
-        return None
-    plan = done.finished.plan
-    if len(plan.seqs) != 1 or plan.decodes != 1:
-        return None
-    return 1 + len(plan.seqs[0].drafts), done.output.seconds
+    return WarmupReport(len(rounds), steps, time.perf_counter() - start, tokens, gemms)
 
 
 def warm_up_start(engine, cfg, device: str, vocab_size: int, step_thread, compiles) -> str:
@@ -209,13 +167,6 @@ def warm_up_start(engine, cfg, device: str, vocab_size: int, step_thread, compil
                         "--gpu-headroom-mib") from None
     said = (f"warm-up: {r.rounds} rounds, {r.steps} steps, {r.tokens} prompt tokens, {r.gemms} cuBLAS row "
             f"buckets in {r.seconds:.1f} s")
-    if r.token_cost is not None:  # drafting decides by this machine's verify cost, not the device type's guess
-        planner = engine.scheduler.drafting
-        engine.scheduler.drafting = dataclasses.replace(
-            planner, policy=dataclasses.replace(planner.policy, token_cost=r.token_cost))
-        said += (f"; speculative decoding's cost model measured: a decode step {1e3 * r.plain_step_s:.2f} ms, "
-                 f"r = {r.token_cost:.3g} (a {cfg.speculative + 1}-token verify step costs "
-                 f"{step_cost(cfg.speculative, 1, r.token_cost):.2f} plain steps)")
     if compiles is not None:
         built = compiles.builds[before:]
         tuned = sum(1 for b in built if b.kind == "autotune")

@@ -27,8 +27,7 @@ def test_token_buckets_are_the_powers_of_two_below_the_limit_then_the_limit(limi
 def test_plan_of_a_small_engine(speculative):
     """8-token steps, 3 sequences, a 64-token context: a prefill of each bucket's size T and of T + 1
     (a prompt may pass the step limit: it runs as two steps), 2 and 3 one-token sequences together,
-    the sampled rounds, and only with --speculative the drafting rounds: one sequence drafting every other
-    step (its steps timed in pairs), twice, and two drafting every step."""
+    the sampled rounds, and the forced-drafting rounds only with --speculative."""
     rounds = plan_rounds(8, 3, 64, speculative)
     want = [
         *(Round((n,), (GREEDY,)) for n in (1, 2, 3, 4, 5, 8, 9)),
@@ -36,7 +35,7 @@ def test_plan_of_a_small_engine(speculative):
         Round((5,), (SAMPLED,)), Round((5, 7), (SAMPLED, GREEDY)),
     ]
     if speculative:
-        want += [Round((8,), (SPECULATIVE,), drafting=True, timed=True)] * 2 + [
+        want += [Round((8,), (SPECULATIVE,), drafting=True),
                  Round((8, 8), (SPECULATIVE, SPECULATIVE), drafting=True)]
     assert rounds == want
     assert all(n + p.max_tokens <= 64 for r in rounds for n, p in zip(r.lengths, r.params))
@@ -89,9 +88,6 @@ def check_warm_up_leaves_no_trace(rad, speculative: int) -> list:
     decodes = {len(p.seqs) for p in plans if all(len(s.token_ids) == 1 and s.context_before for s in p.seqs)}
     assert set(range(1, MAX_SEQS + 1)) <= decodes
     assert speculative or not any(s.drafts for p in plans for s in p.seqs)
-    # with drafts, one sequence's plain and verify steps were timed: the cost model's r on this machine
-    assert (report.token_cost is not None) == (report.plain_step_s is not None) == bool(speculative)
-    assert not speculative or (report.plain_step_s > 0 and report.token_cost >= 0)
 
     assert not engine.scheduler.has_unfinished
     assert engine.scheduler.drafting is drafting  # the forced drafting was the warm-up's alone
