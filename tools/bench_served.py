@@ -97,7 +97,10 @@ def twin_of(prompt: list[int]) -> list[int]:
     return [low + (prompt[0] + 1 - low) % (high - low), *prompt[1:]]
 
 
-async def ttft_rows(http, prompts: Callable[[int], list[int]], requests: int, bursts: int) -> dict:
+async def ttft_rows(http, prompts: Callable[[int], list[int]], requests: int, bursts: int,
+                    trace: Path | None = None) -> dict:
+    """`worst_pair_trace`: the daemon's step trace while the pair with the largest first/twin ratio had its
+    first request out (the `http` row says how long its body and its preparation took)."""
     rng = random.Random(1)
     one, one_ratio, pairs = [], [], []
     for _ in range(requests):
@@ -109,7 +112,7 @@ async def ttft_rows(http, prompts: Callable[[int], list[int]], requests: int, bu
             one.append(first.ttft_s)
             one_ratio.append(first.ttft_s / twin.ttft_s)
             pairs.append({"n": n, "first": first.ttft_s, "twin": twin.ttft_s, "first_counters": first_alloc,
-                          "twin_counters": twin_alloc})
+                          "twin_counters": twin_alloc, "first_sent": first.sent_at})
     burst, burst_ratio, last_ratio, bursts_kept = [], [], [], []
     for _ in range(bursts):
         lengths = [rng.randint(1, 500) for _ in range(8)]
@@ -124,7 +127,11 @@ async def ttft_rows(http, prompts: Callable[[int], list[int]], requests: int, bu
         if all(r.ok for r in firsts + twins):
             last_ratio.append(max(r.ttft_s for r in firsts) / max(r.ttft_s for r in twins))
         bursts_kept.append({"lengths": lengths, "first": [r.ttft_s for r in firsts], "twin": [r.ttft_s for r in twins]})
-    return {"one": summary(one), "one_ratio": summary(one_ratio), "pairs": pairs, "burst": summary(burst),
+    worst = max(pairs, key=lambda p: p["first"] / p["twin"], default=None)
+    worst_trace = [] if worst is None else trace_window(trace, worst["first_sent"] - 0.001,
+                                                        worst["first_sent"] + worst["first"] + 0.002)
+    return {"one": summary(one), "one_ratio": summary(one_ratio), "pairs": pairs, "worst_pair_trace": worst_trace,
+            "burst": summary(burst),
             "burst_ratio": summary(burst_ratio), "burst_last_ratio": summary(last_ratio), "bursts": bursts_kept,
             "failed": 2 * requests + 16 * bursts - 2 * len(one) - 2 * len(burst)}
 
@@ -233,7 +240,7 @@ async def measure(url: str, pid: int, args, res: dict) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:
         before = await serving_builds(http)
         res["serving_builds_before"] = before
-        for name, part in (("ttft", lambda: ttft_rows(http, prompts, args.requests, args.bursts)),
+        for name, part in (("ttft", lambda: ttft_rows(http, prompts, args.requests, args.bursts, args.trace)),
                            ("sweep", lambda: sweeps(http, prompts)),
                            ("prefill_burst", lambda: prefill_bursts(http, prompts, url, args.burst_repeats,
                                                                     args.trace)),

@@ -5,12 +5,16 @@ arrives, against 1.6 ms typical); a histogram cannot say what that round did. Wi
 set, the daemon appends one JSON line per event to FILE (line-buffered writes under a lock; the
 times are `time.perf_counter()`, CLOCK_MONOTONIC on Linux, so a client on the same machine can cut
 out a window of its own): on the step thread a line per round (`round`), on the event loop a line
-per request submitted (`submit`) and per step's events dispatched to the streams (`dispatch`).
+per request's HTTP arrival (`http`: from its handler's start, reading the body, then preparing it on a
+worker thread), per request submitted (`submit`) and per step's events dispatched to the streams
+(`dispatch`).
 Unset, `StepTrace.off()` records nothing and costs a call a round.
 
     {"k": "round", "t": start, "inbox": entries taken, "plan_s": planning, "launch": [seqs, decodes,
      tokens] or null, "launch_s": wall, "launch_cpu_s": the thread's CPU in it, "collect": [seqs,
      decodes, tokens] or null, "own_s": the collected step's device time, "end": the round's end}
+    {"k": "http", "t": the handler's start, "id": request id, "body_s": reading the body, "prepare_s": the
+     prepare thread's decoding and tokenizing, from the hand-off to the result}
     {"k": "submit", "t": when, "id": request id, "prompt": tokens}
     {"k": "dispatch", "t": when the loop ran it, "posted": when the step thread posted it, "events": n}
 """
@@ -51,6 +55,10 @@ class StepTrace:
                      "launch_s": done.launch_s, "launch_cpu_s": done.launch_cpu_s,
                      "collect": _shape(finished.plan if finished is not None else None),
                      "own_s": done.output.seconds if done.output is not None else None, "end": end})
+
+    def http(self, t: float, request_id: str, body_s: float, prepare_s: float) -> None:
+        if self._file is not None:
+            self._write({"k": "http", "t": t, "id": request_id, "body_s": body_s, "prepare_s": prepare_s})
 
     def submit(self, t: float, request_id: str, prompt: int) -> None:
         if self._file is not None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import time
 
 import msgspec
 from starlette.applications import Starlette
@@ -101,15 +102,19 @@ async def _chat_completions(request: Request) -> Response:
 async def _generate(request: Request, chat: bool) -> Response:
     rid = request.state.request_id
     state = _state(request)
+    t0 = time.perf_counter()
     try:
         served = _admit(request)
         _check_content_type(request)
         body = await _read_body(request, state)
+        t1 = time.perf_counter()
         ready = await asyncio.get_running_loop().run_in_executor(state.prepare_pool, prepare, served, body, chat)
+        t2 = time.perf_counter()
         try:
             stream = served.engine.submit(ready.prompt_ids, ready.params, rid)
         except QueueFull as e:
             raise ProtocolError(429, str(e)) from None
+        served.engine.trace.http(t0, rid, t1 - t0, t2 - t1)
     except ProtocolError as e:
         return _error(e)
     except EngineFailed as e:
