@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Download, here, the wheels tools/gpu_check installs on the device machine, which
-# has no package index. Run from anywhere; writes <repo>/.whl/ (git-ignored; carry it).
+# has no package index. Run from anywhere; writes <repo>/.whl/ and .whl-lite/ (git-ignored; carry one).
 #
 # The device image (Python 3.12.3, x86-64) already holds torch, numpy, xxhash,
 # safetensors, tokenizers, jinja2, tqdm, psutil, pytest and an older transformers
@@ -60,3 +60,16 @@ fi
 $PY312 -m pip wheel -q --no-binary liburing -w .whl "liburing==$(version liburing)"
 ls -l .whl
 du -sh .whl
+# .whl-lite: hard links of what the daemon and the benchmarks need, without the test-only wheels (transformers,
+# openai and its pydantic, accelerate, pytest-asyncio, regex): .whl (~54 MB) beside the tracked files passes the
+# 64 MiB a device call carries; carry .whl-lite then (gpu_check installs from it when .whl is absent)
+rm -rf .whl-lite
+mkdir -p .whl-lite
+for w in .whl/*.whl; do
+  case $(basename "$w") in
+    transformers-*|openai-*|pydantic*|jiter-*|annotated_types-*|typing_inspection-*|accelerate-*|pytest_asyncio-*|\
+    regex-*|httpx2-*|httpcore2-*|truststore-*) ;;
+    *) ln -f "$w" .whl-lite/ ;;
+  esac
+done
+du -sh .whl-lite
