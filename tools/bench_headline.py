@@ -177,7 +177,8 @@ def step_card(state: dict, mode: Mode, card_mib: int, out: Path, rates: dict) ->
     with RadFile.open(state["model"]["path"]) as rad:
         receipt = plan(detect_cards(cfg)[0], ModelFacts.from_header(rad.header), cfg)
         preds = predictions(rad, receipt, Profile.load_for(rad))
-    row = {"card_mib": card_mib, "flags": flags, "expert_slots": receipt.expert_slots, "receipt": receipt.lines(),
+    row = {"card_mib": card_mib, "flags": flags, "bench_flags": list(mode.bench), "expert_slots": receipt.expert_slots,
+           "receipt": receipt.lines(),
            "predicted": [_predicted(pr, rates) for pr in preds]}
     bench_out = Path(tempfile.mkdtemp(prefix="radiance-headline-bench-"))
     t0 = time.perf_counter()
@@ -326,6 +327,10 @@ def render(state: dict) -> str:
     lines += ["", "Decode is batch / TPOT p50 (\"over the run\" counts the prefill too); \"from the resident step\" "
               f"is the decode step of the card that hit every expert ({'; '.join(named)}) "
               "with each card's predicted misses moved from HBM to the link."] if resident else []
+    quick = [_card(mib) for mib, row in sorted(state.get("cards", {}).items(), key=lambda kv: int(kv[0]))
+             if "--quick" in row.get("bench_flags", ())]
+    lines += ["", f"Measured with `bench run --quick` (its workloads sized down: 32 decode tokens, prefill 128 and "
+              f"256 tokens): {', '.join(quick)}."] if quick and not state.get("quick") else []
     return "\n".join(lines) + "\n"
 
 

@@ -9,8 +9,8 @@ against the plain step just before it (`token_cost_from_steps`) and adopts the m
 Neighbouring steps, not two rounds' medians: on a 2-core machine starting a daemon the same plain step
 took 21-30 ms from one start to the next.
 
-It runs on the step thread between rounds, after the loader thread has ended (engine/warmup.py,
-`warm_up_served`), so it times the steps as they will be served. While the loader thread lived, its
+It runs on the step thread between rounds, after the loader thread has ended (daemon.py, at the end of
+engine/warmup.py's `warm_up_served`), so it times the steps as they will be served. While the loader thread lived, its
 OpenMP team did too, and libgomp, with more of its threads than cores, throttles their spinning before
 they sleep: every parallel region then paid a wake-up, and a q4_1 product of SmolLM2 took 86 us against
 41 (2 cores); timed during the warm-up on the loader's watch, r read 0.27-0.31 against 0.50-0.62 with
@@ -50,12 +50,14 @@ def measure(engine, vocab_size: int) -> tuple[float, float] | None:
     scheduler = engine.scheduler
     planner = scheduler.drafting
     room = (scheduler.max_model_len or PROMPT + TIMED.max_tokens + 1) - TIMED.max_tokens - 1
+    if room < 1:  # no prompt leaves room for the round's tokens
+        return None
     rng = random.Random(2)
     pairs: list[tuple[float, int, float]] = []  # (plain step s, the next verify step's positions, its s)
     scheduler.drafting = alternate_drafting(planner)
     try:
         for r in range(ROUNDS):
-            prompt = tuple(rng.randrange(vocab_size) for _ in range(max(1, min(PROMPT, room))))
+            prompt = tuple(rng.randrange(vocab_size) for _ in range(min(PROMPT, room)))
             engine.add(Request(f"drafting-cost-{r}", prompt, TIMED))
             before = None  # the last step, if a plain one-sequence decode
             while scheduler.has_unfinished:

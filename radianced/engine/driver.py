@@ -43,8 +43,8 @@ from radianced.engine.request import FinishReason, Request, SeqStatus
 from radianced.engine.request_log import expert_line, request_line
 from radianced.engine.sampling_params import SamplingParams
 from radianced.engine.scheduler import SeqEvent
-from radianced.engine.step_trace import StepTrace
 from radianced.engine.speculation import DraftStats
+from radianced.engine.step_trace import StepTrace
 from radianced.engine.streams import (
     Chunk, EngineFailed, LiveRequest, RequestFailed, RequestStream, StreamState, reused_tokens,
 )

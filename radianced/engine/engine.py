@@ -166,8 +166,8 @@ class Engine:
         return self.step_done(ahead)[1]
 
     def step_done(self, ahead: bool = False) -> tuple[Executed | None, list[SeqEvent]]:
-        """`step`, with the round that finished the step (its plan, output and own time: the
-        warm-up's timings), or None when there was nothing to run."""
+        """`step`, with the round that finished the step (its plan, output and own time:
+        engine/drafting_cost.py's timings), or None when there was nothing to run."""
         while (work := self.plan(ahead)) is not None:
             done = self.execute(work)
             events = self.apply(done)
@@ -319,8 +319,8 @@ def _drafts_with_mtp(cfg: Config, num_mtp_layers: int) -> bool:
 def _draft_policy(cfg: Config, mtp: bool, device: torch.device) -> DraftPolicy:
     """Speculative decoding's policy for --speculative N (n-gram or MTP drafts)."""
     what = f"up to {cfg.speculative} {'MTP' if mtp else 'n-gram'} drafts"
-    log.info("speculative decoding: %s per sequence and step, adaptive (cost model r = %g on %s until the warm-up "
-             "measures it)", what, TOKEN_COST[device.type], device.type)
+    log.info("speculative decoding: %s per sequence and step, adaptive (cost model r = %g on %s until measured "
+             "before ready)", what, TOKEN_COST[device.type], device.type)
     return DraftPolicy(cfg.speculative, TOKEN_COST[device.type], propose=mtp_drafts if mtp else ngram_drafts)
 
 

@@ -93,6 +93,9 @@ def test_the_all_hit_cards_step_predicts_the_others_with_their_misses_on_the_lin
     assert small["tok_s_from_resident"] == pytest.approx(1 / (0.008 - 100e6 / 4000e9 + 100e6 / 50e9))
     assert small["resident_card_mib"] == 0
     assert "measured in an earlier call: --resident-step-ms 1=8" in bench_headline.render(state)
+    assert "bench run --quick" not in bench_headline.render(state)
+    state["cards"]["24576"]["bench_flags"] = ["--quick"]  # --bench-quick: the table says which cards
+    assert "Measured with `bench run --quick` (its workloads sized down" in bench_headline.render(state)
 
 
 def test_another_shape_or_depth_is_its_own_model_and_replaces_the_others_file(tmp_path):
