@@ -61,7 +61,7 @@ from radianced.model.rad import RadFile  # noqa: E402
 from radianced.sizing import ModelFacts  # noqa: E402
 from radianced.tiers.placement import routed_experts  # noqa: E402
 from radianced.tiers.predict import predictions, resident_step, tok_s_from_resident  # noqa: E402
-from radianced.tiers.profile import Profile, profile_path  # noqa: E402
+from radianced.tiers.profile import Profile, ProfileError, profile_path  # noqa: E402
 from radianced.tp_plan import detect_cards  # noqa: E402
 from tools import gpu_bench  # noqa: E402
 from tools.bench_tiers import host_pool_mib  # noqa: E402
@@ -92,6 +92,7 @@ FULL = Mode("qwen3-next-80b-a3b", 48, 1, None, ("--max-num-seqs", "8", "--max-mo
 QUICK = Mode("qwen3-30b-a3b", 2, 8, 2048, ("--max-num-seqs", "8", "--max-queue", "8", "--max-model-len", "512"),
              ("--quick",), 8, 16, True)
 FULL_CARDS_MIB = (24576, 32768, 49152)
+PROFILE_COPY = "headline-expert-profile.bin"  # the profile's copy in OUT
 
 
 # -- the steps ---------------------------------------------------------------------------------
@@ -129,10 +130,15 @@ def serving_flags(state: dict, mode: Mode, card_mib: int) -> list[str]:
             "--host-pool-mib", str(state["model"]["host_pool_mib"]), *mode.serving]
 
 
-def step_profile(state: dict, home: Path, mode: Mode, cards: list[int], out: Path) -> None:
+def step_profile(state: dict, home: Path, mode: Mode, cards: list[int], out: Path, given: Path | None = None) -> None:
+    """The expert profile beside the model (a copy in OUT, for a later call's --profile-from): made before,
+    `given` (an earlier call's, of the same model: its checksum is checked), or made now."""
     path = profile_path(home / "model.rad")
     if "profile" in state and path.exists():
         print(f"profile: {path} (made before)", flush=True)
+        return
+    if given is not None and _install_profile(given, home / "model.rad"):
+        state["profile"] = {"path": str(path), "from": str(given), "said": f"from an earlier call ({given.name})"}
         return
     t0 = time.perf_counter()
     socket = Path(tempfile.mkdtemp(prefix="radiance-headline-")) / "control.sock"
@@ -149,9 +155,26 @@ def step_profile(state: dict, home: Path, mode: Mode, cards: list[int], out: Pat
             shutil.copy(daemon.log_path, out / "headline-profile-daemon.log")
     if saved.returncode:
         raise RuntimeError(f"radiancectl profile --save failed: {saved.stderr.strip() or saved.stdout.strip()}")
+    shutil.copy(path, out / PROFILE_COPY)
     state["profile"] = {"path": str(path), "card_mib": max(cards), "requests": mode.profile_requests,
                         "tokens": mode.profile_tokens, "said": saved.stdout.strip(), "start_s": start_s,
                         "traffic_s": traffic_s, "seconds": time.perf_counter() - t0}
+
+
+def _install_profile(given: Path, model: Path) -> bool:
+    """Copy `given` beside `model` if it is that model's profile (the synthetic model is the same file on
+    every machine: same shape, seed and device); False, and nothing left there, where it is not."""
+    path = profile_path(model)
+    shutil.copy(given, path)
+    try:
+        with RadFile.open(model) as rad:
+            Profile.load_for(rad)
+    except ProfileError as e:
+        path.unlink()
+        print(f"profile: {given} is not this model's ({e}); making one", flush=True)
+        return False
+    print(f"profile: {given} (an earlier call's, the same model)", flush=True)
+    return True
 
 
 async def _decode_traffic(url: str, mode: Mode) -> None:
@@ -362,6 +385,9 @@ def main(argv=None) -> int:
                     "second model: qwen3-30b-a3b with --quantize experts=fp8, ~30 GiB)")
     ap.add_argument("--layers", type=int, help=f"decoder layers (default {FULL.layers})")
     ap.add_argument("--again", action="store_true", help="run cards already measured again")
+    ap.add_argument("--profile-from", type=Path,
+                    help=f"an earlier call's expert profile of the same model (its OUT/{PROFILE_COPY}): installed "
+                         "instead of profiling (~250 s on a fresh machine) where its checksum matches the model")
     ap.add_argument("--bench-quick", action="store_true",
                     help="`bench run --quick` on each card (its workloads sized down: a card that misses decodes far "
                          "slower than one that hits, and the full sizes do not fit a device call beside the profile)")
@@ -397,7 +423,7 @@ def main(argv=None) -> int:
     cards = [int(c) for c in args.cards_mib.split(",")] if args.cards_mib else \
         quick_cards(state, mode) if mode.quick else list(FULL_CARDS_MIB)
     if "profile" in steps:
-        step_profile(state, home, mode, cards, args.out)
+        step_profile(state, home, mode, cards, args.out, args.profile_from)
         save()
     if "cards" in steps:
         if "rates" not in state or args.again:

@@ -55,6 +55,28 @@ def test_a_second_call_reuses_the_model_profile_and_cards(run, tmp_path):
     assert again["cards"] == state["cards"] and again["model"] == state["model"]
 
 
+def test_an_earlier_calls_profile_of_the_same_model_stands_in_for_profiling(run, tmp_path):
+    """The synthetic model made again (same shape and seed) is the same file, so the first call's profile copy
+    installs (its checksum checked) and no profiling daemon starts; a file that is not its profile is refused
+    and removed."""
+    _, out, state = run
+    copy = out / bench_headline.PROFILE_COPY
+    home, again = tmp_path / "home", tmp_path / "out"
+    assert bench_headline.main(["--out", str(again), "--dir", str(home), "--steps", "model,profile",
+                                "--profile-from", str(copy)]) == 0
+    made = json.loads((again / "headline.json").read_text())
+    assert made["profile"]["from"] == str(copy) and not (again / "headline-profile-daemon.log").exists()
+    model = bench_headline.Path(made["model"]["path"])
+    assert model.with_name(model.name + ".expert-profile.bin").read_bytes() == copy.read_bytes()
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"not a profile")
+    first = bench_headline.Path(state["model"]["path"])
+    kept = first.with_name(first.name + ".expert-profile.bin").read_bytes()
+    assert not bench_headline._install_profile(other, first)
+    assert not first.with_name(first.name + ".expert-profile.bin").exists()
+    first.with_name(first.name + ".expert-profile.bin").write_bytes(kept)  # the module's other tests use it
+
+
 def test_a_card_that_failed_runs_again(run, tmp_path):
     home, _, state = run
     state_path = next(home.glob("radianced-headline-*/headline.json"))
