@@ -18,9 +18,18 @@ def lines(result: dict) -> list[str]:
     if s:
         out.append(f"c-sweep: c=1 {s[0]['tok_s']:.0f} tok/s, c=8 {s[1]['tok_s']:.0f} tok/s "
                    f"({s[1]['tok_s'] / s[0]['tok_s']:.2f}x)")
+    if t and t.get("worst_pair_trace"):
+        out.append("the daemon's step trace while the worst first/twin pair's first request was out:")
+        out += trace_lines(t["worst_pair_trace"])
     pb = result.get("prefill_burst")
     if pb:
         out += _burst(pb)
+        for i, e in enumerate(pb.get("repeats", [])):
+            if e.get("stall_trace"):
+                gap = e["longest_gap"][0]
+                out.append(f"the daemon's step trace around burst {i}'s longest gap ({gap['gap_ms']:.1f} ms, ended "
+                           f"{gap['ended_ms']:.0f} ms after the burst was sent):")
+                out += trace_lines(e["stall_trace"])
     g = result.get("burst_gil")
     if g:
         out.append("the burst again, the GIL sampled (0.3 s of the streams, then the burst):")
@@ -44,6 +53,33 @@ def _burst(pb: dict) -> list[str]:
         for labels, counts in by_labels.items():
             out.append(f"  during it, {name}{{{labels}}}: " + ", ".join(f"<={le} {n:.0f}" for le, n in counts.items()
                                                                          if n))
+    return out
+
+
+def trace_lines(rows: list[dict]) -> list[str]:
+    """engine/step_trace.py's rows (a window of them), times in ms from the first."""
+    if not rows:
+        return []
+    t0 = min(r["t"] for r in rows)
+
+    def at(t: float) -> str:
+        return f"{1e3 * (t - t0):+.2f}"
+
+    def ms(s) -> str:
+        return "-" if s is None else f"{1e3 * s:.2f}"
+
+    out = []
+    for r in sorted(rows, key=lambda r: r["t"]):
+        if r["k"] == "round":
+            out.append(f"  {at(r['t'])} round: inbox {r['inbox']}, plan {ms(r['plan_s'])} ms, launch "
+                       f"{r['launch']} in {ms(r['launch_s'])} ms (CPU {ms(r['launch_cpu_s'])}), collect "
+                       f"{r['collect']} own {ms(r['own_s'])} ms, ends {at(r['end'])}")
+        elif r["k"] == "http":
+            out.append(f"  {at(r['t'])} http {r['id']}: body {ms(r['body_s'])} ms, prepare {ms(r['prepare_s'])} ms")
+        elif r["k"] == "submit":
+            out.append(f"  {at(r['t'])} submit {r['id']} ({r['prompt']} tokens)")
+        else:
+            out.append(f"  {at(r['t'])} dispatch {r['events']} events (posted {at(r['posted'])})")
     return out
 
 
