@@ -32,6 +32,9 @@ class ForwardBatch:
     (seq_lens_t int64 in the decode graphs' static batch), for kernels (no
     per-layer host -> device copy; capturable in a CUDA graph).
     The host tuples serve ops that loop per sequence on the CPU.
+    state_slot_ids: state_slots on the host, for the hybrid's per-sequence loops (prefill, verify): reading
+    them back from the device would sync the host with the device in every linear-attention layer. ()
+    in the graphs' static batches, which only decode (their slots stay on the device).
     drafts: per sequence, how many of its last tokens are speculative drafts (a verify step; a
     hybrid model keeps the state after each of its positions, kv/cache.py); () when none drafts.
     """
@@ -46,6 +49,7 @@ class ForwardBatch:
     query_start_t: torch.Tensor
     seq_lens_t: torch.Tensor
     state_slots: torch.Tensor | None = None
+    state_slot_ids: tuple[int, ...] = ()
     every_row: bool = False
     drafts: tuple[int, ...] = ()
 
@@ -78,7 +82,8 @@ class ForwardBatch:
             block_tables=to_device_no_sync(torch.from_numpy(h.tables), device), logits_rows=rows_t,
             query_start=tuple(h.starts), seq_lens=h.lens,
             query_start_t=starts_t, seq_lens_t=lens_t,
-            state_slots=states_t[0] if states_t else None, every_row=len(h.rows) == h.starts[-1],
+            state_slots=states_t[0] if states_t else None,
+            state_slot_ids=() if state_slots is None else tuple(state_slots), every_row=len(h.rows) == h.starts[-1],
             drafts=tuple(drafts) if drafts and any(drafts) else (),
         )
 

@@ -65,11 +65,15 @@ class GatedDeltaNet:
                 qs.view(t, self.nk, self.dk), ks.view(t, self.nk, self.dk), vs.view(t, self.nv, self.dv),
                 g, beta, rec_states, batch.state_slots, use_qk_l2norm=True)
             return self._output(out, z, t, residual)
+        if len(batch.state_slot_ids) != batch.num_seqs:
+            raise ValueError("a hybrid step that is not decode-shaped needs its state slots on the host "
+                             "(ForwardBatch.build's state_slots)")
         out = torch.empty((t, self.nv, self.dv), dtype=x.dtype, device=x.device)
-        for s, slot in enumerate(batch.state_slots.tolist()):  # host list: the reference loops per sequence
+        for s, slot in enumerate(batch.state_slot_ids):  # the host's copy: no device read in each layer
             lo, hi = batch.query_start[s], batch.query_start[s + 1]
             if batch.drafts and batch.drafts[s]:
-                out[lo:hi] = self._verify(mixed[lo:hi], g[lo:hi], beta[lo:hi], slot, cache.states)
+                out[lo:hi] = self._verify(mixed[lo:hi], g[lo:hi], beta[lo:hi], slot, batch.state_slots[s:s + 1],
+                                          cache.states)
                 continue
             y, conv_states[slot] = ops.causal_conv1d_prefill(mixed[lo:hi], self.conv_weight, conv_states[slot])
             qs, ks, vs = y.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
@@ -79,13 +83,15 @@ class GatedDeltaNet:
             out[lo:hi] = o
         return self._output(out, z, t, residual)
 
-    def _verify(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slot: int, states) -> torch.Tensor:
+    def _verify(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slot: int, slots: torch.Tensor,
+                states) -> torch.Tensor:
         """A verify step's tokens of one sequence (its last token, then its drafts): the decode ops
         token by token, so each position's state is the one plain decoding reaches, and the state
         after every position but the last is left in the sequence's draft slots (the runner keeps
-        the accepted one). Returns o: [T, Hv, V]."""
+        the accepted one). slot: its state slot; slots: the same on the device, [1] (the batch's view:
+        a tensor made from `slot` would copy to the device and wait for it in every layer). Returns
+        o: [T, Hv, V]."""
         conv_states, rec_states = states.layer(self.layer)
-        slots = torch.tensor([slot], dtype=torch.int64, device=mixed.device)
         o = torch.empty((mixed.shape[0], self.nv, self.dv), dtype=mixed.dtype, device=mixed.device)
         for j in range(mixed.shape[0]):
             y = ops.causal_conv1d_update(mixed[j:j + 1], self.conv_weight, conv_states, slots)

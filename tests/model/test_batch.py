@@ -20,6 +20,7 @@ def test_layout_of_a_mixed_step():
     assert batch.seq_lens == (17, 5, 9) and batch.seq_lens_t.tolist() == [17, 5, 9]
     assert batch.block_tables.tolist() == [[5, 7, 2], [3, 0, 0], [4, 6, 0]]
     assert batch.state_slots.tolist() == [2, 0, 1]
+    assert batch.state_slot_ids == (2, 0, 1)  # the host's copy: a hybrid's per-sequence loop reads no device value
 
 
 @pytest.mark.parametrize("logits,rows", [("all", [0, 1, 2, 3]), ("last", [1, 3]), ([False, True], [3])])

@@ -8,6 +8,7 @@ runs a transformers forward, so the module stays fast.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from dataclasses import dataclass
@@ -303,3 +304,16 @@ def test_routed_tokens_are_grouped_so_each_expert_row_is_read_once_per_step(tiny
     assert Counter(probe.reads) == Counter(expected)  # every routed expert's row, each exactly once
     assert len(set(expected)) == len(expected)
     assert assignments >= 4 * len(expected)
+
+
+def test_a_hybrid_step_without_its_host_state_slots_is_refused(tiny):
+    """A prefill or verify step walks its sequences by the host's copy of their state slots (reading the device's
+    would sync the host in every linear-attention layer): a batch that lacks it is refused, not run empty."""
+    if not tiny.cfg.linear_attention_layers:
+        pytest.skip("no recurrent layers")
+    model = tiny.model(tiny.resident())
+    batch = ForwardBatch.build([_prompt(tiny.cfg, 5)], [0], [BLOCK_TABLE], BLOCK_SIZE, state_slots=[STATE_SLOT])
+    assert batch.state_slot_ids == (STATE_SLOT,)
+    with pytest.raises(ValueError, match="needs its state slots on the host"):
+        with torch.inference_mode():
+            model.forward(dataclasses.replace(batch, state_slot_ids=()), tiny.cache())
