@@ -59,9 +59,9 @@ def run_mtp(model: CausalLM, cache: KVCache, batch: ForwardBatch, hidden: torch.
             return []
         x = x[to_device_no_sync(torch.tensor(step.rows, dtype=torch.int64), device)]
         tokens = ops.argmax(mtp.logits(x))
-        drafts = [[t] for t in tokens.tolist()]
         rooms = [len(table) * bs - 1 - p for table, p in zip(step.tables, step.positions)]
         live = list(range(len(step.rows)))
+        chain = [(live, tokens)]  # per chained draft: the sequences it extends, their tokens on the device
         for k in range(1, step.drafts):
             keep = [j for j, i in enumerate(live) if rooms[i] >= k]
             if not keep:
@@ -74,6 +74,13 @@ def run_mtp(model: CausalLM, cache: KVCache, batch: ForwardBatch, hidden: torch.
                                          device=device)  # its input ids are unread: the head reads `tokens`
             x = mtp(tokens, mtp.chained(x), model.rotary.at(chained.positions), chained, cache)
             tokens = ops.argmax(mtp.logits(x))
-            for i, t in zip(live, tokens.tolist()):
-                drafts[i].append(t)
+            chain.append((live, tokens))
+        # the drafts reach the host once, after the last pass: a read per pass would wait for each
+        flat = torch.cat([t for _, t in chain]).tolist()
+    drafts: list[list[int]] = [[] for _ in step.rows]
+    at = 0
+    for seqs, _ in chain:
+        for i, t in zip(seqs, flat[at:at + len(seqs)]):
+            drafts[i].append(t)
+        at += len(seqs)
     return [tuple(d) for d in drafts]
