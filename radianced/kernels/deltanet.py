@@ -14,6 +14,11 @@ Own Triton kernels for the per-token work, which is memory-bound and simple:
   (sequence, value head, BLOCK_V columns) piece of S: [K, BLOCK_V] in
   registers, read once and written once, so a decode step moves the state
   bytes twice and nothing else of size;
+- `causal_conv1d_verify`, `gated_delta_rule_verify`: a verify step's positions of
+  one sequence (its last token and its drafts) in one launch each, the decode
+  kernels' arithmetic position after position, each position's state also
+  stored to its draft slot (speculative decoding keeps them: kv/cache.py);
+  before, the model looped the decode ops and two state copies per position;
 - `gated_delta_rule_chunked` (prefill, chunk 64): fla-core's
   `chunk_gated_delta_rule` (flash-linear-attention's Triton kernels: WY
   representation, chunk-parallel intra-chunk work, one sequential pass over
@@ -165,6 +170,74 @@ def _delta_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_
     tl.store(o_dst, tl.sum(s * q[:, None], 0).to(o_ptr.dtype.element_ty), mask=v_ok)
 
 
+@triton.jit(do_not_specialize=["T", "first_draft", "drafts_per_seq"])
+def _conv_verify_kernel(x_ptr, w_ptr, state_ptr, slot_ptr, y_ptr, T, C, first_draft, drafts_per_seq,
+                        stride_xt, stride_wc, stride_sn, stride_sc, stride_yt,
+                        W: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
+    """`_conv_update_kernel`'s step for each of one sequence's T positions in turn, its row shifted in
+    place after each and copied to the position's draft row (all but the last)."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    slot = tl.load(slot_ptr).to(tl.int64)
+    i = tl.arange(0, BLOCK_W)  # window position; W - 1 is the new token
+    rows = state_ptr + slot * stride_sn + c[:, None] * stride_sc
+    w = tl.load(w_ptr + c[:, None] * stride_wc + i[None, :], mask=c_ok[:, None] & (i < W)[None, :], other=0.0)
+    shifted = c_ok[:, None] & ((i >= 1) & (i < W))[None, :]
+    for j in range(T):
+        win = tl.load(rows + i[None, :], mask=c_ok[:, None] & (i < W - 1)[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + j * stride_xt + c, mask=c_ok, other=0.0).to(tl.float32)
+        win = tl.where((i == W - 1)[None, :], x[:, None], win)
+        acc = tl.sum(win * w.to(tl.float32), 1)
+        tl.store(y_ptr + j * stride_yt + c, (acc * tl.sigmoid(acc)).to(y_ptr.dtype.element_ty), mask=c_ok)
+        tl.debug_barrier()  # the row is read by every thread before it is shifted
+        tl.store(rows + (i - 1)[None, :], win.to(state_ptr.dtype.element_ty), mask=shifted)
+        if j < T - 1:
+            draft = state_ptr + (first_draft + slot * drafts_per_seq + j) * stride_sn + c[:, None] * stride_sc
+            tl.store(draft + (i - 1)[None, :], win.to(state_ptr.dtype.element_ty), mask=shifted)
+        tl.debug_barrier()  # the shifted row is written before the next position reads it
+
+
+@triton.jit(do_not_specialize=["T", "first_draft", "drafts_per_seq"])
+def _delta_verify_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr, o_ptr, scale, T, first_draft,
+                         drafts_per_seq, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt,
+                         stride_bt, stride_sn, stride_sh, stride_sk, stride_ot, stride_oh,
+                         GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr):
+    """`_delta_decode_kernel`'s step for each of one sequence's T positions in turn, its piece of S kept in
+    registers (rounded to the state's dtype between positions, as a store and load would) and stored to
+    the position's draft row (all but the last), then to the sequence's row."""
+    h = tl.program_id(0)
+    dv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = dv < V
+    slot = tl.load(slot_ptr).to(tl.int64)
+    hk = h // GROUP  # the key head this value head reads (repeat_interleave)
+    dk = tl.arange(0, BLOCK_K)
+    k_ok = dk < K
+    s_off = h * stride_sh + dk[:, None] * stride_sk + dv[None, :]
+    s_mask = k_ok[:, None] & v_ok[None, :]
+    s = tl.load(state_ptr + slot * stride_sn + s_off, mask=s_mask, other=0.0).to(tl.float32)
+    for j in range(T):
+        q = tl.load(q_ptr + j * stride_qt + hk * stride_qh + dk, mask=k_ok, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + j * stride_kt + hk * stride_kh + dk, mask=k_ok, other=0.0).to(tl.float32)
+        if L2NORM:
+            q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6)
+            k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+        q = q * scale
+        v = tl.load(v_ptr + j * stride_vt + h * stride_vh + dv, mask=v_ok, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + j * stride_gt + h).to(tl.float32)
+        beta = tl.load(beta_ptr + j * stride_bt + h).to(tl.float32)
+        s = s * tl.exp(g)
+        delta = beta * (v - tl.sum(s * k[:, None], 0))
+        s += k[:, None] * delta[None, :]
+        s = s.to(state_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(o_ptr + j * stride_ot + h * stride_oh + dv, tl.sum(s * q[:, None], 0).to(o_ptr.dtype.element_ty),
+                 mask=v_ok)
+        if j < T - 1:
+            tl.store(state_ptr + (first_draft + slot * drafts_per_seq + j) * stride_sn + s_off,
+                     s.to(state_ptr.dtype.element_ty), mask=s_mask)
+    tl.store(state_ptr + slot * stride_sn + s_off, s.to(state_ptr.dtype.element_ty), mask=s_mask)
+
+
 # -- checks ----------------------------------------------------------------------------------------
 
 
@@ -308,6 +381,73 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     return o
 
 
+def _verify_slot(slot: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if slot.shape != (1,) or slot.device != device or slot.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot must be an integer [1] tensor on {device}, got {slot.dtype} {tuple(slot.shape)} on "
+                         f"{slot.device}")
+    return slot
+
+
+def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slot: torch.Tensor,
+                         first_draft: int, drafts_per_seq: int) -> torch.Tensor:
+    """One sequence's verify step, its T positions in one launch (Triton). Same contract as
+    `reference.causal_conv1d_verify`: x: [T, C]; weight: [C, W]; conv_state a pool [N, C, W-1] (a
+    contiguous last dim) whose row slot[0] is the sequence's; the state after position j < T-1 also in
+    row first_draft + slot * drafts_per_seq + j. Returns y: [T, C] in x's dtype."""
+    c, w = weight.shape
+    if x.dim() != 2 or x.shape[1] != c:
+        raise ValueError(f"x must be [T, {c}] (the conv weight's channels), got {tuple(x.shape)}")
+    if conv_state.dim() != 3 or conv_state.shape[1:] != (c, w - 1) or conv_state.stride(2) != 1:
+        raise ValueError(f"conv_state must be [N, {c}, {w - 1}] with a contiguous last dim, "
+                         f"got {tuple(conv_state.shape)}")
+    slot = _verify_slot(slot, x.device)
+    x, weight = _last_dim_contiguous(x, weight)
+    t = x.shape[0]
+    y = torch.empty((t, c), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return y
+    block_c = 256
+    _conv_verify_kernel[(triton.cdiv(c, block_c),)](
+        x, weight, conv_state, slot, y, t, c, first_draft, drafts_per_seq,
+        x.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), y.stride(0),
+        W=w, BLOCK_C=block_c, BLOCK_W=triton.next_power_of_2(w), num_warps=4,
+    )
+    return y
+
+
+def gated_delta_rule_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                            state: torch.Tensor, slot: torch.Tensor, first_draft: int, drafts_per_seq: int, *,
+                            use_qk_l2norm: bool = False, scale: float | None = None) -> torch.Tensor:
+    """One sequence's verify step, its T positions in one launch (Triton). Same contract as
+    `reference.gated_delta_rule_verify`: q, k: [T, Hk, K]; v: [T, Hv, V] (each last dim contiguous);
+    g, beta: [T, Hv]; state a pool [N, Hv, K, V] (a contiguous last dim) whose row slot[0] is the
+    sequence's; the state after position j < T-1 also in row first_draft + slot * drafts_per_seq + j.
+    Returns o: [T, Hv, V] in q's dtype."""
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    if k.shape != q.shape or v.shape[0] != t or hv % hk:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: q and k must match and "
+                         f"value heads ({hv}) be a multiple of key heads ({hk})")
+    if g.shape != (t, hv) or beta.shape != (t, hv):
+        raise ValueError(f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must be [{t}, {hv}]")
+    if state.dim() != 4 or state.shape[1:] != (hv, dk, dv) or state.stride(3) != 1:
+        raise ValueError(f"state must be [N, {hv}, {dk}, {dv}] with a contiguous last dim, got {tuple(state.shape)}")
+    slot = _verify_slot(slot, q.device)
+    q, k, v, g, beta = _last_dim_contiguous(q, k, v, g, beta)
+    o = torch.empty((t, hv, dv), dtype=q.dtype, device=q.device)
+    if t == 0:
+        return o
+    block_v = _decode_block_v(dv, hv)
+    _delta_verify_kernel[(hv, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, state, slot, o, dk ** -0.5 if scale is None else scale, t, first_draft, drafts_per_seq,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1),
+        GROUP=hv // hk, K=dk, V=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
+        L2NORM=use_qk_l2norm, num_warps=4,
+    )
+    return o
+
+
 @functools.cache
 def _fla_chunk():
     """fla-core's chunk_gated_delta_rule, imported on first use (never on the CPU path)."""
@@ -341,5 +481,5 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return o[0].to(q.dtype), final[0].float()
 
 
-__all__ = ["causal_conv1d_prefill", "causal_conv1d_update", "deltanet_gates", "gated_delta_rule_chunked",
-           "gated_delta_rule_decode"]
+__all__ = ["causal_conv1d_prefill", "causal_conv1d_update", "causal_conv1d_verify", "deltanet_gates",
+           "gated_delta_rule_chunked", "gated_delta_rule_decode", "gated_delta_rule_verify"]

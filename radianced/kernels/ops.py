@@ -32,8 +32,10 @@ gather_rows = reference.gather_rows
 deltanet_gates = reference.deltanet_gates
 causal_conv1d_prefill = reference.causal_conv1d_prefill
 causal_conv1d_update = reference.causal_conv1d_update
+causal_conv1d_verify = reference.causal_conv1d_verify
 gated_delta_rule_chunked = reference.gated_delta_rule_chunked
 gated_delta_rule_decode = reference.gated_delta_rule_decode
+gated_delta_rule_verify = reference.gated_delta_rule_verify
 
 # Bound to Triton on CUDA: (module under radianced.kernels, op name). The others stay torch everywhere.
 _TRITON = (
@@ -42,6 +44,7 @@ _TRITON = (
     ("norm", "rms_norm"), ("norm", "gated_rms_norm"),
     ("deltanet", "deltanet_gates"), ("deltanet", "causal_conv1d_prefill"), ("deltanet", "causal_conv1d_update"),
     ("deltanet", "gated_delta_rule_chunked"), ("deltanet", "gated_delta_rule_decode"),
+    ("deltanet", "causal_conv1d_verify"), ("deltanet", "gated_delta_rule_verify"),
 )
 _SWITCHED = tuple(name for _, name in _TRITON)
 # Bound to the host backend's ops (kernels/cpu.py) on the CPU; the others stay the reference there.

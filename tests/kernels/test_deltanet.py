@@ -171,6 +171,64 @@ def test_decode_steps_follow_the_recurrence_over_a_sequence():
     assert rel_err(torch.cat(outs).cpu(), chunk_o) < 1e-4
 
 
+# -- a verify step: one sequence's positions in one launch each --------------------------------------
+
+DRAFTS = 4  # draft slots per sequence; the pool: 2 sequences' slots, then 2 x DRAFTS draft slots
+
+
+@pytest.mark.parametrize("t", [1, 2, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verify_launch_is_the_decode_ops_position_by_position_bit_for_bit(t, dtype):
+    """Sequence slot 1's T positions through `causal_conv1d_verify` and `gated_delta_rule_verify` against
+    the decode kernels one position at a time with the state copied to the draft slot after each (the
+    model's loop before): every output and every pool row equal, bit for bit; slot 0's rows untouched."""
+    x, weight = rand(t, C, dtype=dtype, seed=60), rand(C, W, dtype=dtype, seed=61)
+    conv = rand(2 * (1 + DRAFTS), C, W - 1, dtype=dtype, seed=62)
+    q, k, v, g, beta = decode_inputs(t, dtype, seed=63)
+    rec = rand(2 * (1 + DRAFTS), HV, K, V, seed=68)
+    slot = torch.tensor([1], device=DEVICE)
+    conv_loop, rec_loop = conv.clone(), rec.clone()
+    y_loop, o_loop = [], []
+    for j in range(t):
+        y_loop.append(deltanet.causal_conv1d_update(x[j:j + 1], weight, conv_loop, slot))
+        o_loop.append(deltanet.gated_delta_rule_decode(q[j:j + 1], k[j:j + 1], v[j:j + 1], g[j:j + 1], beta[j:j + 1],
+                                                       rec_loop, slot, use_qk_l2norm=True))
+        if j < t - 1:
+            conv_loop[2 + DRAFTS + j] = conv_loop[1]
+            rec_loop[2 + DRAFTS + j] = rec_loop[1]
+    y = deltanet.causal_conv1d_verify(x, weight, conv, slot, 2, DRAFTS)
+    o = deltanet.gated_delta_rule_verify(q, k, v, g, beta, rec, slot, 2, DRAFTS, use_qk_l2norm=True)
+    assert torch.equal(y.cpu(), torch.cat(y_loop).cpu()) and torch.equal(o.cpu(), torch.cat(o_loop).cpu())
+    assert torch.equal(conv.cpu(), conv_loop.cpu()) and torch.equal(rec.cpu(), rec_loop.cpu())
+
+
+
+def test_the_reference_verify_ops_agree_with_the_kernels():
+    """The CPU's verify ops (reference.py: the decode ops looped, the states copied) against the kernels: fp32."""
+    t = 4
+    x, weight = rand(t, C, seed=80), rand(C, W, seed=81)
+    conv = rand(2 * (1 + DRAFTS), C, W - 1, seed=82)
+    q, k, v, g, beta = decode_inputs(t, torch.float32, seed=83)
+    rec = rand(2 * (1 + DRAFTS), HV, K, V, seed=88)
+    slot = torch.tensor([0], device=DEVICE)
+    want_conv, want_rec = conv.cpu().clone(), rec.cpu().clone()
+    want_y = reference.causal_conv1d_verify(x.cpu(), weight.cpu(), want_conv, slot.cpu(), 2, DRAFTS)
+    want_o = reference.gated_delta_rule_verify(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), want_rec, slot.cpu(), 2,
+                                               DRAFTS, use_qk_l2norm=True)
+    y = deltanet.causal_conv1d_verify(x, weight, conv, slot, 2, DRAFTS)
+    o = deltanet.gated_delta_rule_verify(q, k, v, g, beta, rec, slot, 2, DRAFTS, use_qk_l2norm=True)
+    assert rel_err(y.cpu(), want_y) < 1e-5 and rel_err(o.cpu(), want_o) < 1e-4
+    assert rel_err(conv.cpu(), want_conv) < 1e-6 and rel_err(rec.cpu(), want_rec) < 1e-4
+    assert torch.equal(rec[1].cpu(), want_rec[1]) and torch.equal(rec[2 + DRAFTS:].cpu(), want_rec[2 + DRAFTS:])
+
+
+def test_verify_refuses_a_slot_that_is_not_one_device_integer():
+    q, k, v, g, beta = decode_inputs(2, torch.float32, seed=70)
+    rec = rand(4, HV, K, V, seed=71)
+    with pytest.raises(ValueError, match=r"slot must be an integer \[1\] tensor"):
+        deltanet.gated_delta_rule_verify(q, k, v, g, beta, rec, torch.tensor([0, 1], device=DEVICE), 2, 1)
+
+
 def test_decode_refuses_mismatched_heads_and_slots():
     q, k, v, g, beta = decode_inputs(2, torch.float32, seed=50)
     pool = torch.zeros((POOL, HV, K, V), device=DEVICE)
