@@ -48,7 +48,7 @@ import uvloop
 from radianced.budget import PlanError
 from radianced.card import Card
 from radianced.config import Config, ConfigError
-from radianced.engine import drafting_cost
+from radianced.engine import drafting_cost, step_trace
 from radianced.engine.driver import AsyncEngine, step_executor
 from radianced.engine.pacing import StepPacer
 from radianced.engine.step_trace import StepTrace
@@ -252,6 +252,12 @@ class Daemon:
         """Build the engine on a thread (torch stays off the loop); None when a stop
         came first (the thread is a daemon thread: exiting does not wait for it).
         Raises _StartFailed, logged, when loading fails."""
+        try:
+            trace = StepTrace.from_env()
+        except OSError as e:
+            log.error("cannot start: %s=%s cannot be opened for appending (%s); unset it, or name a file the "
+                      "daemon may write", step_trace.ENV, os.environ.get(step_trace.ENV), e.strerror or e)
+            raise _StartFailed from None
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()  # a load error is reported below
         threading.Thread(target=call_into, args=(loop, done, self._build), name="radianced-load", daemon=True).start()
@@ -274,7 +280,7 @@ class Daemon:
         graphs = engine.runner.graphs
         graph_tokens = max(graphs.mixed, default=0) if graphs is not None else 0
         return AsyncEngine(engine, self.metrics, StepPacer.for_config(self.cfg, graph_tokens), self.step_thread,
-                           StepTrace.from_env())
+                           trace)
 
     def _build(self):
         """Open the model, plan the card, allocate and load (on the loader thread)."""

@@ -165,11 +165,14 @@ def _install_profile(given: Path, model: Path) -> bool:
     """Copy `given` beside `model` if it is that model's profile (the synthetic model is the same file on
     every machine: same shape, seed and device); False, and nothing left there, where it is not."""
     path = profile_path(model)
+    if not given.is_file():
+        print(f"profile: {given} is not a file; making one", flush=True)
+        return False
     shutil.copy(given, path)
     try:
         with RadFile.open(model) as rad:
             Profile.load_for(rad)
-    except ProfileError as e:
+    except Exception as e:  # noqa: BLE001 - whatever refused it, the model gets a profile of its own
         path.unlink()
         print(f"profile: {given} is not this model's ({e}); making one", flush=True)
         return False

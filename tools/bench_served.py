@@ -170,11 +170,13 @@ def burst_elsewhere(url: str, bodies: list[dict]) -> tuple[float, float, list[tu
 
 def trace_window(trace: Path | None, lo: float, hi: float) -> list[dict]:
     """The daemon's step trace (RADIANCED_STEP_TRACE, engine/step_trace.py) between two of this machine's
-    perf_counter times: the rounds, arrivals and dispatches around a gap."""
+    perf_counter times: the rows that overlap them (a round that began before `lo` and ran into it
+    included: it may be the stall). The daemon is still appending: a last line without its newline is
+    left out."""
     if trace is None or not trace.exists():
         return []
-    rows = (json.loads(line) for line in trace.read_text().splitlines() if line)
-    return [r for r in rows if lo <= r["t"] <= hi]
+    rows = [json.loads(line) for line in trace.read_text().split("\n")[:-1] if line]
+    return [r for r in rows if r["t"] <= hi and r.get("end", r["t"]) >= lo]
 
 
 async def prefill_burst(http, prompts: Callable[[int], list[int]], url: str, watch=contextlib.nullcontext,
@@ -319,7 +321,8 @@ def main() -> int:
             torch.cuda.empty_cache()  # the daemon plans the card's free memory: leave it what generating took
             print(f"synthetic model written in {time.monotonic() - t0:.1f} s", flush=True)
         flags = ["--model", str(model), *flags]
-        result = {"flags": flags, "layers": args.layers, "env": args.env, "switch_interval_ms": args.switch_interval_ms}
+        result = {"flags": flags, "layers": args.layers, "env": args.env, "switch_interval_ms": args.switch_interval_ms,
+                  "step_trace": True}  # each round writes a JSON line: since 2026-12-04 (session 25)
         site = None
         if args.switch_interval_ms is not None:
             site = Path(d) / "site"

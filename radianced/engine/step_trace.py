@@ -21,11 +21,15 @@ Unset, `StepTrace.off()` records nothing and costs a call a round.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import threading
 
 ENV = "RADIANCED_STEP_TRACE"
+
+log = logging.getLogger(__name__)
 
 
 class StepTrace:
@@ -35,6 +39,7 @@ class StepTrace:
 
     @classmethod
     def from_env(cls) -> StepTrace:
+        """The trace $RADIANCED_STEP_TRACE names (off where unset). Raises OSError where it cannot be opened."""
         return cls(os.environ.get(ENV) or None)
 
     @classmethod
@@ -75,10 +80,19 @@ class StepTrace:
                 self._file = None
 
     def _write(self, row: dict) -> None:
+        """One line; a write that fails (a full disk) turns the trace off, said once: the trace is a
+        diagnosis, and it must not fail a step or a request."""
         line = json.dumps(row, separators=(",", ":")) + "\n"
         with self._lock:
-            if self._file is not None:
+            if self._file is None:
+                return
+            try:
                 self._file.write(line)
+            except OSError as e:
+                log.warning("%s: the step trace stopped: %s", ENV, e)
+                failed, self._file = self._file, None
+                with contextlib.suppress(OSError):  # its buffer cannot be written either
+                    failed.close()
 
 
 def _shape(plan) -> list[int] | None:

@@ -170,15 +170,15 @@ def _delta_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_
     tl.store(o_dst, tl.sum(s * q[:, None], 0).to(o_ptr.dtype.element_ty), mask=v_ok)
 
 
-@triton.jit(do_not_specialize=["T", "first_draft", "drafts_per_seq"])
-def _conv_verify_kernel(x_ptr, w_ptr, state_ptr, slot_ptr, y_ptr, T, C, first_draft, drafts_per_seq,
+@triton.jit(do_not_specialize=["seq", "T", "first_draft", "drafts_per_seq"])
+def _conv_verify_kernel(x_ptr, w_ptr, state_ptr, slots_ptr, seq, y_ptr, T, C, first_draft, drafts_per_seq,
                         stride_xt, stride_wc, stride_sn, stride_sc, stride_yt,
                         W: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
     """`_conv_update_kernel`'s step for each of one sequence's T positions in turn, its row shifted in
     place after each and copied to the position's draft row (all but the last)."""
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < C
-    slot = tl.load(slot_ptr).to(tl.int64)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
     i = tl.arange(0, BLOCK_W)  # window position; W - 1 is the new token
     rows = state_ptr + slot * stride_sn + c[:, None] * stride_sc
     w = tl.load(w_ptr + c[:, None] * stride_wc + i[None, :], mask=c_ok[:, None] & (i < W)[None, :], other=0.0)
@@ -197,8 +197,8 @@ def _conv_verify_kernel(x_ptr, w_ptr, state_ptr, slot_ptr, y_ptr, T, C, first_dr
         tl.debug_barrier()  # the shifted row is written before the next position reads it
 
 
-@triton.jit(do_not_specialize=["T", "first_draft", "drafts_per_seq"])
-def _delta_verify_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr, o_ptr, scale, T, first_draft,
+@triton.jit(do_not_specialize=["seq", "T", "first_draft", "drafts_per_seq"])
+def _delta_verify_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, seq, o_ptr, scale, T, first_draft,
                          drafts_per_seq, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt,
                          stride_bt, stride_sn, stride_sh, stride_sk, stride_ot, stride_oh,
                          GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -209,7 +209,7 @@ def _delta_verify_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_p
     h = tl.program_id(0)
     dv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = dv < V
-    slot = tl.load(slot_ptr).to(tl.int64)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
     hk = h // GROUP  # the key head this value head reads (repeat_interleave)
     dk = tl.arange(0, BLOCK_K)
     k_ok = dk < K
@@ -381,26 +381,29 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     return o
 
 
-def _verify_slot(slot: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if slot.shape != (1,) or slot.device != device or slot.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot must be an integer [1] tensor on {device}, got {slot.dtype} {tuple(slot.shape)} on "
-                         f"{slot.device}")
-    return slot
+def _verify_slots(slots: torch.Tensor, seq: int, device: torch.device) -> torch.Tensor:
+    """The step's slots [B] as they are (a whole vector: its start is 16-byte aligned, `model.batch.packed`,
+    where a view of one row past the first would not be, and Triton builds a variant per alignment)."""
+    if slots.dim() != 1 or not 0 <= seq < slots.shape[0] or slots.device != device \
+            or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slots must be an integer [B] tensor on {device} with a row {seq}, got {slots.dtype} "
+                         f"{tuple(slots.shape)} on {slots.device}")
+    return slots
 
 
-def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slot: torch.Tensor,
-                         first_draft: int, drafts_per_seq: int) -> torch.Tensor:
+def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
+                         seq: int, first_draft: int, drafts_per_seq: int) -> torch.Tensor:
     """One sequence's verify step, its T positions in one launch (Triton). Same contract as
     `reference.causal_conv1d_verify`: x: [T, C]; weight: [C, W]; conv_state a pool [N, C, W-1] (a
-    contiguous last dim) whose row slot[0] is the sequence's; the state after position j < T-1 also in
-    row first_draft + slot * drafts_per_seq + j. Returns y: [T, C] in x's dtype."""
+    contiguous last dim) whose row slots[seq] is the sequence's; the state after position j < T-1 also
+    in row first_draft + slots[seq] * drafts_per_seq + j. Returns y: [T, C] in x's dtype."""
     c, w = weight.shape
     if x.dim() != 2 or x.shape[1] != c:
         raise ValueError(f"x must be [T, {c}] (the conv weight's channels), got {tuple(x.shape)}")
     if conv_state.dim() != 3 or conv_state.shape[1:] != (c, w - 1) or conv_state.stride(2) != 1:
         raise ValueError(f"conv_state must be [N, {c}, {w - 1}] with a contiguous last dim, "
                          f"got {tuple(conv_state.shape)}")
-    slot = _verify_slot(slot, x.device)
+    slots = _verify_slots(slots, seq, x.device)
     x, weight = _last_dim_contiguous(x, weight)
     t = x.shape[0]
     y = torch.empty((t, c), dtype=x.dtype, device=x.device)
@@ -408,7 +411,7 @@ def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
         return y
     block_c = 256
     _conv_verify_kernel[(triton.cdiv(c, block_c),)](
-        x, weight, conv_state, slot, y, t, c, first_draft, drafts_per_seq,
+        x, weight, conv_state, slots, seq, y, t, c, first_draft, drafts_per_seq,
         x.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), y.stride(0),
         W=w, BLOCK_C=block_c, BLOCK_W=triton.next_power_of_2(w), num_warps=4,
     )
@@ -416,13 +419,13 @@ def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
 
 
 def gated_delta_rule_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                            state: torch.Tensor, slot: torch.Tensor, first_draft: int, drafts_per_seq: int, *,
-                            use_qk_l2norm: bool = False, scale: float | None = None) -> torch.Tensor:
+                            state: torch.Tensor, slots: torch.Tensor, seq: int, first_draft: int, drafts_per_seq: int,
+                            *, use_qk_l2norm: bool = False, scale: float | None = None) -> torch.Tensor:
     """One sequence's verify step, its T positions in one launch (Triton). Same contract as
     `reference.gated_delta_rule_verify`: q, k: [T, Hk, K]; v: [T, Hv, V] (each last dim contiguous);
-    g, beta: [T, Hv]; state a pool [N, Hv, K, V] (a contiguous last dim) whose row slot[0] is the
-    sequence's; the state after position j < T-1 also in row first_draft + slot * drafts_per_seq + j.
-    Returns o: [T, Hv, V] in q's dtype."""
+    g, beta: [T, Hv]; state a pool [N, Hv, K, V] (a contiguous last dim) whose row slots[seq] is the
+    sequence's; the state after position j < T-1 also in row first_draft + slots[seq] * drafts_per_seq
+    + j. Returns o: [T, Hv, V] in q's dtype."""
     t, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     if k.shape != q.shape or v.shape[0] != t or hv % hk:
@@ -432,14 +435,14 @@ def gated_delta_rule_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         raise ValueError(f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must be [{t}, {hv}]")
     if state.dim() != 4 or state.shape[1:] != (hv, dk, dv) or state.stride(3) != 1:
         raise ValueError(f"state must be [N, {hv}, {dk}, {dv}] with a contiguous last dim, got {tuple(state.shape)}")
-    slot = _verify_slot(slot, q.device)
+    slots = _verify_slots(slots, seq, q.device)
     q, k, v, g, beta = _last_dim_contiguous(q, k, v, g, beta)
     o = torch.empty((t, hv, dv), dtype=q.dtype, device=q.device)
     if t == 0:
         return o
     block_v = _decode_block_v(dv, hv)
     _delta_verify_kernel[(hv, triton.cdiv(dv, block_v))](
-        q, k, v, g, beta, state, slot, o, dk ** -0.5 if scale is None else scale, t, first_draft, drafts_per_seq,
+        q, k, v, g, beta, state, slots, seq, o, dk ** -0.5 if scale is None else scale, t, first_draft, drafts_per_seq,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1),
         GROUP=hv // hk, K=dk, V=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,

@@ -385,15 +385,16 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     return y
 
 
-def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slot: torch.Tensor,
-                         first_draft: int, drafts_per_seq: int) -> torch.Tensor:
+def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
+                         seq: int, first_draft: int, drafts_per_seq: int) -> torch.Tensor:
     """One sequence's verify step (its last token, then its drafts): `causal_conv1d_update` token by token.
 
-    x: [T, C]; weight: [C, W]; conv_state a pool [N, C, W-1] whose row slot[0] (slot: a [1] int
-    tensor) is the sequence's, updated in place to the state after x[T-1]; the state after each
-    position j < T-1 is also left in row first_draft + slot * drafts_per_seq + j (its draft slots,
-    kv/cache.py `draft_slot`). Returns y: [T, C] in x's dtype.
+    x: [T, C]; weight: [C, W]; conv_state a pool [N, C, W-1] whose row slots[seq] (slots: the step's [B]
+    int tensor) is the sequence's, updated in place to the state after x[T-1]; the state after each
+    position j < T-1 is also left in row first_draft + slots[seq] * drafts_per_seq + j (its draft
+    slots, kv/cache.py `draft_slot`). Returns y: [T, C] in x's dtype.
     """
+    slot = slots[seq:seq + 1]
     row = int(slot[0])
     y = torch.empty_like(x)
     for j in range(x.shape[0]):
@@ -404,13 +405,14 @@ def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
 
 
 def gated_delta_rule_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                            state: torch.Tensor, slot: torch.Tensor, first_draft: int, drafts_per_seq: int, *,
-                            use_qk_l2norm: bool = False, scale: float | None = None) -> torch.Tensor:
+                            state: torch.Tensor, slots: torch.Tensor, seq: int, first_draft: int, drafts_per_seq: int,
+                            *, use_qk_l2norm: bool = False, scale: float | None = None) -> torch.Tensor:
     """One sequence's verify step: `gated_delta_rule_decode` token by token, so each position's state
     is the one plain decoding reaches. q, k: [T, Hk, K]; v: [T, Hv, V]; g, beta: [T, Hv]; state a
-    pool [N, Hv, K, V] whose row slot[0] is the sequence's, updated in place to the state after the
-    last position; the state after each position j < T-1 also left in row first_draft + slot *
+    pool [N, Hv, K, V] whose row slots[seq] is the sequence's, updated in place to the state after the
+    last position; the state after each position j < T-1 also left in row first_draft + slots[seq] *
     drafts_per_seq + j. Returns o: [T, Hv, V] in q's dtype."""
+    slot = slots[seq:seq + 1]
     row = int(slot[0])
     o = q.new_empty(v.shape)
     for j in range(q.shape[0]):

@@ -72,8 +72,7 @@ class GatedDeltaNet:
         for s, slot in enumerate(batch.state_slot_ids):  # the host's copy: no device read in each layer
             lo, hi = batch.query_start[s], batch.query_start[s + 1]
             if batch.drafts and batch.drafts[s]:
-                out[lo:hi] = self._verify(mixed[lo:hi], g[lo:hi], beta[lo:hi], batch.state_slots[s:s + 1],
-                                          cache.states)
+                out[lo:hi] = self._verify(mixed[lo:hi], g[lo:hi], beta[lo:hi], batch.state_slots, s, cache.states)
                 continue
             y, conv_states[slot] = ops.causal_conv1d_prefill(mixed[lo:hi], self.conv_weight, conv_states[slot])
             qs, ks, vs = y.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
@@ -83,21 +82,21 @@ class GatedDeltaNet:
             out[lo:hi] = o
         return self._output(out, z, t, residual)
 
-    def _verify(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor,
+    def _verify(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor, seq: int,
                 states) -> torch.Tensor:
         """A verify step's tokens of one sequence (its last token, then its drafts): the decode ops'
         arithmetic position after position (`*_verify`: one launch each), so each position's state is
         the one plain decoding reaches, and the state after every position but the last is left in the
-        sequence's draft slots (the runner keeps the accepted one). slots: its state slot on the device,
-        [1] (the batch's view: a tensor made from a host int would copy to the device and wait for it in
-        every layer). Returns o: [T, Hv, V]."""
+        sequence's draft slots (the runner keeps the accepted one). slots: the step's state slots on the
+        device, this sequence's at `seq` (a tensor made from its host int would copy to the device and
+        wait for it in every layer). Returns o: [T, Hv, V]."""
         conv_states, rec_states = states.layer(self.layer)
         t = mixed.shape[0]
-        y = ops.causal_conv1d_verify(mixed, self.conv_weight, conv_states, slots, states.num_seqs,
+        y = ops.causal_conv1d_verify(mixed, self.conv_weight, conv_states, slots, seq, states.num_seqs,
                                      states.drafts_per_seq)
         qs, ks, vs = y.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
         return ops.gated_delta_rule_verify(qs.view(t, self.nk, self.dk), ks.view(t, self.nk, self.dk),
-                                           vs.view(t, self.nv, self.dv), g, beta, rec_states, slots,
+                                           vs.view(t, self.nv, self.dv), g, beta, rec_states, slots, seq,
                                            states.num_seqs, states.drafts_per_seq, use_qk_l2norm=True)
 
     def _output(self, out: torch.Tensor, z: torch.Tensor, t: int, residual: torch.Tensor | None) -> torch.Tensor:

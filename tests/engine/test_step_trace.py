@@ -59,3 +59,15 @@ def test_a_trace_that_is_off_writes_nothing_and_costs_nothing(tmp_path):
     trace.dispatch(1.0, 0.5, 2)
     trace.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_trace_whose_writes_fail_turns_itself_off_and_fails_nothing(caplog):
+    """/dev/full refuses every write (ENOSPC), as a full disk would: the trace says so once and stops."""
+    trace = StepTrace("/dev/full")
+    assert trace.on
+    trace.submit(0.0, "r", 3)
+    trace.dispatch(1.0, 0.5, 2)
+    assert not trace.on
+    assert [r.getMessage() for r in caplog.records].count(
+        "RADIANCED_STEP_TRACE: the step trace stopped: [Errno 28] No space left on device") == 1
+    trace.close()

@@ -196,8 +196,9 @@ def test_a_verify_launch_is_the_decode_ops_position_by_position_bit_for_bit(t, d
         if j < t - 1:
             conv_loop[2 + DRAFTS + j] = conv_loop[1]
             rec_loop[2 + DRAFTS + j] = rec_loop[1]
-    y = deltanet.causal_conv1d_verify(x, weight, conv, slot, 2, DRAFTS)
-    o = deltanet.gated_delta_rule_verify(q, k, v, g, beta, rec, slot, 2, DRAFTS, use_qk_l2norm=True)
+    slots = torch.tensor([0, 1], device=DEVICE)  # the step's slots; this sequence is row 1
+    y = deltanet.causal_conv1d_verify(x, weight, conv, slots, 1, 2, DRAFTS)
+    o = deltanet.gated_delta_rule_verify(q, k, v, g, beta, rec, slots, 1, 2, DRAFTS, use_qk_l2norm=True)
     assert torch.equal(y.cpu(), torch.cat(y_loop).cpu()) and torch.equal(o.cpu(), torch.cat(o_loop).cpu())
     assert torch.equal(conv.cpu(), conv_loop.cpu()) and torch.equal(rec.cpu(), rec_loop.cpu())
 
@@ -210,23 +211,23 @@ def test_the_reference_verify_ops_agree_with_the_kernels():
     conv = rand(2 * (1 + DRAFTS), C, W - 1, seed=82)
     q, k, v, g, beta = decode_inputs(t, torch.float32, seed=83)
     rec = rand(2 * (1 + DRAFTS), HV, K, V, seed=88)
-    slot = torch.tensor([0], device=DEVICE)
+    slots = torch.tensor([1, 0], device=DEVICE)  # this sequence is row 1: slot 0
     want_conv, want_rec = conv.cpu().clone(), rec.cpu().clone()
-    want_y = reference.causal_conv1d_verify(x.cpu(), weight.cpu(), want_conv, slot.cpu(), 2, DRAFTS)
-    want_o = reference.gated_delta_rule_verify(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), want_rec, slot.cpu(), 2,
-                                               DRAFTS, use_qk_l2norm=True)
-    y = deltanet.causal_conv1d_verify(x, weight, conv, slot, 2, DRAFTS)
-    o = deltanet.gated_delta_rule_verify(q, k, v, g, beta, rec, slot, 2, DRAFTS, use_qk_l2norm=True)
+    want_y = reference.causal_conv1d_verify(x.cpu(), weight.cpu(), want_conv, slots.cpu(), 1, 2, DRAFTS)
+    want_o = reference.gated_delta_rule_verify(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), want_rec, slots.cpu(), 1,
+                                               2, DRAFTS, use_qk_l2norm=True)
+    y = deltanet.causal_conv1d_verify(x, weight, conv, slots, 1, 2, DRAFTS)
+    o = deltanet.gated_delta_rule_verify(q, k, v, g, beta, rec, slots, 1, 2, DRAFTS, use_qk_l2norm=True)
     assert rel_err(y.cpu(), want_y) < 1e-5 and rel_err(o.cpu(), want_o) < 1e-4
     assert rel_err(conv.cpu(), want_conv) < 1e-6 and rel_err(rec.cpu(), want_rec) < 1e-4
     assert torch.equal(rec[1].cpu(), want_rec[1]) and torch.equal(rec[2 + DRAFTS:].cpu(), want_rec[2 + DRAFTS:])
 
 
-def test_verify_refuses_a_slot_that_is_not_one_device_integer():
+def test_verify_refuses_a_sequence_the_slots_do_not_have():
     q, k, v, g, beta = decode_inputs(2, torch.float32, seed=70)
     rec = rand(4, HV, K, V, seed=71)
-    with pytest.raises(ValueError, match=r"slot must be an integer \[1\] tensor"):
-        deltanet.gated_delta_rule_verify(q, k, v, g, beta, rec, torch.tensor([0, 1], device=DEVICE), 2, 1)
+    with pytest.raises(ValueError, match=r"slots must be an integer \[B\] tensor .* with a row 2"):
+        deltanet.gated_delta_rule_verify(q, k, v, g, beta, rec, torch.tensor([0, 1], device=DEVICE), 2, 2, 1)
 
 
 def test_decode_refuses_mismatched_heads_and_slots():

@@ -28,3 +28,10 @@ def test_the_trace_follows_a_request_from_its_body_to_its_last_token(tiny_model,
     assert sum(r["collect"][2] for r in served) >= 5 + 3  # its prompt, then 3 decodes after the first token
     dispatched = [r for r in rows if r["k"] == "dispatch" and r["t"] >= submitted["t"]]
     assert len(dispatched) >= 4 and all(r["posted"] <= r["t"] for r in dispatched)
+
+
+def test_a_trace_file_the_daemon_cannot_open_stops_it_with_one_line(tiny_model, tmp_path):
+    where = tmp_path / "no such folder" / "trace.jsonl"
+    d = start_daemon(tiny_model, env={"RADIANCED_STEP_TRACE": str(where)}, wait_ready=False)
+    assert d.proc.wait(timeout=120) == 1
+    assert f"ERROR radianced: cannot start: RADIANCED_STEP_TRACE={where} cannot be opened for appending" in d.log()

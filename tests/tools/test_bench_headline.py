@@ -74,6 +74,7 @@ def test_an_earlier_calls_profile_of_the_same_model_stands_in_for_profiling(run,
     kept = first.with_name(first.name + ".expert-profile.bin").read_bytes()
     assert not bench_headline._install_profile(other, first)
     assert not first.with_name(first.name + ".expert-profile.bin").exists()
+    assert not bench_headline._install_profile(tmp_path / "missing.bin", first)  # a wrong HEADLINE_PROFILE: profile
     first.with_name(first.name + ".expert-profile.bin").write_bytes(kept)  # the module's other tests use it
 
 
