@@ -39,7 +39,7 @@ from pathlib import Path
 
 # Before the imports below load torch (and its OpenMP runtime, libgomp, which reads this once): an
 # idle OpenMP thread spins 20,000 rounds (tens of microseconds) before it sleeps, not 300,000, so
-# torch's threads leave the event loop and the step worker their turn (cpu_threads has the numbers).
+# torch's threads leave the event loop and the step worker their turn (radianced/cpu_threads.py has the numbers).
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
@@ -48,6 +48,7 @@ import uvloop
 from radianced.budget import PlanError
 from radianced.card import Card
 from radianced.config import Config, ConfigError
+from radianced import cpu_threads
 from radianced.engine import drafting_cost, step_trace
 from radianced.engine.driver import AsyncEngine, step_executor
 from radianced.engine.pacing import StepPacer
@@ -89,28 +90,6 @@ def main(cfg: Config) -> int:
     """Run the daemon until it is stopped; the process exit status."""
     with logs_off_the_loop(sys.stderr):
         return uvloop.run(Daemon(cfg).run())
-
-
-def cpu_threads() -> int:
-    """torch's CPU threads: $RADIANCED_CPU_THREADS, else every core this process may use.
-
-    The event loop and the step worker keep their turn because OpenMP's idle threads spin only
-    briefly before they sleep (GOMP_SPINCOUNT=20000, set above before torch loads). Measured
-    on this 2-core machine (shared with other jobs: each row's transformers figure is from the
-    same run), SmolLM2-135M fp32 through HTTP, tools/bench_cpu.py, 128 tokens a request
-    (bench/results/2026-12-02-cpu-18e622f-cpu.md unless said):
-        1 thread:                      b1 12.3 tok/s, c=8 45.4 tok/s, /health worst  7.1 ms
-        2 threads, spin 20,000:        b1 19.7 tok/s, c=8 79.2 tok/s, /health worst 10.0 ms
-        2 threads, OMP_WAIT_POLICY=PASSIVE (sleep at once): b1 13.7, c=8 61.1 tok/s, 9.3 ms (at 2748a69)
-        2 threads, OMP_WAIT_POLICY=ACTIVE (spin forever):   b1 0.5, c=8 3.4 tok/s (64 tokens)
-    (/health: the worst answer during a 1,500-token prefill.) OpenMP's default, 300,000 rounds,
-    had given 1.0 tok/s with 2 threads against 6.9 with 1: spinning threads crowd out the
-    Python threads. With the other core busy (load average 2-3, PASSIVE) two threads still
-    gave c=8 43.7 against 39.3 tok/s, and b1 12.2 against 13.8."""
-    given = os.environ.get("RADIANCED_CPU_THREADS")
-    if given:
-        return max(1, int(given))
-    return len(os.sched_getaffinity(0))
 
 
 class Daemon:
@@ -304,7 +283,7 @@ class Daemon:
             self.compiles.listeners.append(lambda b: self.metrics.add_kernel_build(b.phase, b.kind))
             self.metrics.watch_cuda_allocator(torch.device("cuda", torch.cuda.current_device()))
         if device == "cpu" or "RADIANCED_CPU_THREADS" in os.environ:
-            torch.set_num_threads(cpu_threads())
+            torch.set_num_threads(cpu_threads.count())
             log.info("torch CPU threads: %d", torch.get_num_threads())
         card = None
         if self.cfg.card_mib:  # the arena's allocation unit is the device's, whatever size is claimed

@@ -43,8 +43,8 @@ from typing import Any, Protocol
 from radianced.engine import ngram
 
 # r of the cost model, per device type, until the daemon measures it before ready on the machine it serves on
-# (engine/drafting_cost.py, with `token_cost_from_steps`). cpu: SmolLM2-135M fp32 on 2 cores with AMX at batch 1, a 5-token
-# verify step took 71.7 ms against a plain step's 48.8 (1.47x: tools/bench_spec.py,
+# (engine/drafting_cost.py, with `token_cost_from_steps`). cpu: SmolLM2-135M fp32 on 2 cores with AMX at
+# batch 1, a 5-token verify step took 71.7 ms against a plain step's 48.8 (1.47x: tools/bench_spec.py,
 # bench/results/2026-12-02-cpu-*-spec.md), so r = (c - 1) / (5 - c) = 0.13; on 2 cores of an AMD EPYC without AMX
 # it was 2.39x (r = 0.53: 2026-12-04-cpu-*-spec.md). cuda: a decode step at batch 1 is bound by reading the
 # weights: the value assumes one token's compute is 2% of that read.

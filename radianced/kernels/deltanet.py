@@ -154,20 +154,29 @@ def _delta_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_
     k_ok = dk < K
     q = tl.load(q_ptr + b64 * stride_qb + hk * stride_qh + dk, mask=k_ok, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + b64 * stride_kb + hk * stride_kh + dk, mask=k_ok, other=0.0).to(tl.float32)
-    if L2NORM:
-        q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6)
-        k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-    q = q * scale
     v = tl.load(v_ptr + b64 * stride_vb + h * stride_vh + dv, mask=v_ok, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + b64 * stride_gb + h).to(tl.float32)
     beta = tl.load(beta_ptr + b64 * stride_bb + h).to(tl.float32)
     s_ptrs = state_ptr + slot * stride_sn + h * stride_sh + dk[:, None] * stride_sk + dv[None, :]
     s_mask = k_ok[:, None] & v_ok[None, :]
-    s = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32) * tl.exp(g)
+    s, o = _delta_token(tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32), q, k, v, g, beta, scale, L2NORM)
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask)
+    tl.store(o_dst, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+
+
+@triton.jit
+def _delta_token(s, q, k, v, g, beta, scale, L2NORM: tl.constexpr):
+    """One token of the gated delta rule on a program's piece of S ([K, BLOCK_V], fp32) for q, k [K],
+    v [BLOCK_V] and the head's g, beta: (the new piece, o [BLOCK_V]). The decode and verify kernels' one
+    arithmetic, so a verify step's positions are plain decoding's bit for bit."""
+    if L2NORM:
+        q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6)
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+    q = q * scale
+    s = s * tl.exp(g)
     delta = beta * (v - tl.sum(s * k[:, None], 0))
     s += k[:, None] * delta[None, :]
-    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=s_mask)
-    tl.store(o_dst, tl.sum(s * q[:, None], 0).to(o_ptr.dtype.element_ty), mask=v_ok)
+    return s, tl.sum(s * q[:, None], 0)
 
 
 @triton.jit(do_not_specialize=["seq", "T", "first_draft", "drafts_per_seq"])
@@ -219,19 +228,12 @@ def _delta_verify_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_
     for j in range(T):
         q = tl.load(q_ptr + j * stride_qt + hk * stride_qh + dk, mask=k_ok, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + j * stride_kt + hk * stride_kh + dk, mask=k_ok, other=0.0).to(tl.float32)
-        if L2NORM:
-            q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6)
-            k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-        q = q * scale
         v = tl.load(v_ptr + j * stride_vt + h * stride_vh + dv, mask=v_ok, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + j * stride_gt + h).to(tl.float32)
         beta = tl.load(beta_ptr + j * stride_bt + h).to(tl.float32)
-        s = s * tl.exp(g)
-        delta = beta * (v - tl.sum(s * k[:, None], 0))
-        s += k[:, None] * delta[None, :]
-        s = s.to(state_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(o_ptr + j * stride_ot + h * stride_oh + dv, tl.sum(s * q[:, None], 0).to(o_ptr.dtype.element_ty),
-                 mask=v_ok)
+        s, o = _delta_token(s, q, k, v, g, beta, scale, L2NORM)
+        tl.store(o_ptr + j * stride_ot + h * stride_oh + dv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+        s = s.to(state_ptr.dtype.element_ty).to(tl.float32)  # as a store and a load between decode steps
         if j < T - 1:
             tl.store(state_ptr + (first_draft + slot * drafts_per_seq + j) * stride_sn + s_off,
                      s.to(state_ptr.dtype.element_ty), mask=s_mask)
@@ -248,6 +250,21 @@ def _slots(slots: torch.Tensor | None, batch: int, device: torch.device) -> torc
         raise ValueError(f"slots must be an integer [{batch}] tensor on {device}, got {slots.dtype} "
                          f"{tuple(slots.shape)} on {slots.device}")
     return slots.contiguous()
+
+
+def _check_delta_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        state: torch.Tensor) -> None:
+    """ValueError unless q, k: [R, Hk, K]; v: [R, Hv, V] (Hv a multiple of Hk); g, beta: [R, Hv]; state
+    [N, Hv, K, V] with a contiguous last dim (R rows: decode's sequences, or verify's positions)."""
+    rows, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    if k.shape != q.shape or v.shape[0] != rows or hv % hk:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: q and k must match and "
+                         f"value heads ({hv}) be a multiple of key heads ({hk})")
+    if g.shape != (rows, hv) or beta.shape != (rows, hv):
+        raise ValueError(f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must be [{rows}, {hv}]")
+    if state.dim() != 4 or state.shape[1:] != (hv, dk, dv) or state.stride(3) != 1:
+        raise ValueError(f"state must be [N, {hv}, {dk}, {dv}] with a contiguous last dim, got {tuple(state.shape)}")
 
 
 def _last_dim_contiguous(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -356,13 +373,7 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     """
     batch, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
-    if k.shape != q.shape or v.shape[0] != batch or hv % hk:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: q and k must match and "
-                         f"value heads ({hv}) be a multiple of key heads ({hk})")
-    if g.shape != (batch, hv) or beta.shape != (batch, hv):
-        raise ValueError(f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must be [{batch}, {hv}]")
-    if state.dim() != 4 or state.shape[1:] != (hv, dk, dv) or state.stride(3) != 1:
-        raise ValueError(f"state must be [N, {hv}, {dk}, {dv}] with a contiguous last dim, got {tuple(state.shape)}")
+    _check_delta_inputs(q, k, v, g, beta, state)
     if slots is None and state.shape[0] != batch:
         raise ValueError(f"without slots state needs one row per sequence ({batch}), has {state.shape[0]}")
     slots = _slots(slots, batch, q.device)
@@ -428,13 +439,7 @@ def gated_delta_rule_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     + j. Returns o: [T, Hv, V] in q's dtype."""
     t, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
-    if k.shape != q.shape or v.shape[0] != t or hv % hk:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: q and k must match and "
-                         f"value heads ({hv}) be a multiple of key heads ({hk})")
-    if g.shape != (t, hv) or beta.shape != (t, hv):
-        raise ValueError(f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must be [{t}, {hv}]")
-    if state.dim() != 4 or state.shape[1:] != (hv, dk, dv) or state.stride(3) != 1:
-        raise ValueError(f"state must be [N, {hv}, {dk}, {dv}] with a contiguous last dim, got {tuple(state.shape)}")
+    _check_delta_inputs(q, k, v, g, beta, state)
     slots = _verify_slots(slots, seq, q.device)
     q, k, v, g, beta = _last_dim_contiguous(q, k, v, g, beta)
     o = torch.empty((t, hv, dv), dtype=q.dtype, device=q.device)
