@@ -8,14 +8,18 @@ eval mode) and `smollm2_hf_tokenizer` (transformers' tokenizer from the same GGU
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 import torch
 
-from radianced.kernels import ops
-from radianced.model.default import bundled_gguf
-from radianced.model.gguf import convert_gguf
+if not torch.cuda.is_available():  # before any module here imports triton: its kernels are decorated at import,
+    os.environ["TRITON_INTERPRET"] = "1"  # and test_loader_compact runs the Triton ops (tests/kernels/interpreter.py)
+
+from radianced.kernels import ops  # noqa: E402
+from radianced.model.default import bundled_gguf  # noqa: E402
+from radianced.model.gguf import convert_gguf  # noqa: E402
 
 
 @pytest.fixture(scope="session")
