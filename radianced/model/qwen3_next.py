@@ -71,7 +71,9 @@ class GatedDeltaNet:
         out = torch.empty((t, self.nv, self.dv), dtype=x.dtype, device=x.device)
         for s, slot in enumerate(batch.state_slot_ids):  # the host's copy: no device read in each layer
             lo, hi = batch.query_start[s], batch.query_start[s + 1]
-            if batch.drafts and batch.drafts[s]:
+            if (batch.drafts and batch.drafts[s]) or hi - lo == 1:
+                # a verify step's positions, or one token (a decode beside a prompt's chunk or beside drafting
+                # sequences): decoding's arithmetic, so a sequence's state never depends on what shares its step
                 out[lo:hi] = self._verify(mixed[lo:hi], g[lo:hi], beta[lo:hi], batch.state_slots, s, cache.states)
                 continue
             y, conv_states[slot] = ops.causal_conv1d_prefill(mixed[lo:hi], self.conv_weight, conv_states[slot])
@@ -84,10 +86,11 @@ class GatedDeltaNet:
 
     def _verify(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor, seq: int,
                 states) -> torch.Tensor:
-        """A verify step's tokens of one sequence (its last token, then its drafts): the decode ops'
-        arithmetic position after position (`*_verify`: one launch each), so each position's state is
-        the one plain decoding reaches, and the state after every position but the last is left in the
-        sequence's draft slots (the runner keeps the accepted one). slots: the step's state slots on the
+        """A verify step's tokens of one sequence (its last token, then its drafts), or a one-token
+        decode in a step that is not decode-shaped: the decode ops' arithmetic position after position
+        (`*_verify`: one launch each), so each position's state is the one plain decoding reaches, and
+        the state after every position but the last is left in the sequence's draft slots (the runner
+        keeps the accepted one). slots: the step's state slots on the
         device, this sequence's at `seq` (a tensor made from its host int would copy to the device and
         wait for it in every layer). Returns o: [T, Hv, V]."""
         conv_states, rec_states = states.layer(self.layer)

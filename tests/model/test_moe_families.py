@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from radianced.kernels import ops
 from radianced.kv.cache import KVCache
 from radianced.model.batch import ForwardBatch
 from radianced.model.config import ModelConfig
@@ -317,3 +318,34 @@ def test_a_hybrid_step_without_its_host_state_slots_is_refused(tiny):
     with pytest.raises(ValueError, match="needs its state slots on the host"):
         with torch.inference_mode():
             model.forward(dataclasses.replace(batch, state_slot_ids=()), tiny.cache())
+
+
+def test_a_decode_beside_a_prompt_chunk_takes_decodings_arithmetic(tiny, monkeypatch):
+    """Sequence A (state slot 2, BLOCK_TABLE) decodes one token beside sequence B's 12-token prompt chunk (slot 0,
+    blocks 1 and 3): the layers walk that step per sequence, and A's one token goes through the decode
+    arithmetic (the verify ops, tests/kernels/test_deltanet.py: bit for bit the decode kernels'), not the
+    chunked prefill's, so its recurrence does not change with what shares its step (nor, with speculation,
+    with whether another sequence drafts). Its states match a decode-shaped step of A alone to fp32 rounding
+    (the projections before them see another number of rows)."""
+    if not tiny.cfg.linear_attention_layers:
+        pytest.skip("no recurrent layers")
+    model = tiny.model(tiny.resident())
+    alone, beside = tiny.cache(), tiny.cache()
+    prompt = _prompt(tiny.cfg, 20)
+    _prefill(model, alone, [prompt])
+    _prefill(model, beside, [prompt])
+    chunked = []  # the chunked recurrence's calls: their token counts
+    real = ops.gated_delta_rule_chunked
+    monkeypatch.setattr(ops, "gated_delta_rule_chunked",
+                        lambda q, *a, **kw: chunked.append(q.shape[0]) or real(q, *a, **kw))
+    token = _prompt(tiny.cfg, 1, seed=9)
+    with torch.inference_mode():
+        model.forward(ForwardBatch.build([token], [20], [BLOCK_TABLE], BLOCK_SIZE, state_slots=[STATE_SLOT]), alone)
+        mixed = ForwardBatch.build([token, _prompt(tiny.cfg, 12, seed=10)], [20, 0], [BLOCK_TABLE, [1, 3]], BLOCK_SIZE,
+                                   state_slots=[STATE_SLOT, 0])
+        assert not mixed.is_decode
+        model.forward(mixed, beside)
+    assert chunked == [12] * len(tiny.cfg.linear_attention_layers)  # B's chunk alone, in each layer
+    for layer in tiny.cfg.linear_attention_layers:
+        (conv, rec), (conv_ref, rec_ref) = beside.states.layer(layer), alone.states.layer(layer)
+        assert _rel(rec[STATE_SLOT], rec_ref[STATE_SLOT]) < 1e-5 and _rel(conv[STATE_SLOT], conv_ref[STATE_SLOT]) < 1e-5
