@@ -12,7 +12,8 @@ steps (`attention_step`) are test_attention's `Step` (an auto cache, qk-norm) an
 test_attention_kv_quant's (each quantized format): decode (the fused write) and prefill, bf16 and
 fp32 activations, at the tests' small shape and Qwen3-30B-A3B's (32 / 4 heads x 128); and the routed
 MoE (`moe_step`) over bf16 and each compact format at T = 1, 3 (GGUF: the few-rows path, at T = 3 unsorted
-without the in-launch sum) and 32, compiled only. Each attention key
+without the in-launch sum) and 32, and the Gated DeltaNet's decode and verify launches (`deltanet_step`),
+compiled only. Each attention key
 loop in bf16 (`loop_mix`, from the wheel's nvdisasm) must not spill registers: an int6 K's decode
 did at 4 warps (243 local loads, 241 stores a key tile). fp32 activations (IEEE dots: FMAs, the
 tiny families' correctness path on a GPU) are only compiled; their prefill loops spill. Run in a
@@ -109,6 +110,25 @@ def moe_step(fmt: str, tokens: int, experts: int = 8, hidden: int = 2048, inter:
         test_moe_compact.CompactExperts(fmt, tokens, top_k, torch.bfloat16).kernel()
 
 
+def deltanet_step(dtype: torch.dtype) -> None:
+    """The Gated DeltaNet's per-token launches (`compile_only` first) at Qwen3-Next-80B-A3B's widths (16 key and
+    32 value heads of 128, conv width 4): a decode of 2 sequences over state slots, and a verify step of one
+    sequence's 5 positions (its last token and 4 drafts)."""
+    from radianced.kernels import deltanet
+    t, hk, hv, d, w = 5, 16, 32, 128, 4
+    c = (2 * hk + hv) * d
+    slots = torch.zeros(2, dtype=torch.int64)
+    conv = torch.zeros(2 * (1 + 4), c, w - 1, dtype=dtype)
+    rec = torch.zeros(2 * (1 + 4), hv, d, d)
+    x, weight = torch.zeros(t, c, dtype=dtype), torch.zeros(c, w, dtype=dtype)
+    q, v = torch.zeros(t, hk, d, dtype=dtype), torch.zeros(t, hv, d, dtype=dtype)
+    g, beta = torch.zeros(t, hv), torch.zeros(t, hv, dtype=dtype)
+    deltanet.causal_conv1d_update(x[:2], weight, conv, slots)
+    deltanet.gated_delta_rule_decode(q[:2], q[:2], v[:2], g[:2], beta[:2], rec, slots, use_qk_l2norm=True)
+    deltanet.causal_conv1d_verify(x, weight, conv, slots, 1, 2, 4)
+    deltanet.gated_delta_rule_verify(q, q, v, g, beta, rec, slots, 1, 2, 4, use_qk_l2norm=True)
+
+
 def disassemble(cubin: bytes) -> str:
     """The whole SASS of `cubin` (the wheel's nvdisasm; Triton's `get_sass` cut k6_v4's decode kernel short,
     before its key loop)."""
@@ -149,11 +169,13 @@ CASES = (((8, 2, 64), (40, 36), (torch.bfloat16, torch.float32)), ((32, 4, 128),
 
 
 def cases() -> list[tuple[str, tuple]]:
-    """Every case, in order: ("attention", (kv_dtype, dtype, decode, heads, contexts)) and ("moe", (fmt, tokens))."""
+    """Every case, in order: ("attention", (kv_dtype, dtype, decode, heads, contexts)), ("moe", (fmt, tokens)) and
+    ("deltanet", (dtype,))."""
     out = [("attention", (kv_dtype, dtype, decode, heads, contexts)) for heads, contexts, dtypes in CASES
            for kv_dtype in KV_DTYPES for dtype in dtypes for decode in (True, False)]
-    # MoE compiled only: the GGUF gate/up loops spill a little at T = 32 (issue 20)
-    return out + [("moe", (fmt, tokens)) for fmt in MOE_FORMATS for tokens in (1, 3, 32)]
+    # MoE and the DeltaNet compiled only: the GGUF gate/up loops spill a little at T = 32 (issue 20)
+    return (out + [("moe", (fmt, tokens)) for fmt in MOE_FORMATS for tokens in (1, 3, 32)]
+            + [("deltanet", (dtype,)) for dtype in (torch.bfloat16, torch.float32)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,18 +189,20 @@ def main(argv: list[str] | None = None) -> int:
         if kind == "moe":
             fmt, tokens = args
             case = f"moe {fmt} T={tokens}"
+        elif kind == "deltanet":
+            case = f"deltanet {str(args[0])[6:]}"
         else:
             kv_dtype, dtype, decode, heads, contexts = args
             case = f"{kv_dtype} {str(dtype)[6:]} {heads} {'decode' if decode else 'prefill'}"
         before = len(built)
         try:
-            (moe_step if kind == "moe" else attention_step)(*args)
+            {"moe": moe_step, "deltanet": deltanet_step, "attention": attention_step}[kind](*args)
         except triton.CompilationError as e:
             failed += 1
             print(f"{case}: {type(e).__name__}: {e}", flush=True)
             continue
         names = ", ".join(n for n, _ in built[before:]) or "nothing new"
-        if kind == "moe" or args[1] != torch.bfloat16:  # fp32's IEEE dots are FMAs: a correctness path
+        if kind != "attention" or args[1] != torch.bfloat16:  # fp32's IEEE dots are FMAs: a correctness path
             print(f"{case}: built {names}", flush=True)
             continue
         kernel = next(k for n, k in reversed(built) if n == "_paged_attention_kernel")

@@ -1,5 +1,5 @@
-"""The attention and MoE launches compile for Hopper (sm_90) here, with Triton's compiler and ptxas: what the
-interpreter's tests cannot see (tests/kernels/hopper_compile.py says how and why)."""
+"""The attention, MoE and Gated DeltaNet launches compile for Hopper (sm_90) here, with Triton's compiler and
+ptxas: what the interpreter's tests cannot see (tests/kernels/hopper_compile.py says how and why)."""
 
 from __future__ import annotations
 
