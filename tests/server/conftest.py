@@ -49,6 +49,15 @@ class Daemon:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def log_with(self, *lines: str, timeout_s: float = 10.0) -> str:
+        """The log once it holds every one of `lines` (or as it is after `timeout_s`): the daemon's INFO
+        records are written by a thread of their own (server/log_writer.py), so a request's line may
+        reach the file after its response reached the client."""
+        deadline = time.monotonic() + timeout_s
+        while not all(line in (log := self.log()) for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return log
+
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {API_KEY}"}
 

@@ -157,10 +157,11 @@ def test_every_request_id_is_in_the_header_the_body_and_the_log(daemon):
     rid = r.headers["x-request-id"]
     assert re.fullmatch(r"[0-9a-f]{16}", rid) and r.json()["id"] == f"chatcmpl-{rid}"
     assert bad.status_code == 400 and bad.headers["x-request-id"] != rid
-    log = daemon.log()
+    ok, refused = (f"radianced.http: {rid}: POST /v1/chat/completions 200",
+                   f"radianced.http: {bad.headers['x-request-id']}: POST /v1/chat/completions 400")
+    log = daemon.log_with(ok, refused)
     assert re.search(rf"radianced.requests: {rid}: prompt \d+ tokens = \d+ reused \+ \d+ read", log)
-    assert f"radianced.http: {rid}: POST /v1/chat/completions 200" in log
-    assert f"radianced.http: {bad.headers['x-request-id']}: POST /v1/chat/completions 400" in log
+    assert ok in log and refused in log
 
 
 async def test_metrics_move_with_each_request(daemon):
