@@ -252,6 +252,17 @@ def _slots(slots: torch.Tensor | None, batch: int, device: torch.device) -> torc
     return slots.contiguous()
 
 
+def _check_conv_pool(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, rows: str) -> None:
+    """ValueError unless x: [R, C] (`rows` names R: decode's sequences B, verify's positions T) for weight
+    [C, W], and conv_state a pool [N, C, W-1] with a contiguous last dim."""
+    c, w = weight.shape
+    if x.dim() != 2 or x.shape[1] != c:
+        raise ValueError(f"x must be [{rows}, {c}] (the conv weight's channels), got {tuple(x.shape)}")
+    if conv_state.dim() != 3 or conv_state.shape[1:] != (c, w - 1) or conv_state.stride(2) != 1:
+        raise ValueError(f"conv_state must be [N, {c}, {w - 1}] with a contiguous last dim, "
+                         f"got {tuple(conv_state.shape)}")
+
+
 def _check_delta_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         state: torch.Tensor) -> None:
     """ValueError unless q, k: [R, Hk, K]; v: [R, Hv, V] (Hv a multiple of Hk); g, beta: [R, Hv]; state
@@ -337,11 +348,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     """
     c, w = weight.shape
     batch = x.shape[0]
-    if x.dim() != 2 or x.shape[1] != c:
-        raise ValueError(f"x must be [B, {c}] (the conv weight's channels), got {tuple(x.shape)}")
-    if conv_state.dim() != 3 or conv_state.shape[1:] != (c, w - 1) or conv_state.stride(2) != 1:
-        raise ValueError(f"conv_state must be [N, {c}, {w - 1}] with a contiguous last dim, "
-                         f"got {tuple(conv_state.shape)}")
+    _check_conv_pool(x, weight, conv_state, "B")
     if slots is None and conv_state.shape[0] != batch:
         raise ValueError(f"without slots conv_state needs one row per sequence ({batch}), has {conv_state.shape[0]}")
     slots = _slots(slots, batch, x.device)
@@ -409,11 +416,7 @@ def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     contiguous last dim) whose row slots[seq] is the sequence's; the state after position j < T-1 also
     in row first_draft + slots[seq] * drafts_per_seq + j. Returns y: [T, C] in x's dtype."""
     c, w = weight.shape
-    if x.dim() != 2 or x.shape[1] != c:
-        raise ValueError(f"x must be [T, {c}] (the conv weight's channels), got {tuple(x.shape)}")
-    if conv_state.dim() != 3 or conv_state.shape[1:] != (c, w - 1) or conv_state.stride(2) != 1:
-        raise ValueError(f"conv_state must be [N, {c}, {w - 1}] with a contiguous last dim, "
-                         f"got {tuple(conv_state.shape)}")
+    _check_conv_pool(x, weight, conv_state, "T")
     slots = _verify_slots(slots, seq, x.device)
     x, weight = _last_dim_contiguous(x, weight)
     t = x.shape[0]
