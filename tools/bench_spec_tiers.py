@@ -5,7 +5,8 @@
 The tiers benchmark's synthetic Qwen3-30B-A3B-shaped model (tools/bench_tiers.py's preset and
 `section_model`), every expert's home in the host pool, `--expert-slots` at 10% and 25% of the experts.
 At each point one greedy request on a repetitive prompt (a random 24-token phrase repeated, so n-gram
-lookup finds it) decodes with `--speculative 4` (n-gram, adaptive) and without: tok/s, the slab's miss
+lookup finds it) decodes with `--speculative 4` (n-gram, adaptive, its cost model's r measured on the
+engine first as the daemon measures it before ready) and without: tok/s, the slab's miss
 bytes per generated token (what crossed PCIe for each token the user got), and the drafts accepted.
 A verify step reads each routed expert once for all its tokens, so the bytes per token fall with
 acceptance. Without CUDA (`--quick`, a dry run on a CPU) the sizes are tiny: it proves the code runs.
@@ -25,6 +26,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 import torch  # noqa: E402
 
+from radianced.engine import drafting_cost  # noqa: E402
 from radianced.engine.request import Request  # noqa: E402
 from radianced.engine.sampling_params import SamplingParams  # noqa: E402
 from radianced.model.rad import RadFile  # noqa: E402
@@ -59,11 +61,17 @@ def _decode(engine, device: str, prompt: list[int], tokens: int) -> dict:
 
 
 def _run(rad: RadFile, p, device: str, slots: int, spec: int, prompt: list[int], tokens: int) -> dict:
-    """One engine, built, warmed, measured and closed."""
+    """One engine, built, warmed, measured and closed. With drafts, the cost model's r is measured first
+    on this engine, as the daemon does before ready (engine/drafting_cost.py), so the adaptive policy
+    decides as it would when served: over the tiers a verify step also reads its drafts' experts."""
     engine = engine_for(rad, p, device, host_pool_mib=host_pool_mib(rad), expert_slots=slots, speculative=spec)
     try:
         _decode(engine, device, prompt, 8)  # warm-up: slots settle, kernels compile
-        return _decode(engine, device, prompt, tokens)
+        said = drafting_cost.adopt(engine, rad.model.vocab_size) if spec else None
+        if said:
+            print(f"   {said}", flush=True)
+        got = _decode(engine, device, prompt, tokens)
+        return {**got, "token_cost": engine.scheduler.drafting.policy.token_cost if spec else None}
     finally:
         teardown(engine)
 
@@ -87,14 +95,15 @@ def point(rad: RadFile, p, device: str, share: float, tokens: int) -> dict:
 def markdown(results: dict) -> str:
     lines = [f"# Speculative decoding over the expert tiers ({results['device']}, {results['date']})", "",
              "| slots | --speculative | tok/s | MiB over the link per token | accepted / drafted | speed-up "
-             "| bytes per token |", "|---|---|---|---|---|---|---|"]
+             "| bytes per token | r measured |", "|---|---|---|---|---|---|---|---|"]
     for row in results["points"]:
         off = row["spec0"]
         for spec in (0, DRAFTS):
             r = row[f"spec{spec}"]
             lines.append(f"| {row['share']:.0%} | {spec} | {r['tok_s']:.1f} | {r['miss_bytes_per_token'] / 2**20:.2f} "
                          f"| {r['accepted']} / {r['drafted']} | {r['tok_s'] / off['tok_s']:.2f}x | "
-                         f"{r['miss_bytes_per_token'] / max(off['miss_bytes_per_token'], 1e-9):.2f}x |")
+                         f"{r['miss_bytes_per_token'] / max(off['miss_bytes_per_token'], 1e-9):.2f}x | "
+                         f"{'' if r.get('token_cost') is None else format(r['token_cost'], '.3g')} |")
     return "\n".join(lines) + "\n"
 
 
