@@ -168,6 +168,16 @@ def burst_elsewhere(url: str, bodies: list[dict]) -> tuple[float, float, list[tu
     return asyncio.run(send())
 
 
+def cgroup_cpu() -> dict[str, int]:
+    """This cgroup's CPU counters (cgroup v2 cpu.stat: usage_usec, nr_throttled, throttled_usec ...), {} where
+    there is no such file."""
+    try:
+        text = Path("/sys/fs/cgroup/cpu.stat").read_text()
+    except OSError:
+        return {}
+    return {k: int(v) for k, v in (line.split() for line in text.splitlines() if len(line.split()) == 2)}
+
+
 def trace_window(trace: Path | None, lo: float, hi: float) -> list[dict]:
     """The daemon's step trace (RADIANCED_STEP_TRACE, engine/step_trace.py) between two of this machine's
     perf_counter times: the rows that overlap them (a round that began before `lo` and ran into it
@@ -186,6 +196,7 @@ async def prefill_burst(http, prompts: Callable[[int], list[int]], url: str, wat
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as other:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(other, burst_elsewhere, url, [])  # started and imported before the streams
+        throttled_before = cgroup_cpu()
         kinds_before = await step_kinds(http)
         streams = [asyncio.create_task(stream_request(http, COMPLETIONS, completion_body(prompts(64), 1024)))
                    for _ in range(4)]
@@ -195,6 +206,7 @@ async def prefill_burst(http, prompts: Callable[[int], list[int]], url: str, wat
             t_burst, t_end, burst = await loop.run_in_executor(
                 other, burst_elsewhere, url, [completion_body(prompts(2000), 1) for _ in range(8)])
         hist_after = Snapshot.parse((await http.get("/metrics")).text)
+        throttled = {k: v - throttled_before.get(k, 0) for k, v in cgroup_cpu().items()}
         running = await asyncio.gather(*streams)
     kinds = {k: (c - kinds_before.get(k, (0, 0))[0], t - kinds_before.get(k, (0, 0))[1])
              for k, (c, t) in (await step_kinds(http)).items()}
@@ -218,6 +230,9 @@ async def prefill_burst(http, prompts: Callable[[int], list[int]], url: str, wat
             "burst_histograms": histogram_deltas(hist_before, hist_after),
             # cudaMalloc and cudaFree while the burst is served (a free synchronizes the device)
             "burst_allocator": {n: after[n] - before[n] for n in ALLOCATOR},
+            # the cgroup's CPU quota during the burst ({} where there is none to read): throttled_usec > 0 is the
+            # whole machine's processes held off the CPU, a cause the step trace's runq_s would show too
+            "cgroup_cpu": throttled,
             "stall_trace": trace_window(trace, t_burst + ended - gap - 0.003, t_burst + ended + 0.001) if gap else []}
 
 
@@ -230,9 +245,13 @@ async def prefill_bursts(http, prompts: Callable[[int], list[int]], url: str, re
     median = pct([r["itl_all"]["p50"] for r in runs], 0.5)
     pooled = summary([g for r in runs for g in r["gaps_during"]])
     each = [{"p99_ms": 1e3 * r["itl_during_burst"]["p99"], "ratio": r["itl_during_burst"]["p99"] / r["itl_all"]["p50"],
-             "burst_s": r["burst_seconds"], "longest_gap": r["longest_gaps"][:1], "stall_trace": r["stall_trace"]}
+             "burst_s": r["burst_seconds"], "longest_gap": r["longest_gaps"][:1], "stall_trace": r["stall_trace"],
+             "cgroup_cpu": r["cgroup_cpu"]}
             for r in runs if r["itl_during_burst"]["n"]]
     return runs[0] | {"repeats": each, "pooled": pooled | {"median": median}}
+
+
+PARTS = ("ttft", "sweep", "prefill_burst", "burst_gil")
 
 
 async def measure(url: str, pid: int, args, res: dict) -> None:
@@ -247,6 +266,8 @@ async def measure(url: str, pid: int, args, res: dict) -> None:
                            ("prefill_burst", lambda: prefill_bursts(http, prompts, url, args.burst_repeats,
                                                                     args.trace)),
                            ("burst_gil", lambda: gil_burst(http, prompts, url, pid))):
+            if name not in args.parts:
+                continue
             t0 = time.perf_counter()
             res[name] = await part()
             res["serving_builds"] = await serving_builds(http) - before
@@ -299,8 +320,12 @@ def main() -> int:
                     help="the daemon's GIL switch interval (sys.setswitchinterval, set by a sitecustomize on its "
                          "PYTHONPATH; Python's default is 5 ms): does a step thread waiting for the GIL while the "
                          "event loop runs Python stretch the steps of a prefill burst?")
+    ap.add_argument("--parts", type=lambda v: v.split(","), default=list(PARTS),
+                    help=f"the parts measured, comma-separated (default all: {','.join(PARTS)})")
     ap.add_argument("flags", nargs=argparse.REMAINDER)
     args = ap.parse_args()
+    if unknown := sorted(set(args.parts) - set(PARTS)):
+        ap.error(f"--parts: no part {', '.join(unknown)} (the parts: {', '.join(PARTS)})")
     args.out.mkdir(parents=True, exist_ok=True)
     for kv in args.env:
         key, sep, value = kv.partition("=")

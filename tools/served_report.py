@@ -73,7 +73,9 @@ def trace_lines(rows: list[dict]) -> list[str]:
         if r["k"] == "round":
             out.append(f"  {at(r['t'])} round: inbox {r['inbox']}, plan {ms(r['plan_s'])} ms, launch "
                        f"{r['launch']} in {ms(r['launch_s'])} ms (CPU {ms(r['launch_cpu_s'])}), collect "
-                       f"{r['collect']} own {ms(r['own_s'])} ms, ends {at(r['end'])}")
+                       f"{r['collect']} own {ms(r['own_s'])} ms, ends {at(r['end'])}"
+                       + (f"; since the last round: runnable off-CPU {ms(r.get('runq_s'))} ms, the process's CPU "
+                          f"{ms(r['proc_cpu_s'])} ms" if r.get("proc_cpu_s") is not None else ""))
         elif r["k"] == "http":
             out.append(f"  {at(r['t'])} http {r['id']}: body {ms(r['body_s'])} ms, prepare {ms(r['prepare_s'])} ms")
         elif r["k"] == "submit":

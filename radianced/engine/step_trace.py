@@ -12,7 +12,11 @@ Unset, `StepTrace.off()` records nothing and costs a call a round.
 
     {"k": "round", "t": start, "inbox": entries taken, "plan_s": planning, "launch": [seqs, decodes,
      tokens] or null, "launch_s": wall, "launch_cpu_s": the thread's CPU in it, "collect": [seqs,
-     decodes, tokens] or null, "own_s": the collected step's device time, "end": the round's end}
+     decodes, tokens] or null, "own_s": the collected step's device time, "end": the round's end,
+     "runq_s": the step thread's time runnable but not running since the previous round's row (the kernel's
+     schedstat: a thread off the CPU for want of a core, not waiting for the GIL or the device; null in the
+     first round and where unreadable), "proc_cpu_s": the whole process's CPU time in that span (every thread: one thread's worth of
+     the wall time is the GIL serialising the others; more is code running without it)}
     {"k": "http", "t": the handler's start, "id": request id, "body_s": reading the body, "prepare_s": the
      prepare thread's decoding and tokenizing, from the hand-off to the result}
     {"k": "submit", "t": when, "id": request id, "prompt": tokens}
@@ -26,6 +30,7 @@ import json
 import logging
 import os
 import threading
+import time
 
 ENV = "RADIANCED_STEP_TRACE"
 
@@ -36,6 +41,7 @@ class StepTrace:
     def __init__(self, path: str | None):
         self._file = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - closed by close()
         self._lock = threading.Lock()
+        self._last: tuple[float | None, float] | None = None  # (runq, process CPU) at the previous round's row
 
     @classmethod
     def from_env(cls) -> StepTrace:
@@ -56,10 +62,14 @@ class StepTrace:
             return
         launched = work.launch
         finished = done.finished
+        prev, now = self._last, (_runq(), time.process_time())
+        self._last = now
         self._write({"k": "round", "t": t, "inbox": inbox, "plan_s": plan_s, "launch": _shape(launched),
                      "launch_s": done.launch_s, "launch_cpu_s": done.launch_cpu_s,
                      "collect": _shape(finished.plan if finished is not None else None),
-                     "own_s": done.output.seconds if done.output is not None else None, "end": end})
+                     "own_s": done.output.seconds if done.output is not None else None, "end": end,
+                     "runq_s": None if prev is None or None in (prev[0], now[0]) else now[0] - prev[0],
+                     "proc_cpu_s": None if prev is None else now[1] - prev[1]})
 
     def http(self, t: float, request_id: str, body_s: float, prepare_s: float) -> None:
         if self._file is not None:
@@ -93,6 +103,16 @@ class StepTrace:
                 failed, self._file = self._file, None
                 with contextlib.suppress(OSError):  # its buffer cannot be written either
                     failed.close()
+
+
+def _runq() -> float | None:
+    """The calling thread's seconds runnable but waiting for a CPU so far (/proc/thread-self/schedstat's
+    second field, ns), or None where the kernel does not say."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _shape(plan) -> list[int] | None:

@@ -45,6 +45,10 @@ async def test_the_trace_has_every_arrival_round_and_dispatch_in_time_order(tiny
     assert all(r["t"] <= r["t"] + r["plan_s"] <= r["end"] and r["launch_cpu_s"] >= 0 for r in rounds)
     assert all(a["end"] <= b["t"] for a, b in zip(rounds, rounds[1:]))  # one thread, one round at a time
     assert all(r["own_s"] > 0 for r in rounds if r["collect"] is not None)  # the CPU times every step
+    # the step thread's runnable-but-waiting time and the process's CPU, from the second round on
+    assert rounds[0]["runq_s"] is None and rounds[0]["proc_cpu_s"] is None
+    assert all(r["runq_s"] >= 0 and r["proc_cpu_s"] >= 0 for r in rounds[1:])
+    assert sum(r["proc_cpu_s"] for r in rounds[1:]) > 0
     # each collected step's events reach the loop once, after the step thread posted them
     assert len(by_kind["dispatch"]) == len(collected)
     assert all(d["posted"] <= d["t"] for d in by_kind["dispatch"])

@@ -30,7 +30,8 @@ def test_the_step_trace_around_a_gap_prints_in_time_order_from_its_first_row():
     """Rows as the daemon writes them (engine/step_trace.py; the CPU's own burst of 2026-12-04)."""
     rows = [{"k": "dispatch", "t": 10.0, "posted": 9.9995, "events": 4},
             {"k": "round", "t": 9.9996, "inbox": 0, "plan_s": 0.00011, "launch": [4, 4, 4], "launch_s": 0.05099,
-             "launch_cpu_s": 0.02261, "collect": [4, 4, 4], "own_s": 0.05094, "end": 10.05134},
+             "launch_cpu_s": 0.02261, "collect": [4, 4, 4], "own_s": 0.05094, "end": 10.05134, "runq_s": 0.0261,
+             "proc_cpu_s": 0.0714},
             {"k": "http", "t": 10.0532, "id": "7759", "body_s": 0.00283, "prepare_s": 0.00189},
             {"k": "submit", "t": 10.0581, "id": "7759", "prompt": 2000}]
     text = "\n".join(lines({"prefill_burst": {
@@ -44,7 +45,7 @@ def test_the_step_trace_around_a_gap_prints_in_time_order_from_its_first_row():
     at = text.index("the daemon's step trace around burst 0's longest gap (52.9 ms, ended 12 ms after")
     assert text[at:].splitlines()[1:] == [
         "  +0.00 round: inbox 0, plan 0.11 ms, launch [4, 4, 4] in 50.99 ms (CPU 22.61), collect [4, 4, 4] own "
-        "50.94 ms, ends +51.74",
+        "50.94 ms, ends +51.74; since the last round: runnable off-CPU 26.10 ms, the process's CPU 71.40 ms",
         "  +0.40 dispatch 4 events (posted -0.10)",
         "  +53.60 http 7759: body 2.83 ms, prepare 1.89 ms",
         "  +58.50 submit 7759 (2000 tokens)"]
