@@ -139,7 +139,7 @@ class Daemon:
             log.error("cannot serve HTTP: %s", e)
             return 1
         self._address = address_of(sock)
-        server = HttpServer(build_app(self.http), self.cfg, self.http.gate)
+        server = HttpServer(build_app(self.http), self.cfg)
         http_task = asyncio.create_task(server.serve(sockets=[sock]))
         watchdog = asyncio.create_task(self._watchdog())
         control_server = None
@@ -258,11 +258,8 @@ class Daemon:
             raise _StartFailed from None
         graphs = engine.runner.graphs
         graph_tokens = max(graphs.mixed, default=0) if graphs is not None else 0
-        # on a GPU the HTTP threads give way to the step thread's launches (engine/step_gate.py); on the CPU the
-        # step is the compute, and giving way would only stall them
-        self.http.gate.enabled = engine.runner.device.type == "cuda"
         return AsyncEngine(engine, self.metrics, StepPacer.for_config(self.cfg, graph_tokens), self.step_thread,
-                           trace, self.http.gate)
+                           trace)
 
     def _build(self):
         """Open the model, plan the card, allocate and load (on the loader thread)."""

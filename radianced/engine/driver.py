@@ -44,7 +44,6 @@ from radianced.engine.request_log import expert_line, request_line
 from radianced.engine.sampling_params import SamplingParams
 from radianced.engine.scheduler import SeqEvent
 from radianced.engine.speculation import DraftStats
-from radianced.engine.step_gate import StepGate
 from radianced.engine.step_trace import StepTrace
 from radianced.engine.streams import (
     Chunk, EngineFailed, LiveRequest, RequestFailed, RequestStream, StreamState, reused_tokens,
@@ -61,19 +60,15 @@ def step_executor() -> ThreadPoolExecutor:
 
 class AsyncEngine:
     def __init__(self, engine: Engine, metrics: EngineMetrics | None = None, pacer: StepPacer | None = None,
-                 step_thread: ThreadPoolExecutor | None = None, trace: StepTrace | None = None,
-                 gate: StepGate | None = None):
+                 step_thread: ThreadPoolExecutor | None = None, trace: StepTrace | None = None):
         """pacer: caps each step's tokens at a step time measured here (engine/pacing.py); None
         keeps the scheduler's --max-num-batched-tokens budget. step_thread: the one-worker executor
         the rounds run on (the daemon's, which ran the warm-up there: a thread's first steps pay its own
         set-up, torch's CPU thread team and cuBLAS handle among it); None: a new one. trace: the rounds'
-        timeline (engine/step_trace.py), closed when `run` ends; None: none. gate: where the step thread
-        says when it works in Python, for the HTTP threads to give way (engine/step_gate.py); None: a
-        disabled one."""
+        timeline (engine/step_trace.py), closed when `run` ends; None: none."""
         self.engine = engine
         self.pacer = pacer
         self.trace = trace or StepTrace.off()
-        self.gate = gate or StepGate()
         self.scheduler = engine.scheduler
         self.metrics = metrics or NoMetrics()
         self._streams: dict[str, StreamState] = {}  # the loop's: live requests by id
@@ -152,19 +147,16 @@ class AsyncEngine:
         plan, execute and apply; a finished step's events go to the loop."""
         engine, loop = self.engine, self._loop
         start = None  # when the step being finished began (its launch's round)
-        gate = self.gate
         while not self._closing:
             self._wake.clear()  # before the inbox is read: an entry posted after it sets it again
-            gate.work()
             t = time.perf_counter()
             taken = self._take_inbox()
             if (work := engine.plan()) is None:  # idle, or nothing fits until a request ends
-                gate.rest()
                 self._wake.wait()
                 continue
             planned = time.perf_counter()
             start = start or planned
-            done = engine.execute(work, gate.device_wait)
+            done = engine.execute(work)
             if work.launch is not None:
                 self.metrics.observe_launch(done.launch_s, done.launch_s - done.launch_cpu_s)
             events = engine.apply(done)
@@ -173,7 +165,6 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(self._dispatch, events, counts, time.perf_counter())
                 start = time.perf_counter() if done.launched is not None else None
             self.trace.round(t, taken, planned - t, work, done, time.perf_counter())
-        gate.rest()
         self._take_inbox()  # what came with the cancel: `between_steps` callers are answered
 
     def _take_inbox(self) -> int:
@@ -319,7 +310,6 @@ class AsyncEngine:
 
     def _dispatch(self, events: list[SeqEvent], expert_counts: list[tuple[int, list[int]]], posted: float) -> None:
         """A finished step's events (and its sequences' expert counts) into their streams; on the loop."""
-        self.gate.give_way()
         now = time.perf_counter()
         m = self.metrics
         m.observe_loop_wait(now - posted)  # how long the step's tokens waited for the event loop

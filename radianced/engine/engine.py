@@ -22,11 +22,8 @@ receipt's elastic line, and the KV cache is a view over its pages.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
 
 import torch
@@ -137,10 +134,9 @@ class Engine:
         plan = self.scheduler.schedule_ahead() if ahead and self.pipelined else None
         return Work(None if plan is None or plan.is_empty else plan, self._in_flight, wait=False)
 
-    def execute(self, work: Work, device_wait: Callable[[], ContextManager] = contextlib.nullcontext) -> Executed:
+    def execute(self, work: Work) -> Executed:
         """Launch the work's plan, then collect the step it finishes: the runner's half of a round
-        (the driver's worker thread; nothing else calls the runner). device_wait: around the wait for
-        the collected step's device work (engine/step_gate.py)."""
+        (the driver's worker thread; nothing else calls the runner)."""
         launched, wall, cpu = None, 0.0, 0.0
         if work.launch is not None:
             wall, cpu = time.perf_counter(), time.thread_time()
@@ -149,8 +145,7 @@ class Engine:
         finished = launched if work.wait else work.collect
         if work.wait:
             launched = None
-        output = self.runner.collect(finished, device_wait) if finished is not None else None
-        return Executed(launched, finished, output, wall, cpu)
+        return Executed(launched, finished, self.runner.collect(finished) if finished is not None else None, wall, cpu)
 
     def apply(self, done: Executed) -> list[SeqEvent]:
         """The bookkeeping half of a round: the step launched stays in flight; the step collected

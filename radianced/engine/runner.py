@@ -13,10 +13,8 @@ before the previous step is collected, so its host work overlaps the device.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import itertools
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager as ContextManager
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -142,12 +140,10 @@ class Runner:
                     block_tables=[list(s.block_table[0]) for s in seqs], block_size=self.cache.block_size,
                     logits=wanted)
 
-    def collect(self, step: InFlight, device_wait: Callable[[], ContextManager] = contextlib.nullcontext) -> StepOutput:
-        """Wait for a launched step (steps are collected in launch order; inside `device_wait()`, the step
-        gate's: engine/step_gate.py) and return its output."""
+    def collect(self, step: InFlight) -> StepOutput:
+        """Wait for a launched step (steps are collected in launch order) and return its output."""
         if step.done is not None:
-            with device_wait():
-                step.done.synchronize()  # deliberate: the step's tokens go back to the scheduler
+            step.done.synchronize()  # deliberate: the step's tokens go back to the scheduler
         seqs = step.plan.seqs
         counts = self.experts.count(step.routing) if step.routing is not None else None
         errors = self._failed_seqs(step.routing, step.query_start) if step.routing is not None else None

@@ -27,7 +27,6 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from radianced.config import Config
-from radianced.engine.step_gate import StepGate
 from radianced.server.api_errors import error_body
 
 log = logging.getLogger("radianced")
@@ -38,8 +37,8 @@ SHUTDOWN_GRACE_S = 5.0  # after the drain: cancelled responses write their last 
 class HttpServer(uvicorn.Server):
     """uvicorn inside our loop: the daemon, not uvicorn, owns SIGTERM and SIGINT (the drain)."""
 
-    def __init__(self, app, cfg: Config, gate: StepGate | None = None):
-        protocol = functools.partial(_HeadTimeoutH11, head_timeout_s=cfg.timeout_headers, gate=gate or StepGate())
+    def __init__(self, app, cfg: Config):
+        protocol = functools.partial(_HeadTimeoutH11, head_timeout_s=cfg.timeout_headers)
         super().__init__(uvicorn.Config(app, loop="none", lifespan="off", http=protocol, ws="none", log_config=None,
                                         access_log=False, server_header=False,
                                         timeout_keep_alive=cfg.timeout_keep_alive,
@@ -58,10 +57,9 @@ class _HeadTimeoutH11(H11Protocol):
     nothing is closed.
     """
 
-    def __init__(self, *args, head_timeout_s: float, gate: StepGate, **kwargs):
+    def __init__(self, *args, head_timeout_s: float, **kwargs):
         super().__init__(*args, **kwargs)
         self.head_timeout_s = head_timeout_s
-        self.gate = gate  # each arrival's parsing gives way to the step thread (engine/step_gate.py)
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = False  # bytes of a head arrived since the timer started
 
@@ -70,7 +68,6 @@ class _HeadTimeoutH11(H11Protocol):
         self._watch_head()
 
     def data_received(self, data: bytes) -> None:
-        self.gate.give_way()
         waiting = self._head_timer is not None or self.conn.their_state is h11.IDLE
         super().data_received(data)
         self._head_bytes = self._head_bytes or waiting

@@ -38,7 +38,6 @@ class Prepared(NamedTuple):
 def prepare(served: Served, body: bytes, chat: bool) -> Prepared:
     """Decode and check a /v1/completions (or, with `chat`, /v1/chat/completions) body, build
     its prompt ids and fit its max_tokens to the context. Thread-safe. Raises ProtocolError."""
-    served.engine.gate.give_way()
     if chat:
         parsed = parse_chat(body, served.defaults, vocab_size=served.vocab_size)
     else:

@@ -62,7 +62,6 @@ class RequestContext:
                 message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", rid.encode())]}
             elif message["type"] == "http.response.body" and not message.get("more_body", False) and not done:
                 finish()  # before the last byte: a client that has its answer finds it logged and counted
-            self.state.gate.give_way()  # each write through h11 and the socket (engine/step_gate.py)
             await send(message)
 
         self.state.enter()

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radianced.engine.driver import AsyncEngine
-from radianced.engine.step_gate import StepGate
 from radianced.server.metrics import Metrics
 from radianced.server.self_warmup import WARM_UP_HEADER
 
@@ -58,7 +57,6 @@ class ServerState:
         self.warm_up_token: str | None = None  # while set, requests carrying it are the daemon's own (self_warmup)
         self.in_flight = 0  # HTTP requests between arrival and their last byte sent
         self.prepare_pool = ThreadPoolExecutor(self.PREPARE_THREADS, thread_name_prefix="radianced-prepare")
-        self.gate = StepGate()  # the engine's step thread's (engine/step_gate.py): the HTTP side gives way to it
         self.draining = asyncio.Event()  # set with phase DRAINING: bodies still arriving are answered 503
         self._phase = Phase.LOADING
         self._idle = asyncio.Event()

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from radianced.engine.step_gate import StepGate
 from radianced.model.tiny import make_tiny
 from radianced.model.tokenizer import Tokenizer
 from radianced.server.api_errors import ProtocolError
@@ -98,11 +97,10 @@ def test_template_kwargs_deeper_than_the_limit_are_a_400():
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Served:
-    """The tiny llama's tokenizer behind a 256-token context (no engine: `prepare` reads only its tokenizer and
-    gives way at its gate)."""
+    """The tiny llama's tokenizer behind a 256-token context (no engine: `prepare` reads only its tokenizer)."""
     tok = Tokenizer((make_tiny("llama", tmp_path_factory.mktemp("tiny")) / "tokenizer.json").read_text(),
                     "{% for m in messages %}{{ m['content'] }}{% endfor %}", None, ())
-    return Served(SimpleNamespace(tokenizer=tok, gate=StepGate()), "tiny", 256, {}, tok.vocab_size)
+    return Served(SimpleNamespace(tokenizer=tok), "tiny", 256, {}, tok.vocab_size)
 
 
 def test_a_prompt_past_what_the_context_could_hold_is_refused_before_tokenizing(served, monkeypatch):
