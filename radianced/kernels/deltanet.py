@@ -179,62 +179,71 @@ def _delta_token(s, q, k, v, g, beta, scale, L2NORM: tl.constexpr):
     return s, tl.sum(s * q[:, None], 0)
 
 
-@triton.jit(do_not_specialize=["seq", "T", "first_draft", "drafts_per_seq"])
-def _conv_verify_kernel(x_ptr, w_ptr, state_ptr, slots_ptr, seq, y_ptr, T, C, first_draft, drafts_per_seq,
+@triton.jit(do_not_specialize=["first_draft", "drafts_per_seq"])
+def _conv_verify_kernel(x_ptr, w_ptr, state_ptr, starts_ptr, slots_ptr, y_ptr, C, first_draft, drafts_per_seq,
                         stride_xt, stride_wc, stride_sn, stride_sc, stride_yt,
                         W: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
-    """`_conv_update_kernel`'s step for each of one sequence's T positions in turn, its row shifted in
-    place after each and copied to the position's draft row (all but the last)."""
+    """`_conv_update_kernel`'s step for each of sequence program_id(1)'s positions in turn (none where its
+    slot is < 0), its row shifted in place after each and copied to the position's draft row (all but
+    the last)."""
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_ok = c < C
+    seq = tl.program_id(1)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
+    lo = tl.load(starts_ptr + seq).to(tl.int64)
+    t = tl.where(slot >= 0, tl.load(starts_ptr + seq + 1) - lo, 0)
+    c_ok = c < C
     i = tl.arange(0, BLOCK_W)  # window position; W - 1 is the new token
     rows = state_ptr + slot * stride_sn + c[:, None] * stride_sc
     w = tl.load(w_ptr + c[:, None] * stride_wc + i[None, :], mask=c_ok[:, None] & (i < W)[None, :], other=0.0)
     shifted = c_ok[:, None] & ((i >= 1) & (i < W))[None, :]
-    for j in range(T):
+    for j in range(t):
         win = tl.load(rows + i[None, :], mask=c_ok[:, None] & (i < W - 1)[None, :], other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + j * stride_xt + c, mask=c_ok, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + (lo + j) * stride_xt + c, mask=c_ok, other=0.0).to(tl.float32)
         win = tl.where((i == W - 1)[None, :], x[:, None], win)
         acc = tl.sum(win * w.to(tl.float32), 1)
-        tl.store(y_ptr + j * stride_yt + c, (acc * tl.sigmoid(acc)).to(y_ptr.dtype.element_ty), mask=c_ok)
+        tl.store(y_ptr + (lo + j) * stride_yt + c, (acc * tl.sigmoid(acc)).to(y_ptr.dtype.element_ty), mask=c_ok)
         tl.debug_barrier()  # the row is read by every thread before it is shifted
         tl.store(rows + (i - 1)[None, :], win.to(state_ptr.dtype.element_ty), mask=shifted)
-        if j < T - 1:
+        if j < t - 1:
             draft = state_ptr + (first_draft + slot * drafts_per_seq + j) * stride_sn + c[:, None] * stride_sc
             tl.store(draft + (i - 1)[None, :], win.to(state_ptr.dtype.element_ty), mask=shifted)
         tl.debug_barrier()  # the shifted row is written before the next position reads it
 
 
-@triton.jit(do_not_specialize=["seq", "T", "first_draft", "drafts_per_seq"])
-def _delta_verify_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, seq, o_ptr, scale, T, first_draft,
-                         drafts_per_seq, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt,
-                         stride_bt, stride_sn, stride_sh, stride_sk, stride_ot, stride_oh,
+@triton.jit(do_not_specialize=["first_draft", "drafts_per_seq"])
+def _delta_verify_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, starts_ptr, slots_ptr, o_ptr, scale,
+                         first_draft, drafts_per_seq, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                         stride_gt, stride_bt, stride_sn, stride_sh, stride_sk, stride_ot, stride_oh,
                          GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr):
-    """`_delta_decode_kernel`'s step for each of one sequence's T positions in turn, its piece of S kept in
-    registers (rounded to the state's dtype between positions, as a store and load would) and stored to
-    the position's draft row (all but the last), then to the sequence's row."""
+    """`_delta_decode_kernel`'s step for each of sequence program_id(2)'s positions in turn (none where its
+    slot is < 0), its piece of S kept in registers (rounded to the state's dtype between positions, as a
+    store and load would) and stored to the position's draft row (all but the last), then to the
+    sequence's row."""
     h = tl.program_id(0)
     dv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    v_ok = dv < V
+    seq = tl.program_id(2)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
+    lo = tl.load(starts_ptr + seq).to(tl.int64)
+    t = tl.where(slot >= 0, tl.load(starts_ptr + seq + 1) - lo, 0)
+    v_ok = dv < V
     hk = h // GROUP  # the key head this value head reads (repeat_interleave)
     dk = tl.arange(0, BLOCK_K)
     k_ok = dk < K
     s_off = h * stride_sh + dk[:, None] * stride_sk + dv[None, :]
-    s_mask = k_ok[:, None] & v_ok[None, :]
+    s_mask = k_ok[:, None] & v_ok[None, :] & (t > 0)
     s = tl.load(state_ptr + slot * stride_sn + s_off, mask=s_mask, other=0.0).to(tl.float32)
-    for j in range(T):
-        q = tl.load(q_ptr + j * stride_qt + hk * stride_qh + dk, mask=k_ok, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + j * stride_kt + hk * stride_kh + dk, mask=k_ok, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + j * stride_vt + h * stride_vh + dv, mask=v_ok, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + j * stride_gt + h).to(tl.float32)
-        beta = tl.load(beta_ptr + j * stride_bt + h).to(tl.float32)
+    for j in range(t):
+        r = lo + j
+        q = tl.load(q_ptr + r * stride_qt + hk * stride_qh + dk, mask=k_ok, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + r * stride_kt + hk * stride_kh + dk, mask=k_ok, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + r * stride_vt + h * stride_vh + dv, mask=v_ok, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + r * stride_gt + h).to(tl.float32)
+        beta = tl.load(beta_ptr + r * stride_bt + h).to(tl.float32)
         s, o = _delta_token(s, q, k, v, g, beta, scale, L2NORM)
-        tl.store(o_ptr + j * stride_ot + h * stride_oh + dv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+        tl.store(o_ptr + r * stride_ot + h * stride_oh + dv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
         s = s.to(state_ptr.dtype.element_ty).to(tl.float32)  # as a store and a load between decode steps
-        if j < T - 1:
+        if j < t - 1:
             tl.store(state_ptr + (first_draft + slot * drafts_per_seq + j) * stride_sn + s_off,
                      s.to(state_ptr.dtype.element_ty), mask=s_mask)
     tl.store(state_ptr + slot * stride_sn + s_off, s.to(state_ptr.dtype.element_ty), mask=s_mask)
@@ -399,33 +408,33 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     return o
 
 
-def _verify_slots(slots: torch.Tensor, seq: int, device: torch.device) -> torch.Tensor:
-    """The step's slots [B] as they are (a whole vector: its start is 16-byte aligned, `model.batch.packed`,
-    where a view of one row past the first would not be, and Triton builds a variant per alignment)."""
-    if slots.dim() != 1 or not 0 <= seq < slots.shape[0] or slots.device != device \
-            or slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slots must be an integer [B] tensor on {device} with a row {seq}, got {slots.dtype} "
-                         f"{tuple(slots.shape)} on {slots.device}")
-    return slots
+def _verify_rows(query_start: torch.Tensor, slots: torch.Tensor, tokens: int, device: torch.device) -> None:
+    if query_start.dim() != 1 or slots.shape != (query_start.shape[0] - 1,) or query_start.dtype != torch.int32 \
+            or slots.dtype not in (torch.int32, torch.int64) or query_start.device != device or slots.device != device:
+        raise ValueError(f"query_start must be an int32 [B+1] tensor and slots an integer [B] tensor, both on {device}, "
+                         f"got {query_start.dtype} {tuple(query_start.shape)} on {query_start.device} and "
+                         f"{slots.dtype} {tuple(slots.shape)} on {slots.device} ({tokens} rows)")
 
 
-def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
-                         seq: int, first_draft: int, drafts_per_seq: int) -> torch.Tensor:
-    """One sequence's verify step, its T positions in one launch (Triton). Same contract as
-    `reference.causal_conv1d_verify`: x: [T, C]; weight: [C, W]; conv_state a pool [N, C, W-1] (a
-    contiguous last dim) whose row slots[seq] is the sequence's; the state after position j < T-1 also
-    in row first_draft + slots[seq] * drafts_per_seq + j. Returns y: [T, C] in x's dtype."""
+def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, query_start: torch.Tensor,
+                         slots: torch.Tensor, first_draft: int, drafts_per_seq: int) -> torch.Tensor:
+    """A step's verify-shaped sequences, each sequence's positions in turn, all in one launch (Triton).
+    Same contract as `reference.causal_conv1d_verify`: x: [T, C], sequence b's rows query_start[b]:
+    query_start[b+1] (an int32 [B+1] device tensor, read by the kernel: no host sync, capturable);
+    weight: [C, W]; conv_state a pool [N, C, W-1] (a contiguous last dim); slots [B]: each sequence's
+    row, or < 0 for a sequence left alone (its rows of y unwritten); the state after position j of a
+    sequence but its last also in row first_draft + slots[b] * drafts_per_seq + j. Returns y: [T, C]
+    in x's dtype."""
     c, w = weight.shape
     _check_conv_pool(x, weight, conv_state, "T")
-    slots = _verify_slots(slots, seq, x.device)
+    _verify_rows(query_start, slots, x.shape[0], x.device)
     x, weight = _last_dim_contiguous(x, weight)
-    t = x.shape[0]
-    y = torch.empty((t, c), dtype=x.dtype, device=x.device)
-    if t == 0:
+    y = torch.empty((x.shape[0], c), dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0 or slots.shape[0] == 0:
         return y
     block_c = 256
-    _conv_verify_kernel[(triton.cdiv(c, block_c),)](
-        x, weight, conv_state, slots, seq, y, t, c, first_draft, drafts_per_seq,
+    _conv_verify_kernel[(triton.cdiv(c, block_c), slots.shape[0])](
+        x, weight, conv_state, query_start, slots, y, c, first_draft, drafts_per_seq,
         x.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), y.stride(0),
         W=w, BLOCK_C=block_c, BLOCK_W=triton.next_power_of_2(w), num_warps=4,
     )
@@ -433,26 +442,28 @@ def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
 
 
 def gated_delta_rule_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                            state: torch.Tensor, slots: torch.Tensor, seq: int, first_draft: int, drafts_per_seq: int,
-                            *, use_qk_l2norm: bool = False, scale: float | None = None) -> torch.Tensor:
-    """One sequence's verify step, its T positions in one launch (Triton). Same contract as
-    `reference.gated_delta_rule_verify`: q, k: [T, Hk, K]; v: [T, Hv, V] (each last dim contiguous);
-    g, beta: [T, Hv]; state a pool [N, Hv, K, V] (a contiguous last dim) whose row slots[seq] is the
-    sequence's; the state after position j < T-1 also in row first_draft + slots[seq] * drafts_per_seq
-    + j. Returns o: [T, Hv, V] in q's dtype."""
+                            state: torch.Tensor, query_start: torch.Tensor, slots: torch.Tensor, first_draft: int,
+                            drafts_per_seq: int, *, use_qk_l2norm: bool = False,
+                            scale: float | None = None) -> torch.Tensor:
+    """A step's verify-shaped sequences, each sequence's positions in turn, all in one launch (Triton).
+    Same contract as `reference.gated_delta_rule_verify`: q, k: [T, Hk, K]; v: [T, Hv, V] (each last
+    dim contiguous); g, beta: [T, Hv]; sequence b's rows query_start[b]:query_start[b+1]; state a pool
+    [N, Hv, K, V] (a contiguous last dim); slots [B]: each sequence's row, or < 0 for a sequence left
+    alone (its rows of o unwritten); the state after position j of a sequence but its last also in row
+    first_draft + slots[b] * drafts_per_seq + j. Returns o: [T, Hv, V] in q's dtype."""
     t, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     _check_delta_inputs(q, k, v, g, beta, state)
-    slots = _verify_slots(slots, seq, q.device)
+    _verify_rows(query_start, slots, t, q.device)
     q, k, v, g, beta = _last_dim_contiguous(q, k, v, g, beta)
     o = torch.empty((t, hv, dv), dtype=q.dtype, device=q.device)
-    if t == 0:
+    if t == 0 or slots.shape[0] == 0:
         return o
     block_v = _decode_block_v(dv, hv)
-    _delta_verify_kernel[(hv, triton.cdiv(dv, block_v))](
-        q, k, v, g, beta, state, slots, seq, o, dk ** -0.5 if scale is None else scale, t, first_draft, drafts_per_seq,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1),
+    _delta_verify_kernel[(hv, triton.cdiv(dv, block_v), slots.shape[0])](
+        q, k, v, g, beta, state, query_start, slots, o, dk ** -0.5 if scale is None else scale, first_draft,
+        drafts_per_seq, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+        beta.stride(0), state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1),
         GROUP=hv // hk, K=dk, V=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
         L2NORM=use_qk_l2norm, num_warps=4,
     )

@@ -385,42 +385,52 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     return y
 
 
-def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
-                         seq: int, first_draft: int, drafts_per_seq: int) -> torch.Tensor:
-    """One sequence's verify step (its last token, then its drafts): `causal_conv1d_update` token by token.
+def causal_conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, query_start: torch.Tensor,
+                         slots: torch.Tensor, first_draft: int, drafts_per_seq: int) -> torch.Tensor:
+    """A step's verify-shaped sequences (a verify step's: its last token, then its drafts; or one token):
+    `causal_conv1d_update` token by token, so each position's state is the one plain decoding reaches.
 
-    x: [T, C]; weight: [C, W]; conv_state a pool [N, C, W-1] whose row slots[seq] (slots: the step's [B]
-    int tensor) is the sequence's, updated in place to the state after x[T-1]; the state after each
-    position j < T-1 is also left in row first_draft + slots[seq] * drafts_per_seq + j (its draft
-    slots, kv/cache.py `draft_slot`). Returns y: [T, C] in x's dtype.
+    x: [T, C], sequence b's rows query_start[b]:query_start[b+1] ([B+1] int tensor); weight: [C, W];
+    conv_state a pool [N, C, W-1] whose row slots[b] ([B] int tensor) is sequence b's, updated in place to
+    the state after its last row; a sequence whose slot is < 0 is left alone (its rows of y unwritten).
+    The state after each position j of a sequence but its last is also left in row first_draft + slots[b]
+    * drafts_per_seq + j (its draft slots, kv/cache.py `draft_slot`). Returns y: [T, C] in x's dtype.
     """
-    slot = slots[seq:seq + 1]
-    row = int(slot[0])
     y = torch.empty_like(x)
-    for j in range(x.shape[0]):
-        y[j:j + 1] = causal_conv1d_update(x[j:j + 1], weight, conv_state, slot)
-        if j < x.shape[0] - 1:
-            conv_state[first_draft + row * drafts_per_seq + j] = conv_state[row]
+    for lo, hi, row in _verify_sequences(query_start, slots):
+        slot = slots.new_tensor([row])
+        for j in range(lo, hi):
+            y[j:j + 1] = causal_conv1d_update(x[j:j + 1], weight, conv_state, slot)
+            if j < hi - 1:
+                conv_state[first_draft + row * drafts_per_seq + j - lo] = conv_state[row]
     return y
 
 
 def gated_delta_rule_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                            state: torch.Tensor, slots: torch.Tensor, seq: int, first_draft: int, drafts_per_seq: int,
-                            *, use_qk_l2norm: bool = False, scale: float | None = None) -> torch.Tensor:
-    """One sequence's verify step: `gated_delta_rule_decode` token by token, so each position's state
-    is the one plain decoding reaches. q, k: [T, Hk, K]; v: [T, Hv, V]; g, beta: [T, Hv]; state a
-    pool [N, Hv, K, V] whose row slots[seq] is the sequence's, updated in place to the state after the
-    last position; the state after each position j < T-1 also left in row first_draft + slots[seq] *
-    drafts_per_seq + j. Returns o: [T, Hv, V] in q's dtype."""
-    slot = slots[seq:seq + 1]
-    row = int(slot[0])
+                            state: torch.Tensor, query_start: torch.Tensor, slots: torch.Tensor, first_draft: int,
+                            drafts_per_seq: int, *, use_qk_l2norm: bool = False,
+                            scale: float | None = None) -> torch.Tensor:
+    """A step's verify-shaped sequences: `gated_delta_rule_decode` token by token, so each position's
+    state is the one plain decoding reaches. q, k: [T, Hk, K]; v: [T, Hv, V]; g, beta: [T, Hv]; sequence
+    b's rows query_start[b]:query_start[b+1]; state a pool [N, Hv, K, V] whose row slots[b] is sequence
+    b's, updated in place to the state after its last row (a slot < 0: left alone, its rows of o
+    unwritten); the state after each position j of a sequence but its last also left in row first_draft
+    + slots[b] * drafts_per_seq + j. Returns o: [T, Hv, V] in q's dtype."""
     o = q.new_empty(v.shape)
-    for j in range(q.shape[0]):
-        o[j:j + 1] = gated_delta_rule_decode(q[j:j + 1], k[j:j + 1], v[j:j + 1], g[j:j + 1], beta[j:j + 1], state,
-                                             slot, use_qk_l2norm=use_qk_l2norm, scale=scale)
-        if j < q.shape[0] - 1:
-            state[first_draft + row * drafts_per_seq + j] = state[row]
+    for lo, hi, row in _verify_sequences(query_start, slots):
+        slot = slots.new_tensor([row])
+        for j in range(lo, hi):
+            o[j:j + 1] = gated_delta_rule_decode(q[j:j + 1], k[j:j + 1], v[j:j + 1], g[j:j + 1], beta[j:j + 1], state,
+                                                 slot, use_qk_l2norm=use_qk_l2norm, scale=scale)
+            if j < hi - 1:
+                state[first_draft + row * drafts_per_seq + j - lo] = state[row]
     return o
+
+
+def _verify_sequences(query_start: torch.Tensor, slots: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(first row, end row, slot) of each sequence a verify op runs: those with a slot >= 0."""
+    starts = query_start.tolist()
+    return [(starts[b], starts[b + 1], row) for b, row in enumerate(slots.tolist()) if row >= 0]
 
 
 def gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

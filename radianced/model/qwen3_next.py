@@ -68,14 +68,16 @@ class GatedDeltaNet:
         if len(batch.state_slot_ids) != batch.num_seqs:
             raise ValueError("a hybrid step that is not decode-shaped needs its state slots on the host "
                              "(ForwardBatch.build's state_slots)")
-        out = torch.empty((t, self.nv, self.dv), dtype=x.dtype, device=x.device)
+        decoding = [batch.runs_decoding(s) for s in range(batch.num_seqs)]
+        # a verify step's positions, or one token (a decode beside a prompt's chunk or beside drafting sequences):
+        # decoding's arithmetic, all such sequences in one launch per op, so a sequence's state never depends on
+        # what shares its step; their rows first, then each prompt chunk's rows through fla
+        out = self._verify(mixed, g, beta, batch, cache.states) if any(decoding) else \
+            torch.empty((t, self.nv, self.dv), dtype=x.dtype, device=x.device)
         for s, slot in enumerate(batch.state_slot_ids):  # the host's copy: no device read in each layer
-            lo, hi = batch.query_start[s], batch.query_start[s + 1]
-            if (batch.drafts and batch.drafts[s]) or hi - lo == 1:
-                # a verify step's positions, or one token (a decode beside a prompt's chunk or beside drafting
-                # sequences): decoding's arithmetic, so a sequence's state never depends on what shares its step
-                out[lo:hi] = self._verify(mixed[lo:hi], g[lo:hi], beta[lo:hi], batch.state_slots, s, cache.states)
+            if decoding[s]:
                 continue
+            lo, hi = batch.query_start[s], batch.query_start[s + 1]
             y, conv_states[slot] = ops.causal_conv1d_prefill(mixed[lo:hi], self.conv_weight, conv_states[slot])
             qs, ks, vs = y.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
             o, rec_states[slot] = ops.gated_delta_rule_chunked(
@@ -84,23 +86,23 @@ class GatedDeltaNet:
             out[lo:hi] = o
         return self._output(out, z, t, residual)
 
-    def _verify(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor, seq: int,
+    def _verify(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch,
                 states) -> torch.Tensor:
-        """A verify step's tokens of one sequence (its last token, then its drafts), or a one-token
-        decode in a step that is not decode-shaped: the decode ops' arithmetic position after position
-        (`*_verify`: one launch each), so each position's state is the one plain decoding reaches, and
-        the state after every position but the last is left in the sequence's draft slots (the runner
-        keeps the accepted one). slots: the step's state slots on the
-        device, this sequence's at `seq` (a tensor made from its host int would copy to the device and
-        wait for it in every layer). Returns o: [T, Hv, V]."""
+        """The step's sequences that run decoding's arithmetic (`ForwardBatch.runs_decoding`: a verify step's
+        last token and drafts, or one token), each position after position, all in one launch per op
+        (`*_verify`), so each position's state is the one plain decoding reaches and the state after each
+        position but a sequence's last is left in its draft slots (the runner keeps the accepted one). The
+        sequences and their slots are read on the device (`batch.verify_slots`: -1 for a prompt's chunk,
+        whose rows of the result are left for the caller). Returns o: [T, Hv, V]."""
         conv_states, rec_states = states.layer(self.layer)
         t = mixed.shape[0]
-        y = ops.causal_conv1d_verify(mixed, self.conv_weight, conv_states, slots, seq, states.num_seqs,
-                                     states.drafts_per_seq)
+        y = ops.causal_conv1d_verify(mixed, self.conv_weight, conv_states, batch.query_start_t, batch.verify_slots,
+                                     states.num_seqs, states.drafts_per_seq)
         qs, ks, vs = y.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
         return ops.gated_delta_rule_verify(qs.view(t, self.nk, self.dk), ks.view(t, self.nk, self.dk),
-                                           vs.view(t, self.nv, self.dv), g, beta, rec_states, slots, seq,
-                                           states.num_seqs, states.drafts_per_seq, use_qk_l2norm=True)
+                                           vs.view(t, self.nv, self.dv), g, beta, rec_states, batch.query_start_t,
+                                           batch.verify_slots, states.num_seqs, states.drafts_per_seq,
+                                           use_qk_l2norm=True)
 
     def _output(self, out: torch.Tensor, z: torch.Tensor, t: int, residual: torch.Tensor | None) -> torch.Tensor:
         """out: [T, Hv, V] -> gated norm by silu(z) -> out_proj (+ residual): [T, hidden]."""

@@ -112,8 +112,8 @@ def moe_step(fmt: str, tokens: int, experts: int = 8, hidden: int = 2048, inter:
 
 def deltanet_step(dtype: torch.dtype) -> None:
     """The Gated DeltaNet's per-token launches (`compile_only` first) at Qwen3-Next-80B-A3B's widths (16 key and
-    32 value heads of 128, conv width 4): a decode of 2 sequences over state slots, and a verify step of one
-    sequence's 5 positions (its last token and 4 drafts)."""
+    32 value heads of 128, conv width 4): a decode of 2 sequences over state slots, and a verify step of two
+    sequences' 5 positions (a last token and 4 drafts; one token) beside a prompt chunk they leave alone."""
     from radianced.kernels import deltanet
     t, hk, hv, d, w = 5, 16, 32, 128, 4
     c = (2 * hk + hv) * d
@@ -125,8 +125,9 @@ def deltanet_step(dtype: torch.dtype) -> None:
     g, beta = torch.zeros(t, hv), torch.zeros(t, hv, dtype=dtype)
     deltanet.causal_conv1d_update(x[:2], weight, conv, slots)
     deltanet.gated_delta_rule_decode(q[:2], q[:2], v[:2], g[:2], beta[:2], rec, slots, use_qk_l2norm=True)
-    deltanet.causal_conv1d_verify(x, weight, conv, slots, 1, 2, 4)
-    deltanet.gated_delta_rule_verify(q, q, v, g, beta, rec, slots, 1, 2, 4, use_qk_l2norm=True)
+    starts, verify = torch.tensor([0, 0, 4, 5], dtype=torch.int32), torch.tensor([-1, 1, 0])
+    deltanet.causal_conv1d_verify(x, weight, conv, starts, verify, 2, 4)
+    deltanet.gated_delta_rule_verify(q, q, v, g, beta, rec, starts, verify, 2, 4, use_qk_l2norm=True)
 
 
 def disassemble(cubin: bytes) -> str:

@@ -171,63 +171,82 @@ def test_decode_steps_follow_the_recurrence_over_a_sequence():
     assert rel_err(torch.cat(outs).cpu(), chunk_o) < 1e-4
 
 
-# -- a verify step: one sequence's positions in one launch each --------------------------------------
+# -- a verify step: every verify-shaped sequence's positions in one launch ---------------------------
 
 DRAFTS = 4  # draft slots per sequence; the pool: 2 sequences' slots, then 2 x DRAFTS draft slots
+
+
+def _step(t: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]:
+    """A step of 3 sequences: a prompt chunk of 3 rows the verify ops leave alone (slot -1), then one in
+    state slot 1 with T rows (its last token and T - 1 drafts), then a one-token decode in slot 0.
+    (query_start, slots, [(first row, end row, slot)] of the two the ops run)."""
+    starts = [0, 3, 3 + t, 4 + t]
+    return (torch.tensor(starts, dtype=torch.int32, device=DEVICE), torch.tensor([-1, 1, 0], device=DEVICE),
+            [(3, 3 + t, 1), (3 + t, 4 + t, 0)])
 
 
 @pytest.mark.parametrize("t", [1, 2, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_verify_launch_is_the_decode_ops_position_by_position_bit_for_bit(t, dtype):
-    """Sequence slot 1's T positions through `causal_conv1d_verify` and `gated_delta_rule_verify` against
-    the decode kernels one position at a time with the state copied to the draft slot after each (the
-    model's loop before): every output and every pool row equal, bit for bit; slot 0's rows untouched."""
-    x, weight = rand(t, C, dtype=dtype, seed=60), rand(C, W, dtype=dtype, seed=61)
+    """Two sequences' positions through `causal_conv1d_verify` and `gated_delta_rule_verify`, one launch
+    each, against the decode kernels one position at a time with the state copied to the draft slot
+    after each (the model's loop before): every output row of theirs and every pool row equal, bit
+    for bit; the prompt chunk's rows and the pool's other rows untouched."""
+    starts, slots, runs = _step(t)
+    n = 4 + t
+    x, weight = rand(n, C, dtype=dtype, seed=60), rand(C, W, dtype=dtype, seed=61)
     conv = rand(2 * (1 + DRAFTS), C, W - 1, dtype=dtype, seed=62)
-    q, k, v, g, beta = decode_inputs(t, dtype, seed=63)
+    q, k, v, g, beta = decode_inputs(n, dtype, seed=63)
     rec = rand(2 * (1 + DRAFTS), HV, K, V, seed=68)
-    slot = torch.tensor([1], device=DEVICE)
     conv_loop, rec_loop = conv.clone(), rec.clone()
-    y_loop, o_loop = [], []
-    for j in range(t):
-        y_loop.append(deltanet.causal_conv1d_update(x[j:j + 1], weight, conv_loop, slot))
-        o_loop.append(deltanet.gated_delta_rule_decode(q[j:j + 1], k[j:j + 1], v[j:j + 1], g[j:j + 1], beta[j:j + 1],
-                                                       rec_loop, slot, use_qk_l2norm=True))
-        if j < t - 1:
-            conv_loop[2 + DRAFTS + j] = conv_loop[1]
-            rec_loop[2 + DRAFTS + j] = rec_loop[1]
-    slots = torch.tensor([0, 1], device=DEVICE)  # the step's slots; this sequence is row 1
-    y = deltanet.causal_conv1d_verify(x, weight, conv, slots, 1, 2, DRAFTS)
-    o = deltanet.gated_delta_rule_verify(q, k, v, g, beta, rec, slots, 1, 2, DRAFTS, use_qk_l2norm=True)
-    assert torch.equal(y.cpu(), torch.cat(y_loop).cpu()) and torch.equal(o.cpu(), torch.cat(o_loop).cpu())
+    y_loop, o_loop = {}, {}
+    for lo, hi, row in runs:
+        slot = torch.tensor([row], device=DEVICE)
+        for j in range(lo, hi):
+            y_loop[j] = deltanet.causal_conv1d_update(x[j:j + 1], weight, conv_loop, slot)
+            o_loop[j] = deltanet.gated_delta_rule_decode(q[j:j + 1], k[j:j + 1], v[j:j + 1], g[j:j + 1],
+                                                         beta[j:j + 1], rec_loop, slot, use_qk_l2norm=True)
+            if j < hi - 1:
+                conv_loop[2 + row * DRAFTS + j - lo] = conv_loop[row]
+                rec_loop[2 + row * DRAFTS + j - lo] = rec_loop[row]
+    y = deltanet.causal_conv1d_verify(x, weight, conv, starts, slots, 2, DRAFTS)
+    o = deltanet.gated_delta_rule_verify(q, k, v, g, beta, rec, starts, slots, 2, DRAFTS, use_qk_l2norm=True)
+    ran = sorted(y_loop)
+    assert ran == list(range(3, n))
+    assert torch.equal(y[3:].cpu(), torch.cat([y_loop[j] for j in ran]).cpu())
+    assert torch.equal(o[3:].cpu(), torch.cat([o_loop[j] for j in ran]).cpu())
     assert torch.equal(conv.cpu(), conv_loop.cpu()) and torch.equal(rec.cpu(), rec_loop.cpu())
-
 
 
 def test_the_reference_verify_ops_agree_with_the_kernels():
     """The CPU's verify ops (reference.py: the decode ops looped, the states copied) against the kernels: fp32."""
-    t = 4
-    x, weight = rand(t, C, seed=80), rand(C, W, seed=81)
+    starts, slots, _ = _step(4)
+    n = 8
+    x, weight = rand(n, C, seed=80), rand(C, W, seed=81)
     conv = rand(2 * (1 + DRAFTS), C, W - 1, seed=82)
-    q, k, v, g, beta = decode_inputs(t, torch.float32, seed=83)
+    q, k, v, g, beta = decode_inputs(n, torch.float32, seed=83)
     rec = rand(2 * (1 + DRAFTS), HV, K, V, seed=88)
-    slots = torch.tensor([1, 0], device=DEVICE)  # this sequence is row 1: slot 0
     want_conv, want_rec = conv.cpu().clone(), rec.cpu().clone()
-    want_y = reference.causal_conv1d_verify(x.cpu(), weight.cpu(), want_conv, slots.cpu(), 1, 2, DRAFTS)
-    want_o = reference.gated_delta_rule_verify(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), want_rec, slots.cpu(), 1,
-                                               2, DRAFTS, use_qk_l2norm=True)
-    y = deltanet.causal_conv1d_verify(x, weight, conv, slots, 1, 2, DRAFTS)
-    o = deltanet.gated_delta_rule_verify(q, k, v, g, beta, rec, slots, 1, 2, DRAFTS, use_qk_l2norm=True)
-    assert rel_err(y.cpu(), want_y) < 1e-5 and rel_err(o.cpu(), want_o) < 1e-4
+    want_y = reference.causal_conv1d_verify(x.cpu(), weight.cpu(), want_conv, starts.cpu(), slots.cpu(), 2, DRAFTS)
+    want_o = reference.gated_delta_rule_verify(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), want_rec, starts.cpu(),
+                                               slots.cpu(), 2, DRAFTS, use_qk_l2norm=True)
+    y = deltanet.causal_conv1d_verify(x, weight, conv, starts, slots, 2, DRAFTS)
+    o = deltanet.gated_delta_rule_verify(q, k, v, g, beta, rec, starts, slots, 2, DRAFTS, use_qk_l2norm=True)
+    assert rel_err(y[3:].cpu(), want_y[3:]) < 1e-5 and rel_err(o[3:].cpu(), want_o[3:]) < 1e-4
     assert rel_err(conv.cpu(), want_conv) < 1e-6 and rel_err(rec.cpu(), want_rec) < 1e-4
-    assert torch.equal(rec[1].cpu(), want_rec[1]) and torch.equal(rec[2 + DRAFTS:].cpu(), want_rec[2 + DRAFTS:])
+    untouched = [2, 3, 4, 5, 9]  # slot 0's draft rows (its one token drafts nothing), slot 1's fourth
+    assert torch.equal(rec[untouched].cpu(), want_rec[untouched]) and torch.equal(conv[untouched].cpu(),
+                                                                                  want_conv[untouched])
 
 
-def test_verify_refuses_a_sequence_the_slots_do_not_have():
+def test_verify_refuses_slots_that_do_not_match_the_sequences():
     q, k, v, g, beta = decode_inputs(2, torch.float32, seed=70)
     rec = rand(4, HV, K, V, seed=71)
-    with pytest.raises(ValueError, match=r"slots must be an integer \[B\] tensor .* with a row 2"):
-        deltanet.gated_delta_rule_verify(q, k, v, g, beta, rec, torch.tensor([0, 1], device=DEVICE), 2, 2, 1)
+    starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"query_start must be an int32 \[B\+1\] tensor and slots an integer \[B\]"):
+        deltanet.gated_delta_rule_verify(q, k, v, g, beta, rec, starts, torch.tensor([0], device=DEVICE), 2, 1)
+    with pytest.raises(ValueError, match=r"query_start must be an int32"):
+        deltanet.gated_delta_rule_verify(q, k, v, g, beta, rec, starts.long(), torch.tensor([0, 1], device=DEVICE), 2, 1)
 
 
 def test_decode_refuses_mismatched_heads_and_slots():
