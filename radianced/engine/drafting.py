@@ -15,12 +15,13 @@ scheduler decides with them:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from radianced.engine.plan import StepPlan
 from radianced.engine.request import Sequence
-from radianced.engine.speculation import DraftPolicy
+from radianced.engine.speculation import DraftPolicy, ServedCost
 from radianced.kv.blocks import BlockAllocator
 
 
@@ -34,6 +35,13 @@ class DraftPlanner:
     max_model_len: int | None = None
     checkpoint_block: int | None = None
     lookahead: int = 0
+    served: ServedCost = field(default_factory=ServedCost)
+
+    def observe(self, plan: StepPlan, seconds: float) -> None:
+        """A finished step took `seconds` of wall time since the previous one ended: an adaptive policy
+        drafts by the r the steps served say (speculation.py's `ServedCost`)."""
+        if self.policy.adaptive and (r := self.served.observe(plan, seconds, self.policy.token_cost)) is not None:
+            self.policy = dataclasses.replace(self.policy, token_cost=r)
 
     def drafts(self, seq: Sequence, n: int, budget: int, batch: int) -> tuple[int, ...]:
         """The drafts a chunk of n tokens of `seq` feeds after them in a step of `batch` running sequences

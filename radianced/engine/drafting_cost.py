@@ -9,7 +9,9 @@ against the plain step just before it (`token_cost_from_steps`) and adopts the m
 Neighbouring steps, not two rounds' medians: on a 2-core machine starting a daemon the same plain step
 took 21-30 ms from one start to the next.
 
-It runs on the step thread between rounds, after the loader thread has ended (daemon.py, at the end of
+It goes on measuring while it serves: speculation.py's `ServedCost`.
+
+The start-up measurement runs on the step thread between rounds, after the loader thread has ended (daemon.py, at the end of
 engine/warmup.py's `warm_up_served`), so it times the steps as they will be served. While the loader thread lived, its
 OpenMP team did too, and libgomp, with more of its threads than cores, throttles their spinning before
 they sleep: every parallel region then paid a wake-up, and a q4_1 product of SmolLM2 took 86 us against
@@ -97,3 +99,4 @@ def _decode_time(done) -> tuple[int, float] | None:
     if len(plan.seqs) != 1 or plan.decodes != 1:
         return None
     return 1 + len(plan.seqs[0].drafts), done.output.seconds
+

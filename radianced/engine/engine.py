@@ -109,6 +109,7 @@ class Engine:
     resources: list = field(default_factory=list)  # closed by close(): host pool, expert loader
     pipelined: bool = True  # plan ahead of the step in flight (off: --sequential-steps, the disk tier)
     _in_flight: InFlight | None = field(default=None, init=False, repr=False)
+    _last_done: float | None = field(default=None, init=False, repr=False)  # when the last step ended, if busy since
 
     def close(self) -> None:
         """Give back what lives outside torch's allocator: the expert loader's ring, fd and pinned
@@ -129,6 +130,7 @@ class Engine:
         if self._in_flight is None:
             plan = self.scheduler.schedule() if self.scheduler.has_unfinished else None
             if plan is None or plan.is_empty:
+                self._last_done = None  # idle: the next step's time since it is not the step's cost
                 return None
             return Work(plan, None, wait=not (ahead and self.pipelined))
         plan = self.scheduler.schedule_ahead() if ahead and self.pipelined else None
@@ -154,6 +156,10 @@ class Engine:
         self._in_flight = done.launched
         if done.finished is None:
             return []
+        now = time.perf_counter()
+        if self.scheduler.drafting is not None and self._last_done is not None:
+            self.scheduler.drafting.observe(done.finished.plan, now - self._last_done)
+        self._last_done = now
         events = self.scheduler.update(done.finished.plan, done.output)
         self.settle()
         return events

@@ -31,13 +31,22 @@ a sequence that may draft holds the pipeline (engine/scheduler.py drains for
 it), so asking in vain costs the overlap of host and device. A paused sequence
 probes again every `PROBE_EVERY` steps, so a text that turns repetitive is
 noticed.
+
+r is measured before ready (engine/drafting_cost.py), then while serving (`ServedCost`): what a step costs
+the user is the wall time from the previous step's end to its own, not its device time. A drafting
+sequence holds the pipeline (the next step waits for its pending token), and over the expert tiers a
+verify step also reads the experts its drafts route to: on the H200 at 10% slot coverage, with r = 1.3
+measured before ready, n-gram drafting ran at 0.60x (bench/results/2026-12-04-h200-396d148-spec-tiers.md).
+Each all-decode step's wall time goes to an average per batch size (plain steps) or, for a verify step, to
+r by the cost model against the plain average at its batch size; the policy drafts by the running r.
+Where drafting stops paying, only the probes draft, and each probe's step keeps r current.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from radianced.engine import ngram
@@ -51,6 +60,8 @@ from radianced.engine import ngram
 TOKEN_COST = {"cpu": 0.13, "cuda": 0.02}
 PRIOR_ACCEPTED, PRIOR_DRAFTED = 2.0, 4.0
 DECAY = 0.9  # weight of a sequence's older steps in its acceptance estimate, per step
+SERVED_WEIGHT = 0.2  # a served step's weight in the running averages (plain steps by batch size; log r)
+R_RANGE = (1e-3, 1e3)  # r as averaged: 0 (a verify step as cheap as a plain one) and inf (no draft pays) clamped
 PROBE_EVERY = 16  # steps a paused sequence waits before it asks the drafter again
 NO_MATCH_PAUSE = 4  # the drafter found nothing this many times in a row: pause
 
@@ -200,3 +211,31 @@ class DraftPolicy:
         drafts = self.propose(seq, n)
         stats.no_match = 0 if drafts else stats.no_match + 1
         return drafts
+
+
+@dataclass
+class ServedCost:
+    """r of the cost model from the steps served (module docstring): `observe` each finished step."""
+
+    plain_s: dict[int, float] = field(default_factory=dict)  # running average by batch size
+
+    def observe(self, plan, seconds: float, r: float) -> float | None:
+        """A finished step `plan` (engine/plan.py's StepPlan) took `seconds` from the previous step's end. A
+        plain all-decode step updates its batch size's average; a verify step returns the new r (from `r`,
+        the current one), None otherwise."""
+        batch = len(plan.seqs)
+        if not batch or plan.decodes != batch:
+            return None  # a prompt's chunk in it: not a decode step's cost
+        drafts = sum(len(s.drafts) for s in plan.seqs)
+        plain = self.plain_s.get(batch)
+        if not drafts:
+            self.plain_s[batch] = seconds if plain is None else plain + SERVED_WEIGHT * (seconds - plain)
+            return None
+        if plain is None:
+            return None
+        # c = (1 + r (B + D)) / (1 + r B) for B sequences feeding D drafts: r = (c - 1) / (B + D - c B)
+        c, room = seconds / plain, batch + drafts - seconds / plain * batch
+        measured = 0.0 if c <= 1.0 else math.inf if room <= 0 else (c - 1.0) / room
+        # averaged as logarithms: r spans decades (0.02 to "never"), and one odd step moves it by a factor
+        was, now = (math.log(min(max(x, R_RANGE[0]), R_RANGE[1])) for x in (r, measured))
+        return math.exp(was + SERVED_WEIGHT * (now - was))

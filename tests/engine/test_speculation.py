@@ -8,6 +8,7 @@ acceptance. The n-gram drafter runs too, on the same workloads.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 
@@ -20,8 +21,8 @@ from radianced.engine.engine import Engine
 from radianced.engine import ngram
 from radianced.engine.sampling_params import SamplingParams
 from radianced.engine.speculation import (NO_MATCH_PAUSE, PROBE_EVERY, TOKEN_COST, DraftPolicy,
-                                          DraftStats, accepted, best_num_drafts, draft_limit, expected_tokens,
-                                          mtp_drafts, step_cost, token_cost_from_steps)
+                                          DraftStats, ServedCost, accepted, best_num_drafts, draft_limit,
+                                          expected_tokens, mtp_drafts, step_cost, token_cost_from_steps)
 from radianced.model.batch import ForwardBatch
 from radianced.model.convert import convert
 from radianced.model.rad import RadFile
@@ -123,6 +124,71 @@ def test_a_measured_verify_step_no_dearer_than_a_plain_one_is_free_and_one_as_de
     assert token_cost_from_steps(0.010, 0.050, 5) == token_cost_from_steps(0.010, 0.090, 5) == math.inf
     assert step_cost(4, 1, math.inf) == 5 and step_cost(2, 8, math.inf) == 3
     assert best_num_drafts(1.0, 4, 1, math.inf) == 0  # even all accepted: n + 1 tokens for n + 1 steps
+
+
+class _Plan:
+    """A finished step as the served cost reads it: its sequences' drafts, how many decode."""
+
+    def __init__(self, drafts: list[int], decodes: int | None = None):
+        self.seqs = [type("S", (), {"drafts": (7,) * n})() for n in drafts]
+        self.decodes = len(drafts) if decodes is None else decodes
+
+
+def test_the_served_cost_moves_r_toward_what_each_verify_step_cost_against_plain_steps_of_its_batch():
+    served = ServedCost()
+    assert served.observe(_Plan([4]), 0.030, 0.02) is None  # no plain step of one sequence yet: nothing to weigh
+    for t in (0.010, 0.010, 0.020):
+        assert served.observe(_Plan([0]), t, 0.02) is None
+    assert served.plain_s == {1: pytest.approx(0.012)}  # 0.010, then 0.2 of the way to 0.020
+    # a 5-token verify step 1.5 plain steps long: r = 0.5 / 3.5 measured; the running r moves a fifth of the way
+    # (as logarithms) from 0.02
+    r = served.observe(_Plan([4]), 0.018, 0.02)
+    assert r == pytest.approx(math.exp(math.log(0.02) + 0.2 * (math.log(0.5 / 3.5) - math.log(0.02))))
+    # batch 2, one drafting 3: c = (1 + 5r) / (1 + 2r); 1.4 plain steps give r = 0.4 / 2.2
+    served.observe(_Plan([0, 0]), 0.010, r)
+    assert served.observe(_Plan([3, 0]), 0.014, 0.4 / 2.2) == pytest.approx(0.4 / 2.2)
+    assert served.observe(_Plan([0, 0], decodes=1), 0.5, r) is None and served.plain_s[2] == 0.010  # a prompt chunk
+
+
+def test_verify_steps_that_cost_their_tokens_plain_steps_drive_r_to_never_paying_and_cheap_ones_back():
+    served, r = ServedCost(), 0.02
+    served.observe(_Plan([0]), 0.010, r)
+    for _ in range(30):
+        r = served.observe(_Plan([4]), 0.050, r)  # 5 tokens, 5 plain steps: no draft pays
+    assert r > 500 and best_num_drafts(0.9, 4, 1, r) == 0  # (all accepted: 5 tokens for 4.996 steps)
+    for _ in range(60):
+        r = served.observe(_Plan([1]), 0.0102, r)  # the probes' steps: one draft for 2% more
+    assert r < 0.05 and best_num_drafts(0.9, 4, 1, r) == 4
+
+
+def test_an_adaptive_planner_drafts_by_the_served_r_and_a_forced_one_keeps_its_own(tiny_rads):
+    engine = small_engine(tiny_rads["llama"], speculative=2)
+    planner = engine.scheduler.drafting
+    r0 = planner.policy.token_cost
+    planner.observe(_Plan([0]), 0.010)
+    planner.observe(_Plan([2]), 0.030)  # 3 plain steps for 3 tokens
+    assert planner.policy.token_cost > r0
+    forced = dataclasses.replace(planner, policy=dataclasses.replace(planner.policy, adaptive=False))
+    forced.observe(_Plan([2]), 0.030)
+    assert forced.policy.token_cost == planner.policy.token_cost
+
+
+def test_the_engine_gives_the_planner_each_steps_wall_time_since_the_last_and_none_across_idle(tiny_rads):
+    """A real engine serving with drafts: the plain decode steps' wall times reach the planner (an average for
+    each batch size run); after it idles, its first step's time since the last is not counted."""
+    engine = small_engine(tiny_rads["llama"], speculative=2)
+    seen, finished = [], []
+    observe, apply = engine.scheduler.drafting.observe, engine.apply
+    engine.scheduler.drafting.observe = lambda plan, seconds: seen.append(seconds) or observe(plan, seconds)
+    engine.apply = lambda done: finished.append(done.finished is not None) or apply(done)
+    ps = prompts(tiny_rads["llama"].model.vocab_size, (9, 20), seed=8)
+    run_all(engine, [request(engine, f"r{i}", p, max_tokens=6) for i, p in enumerate(ps)])
+    assert engine.plan() is None  # idle
+    assert len(seen) == sum(finished) - 1 >= 5  # every step but the first: nothing ended before it
+    assert all(t > 0 for t in seen) and engine.scheduler.drafting.served.plain_s
+    seen.clear(), finished.clear()
+    run_all(engine, [request(engine, "again", ps[0], max_tokens=4, ignore_eos=True)])
+    assert len(seen) == sum(finished) - 1 >= 1  # the first step after idling is not seen: its time has the idle
 
 
 class _Seq:
