@@ -119,7 +119,9 @@ def _server_agrees(r: WorkloadResult) -> bool:
 
 
 def _row_json(r: WorkloadResult) -> dict[str, Any]:
-    server = dataclasses.asdict(r.server) | {"hit_rate": r.server.hit_rate, "overflow_share": r.server.overflow_share}
+    server = dataclasses.asdict(r.server) | {"hit_rate": r.server.hit_rate, "overflow_share": r.server.overflow_share,
+                                             "decode_hit_rate": r.server.decode_hit_rate,
+                                             "decode_overflow_per_token": r.server.decode_overflow_per_token}
     energy: Any = NOT_MEASURED
     if r.energy is not None:
         energy = dataclasses.asdict(r.energy) | {"mean_w": r.energy.mean_w, "joules_per_token": r.joules_per_token,

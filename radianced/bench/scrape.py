@@ -17,6 +17,7 @@ LOOKUPS = "radiance_expert_lookups"
 HITS = "radiance_expert_hits"
 OVERFLOW = "radiance_expert_overflow_bytes"
 DISK = "radiance_expert_disk_bytes"
+STEP_TOKENS = "radiance_step_tokens"  # by step kind, as the expert counters: "decode" is what the plan predicts
 PREFIX_HITS = "radiance_prefix_cache_hit_tokens"
 PROMPT = "radiance_prompt_tokens"
 GENERATED = "radiance_generation_tokens"
@@ -68,6 +69,21 @@ class ServerDelta:
     kv_util_after: float | None  # share of KV blocks in use when the workload ended
     running_after: float | None  # sequences still running after it
     waiting_after: float | None
+    # the decode steps' share (steps that only decode: no prompt's chunk, which routes to most experts)
+    decode_lookups: int = 0
+    decode_hits: int = 0
+    decode_overflow_bytes: int = 0
+    decode_tokens: int = 0  # tokens the decode steps computed
+
+    @property
+    def decode_hit_rate(self) -> float | None:
+        """The decode steps' hits / lookups; None when they routed nothing."""
+        return self.decode_hits / self.decode_lookups if self.decode_lookups else None
+
+    @property
+    def decode_overflow_per_token(self) -> float | None:
+        """Bytes the decode steps read over the link a token they computed; None without decode steps."""
+        return self.decode_overflow_bytes / self.decode_tokens if self.decode_tokens else None
 
     @property
     def hit_rate(self) -> float | None:
@@ -84,6 +100,9 @@ class ServerDelta:
         def d(name: str) -> int:
             return round(after.total(name) - before.total(name))
 
+        def decode(name: str) -> int:
+            return round(after.by_label(name, "step").get("decode", 0.0) - before.by_label(name, "step").get("decode", 0.0))
+
         old = before.by_label(REQUESTS, "status")
         statuses = {k: round(v - old.get(k, 0.0)) for k, v in after.by_label(REQUESTS, "status").items()}
         return ServerDelta(
@@ -92,4 +111,6 @@ class ServerDelta:
             requests_by_status={k: v for k, v in sorted(statuses.items()) if v},
             kv_util_after=after.gauge(KV_UTIL), running_after=after.gauge(RUNNING),
             waiting_after=after.gauge(WAITING),
+            decode_lookups=decode(LOOKUPS), decode_hits=decode(HITS), decode_overflow_bytes=decode(OVERFLOW),
+            decode_tokens=decode(STEP_TOKENS),
         )

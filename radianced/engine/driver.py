@@ -188,16 +188,18 @@ class AsyncEngine:
         sequences' expert counts (seq_id, counts), for their requests."""
         self.metrics.observe_step(seconds)
         plan, own = done.finished.plan, done.output.seconds  # the step's own time, not the round's
+        d = plan.decodes
+        kind = "decode" if d == len(plan.seqs) else "mixed" if d else "prefill"
+        self.metrics.add_step_tokens(kind, plan.num_tokens)
         if own is not None:
-            d = plan.decodes
-            self.metrics.observe_step_kind("decode" if d == len(plan.seqs) else "mixed" if d else "prefill", own)
+            self.metrics.observe_step_kind(kind, own)
             if self.pacer is not None:
                 decoding = sum(not s.is_prefilling for s in self.scheduler.running)
                 self.scheduler.step_tokens = self.pacer.observe(plan.num_tokens, len(plan.seqs), own, decoding, d)
         for s, tokens in zip(plan.seqs, done.output.token_ids):
             if s.drafts:
                 self.metrics.add_drafts(len(s.drafts), len(tokens) - 1)
-        counts = self._count_experts(plan, done.output)
+        counts = self._count_experts(plan, done.output, kind)
         self._count_tiers()
         self.steps += 1
         return counts
@@ -277,15 +279,15 @@ class AsyncEngine:
             stream.queue.put_nowait(error)
         self._streams.clear()
 
-    def _count_experts(self, plan, output) -> list[tuple[int, list[int]]]:
+    def _count_experts(self, plan, output, kind: str) -> list[tuple[int, list[int]]]:
         """The slab's step totals (distinct experts of the whole step: what actually moved) to the
-        metrics; the step's per-sequence expert counts, returned for their requests."""
+        metrics, under the step's kind; the step's per-sequence expert counts, returned for their requests."""
         slab = self.engine.experts
         if slab is not None:
             lookups, hits = slab.stats.total_lookups, slab.stats.total_hits
             dl, dh = lookups - self._slab_seen[0], hits - self._slab_seen[1]
             self._slab_seen = (lookups, hits)
-            self.metrics.add_expert_lookups(dl, dh, (dl - dh) * slab.extent_bytes)
+            self.metrics.add_expert_lookups(kind, dl, dh, (dl - dh) * slab.extent_bytes)
         if output.expert_counts is None:
             return []
         return [(s.seq_id, counts) for s, counts in zip(plan.seqs, output.expert_counts) if counts is not None]

@@ -60,12 +60,16 @@ class Metrics:
         self._waiting = Gauge("radiance_sequences_waiting", "Sequences waiting for a slot.", registry=r)
         self._kv_util = Gauge("radiance_kv_util", f"Share of KV blocks in use (0 to 1); the KV cache in {kv_dtype} "
                               "(--kv-cache-dtype).", registry=r)
+        # by step kind (decode, mixed, prefill: as radiance_step_own_seconds), so the decode steps' hit rate and
+        # link bytes a token, which the plan predicts, are read apart from a prompt's, which routes to most experts
         self._expert_lookups = Counter("radiance_expert_lookups", "Routed-expert lookups: one per (step, layer, "
-                                       "distinct expert the step routed).", registry=r)
-        self._expert_hits = Counter("radiance_expert_hits", "Expert lookups that found the expert in a VRAM slot.",
-                                    registry=r)
+                                       "distinct expert the step routed), by step kind.", ["step"], registry=r)
+        self._expert_hits = Counter("radiance_expert_hits", "Expert lookups that found the expert in a VRAM slot, "
+                                    "by step kind.", ["step"], registry=r)
         self._expert_overflow = Counter("radiance_expert_overflow_bytes", "Expert bytes read over the link "
-                                        "(missed lookups x expert extent bytes).", registry=r)
+                                        "(missed lookups x expert extent bytes), by step kind.", ["step"], registry=r)
+        self._step_tokens = Counter("radiance_step_tokens", "Tokens the steps computed (prompt and generated, drafts "
+                                    "included), by step kind.", ["step"], registry=r)
         self._disk_bytes = Counter("radiance_expert_disk_bytes", "Expert bytes the disk tier read from the model "
                                    "file (O_DIRECT).", registry=r)
         self._disk_read = Histogram("radiance_expert_disk_read_seconds", "Wall time of one expert read by the "
@@ -143,11 +147,15 @@ class Metrics:
         """One step's own time (engine/step_timer.py) by kind: decode, mixed (decodes and prefill), prefill."""
         self._step_kind.labels(kind=kind).observe(seconds)
 
-    def add_expert_lookups(self, lookups: int, hits: int, overflow_bytes: int) -> None:
-        """A step's expert lookups, hits among them, and bytes the misses read over the link."""
-        self._expert_lookups.inc(lookups)
-        self._expert_hits.inc(hits)
-        self._expert_overflow.inc(overflow_bytes)
+    def add_step_tokens(self, kind: str, n: int) -> None:
+        """A step of `kind` (decode, mixed, prefill) computed n tokens."""
+        self._step_tokens.labels(step=kind).inc(n)
+
+    def add_expert_lookups(self, kind: str, lookups: int, hits: int, overflow_bytes: int) -> None:
+        """A step's (of `kind`) expert lookups, hits among them, and bytes the misses read over the link."""
+        self._expert_lookups.labels(step=kind).inc(lookups)
+        self._expert_hits.labels(step=kind).inc(hits)
+        self._expert_overflow.labels(step=kind).inc(overflow_bytes)
 
     def add_expert_disk_reads(self, nbytes: int, seconds: Sequence[float]) -> None:
         """Bytes the disk tier read since the last call, and the time of each expert read."""

@@ -53,6 +53,34 @@ def test_counters_are_differenced_and_gauges_read_after():
     assert d.hit_rate == 0.75 and d.overflow_share == 0.25
 
 
+LABELLED = """# TYPE radiance_expert_lookups_total counter
+radiance_expert_lookups_total{step="decode"} %d
+radiance_expert_lookups_total{step="prefill"} %d
+# TYPE radiance_expert_hits_total counter
+radiance_expert_hits_total{step="decode"} %d
+radiance_expert_hits_total{step="prefill"} %d
+# TYPE radiance_expert_overflow_bytes_total counter
+radiance_expert_overflow_bytes_total{step="decode"} %d
+radiance_expert_overflow_bytes_total{step="prefill"} %d
+# TYPE radiance_step_tokens_total counter
+radiance_step_tokens_total{step="decode"} %d
+radiance_step_tokens_total{step="prefill"} %d
+"""
+
+
+def test_the_decode_steps_are_read_apart_from_a_prompts():
+    """The daemon's expert counters by step kind: the totals sum the kinds, the decode fields are the decode steps'
+    alone (a prompt of 256 tokens routed to most experts: 70% hits against the decodes' 90%)."""
+    before = Snapshot.parse(LABELLED % (100, 0, 90, 0, 10 * 4096, 0, 10, 0))
+    after = Snapshot.parse(LABELLED % (1100, 1000, 990, 700, 110 * 4096, 300 * 4096, 110, 256))
+    d = ServerDelta.between(before, after)
+    assert (d.expert_lookups, d.expert_hits, d.overflow_bytes) == (2000, 1600, 400 * 4096)
+    assert (d.decode_lookups, d.decode_hits, d.decode_overflow_bytes, d.decode_tokens) == (1000, 900, 100 * 4096, 100)
+    assert d.hit_rate == 0.8 and d.decode_hit_rate == 0.9 and d.decode_overflow_per_token == 4096
+    nothing = ServerDelta.between(Snapshot.parse(BEFORE), Snapshot.parse(BEFORE))
+    assert nothing.decode_hit_rate is None and nothing.decode_overflow_per_token is None
+
+
 def test_a_dense_model_routes_nothing_and_has_no_hit_rate():
     same = Snapshot.parse(BEFORE)
     d = ServerDelta.between(same, same)

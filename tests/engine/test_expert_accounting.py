@@ -27,7 +27,7 @@ class StepLog(NoMetrics):
     def __init__(self):
         self.steps: list[tuple[int, int, int]] = []
 
-    def add_expert_lookups(self, lookups: int, hits: int, overflow_bytes: int) -> None:
+    def add_expert_lookups(self, kind: str, lookups: int, hits: int, overflow_bytes: int) -> None:
         self.steps.append((lookups, hits, overflow_bytes))
 
 

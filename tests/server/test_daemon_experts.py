@@ -92,8 +92,12 @@ def test_status_counts_every_layer_and_agrees_with_the_metrics(moe_daemon):
     assert sum(x.lookups - x.hits for x in e.layers) > 0  # 6 slots for 24 experts: some reads over the link
     assert (e.slots, e.pinned, e.host, e.disk) == (6, 0, 24, 0)
     m = metric_values(moe_daemon)
-    assert m[("radiance_expert_lookups_total", ())] == sum(x.lookups for x in e.layers)
-    assert m[("radiance_expert_hits_total", ())] == sum(x.hits for x in e.layers)
+    def total(name: str) -> float:  # over the step kinds (decode, mixed, prefill)
+        return sum(v for (n, labels), v in m.items() if n == name and dict(labels).keys() == {"step"})
+
+    assert total("radiance_expert_lookups_total") == sum(x.lookups for x in e.layers)
+    assert total("radiance_expert_hits_total") == sum(x.hits for x in e.layers)
+    assert m[("radiance_expert_lookups_total", (("step", "decode"),))] > 0  # the requests decoded
     assert m[("radiance_arena_pages", (("tenant", "experts"),))] == e.slots
 
 

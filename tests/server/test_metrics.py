@@ -47,8 +47,11 @@ def test_values_move_as_requests_complete():
     m.set_waiting(5)
     m.set_kv_util(0.375)
     m.set_waiting(4)
-    m.add_expert_lookups(40, 30, 10 * 4096)
-    m.add_expert_lookups(8, 8, 0)
+    m.add_expert_lookups("prefill", 40, 30, 10 * 4096)
+    m.add_expert_lookups("decode", 8, 8, 0)
+    m.add_expert_lookups("decode", 4, 2, 2 * 4096)
+    m.add_step_tokens("prefill", 32)
+    m.add_step_tokens("decode", 2)
     s = samples(m)
     assert s[("radiance_requests_total", (("status", "200"),))] == 2.0
     assert s[("radiance_requests_total", (("status", "429"),))] == 1.0
@@ -57,9 +60,13 @@ def test_values_move_as_requests_complete():
     assert s[("radiance_prefix_cache_hit_tokens_total", ())] == 16.0
     assert (s[("radiance_sequences_running", ())], s[("radiance_sequences_waiting", ())]) == (2.0, 4.0)
     assert s[("radiance_kv_util", ())] == 0.375
-    assert s[("radiance_expert_lookups_total", ())] == 48.0
-    assert s[("radiance_expert_hits_total", ())] == 38.0
-    assert s[("radiance_expert_overflow_bytes_total", ())] == 40960.0
+    assert s[("radiance_expert_lookups_total", (("step", "prefill"),))] == 40.0
+    assert s[("radiance_expert_lookups_total", (("step", "decode"),))] == 12.0
+    assert s[("radiance_expert_hits_total", (("step", "prefill"),))] == 30.0
+    assert s[("radiance_expert_hits_total", (("step", "decode"),))] == 10.0
+    assert s[("radiance_step_tokens_total", (("step", "decode"),))] == 2.0
+    assert s[("radiance_expert_overflow_bytes_total", (("step", "prefill"),))] == 40960.0
+    assert s[("radiance_expert_overflow_bytes_total", (("step", "decode"),))] == 8192.0
     assert s[("radiance_time_to_first_token_seconds_count", ())] == 2.0
     assert s[("radiance_time_to_first_token_seconds_sum", ())] == 3.03
     assert s[("radiance_time_to_first_token_seconds_bucket", (("le", "0.04"),))] == 1.0
