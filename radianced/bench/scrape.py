@@ -101,7 +101,8 @@ class ServerDelta:
             return round(after.total(name) - before.total(name))
 
         def decode(name: str) -> int:
-            return round(after.by_label(name, "step").get("decode", 0.0) - before.by_label(name, "step").get("decode", 0.0))
+            was = before.by_label(name, "step").get("decode", 0.0)
+            return round(after.by_label(name, "step").get("decode", 0.0) - was)
 
         old = before.by_label(REQUESTS, "status")
         statuses = {k: round(v - old.get(k, 0.0)) for k, v in after.by_label(REQUESTS, "status").items()}

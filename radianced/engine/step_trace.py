@@ -15,8 +15,9 @@ Unset, `StepTrace.off()` records nothing and costs a call a round.
      decodes, tokens] or null, "own_s": the collected step's device time, "end": the round's end,
      "runq_s": the step thread's time runnable but not running since the previous round's row (the kernel's
      schedstat: a thread off the CPU for want of a core, not waiting for the GIL or the device; null in the
-     first round and where unreadable), "proc_cpu_s": the whole process's CPU time in that span (every thread: one thread's worth of
-     the wall time is the GIL serialising the others; more is code running without it)}
+     first round and where unreadable), "proc_cpu_s": the whole process's CPU time in that span (every
+     thread: one thread's worth of the wall time is the GIL serialising the others; more is code running
+     without it)}
     {"k": "http", "t": the handler's start, "id": request id, "body_s": reading the body, "prepare_s": the
      prepare thread's decoding and tokenizing, from the hand-off to the result}
     {"k": "submit", "t": when, "id": request id, "prompt": tokens}

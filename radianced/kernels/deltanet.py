@@ -411,8 +411,8 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
 def _verify_rows(query_start: torch.Tensor, slots: torch.Tensor, tokens: int, device: torch.device) -> None:
     if query_start.dim() != 1 or slots.shape != (query_start.shape[0] - 1,) or query_start.dtype != torch.int32 \
             or slots.dtype not in (torch.int32, torch.int64) or query_start.device != device or slots.device != device:
-        raise ValueError(f"query_start must be an int32 [B+1] tensor and slots an integer [B] tensor, both on {device}, "
-                         f"got {query_start.dtype} {tuple(query_start.shape)} on {query_start.device} and "
+        raise ValueError(f"query_start must be an int32 [B+1] tensor and slots an integer [B] tensor, both on "
+                         f"{device}, got {query_start.dtype} {tuple(query_start.shape)} on {query_start.device} and "
                          f"{slots.dtype} {tuple(slots.shape)} on {slots.device} ({tokens} rows)")
 
 

@@ -246,7 +246,8 @@ def test_verify_refuses_slots_that_do_not_match_the_sequences():
     with pytest.raises(ValueError, match=r"query_start must be an int32 \[B\+1\] tensor and slots an integer \[B\]"):
         deltanet.gated_delta_rule_verify(q, k, v, g, beta, rec, starts, torch.tensor([0], device=DEVICE), 2, 1)
     with pytest.raises(ValueError, match=r"query_start must be an int32"):
-        deltanet.gated_delta_rule_verify(q, k, v, g, beta, rec, starts.long(), torch.tensor([0, 1], device=DEVICE), 2, 1)
+        deltanet.gated_delta_rule_verify(q, k, v, g, beta, rec, starts.long(), torch.tensor([0, 1], device=DEVICE),
+                                         2, 1)
 
 
 def test_decode_refuses_mismatched_heads_and_slots():

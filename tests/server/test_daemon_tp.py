@@ -163,9 +163,11 @@ def test_status_and_metrics_count_the_experts_of_both_cards(two):
     assert [a.routed - b.routed for a, b in zip(e.layers, before.layers)] == [K * fed] * 3
     assert all(0 <= x.hits <= x.lookups <= x.routed for x in e.layers)
     m = scrape(d)
-    kinds = ("decode", "mixed", "prefill")  # the counters are by step kind
-    assert sum(m.get(f'radiance_expert_lookups_total{{step="{k}"}}', 0) for k in kinds) == sum(x.lookups for x in e.layers)
-    assert sum(m.get(f'radiance_expert_hits_total{{step="{k}"}}', 0) for k in kinds) == sum(x.hits for x in e.layers)
+    def total(name: str) -> float:  # the counters are by step kind
+        return sum(m.get(f'{name}{{step="{k}"}}', 0) for k in ("decode", "mixed", "prefill"))
+
+    assert total("radiance_expert_lookups_total") == sum(x.lookups for x in e.layers)
+    assert total("radiance_expert_hits_total") == sum(x.hits for x in e.layers)
 
 
 async def _saved(d, moe_model, replace: bool = False) -> dict[tuple[int, int], int]:

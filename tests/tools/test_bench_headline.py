@@ -41,7 +41,8 @@ def test_each_card_is_predicted_and_measured_at_b1_and_b8(run):
         # the decode steps' figures (the plan's), the row's whole ones (its prompt's prefill too) beside them
         assert b1["overflow_bytes_per_token"] == server["decode_overflow_bytes"] / server["decode_tokens"]
         assert b1["hit_rate"] == server["decode_hits"] / server["decode_lookups"]
-        assert b1["overflow_bytes_per_token_with_prefill"] == server["overflow_bytes"] / decode["summary"]["output_tokens"]
+        tokens = decode["summary"]["output_tokens"]
+        assert b1["overflow_bytes_per_token_with_prefill"] == server["overflow_bytes"] / tokens
         assert b1["hit_rate_with_prefill"] == server["hit_rate"]
         assert 0 < server["decode_lookups"] < server["expert_lookups"]  # the prompt's step routed too
         assert {w["name"].split()[0] for w in bench["workloads"]} == {"decode", "prefill", "sweep"}
