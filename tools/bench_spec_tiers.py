@@ -6,7 +6,7 @@ The tiers benchmark's synthetic Qwen3-30B-A3B-shaped model (tools/bench_tiers.py
 `section_model`), every expert's home in the host pool, `--expert-slots` at 10% and 25% of the experts.
 At each point one greedy request on a repetitive prompt (a random 24-token phrase repeated, so n-gram
 lookup finds it) decodes with `--speculative 4` (n-gram, adaptive, its cost model's r measured on the
-engine first as the daemon measures it before ready) and without: tok/s, the slab's miss
+engine first as the daemon measures it before ready, then moved by the steps served) and without: tok/s, the slab's miss
 bytes per generated token (what crossed PCIe for each token the user got), and the drafts accepted.
 A verify step reads each routed expert once for all its tokens, so the bytes per token fall with
 acceptance. Without CUDA (`--quick`, a dry run on a CPU) the sizes are tiny: it proves the code runs.
@@ -70,8 +70,11 @@ def _run(rad: RadFile, p, device: str, slots: int, spec: int, prompt: list[int],
         said = drafting_cost.adopt(engine, rad.model.vocab_size) if spec else None
         if said:
             print(f"   {said}", flush=True)
+        start = engine.scheduler.drafting.policy.token_cost if spec else None
         got = _decode(engine, device, prompt, tokens)
-        return {**got, "token_cost": engine.scheduler.drafting.policy.token_cost if spec else None}
+        # r before the row, and after it: the policy's, as the served steps moved it (speculation.py `ServedCost`)
+        return {**got, "token_cost": start, "token_cost_after": engine.scheduler.drafting.policy.token_cost
+                if spec else None}
     finally:
         teardown(engine)
 
@@ -95,7 +98,7 @@ def point(rad: RadFile, p, device: str, share: float, tokens: int) -> dict:
 def markdown(results: dict) -> str:
     lines = [f"# Speculative decoding over the expert tiers ({results['device']}, {results['date']})", "",
              "| slots | --speculative | tok/s | MiB over the link per token | accepted / drafted | speed-up "
-             "| bytes per token | r measured |", "|---|---|---|---|---|---|---|---|"]
+             "| bytes per token | r before / after |", "|---|---|---|---|---|---|---|---|"]
     for row in results["points"]:
         off = row["spec0"]
         for spec in (0, DRAFTS):
@@ -103,8 +106,15 @@ def markdown(results: dict) -> str:
             lines.append(f"| {row['share']:.0%} | {spec} | {r['tok_s']:.1f} | {r['miss_bytes_per_token'] / 2**20:.2f} "
                          f"| {r['accepted']} / {r['drafted']} | {r['tok_s'] / off['tok_s']:.2f}x | "
                          f"{r['miss_bytes_per_token'] / max(off['miss_bytes_per_token'], 1e-9):.2f}x | "
-                         f"{'' if r.get('token_cost') is None else format(r['token_cost'], '.3g')} |")
+                         f"{_r(r)} |")
     return "\n".join(lines) + "\n"
+
+
+def _r(row: dict) -> str:
+    """r before the row (measured on the engine) and after it (as its steps moved it), or '' without drafts."""
+    if row.get("token_cost") is None:
+        return ""
+    return f"{row['token_cost']:.3g} / {row['token_cost_after']:.3g}"
 
 
 def main() -> int:

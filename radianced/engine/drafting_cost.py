@@ -12,11 +12,11 @@ took 21-30 ms from one start to the next.
 It goes on measuring while it serves: speculation.py's `ServedCost`.
 
 The start-up measurement runs on the step thread between rounds, after the loader thread has ended
-(daemon.py, at the end of engine/warmup.py's `warm_up_served`), so it times the steps as they will be served. While the loader thread lived, its
-OpenMP team did too, and libgomp, with more of its threads than cores, throttles their spinning before
-they sleep: every parallel region then paid a wake-up, and a q4_1 product of SmolLM2 took 86 us against
-41 (2 cores); timed during the warm-up on the loader's watch, r read 0.27-0.31 against 0.50-0.62 with
-one team.
+(daemon.py, at the end of engine/warmup.py's `warm_up_served`), so it times the steps as they will be
+served. While the loader thread lived, its OpenMP team did too, and libgomp, with more of its threads
+than cores, throttles their spinning before they sleep: every parallel region then paid a wake-up, and a
+q4_1 product of SmolLM2 took 86 us against 41 (2 cores); timed during the warm-up on the loader's watch,
+r read 0.27-0.31 against 0.50-0.62 with one team.
 """
 
 from __future__ import annotations
@@ -99,4 +99,3 @@ def _decode_time(done) -> tuple[int, float] | None:
     if len(plan.seqs) != 1 or plan.decodes != 1:
         return None
     return 1 + len(plan.seqs[0].drafts), done.output.seconds
-
