@@ -35,12 +35,15 @@ class DraftPlanner:
     max_model_len: int | None = None
     checkpoint_block: int | None = None
     lookahead: int = 0
-    served: ServedCost = field(default_factory=ServedCost)
+    served: ServedCost | None = field(default_factory=ServedCost)  # None: r stays as the policy has it
 
     def observe(self, plan: StepPlan, seconds: float) -> None:
         """A finished step took `seconds` of wall time since the previous one ended: an adaptive policy
-        drafts by the r the steps served say (speculation.py's `ServedCost`)."""
-        if self.policy.adaptive and (r := self.served.observe(plan, seconds, self.policy.token_cost)) is not None:
+        drafts by the r the steps served say (speculation.py's `ServedCost`). Without `served` r is fixed,
+        and what drafts does not depend on timing (two engines compared draft alike)."""
+        if self.served is None or not self.policy.adaptive:
+            return
+        if (r := self.served.observe(plan, seconds, self.policy.token_cost)) is not None:
             self.policy = dataclasses.replace(self.policy, token_cost=r)
 
     def drafts(self, seq: Sequence, n: int, budget: int, batch: int) -> tuple[int, ...]:

@@ -161,7 +161,7 @@ def test_verify_steps_that_cost_their_tokens_plain_steps_drive_r_to_never_paying
     assert r < 0.05 and best_num_drafts(0.9, 4, 1, r) == 4
 
 
-def test_an_adaptive_planner_drafts_by_the_served_r_and_a_forced_one_keeps_its_own(tiny_rads):
+def test_an_adaptive_planner_drafts_by_the_served_r_and_a_forced_or_fixed_one_keeps_its_own(tiny_rads):
     engine = small_engine(tiny_rads["llama"], speculative=2)
     planner = engine.scheduler.drafting
     r0 = planner.policy.token_cost
@@ -171,6 +171,9 @@ def test_an_adaptive_planner_drafts_by_the_served_r_and_a_forced_one_keeps_its_o
     forced = dataclasses.replace(planner, policy=dataclasses.replace(planner.policy, adaptive=False))
     forced.observe(_Plan([2]), 0.030)
     assert forced.policy.token_cost == planner.policy.token_cost
+    fixed = dataclasses.replace(planner, served=None)  # r as set: drafting that does not follow timing
+    fixed.observe(_Plan([2]), 0.030)
+    assert fixed.policy.token_cost == planner.policy.token_cost
 
 
 def test_the_engine_gives_the_planner_each_steps_wall_time_since_the_last_and_none_across_idle(tiny_rads):

@@ -105,7 +105,9 @@ SPECULATIVE = dict(speculative=3, max_num_batched_tokens=32)  # a step decodes 4
 
 def _drafting(engine: Engine, ps: list[list[int]], runs: dict | None) -> list:
     """Let `engine` draft for `ps` with the oracle of `runs` (every second proposal's second draft wrong), or
-    with its n-gram drafter (runs None); the scheduler's sequences, as they are added."""
+    with its n-gram drafter (runs None) and the cost model's r fixed (measured while serving, it would follow
+    each engine's own step times); the scheduler's sequences, as they are added."""
+    engine.scheduler.drafting.served = None
     if runs is not None:
         oracle = Oracle(runs, wrong_every=2)
         engine.scheduler.drafting.policy = DraftPolicy(3, 0.6, adaptive=False,
