@@ -233,7 +233,8 @@ def _graph_pool(facts: ModelFacts, rows: int, card: Card, cfg: Config, disk_tier
     none = no_graphs(card.cuda, cfg.enforce_eager, cfg.drafts_with_mtp(m.num_mtp_layers), disk_tier)
     if none is not None:
         return Part("graph pool", 0, f"none: {none}")
-    mixed = mixed_buckets_of(bool(m.linear_attention_layers), cfg.max_num_seqs, cfg.max_num_batched_tokens)
+    mixed = mixed_buckets_of(bool(m.linear_attention_layers), cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                             cfg.decode_tokens)
     tokens = max((rows, *mixed))
     logit_rows = max((rows, *(mixed_logits_rows(t, cfg.decode_tokens) for t in mixed)))
     det = _deterministic_rows(facts, card, cfg, tokens)

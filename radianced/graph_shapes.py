@@ -23,8 +23,12 @@
   left TTFT's first/twin p99 at 1.33-1.54 (bench/README, session 17). Steps past
   MIXED_TOKENS (a raised --max-num-batched-tokens) run eagerly. A graph's logits are
   those of its first `mixed_logits_rows` wanted rows.
-- Models with recurrent layers (Qwen3-Next) capture decode graphs only: their other
-  steps walk the sequences on the host.
+- Models with recurrent layers (Qwen3-Next) capture mixed graphs for verify steps only
+  (`mixed_buckets_of`: with --speculative, up to a step of every sequence's drafts,
+  `Config.decode_tokens`): there every sequence's rows run decoding's arithmetic, in the
+  verify ops' one launch a layer that reads the sequences from device tensors
+  (kernels/deltanet.py); their other steps (prefill chunks, through fla) walk the
+  sequences on the host and run eagerly.
 - No graphs at all (`no_graphs`) on the CPU, with --enforce-eager, where the MTP head
   drafts (its pass follows every step on the host), or where the receipt's split homes
   experts on disk (a host sync in every routed layer; budget.py plans that split again
@@ -53,9 +57,14 @@ def no_graphs(cuda: bool, enforce_eager: bool, mtp_drafts: bool, disk_tier: bool
     return None
 
 
-def mixed_buckets_of(recurrent: bool, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, ...]:
-    """`mixed_buckets` for a model with (`recurrent`: linear-attention layers, none) or without them."""
-    return () if recurrent else mixed_buckets(max_num_seqs, max_num_batched_tokens)
+def mixed_buckets_of(recurrent: bool, max_num_seqs: int, max_num_batched_tokens: int,
+                     decode_tokens: int) -> tuple[int, ...]:
+    """`mixed_buckets` for a model without linear-attention layers; with them (`recurrent`), the verify steps'
+    alone: up to `decode_tokens` (`Config.decode_tokens`: every sequence and its drafts), none without drafts."""
+    if not recurrent:
+        return mixed_buckets(max_num_seqs, max_num_batched_tokens)
+    return mixed_buckets(max_num_seqs, min(decode_tokens, max_num_batched_tokens)) if decode_tokens > max_num_seqs \
+        else ()
 
 
 def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:

@@ -332,8 +332,8 @@ def _draft_policy(cfg: Config, mtp: bool, device: torch.device) -> DraftPolicy:
 
 def _step_graphs(engine: Engine, cfg: Config, receipt: Receipt, cuda: bool) -> StepGraphs | None:
     """Capture the step graphs (engine/graphs.py), or None where every step runs eagerly (said in the
-    log, as the receipt's graph-pool line says it). A model with recurrent layers gets decode graphs only
-    (graph_shapes.py says why)."""
+    log, as the receipt's graph-pool line says it). A model with recurrent layers gets decode graphs, and
+    mixed graphs for its verify steps only (graph_shapes.py says why)."""
     runner, m = engine.runner, engine.runner.model.cfg
     none = no_graphs(cuda, cfg.enforce_eager, cfg.drafts_with_mtp(m.num_mtp_layers), bool(receipt.experts_disk))
     if none is not None:
@@ -341,6 +341,7 @@ def _step_graphs(engine: Engine, cfg: Config, receipt: Receipt, cuda: bool) -> S
             log.info("step graphs: none, every step runs eagerly: %s", none)
         return None
     max_blocks = -(-receipt.max_model_len // BLOCK_TOKENS)
-    mixed = mixed_buckets_of(bool(m.linear_attention_layers), cfg.max_num_seqs, cfg.max_num_batched_tokens)
+    mixed = mixed_buckets_of(bool(m.linear_attention_layers), cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                             cfg.decode_tokens)
     return StepGraphs(runner.model, runner.cache, cfg.max_num_seqs, max_blocks, engine.experts, mixed=mixed,
                       decode_tokens=cfg.decode_tokens)

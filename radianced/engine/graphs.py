@@ -15,7 +15,9 @@ accounting counts only the n real rows.
 Any other step (a verify step, prefill chunks beside decodes, a short prompt) of
 T tokens wanting R logits rows runs the mixed graph of the smallest token bucket
 t >= T whose logits rows are at least R (radianced/graph_shapes.py: which
-buckets, and why), on models without recurrent layers. Its static batch has t
+buckets, and why); on a model with recurrent layers, only a verify step (every
+sequence's rows run decoding's arithmetic: the verify ops read the sequences'
+state slots from a static tensor, -1 for the empty slots). Its static batch has t
 token rows and --max-num-seqs sequence slots: the step's own layout
 (`HostLayout`, as the eager step's) fills the first rows and slots; rows T..t-1
 are padding (token 0, position 0, KV slot -1) owned by no sequence, and the
@@ -31,8 +33,8 @@ before and after the replay. The slab's routing record of a step is one
 [rows, R, k] tensor: the capture stacks the routed layers' ids into it inside the
 graph (`ExpertSlab.record`), so each replay rewrites it and the slab takes it
 (`ExpertSlab.replay`) with no launch of its own. Steps past the largest mixed
-bucket, a hybrid model's other steps and the disk tier (a host sync per layer)
-run eagerly.
+bucket, a hybrid model's steps with a prompt's chunk and the disk tier (a host
+sync per layer) run eagerly.
 
 Memory: all graphs share one graph pool, captured largest first, charged by
 the receipt's "graph pool" workspace line; padding needs nothing beyond it. The
@@ -169,20 +171,23 @@ class StepGraphs:
 
     def _mixed_inputs(self, t: int, r: int, s: int, pin: bool) -> None:
         """The mixed graphs' static inputs, for `t` rows, `r` logits rows and `s` sequence slots: int64 ids,
-        positions, KV slots (each t) and logits rows (r), int32 query starts (s + 1) and context lengths
-        (s), each view on an ALIGN_BYTES boundary (the step's kernel variants are the eager ones'); a
+        positions, KV slots (each t), logits rows (r) and state slots (s: a hybrid model's verify steps), int32
+        query starts (s + 1) and context lengths (s), each view on an ALIGN_BYTES boundary (the step's kernel variants are the eager ones'); a
         pinned host twin of each buffer. Until a step fills them: padding rows, empty slots."""
         def align(n: int, itemsize: int) -> int:
             per = ALIGN_BYTES // itemsize
             return -(-n // per) * per
 
-        longs = (t, t, t, r)
+        longs = (t, t, t, r, s)
         at = [0]
         for n in longs:
             at.append(at[-1] + align(n, 8))
         self._m_longs = torch.zeros(at[-1], dtype=torch.int64, device=self.device)
-        self._m_ids, self._m_pos, self._m_slots, self._m_rows = (self._m_longs[a:a + n] for a, n in zip(at, longs))
+        self._m_ids, self._m_pos, self._m_slots, self._m_rows, states = (self._m_longs[a:a + n]
+                                                                         for a, n in zip(at, longs))
         self._m_slots.fill_(-1)
+        states.fill_(-1)  # a hybrid model's sequence slots' state slots (-1: empty, no state touched)
+        self._m_states = states if self.cache.states is not None else None
         lens_at = align(s + 1, 4)
         self._m_ints = torch.zeros(lens_at + s, dtype=torch.int32, device=self.device)
         self._m_starts, self._m_lens = self._m_ints[:s + 1], self._m_ints[lens_at:]
@@ -191,10 +196,12 @@ class StepGraphs:
         self._m_at, self._m_lens_at = at, lens_at
 
     def run_mixed(self, layout: HostLayout, pending: tuple[torch.Tensor | slice, torch.Tensor] | None = None,
-                  ) -> torch.Tensor:
+                  state_slots: list[int] | None = None) -> torch.Tensor:
         """A step that is not decode-shaped, laid out as the eager step lays it out (`HostLayout.of`), in the
         mixed graph `mixed_bucket` gives it; returns the logits [R, V] (fp32) of layout.rows. pending: as
-        in `run`, rows of the layout. The caller wraps it in the slab's begin_step/end_launch."""
+        in `run`, rows of the layout. state_slots: a hybrid model's, each sequence's (its step a verify step:
+        every sequence's rows run decoding's arithmetic). The caller wraps it in the slab's
+        begin_step/end_launch."""
         n_tok, n_seq, n_rows = len(layout.ids), len(layout.lens), len(layout.rows)
         t = self.mixed_bucket(n_tok, n_rows, n_seq)
         if t is None:
@@ -209,6 +216,9 @@ class StepGraphs:
             longs[at[i] + n_tok:at[i] + t] = pad  # padding rows: token 0, position 0, no KV write
         longs[at[3]:at[3] + n_rows] = layout.rows
         longs[at[3] + n_rows:at[3] + self._mixed_rows[t]] = 0
+        if self._m_states is not None:
+            longs[at[4]:at[4] + n_seq] = state_slots
+            longs[at[4] + n_seq:at[4] + s] = -1
         ints[:n_seq + 1] = layout.starts
         ints[n_seq + 1:s + 1] = n_tok  # empty slots: no rows, no context
         ints[self._m_lens_at:self._m_lens_at + n_seq] = layout.lens
@@ -223,13 +233,15 @@ class StepGraphs:
 
     def _mixed_batch(self, t: int) -> ForwardBatch:
         """The static batch of mixed bucket t: views of the mixed inputs (module docstring). Its host
-        tuples only say it is not decode-shaped: the kernels read the device tensors."""
+        tuples only say it is not decode-shaped: the kernels read the device tensors (a hybrid model's
+        verify ops too: `all_decoding`, its sequences' state slots)."""
         s = self.buckets[-1]
         return ForwardBatch(
             input_ids=self._m_ids[:t], positions=self._m_pos[:t], slot_mapping=self._m_slots[:t],
             block_tables=self._tables[:s], logits_rows=self._m_rows[:self._mixed_rows[t]],
             query_start=(0,) * s + (t,), seq_lens=(0,) * s,
-            query_start_t=self._m_starts, seq_lens_t=self._m_lens)
+            query_start_t=self._m_starts, seq_lens_t=self._m_lens, state_slots=self._m_states,
+            verify_slots=self._m_states, all_decoding=self._m_states is not None)
 
     def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
             state_slots: list[int | None], pending: tuple[torch.Tensor | slice, torch.Tensor] | None = None,

@@ -84,8 +84,10 @@ class Runner:
         query_start = tuple(range(len(seqs) + 1)) if graph else \
             tuple(itertools.accumulate((len(s.token_ids) for s in seqs), initial=0))
         wanted = [(1 + len(s.drafts)) * s.sample for s in seqs]  # logits rows of each sequence
+        states = self.cache.states is not None
         mixed = not graph and self.graphs is not None and \
-            self.graphs.mixed_bucket(query_start[-1], sum(wanted), len(seqs)) is not None
+            self.graphs.mixed_bucket(query_start[-1], sum(wanted), len(seqs)) is not None and \
+            (not states or all(s.drafts or len(s.token_ids) == 1 for s in seqs))  # a hybrid's verify step alone
         pending = self._pending_inputs(seqs, query_start)
         segments = [(query_start[i], query_start[i + 1]) for i in decode]
         if self.experts is not None:
@@ -96,7 +98,8 @@ class Runner:
                 logits = self.graphs.run([s.token_ids[0] for s in seqs], [s.context_before for s in seqs],
                                          [s.block_table[0] for s in seqs], [s.state_slot for s in seqs], pending)
             elif mixed:  # any other step that fits a mixed graph (engine/graphs.py): the eager layout, replayed
-                logits = self.graphs.run_mixed(HostLayout.of(**self._layout(seqs, wanted)), pending)
+                logits = self.graphs.run_mixed(HostLayout.of(**self._layout(seqs, wanted)), pending,
+                                               [s.state_slot for s in seqs] if states else None)
             else:
                 layout = dict(self._layout(seqs, wanted), drafts=[len(s.drafts) for s in seqs],
                               state_slots=[s.state_slot for s in seqs] if self.cache.states is not None else None)

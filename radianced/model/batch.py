@@ -40,6 +40,8 @@ class ForwardBatch:
     verify_slots: [B] int64 device tensor on a hybrid step that is not decode-shaped: the state slot of each
     sequence whose rows run decoding's arithmetic (`runs_decoding`: the hybrid's verify ops, all such
     sequences in one launch), -1 for a prompt's chunk (fla's, per sequence by `state_slot_ids`); else None.
+    all_decoding: every sequence's rows run decoding's arithmetic, read from the device tensors alone (a
+    hybrid model's verify step in a mixed graph, engine/graphs.py: its host tuples are placeholders).
     """
 
     input_ids: torch.Tensor
@@ -56,6 +58,7 @@ class ForwardBatch:
     every_row: bool = False
     drafts: tuple[int, ...] = ()
     verify_slots: torch.Tensor | None = None
+    all_decoding: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -65,6 +65,8 @@ class GatedDeltaNet:
                 qs.view(t, self.nk, self.dk), ks.view(t, self.nk, self.dk), vs.view(t, self.nv, self.dv),
                 g, beta, rec_states, batch.state_slots, use_qk_l2norm=True)
             return self._output(out, z, t, residual)
+        if batch.all_decoding:  # a verify step in a mixed graph: the sequences on the device only
+            return self._output(self._verify(mixed, g, beta, batch, cache.states), z, t, residual)
         if len(batch.state_slot_ids) != batch.num_seqs:
             raise ValueError("a hybrid step that is not decode-shaped needs its state slots on the host "
                              "(ForwardBatch.build's state_slots)")

@@ -15,7 +15,7 @@ from radianced.config import Config
 from radianced.engine.engine import Engine
 from radianced.engine.graphs import StepGraphs
 from radianced.engine.warmup import forced_drafting
-from radianced.graph_shapes import decode_buckets, mixed_buckets
+from radianced.graph_shapes import decode_buckets, mixed_buckets, mixed_buckets_of
 from radianced.sizing import BLOCK_TOKENS
 from tests.engine.conftest import prompts, request, run_all
 from tests.kernels.compare import rel_err
@@ -31,7 +31,9 @@ def build(rad, flags: dict, graphs: bool, mixed: bool = False) -> Engine:
     engine = Engine.build(rad, cfg, Card.from_mib(256))
     if graphs:
         runner = engine.runner
-        buckets = mixed_buckets(cfg.max_num_seqs, cfg.max_num_batched_tokens) if mixed else ()
+        recurrent = runner.cache.states is not None  # the engine's rule: a hybrid's verify steps alone
+        buckets = mixed_buckets_of(recurrent, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.decode_tokens) \
+            if mixed else ()
         runner.graphs = StepGraphs(runner.model, runner.cache, cfg.max_num_seqs, cfg.max_model_len // BLOCK_TOKENS,
                                    engine.experts,
                                    capture=False, mixed=buckets, decode_tokens=cfg.decode_tokens)
@@ -55,14 +57,22 @@ def test_mixed_buckets_are_powers_of_two_then_multiples_of_256_above_the_sequenc
     assert mixed_buckets(8, 8) == ()
 
 
+def test_a_hybrid_model_has_mixed_graphs_for_its_verify_steps_alone():
+    assert mixed_buckets_of(False, 4, 64, 4) == mixed_buckets(4, 64)  # attention families: every step shape
+    assert mixed_buckets_of(True, 4, 64, 4) == ()  # no drafts: a step of every sequence is decode-shaped
+    assert mixed_buckets_of(True, 4, 64, 16) == (16,)  # --speculative 3: up to 4 sequences' 4 tokens
+    assert mixed_buckets_of(True, 8, 2048, 40) == (16, 32, 40)
+    assert mixed_buckets_of(True, 8, 24, 40) == (16, 24)  # within the step budget
+
+
 def _mixed_calls(engine: Engine) -> list[tuple[int, int]]:
     """(tokens, logits rows) of every step the engine runs through `run_mixed`, as they come."""
     calls, graphs = [], engine.runner.graphs
     replay = graphs.run_mixed
 
-    def recorded(layout, pending=None):
+    def recorded(layout, pending=None, state_slots=None):
         calls.append((len(layout.ids), len(layout.rows)))
-        return replay(layout, pending)
+        return replay(layout, pending, state_slots)
 
     graphs.run_mixed = recorded
     return calls
@@ -107,12 +117,14 @@ def test_mixed_steps_in_the_padded_static_batch_give_the_eager_tokens_and_counts
         assert any(tokens > 256 for tokens, _ in calls)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "qwen3_next"])
 def test_verify_steps_in_the_padded_static_batch_give_the_greedy_tokens_of_plain_decoding(tiny_rads, family):
     """--speculative 3 (n-gram), every decode drafting its 3 tokens (the warm-up's `forced_drafting`: random
     weights would accept too little for adaptive drafting to go on): every verify step (each sequence's
     last token and 3 drafts, logits at each) runs in a mixed bucket; the greedy tokens equal plain eager
-    decoding's."""
+    decoding's. qwen3_next: its verify ops read the sequences' state slots from the static batch, the draft
+    states are kept as eagerly (a partly accepted step's state is its accepted position's), and its prompts'
+    chunks run eagerly (no mixed step but verify steps)."""
     rad = tiny_rads[family]
     ps = prompts(rad.model.vocab_size, (24, 20), seed=54)
     plain_engine = build(rad, {}, False)
@@ -123,6 +135,8 @@ def test_verify_steps_in_the_padded_static_batch_give_the_greedy_tokens_of_plain
     drafted = run_all(engine, [request(engine, f"p{i}", p, max_tokens=16) for i, p in enumerate(ps)])
     assert drafted == plain
     assert sum(rows == tokens == 8 for tokens, rows in calls) >= 4  # 2 sequences x (1 + 3 drafts), logits at each
+    if family == "qwen3_next":
+        assert all(rows == tokens for tokens, rows in calls)  # verify steps alone: every row samples
 
 
 @pytest.mark.parametrize("family, flags", [("llama", {}), ("qwen3_moe", EXPERTS), ("qwen3_next", EXPERTS)])

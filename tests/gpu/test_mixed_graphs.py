@@ -8,7 +8,8 @@ Tiny llama and qwen3_moe (fp32, experts split between slots and the host pool), 
 arriving mid-run, and the same with prompts of 120-450 tokens under a 520-token budget (the buckets
 past 256 tokens); then --speculative 3 with every decode drafting (verify steps of 4 rows a
 sequence). Each step's time is recorded by kind (mixed replays against eager steps of the same
-plan). Qwen3-Next captures decode graphs only: its engine must have no mixed bucket.
+plan). Qwen3-Next captures mixed graphs for its verify steps alone (none without drafts): replayed, they
+give the eager tokens, its prompts' chunks running eagerly.
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ def serve(engine: Engine, ps, late=None, draft=False) -> tuple[dict, list[float]
     if engine.runner.graphs is not None:
         replay = engine.runner.graphs.run_mixed
 
-        def counted(layout, pending=None):
+        def counted(layout, pending=None, state_slots=None):
             mixed[0] += 1
-            return replay(layout, pending)
+            return replay(layout, pending, state_slots)
 
         engine.runner.graphs.run_mixed = counted
     if draft:
@@ -99,9 +100,24 @@ def test_mixed_graph_replays_give_the_eager_tokens(tiny_rads, family, speculativ
     assert mixed >= 3
 
 
-def test_a_hybrid_model_captures_decode_graphs_only(tiny_rads):  # noqa: F811
+def test_a_hybrid_model_replays_its_verify_steps_alone_from_mixed_graphs(tiny_rads):  # noqa: F811
     device = _cuda()
-    cfg = Config(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, **EXPERTS)
-    engine = Engine.build(tiny_rads["qwen3_next"], cfg, Card.from_mib(1024), device)
-    assert engine.runner.graphs is not None and engine.runner.graphs.mixed == ()
+    rad = tiny_rads["qwen3_next"]
+    base = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, deterministic=True, **EXPERTS)
+    engine = Engine.build(rad, Config(**base), Card.from_mib(1024), device)
+    assert engine.runner.graphs is not None and engine.runner.graphs.mixed == ()  # no drafts: decode graphs only
     engine.close()
+    ps = prompts(rad.model.vocab_size, (9, 33, 50, 21), seed=62)
+    runs = {}
+    for eager in (True, False):
+        engine = Engine.build(rad, Config(**base, enforce_eager=eager, speculative=3), Card.from_mib(1024), device)
+        if not eager:
+            assert engine.runner.graphs.mixed == (16,)  # 4 sequences x (1 + 3 drafts)
+        tokens, times, mixed = serve(engine, ps[:3], late=ps[3], draft=True)
+        runs[eager] = (tokens, times, mixed)
+        engine.close()
+    (eager_tokens, eager_times, _), (tokens, times, mixed) = runs[True], runs[False]
+    record({"test": "mixed_graphs", "family": "qwen3_next", "speculative": 3, "shape": "small", "mixed_steps": mixed,
+            "steps": len(times), "eager_step_ms": [round(1e3 * t, 3) for t in eager_times],
+            "graph_step_ms": [round(1e3 * t, 3) for t in times]})
+    assert tokens == eager_tokens and mixed >= 3
