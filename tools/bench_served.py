@@ -1,8 +1,8 @@
 """Issue 18's rows: what a user of the HTTP API sees from a daemon started as users start it.
 
     python tools/bench_served.py --out DIR [--layers 8] [--requests 200] [--bursts 25] [--env K=V] [--name N]
-                                 [--switch-interval-ms MS] [--burst-repeats 5]
-                                 [-- FLAGS]
+                                 [--switch-interval-ms MS] [--burst-repeats 5] [--one-start]
+                                 [--parts ttft,sweep,prefill_burst,burst_gil] [-- FLAGS]
 
 On a synthetic Qwen3-30B-A3B-shaped `.rad` (tools/make_synthetic.py, Zipf 1.0) the
 daemon runs as a child process (`radianced.bench.daemon_process.ChildDaemon`), its
@@ -31,8 +31,9 @@ request goes over HTTP, streamed (`radianced.bench.client.stream_request`).
   running streams' ITL p50 and p99 while the burst prefills, against their median over
   the whole run (target: p99 at most 3x p50); `--burst-repeats` times, each burst's ratio kept and all their
   gaps pooled (one burst's p99 is its third-largest gap), and the daemon's step trace (RADIANCED_STEP_TRACE,
-  engine/step_trace.py) around each burst's longest gap: the rounds, arrivals and dispatches that made it;
-  then once more with the GIL's holders sampled.
+  engine/step_trace.py) around each burst's longest gap: the rounds, arrivals and dispatches that made it,
+  each round with the step thread's time runnable off a CPU and the process's CPU time, and the cgroup's CPU
+  throttling over each burst; then once more with the GIL's holders sampled.
 
 Writes DIR/NAME.json (default bench_served.json); prints a table.
 """
