@@ -97,9 +97,19 @@ def _cells(r: WorkloadResult) -> list[str]:
     mark = CLIENT_BOUND_MARK if client_bound(r.client_lag, s.itl) else ""
     return [r.name, str(r.concurrency), str(s.requests), str(s.ok), str(s.output_tokens), _num(s.output_tok_s, 1),
             _pcts(s.ttft) + mark, _ms(s.tpot.p50), _pcts(s.itl) + mark,
-            "-" if d.hit_rate is None else f"{d.hit_rate:.1%}",
+            _hit_rate(d),
             f"{d.overflow_bytes / 2**20:.1f}", str(d.prefix_hit_tokens),
             *_energy_cells(r)]
+
+
+def _hit_rate(d) -> str:
+    """The row's expert hit rate, and its decode steps' where a prompt's steps are in the row too (a prompt routes to
+    most experts: the decode steps' rate is the one the plan predicts and a long conversation sees)."""
+    if d.hit_rate is None:
+        return "-"
+    if d.decode_hit_rate is None or d.decode_lookups == d.expert_lookups:
+        return f"{d.hit_rate:.1%}"
+    return f"{d.hit_rate:.1%} (decode {d.decode_hit_rate:.1%})"
 
 
 def _energy_cells(r: WorkloadResult) -> list[str]:

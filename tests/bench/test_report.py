@@ -10,7 +10,8 @@ import time
 from radianced.bench.energy import EnergyReading
 from radianced.bench.plots import draw
 from radianced.bench.loop_lag import LoopLag
-from radianced.bench.report import CLIENT_BOUND_MARK, HEADER, Report
+from radianced.bench.report import CLIENT_BOUND_MARK, HEADER, Report, _hit_rate
+from radianced.bench.scrape import ServerDelta
 from radianced.bench.result import WorkloadResult
 from radianced.bench.stats import Distribution
 from tests.bench.samples import row, sample, server
@@ -63,6 +64,16 @@ def test_json_keeps_every_sample_and_markdown_has_a_row_per_workload():
     table = [line for line in md.splitlines() if line.startswith("| ")]
     assert table[0] == "| " + " | ".join(HEADER) + " |" and len(table) == 1 + 4
     assert "| sweep c=2 | 2 | 2 | 2 | 8 |" in md and "- overload_429_equal_excess: pass" in md
+
+
+def test_the_hit_rate_cell_gives_the_decode_steps_rate_beside_a_prompts():
+    """A row whose prompt was prefilled in its window: the whole row's rate, and its decode steps' (the one the
+    plan predicts); a row of decode steps alone, or of no routed model, one figure."""
+    mixed = ServerDelta(2000, 1600, 0, 0, 0, 0, 0, {}, 0.0, 0.0, 0.0, decode_lookups=1000, decode_hits=900)
+    alone = ServerDelta(1000, 900, 0, 0, 0, 0, 0, {}, 0.0, 0.0, 0.0, decode_lookups=1000, decode_hits=900)
+    older = ServerDelta(1000, 900, 0, 0, 0, 0, 0, {}, 0.0, 0.0, 0.0)  # a daemon without the counters by step kind
+    dense = ServerDelta(0, 0, 0, 0, 0, 0, 0, {}, 0.0, 0.0, 0.0)
+    assert [_hit_rate(d) for d in (mixed, alone, older, dense)] == ["80.0% (decode 90.0%)", "90.0%", "90.0%", "-"]
 
 
 def test_energy_gives_joules_per_token_and_mean_watts():
