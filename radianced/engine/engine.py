@@ -156,10 +156,11 @@ class Engine:
         self._in_flight = done.launched
         if done.finished is None:
             return []
-        now = time.perf_counter()
-        if self.scheduler.drafting is not None and self._last_done is not None:
-            self.scheduler.drafting.observe(done.finished.plan, now - self._last_done)
-        self._last_done = now
+        if self.scheduler.drafting is not None:  # speculation's cost model, from the steps' wall times
+            now = time.perf_counter()
+            if self._last_done is not None:
+                self.scheduler.drafting.observe(done.finished.plan, now - self._last_done)
+            self._last_done = now
         events = self.scheduler.update(done.finished.plan, done.output)
         self.settle()
         return events

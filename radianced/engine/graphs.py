@@ -171,23 +171,26 @@ class StepGraphs:
 
     def _mixed_inputs(self, t: int, r: int, s: int, pin: bool) -> None:
         """The mixed graphs' static inputs, for `t` rows, `r` logits rows and `s` sequence slots: int64 ids,
-        positions, KV slots (each t), logits rows (r) and state slots (s: a hybrid model's verify steps), int32
-        query starts (s + 1) and context lengths (s), each view on an ALIGN_BYTES boundary (the step's kernel variants are the eager ones'); a
-        pinned host twin of each buffer. Until a step fills them: padding rows, empty slots."""
+        positions, KV slots (each t), logits rows (r) and, on a hybrid model, state slots (s: its verify
+        steps), int32 query starts (s + 1) and context lengths (s), each view on an ALIGN_BYTES boundary (the
+        step's kernel variants are the eager ones'); a pinned host twin of each buffer. Until a step fills
+        them: padding rows, empty slots."""
         def align(n: int, itemsize: int) -> int:
             per = ALIGN_BYTES // itemsize
             return -(-n // per) * per
 
-        longs = (t, t, t, r, s)
+        hybrid = self.cache.states is not None
+        longs = (t, t, t, r, s) if hybrid else (t, t, t, r)
         at = [0]
         for n in longs:
             at.append(at[-1] + align(n, 8))
         self._m_longs = torch.zeros(at[-1], dtype=torch.int64, device=self.device)
-        self._m_ids, self._m_pos, self._m_slots, self._m_rows, states = (self._m_longs[a:a + n]
-                                                                         for a, n in zip(at, longs))
+        views = [self._m_longs[a:a + n] for a, n in zip(at, longs)]
+        self._m_ids, self._m_pos, self._m_slots, self._m_rows = views[:4]
         self._m_slots.fill_(-1)
-        states.fill_(-1)  # a hybrid model's sequence slots' state slots (-1: empty, no state touched)
-        self._m_states = states if self.cache.states is not None else None
+        self._m_states = views[4] if hybrid else None  # the sequence slots' state slots
+        if hybrid:
+            self._m_states.fill_(-1)  # empty: no state touched
         lens_at = align(s + 1, 4)
         self._m_ints = torch.zeros(lens_at + s, dtype=torch.int32, device=self.device)
         self._m_starts, self._m_lens = self._m_ints[:s + 1], self._m_ints[lens_at:]

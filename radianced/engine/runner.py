@@ -27,7 +27,7 @@ from radianced.engine.speculation import accepted
 from radianced.engine.step_timer import StepTimer
 from radianced.kv.cache import KVCache, RecurrentState
 from radianced.kv.state import StateCopy
-from radianced.model.batch import ForwardBatch, HostLayout, copy_rows, to_device_no_sync
+from radianced.model.batch import ForwardBatch, HostLayout, copy_rows, runs_decoding, to_device_no_sync
 from radianced.model.layers import CausalLM
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ class Runner:
         states = self.cache.states is not None
         mixed = not graph and self.graphs is not None and \
             self.graphs.mixed_bucket(query_start[-1], sum(wanted), len(seqs)) is not None and \
-            (not states or all(s.drafts or len(s.token_ids) == 1 for s in seqs))  # a hybrid's verify step alone
+            (not states or all(runs_decoding(len(s.token_ids), len(s.drafts)) for s in seqs))  # a hybrid's verify step
         pending = self._pending_inputs(seqs, query_start)
         segments = [(query_start[i], query_start[i + 1]) for i in decode]
         if self.experts is not None:

@@ -234,7 +234,8 @@ class ServedCost:
         if plain is None:
             return None
         # c = (1 + r (B + D)) / (1 + r B) for B sequences feeding D drafts: r = (c - 1) / (B + D - c B)
-        c, room = seconds / plain, batch + drafts - seconds / plain * batch
+        c = seconds / plain
+        room = batch + drafts - c * batch
         measured = 0.0 if c <= 1.0 else math.inf if room <= 0 else (c - 1.0) / room
         # averaged as logarithms: r spans decades (0.02 to "never"), and one odd step moves it by a factor
         was, now = (math.log(min(max(x, R_RANGE[0]), R_RANGE[1])) for x in (r, measured))

@@ -37,9 +37,10 @@ class ForwardBatch:
     in the graphs' static batches, which only decode (their slots stay on the device).
     drafts: per sequence, how many of its last tokens are speculative drafts (a verify step; a
     hybrid model keeps the state after each of its positions, kv/cache.py); () when none drafts.
-    verify_slots: [B] int64 device tensor on a hybrid step that is not decode-shaped: the state slot of each
-    sequence whose rows run decoding's arithmetic (`runs_decoding`: the hybrid's verify ops, all such
-    sequences in one launch), -1 for a prompt's chunk (fla's, per sequence by `state_slot_ids`); else None.
+    decoding: on a hybrid step that is not decode-shaped, per sequence whether its rows run decoding's
+    arithmetic (`runs_decoding`); () otherwise. verify_slots: the device's copy of that for the verify
+    ops (all such sequences in one launch): [B] int64, each such sequence's state slot, -1 for a prompt's
+    chunk (fla's, per sequence by `state_slot_ids`); None where `decoding` is ().
     all_decoding: every sequence's rows run decoding's arithmetic, read from the device tensors alone (a
     hybrid model's verify step in a mixed graph, engine/graphs.py: its host tuples are placeholders).
     """
@@ -57,6 +58,7 @@ class ForwardBatch:
     state_slot_ids: tuple[int, ...] = ()
     every_row: bool = False
     drafts: tuple[int, ...] = ()
+    decoding: tuple[bool, ...] = ()
     verify_slots: torch.Tensor | None = None
     all_decoding: bool = False
 
@@ -73,12 +75,6 @@ class ForwardBatch:
         """Every sequence feeds exactly one token (query_start is 0, 1, ..., B), as in the decode graphs."""
         return self.query_start == tuple(range(self.num_seqs + 1))
 
-    def runs_decoding(self, b: int) -> bool:
-        """Whether sequence b's rows run decoding's arithmetic on a hybrid model: a verify step's (its last
-        token, then its drafts), or a single token (so a sequence's state never depends on what shares its
-        step), not a prompt's chunk."""
-        return _runs_decoding(self.drafts, self.query_start, b)
-
     @staticmethod
     def build(token_ids: list[list[int]], context_before: list[int], block_tables: list[list[int]],
               block_size: int, logits: str | list[int] = "last", state_slots: list[int] | None = None,
@@ -88,11 +84,14 @@ class ForwardBatch:
         # three host-to-device copies: the int64 vectors as one, the int32 ones as one, the tables
         drafts = tuple(drafts) if drafts and any(drafts) else ()
         longs = [h.ids, h.positions, h.slots, h.rows]
+        decoding: tuple[bool, ...] = ()
         if state_slots is not None:
             longs.append(np.asarray(state_slots, dtype=np.int64))
             if h.starts != list(range(len(h.starts))):  # not decode-shaped: the verify ops' slots too
-                longs.append(np.asarray([slot if _runs_decoding(drafts, h.starts, b) else -1
-                                         for b, slot in enumerate(state_slots)], dtype=np.int64))
+                decoding = tuple(runs_decoding(hi - lo, drafts[b] if drafts else 0)
+                                 for b, (lo, hi) in enumerate(zip(h.starts, h.starts[1:])))
+                longs.append(np.asarray([slot if d else -1 for slot, d in zip(state_slots, decoding)],
+                                        dtype=np.int64))
         ids_t, pos_t, slots_t, rows_t, *states_t = packed(longs, np.int64, device)
         starts_t, lens_t = packed([h.starts, list(h.lens)], np.int32, device)
         return ForwardBatch(
@@ -102,13 +101,15 @@ class ForwardBatch:
             query_start_t=starts_t, seq_lens_t=lens_t,
             state_slots=states_t[0] if states_t else None,
             state_slot_ids=() if state_slots is None else tuple(state_slots), every_row=len(h.rows) == h.starts[-1],
-            drafts=drafts, verify_slots=states_t[1] if len(states_t) > 1 else None,
+            drafts=drafts, decoding=decoding, verify_slots=states_t[1] if len(states_t) > 1 else None,
         )
 
 
-def _runs_decoding(drafts: tuple[int, ...], starts, b: int) -> bool:
-    """`ForwardBatch.runs_decoding` from its parts."""
-    return bool(drafts and drafts[b]) or starts[b + 1] - starts[b] == 1
+def runs_decoding(tokens: int, drafts: int) -> bool:
+    """Whether a sequence's rows in a step run decoding's arithmetic on a hybrid model: a verify step's (its
+    last token, then its drafts), or a single token (so a sequence's state never depends on what shares its
+    step), not a prompt's chunk."""
+    return drafts > 0 or tokens == 1
 
 
 @dataclass(frozen=True)

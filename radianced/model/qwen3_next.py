@@ -70,7 +70,7 @@ class GatedDeltaNet:
         if len(batch.state_slot_ids) != batch.num_seqs:
             raise ValueError("a hybrid step that is not decode-shaped needs its state slots on the host "
                              "(ForwardBatch.build's state_slots)")
-        decoding = [batch.runs_decoding(s) for s in range(batch.num_seqs)]
+        decoding = batch.decoding
         # a verify step's positions, or one token (a decode beside a prompt's chunk or beside drafting sequences):
         # decoding's arithmetic, all such sequences in one launch per op, so a sequence's state never depends on
         # what shares its step; their rows first, then each prompt chunk's rows through fla
@@ -90,7 +90,7 @@ class GatedDeltaNet:
 
     def _verify(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch,
                 states) -> torch.Tensor:
-        """The step's sequences that run decoding's arithmetic (`ForwardBatch.runs_decoding`: a verify step's
+        """The step's sequences that run decoding's arithmetic (model/batch.py `runs_decoding`: a verify step's
         last token and drafts, or one token), each position after position, all in one launch per op
         (`*_verify`), so each position's state is the one plain decoding reaches and the state after each
         position but a sequence's last is left in its draft slots (the runner keeps the accepted one). The

@@ -22,7 +22,7 @@ def test_layout_of_a_mixed_step():
     assert batch.state_slots.tolist() == [2, 0, 1]
     assert batch.state_slot_ids == (2, 0, 1)  # the host's copy: a hybrid's per-sequence loop reads no device value
     # the hybrid's verify ops run the decode (slot 0) and leave the chunk and the empty sequence alone
-    assert [batch.runs_decoding(b) for b in range(3)] == [False, True, False]
+    assert batch.decoding == (False, True, False)
     assert batch.verify_slots.tolist() == [-1, 0, -1]
 
 
@@ -31,9 +31,10 @@ def test_a_verify_step_runs_its_drafting_sequences_and_its_single_tokens_through
     slots name the first two; a decode-shaped hybrid step needs none (its state slots are theirs)."""
     batch = ForwardBatch.build([[1, 2, 3], [4], [5, 6]], [7, 3, 0], [[0], [1], [2]], 16, state_slots=[4, 1, 0],
                                drafts=[2, 0, 0])
-    assert batch.drafts == (2, 0, 0) and batch.verify_slots.tolist() == [4, 1, -1]
+    assert batch.drafts == (2, 0, 0) and batch.decoding == (True, True, False)
+    assert batch.verify_slots.tolist() == [4, 1, -1]
     decode = ForwardBatch.build([[1], [4]], [7, 3], [[0], [1]], 16, state_slots=[4, 1])
-    assert decode.is_decode and decode.verify_slots is None
+    assert decode.is_decode and decode.verify_slots is None and decode.decoding == ()
     assert ForwardBatch.build([[1, 2]], [0], [[0]], 16).verify_slots is None  # no recurrent layers
 
 
