@@ -146,11 +146,19 @@ def _fed(d, max_tokens: int) -> int:
 
 
 def _quiet(d) -> StatusResult:
-    """Status once no request runs: a stop string ends a request on the event loop, and the step thread
-    may run a step or two for it before it takes the cancel (engine/driver.py)."""
-    while (status := msgspec.convert(control.call(d.control_socket, "status"), StatusResult)).running:
-        time.sleep(0.01)
-    return status
+    """Status once no request runs and no step is left to collect: a stop string ends a request on the
+    event loop, and the step thread may run a step or two for it before it takes the cancel
+    (engine/driver.py); such a step's counts come in when it is collected, after `running` reads 0."""
+    def status() -> StatusResult:
+        return msgspec.convert(control.call(d.control_socket, "status"), StatusResult)
+
+    last = status()
+    while True:
+        time.sleep(0.1)
+        now = status()
+        if now.running == 0 and now.steps == last.steps:
+            return now
+        last = now
 
 
 def test_status_and_metrics_count_the_experts_of_both_cards(two):
