@@ -1,7 +1,9 @@
-"""The daemon: one uvloop process serving HTTP, the control socket and the engine.
+"""The daemon: a uvloop process serving the control socket and the engine, and its HTTP front process.
 
 Start-up, in order: bind the HTTP socket (a taken port fails at once, before
-any loading), serve it with /health answering 503 "loading", open the control
+any loading), start the HTTP front process on it (server/front.py; why it is a
+process of its own: server/front_process.py), which answers /health 503
+"loading", open the control
 socket, load the model on a thread while telling systemd EXTEND_TIMEOUT_USEC,
 start the engine task, serve the warm-up requests (through the engine, then
 through the daemon's own HTTP socket: engine/warmup.py, server/self_warmup.py),
@@ -66,13 +68,13 @@ from radianced.server import control, notify
 from radianced.server.api_key import ApiKeyError, load_api_key
 from radianced.server.api_requests import generation_defaults
 from radianced.server.control_handlers import ControlHandlers
-from radianced.server.http import build_app
-from radianced.server.http_server import SHUTDOWN_GRACE_S, HttpServer, listen
+from radianced.server.front_process import Front
+from radianced.server.http_server import SHUTDOWN_GRACE_S, listen
 from radianced.server.limits import max_prompt_bytes
 from radianced.server.log_writer import logs_off_the_loop
 from radianced.server.metrics import Metrics
 from radianced.server.self_warmup import address_of, warm_up_http
-from radianced.server.state import Phase, Served, ServerState
+from radianced.server.state import Phase
 from radianced.tiers.host import HostPoolError
 from radianced.tiers.live_profile import LiveProfile
 from radianced.tiers.profile import ProfileError
@@ -98,7 +100,8 @@ class Daemon:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.metrics = Metrics(kv_dtype=cfg.kv_cache_dtype)
-        self.http = ServerState(self.metrics, body_timeout_s=cfg.timeout_body)
+        self.front: Front | None = None  # the HTTP front process, once started
+        self.api_key: str | None = None
         self.model_path = cfg.model
         self.model_name = cfg.served_model_name or ""
         self.receipt: list[str] = []
@@ -129,18 +132,17 @@ class Daemon:
         signal.signal(signal.SIGTERM, lambda *_: loop.call_soon_threadsafe(self.request_stop, "SIGTERM"))
         signal.signal(signal.SIGINT, lambda *_: loop.call_soon_threadsafe(self.request_stop, "SIGINT", True))
         try:
-            self.http.api_key = load_api_key(self.cfg, os.environ)
+            self.api_key = load_api_key(self.cfg, os.environ)
         except ApiKeyError as e:
             log.error("cannot start: %s", e)
             return 1
         try:
             sock = listen(self.cfg)
+            self._address = address_of(sock)
+            self.front = await Front.spawn(self.cfg, self.api_key, sock, self.metrics, self.process_ended)
         except OSError as e:
             log.error("cannot serve HTTP: %s", e)
             return 1
-        self._address = address_of(sock)
-        server = HttpServer(build_app(self.http), self.cfg)
-        http_task = asyncio.create_task(server.serve(sockets=[sock]))
         watchdog = asyncio.create_task(self._watchdog())
         control_server = None
         control_path = self.cfg.control_socket or control.default_socket_path()
@@ -152,9 +154,8 @@ class Daemon:
             log.error("%s", e)
             code = 1
         finally:
-            self.http.phase = Phase.DRAINING
-            server.should_exit = True
-            await http_task
+            await self.front.set_phase(Phase.DRAINING)
+            await self.front.stop()
             if control_server is not None:
                 control_server.close()
                 _unlink(control_path)
@@ -181,8 +182,8 @@ class Daemon:
             return 1 if self._fatal else 0  # stopped while loading: nothing to drain
         self.engine = engine
         self._engine_task = asyncio.create_task(engine.run())
-        self.http.served = Served(engine, self.model_name, engine.engine.receipt.max_model_len,
-                                  self._defaults, self._vocab_size)  # still LOADING: only warm-up is admitted
+        self.front.serve_model(engine, self.model_name, engine.engine.receipt.max_model_len,
+                               self._defaults, self._vocab_size)  # still LOADING: only warm-up is admitted
         try:
             await warm_up_served(engine, self._vocab_size, then=self._warm_up_rest)
         except Exception:
@@ -192,7 +193,7 @@ class Daemon:
             self.compiles.phase = "serving"  # from here a kernel build is a user's wait: counted, warned
         gc.collect()
         gc.freeze()  # the start-up heap, never scanned again: a full collection of it took 74 ms (tiny model, CPU)
-        self.http.phase = Phase.READY
+        await self.front.set_phase(Phase.READY)
         notify.ready(f"serving {self.model_name}")
         log.info("ready: serving %s", self.model_name)
         stop = asyncio.create_task(self._stop.wait())
@@ -218,13 +219,13 @@ class Daemon:
     async def _warm_up_http(self) -> None:
         """The HTTP path's first uses, before ready: requests to the daemon's own socket (server/self_warmup.py)."""
         start = time.perf_counter()
-        self.http.warm_up_token = secrets.token_hex(16)
+        token = secrets.token_hex(16)
+        await self.front.set_phase(Phase.LOADING, token)
         try:
-            sent = await warm_up_http(self._address, self.http.warm_up_token, self.model_name,
-                                      chat=self.engine.tokenizer.chat_template is not None,
-                                      api_key=self.http.api_key)
+            sent = await warm_up_http(self._address, token, self.model_name,
+                                      chat=self.engine.tokenizer.chat_template is not None, api_key=self.api_key)
         finally:
-            self.http.warm_up_token = None
+            await self.front.set_phase(Phase.LOADING)
         log.info("warm-up: %d requests through the HTTP socket in %.0f ms", sent, (time.perf_counter() - start) * 1e3)
 
     async def _load(self) -> AsyncEngine | None:
@@ -310,14 +311,15 @@ class Daemon:
             return SINGLE
         refuse_device(self.cfg, device)
         self.ranks = RankWorkers.start(str(path), self.cfg, lambda line: self._loop.call_soon_threadsafe(
-            self.rank_ended, line))
+            self.process_ended, line))
         return self.ranks.join()
 
-    def rank_ended(self, line: str) -> None:
-        """A rank of --tp ended unasked: say which and why, and stop with status 1 (nothing to drain into)."""
+    def process_ended(self, line: str) -> None:
+        """A rank of --tp, or the HTTP front, ended unasked: say which and why, and stop with status 1
+        (nothing to drain into)."""
         log.error("%s; stopping", line)
         self._fatal = line
-        self.request_stop("a rank ended")
+        self.request_stop("a process ended")
         self._hurry.set()
 
     def request_stop(self, why: str = "stop", again_hurries: bool = False) -> None:
@@ -334,13 +336,13 @@ class Daemon:
             log.info("%s: already draining", why)
 
     async def _drain(self) -> None:
-        self.http.phase = Phase.DRAINING
+        await self.front.set_phase(Phase.DRAINING)
         timeout = self.cfg.drain_timeout
         notify.stopping(f"draining {self.engine.num_live} requests")
         notify.extend_timeout(int((timeout + STOP_EXTRA_S) * 1e6))
         log.info("draining %d requests (%d HTTP requests in flight) for up to %g s",
-                 self.engine.num_live, self.http.in_flight, timeout)
-        idle = asyncio.create_task(self.http.wait_idle())
+                 self.engine.num_live, self.front.in_flight, timeout)
+        idle = asyncio.create_task(self.front.wait_idle())
         hurry = asyncio.create_task(self._hurry.wait())
         await asyncio.wait((idle, hurry), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         hurry.cancel()
@@ -350,7 +352,7 @@ class Daemon:
             try:
                 await asyncio.wait_for(idle, SHUTDOWN_GRACE_S)
             except asyncio.TimeoutError:
-                log.warning("%d HTTP requests still open after the drain", self.http.in_flight)
+                log.warning("%d HTTP requests still open after the drain", self.front.in_flight)
         log.info("drained")
 
     async def _watchdog(self) -> None:

@@ -233,7 +233,7 @@ class AsyncEngine:
         self.metrics.add_prompt_tokens(len(prompt_ids))
         self._post(lambda: self._add(stream), arriving=True)
         self.trace.submit(stream.arrived, request_id, len(prompt_ids))
-        return RequestStream(self, stream)
+        return RequestStream(request_id, stream.queue, self.cancel)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[Chunk]:

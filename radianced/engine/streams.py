@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+
+import msgspec
 
 from radianced.engine.detokenizer import IncrementalDetokenizer
 from radianced.engine.request import Request
-
-if TYPE_CHECKING:
-    from radianced.engine.driver import AsyncEngine
 
 
 class EngineFailed(RuntimeError):
@@ -25,15 +25,14 @@ class RequestFailed(EngineFailed):
     other requests go on. The message says what failed and what to do."""
 
 
-@dataclass(frozen=True)
-class Chunk:
+class Chunk(msgspec.Struct, frozen=True, array_like=True):  # a struct: the HTTP front's frames carry it
     """What one step produced for a request: new token ids, the text they settle,
     and, on the last chunk, why the request ended."""
 
     token_ids: tuple[int, ...]
     text: str
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    logprobs: object = None
+    logprobs: Any = None  # (the chosen token's logprob, [(id, logprob)] of the top-N)
     reused_tokens: int | None = None  # on the last chunk: prompt tokens the prefix cache served
 
 
@@ -66,26 +65,21 @@ class StreamState:
 class RequestStream:
     """One submitted request's chunks, in order; the last has a finish_reason.
 
-    `close()` (or `aclose()`) before the last chunk cancels the request; after
-    it, or twice, it does nothing. Raises EngineFailed if the engine task dies.
-    `ready()` takes the chunks already queued without waiting, so a reader that fell
-    behind the steps sends them in one write (vLLM's output collector merges them too).
+    `close()` (or `aclose()`) before the last chunk cancels the request (`cancel(request_id)`); after
+    it, or twice, it does nothing. Raises EngineFailed if the engine task dies, RequestFailed if a step
+    could not compute the request. `ready()` takes the chunks already queued without waiting, so a
+    reader that fell behind the steps sends them in one write (vLLM's output collector merges them
+    too). The queue is the engine's own (`StreamState.queue`) in the engine's process, and the front
+    process's copy of it there (server/engine_client.py): the same chunks either way.
     """
 
-    def __init__(self, engine: AsyncEngine, stream: StreamState):
-        self._engine = engine
-        self._stream = stream
+    def __init__(self, request_id: str, queue: asyncio.Queue, cancel: Callable[[str], object]):
+        self.request_id = request_id
+        self._queue = queue
+        self._cancel = cancel
         self._failure: BaseException | None = None  # met by `ready()`, raised by the next `__anext__`
+        self.num_reused_tokens = 0  # prompt tokens the prefix cache served: known with the last chunk
         self.done = False
-
-    @property
-    def request_id(self) -> str:
-        return self._stream.request.request_id
-
-    @property
-    def num_reused_tokens(self) -> int:
-        """Prompt tokens the prefix cache served (0 until the request is admitted)."""
-        return reused_tokens(self._stream)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -96,32 +90,37 @@ class RequestStream:
         if self._failure is not None:  # met by `ready()` after the chunks it returned
             chunk, self._failure = self._failure, None
         else:
-            chunk = await self._stream.queue.get()
-        if isinstance(chunk, RequestFailed):
+            chunk = await self._queue.get()
+        if isinstance(chunk, EngineFailed):  # RequestFailed, or the HTTP front's copy of either
             self.done = True
             raise chunk
         if isinstance(chunk, BaseException):
             self.done = True
             raise EngineFailed(f"the engine failed: {chunk!r}") from chunk
-        self.done = chunk.finish_reason is not None
+        self._took(chunk)
         return chunk
 
     def ready(self) -> list[Chunk]:
         """The chunks queued now, in order, up to the last one or a failure (kept for `__anext__` to raise)."""
         out: list[Chunk] = []
-        while not self.done and self._failure is None and not self._stream.queue.empty():
-            item = self._stream.queue.get_nowait()
+        while not self.done and self._failure is None and not self._queue.empty():
+            item = self._queue.get_nowait()
             if isinstance(item, BaseException):
                 self._failure = item
             else:
                 out.append(item)
-                self.done = item.finish_reason is not None
+                self._took(item)
         return out
+
+    def _took(self, chunk: Chunk) -> None:
+        self.done = chunk.finish_reason is not None
+        if chunk.reused_tokens is not None:
+            self.num_reused_tokens = chunk.reused_tokens
 
     def close(self) -> None:
         if not self.done:
             self.done = True
-            self._engine.cancel(self.request_id)
+            self._cancel(self.request_id)
 
     async def aclose(self) -> None:
         self.close()

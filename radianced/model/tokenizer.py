@@ -41,6 +41,7 @@ class Tokenizer:
         eos_token_ids: Sequence[int],
     ) -> None:
         self._tok = _HFTokenizer.from_str(tokenizer_json)
+        self.tokenizer_json = tokenizer_json  # what it was built from (the HTTP front builds its own from it)
         self.bos_token_id = bos_token_id
         self._eos_token_ids = tuple(int(i) for i in eos_token_ids)
         self.bos_token = self._tok.id_to_token(bos_token_id) if bos_token_id is not None else None

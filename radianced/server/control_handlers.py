@@ -54,7 +54,7 @@ class ControlHandlers:
         sched = engine.scheduler if engine is not None else None
         return control.StatusResult(
             uptime_s=time.monotonic() - d.started,
-            state=d.http.phase.value,
+            state=d.front.phase.value,
             model=d.model_name or (d.model_path or "the default model"),
             receipt=list(d.receipt),
             kv_util=sched.kv_util if sched else 0.0,

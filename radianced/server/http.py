@@ -37,7 +37,6 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from radianced.engine.streams import EngineFailed, RequestStream
-from radianced.engine.scheduler import QueueFull
 from radianced.server.answers import Answer, EventStream
 from radianced.server.api_errors import ProtocolError, error_body
 from radianced.server.api_responses import encode, model_list
@@ -72,13 +71,10 @@ async def _health(request: Request) -> Response:
 
 
 async def _metrics(request: Request) -> Response:
-    state = _state(request)
-    if state.served is not None:
-        sched = state.served.engine.scheduler
-        state.metrics.set_running(sched.num_running)
-        state.metrics.set_waiting(sched.num_waiting)
-        state.metrics.set_kv_util(sched.kv_util)
-    body, content_type = state.metrics.render()
+    try:
+        body, content_type = await _state(request).engine.metrics()  # the daemon's registry
+    except ProtocolError as e:
+        return _error(e)
     return Response(body, headers={"Content-Type": content_type})
 
 
@@ -109,16 +105,10 @@ async def _generate(request: Request, chat: bool) -> Response:
         body = await _read_body(request, state)
         t1 = time.perf_counter()
         ready = await asyncio.get_running_loop().run_in_executor(state.prepare_pool, prepare, served, body, chat)
-        t2 = time.perf_counter()
-        try:
-            stream = served.engine.submit(ready.prompt_ids, ready.params, rid)
-        except QueueFull as e:
-            raise ProtocolError(429, str(e)) from None
-        served.engine.trace.http(t0, rid, t1 - t0, t2 - t1)
+        stream = await served.engine.submit(ready.prompt_ids, ready.params, rid, t0, t1 - t0,
+                                            time.perf_counter() - t1)
     except ProtocolError as e:
         return _error(e)
-    except EngineFailed as e:
-        return _error(ProtocolError(500, str(e)))
     except ClientDisconnect:  # gone while sending the body
         request.state.client_gone = True
         return Response(status_code=CLIENT_GONE)

@@ -50,7 +50,7 @@ class RequestContext:
             if scope["state"].get("client_gone"):
                 status = CLIENT_GONE
             if path.startswith("/v1/") and not warm_up:
-                self.state.metrics.on_request_done(status)
+                self.state.engine.request_done(status)
             level = logging.INFO if path.startswith("/v1/") or status >= 400 else logging.DEBUG
             log.log(level, "%s: %s %s %d in %.0f ms", rid, scope["method"], path, status,
                     (time.perf_counter() - start) * 1e3)

@@ -1,8 +1,8 @@
-"""What the daemon and the HTTP routes share: the phase, the served model, the requests in flight.
+"""What the HTTP front's routes share: the phase, the served model, the requests in flight.
 
-The daemon sets `phase` and `served` and waits on `wait_idle()` to drain; the
-routes read them, and the request context counts each request in flight until
-its last byte is sent.
+The daemon sets `phase` and `served` through the front's `EngineClient` (server/engine_client.py:
+the frames of server/front_process.py); the routes read them, and the request context counts each
+request in flight until its last byte is sent, which the daemon's drain waits on.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import hmac
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from radianced.engine.driver import AsyncEngine
-from radianced.server.metrics import Metrics
 from radianced.server.self_warmup import WARM_UP_HEADER
+
+if TYPE_CHECKING:
+    from radianced.server.engine_client import EngineClient
 
 
 class Phase(str, enum.Enum):
@@ -30,7 +31,7 @@ class Phase(str, enum.Enum):
 class Served:
     """The loaded model as the routes need it."""
 
-    engine: AsyncEngine
+    engine: EngineClient  # its tokenizer, submit and cancel
     name: str  # --served-model-name
     max_model_len: int
     defaults: dict[str, Any]  # generation_defaults(header.generation)
@@ -39,7 +40,8 @@ class Served:
 
 
 class ServerState:
-    """What the daemon and the routes share. Mutated on the event loop only.
+    """What the routes share. Mutated on the front's event loop only. `engine`: the daemon's engine
+    (the requests in flight are told to it too: the drain waits for none).
 
     body_timeout_s: the seconds a request's whole body may take to arrive (--timeout-body;
     None: no limit). `prepare_pool` runs the work between a body and the engine
@@ -49,8 +51,8 @@ class ServerState:
 
     PREPARE_THREADS = 2
 
-    def __init__(self, metrics: Metrics, api_key: str | None = None, body_timeout_s: float | None = None):
-        self.metrics = metrics
+    def __init__(self, engine: EngineClient, api_key: str | None = None, body_timeout_s: float | None = None):
+        self.engine = engine
         self.api_key = api_key
         self.body_timeout_s = body_timeout_s
         self.served: Served | None = None
@@ -59,8 +61,6 @@ class ServerState:
         self.prepare_pool = ThreadPoolExecutor(self.PREPARE_THREADS, thread_name_prefix="radianced-prepare")
         self.draining = asyncio.Event()  # set with phase DRAINING: bodies still arriving are answered 503
         self._phase = Phase.LOADING
-        self._idle = asyncio.Event()
-        self._idle.set()
 
     @property
     def phase(self) -> Phase:
@@ -79,17 +79,12 @@ class ServerState:
         return (self.warm_up_token is not None and given is not None
                 and hmac.compare_digest(given.encode(), self.warm_up_token.encode()))
 
-    async def wait_idle(self) -> None:
-        """Return once no HTTP request is in flight."""
-        await self._idle.wait()
-
     def enter(self) -> None:
         """One more request in flight (the request context calls it on arrival)."""
         self.in_flight += 1
-        self._idle.clear()
+        self.engine.in_flight(self.in_flight)
 
     def leave(self) -> None:
         """One request fewer in flight (after its last byte was sent)."""
         self.in_flight -= 1
-        if self.in_flight == 0:
-            self._idle.set()
+        self.engine.in_flight(self.in_flight)

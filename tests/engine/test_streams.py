@@ -3,11 +3,12 @@ and server/answers.py's SSE writes, one for the chunks queued while the response
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
 
-from radianced.engine.streams import Chunk, EngineFailed, RequestFailed, RequestStream, StreamState
+from radianced.engine.streams import Chunk, EngineFailed, RequestFailed, RequestStream
 from radianced.server.answers import Answer
 
 
@@ -20,11 +21,11 @@ class Engine:
 
 
 def stream_of(*items) -> tuple[RequestStream, Engine]:
-    state = StreamState(SimpleNamespace(request_id="r1"), detok=None)
+    queue = asyncio.Queue()
     for item in items:
-        state.queue.put_nowait(item)
+        queue.put_nowait(item)
     engine = Engine()
-    return RequestStream(engine, state), engine
+    return RequestStream("r1", queue, engine.cancel), engine
 
 
 def chunk(text: str, finish: str | None = None) -> Chunk:
@@ -41,7 +42,7 @@ async def test_ready_takes_what_is_queued_up_to_the_last_chunk():
 async def test_ready_on_an_empty_queue_returns_nothing_and_the_next_chunk_still_comes():
     s, _ = stream_of()
     assert s.ready() == [] and not s.done
-    s._stream.queue.put_nowait(chunk("x", "length"))
+    s._queue.put_nowait(chunk("x", "length"))
     assert [c.text async for c in s] == ["x"]
 
 
@@ -73,7 +74,7 @@ async def test_chunks_queued_while_the_response_wrote_go_out_in_one_write():
     events = answer().events(s)
     writes.append(await events.__anext__())  # the reader kept up: one event
     for item in (chunk("two"), chunk(""), chunk("three"), chunk("four", "length")):  # it fell behind
-        s._stream.queue.put_nowait(item)
+        s._queue.put_nowait(item)
     writes += [w async for w in events]
     assert [w.count(b"data: ") for w in writes] == [1, 3, 1]  # the held-back empty chunk sends nothing
     assert b'"text":"two"' in writes[1] and b'"finish_reason":"length"' in writes[1]

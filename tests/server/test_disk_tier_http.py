@@ -1,7 +1,7 @@
 """The disk tier behind the HTTP API: a slow read does not stall the server, and a failed read
 answers 500 naming the expert to the one request that needed it; the daemon serves on.
 
-In process (the ASGI app over httpx's transport) so that the reader's fault hook
+In process (the ASGI app over httpx's transport, the front's frames over a socket pair) so that the reader's fault hook
 (`tiers.faults.Faults`) can be armed; the engine, scheduler and io_uring reads are the daemon's.
 """
 
@@ -15,10 +15,11 @@ import httpx
 from radianced.engine.driver import AsyncEngine
 from radianced.server.http import build_app
 from radianced.server.metrics import Metrics
-from radianced.server.state import Phase, Served, ServerState
+from radianced.server.state import Phase
 from radianced.tiers.faults import Faults
 from tests.engine.conftest import prompts, tiny_rads  # noqa: F401 (fixture)
 from tests.engine.test_disk_tier import disk_engine
+from tests.server.front_pair import front_pair
 
 DELAY = 0.6  # seconds each delayed read waits in the kernel
 
@@ -31,9 +32,9 @@ async def test_health_answers_during_a_slow_read_and_a_failed_read_is_a_500(tiny
     first = min(rad.model.moe_layers)
     metrics = Metrics()
     ae = AsyncEngine(engine, metrics)
-    state = ServerState(metrics)
-    state.served = Served(ae, "tiny", 256, {}, rad.model.vocab_size)
-    state.phase = Phase.READY
+    front, client = await front_pair(ae, metrics, "tiny", 256, rad.model.vocab_size)
+    await front.set_phase(Phase.READY)
+    state = client.state
     task = asyncio.create_task(ae.run())
     (prompt,) = prompts(rad.model.vocab_size, (24,), seed=5)  # 24 tokens route every expert of a layer
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}

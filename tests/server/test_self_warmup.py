@@ -19,8 +19,9 @@ from radianced.model.rad import RadFile
 from radianced.server.http import build_app
 from radianced.server.metrics import Metrics
 from radianced.server.self_warmup import WARM_UP_HEADER, SelfWarmupError, address_of, warm_up_http
-from radianced.server.state import Phase, Served, ServerState
+from radianced.server.state import Phase
 from tests.server.conftest import API_KEY, CARD_MIB, MAX_MODEL_LEN, client, start_daemon
+from tests.server.front_pair import front_pair
 from tests.server.test_http import PROMPT_IDS
 
 
@@ -73,8 +74,8 @@ async def loading_app(tiny_model):
     engine = AsyncEngine(Engine.build(rad, Config(card_mib=CARD_MIB, max_model_len=MAX_MODEL_LEN),
                                       Card.from_mib(CARD_MIB)))
     task = asyncio.create_task(engine.run())
-    state = ServerState(Metrics())
-    state.served = Served(engine, "m", MAX_MODEL_LEN, {}, 400)
+    _, client = await front_pair(engine, Metrics(), "m", MAX_MODEL_LEN, 400)
+    state = client.state
     assert state.phase is Phase.LOADING
     yield build_app(state), state
     task.cancel()
@@ -98,7 +99,7 @@ async def test_while_loading_only_a_request_with_the_processs_token_is_admitted(
         assert refused.status_code == 503 and "still loading" in refused.json()["error"]["message"]
     assert right.status_code == 200 and len(right.json()["choices"][0]["text"]) > 0
     assert health.status_code == 503 and health.json() == {"status": "loading"}
-    counted = samples(state.metrics.render()[0].decode())
+    counted = samples((await state.engine.metrics())[0].decode())  # the daemon's registry, through the front
     assert counted["radiance_requests_total[('status', '503')]"] == 4
     assert "radiance_requests_total[('status', '200')]" not in counted  # the warm-up request is not counted
 
