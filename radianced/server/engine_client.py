@@ -63,6 +63,7 @@ class EngineClient:
             self.cancel(rid)
             raise
         if refused is not None:
+            del self._queues[rid]
             raise ProtocolError(refused.status, refused.message)
         return RequestStream(rid, queue, self.cancel)
 

@@ -18,6 +18,7 @@ with status 1); once the daemon has sent `Exit`, `stop` waits for it to end.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import socket
@@ -55,7 +56,8 @@ class Front:
         self._asks = itertools.count()
         self._acks: dict[int, asyncio.Future] = {}
         self._forwarding: set[asyncio.Task] = set()
-        self._exiting = False
+        self._exiting = False  # `stop` began, or the front has gone
+        self._gone = False  # it went unasked
 
     @classmethod
     async def spawn(cls, cfg: Config, api_key: str | None, http: socket.socket, metrics: Metrics,
@@ -117,7 +119,7 @@ class Front:
                 log.warning("the HTTP front did not exit within %g s; killing it", STOP_WAIT_S)
                 self.process.kill()
                 status = await asyncio.to_thread(self.process.wait)
-            if status != 0:
+            if status != 0 and not self._gone:  # else `on_gone` said so
                 log.warning("the HTTP front exited with status %d", status)
         if self._conn is not None:
             self._conn.close()
@@ -190,5 +192,12 @@ class Front:
                 done.set_result(None)
         self._acks.clear()
         if not self._exiting:
-            code = self.process.poll() if self.process is not None else None
-            self._on_gone("the HTTP front process ended" + (f" (status {code})" if code is not None else ""))
+            self._exiting = self._gone = True
+            asyncio.get_running_loop().create_task(self._say_gone())
+
+    async def _say_gone(self) -> None:
+        code = None
+        if self.process is not None:  # its end closed as it died: its status follows at once
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = await asyncio.to_thread(self.process.wait, STOP_WAIT_S)
+        self._on_gone("the HTTP front process ended" + (f" (status {code})" if code is not None else ""))
