@@ -218,6 +218,16 @@ class AsyncEngine:
 
         The caller must iterate the stream to its last chunk or close it.
         """
+        queue: asyncio.Queue = asyncio.Queue()
+        request_id = self.submit_to(prompt_ids, params, queue.put_nowait, request_id)
+        return RequestStream(request_id, queue, self.cancel)
+
+    def submit_to(self, prompt_ids: list[int], params: SamplingParams,
+                  deliver: Callable[[Chunk | BaseException], None], request_id: str | None = None) -> str:
+        """`submit` without the stream: each chunk, then at most one failure (RequestFailed, or what
+        failed the engine), goes to `deliver` on the loop as it comes (the HTTP front's link sends a
+        step's chunks of every request at once: server/front_process.py); the last chunk has a
+        finish_reason. The request's id; `cancel` ends it early."""
         if self._failed is not None:
             raise EngineFailed(f"the engine failed: {self._failed!r}")
         request_id = request_id or f"req-{next(self._ids)}"
@@ -228,12 +238,12 @@ class AsyncEngine:
         request = Request(request_id, tuple(prompt_ids), params,
                           frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                               else frozenset(self.tokenizer.eos_token_ids)))
-        stream = StreamState(request, IncrementalDetokenizer.for_request(self.tokenizer, params, prompt_ids))
+        stream = StreamState(request, IncrementalDetokenizer.for_request(self.tokenizer, params, prompt_ids), deliver)
         self._streams[request_id] = stream
         self.metrics.add_prompt_tokens(len(prompt_ids))
         self._post(lambda: self._add(stream), arriving=True)
         self.trace.submit(stream.arrived, request_id, len(prompt_ids))
-        return RequestStream(request_id, stream.queue, self.cancel)
+        return request_id
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[Chunk]:
@@ -257,7 +267,7 @@ class AsyncEngine:
             return False
         self._post(lambda: self.scheduler.cancel(request_id))
         self._log_done(stream, FinishReason.ABORT.value)
-        stream.queue.put_nowait(Chunk((), stream.detok.finish().text, FinishReason.ABORT.value, None,
+        stream.deliver(Chunk((), stream.detok.finish().text, FinishReason.ABORT.value, None,
                                       reused_tokens(stream)))
         return True
 
@@ -276,7 +286,7 @@ class AsyncEngine:
     def _fail(self, error: BaseException) -> None:
         self._failed = error
         for stream in self._streams.values():
-            stream.queue.put_nowait(error)
+            stream.deliver(error)
         self._streams.clear()
 
     def _count_experts(self, plan, output, kind: str) -> list[tuple[int, list[int]]]:
@@ -328,7 +338,7 @@ class AsyncEngine:
             if ev.error is not None:
                 del self._streams[ev.request_id]
                 log.error("%s: failed: %s", ev.request_id, ev.error)
-                stream.queue.put_nowait(RequestFailed(f"request {ev.request_id} failed: {ev.error}"))
+                stream.deliver(RequestFailed(f"request {ev.request_id} failed: {ev.error}"))
                 continue
             if stream.first_token is None:
                 stream.first_token = now
@@ -352,7 +362,7 @@ class AsyncEngine:
                 m.observe_e2e(now - stream.arrived)
                 self._log_done(stream, reason)
             reused = reused_tokens(stream) if reason is not None else None
-            stream.queue.put_nowait(Chunk(ev.token_ids, text, reason, ev.logprobs, reused))
+            stream.deliver(Chunk(ev.token_ids, text, reason, ev.logprobs, reused))
 
     def _log_done(self, s: StreamState, reason: str) -> None:
         drafts = s.seq.draft_stats if s.seq is not None else DraftStats()

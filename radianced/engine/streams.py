@@ -53,7 +53,7 @@ class StreamState:
 
     request: Request
     detok: IncrementalDetokenizer
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    deliver: Callable[[Chunk | BaseException], None]  # each chunk in order, then at most one failure
     arrived: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     last_token: float | None = None
@@ -69,8 +69,8 @@ class RequestStream:
     it, or twice, it does nothing. Raises EngineFailed if the engine task dies, RequestFailed if a step
     could not compute the request. `ready()` takes the chunks already queued without waiting, so a
     reader that fell behind the steps sends them in one write (vLLM's output collector merges them
-    too). The queue is the engine's own (`StreamState.queue`) in the engine's process, and the front
-    process's copy of it there (server/engine_client.py): the same chunks either way.
+    too). In the engine's process the engine fills the queue (`AsyncEngine.submit`); in the HTTP front
+    the chunks the daemon sent do (server/engine_client.py): the same chunks either way.
     """
 
     def __init__(self, request_id: str, queue: asyncio.Queue, cancel: Callable[[str], object]):

@@ -142,12 +142,17 @@ class FrameConnection(asyncio.Protocol):
         """Speak over `sock` (one end of a socketpair), on the running loop."""
         await asyncio.get_running_loop().create_unix_connection(lambda: self, sock=sock)
 
-    def send(self, frame: Frame) -> None:
-        """Write one frame (dropped once the other end has gone: `on_closed` has said so)."""
-        if self._transport is None or self._transport.is_closing():
+    def send(self, *frames: Frame) -> None:
+        """Write frames, in one write (dropped once the other end has gone: `on_closed` has said so)."""
+        if self._transport is None or self._transport.is_closing() or not frames:
             return
-        body = self._encoder.encode(frame)
-        self._transport.write(len(body).to_bytes(_LENGTH, "little") + body)
+        out = bytearray()
+        for frame in frames:
+            start = len(out)
+            out += b"\0" * _LENGTH
+            self._encoder.encode_into(frame, out, -1)
+            out[start:start + _LENGTH] = (len(out) - start - _LENGTH).to_bytes(_LENGTH, "little")
+        self._transport.write(out)
 
     def close(self) -> None:
         if self._transport is not None:

@@ -7,8 +7,8 @@ of CPU took 7.8-12.7 ms of wall time. The step thread was never short of a core 
 was 0); it waited for the GIL, which the arrivals' HTTP work held: uvicorn's parser, starlette, the
 route and the log lines, about 1.6 ms of Python a request. A priority gate on that work (a44d82b)
 starved the streams instead. In the front process (server/front.py) that work shares no GIL with the
-step thread; this process does, per request, one frame decoded and `AsyncEngine.submit`, and per step
-one frame for each request that got tokens (the chunks queued meanwhile, merged).
+step thread; this process does, per request, one frame decoded and `AsyncEngine.submit_to`, and per
+step one write of a frame for each request that got tokens.
 
 `Front.spawn` starts `python -m radianced.server.front` with the listening HTTP socket and one end of
 a socket pair (server/front_frames.py). If the front ends unasked, `on_gone` says why (the daemon stops
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import socket
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from radianced.config import Config
 from radianced.engine.driver import AsyncEngine
 from radianced.engine.scheduler import QueueFull
-from radianced.engine.streams import EngineFailed, RequestFailed, RequestStream
+from radianced.engine.streams import Chunk, EngineFailed, RequestFailed
 from radianced.server import front_frames as f
 from radianced.server.metrics import Metrics
 from radianced.server.state import Phase
@@ -55,7 +56,7 @@ class Front:
         self._idle.set()
         self._asks = itertools.count()
         self._acks: dict[int, asyncio.Future] = {}
-        self._forwarding: set[asyncio.Task] = set()
+        self._outbox: dict[str, list[Chunk | BaseException]] = {}  # what `_flush` sends next
         self._exiting = False  # `stop` began, or the front has gone
         self._gone = False  # it went unasked
 
@@ -149,7 +150,8 @@ class Front:
         try:
             if self.engine is None:
                 raise EngineFailed("the model is not loaded")
-            stream = self.engine.submit(frame.prompt_ids, frame.params, frame.rid)
+            self.engine.submit_to(frame.prompt_ids, frame.params, functools.partial(self._deliver, frame.rid),
+                                  frame.rid)
         except QueueFull as e:
             self._conn.send(f.Refused(frame.rid, 429, str(e)))
             return
@@ -158,21 +160,27 @@ class Front:
             return
         self.engine.trace.http(frame.arrived, frame.rid, frame.read_s, frame.prepare_s)
         self._conn.send(f.Accepted(frame.rid))
-        task = asyncio.create_task(self._forward(stream))
-        self._forwarding.add(task)
-        task.add_done_callback(self._forwarding.discard)
 
-    async def _forward(self, stream: RequestStream) -> None:
-        """A request's chunks to the front, as they come: those queued while the front was written to go
-        in one frame."""
-        rid, conn = stream.request_id, self._conn
-        try:
-            async for first in stream:
-                conn.send(f.Chunks(rid, [first, *stream.ready()]))
-        except RequestFailed as e:
-            conn.send(f.Failed(rid, str(e), engine=False))
-        except EngineFailed as e:
-            conn.send(f.Failed(rid, str(e), engine=True))
+    def _deliver(self, rid: str, item: Chunk | BaseException) -> None:
+        """A request's chunk (or failure), kept until what the engine delivers in this turn of the loop (a
+        step's chunks for every request) goes out in one write."""
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outbox.setdefault(rid, []).append(item)
+
+    def _flush(self) -> None:
+        frames: list[f.Frame] = []
+        for rid, items in self._outbox.items():
+            failure = items.pop() if isinstance(items[-1], BaseException) else None
+            if items:
+                frames.append(f.Chunks(rid, items))
+            if isinstance(failure, RequestFailed):
+                frames.append(f.Failed(rid, str(failure), engine=False))
+            elif failure is not None:
+                frames.append(f.Failed(rid, f"the engine failed: {failure!r}", engine=True))
+        self._outbox.clear()
+        if self._conn is not None:
+            self._conn.send(*frames)
 
     def _render(self) -> tuple[bytes, str]:
         if self.engine is not None:
