@@ -12,7 +12,8 @@ For each torch thread count (RADIANCED_CPU_THREADS for the daemon, torch.set_num
 - radianced (`python -m radianced.cli` on the default model, SmolLM2-135M from its bundled GGUF
   with its Q4_1 / Q8_0 blocks kept: model/default.py) through HTTP: c = 1, 2, 4, 8 concurrent streamed greedy completions of `--tokens` tokens
   (ignore_eos) on distinct prompts; aggregate tok/s (tokens / wall), per-request decode tok/s
-  (1 / TPOT), TTFT; the daemon's RSS at idle and its peak under load (psutil, every 50 ms);
+  (1 / TPOT), TTFT; the RSS of the daemon and its HTTP front at idle and its peak under load (psutil, every
+  50 ms);
   /health's worst latency while a 1,500-token prompt prefills (the event loop's responsiveness);
 - transformers `generate` (fp32, the same GGUF, greedy, `--tokens` new tokens, min_new_tokens
   the same) at batch 1 and 8 on one 40-token prompt, run after the daemon has stopped, in a
@@ -99,8 +100,13 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def rss_mib(proc: psutil.Process) -> float:
+    """The RSS of a process and its children (the daemon and its HTTP front), MiB."""
+    return sum(p.memory_info().rss for p in (proc, *proc.children())) / 2**20
+
+
 class RssWatch:
-    """The peak RSS (MiB) of a process, sampled every 50 ms on a thread until `stop`."""
+    """The peak RSS (MiB) of a process and its children, sampled every 50 ms on a thread until `stop`."""
 
     def __init__(self, pid: int):
         self.proc, self.peak, self._stop = psutil.Process(pid), 0.0, threading.Event()
@@ -109,7 +115,7 @@ class RssWatch:
 
     def _run(self) -> None:
         while not self._stop.wait(0.05):
-            self.peak = max(self.peak, self.proc.memory_info().rss / 2**20)
+            self.peak = max(self.peak, rss_mib(self.proc))
 
     def stop(self) -> float:
         self._stop.set()
@@ -156,8 +162,7 @@ def bench_daemon(model: Path, threads: int, tokens: int, concurrency: list[int])
     try:
         asyncio.run(_concurrent(daemon.url, 1, 8, "warm"))
         time.sleep(1.0)
-        proc = psutil.Process(daemon.proc.pid)
-        idle = proc.memory_info().rss / 2**20
+        idle = rss_mib(psutil.Process(daemon.proc.pid))
         watch = RssWatch(daemon.proc.pid)
         rows = [asyncio.run(_concurrent(daemon.url, c, tokens, f"t{threads}c{c}")) for c in concurrency]
         peak = watch.stop()
