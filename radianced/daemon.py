@@ -83,7 +83,7 @@ log = logging.getLogger("radianced")
 
 EXTEND_EVERY_S = 5.0  # while loading, ask systemd for EXTEND_S more seconds this often
 EXTEND_S = 20.0
-STOP_EXTRA_S = 15.0  # asked for beyond --drain-timeout when the stop begins
+STOP_EXTRA_S = 20.0  # asked for beyond --drain-timeout when the stop begins (the cancelled streams' grace, the front's exit)
 _LOAD_ERRORS = (RadError, FileNotFoundError, PlanError, ConfigError, UnsupportedModel, OSError, HostPoolError,
                 ProfileError)
 
@@ -117,7 +117,7 @@ class Daemon:
         self.kernel_cache: Path | None = None
         self.step_thread = step_executor()  # where the warm-up and then every served step run
         self.ranks: RankWorkers | None = None  # under --tp N: ranks 1..N-1 (engine/tp_processes.py)
-        self._fatal: str | None = None  # why a rank ended, stopping the daemon with status 1
+        self._fatal: str | None = None  # why a rank or the HTTP front ended, stopping the daemon with status 1
         self._loop: asyncio.AbstractEventLoop | None = None
         self._address: tuple[str, int] | str = ""  # where the HTTP socket listens (set once bound)
 
@@ -352,7 +352,7 @@ class Daemon:
             try:
                 await asyncio.wait_for(idle, SHUTDOWN_GRACE_S)
             except asyncio.TimeoutError:
-                log.warning("%d HTTP requests still open after the drain", self.front.in_flight)
+                log.warning("HTTP requests still open after the drain (%d at its start)", self.front.in_flight)
         log.info("drained")
 
     async def _watchdog(self) -> None:

@@ -281,7 +281,7 @@ def _sampling_params(req: _Sampling, defaults: Mapping[str, Any] | None, vocab_s
                      max_tokens: tuple[int | None, str], logprobs: tuple[int | None, str]) -> SamplingParams:
     """SamplingParams from the request over `defaults`. `max_tokens` and `logprobs`
     are (value, the request field it came from), for error messages."""
-    limits.check_stops(req.stop, req.stop_token_ids)
+    limits.check_stops(req.stop, req.stop_token_ids, vocab_size)
     limits.check_top_k(req.top_k, vocab_size)
     if req.n not in (None, 1):
         raise ProtocolError(400, f"n must be 1: one completion per request is supported, got {req.n}", "n")

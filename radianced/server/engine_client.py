@@ -3,7 +3,7 @@
 
 `submit` sends a request and returns its `RequestStream` once the daemon has queued it (or raises
 ProtocolError: 429 with the queue full, 500 when the engine failed or its process ended); the
-stream's chunks arrive as `Chunks` frames into the same queue a stream reads in the daemon's process.
+stream's chunks arrive as `Chunks` frames into its queue, as a stream's do in the daemon's process.
 Leaving a stream early sends `Cancel`. The frames that set the front's state (`ServedModel`,
 `PhaseSet`) change the `ServerState` the routes read; `exited` resolves on `Exit`, or when the
 daemon's end closes (its process ended: every live stream then fails).
@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
-import logging
 
 from radianced.engine.sampling_params import SamplingParams
 from radianced.engine.streams import EngineFailed, RequestFailed, RequestStream
@@ -22,8 +21,6 @@ from radianced.model.tokenizer import Tokenizer
 from radianced.server import front_frames as f
 from radianced.server.api_errors import ProtocolError
 from radianced.server.state import Phase, Served, ServerState
-
-log = logging.getLogger("radianced.http")
 
 GONE = "the engine's process (the daemon) has ended"
 
@@ -42,6 +39,7 @@ class EngineClient:
         self._pending: dict[str, asyncio.Future] = {}  # submitted, not yet answered Accepted/Refused
         self._asks = itertools.count()
         self._metrics: dict[int, asyncio.Future] = {}
+        self._acks: dict[int, asyncio.Future] = {}  # pings
 
     async def connect(self, sock) -> None:
         self._conn = f.FrameConnection(self._take, self._closed)
@@ -56,10 +54,11 @@ class EngineClient:
             raise ProtocolError(500, GONE)
         answer = self._pending[rid] = asyncio.get_running_loop().create_future()
         queue = self._queues[rid] = asyncio.Queue()
-        self._conn.send(f.Submit(rid, prompt_ids, params, arrived, read_s, prepare_s))
         try:
+            self._conn.send(f.Submit(rid, prompt_ids, params, arrived, read_s, prepare_s))
             refused = await answer
         except BaseException:
+            self._pending.pop(rid, None)
             self.cancel(rid)
             raise
         if refused is not None:
@@ -77,9 +76,25 @@ class EngineClient:
         if self._conn is not None:
             self._conn.send(f.RequestDone(status))
 
-    def in_flight(self, n: int) -> None:
+    def busy(self, busy: bool) -> None:
+        """Whether some HTTP request is being answered (when that changes: the daemon's drain waits for none)."""
         if self._conn is not None:
-            self._conn.send(f.InFlight(n))
+            self._conn.send(f.InFlight(busy))
+
+    async def answers(self, timeout_s: float) -> bool:
+        """Whether the daemon's loop answers a `Ping` within `timeout_s` (/health)."""
+        if self._conn is None:
+            return False
+        ask = next(self._asks)
+        done = self._acks[ask] = asyncio.get_running_loop().create_future()
+        self._conn.send(f.Ping(ask))
+        try:
+            await asyncio.wait_for(done, timeout_s)
+        except (asyncio.TimeoutError, ProtocolError):
+            return False
+        finally:
+            self._acks.pop(ask, None)
+        return True
 
     async def metrics(self) -> tuple[bytes, str]:
         """The daemon's /metrics text and its content type. Raises ProtocolError(500) once it has gone."""
@@ -109,13 +124,16 @@ class EngineClient:
         elif isinstance(frame, f.MetricsText):
             if (done := self._metrics.pop(frame.ask, None)) is not None and not done.done():
                 done.set_result(frame)
+        elif isinstance(frame, f.Ack):
+            if (done := self._acks.pop(frame.ask, None)) is not None and not done.done():
+                done.set_result(None)
         elif isinstance(frame, f.PhaseSet):
             self.state.phase = Phase(frame.phase)
             self.state.warm_up_token = frame.warm_up_token
             if self.state.phase is Phase.READY:  # the start-up heap, never scanned again (as the daemon's)
                 gc.collect()
                 gc.freeze()
-            self._conn.send(f.Ack(frame.ask))
+            self._conn.send(f.Ack(frame.ask, self.state.in_flight))
         elif isinstance(frame, f.ServedModel):
             self.tokenizer = Tokenizer(frame.tokenizer_json, frame.chat_template, frame.bos_token_id,
                                        frame.eos_token_ids)
@@ -136,11 +154,12 @@ class EngineClient:
         for queue in self._queues.values():
             queue.put_nowait(gone)
         self._queues.clear()
-        for waiting in (*self._pending.values(), *self._metrics.values()):
+        for waiting in (*self._pending.values(), *self._metrics.values(), *self._acks.values()):
             if not waiting.done():
                 waiting.set_exception(ProtocolError(500, GONE))
         self._pending.clear()
         self._metrics.clear()
+        self._acks.clear()
         if not self.started.done():
             self.started.set_exception(ConnectionError(GONE))
         if not self.exited.done():

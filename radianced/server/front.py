@@ -26,7 +26,7 @@ from radianced.server.http_server import HttpServer
 from radianced.server.log_writer import logs_off_the_loop
 from radianced.server.state import Phase
 
-log = logging.getLogger("radianced")
+log = logging.getLogger("radianced.front")
 
 
 def main(argv: list[str]) -> int:

@@ -5,19 +5,21 @@ process runs uvicorn, the routes, the tokenizer and the SSE writers (server/fron
 AF_UNIX stream socket, made as a pair before the front is spawned. A frame is a 4-byte little-endian
 length, then one of the structs below as msgpack (msgspec, tagged by class name). Frames are taken in
 the order they were sent, each by a plain call on the taker's event loop (`FrameConnection`): no task,
-no await, per frame.
+no await, per frame; what one turn of a loop sends goes in one write.
 
 The front to the daemon: `Submit` (answered `Accepted` or `Refused`, then the request's `Chunks`, or
-`Failed`), `Cancel`, `RequestDone` (the HTTP status, for the request counter), `InFlight` (HTTP
-requests not yet answered: the drain waits for 0), `AskMetrics` (answered `MetricsText`) and `Ack`.
+`Failed`), `Cancel`, `RequestDone` (the HTTP status, for the request counter), `InFlight` (whether
+HTTP requests are being answered, when that changes: the drain waits for none), `AskMetrics`
+(answered `MetricsText`), `Ping` (/health asks whether the daemon's loop answers: `Ack`) and `Ack`.
 The daemon to the front: `Start` (the flags), `ServedModel` (once loaded: what the routes and the
-tokenizer need), `PhaseSet` (loading, ready, draining, and the warm-up token; answered `Ack`, so a
-client told "ready" finds the front ready) and `Exit`.
+tokenizer need), `PhaseSet` (loading, ready, draining, and the warm-up token; answered `Ack` with the
+requests in flight, so a client told "ready" finds the front ready) and `Exit`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections.abc import Callable
 from typing import Any, Union
@@ -29,6 +31,8 @@ from radianced.engine.sampling_params import SamplingParams
 from radianced.engine.streams import Chunk
 
 _LENGTH = 4
+
+log = logging.getLogger("radianced")
 
 
 class _Frame(msgspec.Struct, tag=True, array_like=True):
@@ -56,15 +60,20 @@ class RequestDone(_Frame):
 
 
 class InFlight(_Frame):
-    n: int
+    busy: bool  # some HTTP request is between its arrival and its last byte
 
 
 class AskMetrics(_Frame):
     ask: int
 
 
+class Ping(_Frame):
+    ask: int
+
+
 class Ack(_Frame):
     ask: int
+    in_flight: int = 0  # the HTTP requests being answered (an Ack of PhaseSet)
 
 
 # -- the daemon to the front -------------------------------------------------------------
@@ -123,39 +132,50 @@ class Exit(_Frame):
     pass
 
 
-Frame = Union[Submit, Cancel, RequestDone, InFlight, AskMetrics, Ack, Start, ServedModel, PhaseSet, Accepted,
+Frame = Union[Submit, Cancel, RequestDone, InFlight, AskMetrics, Ping, Ack, Start, ServedModel, PhaseSet, Accepted,
               Refused, Chunks, Failed, MetricsText, Exit]
 
 
 class FrameConnection(asyncio.Protocol):
-    """One end of the pair: `send(frame)` writes a frame; each frame that arrives is given to
-    `on_frame` on the loop, in order; `on_closed()` once the other end has gone (its process ended)."""
+    """One end of the pair. `send(frame)` encodes a frame at once (an encoding error is the caller's) and
+    writes it with every other frame sent in the same turn of the loop, in one write. Each frame that
+    arrives is given to `on_frame` on the loop, in order; an exception there is logged and the next frame
+    taken (a bug in one frame's handling is that request's, not the pair's). Bytes that do not decode
+    close the pair (the two ends run different code), and `on_closed()` follows, once, as when the other
+    end has gone (its process ended)."""
 
     def __init__(self, on_frame: Callable[[Frame], None], on_closed: Callable[[], None]):
         self.on_frame, self.on_closed = on_frame, on_closed
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Frame)
         self._buffer = bytearray()
+        self._out = bytearray()  # frames sent this turn, written at its end
         self._transport: asyncio.Transport | None = None
 
     async def open(self, sock: socket.socket) -> None:
         """Speak over `sock` (one end of a socketpair), on the running loop."""
         await asyncio.get_running_loop().create_unix_connection(lambda: self, sock=sock)
 
-    def send(self, *frames: Frame) -> None:
-        """Write frames, in one write (dropped once the other end has gone: `on_closed` has said so)."""
-        if self._transport is None or self._transport.is_closing() or not frames:
+    def send(self, frame: Frame) -> None:
+        """Encode `frame` and write it at the end of this turn of the loop (dropped once the other end
+        has gone: `on_closed` says so)."""
+        if self._transport is None or self._transport.is_closing():
             return
-        out = bytearray()
-        for frame in frames:
-            start = len(out)
-            out += b"\0" * _LENGTH
-            self._encoder.encode_into(frame, out, -1)
-            out[start:start + _LENGTH] = (len(out) - start - _LENGTH).to_bytes(_LENGTH, "little")
-        self._transport.write(out)
+        body = self._encoder.encode(frame)
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self._write)
+        self._out += len(body).to_bytes(_LENGTH, "little")
+        self._out += body
+
+    def _write(self) -> None:
+        if self._out and self._transport is not None and not self._transport.is_closing():
+            self._transport.write(bytes(self._out))
+        self._out.clear()
 
     def close(self) -> None:
+        """Write what was sent, then close."""
         if self._transport is not None:
+            self._write()
             self._transport.close()
 
     def connection_made(self, transport) -> None:
@@ -165,17 +185,26 @@ class FrameConnection(asyncio.Protocol):
         buffer = self._buffer
         buffer += data
         frames, start = [], 0
-        while len(buffer) - start >= _LENGTH:
-            n = int.from_bytes(buffer[start:start + _LENGTH], "little")
-            if len(buffer) - start - _LENGTH < n:
-                break
-            with memoryview(buffer) as view:
-                frames.append(self._decoder.decode(view[start + _LENGTH:start + _LENGTH + n]))
-            start += _LENGTH + n
+        try:
+            while len(buffer) - start >= _LENGTH:
+                n = int.from_bytes(buffer[start:start + _LENGTH], "little")
+                if len(buffer) - start - _LENGTH < n:
+                    break
+                with memoryview(buffer) as view:
+                    frames.append(self._decoder.decode(view[start + _LENGTH:start + _LENGTH + n]))
+                start += _LENGTH + n
+        except msgspec.DecodeError as e:
+            log.error("a frame from the other process of the pair (the daemon and its HTTP front) does not decode "
+                      "(%s): both must run the same radianced; closing", e)
+            self.close()
         del buffer[:start]
         for frame in frames:
-            self.on_frame(frame)
+            try:
+                self.on_frame(frame)
+            except Exception:
+                log.exception("taking a %s frame failed", type(frame).__name__)
 
     def connection_lost(self, exc) -> None:
         self._transport = None
+        self._out.clear()
         self.on_closed()

@@ -7,18 +7,21 @@ of CPU took 7.8-12.7 ms of wall time. The step thread was never short of a core 
 was 0); it waited for the GIL, which the arrivals' HTTP work held: uvicorn's parser, starlette, the
 route and the log lines, about 1.6 ms of Python a request. A priority gate on that work (a44d82b)
 starved the streams instead. In the front process (server/front.py) that work shares no GIL with the
-step thread; this process does, per request, one frame decoded and `AsyncEngine.submit_to`, and per
-step one write of a frame for each request that got tokens.
+step thread; this process does, per request, a `Submit` frame decoded and `AsyncEngine.submit_to` and a
+`RequestDone` counted, and per step one frame for each request that got tokens (each turn of the loop's
+frames go in one write).
 
-`Front.spawn` starts `python -m radianced.server.front` with the listening HTTP socket and one end of
-a socket pair (server/front_frames.py). If the front ends unasked, `on_gone` says why (the daemon stops
-with status 1); once the daemon has sent `Exit`, `stop` waits for it to end.
+`Front.spawn` starts `python -P -m radianced.server.front` (the installed radianced, never one in the
+working directory) in a process group of its own (a terminal's Ctrl-C is the daemon's to handle), with
+the listening HTTP socket and one end of a socket pair (server/front_frames.py). If the front ends
+unasked, `on_gone` says so at once (the daemon stops with status 1); once the daemon has sent `Exit`,
+`stop` waits for it to end. The front's acknowledgements are waited for PHASE_ACK_S at most: a front
+that stopped answering is taken as hung: no later phase waits for it, and `stop` kills it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import itertools
 import logging
@@ -32,23 +35,25 @@ from radianced.engine.driver import AsyncEngine
 from radianced.engine.scheduler import QueueFull
 from radianced.engine.streams import Chunk, EngineFailed, RequestFailed
 from radianced.server import front_frames as f
+from radianced.server.http_server import SHUTDOWN_GRACE_S
 from radianced.server.metrics import Metrics
 from radianced.server.state import Phase
 
 log = logging.getLogger("radianced")
 
-STOP_WAIT_S = 15.0  # after Exit: the front's graceful shutdown (5 s) and its interpreter's exit
+PHASE_ACK_S = 5.0  # the most a phase change waits for the front to take it
+STOP_WAIT_S = SHUTDOWN_GRACE_S + 5.0  # after Exit: the front's graceful shutdown and its interpreter's exit
 
 
 class Front:
     """The HTTP front as the daemon sees it: `phase`, `in_flight`, `wait_idle()`; `serve_model`,
-    `set_phase` and `exit` tell it what changed. `engine` (once loaded) answers its requests."""
+    `set_phase` and `stop` tell it what changed. `engine` (once loaded) answers its requests."""
 
     def __init__(self, metrics: Metrics, on_gone: Callable[[str], None]):
         self.metrics = metrics
         self.engine: AsyncEngine | None = None
         self.phase = Phase.LOADING
-        self.in_flight = 0  # HTTP requests the front has not finished answering
+        self.in_flight = 0  # HTTP requests the front was answering at its last phase change
         self.process: subprocess.Popen | None = None
         self._on_gone = on_gone
         self._conn: f.FrameConnection | None = None
@@ -56,23 +61,30 @@ class Front:
         self._idle.set()
         self._asks = itertools.count()
         self._acks: dict[int, asyncio.Future] = {}
-        self._outbox: dict[str, list[Chunk | BaseException]] = {}  # what `_flush` sends next
         self._exiting = False  # `stop` began, or the front has gone
-        self._gone = False  # it went unasked
+        self._hung = False  # it did not take a phase within PHASE_ACK_S
 
     @classmethod
     async def spawn(cls, cfg: Config, api_key: str | None, http: socket.socket, metrics: Metrics,
                     on_gone: Callable[[str], None]) -> Front:
         """Start the front process serving `http` (the bound, listening socket: the front owns it from
-        here, and this process's copy is closed)."""
+        here, and this process's copy is closed). Raises OSError when it cannot be started."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         front = cls(metrics, on_gone)
         fds = (theirs.fileno(), http.fileno())
-        front.process = subprocess.Popen([sys.executable, "-m", "radianced.server.front", *map(str, fds)],
-                                         pass_fds=fds, stdin=subprocess.DEVNULL)
-        theirs.close()
-        http.close()
-        await front.connect(ours, cfg, api_key)
+        try:
+            front.process = subprocess.Popen([sys.executable, "-P", "-m", "radianced.server.front", *map(str, fds)],
+                                             pass_fds=fds, stdin=subprocess.DEVNULL, process_group=0)
+            await front.connect(ours, cfg, api_key)
+        except BaseException:
+            if front.process is not None:
+                front.process.kill()
+                front.process.wait()
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+            http.close()
         return front
 
     async def connect(self, sock: socket.socket, cfg: Config, api_key: str | None) -> None:
@@ -90,19 +102,25 @@ class Front:
         rest once the phase is ready)."""
         self.engine = engine
         tok = engine.tokenizer
-        self._conn.send(f.ServedModel(name, max_model_len, defaults, vocab_size, tok.tokenizer_json,
-                                      tok.chat_template, tok.bos_token_id, list(tok.eos_token_ids)))
+        if self._conn is not None:
+            self._conn.send(f.ServedModel(name, max_model_len, defaults, vocab_size, tok.tokenizer_json,
+                                          tok.chat_template, tok.bos_token_id, list(tok.eos_token_ids)))
 
     async def set_phase(self, phase: Phase, warm_up_token: str | None = None) -> None:
         """Set the phase (and the token the daemon's own warm-up requests carry); returns once the front
-        has it, so that a client told what follows (systemd's READY=1) finds it so."""
+        has it, so that a client told what follows (systemd's READY=1) finds it so, or after PHASE_ACK_S."""
+        if self._conn is not None and not self._exiting and not self._hung:
+            ask = next(self._asks)
+            acked = self._acks[ask] = asyncio.get_running_loop().create_future()
+            self._conn.send(f.PhaseSet(phase.value, warm_up_token, ask))
+            try:
+                await asyncio.wait_for(acked, PHASE_ACK_S)
+            except asyncio.TimeoutError:
+                self._acks.pop(ask, None)
+                self._hung = True
+                log.warning("the HTTP front did not take the phase %r within %g s: it is taken as hung (it is "
+                            "stopped without waiting)", phase.value, PHASE_ACK_S)
         self.phase = phase
-        if self._conn is None or self._exiting:
-            return
-        ask = next(self._asks)
-        self._acks[ask] = asyncio.get_running_loop().create_future()
-        self._conn.send(f.PhaseSet(phase.value, warm_up_token, ask))
-        await self._acks[ask]
 
     async def wait_idle(self) -> None:
         """Return once the front answers no HTTP request (or has gone)."""
@@ -114,13 +132,15 @@ class Front:
         if self._conn is not None:
             self._conn.send(f.Exit())
         if self.process is not None:
+            if self._hung:
+                self.process.kill()
             try:
                 status = await asyncio.to_thread(self.process.wait, STOP_WAIT_S)
             except subprocess.TimeoutExpired:
                 log.warning("the HTTP front did not exit within %g s; killing it", STOP_WAIT_S)
                 self.process.kill()
                 status = await asyncio.to_thread(self.process.wait)
-            if status != 0 and not self._gone:  # else `on_gone` said so
+            if status != 0:
                 log.warning("the HTTP front exited with status %d", status)
         if self._conn is not None:
             self._conn.close()
@@ -136,11 +156,13 @@ class Front:
         elif isinstance(frame, f.RequestDone):
             self.metrics.on_request_done(frame.status)
         elif isinstance(frame, f.InFlight):
-            self.in_flight = frame.n
-            self._idle.set() if frame.n == 0 else self._idle.clear()
+            self._idle.clear() if frame.busy else self._idle.set()
         elif isinstance(frame, f.AskMetrics):
             self._conn.send(f.MetricsText(frame.ask, *self._render()))
+        elif isinstance(frame, f.Ping):
+            self._conn.send(f.Ack(frame.ask))
         elif isinstance(frame, f.Ack):
+            self.in_flight = frame.in_flight
             if (done := self._acks.pop(frame.ask, None)) is not None and not done.done():
                 done.set_result(None)
         else:
@@ -158,29 +180,24 @@ class Front:
         except EngineFailed as e:
             self._conn.send(f.Refused(frame.rid, 500, str(e)))
             return
+        except Exception as e:  # a bug: this request's 500, the daemon's log has the traceback
+            log.exception("%s: could not be queued", frame.rid)
+            self._conn.send(f.Refused(frame.rid, 500, f"internal error ({type(e).__name__}); the server log has "
+                                                      "the details"))
+            return
         self.engine.trace.http(frame.arrived, frame.rid, frame.read_s, frame.prepare_s)
         self._conn.send(f.Accepted(frame.rid))
 
     def _deliver(self, rid: str, item: Chunk | BaseException) -> None:
-        """A request's chunk (or failure), kept until what the engine delivers in this turn of the loop (a
-        step's chunks for every request) goes out in one write."""
-        if not self._outbox:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._outbox.setdefault(rid, []).append(item)
-
-    def _flush(self) -> None:
-        frames: list[f.Frame] = []
-        for rid, items in self._outbox.items():
-            failure = items.pop() if isinstance(items[-1], BaseException) else None
-            if items:
-                frames.append(f.Chunks(rid, items))
-            if isinstance(failure, RequestFailed):
-                frames.append(f.Failed(rid, str(failure), engine=False))
-            elif failure is not None:
-                frames.append(f.Failed(rid, f"the engine failed: {failure!r}", engine=True))
-        self._outbox.clear()
-        if self._conn is not None:
-            self._conn.send(*frames)
+        """A request's chunk, or its failure, to the front."""
+        if self._conn is None:
+            return
+        if isinstance(item, Chunk):
+            self._conn.send(f.Chunks(rid, [item]))
+        elif isinstance(item, RequestFailed):
+            self._conn.send(f.Failed(rid, str(item), engine=False))
+        else:
+            self._conn.send(f.Failed(rid, f"the engine failed: {item!r}", engine=True))
 
     def _render(self) -> tuple[bytes, str]:
         if self.engine is not None:
@@ -193,19 +210,12 @@ class Front:
     def _closed(self) -> None:
         """The front's end closed: asked (after `Exit`), or its process ended."""
         self._conn = None
-        self.in_flight = 0
         self._idle.set()
         for done in self._acks.values():
             if not done.done():
                 done.set_result(None)
         self._acks.clear()
         if not self._exiting:
-            self._exiting = self._gone = True
-            asyncio.get_running_loop().create_task(self._say_gone())
-
-    async def _say_gone(self) -> None:
-        code = None
-        if self.process is not None:  # its end closed as it died: its status follows at once
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                code = await asyncio.to_thread(self.process.wait, STOP_WAIT_S)
-        self._on_gone("the HTTP front process ended" + (f" (status {code})" if code is not None else ""))
+            self._exiting = True
+            code = self.process.poll() if self.process is not None else None
+            self._on_gone("the HTTP front process ended" + (f" (status {code})" if code is not None else ""))

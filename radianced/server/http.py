@@ -1,8 +1,13 @@
 """The HTTP API: starlette routes between OpenAI-style requests and the engine, nothing else.
 
+They run in the HTTP front process (server/front.py); the engine is the daemon's, reached through
+`ServerState.engine` (server/engine_client.py).
+
 Routes: POST /v1/completions and /v1/chat/completions (JSON, or SSE with
 `stream: true`, ending `data: [DONE]`), GET /v1/models, GET /health (200 only
-when ready; 503 `{"status": "loading" | "draining"}` otherwise), GET /metrics.
+when ready and the daemon's loop answers the front within HEALTH_ANSWER_S;
+503 `{"status": "loading" | "draining" | "unresponsive"}` otherwise), GET
+/metrics (the daemon's registry).
 Each request runs inside `RequestContext` (request_context.py: its id, the
 in-flight count, the access log). The loop only reads the body: decoding,
 checking, the chat template and tokenizing run on a worker thread
@@ -46,6 +51,7 @@ from radianced.server.request_context import CLIENT_GONE, RequestContext
 from radianced.server.state import Phase, Served, ServerState
 
 RETRY_AFTER_S = 1  # a queue slot frees when any request ends; a second is a fair first wait
+HEALTH_ANSWER_S = 2.0  # /health is 503 "unresponsive" when the daemon's loop has not answered in this long
 
 
 def build_app(state: ServerState) -> RequestContext:
@@ -66,7 +72,10 @@ def build_app(state: ServerState) -> RequestContext:
 
 
 async def _health(request: Request) -> Response:
-    phase = _state(request).phase
+    state = _state(request)
+    phase = state.phase
+    if phase is Phase.READY and not await state.engine.answers(HEALTH_ANSWER_S):
+        return _json({"status": "unresponsive"}, 503)
     return _json({"status": phase.value}, 200 if phase is Phase.READY else 503)
 
 

@@ -1,8 +1,9 @@
-"""The HTTP server under the routes: the listening socket and uvicorn inside the daemon's loop.
+"""The HTTP server under the routes: the listening socket, and uvicorn inside the HTTP front's loop.
 
-`listen(cfg)` binds before anything loads, so a taken port fails at once;
-`HttpServer` is uvicorn serving that socket on the daemon's event loop, with
-the daemon, not uvicorn, owning SIGTERM and SIGINT (the drain).
+`listen(cfg)` binds, in the daemon, before anything loads, so a taken port fails
+at once; `HttpServer` is uvicorn serving that socket on the front's event loop
+(server/front.py), with the daemon, not uvicorn, owning SIGTERM and SIGINT (the
+drain: the front ignores both and exits when the daemon says so).
 
 Slow clients are cut off: an idle keep-alive connection after
 --timeout-keep-alive (uvicorn's own timer), a request whose line and headers
@@ -35,7 +36,7 @@ SHUTDOWN_GRACE_S = 5.0  # after the drain: cancelled responses write their last 
 
 
 class HttpServer(uvicorn.Server):
-    """uvicorn inside our loop: the daemon, not uvicorn, owns SIGTERM and SIGINT (the drain)."""
+    """uvicorn inside the front's loop: the daemon, not uvicorn, owns SIGTERM and SIGINT (the drain)."""
 
     def __init__(self, app, cfg: Config):
         protocol = functools.partial(_HeadTimeoutH11, head_timeout_s=cfg.timeout_headers)

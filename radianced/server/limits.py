@@ -43,9 +43,9 @@ def max_prompt_bytes(max_model_len: int, max_token_bytes: int) -> int:
     return max_model_len * max_token_bytes
 
 
-def check_stops(stop: str | list[str] | None, stop_token_ids: list[int] | None) -> None:
+def check_stops(stop: str | list[str] | None, stop_token_ids: list[int] | None, vocab_size: int | None = None) -> None:
     """ProtocolError(400) naming `stop` or `stop_token_ids` past MAX_STOP_STRINGS, MAX_STOP_CHARS
-    or MAX_STOP_TOKEN_IDS."""
+    or MAX_STOP_TOKEN_IDS, or a stop token id outside the vocabulary (when `vocab_size` is given)."""
     stops = [stop] if isinstance(stop, str) else stop or []
     if len(stops) > MAX_STOP_STRINGS:
         raise ProtocolError(400, f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
@@ -57,6 +57,9 @@ def check_stops(stop: str | list[str] | None, stop_token_ids: list[int] | None) 
     if stop_token_ids is not None and len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise ProtocolError(400, f"stop_token_ids has {len(stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
                             f"are allowed", "stop_token_ids")
+    for t in stop_token_ids or ():
+        if vocab_size is not None and not 0 <= t < vocab_size:
+            raise ProtocolError(400, f"stop_token_ids holds {t}: a token id is in 0..{vocab_size - 1}", "stop_token_ids")
 
 
 def check_top_k(top_k: int | None, vocab_size: int | None) -> None:

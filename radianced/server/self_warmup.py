@@ -7,15 +7,15 @@ for the layers above it: on a 2-core CPU the first completion after ready took
 loop importing anyio's asyncio backend (starlette's streaming response loads it
 lazily) and building the dataclasses of the modules it pulls in; on the H200 the
 first request after ready took 123 ms against its twin's 25 (bench/README,
-session 15). So, before /health says ready, the daemon connects to its own
-listening socket (TCP or --http-socket) and sends what clients send: a streamed
+session 15). So, before /health says ready, the daemon connects to the
+listening socket its HTTP front serves (TCP or --http-socket) and sends what clients send: a streamed
 text completion, a completion of token ids answered whole, and a streamed chat
 completion when the model has a chat template. uvicorn's protocol, the request
-context, the routes, body decoding, tokenizing, the chat template, the
-detokenizer and the SSE writer each run once.
+context, the routes, body decoding, tokenizing, the chat template, the frames
+to the daemon, its detokenizer and the SSE writer each run once.
 
-These requests carry a per-process token (`ServerState.warm_up_token`, random,
-never logged) in the `WARM_UP_HEADER` header: the only requests the routes
+These requests carry a per-process token (random, never logged: the daemon sends it
+to the front with the phase, `ServerState.warm_up_token` there) in the `WARM_UP_HEADER` header: the only requests the routes
 admit while loading. The request context leaves them out of the request
 counter, and the engine's metrics are off while they run (`warm_up_served`).
 """

@@ -41,7 +41,7 @@ class Served:
 
 class ServerState:
     """What the routes share. Mutated on the front's event loop only. `engine`: the daemon's engine
-    (the requests in flight are told to it too: the drain waits for none).
+    (told when requests are in flight and when none is: the drain waits for none).
 
     body_timeout_s: the seconds a request's whole body may take to arrive (--timeout-body;
     None: no limit). `prepare_pool` runs the work between a body and the engine
@@ -82,9 +82,11 @@ class ServerState:
     def enter(self) -> None:
         """One more request in flight (the request context calls it on arrival)."""
         self.in_flight += 1
-        self.engine.in_flight(self.in_flight)
+        if self.in_flight == 1:
+            self.engine.busy(True)
 
     def leave(self) -> None:
         """One request fewer in flight (after its last byte was sent)."""
         self.in_flight -= 1
-        self.engine.in_flight(self.in_flight)
+        if self.in_flight == 0:
+            self.engine.busy(False)

@@ -1,7 +1,12 @@
-"""server/front_frames.py: every frame survives msgpack as sent, and a byte stream cut anywhere (or
-several frames in one read) gives the frames whole, in order, each once."""
+"""server/front_frames.py: every frame survives msgpack as sent, what one turn of the loop sends is one
+write, and a byte stream cut anywhere (or several frames in one read) gives the frames whole, in order,
+each once; a frame whose handling fails is logged and the next taken; bytes that do not decode close
+the pair, saying so."""
 
 from __future__ import annotations
+
+import asyncio
+import logging
 
 import msgspec
 
@@ -28,36 +33,43 @@ class Transport:
     def __init__(self):
         self.written = bytearray()
 
+    writes = 0
+
     def write(self, data: bytes) -> None:
         self.written += data
+        self.writes += 1
 
     def is_closing(self) -> bool:
         return False
 
 
-def wire() -> bytes:
+async def wire() -> tuple[bytes, Transport]:
+    """FRAMES as sent in one turn of the loop, and the transport they were written to."""
     conn = f.FrameConnection(lambda frame: None, lambda: None)
-    conn.connection_made(Transport())
+    conn.connection_made(transport := Transport())
     for frame in FRAMES:
         conn.send(frame)
-    return bytes(conn._transport.written)
+    assert transport.writes == 0  # at the turn's end, all at once
+    await asyncio.sleep(0)
+    assert transport.writes == 1
+    return bytes(transport.written), transport
 
 
-def test_each_frame_is_taken_as_it_was_sent():
+async def test_each_frame_is_taken_as_it_was_sent():
     decoder = msgspec.msgpack.Decoder(f.Frame)
     for frame in FRAMES:
         assert decoder.decode(msgspec.msgpack.encode(frame)) == frame
     taken = []
     conn = f.FrameConnection(taken.append, lambda: None)
-    conn.data_received(wire())
+    conn.data_received((await wire())[0])
     assert [type(x) for x in taken] == [type(x) for x in FRAMES]
     assert taken[1].params == FRAMES[1].params and taken[1].prompt_ids == list(range(2000))
     chunks = taken[3].chunks
     assert chunks[0].logprobs == [-0.25, [[5, -0.25], [9, -1.5]]] and chunks[1].reused_tokens == 3
 
 
-def test_a_stream_cut_at_any_byte_gives_the_frames_whole_and_in_order():
-    data = wire()
+async def test_a_stream_cut_at_any_byte_gives_the_frames_whole_and_in_order():
+    data, _ = await wire()
     for size in (1, 3, 7, 64, 4096):
         taken = []
         conn = f.FrameConnection(taken.append, lambda: None)
@@ -74,3 +86,30 @@ def test_once_the_other_end_has_gone_a_send_is_dropped_and_said_once():
     conn.connection_lost(None)
     conn.send(f.Exit())  # no transport: nothing raised
     assert closed == [True]
+
+
+async def test_a_frame_whose_handling_fails_is_logged_and_the_next_is_taken(caplog):
+    data, _ = await wire()
+    taken = []
+
+    def take(frame):
+        if isinstance(frame, f.Accepted):
+            raise ValueError("a bug in one request's handling")
+        taken.append(frame)
+
+    conn = f.FrameConnection(take, lambda: None)
+    conn.connection_made(Transport())
+    conn.data_received(data)
+    assert len(taken) == len(FRAMES) - 1 and isinstance(taken[-1], f.Exit)
+    assert "taking a Accepted frame failed" in caplog.text and "a bug in one request's handling" in caplog.text
+
+
+async def test_bytes_that_do_not_decode_close_the_pair_saying_why(caplog):
+    closed = []
+    conn = f.FrameConnection(lambda frame: None, lambda: closed.append(True))
+    transport = Transport()
+    transport.close = lambda: conn.connection_lost(None)
+    conn.connection_made(transport)
+    with caplog.at_level(logging.ERROR):
+        conn.data_received((3).to_bytes(4, "little") + b"\xc1\xc1\xc1")  # 0xc1: never used in msgpack
+    assert closed == [True] and "both must run the same radianced" in caplog.text

@@ -95,12 +95,13 @@ async def test_phase_requests_in_flight_and_metrics_cross_the_pair(running):
     client.state.enter()
     client.state.enter()
     client.state.leave()
-    await asyncio.sleep(0.02)
+    await front.set_phase(Phase.READY)  # its Ack says how many are in flight
     idle = asyncio.create_task(front.wait_idle())
     await asyncio.sleep(0.02)
     assert front.in_flight == 1 and not idle.done()
     client.state.leave()
     await asyncio.wait_for(idle, 1)
+    assert await client.answers(1.0)
     client.request_done(429)
     body, content_type = await client.metrics()
     assert content_type.startswith("text/plain")
@@ -125,8 +126,38 @@ async def test_the_fronts_end_closing_is_said_once_and_frees_the_drain(engine):
     front, client = await front_pair(engine, engine.metrics, on_gone=gone.append)
     client.state.enter()
     await asyncio.sleep(0.02)
-    assert front.in_flight == 1
+    idle = asyncio.create_task(front.wait_idle())
+    await asyncio.sleep(0.02)
+    assert not idle.done()
     client._conn.close()
-    await asyncio.wait_for(front.wait_idle(), 1)
+    await asyncio.wait_for(idle, 1)
     await asyncio.wait_for(front.set_phase(Phase.DRAINING), 1)  # nobody to answer: it does not wait
-    assert gone == ["the HTTP front process ended"] and front.in_flight == 0
+    assert gone == ["the HTTP front process ended"]
+
+
+async def test_a_bug_in_queueing_one_request_is_its_500_and_the_pair_serves_on(running, monkeypatch, caplog):
+    _, client = await front_pair(running, running.metrics)
+    real = running.submit_to
+
+    def fails_once(*args, **kwargs):
+        monkeypatch.setattr(running, "submit_to", real)
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(running, "submit_to", fails_once)
+    with pytest.raises(ProtocolError) as failed:
+        await client.submit(PROMPT_IDS, GREEDY, "r1", 0.0, 0.0, 0.0)
+    assert failed.value.status == 500 and "internal error (ValueError)" in str(failed.value)
+    assert "r1: could not be queued" in caplog.text and not client._pending and not client._queues
+    stream = await client.submit(PROMPT_IDS, GREEDY, "r2", 0.0, 0.0, 0.0)
+    assert [c async for c in stream][-1].finish_reason == "length"
+
+
+async def test_a_front_that_does_not_take_a_phase_is_taken_as_hung_and_not_waited_for_again(engine, monkeypatch):
+    front, client = await front_pair(engine, engine.metrics)
+    monkeypatch.setattr("radianced.server.front_process.PHASE_ACK_S", 0.2)
+    monkeypatch.setattr(client, "_take", lambda frame: None)  # reads, answers nothing
+    client._conn.on_frame = client._take
+    t = asyncio.get_running_loop().time()
+    await front.set_phase(Phase.READY)
+    await front.set_phase(Phase.DRAINING)
+    assert front._hung and front.phase is Phase.DRAINING and asyncio.get_running_loop().time() - t < 0.5

@@ -53,6 +53,14 @@ def test_stop_strings_and_stop_ids_past_the_limits_are_400s(parse, fields):
 
 
 @pytest.mark.parametrize("parse, fields", [(parse_completion, {"prompt": "x"}), (parse_chat, {"messages": USER})])
+def test_a_stop_token_id_outside_the_vocabulary_is_a_400(parse, fields):
+    assert parse(body(**fields, stop_token_ids=[0, 99]), vocab_size=100).params.stop_token_ids == (0, 99)
+    for bad in (100, 2**70):  # 2**70: past what the frames to the engine's process carry, too
+        assert refusal(parse, body(**fields, stop_token_ids=[1, bad]), vocab_size=100) == (
+            400, "stop_token_ids", f"stop_token_ids holds {bad}: a token id is in 0..99")
+
+
+@pytest.mark.parametrize("parse, fields", [(parse_completion, {"prompt": "x"}), (parse_chat, {"messages": USER})])
 def test_top_k_past_the_vocabulary_is_a_400(parse, fields):
     assert parse(body(**fields, top_k=100), vocab_size=100).params.top_k == 100
     assert refusal(parse, body(**fields, top_k=2**63), vocab_size=100) == (
