@@ -1,7 +1,9 @@
 """The async driver: the engine's rounds on the step thread, the requests' streams on the event loop.
 
 DESIGN.md "Threads and I/O" has the event loop own the HTTP work and the
-streams and never call into torch. The step thread runs the engine's one loop
+streams and never call into torch; the HTTP work itself now runs in a process
+of its own (server/front_process.py), so this loop keeps the streams and the
+frames to and from it. The step thread runs the engine's one loop
 (engine/engine.py: plan, execute, apply) on its own: each round's bookkeeping
 runs beside the step on the device, and no round waits for the event loop
 (only for the GIL, when the loop runs Python: tools/gil_stall.py).
@@ -17,7 +19,8 @@ may run a step or two more for that request before it takes the cancel; their
 tokens are dropped.
 
 The server's API: `submit()` queues a request at once (or raises `QueueFull`)
-and returns its `RequestStream`; `generate()` is the same as one async iterator
+and returns its `RequestStream`; `submit_to()` gives its chunks to a callback
+instead (the HTTP front's link); `generate()` is `submit` as one async iterator
 that queues on its first `__anext__`. Either way, leaving the stream before its
 last chunk cancels the request; its blocks are freed before the next step.
 `between_steps(fn)` runs fn on the step thread between two rounds. If the
