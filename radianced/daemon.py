@@ -3,8 +3,7 @@
 Start-up, in order: bind the HTTP socket (a taken port fails at once, before
 any loading), start the HTTP front process on it (server/front.py; why it is a
 process of its own: server/front_process.py), which answers /health 503
-"loading", open the control
-socket, load the model on a thread while telling systemd EXTEND_TIMEOUT_USEC,
+"loading", open the control socket, load the model on a thread while telling systemd EXTEND_TIMEOUT_USEC,
 start the engine task, serve the warm-up requests (through the engine, then
 through the daemon's own HTTP socket: engine/warmup.py, server/self_warmup.py),
 then READY=1. A watchdog task sends WATCHDOG=1 (when
@@ -83,7 +82,7 @@ log = logging.getLogger("radianced")
 
 EXTEND_EVERY_S = 5.0  # while loading, ask systemd for EXTEND_S more seconds this often
 EXTEND_S = 20.0
-STOP_EXTRA_S = 20.0  # asked for beyond --drain-timeout when the stop begins (the cancelled streams' grace, the front's exit)
+STOP_EXTRA_S = 20.0  # asked for beyond --drain-timeout when the stop begins (streams' grace, the front's exit)
 _LOAD_ERRORS = (RadError, FileNotFoundError, PlanError, ConfigError, UnsupportedModel, OSError, HostPoolError,
                 ProfileError)
 
@@ -138,10 +137,14 @@ class Daemon:
             return 1
         try:
             sock = listen(self.cfg)
-            self._address = address_of(sock)
-            self.front = await Front.spawn(self.cfg, self.api_key, sock, self.metrics, self.process_ended)
         except OSError as e:
             log.error("cannot serve HTTP: %s", e)
+            return 1
+        self._address = address_of(sock)
+        try:
+            self.front = await Front.spawn(self.cfg, self.api_key, sock, self.metrics, self.process_ended)
+        except OSError as e:
+            log.error("cannot start the HTTP front process: %s", e)
             return 1
         watchdog = asyncio.create_task(self._watchdog())
         control_server = None

@@ -16,8 +16,8 @@ launch back (on the H200 a burst of 8 long prompts held one 8-13 ms: bench/READM
 `--before TREE` runs a checkout of another commit the same way, in the same run, rounds alternating
 (PYTHONPATH=TREE: `git worktree add TREE be70e3b` is the last commit with HTTP in the daemon's
 process). torch runs one thread (RADIANCED_CPU_THREADS=1): on 2 cores the other is left to the HTTP
-work and the client, as in the tests. Per-thread CPU is read from /proc/PID/task/TID/schedstat. Writes DIR/NAME.json (default
-bench_front.json) and prints a table of the medians over `--rounds`.
+work and the client, as in the tests. Per-thread CPU is read from /proc/PID/task/TID/schedstat.
+Writes DIR/NAME.json (default bench_front.json) and prints a table of the medians over `--rounds`.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ class Sample:
 
     def __init__(self, d: ChildDaemon):
         self.pid = d.proc.pid
-        fronts = [p.pid for p in psutil.Process(self.pid).children() if "radianced.server.front" in " ".join(p.cmdline())]
+        fronts = [p.pid for p in psutil.Process(self.pid).children()
+                  if "radianced.server.front" in " ".join(p.cmdline())]
         self.front = fronts[0] if fronts else None
         self.before = self._read()
 

@@ -25,8 +25,8 @@ class GcPauses:
     def __init__(self, registry: CollectorRegistry) -> None:
         self._pauses = Histogram("radiance_gc_pause_seconds", "Python garbage collections in the daemon's process "
                                  "(the interpreter, the step thread's launches included, stops meanwhile; the HTTP "
-                                 "front's are not counted), by generation collected.", ["generation"], buckets=GC_BUCKETS,
-                                 registry=registry)
+                                 "front's are not counted), by generation collected.", ["generation"],
+                                 buckets=GC_BUCKETS, registry=registry)
         self._started = 0.0
         gc.callbacks.append(self._callback)
 

@@ -43,7 +43,8 @@ def max_prompt_bytes(max_model_len: int, max_token_bytes: int) -> int:
     return max_model_len * max_token_bytes
 
 
-def check_stops(stop: str | list[str] | None, stop_token_ids: list[int] | None, vocab_size: int | None = None) -> None:
+def check_stops(stop: str | list[str] | None, stop_token_ids: list[int] | None,
+                vocab_size: int | None = None) -> None:
     """ProtocolError(400) naming `stop` or `stop_token_ids` past MAX_STOP_STRINGS, MAX_STOP_CHARS
     or MAX_STOP_TOKEN_IDS, or a stop token id outside the vocabulary (when `vocab_size` is given)."""
     stops = [stop] if isinstance(stop, str) else stop or []
@@ -59,7 +60,8 @@ def check_stops(stop: str | list[str] | None, stop_token_ids: list[int] | None, 
                             f"are allowed", "stop_token_ids")
     for t in stop_token_ids or ():
         if vocab_size is not None and not 0 <= t < vocab_size:
-            raise ProtocolError(400, f"stop_token_ids holds {t}: a token id is in 0..{vocab_size - 1}", "stop_token_ids")
+            raise ProtocolError(400, f"stop_token_ids holds {t}: a token id is in 0..{vocab_size - 1}",
+                                "stop_token_ids")
 
 
 def check_top_k(top_k: int | None, vocab_size: int | None) -> None:

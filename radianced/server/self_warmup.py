@@ -14,10 +14,11 @@ completion when the model has a chat template. uvicorn's protocol, the request
 context, the routes, body decoding, tokenizing, the chat template, the frames
 to the daemon, its detokenizer and the SSE writer each run once.
 
-These requests carry a per-process token (random, never logged: the daemon sends it
-to the front with the phase, `ServerState.warm_up_token` there) in the `WARM_UP_HEADER` header: the only requests the routes
-admit while loading. The request context leaves them out of the request
-counter, and the engine's metrics are off while they run (`warm_up_served`).
+These requests carry a per-process token (random, never logged: the daemon sends
+it to the front with the phase, `ServerState.warm_up_token` there) in the
+`WARM_UP_HEADER` header: the only requests the routes admit while loading. The
+request context leaves them out of the request counter, and the engine's metrics
+are off while they run (`warm_up_served`).
 """
 
 from __future__ import annotations
