@@ -5,9 +5,10 @@
 The daemon (server/front_process.py says why the HTTP work runs apart from the step thread) starts it
 with the listening HTTP socket and its end of a socket pair, then sends the flags (`Start`), the model
 once loaded, and each phase. This process never loads torch: the tokenizer, the chat template, the
-detokenized text's SSE events and the access log are its work. It ignores SIGINT and SIGTERM (a
-Ctrl-C reaches the whole process group; the daemon owns the drain) and exits when the daemon says
-`Exit` (0), or when the daemon's end closes unasked (1: the daemon died; nothing is left to serve).
+detokenized text's SSE events and the access log are its work. It runs in a process group of its own
+(a terminal's Ctrl-C reaches the daemon only) and ignores SIGINT and SIGTERM besides: the daemon owns
+the drain. It exits when the daemon says `Exit` (0), or when the daemon's end closes unasked (1: the
+daemon died; nothing is left to serve).
 """
 
 from __future__ import annotations
