@@ -1,7 +1,7 @@
 """Issue 24's peer row: transformers + accelerate offload against radianced, the same weights, the same card budget.
 
     python tools/bench_peer_offload.py --out DIR [--layers 24] [--card-gib 24] [--tokens 24] [--quick] \
-        [--time-limit 390]
+        [--time-limit 390] [--systems ours,theirs,llama_cpp] [--llama-bench PATH]
 
 One random bf16 model of Qwen3-30B-A3B's real widths, `--layers` deep, is made once
 by transformers (`from_config` of a `Qwen3MoeConfig`, every matrix then drawn from a
@@ -15,6 +15,8 @@ there, minutes on a CPU); the weights reach each system from the files, as a use
   every expert))`, as the daemon builds it; the experts that do not fit the card's
   slots are read from the pinned host pool. Measured: TTFT, decode tok/s (`Engine.step`,
   one after another), the slots' hit rate and the overflow bytes read per token.
+- llama.cpp (`--systems ...,llama_cpp`): llama-bench on the same weights as a GGUF, the routed experts of
+  as few layers as the card budget needs kept in host RAM (`--n-cpu-moe`): tools/peer_llama_cpp.py.
 - transformers + accelerate: `from_pretrained(folder, device_map="auto", max_memory={0:
   card budget, "cpu": the rest}, dtype=bfloat16)`, the offload people reach for; a
   greedy loop over its DynamicCache. Measured: load time, where accelerate put the model
@@ -55,6 +57,7 @@ import torch  # noqa: E402
 
 from tools import gpu_bench  # noqa: E402
 from tools.make_synthetic import _tokenizer_json, shape_config  # noqa: E402
+from tools.peer_llama_cpp import section_llama_cpp  # noqa: E402
 from tools.peer_report import render  # noqa: E402
 from tools.peer_transformers import greedy, hf_config, load_offloaded  # noqa: E402
 
@@ -343,6 +346,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=24, help="greedy tokens per sequence (at least 16)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes on the CPU (automatic without CUDA)")
     ap.add_argument("--time-limit", type=float, default=390.0, help="seconds; later sections are skipped past it")
+    ap.add_argument("--systems", default="ours,theirs", help="which of ours, theirs, llama_cpp run (after the model)")
+    ap.add_argument("--llama-bench", type=Path, default=Path(".llama-cpp/build/bin/llama-bench"),
+                    help="llama.cpp's llama-bench, for the llama_cpp system (tools/build_llama_cpp.sh)")
     args = ap.parse_args(argv)
     if args.tokens < 16 or args.layers < 1 or args.card_gib < 1:
         ap.error("--tokens must be at least 16, --layers and --card-gib at least 1")
@@ -354,10 +360,15 @@ def main(argv=None) -> int:
     old = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     run.section("env", section_env, out)
     try:
+        systems = args.systems.split(",")
         if run.section("model", section_model, run)["status"] == "ok":
-            run.section("ours", section_ours, run)
-            run.section("theirs", section_theirs, run)
-            run.section("compare", section_compare, run)
+            if "ours" in systems:
+                run.section("ours", section_ours, run)
+            if "theirs" in systems:
+                run.section("theirs", section_theirs, run)
+                run.section("compare", section_compare, run)
+            if "llama_cpp" in systems:
+                run.section("llama_cpp", section_llama_cpp, run, args.llama_bench, pick_dir)
     finally:
         for t in run.tmp:
             t.cleanup()

@@ -1,4 +1,5 @@
-"""The Markdown table of tools/bench_peer_offload.py's results: radianced beside transformers + accelerate.
+"""The Markdown table of tools/bench_peer_offload.py's results: radianced beside transformers + accelerate
+(and llama.cpp's llama-bench where it ran: its rows put it in the peer's column).
 
     python tools/peer_report.py DIR      # re-render DIR/peer_offload.md from DIR/peer_offload.json
 
@@ -62,6 +63,7 @@ def rows(res: dict) -> list[tuple[str, str, str, str, str]]:
             out.append((f"greedy tokens {b}", f"{c['equal']} of {c['compared']} positions equal", "", "",
                         "first difference per sequence: " + ", ".join("none" if f is None else str(f) for f in firsts)
                         + " (bf16 on both; not expected equal throughout)"))
+    out += _llama_rows(ours, res.get("llama_cpp") or {})
     if ours.get("peak_allocated_bytes") or theirs.get("peak_allocated_bytes"):
         out.append(("peak torch allocation on the card", _gib(ours.get("peak_allocated_bytes")),
                     _gib(theirs.get("peak_allocated_bytes")), "",
@@ -84,6 +86,24 @@ def _placement_row(sizes: dict, ours: dict, theirs: dict) -> tuple:
     return ("placement at the budget", mine, where or "-", "",
             f"radianced {budget}, host pool {flags.get('host_pool_mib', '?')} MiB (every expert); "
             f"accelerate max_memory {{{mem}}}")
+
+
+def _llama_rows(ours: dict, lc: dict) -> list[tuple]:
+    """llama.cpp's rows: its value in the peer's column, the speed ratio against radianced's b1."""
+    if lc.get("status") != "ok":
+        return []
+    b1 = ours.get("b1") or {}
+    return [("llama.cpp placement", "", f"{_gib(lc['on_card_bytes'])} on the card; the routed experts of "
+             f"{lc['n_cpu_moe']} of {lc['layers']} layers in host RAM", "",
+             f"llama-bench --n-cpu-moe {lc['n_cpu_moe']} (the fewest that fit the budget with "
+             f"{_gib(lc['margin_bytes'])} for KV and buffers); GGUF {_gib(lc['gguf_bytes'])} F16, written in "
+             f"{lc['written_s']:.0f} s"),
+            ("decode b1 against llama.cpp", _tps(b1), f"{lc['decode_tok_s']:,.1f} tok/s",
+             _speed(b1.get("tokens_per_s"), lc["decode_tok_s"]),
+             f"llama-bench -n {lc['rows'][-1].get('n_gen', '?')} after an empty context, 3 repetitions "
+             f"(stdev {lc['decode_tok_s_stdev']:.1f}); radianced's b1 row above"),
+            ("prompt, one sequence, llama.cpp", "", f"{lc['prompt_tok_s']:,.1f} tok/s", "",
+             f"llama-bench -p {lc['rows'][0].get('n_prompt', '?')}")]
 
 
 def _decode_note(a: dict, t: dict) -> str:
