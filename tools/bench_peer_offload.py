@@ -362,6 +362,8 @@ def main(argv=None) -> int:
     try:
         systems = args.systems.split(",")
         if run.section("model", section_model, run)["status"] == "ok":
+            if "theirs" not in systems:  # its safetensors folder (perhaps in /dev/shm) makes room for a GGUF
+                run.tmp[0].cleanup()
             if "ours" in systems:
                 run.section("ours", section_ours, run)
             if "theirs" in systems:
