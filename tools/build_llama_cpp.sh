@@ -7,7 +7,10 @@
 set -euo pipefail
 root=.llama-cpp
 jobs=${1:-$(nproc)}
-[ -f "$root/llama.cpp.tar.xz" ] || { echo "no $root/llama.cpp.tar.xz: run tools/fetch_llama_cpp.sh here and carry $root"; exit 2; }
+if [ ! -f "$root/llama.cpp.tar.xz" ]; then
+  echo "no $root/llama.cpp.tar.xz: run tools/fetch_llama_cpp.sh where PyPI is reachable and carry $root"
+  exit 2
+fi
 [ -d "$root/llama.cpp" ] || tar xJf "$root/llama.cpp.tar.xz" -C "$root"
 cuda=OFF  # with CUDA where a GPU answers (a CUDA toolkit without one, as on the CPU machine, is not enough)
 if nvidia-smi -L >/dev/null 2>&1; then
