@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # llama.cpp's source for issue 24's peer rows, pruned to what a CPU + CUDA build of llama-bench needs:
-# .llama-cpp/llama.cpp.tar.xz (git-ignored; carry it to the device, which cannot reach PyPI).
+# .llama-cpp/llama.cpp.tar.xz (git-ignored; carry that file alone to the device, which cannot reach PyPI).
 #
 #   bash tools/fetch_llama_cpp.sh          # then: tools/build_llama_cpp.sh on the device (or here, CPU only)
 #
