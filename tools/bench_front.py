@@ -11,7 +11,12 @@ launch back (on the H200 a burst of 8 long prompts held one 8-13 ms: bench/READM
   daemon's event loop's (its main thread's) CPU a request, its other threads' but the step thread's,
   and the front process's;
 - a token: 8 concurrent streamed completions of 300 tokens; the same per generated token, and the
-  aggregate tok/s.
+  aggregate tok/s;
+- a burst under streams (issue 18's, small): 4 streams of 400 tokens, and 0.3 s in, 8 prompts of 2,000 ids
+  from another process; the streams' gaps while it is served (p99) against their median over the run, and
+  what a step's launch waited on average (radiance_step_launch_wait_seconds: wall time its thread did not
+  run: the GIL, or a core). On this CPU the burst's prefill is compute that the streams wait for whatever
+  the process layout, so the gaps say less than the launch wait.
 
 `--before TREE` runs a checkout of another commit the same way, in the same run, rounds alternating
 (PYTHONPATH=TREE: `git worktree add TREE be70e3b` is the last commit with HTTP in the daemon's
@@ -25,12 +30,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -38,7 +45,9 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from radianced.bench.client import stream_request  # noqa: E402
 from radianced.bench.daemon_process import ChildDaemon  # noqa: E402
+from radianced.bench.scrape import Snapshot  # noqa: E402
 from radianced.model.convert import convert  # noqa: E402
 from radianced.model.tiny import make_tiny  # noqa: E402
 
@@ -98,7 +107,54 @@ async def _requests(url: str, n: int, length: int, max_tokens: int, vocab: int, 
         await asyncio.gather(*(one(i) for i in range(n)))
 
 
-def measure(model: Path, tree: str | None, vocab: int) -> dict:
+def _burst_elsewhere(url: str, vocab: int) -> tuple[float, float]:
+    """Issue 18's burst from another process (other users' clients): 8 prompts of 2,000 ids, 1 token each;
+    (its start, its end) on the machine's monotonic clock."""
+    t0 = time.perf_counter()
+    asyncio.run(_requests(url, BURST, 2000, 1, vocab, True))
+    return t0, time.perf_counter()
+
+
+def _launch_wait(url: str) -> tuple[float, float]:
+    """(sum, count) of radiance_step_launch_wait_seconds: a launch's wall time its thread did not run."""
+    snap = Snapshot.parse(httpx.get(f"{url}/metrics").text)
+    return (snap.values.get(("radiance_step_launch_wait_seconds_sum", ()), 0.0),
+            snap.values.get(("radiance_step_launch_wait_seconds_count", ()), 0.0))
+
+
+def burst_under_streams(url: str, vocab: int, pool: ProcessPoolExecutor) -> dict:
+    """4 streams of 400 tokens; 0.3 s in, the burst arrives from another process. The streams' gaps while
+    it is served against their median over the run, and the launches' mean wait for the GIL and the CPU."""
+    async def run() -> tuple[list, tuple[float, float]]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            name = (await http.get("/v1/models")).json()["data"][0]["id"]
+            bodies = [{"model": name, "prompt": [5 + i, 17, 2, 99], "max_tokens": 400, "stream": True, "logprobs": 0,
+                       "ignore_eos": True} for i in range(4)]
+            streams = [asyncio.create_task(stream_request(http, "/v1/completions", b)) for b in bodies]
+            await asyncio.sleep(0.3)
+            window = await asyncio.get_running_loop().run_in_executor(pool, _burst_elsewhere, url, vocab)
+            return await asyncio.gather(*streams), window
+
+    before = _launch_wait(url)
+    samples, (t0, t1) = asyncio.run(run())
+    after = _launch_wait(url)
+    gaps, during = [], []
+    for smp in samples:
+        t = smp.sent_at + (smp.ttft_s or 0.0)
+        for gap in smp.itl_s:
+            t += gap
+            gaps.append(gap)
+            if t0 <= t <= t1:
+                during.append(gap)
+    median = statistics.median(gaps)
+    p99 = sorted(during)[max(0, int(0.99 * len(during)) - 1)] if during else float("nan")
+    launches = after[1] - before[1]
+    return {"itl_median_ms": median * 1e3, "itl_p99_burst_ms": p99 * 1e3, "p99_over_median": p99 / median,
+            "burst_ms": (t1 - t0) * 1e3, "launches": launches,
+            "launch_wait_mean_us": (after[0] - before[0]) / max(1, launches) * 1e6}
+
+
+def measure(model: Path, tree: str | None, vocab: int, pool: ProcessPoolExecutor) -> dict:
     """One round against one daemon (of `tree`, or this checkout)."""
     env = os.environ.copy()
     os.environ.update(RADIANCED_CPU_THREADS="1", OMP_NUM_THREADS="1")  # the other core: the HTTP work's, the client's
@@ -125,6 +181,8 @@ def measure(model: Path, tree: str | None, vocab: int) -> dict:
         row["token"] = {**{k: v * 1e3 for k, v in sample.spent(STREAMS * STREAM_TOKENS).items()},  # microseconds
                         "tok_s": STREAMS * STREAM_TOKENS / wall}
         row["front_process"] = sample.front is not None
+        burst_under_streams(d.url, vocab, pool)  # the first: not counted
+        row["burst"] = burst_under_streams(d.url, vocab, pool)
         return row
     finally:
         d.stop()
@@ -148,9 +206,10 @@ def main() -> int:
         vocab = 256
         trees = {"this": None, **({"before": a.before} if a.before else {})}
         rows: dict[str, list[dict]] = {k: [] for k in trees}
-        for _ in range(a.rounds):
-            for key, tree in trees.items():
-                rows[key].append(measure(src / "model.rad", tree, vocab))
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for _ in range(a.rounds):
+                for key, tree in trees.items():
+                    rows[key].append(measure(src / "model.rad", tree, vocab, pool))
     result = {"rounds": rows, "median": {k: medians(v) for k, v in rows.items()}, "trees": trees,
               "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count()}
     a.out.mkdir(parents=True, exist_ok=True)
@@ -158,6 +217,11 @@ def main() -> int:
     print(f"{'':8s} {'part':13s} {'loop':>8s} {'other':>8s} {'step':>8s} {'front':>8s}  (ms a request, us a token)")
     for key, m in result["median"].items():
         for part, v in m.items():
+            if part == "burst":
+                print(f"{key:8s} {part:13s} streams' ITL median {v['itl_median_ms']:.2f} ms, p99 during the burst "
+                      f"{v['itl_p99_burst_ms']:.2f} ms ({v['p99_over_median']:.1f}x); a launch waited "
+                      f"{v['launch_wait_mean_us']:.0f} us on average")
+                continue
             extra = f"  {v['tok_s']:.0f} tok/s" if "tok_s" in v else f"  {v['burst_ms']:.0f} ms a burst"
             print(f"{key:8s} {part:13s} {v['loop_ms']:8.3f} {v['other_ms']:8.3f} {v['step_ms']:8.3f} "
                   f"{v['front_ms']:8.3f}{extra}")
