@@ -125,7 +125,7 @@ async def test_the_fronts_end_closing_is_said_once_and_frees_the_drain(engine):
     gone = []
     front, client = await front_pair(engine, engine.metrics, on_gone=gone.append)
     client.state.enter()
-    await asyncio.sleep(0.02)
+    assert await client.answers(1.0)  # a round trip: the daemon's end has taken what was sent before it
     idle = asyncio.create_task(front.wait_idle())
     await asyncio.sleep(0.02)
     assert not idle.done()
