@@ -258,14 +258,16 @@ async def stability(ctx: BenchContext) -> list[WorkloadResult]:
 
 
 async def _watch_rss(ctx: BenchContext, end: float, out: list[tuple[float, float]]) -> None:
-    """(seconds, RSS MiB) of the daemon every MEMORY_SAMPLE_S until `end`; nothing without its pid."""
+    """(seconds, RSS MiB) of the daemon and its children (its HTTP front, --tp's ranks) every MEMORY_SAMPLE_S
+    until `end`; nothing without its pid."""
     if ctx.daemon_pid is None:
         return
     import psutil
 
     proc, t0 = psutil.Process(ctx.daemon_pid), time.monotonic()
     while time.monotonic() < end:
-        out.append((time.monotonic() - t0, proc.memory_info().rss / 2**20))
+        rss = sum(p.memory_info().rss for p in (proc, *proc.children()))
+        out.append((time.monotonic() - t0, rss / 2**20))
         ctx.progress("stability", int(time.monotonic() - t0), int(ctx.sizes.stability_s))
         await asyncio.sleep(MEMORY_SAMPLE_S)
 
