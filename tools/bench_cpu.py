@@ -48,7 +48,7 @@ import psutil
 import torch
 
 from radianced.bench.client import completion_body, stream_request
-from radianced.bench.daemon_process import ChildDaemon
+from radianced.bench.daemon_process import ChildDaemon, tree_rss_mib
 from radianced.bench.workloads import prompt_ids
 from radianced.kernels.compact import CompactWeight, RowStack
 from radianced.model.default import bundled_gguf, ensure_default_model
@@ -100,11 +100,6 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def rss_mib(proc: psutil.Process) -> float:
-    """The RSS of a process and its children (the daemon and its HTTP front), MiB."""
-    return sum(p.memory_info().rss for p in (proc, *proc.children())) / 2**20
-
-
 class RssWatch:
     """The peak RSS (MiB) of a process and its children, sampled every 50 ms on a thread until `stop`."""
 
@@ -115,7 +110,7 @@ class RssWatch:
 
     def _run(self) -> None:
         while not self._stop.wait(0.05):
-            self.peak = max(self.peak, rss_mib(self.proc))
+            self.peak = max(self.peak, tree_rss_mib(self.proc))
 
     def stop(self) -> float:
         self._stop.set()
@@ -162,7 +157,7 @@ def bench_daemon(model: Path, threads: int, tokens: int, concurrency: list[int])
     try:
         asyncio.run(_concurrent(daemon.url, 1, 8, "warm"))
         time.sleep(1.0)
-        idle = rss_mib(psutil.Process(daemon.proc.pid))
+        idle = tree_rss_mib(psutil.Process(daemon.proc.pid))
         watch = RssWatch(daemon.proc.pid)
         rows = [asyncio.run(_concurrent(daemon.url, c, tokens, f"t{threads}c{c}")) for c in concurrency]
         peak = watch.stop()

@@ -42,6 +42,12 @@ def daemon_config(args: list[str]) -> Config:
         raise ConfigError(f"radianced would refuse these arguments: {' '.join(args)}") from None
 
 
+def tree_rss_mib(proc) -> float:
+    """The RSS of `proc` (a psutil.Process) and its children, MiB: a daemon's with its HTTP front's (and
+    --tp's ranks')."""
+    return sum(p.memory_info().rss for p in (proc, *proc.children())) / 2**20
+
+
 @dataclass
 class ChildDaemon:
     """A radianced started by the bench."""

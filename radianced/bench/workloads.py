@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from radianced.bench.client import Sample, chat_body, completion_body, stream_request
+from radianced.bench.daemon_process import tree_rss_mib
 from radianced.bench.energy import EnergyMeter, EnergyReading
 from radianced.bench.loop_lag import LoopLag
 from radianced.bench.quality import Reference, compare
@@ -266,8 +267,7 @@ async def _watch_rss(ctx: BenchContext, end: float, out: list[tuple[float, float
 
     proc, t0 = psutil.Process(ctx.daemon_pid), time.monotonic()
     while time.monotonic() < end:
-        rss = sum(p.memory_info().rss for p in (proc, *proc.children()))
-        out.append((time.monotonic() - t0, rss / 2**20))
+        out.append((time.monotonic() - t0, tree_rss_mib(proc)))
         ctx.progress("stability", int(time.monotonic() - t0), int(ctx.sizes.stability_s))
         await asyncio.sleep(MEMORY_SAMPLE_S)
 
