@@ -3,7 +3,7 @@
 
 `submit` sends a request and returns its `RequestStream` once the daemon has queued it (or raises
 ProtocolError: 429 with the queue full, 500 when the engine failed or its process ended); the
-stream's chunks arrive as `Chunks` frames into its queue, as a stream's do in the daemon's process.
+stream's chunks arrive as `Output` frames into its queue, as a stream's do in the daemon's process.
 Leaving a stream early sends `Cancel`. The frames that set the front's state (`ServedModel`,
 `PhaseSet`) change the `ServerState` the routes read; `exited` resolves on `Exit`, or when the
 daemon's end closes (its process ended: every live stream then fails).
@@ -109,11 +109,10 @@ class EngineClient:
     # -- what the daemon sends ------------------------------------------------------------------
 
     def _take(self, frame: f.Frame) -> None:
-        if isinstance(frame, f.Chunks):
+        if isinstance(frame, f.Output):
             if (queue := self._queues.get(frame.rid)) is not None:  # else: cancelled here meanwhile
-                for chunk in frame.chunks:
-                    queue.put_nowait(chunk)
-                if frame.chunks[-1].finish_reason is not None:
+                queue.put_nowait(frame.chunk)
+                if frame.chunk.finish_reason is not None:
                     del self._queues[frame.rid]
         elif isinstance(frame, (f.Accepted, f.Refused)):
             if (answer := self._pending.pop(frame.rid, None)) is not None and not answer.done():

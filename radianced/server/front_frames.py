@@ -7,7 +7,7 @@ length, then one of the structs below as msgpack (msgspec, tagged by class name)
 the order they were sent, each by a plain call on the taker's event loop (`FrameConnection`): no task,
 no await, per frame; what one turn of a loop sends goes in one write.
 
-The front to the daemon: `Submit` (answered `Accepted` or `Refused`, then the request's `Chunks`, or
+The front to the daemon: `Submit` (answered `Accepted` or `Refused`, then the request's `Output`s, or
 `Failed`), `Cancel`, `RequestDone` (the HTTP status, for the request counter), `InFlight` (whether
 HTTP requests are being answered, when that changes: the drain waits for none), `AskMetrics`
 (answered `MetricsText`), `Ping` (/health asks whether the daemon's loop answers: `Ack`) and `Ack`.
@@ -111,9 +111,9 @@ class Refused(_Frame):
     message: str
 
 
-class Chunks(_Frame):
+class Output(_Frame):
     rid: str
-    chunks: list[Chunk]
+    chunk: Chunk  # one dispatch's of the request: what a step gave it (a turn's frames go in one write)
 
 
 class Failed(_Frame):
@@ -133,7 +133,7 @@ class Exit(_Frame):
 
 
 Frame = Union[Submit, Cancel, RequestDone, InFlight, AskMetrics, Ping, Ack, Start, ServedModel, PhaseSet, Accepted,
-              Refused, Chunks, Failed, MetricsText, Exit]
+              Refused, Output, Failed, MetricsText, Exit]
 
 
 class FrameConnection(asyncio.Protocol):

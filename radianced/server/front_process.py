@@ -193,7 +193,7 @@ class Front:
         if self._conn is None:
             return
         if isinstance(item, Chunk):
-            self._conn.send(f.Chunks(rid, [item]))
+            self._conn.send(f.Output(rid, item))
         elif isinstance(item, RequestFailed):
             self._conn.send(f.Failed(rid, str(item), engine=False))
         else:

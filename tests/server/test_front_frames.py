@@ -19,7 +19,8 @@ FRAMES = [
     f.Start(Config(port=0, max_num_seqs=3), "key"),
     f.Submit("a1", list(range(2000)), SamplingParams(max_tokens=5, stop=("\n\n", "END"), seed=7), 12.5, 0.001, 0.02),
     f.Accepted("a1"),
-    f.Chunks("a1", [Chunk((5, 6), "hé", None, [-0.25, [[5, -0.25], [9, -1.5]]]), Chunk((7,), "!", "stop", None, 3)]),
+    f.Output("a1", Chunk((5, 6), "hé", None, [-0.25, [[5, -0.25], [9, -1.5]]])),
+    f.Output("a1", Chunk((7,), "!", "stop", None, 3)),
     f.Refused("a2", 429, "the queue is full"),
     f.Failed("a1", "expert (layer 1, expert 2) read failed", engine=False),
     f.PhaseSet("ready", None, 4),
@@ -64,8 +65,7 @@ async def test_each_frame_is_taken_as_it_was_sent():
     conn.data_received((await wire())[0])
     assert [type(x) for x in taken] == [type(x) for x in FRAMES]
     assert taken[1].params == FRAMES[1].params and taken[1].prompt_ids == list(range(2000))
-    chunks = taken[3].chunks
-    assert chunks[0].logprobs == [-0.25, [[5, -0.25], [9, -1.5]]] and chunks[1].reused_tokens == 3
+    assert taken[3].chunk.logprobs == [-0.25, [[5, -0.25], [9, -1.5]]] and taken[4].chunk.reused_tokens == 3
 
 
 async def test_a_stream_cut_at_any_byte_gives_the_frames_whole_and_in_order():
