@@ -21,19 +21,22 @@ import time
 from pathlib import Path
 
 from radianced.model.rad import RadFile
+from tools.rad_to_gguf import gguf_dtype, plan, write
 
 LLAMA_MARGIN_BYTES = 2 << 30  # the KV cache at a short context and the CUDA compute buffers (measured: < 1.5 GiB)
-F16, F32 = 2, 4  # bytes an element
 
 
 def gguf_bytes(rad: RadFile) -> tuple[int, int]:
     """(bytes of everything but the routed experts, bytes of one layer's routed experts) in the GGUF
-    rad_to_gguf writes (F16 matrices, F32 vectors)."""
-    m = rad.model
-    rest = sum(math.prod(e.shape) * (F16 if len(e.shape) > 1 else F32)
-               for e in (rad.tensor_entry(n) for n in rad.tensor_names()))
-    layer = m.num_experts * 3 * m.moe_intermediate_size * m.hidden_size * F16
-    return rest, layer
+    rad_to_gguf writes: its own tensors, shapes and types (nothing is read)."""
+    rest = experts = 0
+    for name, shape, _ in plan(rad):
+        n = math.prod(shape) * gguf_dtype(shape).itemsize
+        if name.endswith("_exps.weight"):
+            experts += n
+        else:
+            rest += n
+    return rest, experts // rad.model.num_hidden_layers
 
 
 def n_cpu_moe(rest: int, layer: int, layers: int, card_bytes: int, margin: int = LLAMA_MARGIN_BYTES) -> int:
@@ -70,8 +73,6 @@ def section_llama_cpp(run, binary: Path, pick_dir) -> dict:
     """The peer's section of tools/bench_peer_offload.py (`run`: its Run; `pick_dir(need, candidates)`: a
     folder with room): the run's `.rad` as a GGUF, removed with the run's files, then llama-bench at the card
     budget (on the CPU in a quick run, every layer there: it proves the path, nothing about speed)."""
-    from tools.rad_to_gguf import write
-
     run.check_time()
     if not binary.is_file():
         raise FileNotFoundError(f"{binary}: no llama-bench there (tools/build_llama_cpp.sh builds it)")

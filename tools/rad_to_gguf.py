@@ -36,6 +36,11 @@ LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm
          "mlp.gate.weight": "ffn_gate_inp.weight"}
 
 
+def gguf_dtype(shape: tuple[int, ...]) -> np.dtype:
+    """What a tensor of `shape` is written as: F32 a vector (a norm), F16 a matrix or an expert stack."""
+    return np.dtype(np.float32 if len(shape) == 1 else np.float16)
+
+
 class NotConvertible(ValueError):
     """The `.rad` is not a float qwen3_moe model."""
 
@@ -100,8 +105,8 @@ def write(rad: RadFile, out: Path) -> int:
     w.add_tokenizer_model("none")
     tensors = list(plan(rad))
     for name, shape, _ in tensors:
-        dtype = np.float32 if len(shape) == 1 else np.float16
-        w.add_tensor_info(name, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
+        dtype = gguf_dtype(shape)
+        w.add_tensor_info(name, shape, dtype, int(np.prod(shape)) * dtype.itemsize)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
