@@ -15,6 +15,21 @@
  * loaded feeds both rows' FMAs; from 5 rows, each 512 values of the two rows are dequantized once into a
  * buffer in L1 that every 4 rows of x then read (`panel`). rad_blocks_dequantize is this code too.
  *
+ * AVX-512 tiles (Q4_0, Q4_1 and Q8_0 on a CPU with AVX-512F, where the AMX path does not run: Zen 4, or AMX
+ * refused): each block's 32 weights of a row are two zmm vectors made in registers, gguf's values bit for
+ * bit (Q4: d * q (+ m) for the 16 values a nibble can take, each rounded as gguf rounds it, then looked up
+ * by vpermps; Q8_0: d * q), and each feeds the FMAs of up to 8 rows of x; no panel (32 registers hold
+ * 2 x 8 sums). Measured on the 2-core AMD EPYC (Zen 4: AVX-512, no AMX), two threads, each call on the next
+ * of 8 copies of W (tools/bench_cpu_blocks.py --no-fp32, the AVX2 tiles' build as --source), us a call:
+ *     shape            M = 1: avx2  zmm   M = 4: avx2  zmm   M = 8: avx2  zmm
+ *     1536 x 576 q4_1           44    39           63    59          112    88
+ *     576 x 1536 q4_1           43    38           61    55          111    84
+ *     576 x 576 q4_1            21    19           29    27           47    38
+ *     49152 x 576 q8_0        1393  1267         1776  1597         3190  2602
+ * (M = 8: 160-174 GFLOP/s, above MKL's fp32 GEMM of 1024 x 1024 on these cores, 153.) The product beats
+ * dequantize + GEMM to ~200 rows of x (1536 x 576 q4_1 at M = 128: 1.33 ms against 1.50; 256: 2.75 against
+ * 2.95, 576 x 1536 2.73 against 2.53), so ZMM_GEMM_ROWS; the AVX2 tiles' AVX2_GEMM_ROWS is cpu_blocks.py's.
+ *
  * AMX (Sapphire Rapids and later: AMX-BF16 and AVX512-BF16, built with -march=native there, and Linux
  * granting the tile state at run time; from amx_min[fmt] rows of x): gguf's w = d * q (+ m) factored,
  * y = sum over chunks of d * sum(q x) (+ m * sum(x)). Every format's q is an integer of at most 8 bits,
@@ -71,7 +86,15 @@
 #define RAD_AMX 1
 #endif
 
+#if defined(RAD_AVX2) && defined(__AVX512F__)
+#define RAD_ZMM 1
+#endif
+
 enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 };
+
+/* rows of x past which dequantize + torch's GEMM beat the product (rad_blocks_gemm_rows; measured: header) */
+#define AVX2_GEMM_ROWS 64
+#define ZMM_GEMM_ROWS 192
 
 static inline int block_bytes(int fmt) {
     static const int bytes[] = {18, 20, 34, 144, 176, 210};
@@ -709,6 +732,96 @@ INLINE void amx_share(const float *x, int64_t M, int64_t K, int64_t ldx, const u
 EACH_FMT(AMX_FMT)
 #endif
 
+
+#ifdef RAD_ZMM
+/* AVX-512 tiles for Q4_0 / Q4_1 / Q8_0 at any M where the AMX path does not run (header): a block's
+ * 32 weights of a row are two zmm vectors made in registers, gguf's values bit for bit (Q4: the 16 values a
+ * nibble can take, d * q (+ m) rounded as gguf rounds each, looked up by vpermps; Q8_0: d * q), and each
+ * feeds the FMAs of up to ZM rows of x. Each (W row, x row) keeps one sum of 16 lanes (two from fewer than 5
+ * rows of x: lo and hi halves apart, for chains enough to hide the FMA's latency), added across lanes at the
+ * end: a row's result depends on that row of W and of x and on M's tiling alone, not on the thread count. */
+#define ZR 2 /* rows of W a tile */
+#define ZM 8 /* rows of x a tile: 2 x 8 sums + W's 2 rows as 4 vectors + an x vector, of the 32 zmm */
+#define Z_J(MR) ((MR) > 4 ? 1 : 2) /* sums a (W row, x row) */
+
+/* the 32 weights of one row's block: values 0..15 in lo, 16..31 in hi */
+INLINE void z_block(const uint8_t *blk, const int fmt, __m512 *lo, __m512 *hi) {
+    const __m512 d = _mm512_set1_ps(half(blk));
+    if (fmt == Q8_0) {
+        *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)))));
+        *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18)))));
+        return;
+    }
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512 t = _mm512_mul_ps(d, fmt == Q4_0 ? _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)) : iota);
+    if (fmt == Q4_1) t = _mm512_add_ps(t, _mm512_set1_ps(half(blk + 2)));
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + (fmt == Q4_1 ? 4 : 2))));
+    *lo = _mm512_permutexvar_ps(q, t); /* byte i's low nibble: vpermps reads an index's low 4 bits */
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), t);
+}
+
+/* NR rows of W against MR rows of x over nb blocks */
+INLINE void z_tile(const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes, int64_t nb, float *y,
+                   int64_t ldy, const int fmt, const int NR, const int MR, const int J) {
+    const int bb = block_bytes(fmt);
+    __m512 acc[ZR][ZM][2];
+    UNROLL
+    for (int r = 0; r < NR; r++)
+        UNROLL
+        for (int i = 0; i < MR; i++)
+            UNROLL
+            for (int j = 0; j < J; j++) acc[r][i][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 lo[ZR], hi[ZR];
+        UNROLL
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *blk = w + r * row_bytes + b * bb;
+            _mm_prefetch((const char *)(blk + PF), _MM_HINT_T0);
+            z_block(blk, fmt, &lo[r], &hi[r]);
+        }
+        const float *xb = x + b * 32;
+        UNROLL
+        for (int i = 0; i < MR; i++) {
+            __m512 x0 = _mm512_loadu_ps(xb + i * ldx), x1 = _mm512_loadu_ps(xb + i * ldx + 16);
+            __asm__("" : "+v"(x0), "+v"(x1)); /* loaded once, not folded into each row's FMA */
+            UNROLL
+            for (int r = 0; r < NR; r++) {
+                acc[r][i][0] = _mm512_fmadd_ps(lo[r], x0, acc[r][i][0]);
+                acc[r][i][J - 1] = _mm512_fmadd_ps(hi[r], x1, acc[r][i][J - 1]);
+            }
+        }
+    }
+    UNROLL
+    for (int r = 0; r < NR; r++)
+        UNROLL
+        for (int i = 0; i < MR; i++)
+            y[i * ldy + r] = _mm512_reduce_add_ps(J == 2 ? _mm512_add_ps(acc[r][i][0], acc[r][i][1]) : acc[r][i][0]);
+}
+
+INLINE void z_rows(const float *x, int64_t M, int64_t ldx, const uint8_t *w, int64_t row_bytes, int64_t nb,
+                   float *y, int64_t ldy, const int fmt, const int NR) {
+    int64_t m = 0;
+    for (; m + ZM <= M; m += ZM) z_tile(x + m * ldx, ldx, w, row_bytes, nb, y + m * ldy, ldy, fmt, NR, ZM, Z_J(ZM));
+#define Z_CASE(MR) case MR: z_tile(x + m * ldx, ldx, w, row_bytes, nb, y + m * ldy, ldy, fmt, NR, MR, Z_J(MR)); break;
+    switch (M - m) { Z_CASE(7) Z_CASE(6) Z_CASE(5) Z_CASE(4) Z_CASE(3) Z_CASE(2) Z_CASE(1) }
+#undef Z_CASE
+}
+
+#define ZMM_FMT(FMT)                                                                                           \
+    static void zmm_##FMT(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,     \
+                          int64_t row_bytes, float *y, int64_t ldy, int threads) {                            \
+        const int64_t nb = K / 32, tiles = (N + ZR - 1) / ZR;                                                 \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                     \
+        for (int64_t t = 0; t < tiles; t++) {                                                                 \
+            const int64_t n = t * ZR;                                                                         \
+            if (n + ZR <= N) z_rows(x, M, ldx, w + n * row_bytes, row_bytes, nb, y + n, ldy, FMT, ZR);        \
+            else z_rows(x, M, ldx, w + n * row_bytes, row_bytes, nb, y + n, ldy, FMT, 1);                     \
+        }                                                                                                     \
+    }
+#define EACH_ZMM_FMT(X) X(Q4_0) X(Q4_1) X(Q8_0)
+EACH_ZMM_FMT(ZMM_FMT)
+#endif
+
 #ifndef RAD_AVX2
 static void row(const float *x, int64_t M, int64_t ldx, const uint8_t *wrow, int64_t nb, int fmt, float *y,
                 int64_t ldy) {
@@ -735,6 +848,10 @@ void rad_blocks_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const 
 #define CALL_AMX(FMT) case FMT: amx_##FMT(x, M, K, ldx, w, N, row_bytes, y, ldy, threads); return;
     if (M >= amx_min[fmt] && amx_granted()) switch (fmt) { EACH_FMT(CALL_AMX) }
 #endif
+#ifdef RAD_ZMM
+#define CALL_ZMM(FMT) case FMT: zmm_##FMT(x, M, K, ldx, w, N, row_bytes, y, ldy, threads); return;
+    switch (fmt) { EACH_ZMM_FMT(CALL_ZMM) }
+#endif
 #ifdef RAD_AVX2
 #define CALL_MATMUL(FMT) case FMT: matmul_##FMT(x, M, K, ldx, w, N, row_bytes, y, ldy, threads); break;
     switch (fmt) { EACH_FMT(CALL_MATMUL) }
@@ -743,6 +860,20 @@ void rad_blocks_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const 
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n = 0; n < N; n++) row(x, M, ldx, w + n * row_bytes, nb, fmt, y + n, ldy);
 #endif
+}
+
+/* rows of x past which dequantizing W (rad_blocks_dequantize) and a GEMM library beat rad_blocks_matmul on
+ * format fmt in this build and process, 0 where the product is faster at every M measured (header) */
+int rad_blocks_gemm_rows(int fmt) {
+    const int tiles = fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0;
+#ifdef RAD_AMX
+    if (tiles && amx_granted()) return 0;
+#endif
+#ifdef RAD_ZMM
+    if (tiles) return ZMM_GEMM_ROWS;
+#endif
+    (void)tiles;
+    return AVX2_GEMM_ROWS;
 }
 
 /* rows of x from which rad_blocks_matmul runs the AMX path for format fmt on this machine and process; 0

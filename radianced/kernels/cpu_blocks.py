@@ -20,7 +20,9 @@ fp32 rounding of the exact product, but W's dequantized values are no longer its
 header; `dequantize` stays bit for bit). On the 2-core Sapphire Rapids at M = 8: 2.2-2.5x faster on
 SmolLM2's Q4_1 shapes with the weights from memory, 2.8-3.2x from L3, 1.45x on the Q8_0 lm_head; a batch-8
 decode step 25-27 -> 17-19 ms, batch 1 14 -> 11 ms. A build without AMX (another CPU, or -mno-amx-tile) or
-a kernel that refuses the tile state keeps the AVX2 tiles below.
+a kernel that refuses the tile state keeps the AVX2 tiles below; on a CPU with AVX-512 (Zen 4), Q4_0 / Q4_1 /
+Q8_0 run the AVX-512 tiles instead: gguf's values in registers, 8 rows of x a tile; at M = 8 1.2-1.3x faster
+than the AVX2 tiles on SmolLM2's shapes, 160-174 GFLOP/s on 2 Zen 4 cores (cpu_blocks.c's header).
 
 Measured on this repository's 2-core AMD EPYC (AVX2 + FMA, no AVX-512), microseconds a call, each of
 8 copies in turn (weights from memory, as a step reads its layers), against fp32 F.linear on the
@@ -36,12 +38,14 @@ of issue 23, 1.3-1.6x faster since: cpu_blocks.c's header, tools/bench_cpu_block
 The K-quants (no torch kernel reads them) were dequantized per use before, 25-35 ms for a 3072 x 512
 matrix; through the blocks 0.47 ms (Q4_K), 0.76 (Q5_K), 0.72 (Q6_K) at M = 1 on one thread.
 
-At a long prefill a GEMM library beats it (W's blocks are dequantized again for every 32 rows of x):
-past `PREFILL_ROWS` rows the matrix is dequantized by the same C code into a scratch and multiplied by
-torch's fp32 GEMM, the values unchanged. Measured (2 threads, us a call, kernel / dequantize + GEMM):
-1536 x 576 q4_1 at M = 48: 689 / 1045, M = 64: 936 / 1121, M = 128: 1899 / 1665; 576 x 1536 q4_1 at
-M = 64: 1003 / 963; the q8_0 lm_head (49152 x 576) at M = 64: 29 / 93 ms. The AMX product of Q4_0 / Q4_1 /
-Q8_0 beats it to 512 rows and keeps them (`AMX_PREFILL`).
+At a long prefill a GEMM library beats it (W's blocks are dequantized again for every few rows of x):
+past `gemm_rows(fmt)` rows the matrix is dequantized by the same C code into a scratch and multiplied by
+torch's fp32 GEMM, the values unchanged. Measured (2 threads, us a call, kernel / dequantize + GEMM), the
+AVX2 tiles: 1536 x 576 q4_1 at M = 48: 689 / 1045, M = 64: 936 / 1121, M = 128: 1899 / 1665; 576 x 1536
+q4_1 at M = 64: 1003 / 963; the q8_0 lm_head (49152 x 576) at M = 64: 29 / 93 ms: 64 rows. The AVX-512
+tiles of Q4_0 / Q4_1 / Q8_0 (Zen 4) keep them to 192 rows, their AMX product to any (it beats GEMM to 512
+rows on the Sapphire Rapids: 1536 x 576 q4_1 at M = 512 2.0 ms against 3.1, the q8_0 lm_head at M = 128
+20 ms against 57); the K-quants' AMX product does not (Q6_K at M = 65: 2.8 ms against 2.2).
 
 The library (this file's kernels and the decode attention's, cpu_attention.py: `SOURCES`) is compiled
 with `-O3 -march=native -ffp-contract=off` (no fused multiply-add where gguf's dequantization rounds
@@ -71,11 +75,6 @@ from radianced.kernels.formats import CPU_BLOCKS, FORMATS as ALL_FORMATS
 # the host backend's C kernels, one library: the block matmuls and the decode attention (cpu_attention.py)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_blocks.c", "cpu_attention.c"))
 FORMATS = {f: CPU_BLOCKS.index(f) for f in CPU_BLOCKS}  # cpu_blocks.c's format codes
-PREFILL_ROWS = 64  # rows of x past which dequantize + torch's GEMM is faster (measured: module docstring)
-# formats whose AMX product (cpu_blocks.c) beats dequantize + GEMM at every M measured, 65 to 512 rows (2 threads,
-# Sapphire Rapids: 1536 x 576 q4_1 at M = 512 2.0 ms against 3.1, the q8_0 lm_head at M = 128 20 ms against 57);
-# the K-quants' does not (Q6_K at M = 65: 2.8 ms against 2.2), so they keep PREFILL_ROWS
-AMX_PREFILL = ("q4_0", "q4_1", "q8_0")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -133,10 +132,11 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.rad_decode_attention.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64,
                                          ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
     lib.rad_blocks_matmul.restype = lib.rad_blocks_dequantize.restype = lib.rad_decode_attention.restype = None
-    if hasattr(lib, "rad_blocks_amx_rows"):
-        lib.rad_blocks_amx_rows.argtypes, lib.rad_blocks_amx_rows.restype = [ctypes.c_int], ctypes.c_int
-    else:  # an older cpu_blocks.c (tools/bench_cpu_blocks.py --source): no AMX path
-        lib.rad_blocks_amx_rows = lambda fmt: 0
+    for name, older in (("rad_blocks_amx_rows", 0), ("rad_blocks_gemm_rows", 64)):
+        if hasattr(lib, name):
+            getattr(lib, name).argtypes, getattr(lib, name).restype = [ctypes.c_int], ctypes.c_int
+        else:  # an older cpu_blocks.c (tools/bench_cpu_blocks.py --source): no AMX path, GEMM past 64 rows
+            setattr(lib, name, lambda fmt, older=older: older)
     return lib
 
 
@@ -149,6 +149,12 @@ def amx_rows(fmt: str) -> int:
     """Rows of x from which `matmul` runs `fmt` through the AMX path here (cpu_blocks.c's header), 0 where it
     does not."""
     return _lib().rad_blocks_amx_rows(FORMATS[fmt]) if available() else 0
+
+
+def gemm_rows(fmt: str) -> int | None:
+    """Rows of x past which `matmul` dequantizes W and multiplies by torch's GEMM (faster there on this machine:
+    cpu_blocks.c's rad_blocks_gemm_rows), None where the block product takes every M."""
+    return (_lib().rad_blocks_gemm_rows(FORMATS[fmt]) or None) if available() else None
 
 
 def _check(data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> tuple[int, int, int]:
@@ -184,7 +190,7 @@ class Matrix:
         self.data, self.fmt, self.shape = data, fmt, (n, k)
         self._w = (data.data_ptr(), row_bytes, FORMATS[fmt])
         self._run = _lib().rad_blocks_matmul
-        self._gemm_past = None if fmt in AMX_PREFILL and amx_rows(fmt) else PREFILL_ROWS  # rows of x
+        self._gemm_past = gemm_rows(fmt)  # rows of x
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] fp32 @ W.T -> [..., N] fp32."""

@@ -4,7 +4,7 @@ Q4_0 / Q4_1 / Q8_0 weights come from `gguf.quants.quantize` (llama.cpp's layouts
 K-quants, which gguf's Python package does not quantize, are random blocks with finite fp16 scales (every
 bit pattern of their quants, scales and mins is a valid block). The oracle is `gguf.quants.dequantize`
 then an fp32 matmul. The kernels' dequantization must be gguf's bit for bit, and a product may differ
-from the oracle's only by fp32 rounding: by the order of its sums in the AVX2 tiles; past
+from the oracle's only by fp32 rounding: by the order of its sums in the AVX2 and AVX-512 tiles; past
 `cpu_blocks.amx_rows(fmt)` rows of x on an AMX machine, also by gguf's w = d * q + m factored into
 d * sum(q x) + m * sum(x) a chunk (test_cpu_blocks_amx.py bounds it against the exact product)."""
 
@@ -60,10 +60,11 @@ def test_dequantize_is_gguf_bit_for_bit(fmt, shape):
 
 
 @pytest.mark.parametrize("fmt,shape", CASES, ids=str)
-@pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 32, 33, cpu_blocks.PREFILL_ROWS, cpu_blocks.PREFILL_ROWS + 3])
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 17, 32, 33, 64, 67, 192, 195])
 def test_matmul_is_the_dequantized_fp32_product(fmt, shape, m):
-    """Every tile of x's rows (4, 3, 2, 1; direct up to 4 rows, through the dequantized panel from 5), W's
-    rows in pairs and an odd N's last alone, and the long-prefill path (dequantize, then torch's GEMM)."""
+    """Every tile of x's rows (the AVX2 tiles' 4, 3, 2, 1, direct up to 4 rows, through the dequantized panel
+    from 5; the AVX-512 tiles' 8 and 7 to 1), W's rows in pairs and an odd N's last alone, and the long-prefill
+    path (dequantize, then torch's GEMM) past `gemm_rows`: 64 rows of x, 192 on the AVX-512 tiles."""
     data, ref = _matrix(fmt, *shape, seed=m)
     x = torch.randn(m, shape[1], generator=torch.Generator().manual_seed(m))
     y = cpu_blocks.matmul(x, data, fmt, shape)
@@ -102,8 +103,8 @@ def test_a_row_is_the_same_whatever_its_neighbours(fmt, m):
 
 
 def test_the_c_kernel_takes_more_than_32_rows():
-    """`matmul` sends past PREFILL_ROWS rows to torch's GEMM, but the C function takes any M (in panels of 32
-    rows of x): its product is still the dequantized one."""
+    """`matmul` sends past `gemm_rows` rows to torch's GEMM, but the C function takes any M (in panels of 32
+    rows of x, or tiles of 8): its product is still the dequantized one."""
     data, ref = _matrix("q4_0", 34, 576)
     x = torch.randn(70, 576)
     y = torch.empty(70, 34)
@@ -136,7 +137,7 @@ def test_bad_inputs_name_what_is_wrong():
         cpu_blocks.matmul(torch.randn(1, 64), data, "fp8_b128", (4, 64))
     with pytest.raises(ValueError, match=r"q4_0 \[5, 64\]: need CPU uint8 rows"):
         cpu_blocks.matmul(torch.randn(1, 64), data, "q4_0", (5, 64))
-    for m in (1, cpu_blocks.PREFILL_ROWS + 1):  # the kernel's path and the long prefill's
+    for m in (1, 300):  # the kernel's path and the long prefill's (past gemm_rows but on AMX)
         with pytest.raises(ValueError, match="x must be fp32, got torch.bfloat16"):
             cpu_blocks.matmul(torch.randn(m, 64, dtype=torch.bfloat16), data, "q4_0", (4, 64))
 
@@ -147,7 +148,7 @@ def test_a_kept_matrix_is_matmul_and_checks_each_x():
     data, _ = _matrix("q8_0", 48, 576)
     mat = cpu_blocks.Matrix(data, "q8_0", (48, 576))
     for x in (torch.randn(3, 576), torch.randn(2, 3, 576), torch.randn(576, 5).t(), torch.randn(576),
-              torch.randn(cpu_blocks.PREFILL_ROWS + 1, 576), torch.randn(0, 576)):
+              torch.randn(300, 576), torch.randn(0, 576)):
         assert torch.equal(mat(x), cpu_blocks.matmul(x, data, "q8_0", (48, 576)))
     with pytest.raises(ValueError, match=r"x must be CPU fp32 \[\.\.\., 576\], got \[2, 64\]"):
         mat(torch.randn(2, 64))

@@ -6,7 +6,7 @@ against the exact one (float64) within what fp32 rounding allows any order of su
 |x| @ (|W| + 2 |m|).T with u = 2^-24, a bound on both factorings' terms (|d q| + |m| <= |w| + 2 |m|); the fp32
 oracle `x @ W.dequantize().T` meets the same bound. Then the bits the factoring must keep: one nonzero x a chunk
 times a power-of-two weight is exact, which x cut to bf16 (8 bits) or two parts (16) would not be.
-On a machine without the path these run the AVX2 tiles, which meet the same bounds."""
+On a machine without the path these run the AVX-512 or AVX2 tiles, which meet the same bounds."""
 
 from __future__ import annotations
 
@@ -131,24 +131,29 @@ def test_a_row_of_x_is_the_same_whatever_the_others():
         assert torch.equal(cpu_blocks.matmul(x[m0:m1], data, "q8_0", (48, 576)), full[m0:m1])
 
 
-def test_a_build_without_amx_runs_the_avx2_tiles_with_the_dequantized_values(tmp_path, monkeypatch):
-    """The fallback a CPU without AMX gets (here: the same source built with -mno-amx-tile): no AMX path
-    (`amx_rows` 0, the long prefill back on dequantize + GEMM) and the AVX2 tiles' product, W's dequantized
+@pytest.mark.parametrize("flags,tiles", [(("-mno-amx-tile", "-mno-amx-bf16"), "AVX-512 or AVX2"),
+                                         (("-mno-avx512f",), "AVX2")], ids=["no-amx", "no-avx512"])
+def test_a_build_without_amx_or_avx512_runs_tiles_with_the_dequantized_values(tmp_path, monkeypatch, flags, tiles):
+    """The fallbacks a CPU without AMX gets (here: the same source built with -mno-amx-tile: the AVX-512 tiles of
+    Q4_0 / Q4_1 / Q8_0 where the CPU has AVX-512, Zen 4's path) and one without AVX-512 too (-mno-avx512f: the
+    AVX2 tiles): no AMX path, the long prefill back on dequantize + GEMM past `gemm_rows`, and W's dequantized
     values summed in another order, on the rows of x an AMX machine sends to the tiles."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None or not cpu_blocks.available():
         pytest.skip("no C compiler")
-    out = tmp_path / "no_amx.so"
-    done = subprocess.run([cc, *cpu_blocks.FLAGS, "-mno-amx-tile", "-mno-amx-bf16", "-o", str(out),
-                           *map(str, cpu_blocks.SOURCES)], capture_output=True, text=True)
+    out = tmp_path / "fallback.so"
+    done = subprocess.run([cc, *cpu_blocks.FLAGS, *flags, "-o", str(out), *map(str, cpu_blocks.SOURCES)],
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     lib = cpu_blocks.declare(ctypes.CDLL(str(out)))
     monkeypatch.setattr(cpu_blocks, "_lib", lambda: lib)
     assert cpu_blocks.amx_rows("q4_1") == 0
+    assert cpu_blocks.gemm_rows("q4_1") in ((64,) if tiles == "AVX2" else (64, 192))
+    assert cpu_blocks.gemm_rows("q6_k") == 64
     for fmt in TYPES:
         k = _ks(fmt)[1]
         data, ref = _matrix(fmt, 130, k)
-        for m in (1, 5, 8, 17, cpu_blocks.PREFILL_ROWS + 1):
+        for m in (1, 5, 8, 17, cpu_blocks.gemm_rows(fmt) + 1):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             expected = x @ ref.t()
             torch.testing.assert_close(cpu_blocks.matmul(x, data, fmt, (130, k)), expected, rtol=0,
