@@ -57,11 +57,12 @@ def random_blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> torch.T
 
 def load_source(spec: str, folder: Path) -> ctypes.CDLL:
     """Compile `FILE.c[:EXTRA FLAGS]` in cpu_blocks.c's place beside the library's other sources, with its flags
-    (and the extra ones, e.g. -DNAME=1), and load it with the same signatures."""
+    (and the extra ones, e.g. -DNAME=1) and their headers' folder, and load it with the same signatures."""
     source, _, extra = spec.partition(":")
     out = folder / f"{Path(source).stem}-{len(list(folder.iterdir()))}.so"
     others = [str(s) for s in cpu_blocks.SOURCES if s.name != "cpu_blocks.c"]
-    done = subprocess.run(["cc", *cpu_blocks.FLAGS, *extra.split(), "-o", str(out), source, *others],
+    includes = f"-I{cpu_blocks.SOURCES[0].parent}"  # the sources' headers (cpu_exp.h) for a copy elsewhere
+    done = subprocess.run(["cc", *cpu_blocks.FLAGS, includes, *extra.split(), "-o", str(out), source, *others],
                           capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"cc failed on {source}: {done.stderr}")

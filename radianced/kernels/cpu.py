@@ -147,8 +147,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def silu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """`reference.silu_mlp`, `down(silu(gate(x)) * up(x))`, with each matmul through `_matmul`."""
-    return _matmul(F.silu(_matmul(x, gate)).mul_(_matmul(x, up)), down)
+    """`reference.silu_mlp`, `down(silu(gate(x)) * up(x))`, with each matmul through `_matmul`; GGUF-format gate
+    and up of one format through one fused call where the kernels have it (`cpu_blocks.SwiGLU`: silu within a unit
+    of fp32 rounding of torch's)."""
+    pair = _swiglu(gate, up) if x.dtype == torch.float32 else None
+    h = pair(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1) if pair is not None \
+        else F.silu(_matmul(x, gate)).mul_(_matmul(x, up))
+    return _matmul(h, down)
 
 
 def moe(*args, **kwargs) -> torch.Tensor:
@@ -202,6 +207,20 @@ def _blocks(weight: CompactWeight) -> cpu_blocks.Matrix | None:
         return None
     return _kept(_MATRICES, weight,
                  lambda: cpu_blocks.Matrix(weight.data.reshape(weight.shape[0], -1), weight.fmt, weight.shape))
+
+
+_SWIGLUS: dict = {}  # each (gate, up) pair's `cpu_blocks.SwiGLU` or None, by `_kept` on gate (and up beside it)
+
+
+def _swiglu(gate, up) -> cpu_blocks.SwiGLU | None:
+    """The fused product of an MLP's gate and up, or None where they are not both block-kernel matrices it takes."""
+    if not isinstance(gate, CompactWeight) or not isinstance(up, CompactWeight):
+        return None
+
+    def make():
+        g, u = _blocks(gate), _blocks(up)
+        return None if g is None or u is None else cpu_blocks.SwiGLU.make(g, u)
+    return _kept(_SWIGLUS, gate, make, up)
 
 
 # An fp32 matrix this tall (an lm_head: SmolLM2's 49152 x 576) goes through oneDNN's matmul, not F.linear's

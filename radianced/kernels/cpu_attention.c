@@ -28,57 +28,17 @@
 #define G_MAX 16 /* query heads a KV head (GQA ratio) */
 #define LANES 8
 
-/* e^x for x <= 0 (every argument here: a score less the running maximum): Cephes' expf (x = n ln 2 + r,
- * |r| <= ln 2 / 2, a polynomial in r, times 2^n), within 0.99 units of fp32 rounding of e^x on every float of
- * -87..0 (libm's expf: 0.5). 8 at a time where the compiler has AVX2, the same operations one at a time
- * otherwise and for a chunk's last scores: the same values either way. One scalar exp a score was a quarter of
- * the kernel's time at b8 (perf; libm's expf no faster); 8 at a time the kernel took 91 -> 75 us (one thread,
- * b8, contexts 45-70). Below -87.3, where e^x leaves fp32's normal range, it is e^-87.3 (1.2e-38): beside the
- * maximum's e^0 = 1 in every sum. */
-#define EXP_MIN -87.3f
-#define LOG2E 1.44269504088896341f
-#define ROUND 12582912.0f /* 1.5 * 2^23: (y + ROUND) - ROUND is y rounded to an integer */
-#define LN2_HI 0.693359375f
-#define LN2_LO -2.12194440e-4f
-static const float POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
-                               1.6666665459e-1f, 5.0000001201e-1f};
-
-static inline float exp_neg(float x) {
-    x = x < EXP_MIN ? EXP_MIN : x;
-    const float n = (x * LOG2E + ROUND) - ROUND;
-    const float r = (x - n * LN2_HI) - n * LN2_LO;
-    float p = POLY[0];
-    for (int i = 1; i < 6; i++) p = p * r + POLY[i];
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23; /* 2^n: n in -126 .. 0 */
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
-}
-
-#ifdef __AVX2__
-static inline __m256 exp_neg8(__m256 x) { /* exp_neg's operations, 8 lanes */
-    x = _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN));
-    const __m256 round = _mm256_set1_ps(ROUND);
-    const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), round), round);
-    const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(LN2_HI))),
-                                   _mm256_mul_ps(n, _mm256_set1_ps(LN2_LO)));
-    __m256 p = _mm256_set1_ps(POLY[0]);
-    for (int i = 1; i < 6; i++) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(POLY[i]));
-    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-#endif
+/* e^x (cpu_exp.h): every argument here is a score less the running maximum, <= 0 */
+#include "cpu_exp.h"
 
 /* p[0 .. n - 1] = e^(p - top), summed (in order) into *l */
 static inline void exps(float *p, int64_t n, float top, float *l) {
     int64_t t = 0;
 #ifdef __AVX2__
     for (; t + 8 <= n; t += 8)
-        _mm256_storeu_ps(p + t, exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(p + t), _mm256_set1_ps(top))));
+        _mm256_storeu_ps(p + t, rad_exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), _mm256_set1_ps(top))));
 #endif
-    for (; t < n; t++) p[t] = exp_neg(p[t] - top);
+    for (; t < n; t++) p[t] = rad_expf(p[t] - top);
     for (t = 0; t < n; t++) *l += p[t];
 }
 
@@ -205,7 +165,7 @@ static void attend(const float *q, const float *kv, int64_t row, int64_t v_rows,
             for (int64_t t = 0; t < cn; t++) top = p[j][t] > top ? p[j][t] : top;
             if (top > m[j]) { /* the sums so far, rescaled to the new maximum (none before the first chunk) */
                 if (c0) {
-                    const float r = exp_neg(m[j] - top);
+                    const float r = rad_expf(m[j] - top);
                     l[j] *= r;
                     for (int64_t i = 0; i < d; i++) o[j * d + i] *= r;
                 }

@@ -7,7 +7,7 @@ longest under an additive mask. The C kernel reads each key and value row where 
 own keys, an online softmax in fp32 over (sequence, KV head) pairs on OpenMP threads.
 
 Values: each score is q . k (8 lane sums, then added across lanes) times the scale, then e^(score - running
-max) (within 1 unit of fp32 rounding: cpu_attention.c `exp_neg`), the V rows summed with those weights and
+max) (within 1 unit of fp32 rounding: cpu_exp.h `rad_expf`), the V rows summed with those weights and
 divided by their sum once: the reference's products, summed in another order and rescaled per chunk of keys, so
 the output differs from `reference.paged_attention` by fp32 rounding (up to 9.9e-7 of max |ref| over 213 keys,
 SDPA's up to 7.1e-7 on the same cases; tests/kernels/test_cpu_attention.py holds it to 4e-6). The sums do not

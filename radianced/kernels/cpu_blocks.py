@@ -74,6 +74,7 @@ from radianced.kernels.formats import CPU_BLOCKS, FORMATS as ALL_FORMATS
 
 # the host backend's C kernels, one library: the block matmuls and the decode attention (cpu_attention.py)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_blocks.c", "cpu_attention.c"))
+HEADERS = (Path(__file__).with_name("cpu_exp.h"),)  # included by the sources: part of the build's key
 FORMATS = {f: CPU_BLOCKS.index(f) for f in CPU_BLOCKS}  # cpu_blocks.c's format codes
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
@@ -86,7 +87,7 @@ def library_path() -> Path:
     """Where this machine's build lives: radianced's cache folder, named by source, flags and machine."""
     from radianced.model.default import cache_dir
 
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode()
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join(FLAGS).encode()
                          + platform.machine().encode() + platform.node().encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"cpu_blocks-{key}.so"
 
@@ -137,6 +138,12 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
             getattr(lib, name).argtypes, getattr(lib, name).restype = [ctypes.c_int], ctypes.c_int
         else:  # an older cpu_blocks.c (tools/bench_cpu_blocks.py --source): no AMX path, GEMM past 64 rows
             setattr(lib, name, lambda fmt, older=older: older)
+    if hasattr(lib, "rad_blocks_swiglu"):
+        lib.rad_blocks_swiglu.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, ctypes.c_int, ptr, i64, ctypes.c_int]
+        lib.rad_blocks_swiglu.restype = lib.rad_blocks_swiglu_rows.restype = ctypes.c_int
+        lib.rad_blocks_swiglu_rows.argtypes = []
+    else:  # an older cpu_blocks.c: no fused SwiGLU
+        lib.rad_blocks_swiglu_rows = lambda: 0
     return lib
 
 
@@ -218,6 +225,42 @@ class Matrix:
         x2 = x.reshape(-1, k)
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
         return self(x2).reshape(*x.shape[:-1], n)
+
+
+class SwiGLU:
+    """An MLP's gate and up matrices (`Matrix`es of one format and shape) as one product: `SwiGLU(gate, up)(x)` is
+    `F.silu(gate(x)) * up(x)` in one C call (cpu_blocks.c `rad_blocks_swiglu`: one parallel region, the silu in
+    registers with cpu_exp.h's e^x, within a unit of fp32 rounding of torch's; gate(x) and up(x) themselves are the
+    products' values bit for bit) up to `rows` rows of x, the two products and torch's ops past it. `make` returns
+    None where the fused call would be slower or cannot run: AMX takes the format (its products are faster
+    apart), formats or shapes differ, no AVX2."""
+
+    __slots__ = ("gate", "up", "rows", "_run")
+
+    def __init__(self, gate: Matrix, up: Matrix, rows: int):
+        self.gate, self.up, self.rows = gate, up, rows
+        self._run = _lib().rad_blocks_swiglu
+
+    @staticmethod
+    def make(gate: Matrix, up: Matrix) -> SwiGLU | None:
+        if gate.fmt != up.fmt or gate.shape != up.shape or gate._w[1] != up._w[1] or amx_rows(gate.fmt):
+            return None
+        rows = _lib().rad_blocks_swiglu_rows()
+        return SwiGLU(gate, up, rows) if rows else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] fp32 -> silu(x @ G.T) * (x @ U.T) [M, N] fp32."""
+        n, k = self.gate.shape
+        if x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 \
+                or not 0 < x.shape[0] <= self.rows:
+            return torch.nn.functional.silu(self.gate(x)).mul_(self.up(x))
+        m = x.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        (wg, row_bytes, code), wu = self.gate._w, self.up._w[0]
+        if self._run(x.data_ptr(), m, k, x.stride(0), wg, wu, n, row_bytes, code, y.data_ptr(), n,
+                     torch.get_num_threads()):
+            raise RuntimeError(f"rad_blocks_swiglu refused {self.gate.fmt} at M = {m} (rows: {self.rows})")
+        return y
 
 
 def matmul(x: torch.Tensor, data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> torch.Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
@@ -172,3 +173,43 @@ def test_the_library_is_built_once_per_source_and_machine(tmp_path, monkeypatch)
     monkeypatch.delenv("CC", raising=False)
     with pytest.raises(cpu_blocks.BuildError, match="no C compiler .* install gcc"):
         cpu_blocks.build()
+
+
+def _ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """|got - want| in units of fp32 rounding at want (at least the smallest normal's)."""
+    f = torch.finfo(torch.float32)
+    return (got.double() - want.double()).abs() / (want.double().abs().clamp_min(f.tiny) * f.eps)
+
+
+@pytest.mark.parametrize("fmt", list(TYPES))
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 13, 64])
+def test_swiglu_is_torchs_silu_of_the_two_products(fmt, m):
+    """`SwiGLU(gate, up)(x)` against `F.silu(gate(x)) * up(x)`: the products are the same (a row's sums do not
+    depend on its neighbours), the silu within two units of fp32 rounding (cpu_exp.h's e^x against Sleef's, each
+    within one); N of 37 ends on a partial chunk of 16 columns. x spread wide, so |gate(x)| passes 88.7, where
+    e^-g is infinite or 0: silu is g or -0 there, as torch's."""
+    n, k = 37, 512 if fmt in F16_AT else 576
+    (dg, _), (du, _) = _matrix(fmt, n, k, seed=1), _matrix(fmt, n, k, seed=2)
+    gate, up = cpu_blocks.Matrix(dg, fmt, (n, k)), cpu_blocks.Matrix(du, fmt, (n, k))
+    pair = cpu_blocks.SwiGLU.make(gate, up)
+    if pair is None:
+        pytest.skip(f"no fused SwiGLU for {fmt} here (AMX takes it, or no AVX2)")
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * torch.logspace(2, -1, m)[:, None]
+    got, g = pair(x), gate(x)
+    want = F.silu(g) * up(x)
+    assert got.shape == (m, n) and bool((g.abs() > 88.8).any())
+    assert float(_ulps(got, want).max()) <= 2.0
+
+
+def test_swiglu_past_its_rows_and_on_other_pairs_is_the_two_products():
+    """Past `rows` rows of x (a long prefill) it runs the two products and torch's ops, bit for bit; a pair of
+    two formats or shapes is not fused (`make`: None)."""
+    (dg, _), (du, _), (d8, _) = _matrix("q4_1", 40, 576, 1), _matrix("q4_1", 40, 576, 2), _matrix("q8_0", 40, 576)
+    gate, up = cpu_blocks.Matrix(dg, "q4_1", (40, 576)), cpu_blocks.Matrix(du, "q4_1", (40, 576))
+    assert cpu_blocks.SwiGLU.make(gate, cpu_blocks.Matrix(d8, "q8_0", (40, 576))) is None
+    assert cpu_blocks.SwiGLU.make(gate, cpu_blocks.Matrix(du[:39], "q4_1", (39, 576))) is None
+    pair = cpu_blocks.SwiGLU.make(gate, up)
+    if pair is None:
+        pytest.skip("no fused SwiGLU for q4_1 here")
+    x = torch.randn(pair.rows + 1, 576)
+    assert torch.equal(pair(x), F.silu(gate(x)).mul_(up(x)))

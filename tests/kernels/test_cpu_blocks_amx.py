@@ -17,9 +17,10 @@ import subprocess
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from radianced.kernels import cpu_blocks
-from tests.kernels.test_cpu_blocks import TYPES, _matrix
+from tests.kernels.test_cpu_blocks import TYPES, _matrix, _ulps
 
 U = 2.0 ** -24
 
@@ -137,7 +138,7 @@ def test_a_build_without_amx_or_avx512_runs_tiles_with_the_dequantized_values(tm
     """The fallbacks a CPU without AMX gets (here: the same source built with -mno-amx-tile: the AVX-512 tiles of
     Q4_0 / Q4_1 / Q8_0 where the CPU has AVX-512, Zen 4's path) and one without AVX-512 too (-mno-avx512f: the
     AVX2 tiles): no AMX path, the long prefill back on dequantize + GEMM past `gemm_rows`, and W's dequantized
-    values summed in another order, on the rows of x an AMX machine sends to the tiles."""
+    values summed in another order, on the rows of x an AMX machine sends to the tiles; the fused SwiGLU on them."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None or not cpu_blocks.available():
         pytest.skip("no C compiler")
@@ -158,3 +159,7 @@ def test_a_build_without_amx_or_avx512_runs_tiles_with_the_dequantized_values(tm
             expected = x @ ref.t()
             torch.testing.assert_close(cpu_blocks.matmul(x, data, fmt, (130, k)), expected, rtol=0,
                                        atol=1e-5 * expected.abs().max().item())
+        gate, up = cpu_blocks.Matrix(data, fmt, (130, k)), cpu_blocks.Matrix(_matrix(fmt, 130, k, seed=1)[0], fmt,
+                                                                         (130, k))
+        x = torch.randn(8, k)
+        assert float(_ulps(cpu_blocks.SwiGLU.make(gate, up)(x), F.silu(gate(x)) * up(x)).max()) <= 2.0
