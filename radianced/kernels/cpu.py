@@ -101,7 +101,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from radianced.kernels import cpu_attention, cpu_blocks, reference
+from radianced.kernels import cpu_attention, cpu_blocks, cpu_layer, reference
 from radianced.kernels.compact import CompactWeight, RowStack, dense
 from radianced.kernels.kv_quant import KVPlane
 
@@ -520,13 +520,13 @@ class _DecodeStep:
     context's rows for one gather and SDPA's mask (None over equal contexts). One per-step lookup a layer
     instead of four, and the decode check made once a step (query_start is one step's tensor, never written)."""
 
-    __slots__ = ("cos", "sin", "kept", "write_at", "context", "read_rows", "mask", "b", "ctx")
+    __slots__ = ("cos", "sin", "kept", "write_at", "context", "read_rows", "mask", "b", "ctx", "scratch")
 
     def __init__(self, positions, inv_freq, dtype, slot_mapping, block_tables, query_start, seq_lens, s, layout):
         reference.check_decode(query_start.tolist() if isinstance(query_start, torch.Tensor) else query_start)
         self.cos, self.sin = _rope_tables.__wrapped__(positions, inv_freq, dtype)
         kept, write_at = _write_plan.__wrapped__(slot_mapping, s, layout)
-        self.context = None
+        self.context = self.scratch = None  # scratch: the fused layers' (`dense_layer`), made on the first
         if dtype == torch.float32 and cpu_attention.available():
             lens = torch.as_tensor(seq_lens, dtype=torch.int64)
             k_rows = write_at[:len(write_at) // 2]
@@ -583,3 +583,43 @@ def rotary_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po
     q, k = rotary_qk(q, k, positions, inv_freq, q_weight, k_weight, eps, zero_centred)
     _write(rows, k_cache, v_cache, k, v, slot_mapping)
     return _attend(rows, q, k_cache, v_cache, block_tables, query_start, seq_lens, scale)
+
+
+# -- a dense layer in one call ----------------------------------------------------
+
+_LAYERS: dict = {}  # each Llama layer's `cpu_layer.DenseLayer` or None, by `_kept` on the layer
+
+
+def dense_layer(layer, x: torch.Tensor, rope, batch, cache) -> torch.Tensor | None:
+    """A Llama layer (model/llama.py `LlamaLayer`) of a decode step in one C call (cpu_layer.py: its products,
+    attention and residual adds are the op-by-op path's, its RMSNorms within a unit of fp32 rounding of the
+    reference's), or None where that does not apply and the model runs its ops: a prefill or mixed step, not
+    fp32, a layer with a bias, qk-norm, an output gate, a zero-centred norm, a group of cards, weights the block
+    kernels do not read, a cache that is not plain fp32 rows."""
+    if not batch.is_decode or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+        return None
+    fused = _kept(_LAYERS, layer, lambda: _dense_layer(layer))
+    if fused is None:
+        return None
+    k_cache, v_cache = cache.layer(layer.attn.layer)
+    rows = _rows_of(k_cache, v_cache)
+    if rows is None or rows.flat.dtype != torch.float32:
+        return None
+    positions, inv_freq = rope
+    step = _decode_step(positions, inv_freq, x.dtype, batch.slot_mapping, batch.block_tables,
+                        _hashable(batch.query_start_t), _hashable(batch.seq_lens_t), k_cache.shape[2], rows.layout)
+    if step.context is None:
+        return None
+    step.scratch = fused.scratch(step.context, step.cos, step.sin, step.scratch)
+    return fused(x, step.scratch, rows.flat, rows.layout[3])
+
+
+def _dense_layer(layer) -> cpu_layer.DenseLayer | None:
+    attn, mlp, norms = layer.attn, layer.mlp, (layer.input_norm, layer.post_norm)
+    if attn.group.size != 1 or mlp.group.size != 1 or attn.bqkv is not None or attn.q_norm is not None \
+            or attn.output_gate or any(n.zero_centred for n in norms) or norms[0].eps != norms[1].eps:
+        return None
+    weights = (attn.wqkv, attn.wo, mlp.gate, mlp.up, mlp.down)
+    mats = tuple(_blocks(w) if isinstance(w, CompactWeight) else None for w in weights)
+    return cpu_layer.DenseLayer.make((norms[0].weight, norms[1].weight), norms[0].eps, mats,
+                                     (attn.heads, attn.kv_heads, attn.head_dim), attn.scale)

@@ -47,7 +47,7 @@ tiles of Q4_0 / Q4_1 / Q8_0 (Zen 4) keep them to 192 rows, their AMX product to 
 rows on the Sapphire Rapids: 1536 x 576 q4_1 at M = 512 2.0 ms against 3.1, the q8_0 lm_head at M = 128
 20 ms against 57); the K-quants' AMX product does not (Q6_K at M = 65: 2.8 ms against 2.2).
 
-The library (this file's kernels and the decode attention's, cpu_attention.py: `SOURCES`) is compiled
+The library (this file's kernels, the decode attention's and the fused layer's: `SOURCES`) is compiled
 with `-O3 -march=native -ffp-contract=off` (no fused multiply-add where gguf's dequantization rounds
 twice) into radianced's cache folder, named by the sources' hash and the machine, atomically (`make
 install` builds it; a missing one is built at first use, about a second).
@@ -72,8 +72,9 @@ import torch
 
 from radianced.kernels.formats import CPU_BLOCKS, FORMATS as ALL_FORMATS
 
-# the host backend's C kernels, one library: the block matmuls and the decode attention (cpu_attention.py)
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_blocks.c", "cpu_attention.c"))
+# the host backend's C kernels, one library: the block matmuls, the decode attention (cpu_attention.py) and
+# a dense layer of a decode step made of them (cpu_layer.py)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_blocks.c", "cpu_attention.c", "cpu_layer.c"))
 HEADERS = (Path(__file__).with_name("cpu_exp.h"),)  # included by the sources: part of the build's key
 FORMATS = {f: CPU_BLOCKS.index(f) for f in CPU_BLOCKS}  # cpu_blocks.c's format codes
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")

@@ -27,6 +27,7 @@ moe = cpu.moe
 route = reference.route
 route_moe = cpu.route_moe
 argmax = reference.argmax
+dense_layer = cpu.dense_layer
 gather_rows = reference.gather_rows
 
 deltanet_gates = reference.deltanet_gates
@@ -48,7 +49,7 @@ _TRITON = (
 )
 _SWITCHED = tuple(name for _, name in _TRITON)
 # Bound to the host backend's ops (kernels/cpu.py) on the CPU; the others stay the reference there.
-_CPU = ("rms_norm", "linear", "silu_mlp", "rotary_paged_attention", "moe", "route_moe")
+_CPU = ("rms_norm", "linear", "silu_mlp", "rotary_paged_attention", "moe", "route_moe", "dense_layer")
 
 
 def select(device: torch.device | str, deterministic: bool = False, oracle: bool = False) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from radianced.kernels import ops
 from radianced.kv.cache import KVCache
 from radianced.model.batch import ForwardBatch
 from radianced.model.config import ModelConfig
@@ -18,6 +19,9 @@ class LlamaLayer:
         self.mlp = DenseMLP(p + "mlp", w, group)
 
     def __call__(self, x, rope, batch: ForwardBatch, cache: KVCache):
+        fused = ops.dense_layer(self, x, rope, batch, cache)  # the host backend's decode layer in one call
+        if fused is not None:
+            return fused
         x = self.attn(x, rope, batch, cache, residual=x, norm=self.input_norm)
         return self.mlp(x, residual=x, norm=self.post_norm)
 

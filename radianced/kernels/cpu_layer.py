@@ -1,0 +1,124 @@
+"""A dense decoder layer of a decode step (Llama's, SmolLM2's) on the host backend in one C call (cpu_layer.c).
+
+Why: op by op, a SmolLM2 layer is ~25 calls from Python (two RMSNorms of seven torch ops, five products, the
+attention, views, residual adds), each a few microseconds of dispatch, allocation or ctypes around kernels of
+10-100 us; on the 2-core Zen 4 EPYC a decode step spent 3.4 ms of 10.7 at batch 1, and 6 of 24 at batch 8, outside
+the C kernels. Here the layer is one call: the same products in the same order (cpu_layer.c), its scratch made
+once a step. Values: the products and the attention are the op-by-op path's; the RMSNorms are within a unit of
+fp32 rounding of the reference's (their sums of squares in another order).
+
+`DenseLayer` holds one layer's arguments (the weights' pointers and shapes, checked once); `Scratch` a decode
+step's (its context's rows, the rotation's tables, buffers for its rows), made on the step's first layer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from radianced.kernels import cpu_blocks
+from radianced.kernels.cpu_attention import G_MAX, Context
+
+_i64 = ctypes.c_int64
+
+
+class _Layer(ctypes.Structure):  # cpu_layer.c `rad_dense_layer`
+    _fields_ = [("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                *((name, ctypes.c_void_p) for name in ("wqkv", "wo", "wg", "wu", "wd")),
+                *((name, _i64) for name in ("qkv_bytes", "o_bytes", "gu_bytes", "d_bytes", "qkv_fmt", "o_fmt",
+                                            "gu_fmt", "d_fmt", "hidden", "inter", "hq", "hkv", "d")),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv", ctypes.c_void_p), ("v_rows", _i64)]
+
+
+class _Step(ctypes.Structure):  # cpu_layer.c `rad_decode_step`
+    _fields_ = [("block_rows", ctypes.c_void_p), ("lens", ctypes.c_void_p), ("write_rows", ctypes.c_void_p),
+                ("nb", _i64), ("bs", _i64), ("r", _i64), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+                *((name, ctypes.c_void_p) for name in ("h", "qkv", "att", "q_rot", "g", "u", "t"))]
+
+
+def _declare() -> ctypes.CDLL | None:
+    lib = cpu_blocks._lib() if cpu_blocks.available() else None
+    if lib is None or not hasattr(lib, "rad_dense_layer_decode"):
+        return None
+    fn = lib.rad_dense_layer_decode
+    if fn.argtypes is None:
+        fn.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_Step), ctypes.c_void_p, ctypes.c_void_p, _i64,
+                       ctypes.c_int]
+        fn.restype = None
+    return lib
+
+
+class Scratch:
+    """A decode step's arguments for every layer: its `Context` (the rows each sequence reads and writes), the
+    rotation's cos and signed sin ([T, 1, R] fp32), and buffers for T rows of a model's widths."""
+
+    __slots__ = ("dims", "keep", "args", "ptr")
+
+    def __init__(self, context: Context, cos: torch.Tensor, sin: torch.Tensor, dims: tuple[int, int, int, int]):
+        hidden, nqkv, qd, inter = dims
+        t = len(context.lens)
+        if cos.dtype is not torch.float32 or sin.dtype is not torch.float32 or not cos.is_contiguous() \
+                or not sin.is_contiguous() or cos.numel() != sin.numel() or cos.numel() % max(t, 1):
+            raise ValueError(f"cos and sin must be contiguous fp32 [{t}, 1, R], got {list(cos.shape)}")
+        bufs = [torch.empty(t, w, dtype=torch.float32) for w in (hidden, nqkv, qd, qd, inter, inter, hidden)]
+        self.dims, self.keep = dims, (context, cos, sin, bufs)
+        rows, nb, lens, bs, _ = context._args
+        self.args = _Step(rows, lens, context.write_rows.data_ptr(), nb, bs, cos.shape[-1], cos.data_ptr(),
+                          sin.data_ptr(), *(b.data_ptr() for b in bufs))
+        self.ptr = ctypes.pointer(self.args)
+
+
+class DenseLayer:
+    """One Llama layer's arguments for cpu_layer.c: its norms (fp32 [hidden]), its five GGUF-format matrices
+    (`cpu_blocks.Matrix`: [q | k | v], o, gate, up, down) and its attention's shape. `make` returns None where the
+    layer is not one cpu_layer.c runs (other formats, gate and up apart, a GQA ratio past G_MAX, no library)."""
+
+    __slots__ = ("lib", "keep", "dims", "hkv_d", "args", "ptr")
+
+    def __init__(self, lib: ctypes.CDLL, norms: tuple[torch.Tensor, torch.Tensor], eps: float, mats: tuple,
+                 heads: tuple[int, int, int], scale: float):
+        (hq, hkv, d), (qkv, o, gate, up, down) = heads, mats
+        hidden, inter = o.shape[0], gate.shape[0]
+        self.lib, self.keep, self.hkv_d = lib, (norms, mats), hkv * d
+        self.dims = (hidden, qkv.shape[0], hq * d, inter)
+        self.args = _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *(m._w[0] for m in mats[:4]), down._w[0],
+                           qkv._w[1], o._w[1], gate._w[1], down._w[1], qkv._w[2], o._w[2], gate._w[2], down._w[2],
+                           hidden, inter, hq, hkv, d, eps, scale, None, 0)
+        self.ptr = ctypes.pointer(self.args)
+
+    @staticmethod
+    def make(norms: tuple[torch.Tensor, torch.Tensor], eps: float, mats: tuple, heads: tuple[int, int, int],
+             scale: float) -> DenseLayer | None:
+        """norms: (input, post-attention) RMSNorm weights; mats: the `Matrix`es of [q | k | v], o, gate, up, down
+        (None where a weight is not one); heads: (query heads, KV heads, head dim)."""
+        lib = _declare()
+        (hq, hkv, d), (qkv, o, gate, up, down) = heads, mats
+        if lib is None or any(m is None for m in mats) or hkv == 0 or hq % hkv or hq // hkv > G_MAX:
+            return None
+        hidden, inter = o.shape[0], gate.shape[0]
+        fits = (qkv.shape == (hq * d + 2 * hkv * d, hidden) and o.shape == (hidden, hq * d)
+                and gate.shape == up.shape == (inter, hidden) and gate._w[1:] == up._w[1:]
+                and down.shape == (hidden, inter))
+        if not fits or any(n.dtype != torch.float32 or n.shape != (hidden,) or not n.is_contiguous() for n in norms):
+            return None
+        return DenseLayer(lib, norms, eps, mats, heads, scale)
+
+    def scratch(self, context: Context, cos: torch.Tensor, sin: torch.Tensor, held: Scratch | None) -> Scratch:
+        """`held` where it was made for this model's widths, else a new `Scratch` for this step."""
+        return held if held is not None and held.dims == self.dims else Scratch(context, cos, sin, self.dims)
+
+    def __call__(self, x: torch.Tensor, scratch: Scratch, flat: torch.Tensor, v_rows: int) -> torch.Tensor:
+        """x [T, hidden] contiguous fp32 -> the layer's output [T, hidden]; flat: the cache pair's rows
+        ([R, Hkv * D] fp32, K from row 0, V `v_rows` further: kernels/cpu.py `_Rows`)."""
+        t, hidden = x.shape
+        context = scratch.keep[0]
+        if hidden != self.dims[0] or t != len(context.lens) or not x.is_contiguous() or x.dtype is not torch.float32:
+            raise ValueError(f"x must be contiguous fp32 [{len(context.lens)}, {self.dims[0]}], got {list(x.shape)}")
+        if flat.dtype is not torch.float32 or flat.shape[1] != self.hkv_d or flat.stride() != (self.hkv_d, 1) \
+                or v_rows < 0 or context._top + v_rows > flat.shape[0]:
+            raise ValueError(f"cache rows {list(flat.shape)} do not hold this step's context (v_rows {v_rows})")
+        self.args.kv, self.args.v_rows = flat.data_ptr(), v_rows
+        y = torch.empty(t, hidden, dtype=torch.float32)
+        self.lib.rad_dense_layer_decode(self.ptr, scratch.ptr, x.data_ptr(), y.data_ptr(), t, torch.get_num_threads())
+        return y
