@@ -21,10 +21,9 @@ For each torch thread count (RADIANCED_CPU_THREADS for the daemon, torch.set_num
   daemon.py; transformers is fastest with OpenMP's: on this shared 2-core machine 19.7 tok/s
   at b1 with 2 threads against 11.9 with OMP_WAIT_POLICY=PASSIVE).
 
-- with `--llama-cpp PYTHON` (an interpreter with llama-cpp-python installed: it has no wheel on PyPI and
-  builds from source in about 10 minutes on this machine, so it lives in a venv of its own, e.g.
-  `python3 -m venv /tmp/llvenv && /tmp/llvenv/bin/pip install llama-cpp-python`), llama.cpp on the same
-  GGUF at batch 1 with as many threads: greedy, `--tokens` tokens past the same prompt, EOS ignored
+- with `--llama-bench PATH` (llama.cpp's llama-bench: `tools/fetch_llama_cpp.sh` takes its source from
+  llama-cpp-python's sdist on PyPI, `tools/build_llama_cpp.sh` builds it, about 4 minutes on this machine, so it is
+  optional), llama.cpp on the same GGUF at batch 1 with as many threads: a 40-token prompt and `--tokens` decoded
   (its own Q8_1 activations for the Q4_1 dot products). Left out without the flag.
 
 Writes DIR/bench_cpu.json and DIR/bench_cpu.md (the table, printed last).
@@ -54,6 +53,9 @@ from radianced.kernels.compact import CompactWeight, RowStack
 from radianced.model.default import bundled_gguf, ensure_default_model
 from radianced.model.loader import load_model
 from radianced.model.rad import RadFile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/ as a package, run from a checkout
+from tools.peer_llama_cpp import run_llama_bench  # noqa: E402
 
 PROMPT_TOKENS = 40
 LONG_PROMPT_TOKENS = 1500  # the prefill /health is timed against
@@ -198,34 +200,12 @@ def transformers_subprocess(threads: int, tokens: int) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-# llama.cpp's b1 run, in the interpreter given by --llama-cpp: argv = gguf, threads, tokens, prompt ids (JSON)
-LLAMA_CPP = """
-import json, sys, time
-from llama_cpp import Llama
-gguf, threads, tokens, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
-llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False)
-def run(n):
-    llm.reset()
-    t, got = time.perf_counter(), 0
-    for _ in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
-        got += 1
-        if got == 1:
-            first = time.perf_counter()
-        if got == n:
-            break
-    return first - t, (n - 1) / (time.perf_counter() - first)
-run(8)
-ttft, rate = run(tokens)
-print(json.dumps({"b1_tok_s": rate, "ttft_ms": 1000 * ttft, "threads": threads}))
-"""
-
-
-def llama_cpp_subprocess(python: str, threads: int, tokens: int) -> dict:
-    """llama.cpp's b1 decode rate and TTFT on the bundled GGUF, in `python` (which has llama-cpp-python)."""
-    prompt = json.dumps(prompt_ids(PROMPT_TOKENS, "hf"))
-    out = subprocess.run([python, "-c", LLAMA_CPP, str(bundled_gguf()), str(threads), str(tokens), prompt],
-                         capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+def llama_bench(binary: Path, threads: int, tokens: int) -> dict:
+    """llama.cpp's own rates on the bundled GGUF through its llama-bench (tools/peer_llama_cpp.py): a prompt of
+    PROMPT_TOKENS tokens and `tokens` decoded at batch 1, on `threads` threads, 3 repetitions."""
+    out = run_llama_bench(binary, bundled_gguf(), 0, PROMPT_TOKENS, tokens, 3, 900, gpu=False, threads=threads)
+    return {"b1_tok_s": out["decode_tok_s"], "prompt_tok_s": out["prompt_tok_s"], "threads": threads,
+            "command": out["command"]}
 
 
 def markdown(result: dict) -> str:
@@ -253,9 +233,9 @@ def markdown(result: dict) -> str:
         b1 = d["rows"][0]["per_request_tok_s"]
         lines += ["", f"b1 decode {b1:.1f} tok/s = {b1 / floor:.0%} of the bytes floor."]
         if (ll := run.get("llama_cpp")) is not None:
-            lines.append(f"llama.cpp (llama-cpp-python, the same GGUF, {ll['threads']} threads) b1 decode "
-                         f"{ll['b1_tok_s']:.1f} tok/s, TTFT {ll['ttft_ms']:.0f} ms: radianced's b1 is "
-                         f"{b1 / ll['b1_tok_s']:.2f}x it.")
+            lines.append(f"llama.cpp (llama-bench, the same GGUF, {ll['threads']} threads) b1 decode "
+                         f"{ll['b1_tok_s']:.1f} tok/s, a {PROMPT_TOKENS}-token prompt at {ll['prompt_tok_s']:.0f} tok/s: "
+                         f"radianced's b1 is {b1 / ll['b1_tok_s']:.2f}x it.")
         lines.append("")
     return "\n".join(lines)
 
@@ -268,7 +248,8 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,2,4,8")
     ap.add_argument("--model", type=Path, help="the .rad to serve (default: the default model, SmolLM2 with its "
                                                "GGUF blocks kept; e.g. its fp32 conversion)")
-    ap.add_argument("--llama-cpp", metavar="PYTHON", help="an interpreter with llama-cpp-python: run llama.cpp too")
+    ap.add_argument("--llama-bench", type=Path, metavar="PATH",
+                    help="llama.cpp's llama-bench (tools/build_llama_cpp.sh): run llama.cpp too")
     ap.add_argument("--transformers-only", action="store_true", help=argparse.SUPPRESS)  # the child's part
     args = ap.parse_args()
     if args.transformers_only:
@@ -288,8 +269,8 @@ def main() -> int:
         run = {"threads": threads, "read_gb_s": read_bandwidth(threads),
                "daemon": bench_daemon(model, threads, args.tokens, [int(c) for c in args.concurrency.split(",")]),
                "transformers": transformers_subprocess(threads, args.tokens)}
-        if args.llama_cpp:
-            run["llama_cpp"] = llama_cpp_subprocess(args.llama_cpp, threads, args.tokens)
+        if args.llama_bench:
+            run["llama_cpp"] = llama_bench(args.llama_bench, threads, args.tokens)
         result["runs"].append(run)
         (args.out / "bench_cpu.json").write_text(json.dumps(result, indent=2))
     md = markdown(result)

@@ -51,9 +51,12 @@ def n_cpu_moe(rest: int, layer: int, layers: int, card_bytes: int, margin: int =
 
 
 def run_llama_bench(binary: Path, gguf: Path, n_cpu: int, prompt: int, tokens: int, repetitions: int,
-                    timeout_s: float, gpu: bool) -> dict:
-    """llama-bench's JSON rows for the prompt and the decode; the command and its wall time."""
+                    timeout_s: float, gpu: bool, threads: int | None = None) -> dict:
+    """llama-bench's JSON rows for the prompt and the decode (on `threads` CPU threads where given); the command and
+    its wall time."""
     cmd = [str(binary), "-m", str(gguf), "-p", str(prompt), "-n", str(tokens), "-r", str(repetitions), "-o", "json"]
+    if threads is not None:
+        cmd += ["-t", str(threads)]
     if gpu:
         cmd += ["-ngl", "99", "-ncmoe", str(n_cpu)]
     t0 = time.perf_counter()
