@@ -91,6 +91,13 @@ interleaved, four rounds (the first two with main's steps slowed by another job:
 -> 27.9-28.1 ms a step in the quiet two (the attention op 4.9 -> 3.5-3.6 ms, 6.9-7.2 -> 3.6-4.1 in the loaded
 ones), b1 15.6 -> 13.8-14.1 ms (the op 2.8-2.9 -> 1.75-1.8; loaded, 16.6-24.3 -> 14.4-14.7). Left in the op at
 b8, ~120 us a layer (3.5-3.6 ms over 30 layers), not yet broken down between the C call and the op's Python.
+
+Session 28, on a 2-core Zen 4 EPYC (AVX-512, no AMX): the block products got AVX-512 tiles (cpu_blocks.c: b8 step
+25.2 -> 20.9 ms); an MLP's gate and up run as one fused call with the silu in registers (`silu_mlp`,
+`cpu_blocks.SwiGLU`: 344 -> 295 us a layer at M = 8); and a Llama layer of a decode step runs as one C call
+(`dense_layer`, cpu_layer.py), because 3.4 ms of a 10.7 ms b1 step and 6 of 24 at b8 were outside the C kernels:
+~25 calls a layer of dispatch, allocation and ctypes. tools/cpu_step.py, interleaved: b1 10.3-10.6 -> 8.2-8.7 ms,
+b8 21.5-21.8 -> 18.8-19.0 ms.
 """
 
 from __future__ import annotations
