@@ -410,6 +410,94 @@ INLINE void rows(const float *x, int64_t M, int64_t ldx, const uint8_t *w, int64
 #undef TILE
 }
 
+#ifdef RAD_ZMM
+/* AVX-512 tiles for Q4_0 / Q4_1 / Q8_0 at any M where the AMX path does not run (header): a block's
+ * 32 weights of a row are two zmm vectors made in registers, gguf's values bit for bit (Q4: the 16 values a
+ * nibble can take, d * q (+ m) rounded as gguf rounds each, looked up by vpermps; Q8_0: d * q), and each
+ * feeds the FMAs of up to ZM rows of x. Each (W row, x row) keeps one sum of 16 lanes (two from fewer than 5
+ * rows of x: lo and hi halves apart, for chains enough to hide the FMA's latency), added across lanes at the
+ * end: a row's result depends on that row of W and of x and on M's tiling alone, not on the thread count. */
+#define ZM 8 /* rows of x a tile: WR x 8 sums + W's WR rows as 4 vectors + an x vector, of the 32 zmm */
+#define Z_J(MR) ((MR) > 4 ? 1 : 2) /* sums a (W row, x row) */
+
+/* the 32 weights of one row's block: values 0..15 in lo, 16..31 in hi */
+INLINE void z_block(const uint8_t *blk, const int fmt, __m512 *lo, __m512 *hi) {
+    const __m512 d = _mm512_set1_ps(half(blk));
+    if (fmt == Q8_0) {
+        *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)))));
+        *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18)))));
+        return;
+    }
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512 t = _mm512_mul_ps(d, fmt == Q4_0 ? _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)) : iota);
+    if (fmt == Q4_1) t = _mm512_add_ps(t, _mm512_set1_ps(half(blk + 2)));
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + (fmt == Q4_1 ? 4 : 2))));
+    *lo = _mm512_permutexvar_ps(q, t); /* byte i's low nibble: vpermps reads an index's low 4 bits */
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), t);
+}
+
+/* NR rows of W against MR rows of x over nb blocks */
+INLINE void z_tile(const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes, int64_t nb, float *y,
+                   int64_t ldy, const int fmt, const int NR, const int MR, const int J) {
+    const int bb = block_bytes(fmt);
+    __m512 acc[WR][ZM][2];
+    UNROLL
+    for (int r = 0; r < NR; r++)
+        UNROLL
+        for (int i = 0; i < MR; i++)
+            UNROLL
+            for (int j = 0; j < J; j++) acc[r][i][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 lo[WR], hi[WR];
+        UNROLL
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *blk = w + r * row_bytes + b * bb;
+            _mm_prefetch((const char *)(blk + PF), _MM_HINT_T0);
+            z_block(blk, fmt, &lo[r], &hi[r]);
+        }
+        const float *xb = x + b * 32;
+        UNROLL
+        for (int i = 0; i < MR; i++) {
+            __m512 x0 = _mm512_loadu_ps(xb + i * ldx), x1 = _mm512_loadu_ps(xb + i * ldx + 16);
+            __asm__("" : "+v"(x0), "+v"(x1)); /* loaded once, not folded into each row's FMA */
+            UNROLL
+            for (int r = 0; r < NR; r++) {
+                acc[r][i][0] = _mm512_fmadd_ps(lo[r], x0, acc[r][i][0]);
+                acc[r][i][J - 1] = _mm512_fmadd_ps(hi[r], x1, acc[r][i][J - 1]);
+            }
+        }
+    }
+    UNROLL
+    for (int r = 0; r < NR; r++)
+        UNROLL
+        for (int i = 0; i < MR; i++)
+            y[i * ldy + r] = _mm512_reduce_add_ps(J == 2 ? _mm512_add_ps(acc[r][i][0], acc[r][i][1]) : acc[r][i][0]);
+}
+
+INLINE void z_rows(const float *x, int64_t M, int64_t ldx, const uint8_t *w, int64_t row_bytes, int64_t nb,
+                   float *y, int64_t ldy, const int fmt, const int NR) {
+    int64_t m = 0;
+    for (; m + ZM <= M; m += ZM) z_tile(x + m * ldx, ldx, w, row_bytes, nb, y + m * ldy, ldy, fmt, NR, ZM, Z_J(ZM));
+#define Z_CASE(MR) case MR: z_tile(x + m * ldx, ldx, w, row_bytes, nb, y + m * ldy, ldy, fmt, NR, MR, Z_J(MR)); break;
+    switch (M - m) { Z_CASE(7) Z_CASE(6) Z_CASE(5) Z_CASE(4) Z_CASE(3) Z_CASE(2) Z_CASE(1) }
+#undef Z_CASE
+}
+
+#endif
+
+/* NR (<= WR) rows of W against all M rows of x by this build's tiles for fmt: the AVX-512 tiles where they read
+ * it, else the AVX2 tiles (a row's sums depend on M's tiling alone either way) */
+INLINE void any_rows(const float *x, int64_t M, int64_t ldx, const uint8_t *w, int64_t row_bytes, int64_t nb,
+                     float *y, int64_t ldy, const int fmt, const int NR) {
+#ifdef RAD_ZMM
+    if (fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0) {
+        z_rows(x, M, ldx, w, row_bytes, nb, y, ldy, fmt, NR);
+        return;
+    }
+#endif
+    rows(x, M, ldx, w, row_bytes, nb, y, ldy, fmt, NR);
+}
+
 /* one format's product: the threads take static shares of W's tiles of WR rows (an odd N's last is one row,
  * with the same sums) */
 #define MATMUL_FMT(FMT)                                                                                        \
@@ -419,8 +507,8 @@ INLINE void rows(const float *x, int64_t M, int64_t ldx, const uint8_t *w, int64
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                                     \
         for (int64_t t = 0; t < tiles; t++) {                                                                 \
             const int64_t n = t * WR;                                                                         \
-            if (n + WR <= N) rows(x, M, ldx, w + n * row_bytes, row_bytes, nb, y + n, ldy, FMT, WR);         \
-            else rows(x, M, ldx, w + n * row_bytes, row_bytes, nb, y + n, ldy, FMT, 1);                      \
+            if (n + WR <= N) any_rows(x, M, ldx, w + n * row_bytes, row_bytes, nb, y + n, ldy, FMT, WR);     \
+            else any_rows(x, M, ldx, w + n * row_bytes, row_bytes, nb, y + n, ldy, FMT, 1);                  \
         }                                                                                                     \
     }
 
@@ -734,95 +822,6 @@ EACH_FMT(AMX_FMT)
 #endif
 
 
-#ifdef RAD_ZMM
-/* AVX-512 tiles for Q4_0 / Q4_1 / Q8_0 at any M where the AMX path does not run (header): a block's
- * 32 weights of a row are two zmm vectors made in registers, gguf's values bit for bit (Q4: the 16 values a
- * nibble can take, d * q (+ m) rounded as gguf rounds each, looked up by vpermps; Q8_0: d * q), and each
- * feeds the FMAs of up to ZM rows of x. Each (W row, x row) keeps one sum of 16 lanes (two from fewer than 5
- * rows of x: lo and hi halves apart, for chains enough to hide the FMA's latency), added across lanes at the
- * end: a row's result depends on that row of W and of x and on M's tiling alone, not on the thread count. */
-#define ZR 2 /* rows of W a tile */
-#define ZM 8 /* rows of x a tile: 2 x 8 sums + W's 2 rows as 4 vectors + an x vector, of the 32 zmm */
-#define Z_J(MR) ((MR) > 4 ? 1 : 2) /* sums a (W row, x row) */
-
-/* the 32 weights of one row's block: values 0..15 in lo, 16..31 in hi */
-INLINE void z_block(const uint8_t *blk, const int fmt, __m512 *lo, __m512 *hi) {
-    const __m512 d = _mm512_set1_ps(half(blk));
-    if (fmt == Q8_0) {
-        *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)))));
-        *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18)))));
-        return;
-    }
-    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    __m512 t = _mm512_mul_ps(d, fmt == Q4_0 ? _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)) : iota);
-    if (fmt == Q4_1) t = _mm512_add_ps(t, _mm512_set1_ps(half(blk + 2)));
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + (fmt == Q4_1 ? 4 : 2))));
-    *lo = _mm512_permutexvar_ps(q, t); /* byte i's low nibble: vpermps reads an index's low 4 bits */
-    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), t);
-}
-
-/* NR rows of W against MR rows of x over nb blocks */
-INLINE void z_tile(const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes, int64_t nb, float *y,
-                   int64_t ldy, const int fmt, const int NR, const int MR, const int J) {
-    const int bb = block_bytes(fmt);
-    __m512 acc[ZR][ZM][2];
-    UNROLL
-    for (int r = 0; r < NR; r++)
-        UNROLL
-        for (int i = 0; i < MR; i++)
-            UNROLL
-            for (int j = 0; j < J; j++) acc[r][i][j] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m512 lo[ZR], hi[ZR];
-        UNROLL
-        for (int r = 0; r < NR; r++) {
-            const uint8_t *blk = w + r * row_bytes + b * bb;
-            _mm_prefetch((const char *)(blk + PF), _MM_HINT_T0);
-            z_block(blk, fmt, &lo[r], &hi[r]);
-        }
-        const float *xb = x + b * 32;
-        UNROLL
-        for (int i = 0; i < MR; i++) {
-            __m512 x0 = _mm512_loadu_ps(xb + i * ldx), x1 = _mm512_loadu_ps(xb + i * ldx + 16);
-            __asm__("" : "+v"(x0), "+v"(x1)); /* loaded once, not folded into each row's FMA */
-            UNROLL
-            for (int r = 0; r < NR; r++) {
-                acc[r][i][0] = _mm512_fmadd_ps(lo[r], x0, acc[r][i][0]);
-                acc[r][i][J - 1] = _mm512_fmadd_ps(hi[r], x1, acc[r][i][J - 1]);
-            }
-        }
-    }
-    UNROLL
-    for (int r = 0; r < NR; r++)
-        UNROLL
-        for (int i = 0; i < MR; i++)
-            y[i * ldy + r] = _mm512_reduce_add_ps(J == 2 ? _mm512_add_ps(acc[r][i][0], acc[r][i][1]) : acc[r][i][0]);
-}
-
-INLINE void z_rows(const float *x, int64_t M, int64_t ldx, const uint8_t *w, int64_t row_bytes, int64_t nb,
-                   float *y, int64_t ldy, const int fmt, const int NR) {
-    int64_t m = 0;
-    for (; m + ZM <= M; m += ZM) z_tile(x + m * ldx, ldx, w, row_bytes, nb, y + m * ldy, ldy, fmt, NR, ZM, Z_J(ZM));
-#define Z_CASE(MR) case MR: z_tile(x + m * ldx, ldx, w, row_bytes, nb, y + m * ldy, ldy, fmt, NR, MR, Z_J(MR)); break;
-    switch (M - m) { Z_CASE(7) Z_CASE(6) Z_CASE(5) Z_CASE(4) Z_CASE(3) Z_CASE(2) Z_CASE(1) }
-#undef Z_CASE
-}
-
-#define ZMM_FMT(FMT)                                                                                           \
-    static void zmm_##FMT(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,     \
-                          int64_t row_bytes, float *y, int64_t ldy, int threads) {                            \
-        const int64_t nb = K / 32, tiles = (N + ZR - 1) / ZR;                                                 \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                     \
-        for (int64_t t = 0; t < tiles; t++) {                                                                 \
-            const int64_t n = t * ZR;                                                                         \
-            if (n + ZR <= N) z_rows(x, M, ldx, w + n * row_bytes, row_bytes, nb, y + n, ldy, FMT, ZR);        \
-            else z_rows(x, M, ldx, w + n * row_bytes, row_bytes, nb, y + n, ldy, FMT, 1);                     \
-        }                                                                                                     \
-    }
-#define EACH_ZMM_FMT(X) X(Q4_0) X(Q4_1) X(Q8_0)
-EACH_ZMM_FMT(ZMM_FMT)
-#endif
-
 #ifdef RAD_AVX2
 /* SwiGLU: y [M, N] = silu(x @ G.T) * (x @ U.T) for an MLP's gate G and up U [N, K] (one format and row length),
  * one parallel region instead of two products and torch's silu and mul after them: each thread takes chunks
@@ -840,16 +839,8 @@ EACH_ZMM_FMT(ZMM_FMT)
 INLINE void chunk_product(const float *x, int64_t M, int64_t ldx, const uint8_t *w, int64_t row_bytes, int64_t nb,
                           int nr, float *buf, const int fmt) {
     for (int r = 0; r < nr; r += WR) {
-        const int two = r + WR <= nr;
-#ifdef RAD_ZMM
-        if (fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0) {
-            if (two) z_rows(x, M, ldx, w + r * row_bytes, row_bytes, nb, buf + r, SW_COLS, fmt, ZR);
-            else z_rows(x, M, ldx, w + r * row_bytes, row_bytes, nb, buf + r, SW_COLS, fmt, 1);
-            continue;
-        }
-#endif
-        if (two) rows(x, M, ldx, w + r * row_bytes, row_bytes, nb, buf + r, SW_COLS, fmt, WR);
-        else rows(x, M, ldx, w + r * row_bytes, row_bytes, nb, buf + r, SW_COLS, fmt, 1);
+        if (r + WR <= nr) any_rows(x, M, ldx, w + r * row_bytes, row_bytes, nb, buf + r, SW_COLS, fmt, WR);
+        else any_rows(x, M, ldx, w + r * row_bytes, row_bytes, nb, buf + r, SW_COLS, fmt, 1);
     }
 }
 
@@ -912,10 +903,6 @@ void rad_blocks_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const 
 #ifdef RAD_AMX
 #define CALL_AMX(FMT) case FMT: amx_##FMT(x, M, K, ldx, w, N, row_bytes, y, ldy, threads); return;
     if (M >= amx_min[fmt] && amx_granted()) switch (fmt) { EACH_FMT(CALL_AMX) }
-#endif
-#ifdef RAD_ZMM
-#define CALL_ZMM(FMT) case FMT: zmm_##FMT(x, M, K, ldx, w, N, row_bytes, y, ldy, threads); return;
-    switch (fmt) { EACH_ZMM_FMT(CALL_ZMM) }
 #endif
 #ifdef RAD_AVX2
 #define CALL_MATMUL(FMT) case FMT: matmul_##FMT(x, M, K, ldx, w, N, row_bytes, y, ldy, threads); break;
