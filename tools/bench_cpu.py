@@ -23,8 +23,8 @@ For each torch thread count (RADIANCED_CPU_THREADS for the daemon, torch.set_num
 
 - with `--llama-bench PATH` (llama.cpp's llama-bench: `tools/fetch_llama_cpp.sh` takes its source from
   llama-cpp-python's sdist on PyPI, `tools/build_llama_cpp.sh` builds it, about 4 minutes on this machine, so it is
-  optional), llama.cpp on the same GGUF at batch 1 with as many threads: a 40-token prompt and `--tokens` decoded
-  (its own Q8_1 activations for the Q4_1 dot products). Left out without the flag.
+  optional), llama.cpp on the same GGUF with as many threads: a 40-token prompt, and `--tokens` decoded at batch
+  1 from an empty context (its own Q8_1 activations for the Q4_1 dot products). Left out without the flag.
 
 Writes DIR/bench_cpu.json and DIR/bench_cpu.md (the table, printed last).
 """
@@ -53,9 +53,6 @@ from radianced.kernels.compact import CompactWeight, RowStack
 from radianced.model.default import bundled_gguf, ensure_default_model
 from radianced.model.loader import load_model
 from radianced.model.rad import RadFile
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/ as a package, run from a checkout
-from tools.peer_llama_cpp import run_llama_bench  # noqa: E402
 
 PROMPT_TOKENS = 40
 LONG_PROMPT_TOKENS = 1500  # the prefill /health is timed against
@@ -201,8 +198,12 @@ def transformers_subprocess(threads: int, tokens: int) -> dict:
 
 
 def llama_bench(binary: Path, threads: int, tokens: int) -> dict:
-    """llama.cpp's own rates on the bundled GGUF through its llama-bench (tools/peer_llama_cpp.py): a prompt of
-    PROMPT_TOKENS tokens and `tokens` decoded at batch 1, on `threads` threads, 3 repetitions."""
+    """llama.cpp's own rates on the bundled GGUF through its llama-bench (tools/peer_llama_cpp.py), on `threads`
+    threads, 3 repetitions: a prompt of PROMPT_TOKENS tokens, and `tokens` decoded at batch 1 from an empty
+    context (llama-bench's decode test)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/ as a package, run from a checkout
+    from tools.peer_llama_cpp import run_llama_bench
+
     out = run_llama_bench(binary, bundled_gguf(), 0, PROMPT_TOKENS, tokens, 3, 900, gpu=False, threads=threads)
     return {"b1_tok_s": out["decode_tok_s"], "prompt_tok_s": out["prompt_tok_s"], "threads": threads,
             "command": out["command"]}
@@ -234,8 +235,8 @@ def markdown(result: dict) -> str:
         lines += ["", f"b1 decode {b1:.1f} tok/s = {b1 / floor:.0%} of the bytes floor."]
         if (ll := run.get("llama_cpp")) is not None:
             lines.append(f"llama.cpp (llama-bench, the same GGUF, {ll['threads']} threads) b1 decode "
-                         f"{ll['b1_tok_s']:.1f} tok/s, a {PROMPT_TOKENS}-token prompt at {ll['prompt_tok_s']:.0f} tok/s: "
-                         f"radianced's b1 is {b1 / ll['b1_tok_s']:.2f}x it.")
+                         f"{ll['b1_tok_s']:.1f} tok/s from an empty context, a {PROMPT_TOKENS}-token prompt at "
+                         f"{ll['prompt_tok_s']:.0f} tok/s: radianced's b1 is {b1 / ll['b1_tok_s']:.2f}x it.")
         lines.append("")
     return "\n".join(lines)
 

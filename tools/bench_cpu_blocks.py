@@ -56,11 +56,13 @@ def random_blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> torch.T
 
 
 def load_source(spec: str, folder: Path) -> ctypes.CDLL:
-    """Compile `FILE.c[:EXTRA FLAGS]` in cpu_blocks.c's place beside the library's other sources, with its flags
-    (and the extra ones, e.g. -DNAME=1) and their headers' folder, and load it with the same signatures."""
+    """Compile `FILE.c[:EXTRA FLAGS]` in cpu_blocks.c's place beside the decode attention's source, with the
+    library's flags (and the extra ones, e.g. -DNAME=1) and its headers' folder, and load it with the same
+    signatures."""
     source, _, extra = spec.partition(":")
     out = folder / f"{Path(source).stem}-{len(list(folder.iterdir()))}.so"
-    others = [str(s) for s in cpu_blocks.SOURCES if s.name != "cpu_blocks.c"]
+    # the library's other sources but the fused layer's, which calls functions an older cpu_blocks.c lacks
+    others = [str(s) for s in cpu_blocks.SOURCES if s.name not in ("cpu_blocks.c", "cpu_layer.c")]
     includes = f"-I{cpu_blocks.SOURCES[0].parent}"  # the sources' headers (cpu_exp.h) for a copy elsewhere
     done = subprocess.run(["cc", *cpu_blocks.FLAGS, includes, *extra.split(), "-o", str(out), source, *others],
                           capture_output=True, text=True)

@@ -57,8 +57,7 @@ def run_llama_bench(binary: Path, gguf: Path, n_cpu: int, prompt: int, tokens: i
     cmd = [str(binary), "-m", str(gguf), "-p", str(prompt), "-n", str(tokens), "-r", str(repetitions), "-o", "json"]
     if threads is not None:
         cmd += ["-t", str(threads)]
-    if gpu:
-        cmd += ["-ngl", "99", "-ncmoe", str(n_cpu)]
+    cmd += ["-ngl", "99", "-ncmoe", str(n_cpu)] if gpu else ["-ngl", "0"]  # a CUDA build offloads by default
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:

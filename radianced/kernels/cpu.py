@@ -155,7 +155,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def silu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """`reference.silu_mlp`, `down(silu(gate(x)) * up(x))`, with each matmul through `_matmul`; GGUF-format gate
-    and up of one format through one fused call where the kernels have it (`cpu_blocks.SwiGLU`: silu within a unit
+    and up of one format through one fused call where the kernels have it (`cpu_blocks.SwiGLU`: silu within 2 units
     of fp32 rounding of torch's)."""
     pair = _swiglu(gate, up) if x.dtype == torch.float32 else None
     h = pair(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1) if pair is not None \
@@ -599,14 +599,15 @@ _LAYERS: dict = {}  # each Llama layer's `cpu_layer.DenseLayer` or None, by `_ke
 
 def dense_layer(layer, x: torch.Tensor, rope, batch, cache) -> torch.Tensor | None:
     """A Llama layer (model/llama.py `LlamaLayer`) of a decode step in one C call (cpu_layer.py: its products,
-    attention and residual adds are the op-by-op path's, its RMSNorms within a unit of fp32 rounding of the
+    attention and residual adds are the op-by-op path's, its RMSNorms within a few units of fp32 rounding of the
     reference's), or None where that does not apply and the model runs its ops: a prefill or mixed step, not
     fp32, a layer with a bias, qk-norm, an output gate, a zero-centred norm, a group of cards, weights the block
-    kernels do not read, a cache that is not plain fp32 rows."""
+    kernels do not read, more rows than their products take (past `gemm_rows`), a cache that is not plain fp32
+    rows."""
     if not batch.is_decode or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
         return None
     fused = _kept(_LAYERS, layer, lambda: _dense_layer(layer))
-    if fused is None:
+    if fused is None or (fused.rows is not None and x.shape[0] > fused.rows):
         return None
     k_cache, v_cache = cache.layer(layer.attn.layer)
     rows = _rows_of(k_cache, v_cache)

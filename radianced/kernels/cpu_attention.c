@@ -30,6 +30,7 @@
 
 /* e^x (cpu_exp.h): every argument here is a score less the running maximum, <= 0 */
 #include "cpu_exp.h"
+#include "cpu_kernels.h" /* rad_decode_attention's declaration */
 
 /* p[0 .. n - 1] = e^(p - top), summed (in order) into *l */
 static inline void exps(float *p, int64_t n, float top, float *l) {

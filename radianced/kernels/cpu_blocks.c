@@ -77,7 +77,8 @@
 #include <immintrin.h>
 #define RAD_AVX2 1
 #endif
-#include "cpu_exp.h" /* rad_exp8: SwiGLU's sigmoid */
+#include "cpu_exp.h"     /* rad_silu_mul: the SwiGLU's */
+#include "cpu_kernels.h" /* this file's functions that the others call */
 
 #if defined(RAD_AVX2) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) \
     && defined(__AVX512BW__)
@@ -417,7 +418,7 @@ INLINE void rows(const float *x, int64_t M, int64_t ldx, const uint8_t *w, int64
  * feeds the FMAs of up to ZM rows of x. Each (W row, x row) keeps one sum of 16 lanes (two from fewer than 5
  * rows of x: lo and hi halves apart, for chains enough to hide the FMA's latency), added across lanes at the
  * end: a row's result depends on that row of W and of x and on M's tiling alone, not on the thread count. */
-#define ZM 8 /* rows of x a tile: WR x 8 sums + W's WR rows as 4 vectors + an x vector, of the 32 zmm */
+#define ZM 8 /* rows of x a tile: WR x 8 sums + W's WR rows as 4 vectors + a row of x's 2 vectors: 22 of 32 zmm */
 #define Z_J(MR) ((MR) > 4 ? 1 : 2) /* sums a (W row, x row) */
 
 /* the 32 weights of one row's block: values 0..15 in lo, 16..31 in hi */
@@ -546,6 +547,8 @@ EACH_FMT(DEQUANT_FMT)
  * below: the AVX2 tiles read Q8_0's bytes at memory speed at M = 1-3, and Q6_K's two half chunks double the
  * tile work. */
 static const int amx_min[] = {[Q4_0] = 1, [Q4_1] = 1, [Q8_0] = 4, [Q4_K] = 2, [Q5_K] = 2, [Q6_K] = 8};
+/* (Measured against the AVX2 tiles; below them such a CPU now runs the AVX-512 tiles for Q4_0 / Q4_1 / Q8_0, not
+ * yet measured there: no Sapphire Rapids since.) */
 
 /* Whether this process may use the tiles: Linux hands out the tile state on request (arch_prctl
  * ARCH_REQ_XCOMP_PERM = 0x1023 for XFEATURE_XTILEDATA = 18), once for the process; where it refuses
@@ -828,8 +831,8 @@ EACH_FMT(AMX_FMT)
  * of SW_COLS output columns, their rows of G and of U through this build's product for the format (the AVX-512
  * tiles or the AVX2 tiles, the values a product of G or U alone gives: a row's sums do not depend on its
  * neighbours) into L1 buffers, then silu(g) * u over them in registers, as torch's fp32 silu computes it,
- * g / (1 + e^-g), with cpu_exp.h's e^x (torch: Sleef's; within a unit of fp32 rounding each). Not the AMX path
- * (kernels/cpu.py runs the two products there). Why: the silu and mul after two products of [8, 1536] took
+ * g / (1 + e^-g), with cpu_exp.h's e^x (within 2 units of fp32 rounding of torch's). Refused (-1) where the AMX
+ * path takes the format at M: its products are faster apart (the caller runs them, then the silu). Why: the silu and mul after two products of [8, 1536] took
  * 17 + 5 us a layer in a decode step on the Zen 4 EPYC (a fresh copy: 7 + 2), their input half in the other
  * core's cache, and the second product's call and region ~7 us more. */
 #define SW_COLS 16 /* output columns a chunk */
@@ -844,20 +847,9 @@ INLINE void chunk_product(const float *x, int64_t M, int64_t ldx, const uint8_t 
     }
 }
 
-/* y's nr columns of each of M rows = silu(g) * u: g / (1 + e^-g), then times u, each step rounded once */
+/* y's nr columns of each of M rows = silu(g) * u (cpu_exp.h), g and u rows SW_COLS apart */
 static inline void silu_mul(const float *g, const float *u, int64_t M, int nr, float *y, int64_t ldy) {
-    for (int64_t m = 0; m < M; m++) {
-        const float *gm = g + m * SW_COLS, *um = u + m * SW_COLS;
-        float *ym = y + m * ldy;
-        int c = 0;
-        for (; c + 8 <= nr; c += 8) {
-            const __m256 gv = _mm256_loadu_ps(gm + c);
-            const __m256 e = rad_exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-            const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-            _mm256_storeu_ps(ym + c, _mm256_mul_ps(s, _mm256_loadu_ps(um + c)));
-        }
-        for (; c < nr; c++) ym[c] = gm[c] / (1.0f + rad_expf(-gm[c])) * um[c];
-    }
+    for (int64_t m = 0; m < M; m++) rad_silu_mul(g + m * SW_COLS, u + m * SW_COLS, y + m * ldy, nr);
 }
 
 #define SWIGLU_FMT(FMT)                                                                                        \
@@ -914,11 +906,14 @@ void rad_blocks_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const 
 #endif
 }
 
-/* y [M, N] (row stride ldy) = silu(x @ G.T) * (x @ U.T), G at wg and U at wu, N rows of row_bytes each; M at most
- * rad_blocks_swiglu_rows(): returns 0 when done, -1 where this build has no fused product (no AVX2, or M too
- * large: the caller runs the two products and the silu itself) */
+/* y [M, N] (row stride ldy) = silu(x @ G.T) * (x @ U.T), G at wg and U at wu, N rows of row_bytes each: 0 when
+ * done, -1 where this build and process do not fuse it (no AVX2, M past rad_blocks_swiglu_rows(), or the AMX path
+ * takes fmt at M): the caller runs the two products and the silu itself */
 int rad_blocks_swiglu(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *wg, const uint8_t *wu,
                       int64_t N, int64_t row_bytes, int fmt, float *y, int64_t ldy, int threads) {
+#ifdef RAD_AMX
+    if (M >= amx_min[fmt] && amx_granted()) return -1;
+#endif
 #ifdef RAD_AVX2
     if (M <= SW_ROWS) {
 #define CALL_SWIGLU(FMT) case FMT: swiglu_##FMT(x, M, K, ldx, wg, wu, N, row_bytes, y, ldy, threads); return 0;

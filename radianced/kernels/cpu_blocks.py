@@ -75,7 +75,7 @@ from radianced.kernels.formats import CPU_BLOCKS, FORMATS as ALL_FORMATS
 # the host backend's C kernels, one library: the block matmuls, the decode attention (cpu_attention.py) and
 # a dense layer of a decode step made of them (cpu_layer.py)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_blocks.c", "cpu_attention.c", "cpu_layer.c"))
-HEADERS = (Path(__file__).with_name("cpu_exp.h"),)  # included by the sources: part of the build's key
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_exp.h", "cpu_kernels.h"))  # in the build's key
 FORMATS = {f: CPU_BLOCKS.index(f) for f in CPU_BLOCKS}  # cpu_blocks.c's format codes
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
@@ -191,14 +191,14 @@ class Matrix:
     0), 2 threads, x [1, 32]: 13.0 us a call through `matmul` before, 5.9 us through `__call__`, of which the
     ctypes call is 3.0 and `torch.empty` for y 1.2-1.4 (kernels/cpu.py `_matmul`: 15.4 -> 7.0 us)."""
 
-    __slots__ = ("data", "fmt", "shape", "_w", "_run", "_gemm_past")
+    __slots__ = ("data", "fmt", "shape", "gemm_rows", "_w", "_run")
 
     def __init__(self, data: torch.Tensor, fmt: str, shape: tuple[int, int]):
         n, k, row_bytes = _check(data, fmt, shape)
         self.data, self.fmt, self.shape = data, fmt, (n, k)
         self._w = (data.data_ptr(), row_bytes, FORMATS[fmt])
         self._run = _lib().rad_blocks_matmul
-        self._gemm_past = gemm_rows(fmt)  # rows of x
+        self.gemm_rows = gemm_rows(fmt)  # rows of x past which the call dequantizes W for torch's GEMM
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] fp32 @ W.T -> [..., N] fp32."""
@@ -210,7 +210,7 @@ class Matrix:
         (m, kx), (ldx, unit) = x.shape, x.stride()
         if kx != k or unit != 1:
             return self._general(x)
-        if self._gemm_past is not None and m > self._gemm_past:
+        if self.gemm_rows is not None and m > self.gemm_rows:
             return x @ dequantize(self.data, self.fmt, self.shape).t()
         y = torch.empty(m, n, dtype=torch.float32)
         if m:
@@ -231,10 +231,10 @@ class Matrix:
 class SwiGLU:
     """An MLP's gate and up matrices (`Matrix`es of one format and shape) as one product: `SwiGLU(gate, up)(x)` is
     `F.silu(gate(x)) * up(x)` in one C call (cpu_blocks.c `rad_blocks_swiglu`: one parallel region, the silu in
-    registers with cpu_exp.h's e^x, within a unit of fp32 rounding of torch's; gate(x) and up(x) themselves are the
-    products' values bit for bit) up to `rows` rows of x, the two products and torch's ops past it. `make` returns
-    None where the fused call would be slower or cannot run: AMX takes the format (its products are faster
-    apart), formats or shapes differ, no AVX2."""
+    registers with cpu_exp.h's e^x, within 2 units of fp32 rounding of torch's; gate(x) and up(x) themselves are the
+    products' values bit for bit) up to `rows` rows of x; past it, or where the C call declines (the AMX path takes
+    the format at that M: its products are faster apart), the two products and torch's ops. `make` returns None
+    where the call cannot run: formats or shapes differ, no AVX2."""
 
     __slots__ = ("gate", "up", "rows", "_run")
 
@@ -244,7 +244,7 @@ class SwiGLU:
 
     @staticmethod
     def make(gate: Matrix, up: Matrix) -> SwiGLU | None:
-        if gate.fmt != up.fmt or gate.shape != up.shape or gate._w[1] != up._w[1] or amx_rows(gate.fmt):
+        if gate.fmt != up.fmt or gate.shape != up.shape or gate._w[1] != up._w[1]:
             return None
         rows = _lib().rad_blocks_swiglu_rows()
         return SwiGLU(gate, up, rows) if rows else None
@@ -252,16 +252,15 @@ class SwiGLU:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 -> silu(x @ G.T) * (x @ U.T) [M, N] fp32."""
         n, k = self.gate.shape
-        if x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 \
-                or not 0 < x.shape[0] <= self.rows:
-            return torch.nn.functional.silu(self.gate(x)).mul_(self.up(x))
-        m = x.shape[0]
-        y = torch.empty(m, n, dtype=torch.float32)
-        (wg, row_bytes, code), wu = self.gate._w, self.up._w[0]
-        if self._run(x.data_ptr(), m, k, x.stride(0), wg, wu, n, row_bytes, code, y.data_ptr(), n,
-                     torch.get_num_threads()):
-            raise RuntimeError(f"rad_blocks_swiglu refused {self.gate.fmt} at M = {m} (rows: {self.rows})")
-        return y
+        if x.dtype is torch.float32 and x.is_cpu and x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1 \
+                and 0 < x.shape[0] <= self.rows:
+            m = x.shape[0]
+            y = torch.empty(m, n, dtype=torch.float32)
+            (wg, row_bytes, code), wu = self.gate._w, self.up._w[0]
+            if not self._run(x.data_ptr(), m, k, x.stride(0), wg, wu, n, row_bytes, code, y.data_ptr(), n,
+                             torch.get_num_threads()):
+                return y
+        return torch.nn.functional.silu(self.gate(x)).mul_(self.up(x))
 
 
 def matmul(x: torch.Tensor, data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> torch.Tensor:

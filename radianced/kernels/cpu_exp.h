@@ -1,4 +1,5 @@
-/* e^x in fp32 for the host backend's C kernels (cpu_attention.c's softmax, cpu_blocks.c's SiLU): Cephes' expf
+/* e^x in fp32 for the host backend's C kernels (cpu_attention.c's softmax), and the SiLU on it (cpu_blocks.c's
+ * SwiGLU, cpu_layer.c): Cephes' expf
  * (x = n ln 2 + r, |r| <= ln 2 / 2, a polynomial in r, times 2^n), within 0.99 units of fp32 rounding of e^x on
  * every float of -87..0 (libm's expf: 0.5), and as close past 0 (the same polynomial on the same r). 8 at a
  * time where the compiler has AVX2, the same operations one at a time otherwise: the same values either way.
@@ -7,7 +8,8 @@
  * normal range, it is e^-87.3 (1.2e-38: beside a softmax maximum's e^0 = 1 in every sum, and 1 + it is 1 in a
  * sigmoid); past ln(FLT_MAX), 88.72, infinity (as torch's). 2^n is applied as two halves, 2^(n / 2) 2^(n - n / 2),
  * each scaling exact: the same value as one 2^n for n <= 127, and n = 128 (x of 88.38 to 88.72) stays finite.
- * Needs <stdint.h>, <string.h> and, for rad_exp8, <immintrin.h> included first. */
+ * A NaN x is not defined here (no caller passes one: scores and products of finite values). Needs <stdint.h>,
+ * <string.h> and, for rad_exp8, <immintrin.h> included first. */
 #ifndef RAD_CPU_EXP_H
 #define RAD_CPU_EXP_H
 
@@ -51,4 +53,19 @@ static inline __m256 rad_exp8(__m256 x) { /* rad_expf's operations, 8 lanes */
     return _mm256_blendv_ps(_mm256_mul_ps(_mm256_mul_ps(p, s0), s1), _mm256_set1_ps(__builtin_inff()), over);
 }
 #endif
+
+/* y[i] = silu(g[i]) * u[i] over n values, as torch's fp32 silu computes it, g / (1 + e^-g) (torch's e^x: Sleef's;
+ * within 2 units of fp32 rounding of its values), then times u, each step rounded once; y may be g */
+static inline void rad_silu_mul(const float *g, const float *u, float *y, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = rad_exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; i++) y[i] = g[i] / (1.0f + rad_expf(-g[i])) * u[i];
+}
 #endif

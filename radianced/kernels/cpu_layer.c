@@ -4,13 +4,14 @@
  *
  *   h = RMSNorm(x); [q | k | v] = h @ Wqkv.T; rad_decode_attention (RoPE, the new K/V rows written, each
  *   sequence's attention over its context in place); y = x + att @ Wo.T; h = RMSNorm(y);
- *   g = silu(h @ Wg.T) * (h @ Wu.T) (rad_blocks_swiglu, or two products where AMX takes the format);
+ *   g = silu(h @ Wg.T) * (h @ Wu.T) (rad_blocks_swiglu, or two products and cpu_exp.h's silu where AMX takes
+ *   the format: the op path's silu there is torch's, within 2 units of fp32 rounding);
  *   y = y + g @ Wd.T.
  *
  * Every product is the one the op-by-op path runs (the same calls); the residual adds round once as
  * `residual + out` does. RMSNorm here: x * r * w with r = 1 / sqrt(sum(x^2) / D + eps), each step rounded once
  * as the reference (kernels/reference.py) rounds it, sum(x^2) in 8 lane sums added in lane order (the
- * reference's products summed in another order: r within a unit of fp32 rounding of its r). */
+ * reference's products summed in another order: r within a few units of fp32 rounding of its r). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -18,20 +19,10 @@
 #include <immintrin.h>
 #endif
 
-#include "cpu_exp.h" /* rad_expf: the silu where AMX takes the MLP's products */
+#include "cpu_exp.h"     /* rad_silu_mul: the MLP's where the SwiGLU is not fused */
+#include "cpu_kernels.h" /* the products and the attention */
 
-void rad_blocks_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
-                       int64_t row_bytes, int fmt, float *y, int64_t ldy, int threads);
-int rad_blocks_swiglu(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *wg, const uint8_t *wu,
-                      int64_t N, int64_t row_bytes, int fmt, float *y, int64_t ldy, int threads);
-int rad_blocks_amx_rows(int fmt);
-void rad_decode_attention(const float *q, int64_t ldq, const float *k, int64_t ldk, const float *v, int64_t ldv,
-                          const float *cos, const float *sin, int64_t r, const int64_t *write_rows, float *q_rot,
-                          float *kv, int64_t v_rows, const int64_t *block_rows, int64_t nb, const int64_t *lens,
-                          int64_t bs, int64_t B, int64_t hq, int64_t hkv, int64_t d, float scale, float *out,
-                          int threads);
-
-/* a layer's weights and cache rows (cpu_layer.py `_Layer`, fixed while the model lives) */
+/* a layer's weights and shape (cpu_layer.py `_Layer`, fixed while the model lives) */
 typedef struct {
     const float *in_norm, *post_norm;
     const uint8_t *wqkv, *wo, *wg, *wu, *wd;
@@ -39,8 +30,6 @@ typedef struct {
     int64_t qkv_fmt, o_fmt, gu_fmt, d_fmt;
     int64_t hidden, inter, hq, hkv, d;
     float eps, scale;
-    float *kv; /* the cache pair's rows (K from row 0, V v_rows further) */
-    int64_t v_rows;
 } rad_dense_layer;
 
 /* a decode step's: the context's rows and the rotation (cpu_attention.Context's), and scratch for T rows */
@@ -82,38 +71,24 @@ static void add(const float *x, const float *a, float *y, int64_t count) {
     for (int64_t i = 0; i < count; i++) y[i] = x[i] + a[i];
 }
 
-/* g = silu(g) * u over count values: g / (1 + e^-g), then times u, each rounded once (cpu_blocks.c's SwiGLU) */
-static void silu_mul(float *g, const float *u, int64_t count) {
-    int64_t i = 0;
-#ifdef __AVX2__
-    for (; i + 8 <= count; i += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 e = rad_exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-        const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-        _mm256_storeu_ps(g + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
-    }
-#endif
-    for (; i < count; i++) g[i] = g[i] / (1.0f + rad_expf(-g[i])) * u[i];
-}
-
-/* y [T, hidden] = the layer of x [T, hidden] (y may be x) */
-void rad_dense_layer_decode(const rad_dense_layer *L, const rad_decode_step *S, const float *x, float *y,
-                            int64_t T, int threads) {
+/* y [T, hidden] = the layer of x [T, hidden] (y may be x); kv: the layer's cache pair's rows (K from row 0, V v_rows
+ * further) */
+void rad_dense_layer_decode(const rad_dense_layer *L, const rad_decode_step *S, float *kv, int64_t v_rows,
+                            const float *x, float *y, int64_t T, int threads) {
     const int64_t n = L->hidden, qd = L->hq * L->d, nqkv = qd + 2 * L->hkv * L->d;
     rms_norm(x, T, n, L->in_norm, L->eps, S->h);
     rad_blocks_matmul(S->h, T, n, n, L->wqkv, nqkv, L->qkv_bytes, (int)L->qkv_fmt, S->qkv, nqkv, threads);
     rad_decode_attention(S->qkv, nqkv, S->qkv + qd, nqkv, S->qkv + qd + L->hkv * L->d, nqkv, S->cos, S->sin, S->r,
-                         S->write_rows, S->q_rot, L->kv, L->v_rows, S->block_rows, S->nb, S->lens, S->bs, T, L->hq,
+                         S->write_rows, S->q_rot, kv, v_rows, S->block_rows, S->nb, S->lens, S->bs, T, L->hq,
                          L->hkv, L->d, L->scale, S->att, threads);
     rad_blocks_matmul(S->att, T, qd, qd, L->wo, n, L->o_bytes, (int)L->o_fmt, S->t, n, threads);
     add(x, S->t, y, T * n);
     rms_norm(y, T, n, L->post_norm, L->eps, S->h);
-    const int fmt = (int)L->gu_fmt, amx = rad_blocks_amx_rows(fmt);
-    if ((amx && T >= amx) || rad_blocks_swiglu(S->h, T, n, n, L->wg, L->wu, L->inter, L->gu_bytes, fmt, S->g,
-                                               L->inter, threads)) {
+    const int fmt = (int)L->gu_fmt;
+    if (rad_blocks_swiglu(S->h, T, n, n, L->wg, L->wu, L->inter, L->gu_bytes, fmt, S->g, L->inter, threads)) {
         rad_blocks_matmul(S->h, T, n, n, L->wg, L->inter, L->gu_bytes, fmt, S->g, L->inter, threads);
         rad_blocks_matmul(S->h, T, n, n, L->wu, L->inter, L->gu_bytes, fmt, S->u, L->inter, threads);
-        silu_mul(S->g, S->u, T * L->inter);
+        rad_silu_mul(S->g, S->u, S->g, T * L->inter);
     }
     rad_blocks_matmul(S->g, T, L->inter, L->inter, L->wd, n, L->d_bytes, (int)L->d_fmt, S->t, n, threads);
     add(y, S->t, y, T * n);

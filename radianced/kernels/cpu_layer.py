@@ -4,8 +4,9 @@ Why: op by op, a SmolLM2 layer is ~25 calls from Python (two RMSNorms of seven t
 attention, views, residual adds), each a few microseconds of dispatch, allocation or ctypes around kernels of
 10-100 us; on the 2-core Zen 4 EPYC a decode step spent 3.4 ms of 10.7 at batch 1, and 6 of 24 at batch 8, outside
 the C kernels. Here the layer is one call: the same products in the same order (cpu_layer.c), its scratch made
-once a step. Values: the products and the attention are the op-by-op path's; the RMSNorms are within a unit of
-fp32 rounding of the reference's (their sums of squares in another order).
+once a step. Values: the products and the attention are the op-by-op path's; the RMSNorms are within a few units
+of fp32 rounding of the reference's (their sums of squares in another order); so is the silu where AMX takes the
+MLP's format (cpu_exp.h's there, torch's on the op path; elsewhere both are the fused SwiGLU's).
 
 `DenseLayer` holds one layer's arguments (the weights' pointers and shapes, checked once); `Scratch` a decode
 step's (its context's rows, the rotation's tables, buffers for its rows), made on the step's first layer.
@@ -28,7 +29,7 @@ class _Layer(ctypes.Structure):  # cpu_layer.c `rad_dense_layer`
                 *((name, ctypes.c_void_p) for name in ("wqkv", "wo", "wg", "wu", "wd")),
                 *((name, _i64) for name in ("qkv_bytes", "o_bytes", "gu_bytes", "d_bytes", "qkv_fmt", "o_fmt",
                                             "gu_fmt", "d_fmt", "hidden", "inter", "hq", "hkv", "d")),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv", ctypes.c_void_p), ("v_rows", _i64)]
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
 class _Step(ctypes.Structure):  # cpu_layer.c `rad_decode_step`
@@ -43,8 +44,8 @@ def _declare() -> ctypes.CDLL | None:
         return None
     fn = lib.rad_dense_layer_decode
     if fn.argtypes is None:
-        fn.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_Step), ctypes.c_void_p, ctypes.c_void_p, _i64,
-                       ctypes.c_int]
+        fn.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_Step), ctypes.c_void_p, _i64, ctypes.c_void_p,
+                       ctypes.c_void_p, _i64, ctypes.c_int]
         fn.restype = None
     return lib
 
@@ -55,12 +56,13 @@ class Scratch:
 
     __slots__ = ("dims", "keep", "args", "ptr")
 
-    def __init__(self, context: Context, cos: torch.Tensor, sin: torch.Tensor, dims: tuple[int, int, int, int]):
-        hidden, nqkv, qd, inter = dims
-        t = len(context.lens)
+    def __init__(self, context: Context, cos: torch.Tensor, sin: torch.Tensor, dims: tuple[int, int, int, int, int]):
+        hidden, nqkv, qd, inter, d = dims
+        t, r = len(context.lens), cos.shape[-1]
         if cos.dtype is not torch.float32 or sin.dtype is not torch.float32 or not cos.is_contiguous() \
-                or not sin.is_contiguous() or cos.numel() != sin.numel() or cos.numel() % max(t, 1):
-            raise ValueError(f"cos and sin must be contiguous fp32 [{t}, 1, R], got {list(cos.shape)}")
+                or not sin.is_contiguous() or cos.numel() != t * r or sin.numel() != t * r or r % 2 or r > d:
+            raise ValueError(f"cos and sin must be contiguous fp32 [{t}, 1, R], R even and at most {d}, got "
+                             f"{list(cos.shape)} and {list(sin.shape)}")
         bufs = [torch.empty(t, w, dtype=torch.float32) for w in (hidden, nqkv, qd, qd, inter, inter, hidden)]
         self.dims, self.keep = dims, (context, cos, sin, bufs)
         rows, nb, lens, bs, _ = context._args
@@ -71,20 +73,24 @@ class Scratch:
 
 class DenseLayer:
     """One Llama layer's arguments for cpu_layer.c: its norms (fp32 [hidden]), its five GGUF-format matrices
-    (`cpu_blocks.Matrix`: [q | k | v], o, gate, up, down) and its attention's shape. `make` returns None where the
-    layer is not one cpu_layer.c runs (other formats, gate and up apart, a GQA ratio past G_MAX, no library)."""
+    (`cpu_blocks.Matrix`: [q | k | v], o, gate, up, down) and its attention's shape; `rows`: the most rows of x it
+    takes (None: any). `make` returns None where the layer is not one cpu_layer.c runs (other formats, gate and up
+    apart, a GQA ratio past G_MAX, no library)."""
 
-    __slots__ = ("lib", "keep", "dims", "hkv_d", "args", "ptr")
+    __slots__ = ("lib", "keep", "dims", "hkv_d", "rows", "args", "ptr")
 
     def __init__(self, lib: ctypes.CDLL, norms: tuple[torch.Tensor, torch.Tensor], eps: float, mats: tuple,
                  heads: tuple[int, int, int], scale: float):
         (hq, hkv, d), (qkv, o, gate, up, down) = heads, mats
         hidden, inter = o.shape[0], gate.shape[0]
         self.lib, self.keep, self.hkv_d = lib, (norms, mats), hkv * d
-        self.dims = (hidden, qkv.shape[0], hq * d, inter)
+        self.dims = (hidden, qkv.shape[0], hq * d, inter, d)
+        # rows of x the op path takes through the block products too (past a matrix's gemm_rows it dequantizes
+        # and runs torch's GEMM: other sums), so the most this call takes
+        self.rows = min((m.gemm_rows for m in mats if m.gemm_rows is not None), default=None)
         self.args = _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *(m._w[0] for m in mats[:4]), down._w[0],
                            qkv._w[1], o._w[1], gate._w[1], down._w[1], qkv._w[2], o._w[2], gate._w[2], down._w[2],
-                           hidden, inter, hq, hkv, d, eps, scale, None, 0)
+                           hidden, inter, hq, hkv, d, eps, scale)
         self.ptr = ctypes.pointer(self.args)
 
     @staticmethod
@@ -113,12 +119,13 @@ class DenseLayer:
         ([R, Hkv * D] fp32, K from row 0, V `v_rows` further: kernels/cpu.py `_Rows`)."""
         t, hidden = x.shape
         context = scratch.keep[0]
-        if hidden != self.dims[0] or t != len(context.lens) or not x.is_contiguous() or x.dtype is not torch.float32:
+        if hidden != self.dims[0] or t != len(context.lens) or not x.is_contiguous() or x.dtype is not torch.float32 \
+                or scratch.dims != self.dims:
             raise ValueError(f"x must be contiguous fp32 [{len(context.lens)}, {self.dims[0]}], got {list(x.shape)}")
         if flat.dtype is not torch.float32 or flat.shape[1] != self.hkv_d or flat.stride() != (self.hkv_d, 1) \
                 or v_rows < 0 or context._top + v_rows > flat.shape[0]:
             raise ValueError(f"cache rows {list(flat.shape)} do not hold this step's context (v_rows {v_rows})")
-        self.args.kv, self.args.v_rows = flat.data_ptr(), v_rows
         y = torch.empty(t, hidden, dtype=torch.float32)
-        self.lib.rad_dense_layer_decode(self.ptr, scratch.ptr, x.data_ptr(), y.data_ptr(), t, torch.get_num_threads())
+        self.lib.rad_dense_layer_decode(self.ptr, scratch.ptr, flat.data_ptr(), v_rows, x.data_ptr(), y.data_ptr(), t,
+                                        torch.get_num_threads())
         return y
