@@ -57,8 +57,8 @@ def test_a_decode_layer_in_one_call_is_the_layer_of_ops(tiny_llama, monkeypatch)
 
 
 def test_layers_it_does_not_run_are_left_to_the_ops(tiny_llama, tmp_path):
-    """A layer in fp32 (weights the block kernels do not read) has no fused form; the prefill step's layers go
-    through the ops; the library checks the step's rows before it reads them."""
+    """A layer in fp32 (weights the block kernels do not read) has no fused form, nor a batch past its products'
+    `gemm_rows`; the call checks x, the step's rows and the rotation's tables before the library reads them."""
     make_tiny("llama", tmp_path / "hf")
     convert(tmp_path / "hf", tmp_path / "dense.rad")
     with RadFile.open(tmp_path / "dense.rad") as rad:
@@ -77,3 +77,11 @@ def test_layers_it_does_not_run_are_left_to_the_ops(tiny_llama, tmp_path):
         with pytest.raises(ValueError, match="cache rows .* do not hold this step's context"):
             fused(x, scratch, torch.zeros(12, 32), 8)  # V rows 8 past K: the context's row 7 reads past row 12
         assert fused(x, scratch, torch.zeros(16, 32), 8).shape == (1, 64)
+        with pytest.raises(ValueError, match="R even and at most 16"):
+            fused.scratch(context, torch.ones(1, 1, 18), torch.ones(1, 1, 18), None)
+        # past its products' gemm_rows the op path dequantizes for torch's GEMM (other sums): declined there
+        limits = [m.gemm_rows for m in fused.keep[1] if m.gemm_rows is not None]
+        assert fused.rows == (min(limits) if limits else None)
+        if fused.rows is not None:
+            decode = type("Decode", (), {"is_decode": True})()  # only read before the rows are
+            assert cpu.dense_layer(layer, torch.randn(fused.rows + 1, 64), None, decode, None) is None
