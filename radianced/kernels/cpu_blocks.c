@@ -832,9 +832,9 @@ EACH_FMT(AMX_FMT)
  * tiles or the AVX2 tiles, the values a product of G or U alone gives: a row's sums do not depend on its
  * neighbours) into L1 buffers, then silu(g) * u over them in registers, as torch's fp32 silu computes it,
  * g / (1 + e^-g), with cpu_exp.h's e^x (within 2 units of fp32 rounding of torch's). Refused (-1) where the AMX
- * path takes the format at M: its products are faster apart (the caller runs them, then the silu). Why: the silu and mul after two products of [8, 1536] took
- * 17 + 5 us a layer in a decode step on the Zen 4 EPYC (a fresh copy: 7 + 2), their input half in the other
- * core's cache, and the second product's call and region ~7 us more. */
+ * path takes the format at M: its products are faster apart (the caller runs them, then the silu). Why: the
+ * silu and mul after two products of [8, 1536] took 17 + 5 us a layer in a decode step on the Zen 4 EPYC (a fresh
+ * copy: 7 + 2), their input half in the other core's cache, and the second product's call and region ~7 us more. */
 #define SW_COLS 16 /* output columns a chunk */
 #define SW_ROWS 64 /* rows of x at most (a decode batch, a short prefill chunk): the chunk's buffers on the stack */
 
