@@ -499,18 +499,21 @@ INLINE void any_rows(const float *x, int64_t M, int64_t ldx, const uint8_t *w, i
     rows(x, M, ldx, w, row_bytes, nb, y, ldy, fmt, NR);
 }
 
-/* one format's product: the threads take static shares of W's tiles of WR rows (an odd N's last is one row,
- * with the same sums) */
+/* W's rows n .. n + WR - 1 of its N (an odd N's last, n = N - 1, alone: the same sums) against all M rows of x,
+ * into y's columns from n */
+INLINE void rows_at(const float *x, int64_t M, int64_t ldx, const uint8_t *w, int64_t row_bytes, int64_t nb,
+                    float *y, int64_t ldy, const int fmt, int64_t n, int64_t N) {
+    if (n + WR <= N) any_rows(x, M, ldx, w + n * row_bytes, row_bytes, nb, y + n, ldy, fmt, WR);
+    else any_rows(x, M, ldx, w + n * row_bytes, row_bytes, nb, y + n, ldy, fmt, 1);
+}
+
+/* one format's product: the threads take static shares of W's tiles of WR rows (`rows_at`) */
 #define MATMUL_FMT(FMT)                                                                                        \
     static void matmul_##FMT(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,  \
                              int64_t row_bytes, float *y, int64_t ldy, int threads) {                         \
         const int64_t nb = K / (32 * block_chunks(FMT)), tiles = (N + WR - 1) / WR;                           \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                                     \
-        for (int64_t t = 0; t < tiles; t++) {                                                                 \
-            const int64_t n = t * WR;                                                                         \
-            if (n + WR <= N) any_rows(x, M, ldx, w + n * row_bytes, row_bytes, nb, y + n, ldy, FMT, WR);     \
-            else any_rows(x, M, ldx, w + n * row_bytes, row_bytes, nb, y + n, ldy, FMT, 1);                  \
-        }                                                                                                     \
+        for (int64_t t = 0; t < tiles; t++) rows_at(x, M, ldx, w, row_bytes, nb, y, ldy, FMT, t * WR, N);      \
     }
 
 /* out [N, K] = W's values: each chunk's 32 weights stored as made */
@@ -841,10 +844,7 @@ EACH_FMT(AMX_FMT)
 /* buf [M, nr] (row stride SW_COLS) = x @ W[0 .. nr).T, W's nr (<= SW_COLS) rows of row_bytes each */
 INLINE void chunk_product(const float *x, int64_t M, int64_t ldx, const uint8_t *w, int64_t row_bytes, int64_t nb,
                           int nr, float *buf, const int fmt) {
-    for (int r = 0; r < nr; r += WR) {
-        if (r + WR <= nr) any_rows(x, M, ldx, w + r * row_bytes, row_bytes, nb, buf + r, SW_COLS, fmt, WR);
-        else any_rows(x, M, ldx, w + r * row_bytes, row_bytes, nb, buf + r, SW_COLS, fmt, 1);
-    }
+    for (int r = 0; r < nr; r += WR) rows_at(x, M, ldx, w, row_bytes, nb, buf, SW_COLS, fmt, r, nr);
 }
 
 /* y's nr columns of each of M rows = silu(g) * u (cpu_exp.h), g and u rows SW_COLS apart */
@@ -907,8 +907,8 @@ void rad_blocks_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const 
 }
 
 /* y [M, N] (row stride ldy) = silu(x @ G.T) * (x @ U.T), G at wg and U at wu, N rows of row_bytes each: 0 when
- * done, -1 where this build and process do not fuse it (no AVX2, M past rad_blocks_swiglu_rows(), or the AMX path
- * takes fmt at M): the caller runs the two products and the silu itself */
+ * done, -1 where this build and process do not fuse it (no AVX2, M past SW_ROWS, or the AMX path takes fmt at M):
+ * the caller runs the two products and the silu itself */
 int rad_blocks_swiglu(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *wg, const uint8_t *wu,
                       int64_t N, int64_t row_bytes, int fmt, float *y, int64_t ldy, int threads) {
 #ifdef RAD_AMX
@@ -924,15 +924,6 @@ int rad_blocks_swiglu(const float *x, int64_t M, int64_t K, int64_t ldx, const u
     (void)ldy, (void)threads;
 #endif
     return -1;
-}
-
-/* rows of x rad_blocks_swiglu takes at most in this build (0: none) */
-int rad_blocks_swiglu_rows(void) {
-#ifdef RAD_AVX2
-    return SW_ROWS;
-#else
-    return 0;
-#endif
 }
 
 /* rows of x past which dequantizing W (rad_blocks_dequantize) and a GEMM library beat rad_blocks_matmul on

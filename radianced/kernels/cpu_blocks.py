@@ -141,10 +141,9 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
             setattr(lib, name, lambda fmt, older=older: older)
     if hasattr(lib, "rad_blocks_swiglu"):
         lib.rad_blocks_swiglu.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, ctypes.c_int, ptr, i64, ctypes.c_int]
-        lib.rad_blocks_swiglu.restype = lib.rad_blocks_swiglu_rows.restype = ctypes.c_int
-        lib.rad_blocks_swiglu_rows.argtypes = []
-    else:  # an older cpu_blocks.c: no fused SwiGLU
-        lib.rad_blocks_swiglu_rows = lambda: 0
+        lib.rad_blocks_swiglu.restype = ctypes.c_int
+    else:  # an older cpu_blocks.c: no fused SwiGLU, every call declined
+        lib.rad_blocks_swiglu = lambda *args: -1
     return lib
 
 
@@ -232,28 +231,26 @@ class SwiGLU:
     """An MLP's gate and up matrices (`Matrix`es of one format and shape) as one product: `SwiGLU(gate, up)(x)` is
     `F.silu(gate(x)) * up(x)` in one C call (cpu_blocks.c `rad_blocks_swiglu`: one parallel region, the silu in
     registers with cpu_exp.h's e^x, within 2 units of fp32 rounding of torch's; gate(x) and up(x) themselves are the
-    products' values bit for bit) up to `rows` rows of x; past it, or where the C call declines (the AMX path takes
-    the format at that M: its products are faster apart), the two products and torch's ops. `make` returns None
-    where the call cannot run: formats or shapes differ, no AVX2."""
+    products' values bit for bit); where the C call declines (past its rows of x, a long prefill; where the AMX path
+    takes the format at that M, its products faster apart; a build without AVX2), the two products and torch's
+    ops. `make` returns None where gate and up differ in format or shape."""
 
-    __slots__ = ("gate", "up", "rows", "_run")
+    __slots__ = ("gate", "up", "_run")
 
-    def __init__(self, gate: Matrix, up: Matrix, rows: int):
-        self.gate, self.up, self.rows = gate, up, rows
+    def __init__(self, gate: Matrix, up: Matrix):
+        self.gate, self.up = gate, up
         self._run = _lib().rad_blocks_swiglu
 
     @staticmethod
     def make(gate: Matrix, up: Matrix) -> SwiGLU | None:
-        if gate.fmt != up.fmt or gate.shape != up.shape or gate._w[1] != up._w[1]:
-            return None
-        rows = _lib().rad_blocks_swiglu_rows()
-        return SwiGLU(gate, up, rows) if rows else None
+        same = gate.fmt == up.fmt and gate.shape == up.shape and gate._w[1] == up._w[1]
+        return SwiGLU(gate, up) if same else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 -> silu(x @ G.T) * (x @ U.T) [M, N] fp32."""
         n, k = self.gate.shape
         if x.dtype is torch.float32 and x.is_cpu and x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1 \
-                and 0 < x.shape[0] <= self.rows:
+                and x.shape[0]:
             m = x.shape[0]
             y = torch.empty(m, n, dtype=torch.float32)
             (wg, row_bytes, code), wu = self.gate._w, self.up._w[0]
