@@ -40,11 +40,11 @@ class Context:
     sequence's new token goes to, -1 for none (a padding row). Like `cpu_blocks.Matrix` it holds its tensors,
     so the pointers it keeps stay valid while it lives."""
 
-    __slots__ = ("block_rows", "lens", "write_rows", "_args", "_top", "_run")
+    __slots__ = ("block_rows", "lens", "write_rows", "block_size", "_args", "_top", "_run")
 
     def __init__(self, block_rows: torch.Tensor, lens: torch.Tensor, block_size: int, write_rows: torch.Tensor):
         self.block_rows = block_rows.to(torch.int64).contiguous()
-        self.lens = lens.to(torch.int64).contiguous()
+        self.lens, self.block_size = lens.to(torch.int64).contiguous(), block_size
         b, nb = self.block_rows.shape
         if self.lens.shape != (b,) or bool((self.lens < 0).any()) or bool((self.lens > nb * block_size).any()):
             raise ValueError(f"lens must be [{b}] in 0..{nb * block_size} (the block table's tokens), got "
@@ -65,15 +65,24 @@ class Context:
         """(B, Hq, Hkv, D), once q and the cache rows are checked to fit the step."""
         b, hq, d = q.shape
         hkv = flat.shape[1] // d
-        if q.dtype is not torch.float32 or flat.dtype is not torch.float32 or not q.is_cpu or not flat.is_cpu:
+        if q.dtype is not torch.float32 or not q.is_cpu:
             raise ValueError(f"q and the cache rows must be CPU fp32, got {q.dtype} and {flat.dtype}")
-        if b != self._args[4] or hkv * d != flat.shape[1] or hq % hkv or hq // hkv > G_MAX \
-                or flat.stride(1) != 1 or flat.stride(0) != flat.shape[1]:
-            raise ValueError(f"q {list(q.shape)} and cache rows {list(flat.shape)} (strides {flat.stride()}) do "
-                             f"not fit {self._args[4]} sequences, Hq a multiple of Hkv (at most {G_MAX}x)")
+        if b != self._args[4] or hkv * d != flat.shape[1] or hq % hkv or hq // hkv > G_MAX:
+            raise ValueError(f"q {list(q.shape)} and cache rows {list(flat.shape)} do not fit {self._args[4]} "
+                             f"sequences, Hq a multiple of Hkv (at most {G_MAX}x)")
+        self.check_rows(flat, v_rows, hkv * d)
+        return b, hq, hkv, d
+
+    def check_rows(self, flat: torch.Tensor, v_rows: int, row: int) -> None:
+        """Raise ValueError unless `flat` is a cache pair's rows as the kernel reads them (CPU fp32 [R, row], rows
+        packed) and holds every row this step reads and writes, V `v_rows` past K."""
+        if flat.dtype is not torch.float32 or not flat.is_cpu:
+            raise ValueError(f"q and the cache rows must be CPU fp32, got cache rows of {flat.dtype}")
+        if flat.dim() != 2 or flat.shape[1] != row or flat.stride() != (row, 1):
+            raise ValueError(f"cache rows {list(flat.shape)} (strides {flat.stride()}) do not fit rows of {row} "
+                             f"values")
         if v_rows < 0 or self._top + v_rows > flat.shape[0]:
             raise ValueError(f"the keys read reach row {self._top + v_rows} of {flat.shape[0]}")
-        return b, hq, hkv, d
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                flat: torch.Tensor, v_rows: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -65,9 +65,9 @@ class Scratch:
                              f"{list(cos.shape)} and {list(sin.shape)}")
         bufs = [torch.empty(t, w, dtype=torch.float32) for w in (hidden, nqkv, qd, qd, inter, inter, hidden)]
         self.dims, self.keep = dims, (context, cos, sin, bufs)
-        rows, nb, lens, bs, _ = context._args
-        self.args = _Step(rows, lens, context.write_rows.data_ptr(), nb, bs, cos.shape[-1], cos.data_ptr(),
-                          sin.data_ptr(), *(b.data_ptr() for b in bufs))
+        self.args = _Step(context.block_rows.data_ptr(), context.lens.data_ptr(), context.write_rows.data_ptr(),
+                          context.block_rows.shape[1], context.block_size, r, cos.data_ptr(), sin.data_ptr(),
+                          *(b.data_ptr() for b in bufs))
         self.ptr = ctypes.pointer(self.args)
 
 
@@ -122,9 +122,7 @@ class DenseLayer:
         if hidden != self.dims[0] or t != len(context.lens) or not x.is_contiguous() or x.dtype is not torch.float32 \
                 or scratch.dims != self.dims:
             raise ValueError(f"x must be contiguous fp32 [{len(context.lens)}, {self.dims[0]}], got {list(x.shape)}")
-        if flat.dtype is not torch.float32 or flat.shape[1] != self.hkv_d or flat.stride() != (self.hkv_d, 1) \
-                or v_rows < 0 or context._top + v_rows > flat.shape[0]:
-            raise ValueError(f"cache rows {list(flat.shape)} do not hold this step's context (v_rows {v_rows})")
+        context.check_rows(flat, v_rows, self.hkv_d)
         y = torch.empty(t, hidden, dtype=torch.float32)
         self.lib.rad_dense_layer_decode(self.ptr, scratch.ptr, flat.data_ptr(), v_rows, x.data_ptr(), y.data_ptr(), t,
                                         torch.get_num_threads())
