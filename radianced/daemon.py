@@ -38,18 +38,21 @@ import threading
 import time
 from pathlib import Path
 
+from radianced import cpu_threads
+
 # Before the imports below load torch (and its OpenMP runtime, libgomp, which reads this once): an
 # idle OpenMP thread spins 20,000 rounds (tens of microseconds) before it sleeps, not 300,000, so
-# torch's threads leave the event loop and the step worker their turn (radianced/cpu_threads.py has the numbers).
+# torch's threads leave the event loop and the step worker their turn (radianced/cpu_threads.py has the numbers);
+# and no OpenMP binding, which would hold every thread of the daemon and its front to one CPU (the same file).
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+UNBOUND = cpu_threads.drop_binding()
 
 import uvloop
 
 from radianced.budget import PlanError
 from radianced.card import Card
 from radianced.config import Config, ConfigError
-from radianced import cpu_threads
 from radianced.engine import drafting_cost, step_trace
 from radianced.engine.driver import AsyncEngine, step_executor
 from radianced.engine.pacing import StepPacer
@@ -289,6 +292,10 @@ class Daemon:
         if device == "cpu" or "RADIANCED_CPU_THREADS" in os.environ:
             torch.set_num_threads(cpu_threads.count())
             log.info("torch CPU threads: %d", torch.get_num_threads())
+        if UNBOUND:
+            log.warning("ignored %s: OpenMP would hold every thread of the daemon and its HTTP front to one CPU "
+                        "(radianced/cpu_threads.py); RADIANCED_CPU_THREADS sets the threads",
+                        ", ".join(f"{k}={v}" for k, v in UNBOUND.items()))
         card = None
         if self.cfg.card_mib:  # the arena's allocation unit is the device's, whatever size is claimed
             card = Card.from_mib(self.cfg.card_mib, cuda=device == "cuda")
