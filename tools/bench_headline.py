@@ -60,7 +60,8 @@ from radianced.budget import PlanError, plan  # noqa: E402
 from radianced.model.rad import RadFile  # noqa: E402
 from radianced.sizing import ModelFacts  # noqa: E402
 from radianced.tiers.placement import routed_experts  # noqa: E402
-from radianced.tiers.predict import predictions, resident_step, tok_s_from_resident  # noqa: E402
+from radianced.tiers.predict import (link_gbps_from_resident, predictions, resident_step,  # noqa: E402
+                                     tok_s_from_resident)
 from radianced.tiers.profile import Profile, ProfileError, profile_path  # noqa: E402
 from radianced.tp_plan import detect_cards  # noqa: E402
 from tools import gpu_bench  # noqa: E402
@@ -282,6 +283,13 @@ def from_resident(state: dict) -> None:
             pr["tok_s_from_resident"] = tok_s_from_resident(
                 pr["batch"], pr["overflow_bytes_per_token"], step, rates["pcie_gbps"], rates["hbm_gbps"]) \
                 if ok else None
+        for got in row.get("measured", []):  # the link rate the measured step's own misses imply (the chain's gap)
+            step = steps.get(got.get("batch"), (None, None))[1]
+            ok = step is not None and rates.get("hbm_gbps") and got.get("tpot_p50_s") and \
+                got.get("overflow_bytes_per_token") is not None
+            got["miss_link_gbps"] = link_gbps_from_resident(
+                got["batch"], got["overflow_bytes_per_token"], step, got["tpot_p50_s"], rates["hbm_gbps"]) \
+                if ok else None
 
 
 # -- the cards of a dry run ----------------------------------------------------------------------
@@ -317,8 +325,13 @@ def _ratio(got, want) -> str:
     return "-" if got is None or not want else f"{got / want:.2f}"
 
 
-def _cells(mib: str, row: dict) -> list[str]:
-    """A card's table rows: one per predicted batch, beside the measured row of that batch."""
+def _link(gbps, probed) -> str:
+    return "-" if gbps is None else f"{gbps:.1f}" + (f" ({gbps / probed:.0%})" if probed else "")
+
+
+def _cells(mib: str, row: dict, link: float | None) -> list[str]:
+    """A card's table rows: one per predicted batch, beside the measured row of that batch; `link` the probed
+    PCIe GB/s."""
     meas = {r["batch"]: r for r in row["measured"] if "batch" in r}
     ttft = next((r["ttft_p50_s"] for r in row["measured"] if "ttft_p50_s" in r), {})
     out = []
@@ -333,6 +346,7 @@ def _cells(mib: str, row: dict) -> list[str]:
         out.append(f"| {_card(mib)} | {pr['batch']} | {pr['slots']} | {_pct(pr['hit_rate'])} / "
                    f"{_pct(got.get('hit_rate'))} | {over} | {pred} | {_tok(decode)} / {_tok(got.get('tok_s'))} | "
                    f"{_ratio(decode, pr.get('tok_s_from_resident'))} | {_ratio(decode, pr['tok_s_serial'])} | "
+                   f"{_link(got.get('miss_link_gbps'), link)} | "
                    f"{'-' if joules is None else f'{joules:.3f}'} | {first} |")
     return out
 
@@ -347,17 +361,19 @@ def render(state: dict) -> str:
              f"{_f(rates.get('hbm_gbps'))} GB/s; profile: {prof.get('said', '-')}{took}", "",
              "| card | b | slots | hit rate pred / meas | overflow MiB a token pred / meas | tok/s pred link bound / "
              "serial / from the resident step | tok/s meas decode / over the run | decode / from resident | "
-             "decode / serial | J/token | TTFT p50 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "decode / serial | misses' GB/s (of the link) | J/token | TTFT p50 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for mib, row in sorted(state.get("cards", {}).items(), key=lambda kv: int(kv[0])):
-        lines += [f"| {_card(mib)} | | | | | | | | | | {row['error'][:300]} |"] if "error" in row \
-            else _cells(mib, row)
+        lines += [f"| {_card(mib)} | | | | | | | | | | | {row['error'][:300]} |"] if "error" in row \
+            else _cells(mib, row, rates.get("pcie_gbps"))
     resident = {pr["resident_card_mib"] for row in state.get("cards", {}).values()
                 for pr in row.get("predicted", []) if pr.get("resident_card_mib") is not None}
     given = ", ".join(f"{b}={1e3 * s:g}" for b, s in state.get("given_steps", {}).items())
     named = [_card(m) if m else f"measured in an earlier call: --resident-step-ms {given}" for m in sorted(resident)]
     lines += ["", "Decode is batch / TPOT p50 (\"over the run\" counts the prefill too); \"from the resident step\" "
               f"is the decode step of the card that hit every expert ({'; '.join(named)}) "
-              "with each card's predicted misses moved from HBM to the link."] if resident else []
+              "with each card's predicted misses moved from HBM to the link; \"misses' GB/s\" is the rate at which "
+              "a measured step's own misses crossed, if the rest of it was that all-hit step."] if resident else []
     quick = [_card(mib) for mib, row in sorted(state.get("cards", {}).items(), key=lambda kv: int(kv[0]))
              if "--quick" in row.get("bench_flags", ())]
     lines += ["", f"Measured with `bench run --quick` (its workloads sized down: 32 decode tokens, prefill 128 and "

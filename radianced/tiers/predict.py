@@ -140,6 +140,16 @@ def tok_s_from_resident(batch: int, overflow_bytes_per_token: float, resident_st
     return batch / (resident_step_s - missed / (hbm_gbps * GB) + missed / (link_gbps * GB))
 
 
+def link_gbps_from_resident(batch: int, overflow_bytes_per_token: float, resident_step_s: float, step_s: float,
+                            hbm_gbps: float) -> float | None:
+    """`tok_s_from_resident` solved for the link: the rate (GB/s) at which a measured step of `step_s` moved its
+    misses, if all the rest of it was the all-hit step's; None where it missed nothing or took no longer than
+    the all-hit step less its misses' HBM time (the model does not describe that step)."""
+    missed = overflow_bytes_per_token * batch
+    on_link = step_s - resident_step_s + missed / (hbm_gbps * GB)
+    return missed / on_link / GB if missed > 0 and on_link > 0 else None
+
+
 def predict(profile: Profile, placement: Placement, *, top_k: int, extent_bytes: int, resident_bytes: int = 0,
             batch: int = 1) -> Prediction:
     """The steady state of decode at `batch` tokens a step (module docstring: the model).

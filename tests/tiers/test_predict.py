@@ -29,7 +29,7 @@ from radianced.model.rad import RadFile
 from radianced.model.tokenizer import Tokenizer
 from radianced.sizing import ModelFacts
 from radianced.tiers.placement import place, place_receipt, routed_experts
-from radianced.tiers.predict import predict, routing_shares
+from radianced.tiers.predict import link_gbps_from_resident, predict, routing_shares, tok_s_from_resident
 from radianced.tiers.profile import Profile, profile_path
 
 EXPERTS = [(layer, e) for layer in (0, 1) for e in range(4)]
@@ -225,3 +225,11 @@ def test_greedy_b4_looks_up_about_the_predicted_distinct_experts_a_step(tier_rad
     measured = served.hits / served.lookups
     assert served.lookups / served.steps == pytest.approx(pr.lookups, rel=0.10)
     assert measured == pytest.approx(pr.hit_rate, abs=0.05)
+
+
+@pytest.mark.parametrize("batch, overflow", [(1, 100e6), (8, 30e6)])
+def test_the_link_rate_a_step_implies_undoes_the_step_from_the_resident_one(batch, overflow):
+    step = batch / tok_s_from_resident(batch, overflow, 0.008, 40.0, 4000.0)
+    assert link_gbps_from_resident(batch, overflow, 0.008, step, 4000.0) == pytest.approx(40.0)
+    assert link_gbps_from_resident(batch, 0.0, 0.008, step, 4000.0) is None  # nothing missed
+    assert link_gbps_from_resident(batch, overflow, 0.008, 0.007, 4000.0) is None  # faster than the all-hit step
