@@ -20,7 +20,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX2__
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -141,16 +141,47 @@ static inline void prefetch_rows(const float *base, const int64_t *at, int64_t n
         for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(base + at[t] + i, 0, 3);
 }
 
-/* one (sequence, KV head): the g query heads at q (D apart) over its n keys, into o (g rows of D) */
-static void attend(const float *q, const float *kv, int64_t row, int64_t v_rows, const int64_t *block_rows,
-                   int64_t bs, int64_t n, int64_t g, int64_t d, float scale, float *o) {
-    float m[G_MAX], l[G_MAX], p[G_MAX][CHUNK];
-    int64_t rows[2][CHUNK], *at = rows[0], *next = rows[1]; /* this chunk's key rows, the next one's */
+/* the online softmax's running state of g heads: maxima m, sums l, outputs o (g rows of D) at zero */
+static inline void softmax_start(int64_t g, int64_t d, float *m, float *l, float *o) {
     for (int64_t j = 0; j < g; j++) {
         m[j] = -INFINITY;
         l[j] = 0.0f;
         for (int64_t i = 0; i < d; i++) o[j * d + i] = 0.0f;
     }
+}
+
+/* a chunk's scores p (cn keys, g heads) into weights e^(p - max), the sums so far rescaled to the new maximum
+ * (none before the first chunk: `first`) */
+static inline void softmax_chunk(float (*p)[CHUNK], int64_t cn, int64_t g, int64_t d, int first, float *m, float *l,
+                                 float *o) {
+    for (int64_t j = 0; j < g; j++) {
+        float top = m[j];
+        for (int64_t t = 0; t < cn; t++) top = p[j][t] > top ? p[j][t] : top;
+        if (top > m[j]) {
+            if (!first) {
+                const float r = rad_expf(m[j] - top);
+                l[j] *= r;
+                for (int64_t i = 0; i < d; i++) o[j * d + i] *= r;
+            }
+            m[j] = top;
+        }
+        exps(p[j], cn, top, &l[j]);
+    }
+}
+
+/* o = sum p v / sum p; n = 0: 0 / 0 would be NaN, so no key read is an output of zeros */
+static inline void softmax_end(int64_t g, int64_t d, const float *l, float *o) {
+    for (int64_t j = 0; j < g; j++)
+        if (l[j] > 0.0f)
+            for (int64_t i = 0; i < d; i++) o[j * d + i] /= l[j];
+}
+
+/* one (sequence, KV head): the g query heads at q (D apart) over its n keys, into o (g rows of D) */
+static void attend(const float *q, const float *kv, int64_t row, int64_t v_rows, const int64_t *block_rows,
+                   int64_t bs, int64_t n, int64_t g, int64_t d, float scale, float *o) {
+    float m[G_MAX], l[G_MAX], p[G_MAX][CHUNK];
+    int64_t rows[2][CHUNK], *at = rows[0], *next = rows[1]; /* this chunk's key rows, the next one's */
+    softmax_start(g, d, m, l, o);
     key_rows(block_rows, bs, row, 0, n < CHUNK ? n : CHUNK, at);
     for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
         const int64_t cn = n - c0 < CHUNK ? n - c0 : CHUNK;
@@ -161,27 +192,13 @@ static void attend(const float *q, const float *kv, int64_t row, int64_t v_rows,
             prefetch_rows(kv, next, nn, d);
         }
         scores(q, kv, at, cn, g, d, scale, p);
-        for (int64_t j = 0; j < g; j++) {
-            float top = m[j];
-            for (int64_t t = 0; t < cn; t++) top = p[j][t] > top ? p[j][t] : top;
-            if (top > m[j]) { /* the sums so far, rescaled to the new maximum (none before the first chunk) */
-                if (c0) {
-                    const float r = rad_expf(m[j] - top);
-                    l[j] *= r;
-                    for (int64_t i = 0; i < d; i++) o[j * d + i] *= r;
-                }
-                m[j] = top;
-            }
-            exps(p[j], cn, top, &l[j]);
-        }
+        softmax_chunk(p, cn, g, d, c0 == 0, m, l, o);
         add_values(o, p, kv + v_rows * row, at, cn, g, d);
         int64_t *done = at; /* the next chunk's rows, found above, are its own */
         at = next;
         next = done;
     }
-    for (int64_t j = 0; j < g; j++) /* n = 0: 0 / 0 would be NaN; no key read is an output of zeros */
-        if (l[j] > 0.0f)
-            for (int64_t i = 0; i < d; i++) o[j * d + i] /= l[j];
+    softmax_end(g, d, l, o);
 }
 
 /* y = rotate-half RoPE of x (d values) by the row's cos and signed sin (r values each, -sin on the first half):
@@ -236,5 +253,118 @@ void rad_decode_attention(const float *q, int64_t ldq, const float *k, int64_t l
             attend(q_rot + b * hq * d + h * g * d, kv + h * d, row, v_rows, block_rows + b * nb, bs, lens[b], g, d, scale,
                    out + (b * hq + h * g) * d);
         }
+    }
+}
+
+
+/* -- fp8 planes (kernels/kv_formats.py `fp8`): the keys and values of a decode step read as their codes ------- */
+
+#define D_MAX 256 /* head dims the fp8 path holds a chunk of (K and V: 2 x 32 KiB on the stack) */
+
+/* an fp16 value's bits as fp32 (exact: every fp16 value is an fp32 value) */
+static inline float half_float(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    const uint32_t e = (h >> 10) & 31, m = h & 1023;
+    float v;
+    if (e == 0) {
+        v = (float)m * 0x1p-24f; /* subnormal: m x 2^-24, exact */
+    } else {
+        const uint32_t bits = e == 31 ? 0x7f800000u | m << 13 : (e + 112) << 23 | m << 13; /* rebias 15 -> 127 */
+        memcpy(&v, &bits, sizeof v);
+    }
+    return h & 0x8000 ? -v : v;
+#endif
+}
+
+/* out[i] = E4M3 code c[i] x s, for the d codes: what kernels/kv_quant.py `fp8_dequantize` computes, bit for bit
+ * (the code's value is exact in fp32, its product with s rounded once). With F16C: the code's sign and 7
+ * magnitude bits moved into an fp16's (E4M3's exponent bias 7 against fp16's 15: the fp16 is the value / 2^8,
+ * subnormals included), converted 8 at a time, times s x 2^8 (both scalings exact). */
+static inline void fp8_values(const uint8_t *c, float s, int64_t d, float *out) {
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    const __m256 sv = _mm256_set1_ps(s * 256.0f);
+    const __m128i sign = _mm_set1_epi16(0x80), mag = _mm_set1_epi16(0x7F);
+    for (; i + 8 <= d; i += 8) {
+        const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(c + i)));
+        const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, sign), 8),
+                                       _mm_slli_epi16(_mm_and_si128(b, mag), 7));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtph_ps(h), sv));
+    }
+#endif
+    for (; i < d; i++) { /* the same fp16 made by hand: sign, then the 7 bits under fp16's exponent */
+        const uint16_t h = (uint16_t)((c[i] & 0x80) << 8 | (c[i] & 0x7F) << 7);
+        out[i] = half_float(h) * (s * 256.0f);
+    }
+}
+
+/* a plane's layout, as kernels/kv_quant.py `KVPlane` views it: the D codes of (block id, token t, head h) at
+ * codes + (id / per_page) * cs[0] + (id % per_page) * cs[1] + t * cs[2] + h * cs[3] (bytes); its fp16 scale at
+ * scales + the same with ss (elements) */
+typedef struct {
+    const uint8_t *codes;
+    const uint16_t *scales;
+    const int64_t *cs, *ss;
+    int64_t per_page;
+} fp8_plane;
+
+/* the dequantized values of (block id, token t, head h), d of them, into out */
+static inline void plane_row(const fp8_plane *pl, int64_t id, int64_t t, int64_t h, int64_t d, float *out) {
+    const int64_t p = id / pl->per_page, i = id % pl->per_page;
+    const uint8_t *c = pl->codes + p * pl->cs[0] + i * pl->cs[1] + t * pl->cs[2] + h * pl->cs[3];
+    fp8_values(c, half_float(pl->scales[p * pl->ss[0] + i * pl->ss[1] + t * pl->ss[2] + h * pl->ss[3]]), d, out);
+}
+
+/* `attend` over fp8 planes: each chunk's K and V rows dequantized into buffers first (K a delta plane: a block's
+ * token 0 stored as itself, every later token as its residual from it, so k = residual + token 0's value, as
+ * `KVPlane.blocks` adds them), then the same scores, softmax and sums. block_ids: the sequence's block-table row
+ * (flat block ids). */
+static void attend_fp8(const float *q, const fp8_plane *kp, const fp8_plane *vp, int64_t h, const int64_t *block_ids,
+                       int64_t bs, int64_t n, int64_t g, int64_t d, float scale, float *o) {
+    float m[G_MAX], l[G_MAX], p[G_MAX][CHUNK], first[D_MAX];
+    float kb[CHUNK * D_MAX], vb[CHUNK * D_MAX];
+    int64_t at[CHUNK], based = -1; /* the block whose token 0 `first` holds */
+    softmax_start(g, d, m, l, o);
+    for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
+        const int64_t cn = n - c0 < CHUNK ? n - c0 : CHUNK;
+        for (int64_t t = 0; t < CHUNK; t++) at[t] = t * d; /* `scores` pads a last partial 8 in place */
+        for (int64_t t = 0; t < cn; t++) {
+            const int64_t id = block_ids[(c0 + t) / bs], off = (c0 + t) % bs;
+            float *k = kb + t * d;
+            plane_row(kp, id, off, h, d, k);
+            if (off) {
+                if (id != based) {
+                    plane_row(kp, id, 0, h, d, first);
+                    based = id;
+                }
+                for (int64_t i = 0; i < d; i++) k[i] += first[i];
+            }
+            plane_row(vp, id, off, h, d, vb + t * d);
+        }
+        scores(q, kb, at, cn, g, d, scale, p);
+        softmax_chunk(p, cn, g, d, c0 == 0, m, l, o);
+        add_values(o, p, vb, at, cn, g, d);
+    }
+    softmax_end(g, d, l, o);
+}
+
+/* out [B, Hq, D] = attention of q [B, Hq, D] (contiguous) over each sequence b's lens[b] keys in fp8 planes K and V
+ * (`fp8_plane`, their strides kcs / kss / vcs / vss: [page, block, token, head]), key c in block
+ * block_ids[b, c / bs] (block_ids: [B, nb] flat block ids) at token c % bs; Hq / Hkv query heads a KV head, d at
+ * most D_MAX. On `threads` OpenMP threads, a (b, KV head) pair each task. */
+void rad_decode_attention_fp8(const float *q, const uint8_t *k_codes, const int64_t *kcs, const uint16_t *k_scales,
+                              const int64_t *kss, const uint8_t *v_codes, const int64_t *vcs,
+                              const uint16_t *v_scales, const int64_t *vss, int64_t per_page,
+                              const int64_t *block_ids, int64_t nb, const int64_t *lens, int64_t bs, int64_t B,
+                              int64_t hq, int64_t hkv, int64_t d, float scale, float *out, int threads) {
+    const int64_t g = hq / hkv;
+    const fp8_plane kp = {k_codes, k_scales, kcs, kss, per_page}, vp = {v_codes, v_scales, vcs, vss, per_page};
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t task = 0; task < B * hkv; task++) {
+        const int64_t b = task / hkv, h = task % hkv;
+        attend_fp8(q + (b * hq + h * g) * d, &kp, &vp, h, block_ids + b * nb, bs, lens[b], g, d, scale,
+                   out + (b * hq + h * g) * d);
     }
 }

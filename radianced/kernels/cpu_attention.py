@@ -15,6 +15,12 @@ depend on the thread count: one thread computes a (sequence, KV head) pair whole
 
 `Context.rotary` does a decode layer's prologue in the same call: RoPE on q and k and the new token's K and V
 rows written (kernels/cpu.py `_rotate` and `_write`'s values bit for bit), then the attention.
+
+`decode_fp8` is the same attention over `--kv-cache-dtype fp8`'s planes (kernels/kv_formats.py), read as their
+codes: each chunk of keys dequantized into buffers as `KVPlane.blocks` dequantizes them (the same values bit for
+bit), then the same scores, softmax and sums. Before it the host backend gathered and dequantized every
+sequence's whole context in each layer and ran SDPA over it: SmolLM2 at b8 and contexts of 1,000 took 374 ms a
+decode step against 53 with the plain fp32 cache (2 threads, this session's Zen 4 EPYC).
 """
 
 from __future__ import annotations
@@ -114,3 +120,49 @@ class Context:
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x [B, H, D] as the kernel reads it: heads D apart, unit stride (its rows any distance apart)."""
     return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
+D_MAX = 256  # head dims the fp8 kernel holds a chunk of (cpu_attention.c)
+
+
+def decode_fp8(q: torch.Tensor, k_plane, v_plane, block_tables: torch.Tensor, seq_lens,
+               scale: float) -> torch.Tensor | None:
+    """A decode step's attention over fp8 KV planes (kernels/kv_quant.py `KVPlane`: K a delta plane, V plain) read
+    in place: q [B, Hq, D] fp32, one query a sequence; block_tables [>= B, nb] flat block ids; seq_lens [B] the
+    context lengths -> out [B, Hq, D] fp32, the reference attention's values within fp32 rounding. None where it
+    does not apply (another format, not CPU fp32, D past D_MAX, more than G_MAX query heads a KV head, the
+    library not built): the caller runs the general path."""
+    kf, vf = k_plane.fmt, v_plane.fmt
+    if not (kf.name == vf.name == "fp8" and kf.delta and not vf.delta and not vf.rotated and available()):
+        return None
+    b, hq, d = q.shape
+    p, n, s, hkv, cb = k_plane.codes.shape
+    if q.dtype is not torch.float32 or not q.is_cpu or d > D_MAX or cb != d or hq % hkv or hq // hkv > G_MAX \
+            or v_plane.codes.shape != k_plane.codes.shape or not k_plane.codes.is_cpu:
+        return None
+    lens = torch.as_tensor(seq_lens, dtype=torch.int64).contiguous()
+    ids = block_tables[:b].to(torch.int64).contiguous()
+    nb = ids.shape[1]
+    if lens.shape != (b,) or bool((lens < 0).any()) or bool((lens > nb * s).any()):
+        raise ValueError(f"seq_lens must be [{b}] in 0..{nb * s} (the block table's tokens), got {lens.tolist()}")
+    read = ids[torch.arange(nb) < (lens[:, None] + s - 1) // s]
+    if len(read) and (int(read.min()) < 0 or int(read.max()) >= p * n):
+        raise ValueError(f"a block read lies outside the cache's {p * n} blocks")
+    planes = []
+    for plane in (k_plane, v_plane):
+        if plane.codes.stride(4) != 1 or plane.scales.shape[-1] != 1:
+            return None
+        planes += [plane.codes.data_ptr(), _strides(plane.codes), plane.scales.data_ptr(), _strides(plane.scales)]
+    q = q.contiguous()
+    out = torch.empty(b, hq, d, dtype=torch.float32)
+    if b:
+        cpu_blocks._lib().rad_decode_attention_fp8(
+            q.data_ptr(), planes[0], planes[1].data_ptr(), planes[2], planes[3].data_ptr(), planes[4],
+            planes[5].data_ptr(), planes[6], planes[7].data_ptr(), n, ids.data_ptr(), nb, lens.data_ptr(), s, b, hq,
+            hkv, d, scale, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def _strides(x: torch.Tensor) -> torch.Tensor:
+    """A plane view's [page, block, token, head] strides (its elements), as the kernel addresses it."""
+    return torch.tensor(x.stride()[:4], dtype=torch.int64)

@@ -1,0 +1,110 @@
+"""The host backend's decode attention over `--kv-cache-dtype fp8` planes read in place
+(kernels/cpu_attention.py `decode_fp8`) against `reference.paged_attention` over the same planes (which
+dequantizes them with `KVPlane.blocks`): within fp32 rounding (4e-6 of max |ref|, as the plain kernel), on
+odd shapes (head dims that are no multiple of 8, GQA and MHA, one key or many blocks, a block shared by two
+sequences), with the cache laid out as the engine does (kv/cache.py: this layer's planes inside uint8 blocks
+of two layers, block tables shuffled across pages). Also: the layer op takes this path at decode, any thread
+count gives the same bits, and what does not apply (prefill, other formats) is declined."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radianced.kernels import cpu, cpu_attention, reference
+from radianced.kernels.kv_formats import KV_FORMATS
+from radianced.kv.cache import KVCache
+from tests.kernels.compare import rel_err
+
+BLOCK, PER_PAGE, PAGES = 16, 3, 8
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the host backend's C library is not built")
+
+
+def _step(ctx_lens, hq, hkv, d, kv_dtype="fp8", shared=0, seed=0):
+    """(q [B, Hq, D], K plane, V plane, block_tables [B, nb] int32, seq_lens): each sequence's context written
+    through `KVPlane.store` in one call per plane (every sequence's tokens, as a prefill writes them); the first
+    `shared` blocks of every table are sequence 0's (a prefix hit)."""
+    g = torch.Generator().manual_seed(seed)
+    fmt = KV_FORMATS[kv_dtype]
+    storage = torch.zeros((PAGES, PER_PAGE, fmt.block_bytes(2, BLOCK, hkv, d)), dtype=torch.uint8)
+    k_plane, v_plane = KVCache(storage, (0, 1), fmt=fmt, geometry=(BLOCK, hkv, d)).layer(1)
+    free = torch.randperm(PAGES * PER_PAGE, generator=g).tolist()
+    prefix = [free.pop() for _ in range(shared)]
+    tables = [prefix + [free.pop() for _ in range(-(-c // BLOCK) - shared)] for c in ctx_lens]
+    block_tables = torch.zeros((len(ctx_lens), max(map(len, tables))), dtype=torch.int32)
+    slots = []
+    for b, (t, c) in enumerate(zip(tables, ctx_lens)):
+        block_tables[b, :len(t)] = torch.tensor(t)
+        if b == 0 or not shared:
+            slots += [t[i // BLOCK] * BLOCK + i % BLOCK for i in range(c)]
+        else:  # past the shared blocks, which sequence 0 wrote
+            slots += [t[i // BLOCK] * BLOCK + i % BLOCK for i in range(shared * BLOCK, c)]
+    slots = torch.tensor(slots, dtype=torch.int64)
+    scale = torch.rand((len(slots), hkv, 1), generator=g) * 3  # heads of different sizes
+    k_plane.store(slots, torch.randn((len(slots), hkv, d), generator=g) * scale + 2.0)  # offsets: the delta at work
+    v_plane.store(slots, torch.randn((len(slots), hkv, d), generator=g) * scale)
+    q = torch.randn((len(ctx_lens), hq, d), generator=g)
+    return q, k_plane, v_plane, block_tables, list(ctx_lens)
+
+
+CASES = {  # name: (ctx_lens, Hq, Hkv, D, shared blocks)
+    "one_key": ([1], 4, 2, 8, 0),
+    "smollm2_heads": ([1, 17, 45, 33], 9, 3, 64, 0),
+    "odd_head_dim": ([20, 3], 6, 2, 20, 0),
+    "mha_many_blocks": ([77], 3, 3, 40, 0),
+    "head_dim_256": ([40, 9], 2, 1, 256, 0),
+    "a_shared_prefix": ([40, 35], 8, 2, 32, 2),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_fp8_decode_reads_the_codes_as_the_reference_dequantizes_them(case):
+    ctx, hq, hkv, d, shared = CASES[case]
+    q, kp, vp, tables, lens = _step(ctx, hq, hkv, d, shared=shared)
+    want = reference.paged_attention(q, kp, vp, tables, list(range(len(lens) + 1)), lens, d ** -0.5)
+    got = cpu_attention.decode_fp8(q, kp, vp, tables, lens, d ** -0.5)
+    assert got is not None and got.shape == want.shape
+    assert rel_err(got, want) < 4e-6
+
+
+def test_any_thread_count_gives_the_same_bits():
+    q, kp, vp, tables, lens = _step([50, 7, 33], 9, 3, 64)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(cpu_attention.decode_fp8(q, kp, vp, tables, lens, 0.125))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_the_layer_op_takes_it_at_decode_and_not_for_a_prefill(monkeypatch):
+    q, kp, vp, tables, lens = _step([30, 12], 4, 2, 16)
+    calls = []
+    real = cpu_attention.decode_fp8
+    monkeypatch.setattr(cpu_attention, "decode_fp8", lambda *a: calls.append(1) or real(*a))
+    want = reference.paged_attention(q, kp, vp, tables, [0, 1, 2], lens, 0.25)
+    assert rel_err(cpu.paged_attention(q, kp, vp, tables, [0, 1, 2], lens, 0.25), want) < 4e-6 and calls == [1]
+    chunk = torch.randn(5, 4, 16)  # the last 4 and 1 tokens of the two contexts as a prefill chunk
+    want = reference.paged_attention(chunk, kp, vp, tables, [0, 4, 5], lens, 0.25)
+    assert rel_err(cpu.paged_attention(chunk, kp, vp, tables, [0, 4, 5], lens, 0.25), want) < 1e-5 and calls == [1]
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_v4", "k6_v4"])
+def test_other_formats_and_other_dtypes_are_declined(kv_dtype):
+    q, kp, vp, tables, lens = _step([20], 4, 2, 32, kv_dtype=kv_dtype)
+    assert cpu_attention.decode_fp8(q, kp, vp, tables, lens, 0.2) is None
+    q, kp, vp, tables, lens = _step([20], 4, 2, 32)
+    assert cpu_attention.decode_fp8(q.double(), kp, vp, tables, lens, 0.2) is None
+
+
+def test_a_table_that_reads_outside_the_cache_is_refused():
+    q, kp, vp, tables, lens = _step([20], 4, 2, 32)
+    tables[0, 1] = PAGES * PER_PAGE  # one block past the last
+    with pytest.raises(ValueError, match="outside the cache"):
+        cpu_attention.decode_fp8(q, kp, vp, tables, lens, 0.2)
+    with pytest.raises(ValueError, match="seq_lens"):
+        cpu_attention.decode_fp8(q, kp, vp, tables, [33], 0.2)
