@@ -310,38 +310,55 @@ typedef struct {
     int64_t per_page;
 } fp8_plane;
 
-/* the dequantized values of (block id, token t, head h), d of them, into out */
-static inline void plane_row(const fp8_plane *pl, int64_t id, int64_t t, int64_t h, int64_t d, float *out) {
+/* where head h of block `id` starts in plane `pl`: its token 0's codes and scale (tokens cs[2] / ss[2] further) */
+typedef struct {
+    const uint8_t *codes;
+    const uint16_t *scales;
+} plane_at;
+
+static inline plane_at block_at(const fp8_plane *pl, int64_t id, int64_t h) {
     const int64_t p = id / pl->per_page, i = id % pl->per_page;
-    const uint8_t *c = pl->codes + p * pl->cs[0] + i * pl->cs[1] + t * pl->cs[2] + h * pl->cs[3];
-    fp8_values(c, half_float(pl->scales[p * pl->ss[0] + i * pl->ss[1] + t * pl->ss[2] + h * pl->ss[3]]), d, out);
+    return (plane_at){pl->codes + p * pl->cs[0] + i * pl->cs[1] + h * pl->cs[3],
+                      pl->scales + p * pl->ss[0] + i * pl->ss[1] + h * pl->ss[3]};
 }
 
-/* `attend` over fp8 planes: each chunk's K and V rows dequantized into buffers first (K a delta plane: a block's
- * token 0 stored as itself, every later token as its residual from it, so k = residual + token 0's value, as
- * `KVPlane.blocks` adds them), then the same scores, softmax and sums. block_ids: the sequence's block-table row
- * (flat block ids). */
+/* token t's d dequantized values of a block's head (`block_at`) into out */
+static inline void token_values(const fp8_plane *pl, plane_at at, int64_t t, int64_t d, float *out) {
+    fp8_values(at.codes + t * pl->cs[2], half_float(at.scales[t * pl->ss[2]]), d, out);
+}
+
+/* `attend` over fp8 planes: each chunk of keys dequantized into buffers first (K a delta plane: a block's token 0
+ * stored as itself, every later token as its residual from it, so k = residual + token 0's value, as
+ * `KVPlane.blocks` adds them), then the same scores, softmax and sums. A block's addresses and its token 0's K
+ * values are found once, as its first key is reached. block_ids: the sequence's block-table row (flat ids). */
 static void attend_fp8(const float *q, const fp8_plane *kp, const fp8_plane *vp, int64_t h, const int64_t *block_ids,
                        int64_t bs, int64_t n, int64_t g, int64_t d, float scale, float *o) {
     float m[G_MAX], l[G_MAX], p[G_MAX][CHUNK], first[D_MAX];
     float kb[CHUNK * D_MAX], vb[CHUNK * D_MAX];
-    int64_t at[CHUNK], based = -1; /* the block whose token 0 `first` holds */
+    int64_t at[CHUNK], bi = 0, off = 0; /* the next key's block (in the table) and token in it */
+    plane_at kat = {0}, vat = {0};
     softmax_start(g, d, m, l, o);
     for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
         const int64_t cn = n - c0 < CHUNK ? n - c0 : CHUNK;
         for (int64_t t = 0; t < CHUNK; t++) at[t] = t * d; /* `scores` pads a last partial 8 in place */
         for (int64_t t = 0; t < cn; t++) {
-            const int64_t id = block_ids[(c0 + t) / bs], off = (c0 + t) % bs;
             float *k = kb + t * d;
-            plane_row(kp, id, off, h, d, k);
-            if (off) {
-                if (id != based) {
-                    plane_row(kp, id, 0, h, d, first);
-                    based = id;
-                }
-                for (int64_t i = 0; i < d; i++) k[i] += first[i];
+            if (off == 0 || t + c0 == 0) { /* a block's first key read: its addresses, its token 0's K */
+                kat = block_at(kp, block_ids[bi], h);
+                vat = block_at(vp, block_ids[bi], h);
+                token_values(kp, kat, 0, d, first);
             }
-            plane_row(vp, id, off, h, d, vb + t * d);
+            if (off) {
+                token_values(kp, kat, off, d, k);
+                for (int64_t i = 0; i < d; i++) k[i] += first[i];
+            } else {
+                memcpy(k, first, d * sizeof(float));
+            }
+            token_values(vp, vat, off, d, vb + t * d);
+            if (++off == bs) {
+                off = 0;
+                bi++;
+            }
         }
         scores(q, kb, at, cn, g, d, scale, p);
         softmax_chunk(p, cn, g, d, c0 == 0, m, l, o);
