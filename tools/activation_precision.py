@@ -32,7 +32,9 @@ def q8_blocks(x: torch.Tensor) -> torch.Tensor:
     share d = absmax / 127, each value round(x / d) times d as stored (fp16)."""
     blocks = x.reshape(-1, 32)
     d = blocks.abs().amax(1, keepdim=True) / 127
-    q = torch.round(blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d)))
+    v = blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    whole = v.abs().floor()  # halves away from zero, as gguf's np_roundf (C's roundf) rounds them
+    q = torch.sign(v) * (whole + torch.floor(2 * (v.abs() - whole)))
     return (q * d.half().float()).reshape(x.shape)
 
 

@@ -489,9 +489,10 @@ def _attend(rows: _Rows | None, q: torch.Tensor, k_cache, v_cache, block_tables:
     if plan.t < t:  # rows past the last sequence's are no sequence's (a mixed graph's padding): zeros
         return torch.cat((_attend(rows, q[:plan.t], k_cache, v_cache, block_tables, query_start, seq_lens, scale),
                           q.new_zeros(t - plan.t, hq, d)))
-    if rows is None and q_max == 1 and isinstance(k_cache, KVPlane) and isinstance(v_cache, KVPlane):
+    if rows is None and q_max == 1 and plan.at is None and isinstance(k_cache, KVPlane) \
+            and isinstance(v_cache, KVPlane):
         out = cpu_attention.decode_fp8(q, k_cache, v_cache, block_tables, _hashable(seq_lens), scale)
-        if out is not None:  # fp8 planes read in place (a decode step: one query row a sequence)
+        if out is not None:  # fp8 planes read in place (a decode step: one query row every sequence)
             return out
     if rows is not None:  # [B, Hkv, C, D] each, in one gather
         k, v = rows.flat.index_select(0, _read_rows(plan, rows.layout)).view(2, b, ctx, hkv, d).transpose(2, 3).unbind()

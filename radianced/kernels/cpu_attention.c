@@ -279,24 +279,26 @@ static inline float half_float(uint16_t h) {
 }
 
 /* out[i] = E4M3 code c[i] x s, for the d codes: what kernels/kv_quant.py `fp8_dequantize` computes, bit for bit
- * (the code's value is exact in fp32, its product with s rounded once). With F16C: the code's sign and 7
- * magnitude bits moved into an fp16's (E4M3's exponent bias 7 against fp16's 15: the fp16 is the value / 2^8,
- * subnormals included), converted 8 at a time, times s x 2^8 (both scalings exact). */
+ * (the code's value is exact in fp32, its product with s rounded once; E4M3's NaN codes, 0x7F and 0xFF, NaN).
+ * With F16C: the code's sign and 7 magnitude bits moved into an fp16's (E4M3's exponent bias 7 against fp16's
+ * 15: the fp16 is the value / 2^8, subnormals included), converted 8 at a time, times s x 2^8 (both scalings
+ * exact); fp16 has no NaN there (its exponent 15 is a normal one), so those codes are made NaN after. */
 static inline void fp8_values(const uint8_t *c, float s, int64_t d, float *out) {
     int64_t i = 0;
 #if defined(__AVX2__) && defined(__F16C__)
-    const __m256 sv = _mm256_set1_ps(s * 256.0f);
+    const __m256 sv = _mm256_set1_ps(s * 256.0f), nan = _mm256_set1_ps(NAN);
     const __m128i sign = _mm_set1_epi16(0x80), mag = _mm_set1_epi16(0x7F);
     for (; i + 8 <= d; i += 8) {
         const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(c + i)));
-        const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, sign), 8),
-                                       _mm_slli_epi16(_mm_and_si128(b, mag), 7));
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtph_ps(h), sv));
+        const __m128i m = _mm_and_si128(b, mag);
+        const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, sign), 8), _mm_slli_epi16(m, 7));
+        const __m256 is_nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(m, mag)));
+        _mm256_storeu_ps(out + i, _mm256_blendv_ps(_mm256_mul_ps(_mm256_cvtph_ps(h), sv), nan, is_nan));
     }
 #endif
     for (; i < d; i++) { /* the same fp16 made by hand: sign, then the 7 bits under fp16's exponent */
         const uint16_t h = (uint16_t)((c[i] & 0x80) << 8 | (c[i] & 0x7F) << 7);
-        out[i] = half_float(h) * (s * 256.0f);
+        out[i] = (c[i] & 0x7F) == 0x7F ? NAN : half_float(h) * (s * 256.0f);
     }
 }
 
@@ -343,7 +345,7 @@ static void attend_fp8(const float *q, const fp8_plane *kp, const fp8_plane *vp,
         for (int64_t t = 0; t < CHUNK; t++) at[t] = t * d; /* `scores` pads a last partial 8 in place */
         for (int64_t t = 0; t < cn; t++) {
             float *k = kb + t * d;
-            if (off == 0 || t + c0 == 0) { /* a block's first key read: its addresses, its token 0's K */
+            if (off == 0) { /* a block's first key (a sequence's keys start at one): its addresses, K's base */
                 kat = block_at(kp, block_ids[bi], h);
                 vat = block_at(vp, block_ids[bi], h);
                 token_values(kp, kat, 0, d, first);

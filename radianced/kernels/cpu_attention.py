@@ -153,7 +153,8 @@ def decode_fp8(q: torch.Tensor, k_plane, v_plane, block_tables: torch.Tensor, se
         raise ValueError(f"a block read lies outside the cache's {p * n} blocks")
     planes = []
     for plane in (k_plane, v_plane):
-        if plane.codes.stride(4) != 1 or plane.scales.shape[-1] != 1:
+        if plane.codes.stride(4) != 1 or plane.scales.dtype is not torch.float16 or not plane.scales.is_cpu \
+                or plane.scales.shape != (p, n, s, hkv, 1) or not plane.codes.is_cpu:
             return None
         planes += [plane.codes.data_ptr(), _strides(plane.codes), plane.scales.data_ptr(), _strides(plane.scales)]
     q = q.contiguous()

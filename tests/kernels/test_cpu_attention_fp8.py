@@ -13,6 +13,7 @@ import torch
 
 from radianced.kernels import cpu, cpu_attention, reference
 from radianced.kernels.kv_formats import KV_FORMATS
+from radianced.kernels.kv_quant import fp8_dequantize
 from radianced.kv.cache import KVCache
 from tests.kernels.compare import rel_err
 
@@ -108,3 +109,29 @@ def test_a_table_that_reads_outside_the_cache_is_refused():
         cpu_attention.decode_fp8(q, kp, vp, tables, lens, 0.2)
     with pytest.raises(ValueError, match="seq_lens"):
         cpu_attention.decode_fp8(q, kp, vp, tables, [33], 0.2)
+
+
+@pytest.mark.parametrize("d", [256, 255])  # every code in the 8-wide loop; the last 7 in the scalar one
+def test_every_e4m3_code_reads_as_fp8_dequantize_makes_it_nan_and_subnormals_included(d):
+    """One key, so the output is its V row: V's codes 0..d-1 (E4M3's subnormals 0x01-0x07, its NaNs 0x7F and
+    0xFF) at a scale of 2^-3 and at fp16's smallest, a subnormal one (2^-24)."""
+    q, kp, vp, tables, lens = _step([1], 2, 1, d)
+    block = int(tables[0, 0])
+    at = (block // PER_PAGE, block % PER_PAGE, 0, 0)
+    for scale in (0.125, 2.0 ** -24):
+        vp.codes[at] = torch.arange(d, dtype=torch.uint8)
+        vp.scales[at] = scale
+        got = cpu_attention.decode_fp8(q, kp, vp, tables, lens, 0.1)
+        want = fp8_dequantize(vp.codes[at], vp.scales[at])
+        assert torch.isnan(want).sum() == (2 if d == 256 else 1)
+        for row in got[0]:  # both query heads read the one value row
+            torch.testing.assert_close(row, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_sequence_without_a_new_token_takes_the_general_path(monkeypatch):
+    q, kp, vp, tables, lens = _step([30, 12, 20], 4, 2, 16)
+    calls = []
+    monkeypatch.setattr(cpu_attention, "decode_fp8", lambda *a: calls.append(1))
+    starts = [0, 1, 1, 2]  # the second sequence reads nothing this step
+    want = reference.paged_attention(q[:2], kp, vp, tables, starts, lens, 0.25)
+    assert rel_err(cpu.paged_attention(q[:2], kp, vp, tables, starts, lens, 0.25), want) < 1e-5 and not calls
