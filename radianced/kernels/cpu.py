@@ -390,8 +390,9 @@ def _write(rows: _Rows | None, k_cache, v_cache, k: torch.Tensor, v: torch.Tenso
             keep = slot_mapping >= 0
             slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
         if isinstance(k_cache, KVPlane):
-            k_cache.store(slot_mapping, k)
-            v_cache.store(slot_mapping, v)
+            for plane, x in ((k_cache, k), (v_cache, v)):
+                if not cpu_attention.store_fp8(plane, slot_mapping, x):  # fp8 in one C call, else in torch
+                    plane.store(slot_mapping, x)
             return
         _, n, s = k_cache.shape[:3]
         block, off = slot_mapping // s, slot_mapping % s

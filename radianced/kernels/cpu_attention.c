@@ -387,3 +387,90 @@ void rad_decode_attention_fp8(const float *q, const uint8_t *k_codes, const int6
                    out + (b * hq + h * g) * d);
     }
 }
+
+/* -- fp8 planes written: kernels/kv_quant.py `KVPlane.store` for an fp8 plane, its bytes bit for bit ------------ */
+
+/* float -> fp16 bits, rounded to nearest even (F16C's, or by hand: finite inputs below 65520 only, as here) */
+static inline uint16_t float_half(float x) {
+#ifdef __F16C__
+    return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    const uint16_t sign = (uint16_t)(b >> 16 & 0x8000);
+    const float a = fabsf(x);
+    if (a < 0x1p-14f) return sign | (uint16_t)nearbyintf(a * 0x1p24f); /* subnormal: units of 2^-24 */
+    memcpy(&b, &a, sizeof b);
+    uint32_t h = ((b >> 23) - 112) << 10 | (b >> 13 & 1023), rem = b & 0x1FFF; /* a carry moves the exponent */
+    if (rem > 0x1000 || (rem == 0x1000 && (h & 1))) h++;
+    return sign | (uint16_t)h;
+#endif
+}
+
+/* the E4M3 code of y (|y| <= 448, or NaN), rounded to nearest even as torch's float8_e4m3fn conversion */
+static inline uint8_t e4m3_code(float y) {
+    uint32_t b;
+    memcpy(&b, &y, sizeof b);
+    const uint8_t sign = (uint8_t)(b >> 24 & 0x80);
+    const float a = fabsf(y);
+    if (a != a) return sign | 0x7F;
+    if (a < 0x1p-6f) return sign | (uint8_t)nearbyintf(a * 512.0f); /* subnormal: units of 2^-9; 8 is 2^-6's code */
+    memcpy(&b, &a, sizeof b);
+    uint32_t e = (b >> 23) - 120, m = b >> 20 & 7, rem = b & 0xFFFFF; /* E4M3's exponent (bias 7), 3 bits */
+    if (rem > 0x80000 || (rem == 0x80000 && (m & 1))) {
+        if (++m == 8) {
+            m = 0;
+            e++;
+        }
+    }
+    return sign | (uint8_t)(e << 3 | m);
+}
+
+/* one token-head's d values x into its codes and scale: `fp8_scale` (amax / 448 in fp16, one fp16 step up where
+ * that went below) and `fp8_quantize` (x / scale, clamped to 448, its E4M3 code; all 0 for a zero scale) */
+static inline void fp8_put(const float *x, int64_t d, uint8_t *codes, uint16_t *scale) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < d; i++) {
+        const float a = fabsf(x[i]);
+        amax = a > amax || a != a ? a : amax; /* NaN wins, as torch's amax */
+    }
+    uint16_t h = float_half(amax / 448.0f);
+    if (half_float(h) * 448.0f < amax) h++; /* one step up (a positive fp16's next value is its bits + 1) */
+    *scale = h;
+    const float s = half_float(h);
+    for (int64_t i = 0; i < d; i++) {
+        float y = s > 0.0f ? x[i] / s : 0.0f;
+        y = y > 448.0f ? 448.0f : y < -448.0f ? -448.0f : y;
+        codes[i] = e4m3_code(y);
+    }
+}
+
+/* KVPlane.store for an fp8 plane (`fp8_plane`: strides [page, block, token, head]): x [T, Hkv, D] (contiguous)
+ * into the flat slots [T] (each >= 0, distinct; block slot / bs, token slot % bs). A delta plane (K) stores each
+ * block's token 0 first, as itself, then every other token as its residual from token 0's stored value (written
+ * now or earlier): `KVPlane.store`'s order and values. On `threads` OpenMP threads, a (token, head) each task. */
+void rad_store_fp8(const float *x, const int64_t *slots, int64_t T, uint8_t *codes, const int64_t *cs,
+                   uint16_t *scales, const int64_t *ss, int64_t per_page, int64_t bs, int64_t hkv, int64_t d, int delta,
+                   int threads) {
+    const fp8_plane pl = {codes, scales, cs, ss, per_page};
+#pragma omp parallel num_threads(threads)
+    for (int pass = 0; pass < 2; pass++) { /* a delta plane's tokens 0, then the rest; a plain one's all at once */
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < T * hkv; task++) {
+            const int64_t t = task / hkv, h = task % hkv, off = slots[t] % bs;
+            if (delta ? (off == 0) != (pass == 0) : pass == 1) continue;
+            const plane_at at = block_at(&pl, slots[t] / bs, h);
+            uint8_t *c = (uint8_t *)at.codes + off * cs[2];
+            uint16_t *sc = (uint16_t *)at.scales + off * ss[2];
+            const float *xt = x + (t * hkv + h) * d;
+            if (delta && off) {
+                float first[D_MAX], r[D_MAX];
+                token_values(&pl, at, 0, d, first);
+                for (int64_t i = 0; i < d; i++) r[i] = xt[i] - first[i];
+                fp8_put(r, d, c, sc);
+            } else {
+                fp8_put(xt, d, c, sc);
+            }
+        }
+    }
+}

@@ -19,11 +19,11 @@ rows written (kernels/cpu.py `_rotate` and `_write`'s values bit for bit), then 
 `decode_fp8` is the same attention over `--kv-cache-dtype fp8`'s planes (kernels/kv_formats.py), read as their
 codes: each chunk of keys dequantized into buffers as `KVPlane.blocks` dequantizes them (the same values bit for
 bit), then the same scores, softmax and sums. Before it the host backend gathered and dequantized every
-sequence's whole context in each layer and ran SDPA over it. SmolLM2 decode steps, 2 threads, a Zen 4 EPYC,
-before -> after (the plain fp32 cache beside): b8 at contexts of 1,000 374 -> 61 ms (50), b8 at 100 72 -> 34
-(20), b1 at 1,000 65 -> 28 (13). What is left against the plain cache is outside this kernel: the write
-(`KVPlane.store` in torch, ~10 ms of the b8 step at 1,000) and the layer's ops, which the fused layer
-(kernels/cpu_layer.py) takes only over a plain cache.
+sequence's whole context in each layer and ran SDPA over it. `store_fp8` writes the planes in one call
+(`KVPlane.store`'s bytes). SmolLM2 decode steps, 2 threads, a Zen 4 EPYC, before -> with the read -> with the
+write too (the plain fp32 cache beside): b8 at contexts of 1,000 374 -> 61 -> 58 ms (50), b8 at 100 72 -> 34 -> 29
+(20), b1 at 1,000 65 -> 28 -> 20 (13). What is left against the plain cache is the layer's ops, which the fused
+layer (kernels/cpu_layer.py) takes only over a plain cache.
 """
 
 from __future__ import annotations
@@ -165,6 +165,31 @@ def decode_fp8(q: torch.Tensor, k_plane, v_plane, block_tables: torch.Tensor, se
             planes[5].data_ptr(), planes[6], planes[7].data_ptr(), n, ids.data_ptr(), nb, lens.data_ptr(), s, b, hq,
             hkv, d, scale, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def store_fp8(plane, slots: torch.Tensor, x: torch.Tensor) -> bool:
+    """`plane.store(slots, x)` for an fp8 plane (kernels/kv_quant.py `KVPlane`) in one C call, its bytes bit for bit
+    (cpu_attention.c `rad_store_fp8`): x [T, Hkv, D] fp32, slots [T] flat, each >= 0 and distinct. False, nothing
+    written, where it does not apply (another format, not CPU fp32, D past D_MAX, the library not built): the
+    caller stores through `KVPlane.store` (in torch ~10 ms of SmolLM2's b8 decode step at contexts of 1,000: its
+    quantize, the delta's read of each block's token 0, the index writes)."""
+    if plane.fmt.name != "fp8" or plane.fmt.rotated or not available():
+        return False
+    p, n, s, hkv, d = plane.codes.shape
+    if x.dtype is not torch.float32 or not x.is_cpu or x.shape != (len(slots), hkv, d) or d > D_MAX \
+            or plane.codes.stride(4) != 1 or plane.scales.dtype is not torch.float16 \
+            or plane.scales.shape != (p, n, s, hkv, 1) or not plane.codes.is_cpu or not plane.scales.is_cpu:
+        return False
+    slots = slots.to(torch.int64).contiguous()
+    if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= p * n * s or len(slots.unique()) != len(slots)):
+        raise ValueError(f"slots must be distinct and in 0..{p * n * s - 1}, got {slots.tolist()}")
+    x = x.contiguous()
+    cs, ss = _strides(plane.codes), _strides(plane.scales)
+    if len(slots):
+        cpu_blocks._lib().rad_store_fp8(x.data_ptr(), slots.data_ptr(), len(slots), plane.codes.data_ptr(),
+                                        cs.data_ptr(), plane.scales.data_ptr(), ss.data_ptr(), n, s, hkv, d,
+                                        int(plane.fmt.delta), torch.get_num_threads())
+    return True
 
 
 def _strides(x: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,11 @@
-"""The host backend's decode attention over `--kv-cache-dtype fp8` planes read in place
-(kernels/cpu_attention.py `decode_fp8`) against `reference.paged_attention` over the same planes (which
-dequantizes them with `KVPlane.blocks`): within fp32 rounding (4e-6 of max |ref|, as the plain kernel), on
-odd shapes (head dims that are no multiple of 8, GQA and MHA, one key or many blocks, a block shared by two
-sequences), with the cache laid out as the engine does (kv/cache.py: this layer's planes inside uint8 blocks
-of two layers, block tables shuffled across pages). Also: the layer op takes this path at decode, any thread
-count gives the same bits, and what does not apply (prefill, other formats) is declined."""
+"""The host backend's `--kv-cache-dtype fp8` planes on the CPU (kernels/cpu_attention.py): the decode attention
+reading them in place (`decode_fp8`) against `reference.paged_attention` over the same planes (which dequantizes
+them with `KVPlane.blocks`), within fp32 rounding (4e-6 of max |ref|, as the plain kernel), on odd shapes (head
+dims that are no multiple of 8, GQA and MHA, one key or many blocks, a block shared by two sequences), with the
+cache laid out as the engine does (kv/cache.py: this layer's planes inside uint8 blocks of two layers, block tables
+shuffled across pages); every E4M3 code read as `fp8_dequantize` reads it; the layer op taking it at decode only;
+any thread count giving the same bits; and their write (`store_fp8`) giving `KVPlane.store`'s bytes. What does not
+apply (prefill, other formats) is declined."""
 
 from __future__ import annotations
 
@@ -135,3 +136,43 @@ def test_a_sequence_without_a_new_token_takes_the_general_path(monkeypatch):
     starts = [0, 1, 1, 2]  # the second sequence reads nothing this step
     want = reference.paged_attention(q[:2], kp, vp, tables, starts, lens, 0.25)
     assert rel_err(cpu.paged_attention(q[:2], kp, vp, tables, starts, lens, 0.25), want) < 1e-5 and not calls
+
+
+@pytest.mark.parametrize("hkv, d", [(3, 64), (2, 20), (1, 256)])
+def test_the_c_store_writes_kvplane_stores_bytes(hkv, d):
+    """Tokens at offset 0 and after it in one call (K's delta reads a token 0 written in the same call), others
+    after tokens 0 written earlier, an all-zero head, values near fp16's and E4M3's edges: the same bytes."""
+    g = torch.Generator().manual_seed(d)
+    fmt = KV_FORMATS["fp8"]
+    planes = []
+    for _ in range(2):
+        storage = torch.zeros((PAGES, PER_PAGE, fmt.block_bytes(2, BLOCK, hkv, d)), dtype=torch.uint8)
+        planes.append(KVCache(storage, (0, 1), fmt=fmt, geometry=(BLOCK, hkv, d)).layer(1))
+    blocks = torch.randperm(PAGES * PER_PAGE, generator=g)[:4]
+    first = torch.cat([b * BLOCK + torch.arange(6) for b in blocks[:2].tolist()])  # blocks 0-1: tokens 0..5
+    later = torch.cat([blocks[0:1] * BLOCK + 6, blocks[2:] * BLOCK, blocks[2:] * BLOCK + 9])  # more, and new blocks
+    for slots in (first, later):
+        x = torch.randn((len(slots), hkv, d), generator=g) * torch.logspace(-6, 4, len(slots))[:, None, None]
+        x[0, 0] = 0.0  # a zero scale
+        x[-1, -1, 0] = 65504.0 * 448  # fp16's largest finite scale
+        x[-1, -1, 1:] = 1e-30  # fp32 values far under E4M3's smallest step
+        for (kc, vc), c_path in zip(planes, (False, True)):
+            for plane in (kc, vc):
+                if c_path:
+                    assert cpu_attention.store_fp8(plane, slots, x)
+                else:
+                    plane.store(slots, x)
+    for want, got in zip(planes[0], planes[1]):
+        assert torch.equal(got.codes, want.codes)
+        assert torch.equal(got.scales.view(torch.int16), want.scales.view(torch.int16))
+
+
+def test_the_c_store_declines_other_formats_and_refuses_bad_slots():
+    q, kp, vp, tables, lens = _step([20], 4, 2, 32, kv_dtype="fp8_v4")
+    assert not cpu_attention.store_fp8(vp, torch.tensor([0]), torch.zeros(1, 2, 32))  # int4 V: KVPlane.store's
+    q, kp, vp, tables, lens = _step([20], 4, 2, 32)
+    assert not cpu_attention.store_fp8(kp, torch.tensor([0]), torch.zeros(1, 2, 32, dtype=torch.float64))
+    with pytest.raises(ValueError, match="distinct"):
+        cpu_attention.store_fp8(kp, torch.tensor([3, 3]), torch.zeros(2, 2, 32))
+    with pytest.raises(ValueError, match="distinct"):
+        cpu_attention.store_fp8(kp, torch.tensor([PAGES * PER_PAGE * BLOCK]), torch.zeros(1, 2, 32))
