@@ -146,8 +146,9 @@ def decode_fp8(q: torch.Tensor, k_plane, v_plane, block_tables: torch.Tensor, se
     lens = torch.as_tensor(seq_lens, dtype=torch.int64).contiguous()
     ids = block_tables[:b].to(torch.int64).contiguous()
     nb = ids.shape[1]
-    if lens.shape != (b,) or bool((lens < 0).any()) or bool((lens > nb * s).any()):
-        raise ValueError(f"seq_lens must be [{b}] in 0..{nb * s} (the block table's tokens), got {lens.tolist()}")
+    if ids.shape[0] != b or lens.shape != (b,) or bool((lens < 0).any()) or bool((lens > nb * s).any()):
+        raise ValueError(f"block_tables must have {b} rows and seq_lens be [{b}] in 0..{nb * s} (the table's "
+                         f"tokens), got {ids.shape[0]} rows and {lens.tolist()}")
     read = ids[torch.arange(nb) < (lens[:, None] + s - 1) // s]
     if len(read) and (int(read.min()) < 0 or int(read.max()) >= p * n):
         raise ValueError(f"a block read lies outside the cache's {p * n} blocks")

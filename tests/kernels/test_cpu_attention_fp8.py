@@ -110,6 +110,8 @@ def test_a_table_that_reads_outside_the_cache_is_refused():
         cpu_attention.decode_fp8(q, kp, vp, tables, lens, 0.2)
     with pytest.raises(ValueError, match="seq_lens"):
         cpu_attention.decode_fp8(q, kp, vp, tables, [33], 0.2)
+    with pytest.raises(ValueError, match="block_tables must have 2 rows"):  # a second query, no second table row
+        cpu_attention.decode_fp8(torch.cat((q, q)), kp, vp, tables, [20, 20], 0.2)
 
 
 @pytest.mark.parametrize("d", [256, 255])  # every code in the 8-wide loop; the last 7 in the scalar one
