@@ -8,10 +8,14 @@
  * normal range, it is e^-87.3 (1.2e-38: beside a softmax maximum's e^0 = 1 in every sum, and 1 + it is 1 in a
  * sigmoid); past ln(FLT_MAX), 88.72, infinity (as torch's). 2^n is applied as two halves, 2^(n / 2) 2^(n - n / 2),
  * each scaling exact: the same value as one 2^n for n <= 127, and n = 128 (x of 88.38 to 88.72) stays finite.
- * A NaN x is not defined here (no caller passes one: scores and products of finite values). Needs <stdint.h>,
- * <string.h> and, for rad_exp8, <immintrin.h> included first. */
+ * A NaN x is not defined here (no caller passes one: scores and products of finite values). */
 #ifndef RAD_CPU_EXP_H
 #define RAD_CPU_EXP_H
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h> /* rad_exp8, whatever the includer's own conditions for it */
+#endif
 
 #define EXP_MIN -87.3f
 #define EXP_MAX 88.72283905f /* ln(FLT_MAX) */

@@ -4,15 +4,19 @@ them with `KVPlane.blocks`), within fp32 rounding (4e-6 of max |ref|, as the pla
 dims that are no multiple of 8, GQA and MHA, one key or many blocks, a block shared by two sequences), with the
 cache laid out as the engine does (kv/cache.py: this layer's planes inside uint8 blocks of two layers, block tables
 shuffled across pages); every E4M3 code read as `fp8_dequantize` reads it; the layer op taking it at decode only;
-any thread count giving the same bits; and their write (`store_fp8`) giving `KVPlane.store`'s bytes. What does not
-apply (prefill, other formats) is declined."""
+any thread count giving the same bits; and their write (`store_fp8`) giving `KVPlane.store`'s bytes; all of it
+also in a build without F16C (the conversions by hand). What does not apply (prefill, other formats) is declined."""
 
 from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
 
 import pytest
 import torch
 
-from radianced.kernels import cpu, cpu_attention, reference
+from radianced.kernels import cpu, cpu_attention, cpu_blocks, reference
 from radianced.kernels.kv_formats import KV_FORMATS
 from radianced.kernels.kv_quant import fp8_dequantize
 from radianced.kv.cache import KVCache
@@ -178,3 +182,19 @@ def test_the_c_store_declines_other_formats_and_refuses_bad_slots():
         cpu_attention.store_fp8(kp, torch.tensor([3, 3]), torch.zeros(2, 2, 32))
     with pytest.raises(ValueError, match="distinct"):
         cpu_attention.store_fp8(kp, torch.tensor([PAGES * PER_PAGE * BLOCK]), torch.zeros(1, 2, 32))
+
+
+def test_a_build_without_f16c_converts_by_hand_to_the_same_values_and_bytes(tmp_path, monkeypatch):
+    """The fp16 and E4M3 conversions made by hand where F16C is not compiled in (-mno-f16c): every code read, a
+    store's bytes and the attention as with F16C."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    out = tmp_path / "no_f16c.so"
+    done = subprocess.run([cc, *cpu_blocks.FLAGS, "-mno-f16c", "-o", str(out), *map(str, cpu_blocks.SOURCES)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    monkeypatch.setattr(cpu_blocks, "_lib", lambda lib=cpu_blocks.declare(ctypes.CDLL(str(out))): lib)
+    test_every_e4m3_code_reads_as_fp8_dequantize_makes_it_nan_and_subnormals_included(256)
+    test_the_c_store_writes_kvplane_stores_bytes(3, 64)
+    test_the_fp8_decode_reads_the_codes_as_the_reference_dequantizes_them("smollm2_heads")
