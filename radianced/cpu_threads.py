@@ -1,8 +1,8 @@
 """torch's CPU threads in the daemon: how many, why OpenMP's idle threads spin only briefly, and why the daemon
 drops OpenMP's thread-binding variables.
 
-daemon.py sets GOMP_SPINCOUNT=20000 (unless OMP_WAIT_POLICY or it is set) before torch loads libgomp,
-which reads it once. libgomp also spins far less (its throttled count) while more of its threads exist
+`prepare_openmp` (daemon.py calls it before torch loads libgomp, which reads it once) sets GOMP_SPINCOUNT=20000
+(unless OMP_WAIT_POLICY or it is set). libgomp also spins far less (its throttled count) while more of its threads exist
 than cores: each thread that ran a parallel region keeps a team, so a second one (a loader thread beside
 the step thread) made every region pay a wake-up on 2 cores (SmolLM2's q4_1 product 86 us against 41,
 bench/README session 25); the daemon's served steps run on the one step thread once the loader has ended.
@@ -36,6 +36,16 @@ def count() -> int:
 
 
 BINDING = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY")  # OpenMP's thread binding, read as libgomp loads
+
+
+def prepare_openmp() -> dict[str, str]:
+    """The daemon's OpenMP environment, set before torch loads libgomp (which reads it once): an idle OpenMP thread
+    spins 20,000 rounds (tens of microseconds) before it sleeps, not 300,000, so torch's threads leave the event
+    loop and the step worker their turn (`count` has the numbers), unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is
+    set; and no OpenMP binding (`drop_binding`, whose removed variables it returns)."""
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+    return drop_binding()
 
 
 def drop_binding(environ: dict[str, str] | None = None) -> dict[str, str]:

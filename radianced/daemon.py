@@ -40,13 +40,7 @@ from pathlib import Path
 
 from radianced import cpu_threads
 
-# Before the imports below load torch (and its OpenMP runtime, libgomp, which reads this once): an
-# idle OpenMP thread spins 20,000 rounds (tens of microseconds) before it sleeps, not 300,000, so
-# torch's threads leave the event loop and the step worker their turn (radianced/cpu_threads.py has the numbers);
-# and no OpenMP binding, which would hold every thread of the daemon and its front to one CPU (the same file).
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "20000")
-UNBOUND = cpu_threads.drop_binding()
+UNBOUND = cpu_threads.prepare_openmp()  # before the imports below load torch and its libgomp, which reads it once
 
 import uvloop
 

@@ -31,6 +31,17 @@ def test_drop_binding_removes_what_binds_and_keeps_the_rest():
     assert cpu_threads.drop_binding(unbound) == {} and unbound == {"OMP_PROC_BIND": " FALSE "}
 
 
+def test_prepare_openmp_spins_briefly_unless_told_and_drops_the_binding(monkeypatch):
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", *cpu_threads.BINDING):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMP_PLACES", "cores")
+    assert cpu_threads.prepare_openmp() == {"OMP_PLACES": "cores"} and "OMP_PLACES" not in os.environ
+    assert os.environ["GOMP_SPINCOUNT"] == "20000"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # the user's wait policy: no spin count of ours
+    assert cpu_threads.prepare_openmp() == {} and "GOMP_SPINCOUNT" not in os.environ
+
+
 def _allowed(pid: int) -> set[str]:
     """Each thread's Cpus_allowed_list of process `pid`."""
     return {next(line.split()[1] for line in open(f"{task}/status") if line.startswith("Cpus_allowed_list"))
