@@ -37,7 +37,9 @@ from radianced.card import Card, MiB, align_up
 from radianced.charges import FixedCharges, fixed_charges
 from radianced.config import Config, ConfigError
 from radianced.receipt import Part, Receipt, fmt_mib
-from radianced.sizing import BLOCK_TOKENS, ModelFacts, PagingGroup, kv_pages, page_bytes, paging_groups
+from radianced.sizing import (
+    BLOCK_TOKENS, ModelFacts, PagingGroup, kv_pages, miss_staging, page_bytes, paging_groups,
+)
 
 # Pinned host rows that O_DIRECT expert reads land in on their way to the card: reads in flight at a
 # time for the disk tier, fewer when the file is read only to fill the slots at start.
@@ -275,7 +277,7 @@ def _plan(card: Card, facts: ModelFacts, cfg: Config) -> Receipt:
         expert_floor=split.expert_floor, kv_buffer_pages=split.kv_buffer_pages, groups=groups,
         kv_max_pages=kv_max, kv_pool_tokens=pool_tokens, max_model_len=L, max_num_seqs=S,
         full_sessions=sessions, worst_case_percent=100 * pool_tokens // (S * L),
-        expert_formats=facts.expert_formats,
+        expert_formats=facts.expert_formats, miss_staging=miss_staging(facts, cfg, card.cuda),
     )
 
 

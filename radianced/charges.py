@@ -27,7 +27,8 @@ headroom first and divides what is left (`FixedCharges.elastic`) by placement mo
   `Config.state_copies`; block tables sized for full context (int32 per block
   per paging group); the expert pointer table (int64 per layer and expert). With
   experts on disk a placement mode adds the two disk-tier buffers (one layer's
-  routed experts each).
+  routed experts each). GGUF experts that may live in the host pool get the
+  card's miss staging rows (sizing.py `miss_staging`, kernels/stage.py).
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from radianced.card import Card, MiB
+from radianced.card import Card, MiB, align_up
 from radianced.config import Config
 from radianced.graph_shapes import mixed_buckets_of, mixed_logits_rows, no_graphs
 from radianced.kernels.formats import is_compact
 from radianced.receipt import Part, fmt_mib
 from radianced.sizing import (
-    FP32, SAMPLER_BYTES, WEIGHT_CLASSES, ModelFacts, PagingGroup, activation_bytes, logits_bytes, recurrent_bytes_per_copy,
+    FP32, SAMPLER_BYTES, WEIGHT_CLASSES, ModelFacts, PagingGroup, activation_bytes, logits_bytes, miss_staging,
+    recurrent_bytes_per_copy,
 )
 
 LIBRARY_BYTES = 32 * MiB  # cuBLAS/cuBLASLt workspaces and Triton scratch
@@ -88,7 +90,7 @@ def fixed_charges(card: Card, facts: ModelFacts, cfg: Config, groups: tuple[Pagi
         else f"--gpu-headroom-mib {cfg.headroom_mib}"
     weights, host_weights, idle = _weights(facts, cfg, card.cuda)
     workspace = _workspace(facts, card, cfg, disk_tier) + _allocator_tails(facts, weights, card)
-    state = tuple(_state(facts, cfg, groups, max_model_len))
+    state = tuple(_state(facts, cfg, groups, max_model_len, card))
     elastic = card.free_bytes - headroom - sum(p.bytes for p in weights + workspace + state)
     return FixedCharges(headroom, flag, weights, host_weights, idle, workspace, state, elastic)
 
@@ -251,7 +253,7 @@ def _graph_pool(facts: ModelFacts, rows: int, card: Card, cfg: Config, disk_tier
                 f"{what}, and the capture stream's cuBLAS workspace, for step graphs")
 
 
-def _state(facts: ModelFacts, cfg: Config, groups: tuple[PagingGroup, ...], L: int) -> Iterable[Part]:
+def _state(facts: ModelFacts, cfg: Config, groups: tuple[PagingGroup, ...], L: int, card: Card) -> Iterable[Part]:
     m, S = facts.model, cfg.max_num_seqs
     per_copy = recurrent_bytes_per_copy(m, facts.act_bytes)
     if per_copy:
@@ -265,3 +267,8 @@ def _state(facts: ModelFacts, cfg: Config, groups: tuple[PagingGroup, ...], L: i
         layers, experts = len(m.moe_layers), facts.experts_per_layer
         yield Part("expert pointers", layers * experts * EXPERT_POINTER,
                    f"{layers} layers x {experts} experts x {EXPERT_POINTER} B")
+    rows, row = miss_staging(facts, cfg, card.cuda)
+    if rows:
+        yield Part("miss staging", align_up(rows * row, card.alloc_granule),
+                   f"{rows} experts x {fmt_mib(row)}: a layer's host-pool misses copied to the card before "
+                   f"they are read (GGUF blocks read in place cross the link slowly)")

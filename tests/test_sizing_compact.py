@@ -134,3 +134,33 @@ def test_a_card_charges_a_compact_table_dense_and_every_other_compact_matrix_as_
     line = next(ln for ln in receipt.lines() if "embeddings:" in ln)
     assert line.endswith(f"(--embedding-placement {placement}, q8_0, dequantized at load to the activations' dtype: "
                          "the row gather reads dense rows)")
+
+
+@pytest.mark.parametrize("stack_types, staged", [((Q.Q4_0, Q.Q4_0, Q.Q8_0), True), ((Q.Q4_1,) * 3, True),
+                                                 ((Q.F32,) * 3, False)], ids=["q4_0+q8_0", "q4_1", "f32"])
+def test_gguf_experts_with_a_host_pool_get_the_cards_miss_staging_rows(tmp_path, stack_types, staged):
+    """kernels/stage.py's buffer: charged in the state on a CUDA card where GGUF experts may live in the host
+    pool (a row an expert of a layer, up to MISS_STAGING_ROWS, each the widest extent in 16-byte words,
+    in whole allocator units); not for plain experts, under --placement resident, without a host pool or
+    on the CPU."""
+    from radianced.sizing import MISS_STAGING_ROWS
+
+    src = write_qwen3moe_gguf(tmp_path / "m.gguf", stack_types=stack_types)
+    convert_gguf(src, tmp_path / "c.rad", None, compact=True)
+    with RadFile.open(tmp_path / "c.rad") as rad:
+        facts = ModelFacts.from_header(rad.header)
+    card = Card.from_mib(1024, cuda=True)
+    receipt = plan(card, facts, Config(host_pool_mib=64))
+    part = {p.name: p for p in receipt.state}.get("miss staging")
+    if not staged:
+        assert part is None and receipt.miss_staging == (0, 0)
+        return
+    rows, row = min(facts.experts_per_layer, MISS_STAGING_ROWS), (facts.expert_extent_bytes + 15) // 16 * 16
+    assert receipt.miss_staging == (rows, row) and row % 16 == 0 and row >= facts.expert_extent_bytes
+    assert part.bytes == -(-rows * row // card.alloc_granule) * card.alloc_granule
+    assert f"state miss staging: {part.bytes / MiB:.2f} MiB ({rows} experts x {row / MiB:.2f} MiB" in \
+        "\n".join(receipt.lines())
+    for cfg, on in ((Config(host_pool_mib=64, placement="resident"), card), (Config(host_pool_mib=0), card),
+                    (Config(host_pool_mib=64), Card.from_mib(1024))):
+        other = plan(on, facts, cfg)
+        assert other.miss_staging == (0, 0) and "miss staging" not in {p.name for p in other.state}

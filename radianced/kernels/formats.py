@@ -118,6 +118,9 @@ COMPACT = tuple(name for name, f in FORMATS.items() if f.compact)
 # The compact formats the Triton kernels dequantize in registers (kernels/weight_tiles.py); the K-quants are
 # read on the CPU only. Here, not beside the kernels, so the loader checks a model without importing triton.
 COMPACT_TILES = ("q8_0", "q4_0", "q4_1", "fp8_b128")
+# The expert formats whose host-pool misses the card copies in before reading them (kernels/stage.py): their
+# blocks (18, 20, 34 bytes) are not loaded in 16-byte runs where they lie. Named here for the budget (sizing.py).
+STAGED_TILES = ("q8_0", "q4_0", "q4_1")
 # The compact formats the host backend's block kernels read in place (kernels/cpu_blocks.py: every GGUF format,
 # in cpu_blocks.c's order); fp8_b128 is dequantized per use on the CPU, a compact lm_head in it made dense at
 # load (model/loader.py).
@@ -132,6 +135,11 @@ def expert_formats(name: str) -> tuple[str, str]:
     if len(parts) > 2 or any(p not in FORMATS for p in parts) or (len(parts) == 2 and parts[0] == parts[1]):
         raise ValueError(f"unknown expert format {name!r}")
     return parts[0], parts[-1]
+
+
+def is_staged(name: str) -> bool:
+    """Whether an expert format's misses are staged on the card (STAGED_TILES, both pieces)."""
+    return all(p in STAGED_TILES for p in expert_formats(name))
 
 
 def is_compact(name: str) -> bool:

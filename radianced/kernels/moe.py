@@ -62,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radianced.kernels import arrival, pdl, router
+from radianced.kernels import arrival, pdl, router, stage
 from radianced.kernels.formats import COMPACT_TILES, FORMATS, expert_formats
 from radianced.kernels.weight_tiles import GGUF_TILES, PLAIN_TILES, gguf_rows_products, weight_tile
 
@@ -626,7 +626,7 @@ def _empty_result(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tenso
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
         slab: torch.Tensor, inter: int, host: torch.Tensor | None = None, *,
         deterministic: bool = False, residual: torch.Tensor | None = None,
-        weight_format: str | None = None) -> torch.Tensor:
+        weight_format: str | None = None, staging: torch.Tensor | None = None) -> torch.Tensor:
     """Routed SiLU experts read through the expert table (Triton); contract of `reference.moe`.
 
     x: [T, H] (bf16, fp16 or fp32); topk_ids: [T, k] int, every id in [0, E);
@@ -644,6 +644,9 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tab
     them, gate/up + down) says slab and host are uint8 rows of compact extents, as the
     `.rad` stores them (rows may be wider than one extent; 16-byte aligned): the
     kernels dequantize each weight tile in registers (`weight_tile`).
+    `staging` (uint8 [R, W] on x's device, `stage.stage_misses`): where the format's in-place
+    reads are slow (`stage.wanted`: GGUF experts, decode batches) the routed host experts are
+    copied there first, up to R of them, and read from it: the same result, bit for bit.
     No host sync; the table may change between calls.
     """
     _check_x(x, residual)
@@ -653,6 +656,10 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tab
     _check_slab(x, slab, host, inter, layout, weight_format)
     if x.shape[0] == 0:
         return _empty_result(x, residual)
+    if stage.wanted(topk_ids.numel(), host, staging, weight_format):
+        table = stage.stage_misses(topk_ids, table, slab, host, staging)
+        return _launch_moe(x, topk_ids, topk_weights.contiguous(), table, slab, 0, True, inter, deterministic,
+                           layout, residual=residual)
     return _launch_moe(x, topk_ids, topk_weights.contiguous(), table, slab, slab.stride(0), False, inter,
                        deterministic, layout, host=host, residual=residual)
 
@@ -660,7 +667,7 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tab
 def route_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool, table: torch.Tensor,
               slab: torch.Tensor, inter: int, host: torch.Tensor | None = None, *, deterministic: bool = False,
               residual: torch.Tensor | None = None, weight_format: str | None = None,
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              staging: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`router.route` then `moe` (Triton); contract of `reference.route_moe`.
 
     logits: [T, E] router logits (rows with a unit last stride, on x's device), E
@@ -670,7 +677,8 @@ def route_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bo
     renormalize, x.dtype)` returns, bit for bit. At T == 1 with E <=
     ROUTE_FUSED_MAX_EXPERTS there is no route launch: the gate/up launch ranks the
     logits and writes ids and weights, which are ready only once the experts'
-    launches have run (stream order; nothing here waits for them). No host sync.
+    launches have run (stream order; nothing here waits for them); a step that stages its
+    misses (`staging`, as in `moe`) routes first. No host sync.
     """
     _check_x(x, residual)
     _check_table(x, table, "table")
@@ -678,10 +686,11 @@ def route_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bo
     if logits.shape != (x.shape[0], table.shape[0]) or logits.device != x.device:
         raise ValueError(f"logits must be [T, E] = [{x.shape[0]}, {table.shape[0]}] (x's rows, the table's "
                          f"experts) on {x.device}, got {tuple(logits.shape)} on {logits.device}")
-    if x.shape[0] != 1 or table.shape[0] > ROUTE_FUSED_MAX_EXPERTS:
+    if x.shape[0] != 1 or table.shape[0] > ROUTE_FUSED_MAX_EXPERTS \
+            or stage.wanted(top_k, host, staging, weight_format):
         ids, weights = router.route(logits, top_k, renormalize, x.dtype)
         return moe(x, ids, weights, table, slab, inter, host, deterministic=deterministic, residual=residual,
-                   weight_format=weight_format), ids, weights
+                   weight_format=weight_format, staging=staging), ids, weights
     layout = extent_layout(weight_format, inter, x.shape[1])
     _check_slab(x, slab, host, inter, layout, weight_format)
     ids = torch.empty((1, top_k), dtype=torch.int64, device=x.device)

@@ -255,7 +255,8 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtyp
 
 def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
         slab: torch.Tensor, inter: int, host: torch.Tensor | None = None, *,
-        residual: torch.Tensor | None = None, weight_format: str | None = None, mlp=silu_mlp) -> torch.Tensor:
+        residual: torch.Tensor | None = None, weight_format: str | None = None, mlp=silu_mlp,
+        staging: torch.Tensor | None = None) -> torch.Tensor:
     """Routed SiLU experts, tokens grouped by expert, weights found through the table.
 
     x: [T, H]; topk_ids, topk_weights: [T, k]; table: [E]: entry >= 0 is a row of
@@ -268,7 +269,9 @@ def moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tab
     differs): the rows are then uint8, each extent
     three pieces at the start of its row, a compact piece dequantized to x's dtype when
     its expert runs. `mlp`: the SiLU MLP each expert runs (`silu_mlp` here; the host backend passes its
-    own, which reads a compact piece's blocks in place: kernels/cpu.py `moe`).
+    own, which reads a compact piece's blocks in place: kernels/cpu.py `moe`). `staging`: rows the
+    Triton op may copy host experts into before reading them (kernels/stage.py); here they are
+    read where they are, the same bytes.
     """
     t, k = topk_ids.shape
     hidden = x.shape[1]
@@ -318,7 +321,7 @@ def _expert_pieces(rows: torch.Tensor, inter: int, hidden: int, weight_format: s
 def route_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool, table: torch.Tensor,
               slab: torch.Tensor, inter: int, host: torch.Tensor | None = None, *,
               residual: torch.Tensor | None = None, weight_format: str | None = None, mlp=silu_mlp,
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              staging: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`route` then `moe`: the routed experts of router logits [T, E]. Returns (`moe`'s result,
     ids [T, k] int64, weights [T, k] in x's dtype) with ids and weights as `route` returns them."""
     ids, weights = route(logits, top_k, renormalize, x.dtype)

@@ -21,6 +21,9 @@ from radianced.kernels.formats import is_compact
 class ExpertSource(Protocol):
     slab: torch.Tensor  # [rows, 3 * I * H]: VRAM slots
     host: torch.Tensor | None  # [rows, 3 * I * H]: the host pool, read over the link (negative table entries)
+    # uint8 [R, W] on the card: rows a MoE call may copy its routed host experts into before reading them
+    # (GGUF experts: kernels/stage.py), or None
+    staging: torch.Tensor | None
     # Whether `prepare` makes routed experts addressable (reads them in: a host sync). Then the MoE
     # calls it with a layer's ids before that layer's experts are read; otherwise once the launches
     # that route and read them are queued (one launch fewer at T == 1, kernels/moe.py `route_moe`).
@@ -59,7 +62,7 @@ class ResidentExperts:
     when it runs. Otherwise the slab holds the weights in their dtype and no format is named.
     """
 
-    host = None  # every expert has a slot
+    host = staging = None  # every expert has a slot
     stages_experts = False
 
     def __init__(self, slab: torch.Tensor, tables: dict[int, torch.Tensor], formats: dict[int, str] | None = None):

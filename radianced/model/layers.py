@@ -255,9 +255,9 @@ class MoE:
                 foreign = (ids < first) | (ids >= stop)
                 ids, weights = ids.masked_fill(foreign, first), weights.masked_fill(foreign, 0)
             return ops.moe(x, ids, weights, experts.table(self.layer), experts.slab, self.inter, experts.host,
-                           residual=residual, **compact)
+                           residual=residual, staging=experts.staging, **compact)
         out, ids, _ = ops.route_moe(x, logits, top_k, renormalize, experts.table(self.layer), experts.slab,
-                                    self.inter, experts.host, residual=residual, **compact)
+                                    self.inter, experts.host, residual=residual, staging=experts.staging, **compact)
         experts.prepare(self.layer, ids)
         return out
 

@@ -79,7 +79,7 @@ def build_expert_slab(rad: RadFile, arena: Arena, receipt: Receipt, dtype: torch
         log.info("disk tier: %d experts stay in %s, read with O_DIRECT when a step routes them "
                  "(buffers: 2 x %d slots)", len(placement.disk), rad.path, len(arena.reserved) // 2)
     slab = ExpertSlab(arena, width, dtype, placement, host, loader, rad.model.num_experts, cfg.expert_slots,
-                      formats, owned)
+                      formats, owned, receipt.miss_staging[0])
     log.info(fill_line(slab, ranked=ranking is not None))
     return slab
 

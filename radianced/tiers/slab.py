@@ -81,14 +81,16 @@ class ExpertSlab:
     def __init__(self, arena: Arena, width: int, dtype: torch.dtype, placement: Placement,
                  host: torch.Tensor | None, loader: ExpertLoader | None, num_experts: int,
                  max_slots: int | None = None, formats: dict[int, str] | None = None,
-                 owned: tuple[int, int] | None = None):
+                 owned: tuple[int, int] | None = None, staging_rows: int = 0):
         """width: elements of one expert extent (the widest); dtype: the extents' (uint8 for compact
         ones); host: [placement.count(HOST), width] rows in placement.host_row order; loader: reads
         extents from the model file into slab rows (the pinned experts, disk-homed ones; needed when
         the placement has any); max_slots: --expert-slots (None: as many as the arena lends);
         formats: per routed layer, its extents' format when they are compact (`weight_format`);
         owned: (first, stop), the expert ids of a card's share under --tp (the placement's are
-        among them; the other ids' table entries stay MISSING, and only these are counted).
+        among them; the other ids' table entries stay MISSING, and only these are counted);
+        staging_rows: the card's rows for a MoE call's host-pool misses (`Receipt.miss_staging`: GGUF
+        experts with a host pool; kernels/stage.py), each an extent in whole 16-byte words.
         Leases and fills every start slot."""
         _check_homes(arena, placement, loader)
         self.arena, self.placement, self.host, self.loader = arena, placement, host, loader
@@ -96,6 +98,8 @@ class ExpertSlab:
         self.slab = arena.paged_view(dtype, (width,))  # [P + reserved, width]
         self.max_slots, self.num_experts = max_slots, num_experts
         self.extent_bytes = width * dtype.itemsize  # what one overflow read moves over the link
+        self.staging = torch.empty((staging_rows, (self.extent_bytes + 15) // 16 * 16), dtype=torch.uint8,
+                                   device=self.slab.device) if staging_rows else None
         layers = sorted({layer for layer, _ in placement.pinned + placement.host + placement.disk})
         self._layers = tuple(layers)
         self._layer_pos = {layer: i for i, layer in enumerate(layers)}

@@ -89,3 +89,52 @@ def test_compact_moe_matches_the_reference_and_is_timed_against_bf16(moe, fmt, t
             "compact_gb_per_s": routed * extent / ms / 1e6,
             "bf16_gb_per_s": routed * dense.shape[1] * 2 / ms_bf16 / 1e6})
     assert err < 1e-2
+
+
+NEXT_E, NEXT_K, NEXT_I = 512, 10, 512  # Qwen3-Next-80B-A3B's routed experts (H = 2048 as above)
+
+
+@pytest.mark.parametrize("t", [1, 8])
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_staged_misses_equal_the_in_place_reads_and_are_timed_against_them(moe, fmt, t):
+    """Every expert of a Qwen3-Next-shaped layer in the pinned host pool (rows a 4 KiB page apart, as
+    tiers/host.py lays them out): the MoE with its misses staged on the card (kernels/stage.py, 64
+    rows) gives the in-place reads' output bit for bit, and both are timed over 16 routings in turn
+    (so no call finds the last one's experts in L2), with the distinct routed bytes a second each."""
+    from radianced.kernels import stage
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    shapes = ((NEXT_I, HIDDEN), (NEXT_I, HIDDEN), (HIDDEN, NEXT_I))
+    extent = sum(FORMATS[fmt].nbytes(s) for s in shapes)
+    width, page = (extent + 15) // 16 * 16, (extent + 4095) // 4096 * 4096
+    pool = torch.zeros((NEXT_E, page), dtype=torch.uint8, pin_memory=True)
+    for e in range(NEXT_E):
+        pool[e, :extent] = torch.cat([_piece(fmt, s, g) for s in shapes]).cpu()
+    host = pool[:, :width]
+    slab = torch.zeros((1, width), dtype=torch.uint8, device="cuda")  # no slot holds an expert
+    table = -1 - torch.randperm(NEXT_E, generator=g, device="cuda")
+    staging = torch.empty((64, width), dtype=torch.uint8, device="cuda")
+    routings = []
+    for i in range(16):
+        x = torch.randn((t, HIDDEN), generator=g, device="cuda").bfloat16()
+        w, ids = torch.randn((t, NEXT_E), generator=g, device="cuda").softmax(-1).topk(NEXT_K, dim=-1)
+        routings.append((x, ids, (w / w.sum(-1, keepdim=True)).bfloat16()))
+    turn = [0]
+
+    def call(**kw):
+        x, ids, w = routings[turn[0] % len(routings)]
+        turn[0] += 1
+        return moe.moe(x, ids, w, table, slab, NEXT_I, host, weight_format=fmt, deterministic=True, **kw)
+
+    assert stage.wanted(t * NEXT_K, host, staging, fmt)
+    for x, ids, w in routings[:2]:
+        args = (x, ids, w, table, slab, NEXT_I, host)
+        assert torch.equal(moe.moe(*args, weight_format=fmt, deterministic=True, staging=staging),
+                           moe.moe(*args, weight_format=fmt, deterministic=True))
+    distinct = sum(int(torch.unique(ids).numel()) for _, ids, _ in routings) / len(routings)
+    ms_in_place = ms_per_call(call, iters=48)
+    ms_staged = ms_per_call(lambda: call(staging=staging), iters=48)
+    record({"test": "kernel_moe_staged_misses", "format": fmt, "tokens": t, "experts_routed": distinct,
+            "extent_bytes": extent, "ms_in_place": ms_in_place, "ms_staged": ms_staged,
+            "speedup": ms_in_place / ms_staged, "in_place_gb_per_s": distinct * extent / ms_in_place / 1e6,
+            "staged_gb_per_s": distinct * extent / ms_staged / 1e6})

@@ -155,6 +155,10 @@ class _RoutingLog:
     def stages_experts(self) -> bool:
         return self.inner.stages_experts
 
+    @property
+    def staging(self) -> torch.Tensor | None:
+        return self.inner.staging
+
     def table(self, layer: int) -> torch.Tensor:
         return self.inner.table(layer)
 
@@ -210,7 +214,7 @@ class _StagedExperts:
     slab row until `prepare` points the routed experts of that call at their weights."""
 
     stages_experts = True
-    host = None
+    host = staging = None
 
     def __init__(self, resident: ResidentExperts, layers: list[int]):
         self.slab = torch.cat([resident.slab, resident.slab.new_zeros(1, resident.slab.shape[1])])
