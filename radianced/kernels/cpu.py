@@ -358,6 +358,21 @@ def _rows_of(k_cache, v_cache) -> _Rows | None:
     return _kept(_ROWS, k_cache, lambda: _Rows.of(k_cache, v_cache), v_cache)
 
 
+# Each fp8 plane pair's `cpu_attention.Fp8Pair` (or None: the kernels do not apply), by `_kept` on the K plane (and
+# the V plane beside it): a KVCache hands the same planes to every step. The step's reads and slots are checked
+# once a step (`_per_step`): in each layer, ~89 us a decode call and ~49 us a store call went to them before.
+_FP8_PAIRS: dict = {}
+_fp8_reads = _per_step(cpu_attention.Fp8Reads)
+_fp8_slots = _per_step(cpu_attention.Fp8Slots)
+
+
+def _fp8_pair(k_cache, v_cache) -> cpu_attention.Fp8Pair | None:
+    """The pair's `Fp8Pair.of`, made once per pair of planes; None for plain caches and other formats."""
+    if not isinstance(k_cache, KVPlane) or not isinstance(v_cache, KVPlane):
+        return None
+    return _kept(_FP8_PAIRS, k_cache, lambda: cpu_attention.Fp8Pair.of(k_cache, v_cache), v_cache)
+
+
 def _block_rows(blocks: torch.Tensor, layout: tuple) -> torch.Tensor:
     """The flat row (`_Rows`) of each block's token 0."""
     n, block_rows, page_rows, _ = layout
@@ -386,13 +401,15 @@ def write_kv(k_cache: torch.Tensor | KVPlane, v_cache: torch.Tensor | KVPlane, k
 def _write(rows: _Rows | None, k_cache, v_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """`write_kv` given the pair's `_Rows.of`."""
     if rows is None:
+        fp8 = _fp8_pair(k_cache, v_cache)
+        if fp8 is not None and fp8.store(_fp8_slots(slot_mapping), k, v):  # fp8 planes in C, the slots once a step
+            return
         if bool((slot_mapping < 0).any()):
             keep = slot_mapping >= 0
             slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
         if isinstance(k_cache, KVPlane):
-            for plane, x in ((k_cache, k), (v_cache, v)):
-                if not cpu_attention.store_fp8(plane, slot_mapping, x):  # fp8 in one C call, else in torch
-                    plane.store(slot_mapping, x)
+            k_cache.store(slot_mapping, k)
+            v_cache.store(slot_mapping, v)
             return
         _, n, s = k_cache.shape[:3]
         block, off = slot_mapping // s, slot_mapping % s
@@ -490,10 +507,10 @@ def _attend(rows: _Rows | None, q: torch.Tensor, k_cache, v_cache, block_tables:
     if plan.t < t:  # rows past the last sequence's are no sequence's (a mixed graph's padding): zeros
         return torch.cat((_attend(rows, q[:plan.t], k_cache, v_cache, block_tables, query_start, seq_lens, scale),
                           q.new_zeros(t - plan.t, hq, d)))
-    if rows is None and q_max == 1 and plan.at is None and isinstance(k_cache, KVPlane) \
-            and isinstance(v_cache, KVPlane):
-        out = cpu_attention.decode_fp8(q, k_cache, v_cache, block_tables, _hashable(seq_lens), scale)
-        if out is not None:  # fp8 planes read in place (a decode step: one query row every sequence)
+    fp8 = _fp8_pair(k_cache, v_cache) if rows is None and q_max == 1 and plan.at is None else None
+    if fp8 is not None:  # fp8 planes read in place (a decode step: one query row every sequence)
+        out = fp8.decode(q, _fp8_reads(block_tables, _hashable(seq_lens), b, k_cache.shape[2]), scale)
+        if out is not None:
             return out
     if rows is not None:  # [B, Hkv, C, D] each, in one gather
         k, v = rows.flat.index_select(0, _read_rows(plan, rows.layout)).view(2, b, ctx, hkv, d).transpose(2, 3).unbind()

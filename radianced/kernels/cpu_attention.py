@@ -16,14 +16,16 @@ depend on the thread count: one thread computes a (sequence, KV head) pair whole
 `Context.rotary` does a decode layer's prologue in the same call: RoPE on q and k and the new token's K and V
 rows written (kernels/cpu.py `_rotate` and `_write`'s values bit for bit), then the attention.
 
-`decode_fp8` is the same attention over `--kv-cache-dtype fp8`'s planes (kernels/kv_formats.py), read as their
-codes: each chunk of keys dequantized into buffers as `KVPlane.blocks` dequantizes them (the same values bit for
-bit), then the same scores, softmax and sums. Before it the host backend gathered and dequantized every
-sequence's whole context in each layer and ran SDPA over it. `store_fp8` writes the planes in one call
-(`KVPlane.store`'s bytes). SmolLM2 decode steps, 2 threads, a Zen 4 EPYC, before -> with the read -> with the
-write too (the plain fp32 cache beside): b8 at contexts of 1,000 374 -> 61 -> 58 ms (50), b8 at 100 72 -> 34 -> 29
-(20), b1 at 1,000 65 -> 28 -> 20 (13). What is left against the plain cache is the layer's ops, which the fused
-layer (kernels/cpu_layer.py) takes only over a plain cache.
+`Fp8Pair.decode` is the same attention over `--kv-cache-dtype fp8`'s planes (kernels/kv_formats.py), read as
+their codes: each chunk of keys dequantized into buffers as `KVPlane.blocks` dequantizes them (the same values bit
+for bit), then the same scores, softmax and sums. Before it the host backend gathered and dequantized every
+sequence's whole context in each layer and ran SDPA over it. `Fp8Pair.store` writes the planes in a call each
+(`KVPlane.store`'s bytes). A pair's pointers are kept, and a step's block table and slots are checked once for all
+of its layers (`Fp8Reads`, `Fp8Slots`; kernels/cpu.py). SmolLM2 decode steps, 2 threads, a Zen 4 EPYC, before ->
+with the read -> with the write too -> the checks once a step (the plain fp32 cache beside): b8 at contexts of
+1,000 374 -> 61 -> 58 -> 53-56 ms (50), b8 at 100 72 -> 34 -> 29 -> 23-26 (19-20), b1 at 1,000 65 -> 28 -> 20 ->
+16-19 (13). What is left against the plain cache is the layer's ops, which the fused layer (kernels/cpu_layer.py)
+takes only over a plain cache.
 """
 
 from __future__ import annotations
@@ -128,69 +130,139 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 D_MAX = 256  # head dims the fp8 kernel holds a chunk of (cpu_attention.c)
 
 
+class Fp8Pair:
+    """A layer's `--kv-cache-dtype fp8` planes (kernels/kv_quant.py `KVPlane`: K a delta plane, V plain) as the
+    kernels address them, checked once (kernels/cpu.py keeps one per pair of planes): each plane's codes' and
+    scales' pointers and strides. `of` gives None where the kernels do not apply (another format, D past D_MAX,
+    other layouts, the library not built): the caller runs the general path. Like `Context` it holds the
+    planes' tensors (not the planes: kernels/cpu.py keys it on them), so the pointers stay valid while it lives."""
+
+    __slots__ = ("tensors", "shape", "_args")
+
+    def __init__(self, k_plane, v_plane):
+        planes = (k_plane, v_plane)
+        self.tensors = tuple(t for plane in planes for t in (plane.codes, plane.scales))
+        self.shape = tuple(k_plane.codes.shape)  # [P, N, S, Hkv, D]
+        self._args = tuple((plane.codes.data_ptr(), _strides(plane.codes), plane.scales.data_ptr(),
+                            _strides(plane.scales)) for plane in planes)
+
+    @staticmethod
+    def of(k_plane, v_plane) -> Fp8Pair | None:
+        kf, vf = k_plane.fmt, v_plane.fmt
+        if not (kf.name == vf.name == "fp8" and kf.delta and not vf.delta and not kf.rotated and not vf.rotated
+                and available()):
+            return None
+        p, n, s, hkv, d = k_plane.codes.shape
+        for plane in (k_plane, v_plane):
+            if plane.codes.shape != (p, n, s, hkv, d) or plane.codes.stride(4) != 1 or not plane.codes.is_cpu \
+                    or plane.scales.dtype is not torch.float16 or plane.scales.shape != (p, n, s, hkv, 1) \
+                    or not plane.scales.is_cpu or plane.head_dim != d or d > D_MAX:
+                return None
+        return Fp8Pair(k_plane, v_plane)
+
+    def decode(self, q: torch.Tensor, reads: Fp8Reads, scale: float) -> torch.Tensor | None:
+        """A decode step's attention over the planes read in place: q [B, Hq, D] fp32, one query a sequence,
+        `reads` the step's -> out [B, Hq, D] fp32, the reference attention's values within fp32 rounding. None
+        where q does not fit the kernel (not CPU fp32, more than G_MAX query heads a KV head)."""
+        p, n, s, hkv, d = self.shape
+        b, hq = q.shape[:2]
+        if q.dtype is not torch.float32 or not q.is_cpu or q.shape[2] != d or hq % hkv or hq // hkv > G_MAX:
+            return None
+        if reads.b != b or reads.block_size != s:
+            raise ValueError(f"the step's reads are of {reads.b} sequences in blocks of {reads.block_size} tokens; "
+                             f"q has {b} and the cache blocks of {s}")
+        if reads.top > p * n:
+            raise ValueError(f"a block read lies outside the cache's {p * n} blocks")
+        q = q.contiguous()
+        out = torch.empty(b, hq, d, dtype=torch.float32)
+        if b:
+            (kc, kcs, ks, kss), (vc, vcs, vs, vss) = self._args
+            cpu_blocks._lib().rad_decode_attention_fp8(
+                q.data_ptr(), kc, kcs.data_ptr(), ks, kss.data_ptr(), vc, vcs.data_ptr(), vs, vss.data_ptr(), n,
+                reads.ids.data_ptr(), reads.ids.shape[1], reads.lens.data_ptr(), s, b, hq, hkv, d, scale,
+                out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def store(self, slots: Fp8Slots, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """`store(slots, k)` and `store(slots, v)` of the K and V planes (`KVPlane.store`'s bytes bit for bit,
+        cpu_attention.c `rad_store_fp8`), the rows without a slot left out: k, v [T, Hkv, D] fp32, `slots` the
+        step's. False, nothing written, where they are not CPU fp32 (the caller stores through `KVPlane.store`:
+        in torch ~10 ms of SmolLM2's b8 decode step at contexts of 1,000: its quantize, the delta's read of each
+        block's token 0, the index writes)."""
+        p, n, s, hkv, d = self.shape
+        t = len(slots.given)
+        for x in (k, v):
+            if x.dtype is not torch.float32 or not x.is_cpu or x.shape != (t, hkv, d):
+                return False
+        if slots.top > p * n * s:
+            raise ValueError(f"slots must be in 0..{p * n * s - 1}, got {slots.given.tolist()}")
+        if not len(slots.slots):
+            return True
+        for (codes, cs, scales, ss), x, delta in zip(self._args, (k, v), (1, 0)):
+            x = (x if slots.kept is None else x[slots.kept]).contiguous()
+            cpu_blocks._lib().rad_store_fp8(x.data_ptr(), slots.slots.data_ptr(), len(slots.slots), codes,
+                                            cs.data_ptr(), scales, ss.data_ptr(), n, s, hkv, d, delta,
+                                            torch.get_num_threads())
+        return True
+
+
+class Fp8Reads:
+    """A decode step's block table and context lengths as `Fp8Pair.decode` reads them, checked once a step
+    (kernels/cpu.py `_per_step`): ids [B, nb] int64 flat block ids, lens [B]; top: one past the highest block
+    read (checked against each pair's blocks)."""
+
+    __slots__ = ("ids", "lens", "b", "block_size", "top")
+
+    def __init__(self, block_tables: torch.Tensor, seq_lens, b: int, block_size: int):
+        self.lens = torch.as_tensor(seq_lens, dtype=torch.int64).contiguous()
+        self.ids = block_tables[:b].to(torch.int64).contiguous()
+        self.b, self.block_size = b, block_size
+        nb, s = self.ids.shape[1], block_size
+        if self.ids.shape[0] != b or self.lens.shape != (b,) or bool((self.lens < 0).any()) \
+                or bool((self.lens > nb * s).any()):
+            raise ValueError(f"block_tables must have {b} rows and seq_lens be [{b}] in 0..{nb * s} (the table's "
+                             f"tokens), got {self.ids.shape[0]} rows and {self.lens.tolist()}")
+        read = self.ids[torch.arange(nb) < (self.lens[:, None] + s - 1) // s]
+        if len(read) and int(read.min()) < 0:
+            raise ValueError("a block read lies before the cache's first block")
+        self.top = int(read.max()) + 1 if len(read) else 0
+
+
+class Fp8Slots:
+    """A step's KV slots as `Fp8Pair.store` writes them, checked once a step (kernels/cpu.py `_per_step`):
+    given [T] as the step passes them (-1: a row without a slot), slots [T'] int64 the distinct ones >= 0,
+    kept the rows that have one (None: all); top: one past the highest slot."""
+
+    __slots__ = ("given", "slots", "kept", "top")
+
+    def __init__(self, slot_mapping: torch.Tensor):
+        self.given = slot_mapping
+        slots = slot_mapping.to(torch.int64)
+        self.kept = None
+        if bool((slots < 0).any()):
+            self.kept = (slots >= 0).nonzero().flatten()
+            slots = slots[self.kept]
+        self.slots = slots.contiguous()
+        if len(self.slots.unique()) != len(self.slots):
+            raise ValueError(f"slots must be distinct, got {slot_mapping.tolist()}")
+        self.top = int(self.slots.max()) + 1 if len(self.slots) else 0
+
+
 def decode_fp8(q: torch.Tensor, k_plane, v_plane, block_tables: torch.Tensor, seq_lens,
                scale: float) -> torch.Tensor | None:
-    """A decode step's attention over fp8 KV planes (kernels/kv_quant.py `KVPlane`: K a delta plane, V plain) read
-    in place: q [B, Hq, D] fp32, one query a sequence; block_tables [>= B, nb] flat block ids; seq_lens [B] the
-    context lengths -> out [B, Hq, D] fp32, the reference attention's values within fp32 rounding. None where it
-    does not apply (another format, not CPU fp32, D past D_MAX, more than G_MAX query heads a KV head, the
-    library not built): the caller runs the general path."""
-    kf, vf = k_plane.fmt, v_plane.fmt
-    if not (kf.name == vf.name == "fp8" and kf.delta and not vf.delta and not vf.rotated and available()):
+    """`Fp8Pair.decode` over the planes, the step's reads checked in this call: block_tables [>= B, nb] flat
+    block ids, seq_lens [B] the context lengths. None where the kernel does not apply."""
+    pair = Fp8Pair.of(k_plane, v_plane)
+    if pair is None:
         return None
-    b, hq, d = q.shape
-    p, n, s, hkv, cb = k_plane.codes.shape
-    if q.dtype is not torch.float32 or not q.is_cpu or d > D_MAX or cb != d or hq % hkv or hq // hkv > G_MAX \
-            or v_plane.codes.shape != k_plane.codes.shape or not k_plane.codes.is_cpu:
-        return None
-    lens = torch.as_tensor(seq_lens, dtype=torch.int64).contiguous()
-    ids = block_tables[:b].to(torch.int64).contiguous()
-    nb = ids.shape[1]
-    if ids.shape[0] != b or lens.shape != (b,) or bool((lens < 0).any()) or bool((lens > nb * s).any()):
-        raise ValueError(f"block_tables must have {b} rows and seq_lens be [{b}] in 0..{nb * s} (the table's "
-                         f"tokens), got {ids.shape[0]} rows and {lens.tolist()}")
-    read = ids[torch.arange(nb) < (lens[:, None] + s - 1) // s]
-    if len(read) and (int(read.min()) < 0 or int(read.max()) >= p * n):
-        raise ValueError(f"a block read lies outside the cache's {p * n} blocks")
-    planes = []
-    for plane in (k_plane, v_plane):
-        if plane.codes.stride(4) != 1 or plane.scales.dtype is not torch.float16 or not plane.scales.is_cpu \
-                or plane.scales.shape != (p, n, s, hkv, 1) or not plane.codes.is_cpu:
-            return None
-        planes += [plane.codes.data_ptr(), _strides(plane.codes), plane.scales.data_ptr(), _strides(plane.scales)]
-    q = q.contiguous()
-    out = torch.empty(b, hq, d, dtype=torch.float32)
-    if b:
-        cpu_blocks._lib().rad_decode_attention_fp8(
-            q.data_ptr(), planes[0], planes[1].data_ptr(), planes[2], planes[3].data_ptr(), planes[4],
-            planes[5].data_ptr(), planes[6], planes[7].data_ptr(), n, ids.data_ptr(), nb, lens.data_ptr(), s, b, hq,
-            hkv, d, scale, out.data_ptr(), torch.get_num_threads())
-    return out
+    return pair.decode(q, Fp8Reads(block_tables, seq_lens, q.shape[0], pair.shape[2]), scale)
 
 
-def store_fp8(plane, slots: torch.Tensor, x: torch.Tensor) -> bool:
-    """`plane.store(slots, x)` for an fp8 plane (kernels/kv_quant.py `KVPlane`) in one C call, its bytes bit for bit
-    (cpu_attention.c `rad_store_fp8`): x [T, Hkv, D] fp32, slots [T] flat, each >= 0 and distinct. False, nothing
-    written, where it does not apply (another format, not CPU fp32, D past D_MAX, the library not built): the
-    caller stores through `KVPlane.store` (in torch ~10 ms of SmolLM2's b8 decode step at contexts of 1,000: its
-    quantize, the delta's read of each block's token 0, the index writes)."""
-    if plane.fmt.name != "fp8" or plane.fmt.rotated or not available():
-        return False
-    p, n, s, hkv, d = plane.codes.shape
-    if x.dtype is not torch.float32 or not x.is_cpu or x.shape != (len(slots), hkv, d) or d > D_MAX \
-            or plane.codes.stride(4) != 1 or plane.scales.dtype is not torch.float16 \
-            or plane.scales.shape != (p, n, s, hkv, 1) or not plane.codes.is_cpu or not plane.scales.is_cpu:
-        return False
-    slots = slots.to(torch.int64).contiguous()
-    if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= p * n * s or len(slots.unique()) != len(slots)):
-        raise ValueError(f"slots must be distinct and in 0..{p * n * s - 1}, got {slots.tolist()}")
-    x = x.contiguous()
-    cs, ss = _strides(plane.codes), _strides(plane.scales)
-    if len(slots):
-        cpu_blocks._lib().rad_store_fp8(x.data_ptr(), slots.data_ptr(), len(slots), plane.codes.data_ptr(),
-                                        cs.data_ptr(), plane.scales.data_ptr(), ss.data_ptr(), n, s, hkv, d,
-                                        int(plane.fmt.delta), torch.get_num_threads())
-    return True
+def store_fp8(k_plane, v_plane, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """`Fp8Pair.store` over the planes, the slots checked in this call ([T] flat, -1 for none, the others
+    distinct). False, nothing written, where it does not apply."""
+    pair = Fp8Pair.of(k_plane, v_plane)
+    return pair is not None and pair.store(Fp8Slots(slots), k, v)
 
 
 def _strides(x: torch.Tensor) -> torch.Tensor:

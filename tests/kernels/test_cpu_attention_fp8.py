@@ -90,8 +90,8 @@ def test_any_thread_count_gives_the_same_bits():
 def test_the_layer_op_takes_it_at_decode_and_not_for_a_prefill(monkeypatch):
     q, kp, vp, tables, lens = _step([30, 12], 4, 2, 16)
     calls = []
-    real = cpu_attention.decode_fp8
-    monkeypatch.setattr(cpu_attention, "decode_fp8", lambda *a: calls.append(1) or real(*a))
+    real = cpu_attention.Fp8Pair.decode
+    monkeypatch.setattr(cpu_attention.Fp8Pair, "decode", lambda *a: calls.append(1) or real(*a))
     want = reference.paged_attention(q, kp, vp, tables, [0, 1, 2], lens, 0.25)
     assert rel_err(cpu.paged_attention(q, kp, vp, tables, [0, 1, 2], lens, 0.25), want) < 4e-6 and calls == [1]
     chunk = torch.randn(5, 4, 16)  # the last 4 and 1 tokens of the two contexts as a prefill chunk
@@ -138,7 +138,7 @@ def test_every_e4m3_code_reads_as_fp8_dequantize_makes_it_nan_and_subnormals_inc
 def test_a_sequence_without_a_new_token_takes_the_general_path(monkeypatch):
     q, kp, vp, tables, lens = _step([30, 12, 20], 4, 2, 16)
     calls = []
-    monkeypatch.setattr(cpu_attention, "decode_fp8", lambda *a: calls.append(1))
+    monkeypatch.setattr(cpu_attention.Fp8Pair, "decode", lambda *a: calls.append(1))
     starts = [0, 1, 1, 2]  # the second sequence reads nothing this step
     want = reference.paged_attention(q[:2], kp, vp, tables, starts, lens, 0.25)
     assert rel_err(cpu.paged_attention(q[:2], kp, vp, tables, starts, lens, 0.25), want) < 1e-5 and not calls
@@ -163,25 +163,42 @@ def test_the_c_store_writes_kvplane_stores_bytes(hkv, d):
         x[-1, -1, 0] = 65504.0 * 448  # fp16's largest finite scale
         x[-1, -1, 1:] = 1e-30  # fp32 values far under E4M3's smallest step
         for (kc, vc), c_path in zip(planes, (False, True)):
-            for plane in (kc, vc):
-                if c_path:
-                    assert cpu_attention.store_fp8(plane, slots, x)
-                else:
-                    plane.store(slots, x)
+            if c_path:
+                assert cpu_attention.store_fp8(kc, vc, slots, x, x)
+            else:
+                kc.store(slots, x)
+                vc.store(slots, x)
     for want, got in zip(planes[0], planes[1]):
         assert torch.equal(got.codes, want.codes)
         assert torch.equal(got.scales.view(torch.int16), want.scales.view(torch.int16))
 
 
 def test_the_c_store_declines_other_formats_and_refuses_bad_slots():
+    x = torch.zeros(1, 2, 32)
     q, kp, vp, tables, lens = _step([20], 4, 2, 32, kv_dtype="fp8_v4")
-    assert not cpu_attention.store_fp8(vp, torch.tensor([0]), torch.zeros(1, 2, 32))  # int4 V: KVPlane.store's
+    assert not cpu_attention.store_fp8(kp, vp, torch.tensor([0]), x, x)  # int4 V: KVPlane.store's
     q, kp, vp, tables, lens = _step([20], 4, 2, 32)
-    assert not cpu_attention.store_fp8(kp, torch.tensor([0]), torch.zeros(1, 2, 32, dtype=torch.float64))
+    assert not cpu_attention.store_fp8(kp, vp, torch.tensor([0]), x.double(), x.double())
     with pytest.raises(ValueError, match="distinct"):
-        cpu_attention.store_fp8(kp, torch.tensor([3, 3]), torch.zeros(2, 2, 32))
-    with pytest.raises(ValueError, match="distinct"):
-        cpu_attention.store_fp8(kp, torch.tensor([PAGES * PER_PAGE * BLOCK]), torch.zeros(1, 2, 32))
+        cpu_attention.store_fp8(kp, vp, torch.tensor([3, 3]), torch.cat((x, x)), torch.cat((x, x)))
+    with pytest.raises(ValueError, match="slots must be in"):
+        cpu_attention.store_fp8(kp, vp, torch.tensor([PAGES * PER_PAGE * BLOCK]), x, x)
+
+
+def test_the_c_store_leaves_out_the_rows_without_a_slot():
+    """A step's padding rows (slot -1) are not written; the others as `KVPlane.store` writes them."""
+    g = torch.Generator().manual_seed(5)
+    slots = torch.tensor([-1, 7 * BLOCK, -1, 7 * BLOCK + 1, 2 * BLOCK])
+    k, v = torch.randn((5, 2, 32), generator=g), torch.randn((5, 2, 32), generator=g)
+    _, want_k, want_v, _, _ = _step([20], 4, 2, 32)
+    _, kp, vp, _, _ = _step([20], 4, 2, 32)
+    keep = slots >= 0
+    want_k.store(slots[keep], k[keep])
+    want_v.store(slots[keep], v[keep])
+    assert cpu_attention.store_fp8(kp, vp, slots, k, v)
+    for got, want in ((kp, want_k), (vp, want_v)):
+        assert torch.equal(got.codes, want.codes) and torch.equal(got.scales.view(torch.int16),
+                                                                   want.scales.view(torch.int16))
 
 
 def test_a_build_without_f16c_converts_by_hand_to_the_same_values_and_bytes(tmp_path, monkeypatch):
