@@ -38,6 +38,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import CompiledKernel
 from triton.runtime.jit import JITFunction
 
+from radianced.kernels.formats import is_staged
+
 TARGET = GPUTarget("cuda", 90, 32)  # the H200's
 KV_DTYPES = ("auto", "fp8", "fp8_v4", "k6_v4")
 
@@ -98,7 +100,8 @@ def attention_step(kv_dtype: str, dtype: torch.dtype, decode: bool, heads: tuple
 def moe_step(fmt: str, tokens: int, experts: int = 8, hidden: int = 2048, inter: int = 768, top_k: int = 8) -> None:
     """One routed-MoE step (`moe.moe`, bf16 activations) over `experts` experts of Qwen3-30B-A3B's widths,
     bf16 (`fmt` "bf16") or compact (test_moe_compact's formats), one expert in host rows (`compile_only`
-    first)."""
+    first); GGUF experts also with that expert staged (kernels/stage.py: its launches and the MoE's over the
+    step's pointer table)."""
     from tests.kernels import test_moe, test_moe_compact
 
     for module in (test_moe, test_moe_compact):  # the harnesses' shapes, widened
@@ -107,7 +110,10 @@ def moe_step(fmt: str, tokens: int, experts: int = 8, hidden: int = 2048, inter:
     if fmt == "bf16":
         test_moe.Experts(tokens, top_k, torch.bfloat16).kernel()
     else:
-        test_moe_compact.CompactExperts(fmt, tokens, top_k, torch.bfloat16).kernel()
+        experts = test_moe_compact.CompactExperts(fmt, tokens, top_k, torch.bfloat16)
+        experts.kernel()
+        if is_staged(fmt):
+            experts.kernel(host=True, staging=torch.empty((2, experts.host.shape[1]), dtype=torch.uint8))
 
 
 def deltanet_step(dtype: torch.dtype) -> None:
