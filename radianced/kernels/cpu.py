@@ -625,8 +625,8 @@ def dense_layer(layer, x: torch.Tensor, rope, batch, cache) -> torch.Tensor | No
     attention and residual adds are the op-by-op path's, its RMSNorms within a few units of fp32 rounding of the
     reference's), or None where that does not apply and the model runs its ops: a prefill or mixed step, not
     fp32, a layer with a bias, qk-norm, an output gate, a zero-centred norm, a group of cards, weights the block
-    kernels do not read, more rows than their products take (past `gemm_rows`), a cache that is not plain fp32
-    rows."""
+    kernels do not read, more rows than their products take (past `gemm_rows`), a cache that is neither plain fp32
+    rows nor fp8 planes the C attention reads (`cpu_attention.Fp8Pair`)."""
     if not batch.is_decode or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
         return None
     fused = _kept(_LAYERS, layer, lambda: _dense_layer(layer))
@@ -634,15 +634,41 @@ def dense_layer(layer, x: torch.Tensor, rope, batch, cache) -> torch.Tensor | No
         return None
     k_cache, v_cache = cache.layer(layer.attn.layer)
     rows = _rows_of(k_cache, v_cache)
-    if rows is None or rows.flat.dtype != torch.float32:
-        return None
     positions, inv_freq = rope
+    if rows is None:
+        fp8 = _fp8_pair(k_cache, v_cache)
+        if fp8 is None:
+            return None
+        step = _fp8_step(positions, inv_freq, batch.slot_mapping, batch.block_tables, _hashable(batch.query_start_t),
+                         _hashable(batch.seq_lens_t), k_cache.shape[2])
+        step.scratch = fused.scratch((step.reads, step.slots), step.cos, step.sin, step.scratch)
+        return fused.fp8(x, step.scratch, fp8)
+    if rows.flat.dtype != torch.float32:
+        return None
     step = _decode_step(positions, inv_freq, x.dtype, batch.slot_mapping, batch.block_tables,
                         _hashable(batch.query_start_t), _hashable(batch.seq_lens_t), k_cache.shape[2], rows.layout)
     if step.context is None:
         return None
     step.scratch = fused.scratch(step.context, step.cos, step.sin, step.scratch)
     return fused(x, step.scratch, rows.flat, rows.layout[3])
+
+
+class _Fp8Step:
+    """All that the fused layers of a decode step over fp8 planes share (`_fp8_step`): the rotation's tables, the
+    step's reads and slots (`cpu_attention.Fp8Reads`, `Fp8Slots`) and the layers' scratch, made on the first."""
+
+    __slots__ = ("cos", "sin", "reads", "slots", "scratch")
+
+    def __init__(self, positions, inv_freq, slot_mapping, block_tables, query_start, seq_lens, s):
+        reference.check_decode(query_start.tolist() if isinstance(query_start, torch.Tensor) else query_start)
+        self.cos, self.sin = _rope_tables.__wrapped__(positions, inv_freq, torch.float32)
+        lens = torch.as_tensor(seq_lens, dtype=torch.int64)
+        self.reads = cpu_attention.Fp8Reads(block_tables, lens, len(lens), s)
+        self.slots = cpu_attention.Fp8Slots(slot_mapping)
+        self.scratch = None
+
+
+_fp8_step = _per_step(_Fp8Step)
 
 
 def _dense_layer(layer) -> cpu_layer.DenseLayer | None:

@@ -369,17 +369,15 @@ static void attend_fp8(const float *q, const fp8_plane *kp, const fp8_plane *vp,
     softmax_end(g, d, l, o);
 }
 
-/* out [B, Hq, D] = attention of q [B, Hq, D] (contiguous) over each sequence b's lens[b] keys in fp8 planes K and V
- * (`fp8_plane`, their strides kcs / kss / vcs / vss: [page, block, token, head]), key c in block
- * block_ids[b, c / bs] (block_ids: [B, nb] flat block ids) at token c % bs; Hq / Hkv query heads a KV head, d at
- * most D_MAX. On `threads` OpenMP threads, a (b, KV head) pair each task. */
-void rad_decode_attention_fp8(const float *q, const uint8_t *k_codes, const int64_t *kcs, const uint16_t *k_scales,
-                              const int64_t *kss, const uint8_t *v_codes, const int64_t *vcs,
-                              const uint16_t *v_scales, const int64_t *vss, int64_t per_page,
-                              const int64_t *block_ids, int64_t nb, const int64_t *lens, int64_t bs, int64_t B,
-                              int64_t hq, int64_t hkv, int64_t d, float scale, float *out, int threads) {
+/* out [B, Hq, D] = attention of q [B, Hq, D] (contiguous) over each sequence b's lens[b] keys in the fp8 planes
+ * `P`, key c in block block_ids[b, c / bs] (block_ids: [B, nb] flat block ids) at token c % bs; Hq / Hkv query
+ * heads a KV head, d at most D_MAX. On `threads` OpenMP threads, a (b, KV head) pair each task. */
+void rad_decode_attention_fp8(const float *q, const rad_fp8_kv *P, const int64_t *block_ids, int64_t nb,
+                              const int64_t *lens, int64_t bs, int64_t B, int64_t hq, int64_t hkv, int64_t d,
+                              float scale, float *out, int threads) {
     const int64_t g = hq / hkv;
-    const fp8_plane kp = {k_codes, k_scales, kcs, kss, per_page}, vp = {v_codes, v_scales, vcs, vss, per_page};
+    const fp8_plane kp = {P->k_codes, P->k_scales, P->kcs, P->kss, P->per_page},
+                    vp = {P->v_codes, P->v_scales, P->vcs, P->vss, P->per_page};
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t task = 0; task < B * hkv; task++) {
         const int64_t b = task / hkv, h = task % hkv;
@@ -445,11 +443,12 @@ static inline void fp8_put(const float *x, int64_t d, uint8_t *codes, uint16_t *
     }
 }
 
-/* KVPlane.store for an fp8 plane (`fp8_plane`: strides [page, block, token, head]): x [T, Hkv, D] (contiguous)
- * into the flat slots [T] (each >= 0, distinct; block slot / bs, token slot % bs). A delta plane (K) stores each
- * block's token 0 first, as itself, then every other token as its residual from token 0's stored value (written
- * now or earlier): `KVPlane.store`'s order and values. On `threads` OpenMP threads, a (token, head) each task. */
-void rad_store_fp8(const float *x, const int64_t *slots, int64_t T, uint8_t *codes, const int64_t *cs,
+/* KVPlane.store for an fp8 plane (`fp8_plane`: strides [page, block, token, head]): x [T, Hkv, D] (rows ldx
+ * apart, each row's heads contiguous) into the flat slots [T] (block slot / bs, token slot % bs; -1: the row is
+ * not written; the others distinct). A delta plane (K) stores each block's token 0 first, as itself, then every
+ * other token as its residual from token 0's stored value (written now or earlier): `KVPlane.store`'s order and
+ * values. On `threads` OpenMP threads, a (token, head) each task. */
+void rad_store_fp8(const float *x, int64_t ldx, const int64_t *slots, int64_t T, uint8_t *codes, const int64_t *cs,
                    uint16_t *scales, const int64_t *ss, int64_t per_page, int64_t bs, int64_t hkv, int64_t d, int delta,
                    int threads) {
     const fp8_plane pl = {codes, scales, cs, ss, per_page};
@@ -458,11 +457,11 @@ void rad_store_fp8(const float *x, const int64_t *slots, int64_t T, uint8_t *cod
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < T * hkv; task++) {
             const int64_t t = task / hkv, h = task % hkv, off = slots[t] % bs;
-            if (delta ? (off == 0) != (pass == 0) : pass == 1) continue;
+            if (slots[t] < 0 || (delta ? (off == 0) != (pass == 0) : pass == 1)) continue;
             const plane_at at = block_at(&pl, slots[t] / bs, h);
             uint8_t *c = (uint8_t *)at.codes + off * cs[2];
             uint16_t *sc = (uint16_t *)at.scales + off * ss[2];
-            const float *xt = x + (t * hkv + h) * d;
+            const float *xt = x + t * ldx + h * d;
             if (delta && off) {
                 float first[D_MAX], r[D_MAX];
                 token_values(&pl, at, 0, d, first);
@@ -473,4 +472,29 @@ void rad_store_fp8(const float *x, const int64_t *slots, int64_t T, uint8_t *cod
             }
         }
     }
+}
+
+/* rad_decode_attention's over fp8 planes `P`: q and k [B, Hkv, D] (rows ldq and ldk apart, heads D apart) rotated by
+ * row b's cos and sin (`rotate`), the rotated q into q_rot [B, Hq, D] and k into k_rot [B, Hkv, D]; where slots[b]
+ * >= 0 the rotated k and v (rows ldv apart) stored into that slot of the K and V planes (`rad_store_fp8`); then
+ * each sequence's attention over its context (`rad_decode_attention_fp8`). The same values, bytes and sums as
+ * kernels/cpu.py's op path over the planes (its `_rotate`, `Fp8Pair.store` and `Fp8Pair.decode`). */
+void rad_decode_attention_fp8_rotary(const float *q, int64_t ldq, const float *k, int64_t ldk, const float *v,
+                                     int64_t ldv, const float *cos, const float *sin, int64_t r, const int64_t *slots,
+                                     float *q_rot, float *k_rot, const rad_fp8_kv *P, const int64_t *block_ids,
+                                     int64_t nb, const int64_t *lens, int64_t bs, int64_t B, int64_t hq, int64_t hkv,
+                                     int64_t d, float scale, float *out, int threads) {
+    const int64_t g = hq / hkv;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t task = 0; task < B * hkv; task++) {
+        const int64_t b = task / hkv, h = task % hkv;
+        const float *cb = cos + b * r, *sb = sin + b * r;
+        for (int64_t j = h * g; j < (h + 1) * g; j++)
+            rotate(q + b * ldq + j * d, cb, sb, r, d, q_rot + (b * hq + j) * d);
+        rotate(k + b * ldk + h * d, cb, sb, r, d, k_rot + (b * hkv + h) * d);
+    }
+    rad_store_fp8(k_rot, hkv * d, slots, B, P->k_codes, P->kcs, P->k_scales, P->kss, P->per_page, bs, hkv, d, 1,
+                  threads);
+    rad_store_fp8(v, ldv, slots, B, P->v_codes, P->vcs, P->v_scales, P->vss, P->per_page, bs, hkv, d, 0, threads);
+    rad_decode_attention_fp8(q_rot, P, block_ids, nb, lens, bs, B, hq, hkv, d, scale, out, threads);
 }

@@ -21,14 +21,16 @@ their codes: each chunk of keys dequantized into buffers as `KVPlane.blocks` deq
 for bit), then the same scores, softmax and sums. Before it the host backend gathered and dequantized every
 sequence's whole context in each layer and ran SDPA over it. `Fp8Pair.store` writes the planes in a call each
 (`KVPlane.store`'s bytes). A pair's pointers are kept, and a step's block table and slots are checked once for all
-of its layers (`Fp8Reads`, `Fp8Slots`; kernels/cpu.py). SmolLM2 decode steps, 2 threads, a Zen 4 EPYC, before ->
-with the read -> with the write too -> the checks once a step (the plain fp32 cache beside): b8 at contexts of
-1,000 374 -> 61 -> 58 -> 53-56 ms (50), b8 at 100 72 -> 34 -> 29 -> 23-26 (19-20), b1 at 1,000 65 -> 28 -> 20 ->
-16-19 (13). What is left against the plain cache is the layer's ops, which the fused layer (kernels/cpu_layer.py)
-takes only over a plain cache.
+of its layers (`Fp8Reads`, `Fp8Slots`; kernels/cpu.py). A Llama decode layer over the planes runs in one C call
+too (kernels/cpu_layer.py: `rad_decode_attention_fp8_rotary`, the rotation, store and attention here). SmolLM2
+decode steps, 2 threads, a Zen 4 EPYC, before -> with the read -> with the write too -> the checks once a step ->
+the fused layer (the plain fp32 cache beside): b8 at contexts of 1,000 374 -> 61 -> 58 -> 53-56 -> 41 ms (48), b8
+at 100 72 -> 34 -> 29 -> 23-26 -> 18.5-21.6 (19.4), b1 at 1,000 65 -> 28 -> 20 -> 16-19 -> 11.2 (12.1).
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
@@ -137,7 +139,7 @@ class Fp8Pair:
     other layouts, the library not built): the caller runs the general path. Like `Context` it holds the
     planes' tensors (not the planes: kernels/cpu.py keys it on them), so the pointers stay valid while it lives."""
 
-    __slots__ = ("tensors", "shape", "_args")
+    __slots__ = ("tensors", "shape", "_args", "ptr")
 
     def __init__(self, k_plane, v_plane):
         planes = (k_plane, v_plane)
@@ -145,6 +147,9 @@ class Fp8Pair:
         self.shape = tuple(k_plane.codes.shape)  # [P, N, S, Hkv, D]
         self._args = tuple((plane.codes.data_ptr(), _strides(plane.codes), plane.scales.data_ptr(),
                             _strides(plane.scales)) for plane in planes)
+        (kc, kcs, ks, kss), (vc, vcs, vs, vss) = self._args
+        self.ptr = ctypes.pointer(_Fp8Kv(kc, kcs.data_ptr(), ks, kss.data_ptr(), vc, vcs.data_ptr(), vs, vss.data_ptr(),
+                                         self.shape[1]))
 
     @staticmethod
     def of(k_plane, v_plane) -> Fp8Pair | None:
@@ -168,20 +173,26 @@ class Fp8Pair:
         b, hq = q.shape[:2]
         if q.dtype is not torch.float32 or not q.is_cpu or q.shape[2] != d or hq % hkv or hq // hkv > G_MAX:
             return None
-        if reads.b != b or reads.block_size != s:
-            raise ValueError(f"the step's reads are of {reads.b} sequences in blocks of {reads.block_size} tokens; "
-                             f"q has {b} and the cache blocks of {s}")
-        if reads.top > p * n:
-            raise ValueError(f"a block read lies outside the cache's {p * n} blocks")
+        self.check(reads, None, b)
         q = q.contiguous()
         out = torch.empty(b, hq, d, dtype=torch.float32)
         if b:
-            (kc, kcs, ks, kss), (vc, vcs, vs, vss) = self._args
             cpu_blocks._lib().rad_decode_attention_fp8(
-                q.data_ptr(), kc, kcs.data_ptr(), ks, kss.data_ptr(), vc, vcs.data_ptr(), vs, vss.data_ptr(), n,
-                reads.ids.data_ptr(), reads.ids.shape[1], reads.lens.data_ptr(), s, b, hq, hkv, d, scale,
-                out.data_ptr(), torch.get_num_threads())
+                q.data_ptr(), self.ptr, reads.ids.data_ptr(), reads.ids.shape[1], reads.lens.data_ptr(), s, b, hq, hkv,
+                d, scale, out.data_ptr(), torch.get_num_threads())
         return out
+
+    def check(self, reads: Fp8Reads | None, slots: Fp8Slots | None, b: int) -> None:
+        """Raise ValueError unless a step's reads (of `b` sequences) and slots lie inside the planes."""
+        p, n, s = self.shape[:3]
+        if reads is not None:
+            if reads.b != b or reads.block_size != s:
+                raise ValueError(f"the step's reads are of {reads.b} sequences in blocks of {reads.block_size} "
+                                 f"tokens; q has {b} and the cache blocks of {s}")
+            if reads.top > p * n:
+                raise ValueError(f"a block read lies outside the cache's {p * n} blocks")
+        if slots is not None and slots.top > p * n * s:
+            raise ValueError(f"slots must be in 0..{p * n * s - 1}, got {slots.slots.tolist()}")
 
     def store(self, slots: Fp8Slots, k: torch.Tensor, v: torch.Tensor) -> bool:
         """`store(slots, k)` and `store(slots, v)` of the K and V planes (`KVPlane.store`'s bytes bit for bit,
@@ -190,17 +201,16 @@ class Fp8Pair:
         in torch ~10 ms of SmolLM2's b8 decode step at contexts of 1,000: its quantize, the delta's read of each
         block's token 0, the index writes)."""
         p, n, s, hkv, d = self.shape
-        t = len(slots.given)
+        t = len(slots.slots)
         for x in (k, v):
             if x.dtype is not torch.float32 or not x.is_cpu or x.shape != (t, hkv, d):
                 return False
-        if slots.top > p * n * s:
-            raise ValueError(f"slots must be in 0..{p * n * s - 1}, got {slots.given.tolist()}")
-        if not len(slots.slots):
+        self.check(None, slots, 0)
+        if not t:
             return True
         for (codes, cs, scales, ss), x, delta in zip(self._args, (k, v), (1, 0)):
-            x = (x if slots.kept is None else x[slots.kept]).contiguous()
-            cpu_blocks._lib().rad_store_fp8(x.data_ptr(), slots.slots.data_ptr(), len(slots.slots), codes,
+            x = _rows(x)
+            cpu_blocks._lib().rad_store_fp8(x.data_ptr(), x.stride(0), slots.slots.data_ptr(), t, codes,
                                             cs.data_ptr(), scales, ss.data_ptr(), n, s, hkv, d, delta,
                                             torch.get_num_threads())
         return True
@@ -230,22 +240,17 @@ class Fp8Reads:
 
 class Fp8Slots:
     """A step's KV slots as `Fp8Pair.store` writes them, checked once a step (kernels/cpu.py `_per_step`):
-    given [T] as the step passes them (-1: a row without a slot), slots [T'] int64 the distinct ones >= 0,
-    kept the rows that have one (None: all); top: one past the highest slot."""
+    slots [T] int64 (negative: a row without a slot, not written; the others distinct); top: one past the highest
+    slot."""
 
-    __slots__ = ("given", "slots", "kept", "top")
+    __slots__ = ("slots", "top")
 
     def __init__(self, slot_mapping: torch.Tensor):
-        self.given = slot_mapping
-        slots = slot_mapping.to(torch.int64)
-        self.kept = None
-        if bool((slots < 0).any()):
-            self.kept = (slots >= 0).nonzero().flatten()
-            slots = slots[self.kept]
-        self.slots = slots.contiguous()
-        if len(self.slots.unique()) != len(self.slots):
+        self.slots = slot_mapping.to(torch.int64).contiguous()
+        written = self.slots[self.slots >= 0]
+        if len(written.unique()) != len(written):
             raise ValueError(f"slots must be distinct, got {slot_mapping.tolist()}")
-        self.top = int(self.slots.max()) + 1 if len(self.slots) else 0
+        self.top = int(written.max()) + 1 if len(written) else 0
 
 
 def decode_fp8(q: torch.Tensor, k_plane, v_plane, block_tables: torch.Tensor, seq_lens,
@@ -263,6 +268,11 @@ def store_fp8(k_plane, v_plane, slots: torch.Tensor, k: torch.Tensor, v: torch.T
     distinct). False, nothing written, where it does not apply."""
     pair = Fp8Pair.of(k_plane, v_plane)
     return pair is not None and pair.store(Fp8Slots(slots), k, v)
+
+
+class _Fp8Kv(ctypes.Structure):  # cpu_kernels.h `rad_fp8_kv`
+    _fields_ = [(name, ctypes.c_void_p) for name in ("k_codes", "kcs", "k_scales", "kss", "v_codes", "vcs", "v_scales",
+                                                     "vss")] + [("per_page", ctypes.c_int64)]
 
 
 def _strides(x: torch.Tensor) -> torch.Tensor:

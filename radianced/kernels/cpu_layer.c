@@ -3,7 +3,8 @@
  * own products in the order the model makes them (model/llama.py, model/layers.py):
  *
  *   h = RMSNorm(x); [q | k | v] = h @ Wqkv.T; rad_decode_attention (RoPE, the new K/V rows written, each
- *   sequence's attention over its context in place); y = x + att @ Wo.T; h = RMSNorm(y);
+ *   sequence's attention over its context in place; over fp8 planes rad_decode_attention_fp8_rotary: the
+ *   same with the new rows quantized and the context read as codes); y = x + att @ Wo.T; h = RMSNorm(y);
  *   g = silu(h @ Wg.T) * (h @ Wu.T) (rad_blocks_swiglu, or two products and cpu_exp.h's silu where AMX takes
  *   the format: the op path's silu there is torch's, within 2 units of fp32 rounding);
  *   y = y + g @ Wd.T.
@@ -32,12 +33,15 @@ typedef struct {
     float eps, scale;
 } rad_dense_layer;
 
-/* a decode step's: the context's rows and the rotation (cpu_attention.Context's), and scratch for T rows */
+/* a decode step's: where the context lies and where the new tokens go, in the cache's own addressing (a plain
+ * cache's rows: cpu_attention.Context's block_rows and write_rows; fp8 planes: the flat block ids and the slots,
+ * cpu_attention.Fp8Reads' and Fp8Slots'), -1 for no write; the rotation; scratch for T rows */
 typedef struct {
     const int64_t *block_rows, *lens, *write_rows;
     int64_t nb, bs, r;
     const float *cos, *sin;
-    float *h, *qkv, *att, *q_rot, *g, *u, *t; /* [T, hidden], [T, qkv], [T, hq d] x 2, [T, inter] x 2, [T, hidden] */
+    float *h, *qkv, *att, *q_rot, *g, *u, *t, *k_rot; /* [T, hidden], [T, qkv], [T, hq d] x 2, [T, inter] x 2,
+                                                        [T, hidden], [T, hkv d] */
 } rad_decode_step;
 
 static float sum_squares(const float *x, int64_t n) {
@@ -71,16 +75,17 @@ static void add(const float *x, const float *a, float *y, int64_t count) {
     for (int64_t i = 0; i < count; i++) y[i] = x[i] + a[i];
 }
 
-/* y [T, hidden] = the layer of x [T, hidden] (y may be x); kv: the layer's cache pair's rows (K from row 0, V v_rows
- * further) */
-void rad_dense_layer_decode(const rad_dense_layer *L, const rad_decode_step *S, float *kv, int64_t v_rows,
-                            const float *x, float *y, int64_t T, int threads) {
-    const int64_t n = L->hidden, qd = L->hq * L->d, nqkv = qd + 2 * L->hkv * L->d;
+/* [q | k | v] of x [T, hidden] into S->qkv: the input norm and the product */
+static void layer_in(const rad_dense_layer *L, const rad_decode_step *S, const float *x, int64_t T, int threads) {
+    const int64_t n = L->hidden, nqkv = (L->hq + 2 * L->hkv) * L->d;
     rms_norm(x, T, n, L->in_norm, L->eps, S->h);
     rad_blocks_matmul(S->h, T, n, n, L->wqkv, nqkv, L->qkv_bytes, (int)L->qkv_fmt, S->qkv, nqkv, threads);
-    rad_decode_attention(S->qkv, nqkv, S->qkv + qd, nqkv, S->qkv + qd + L->hkv * L->d, nqkv, S->cos, S->sin, S->r,
-                         S->write_rows, S->q_rot, kv, v_rows, S->block_rows, S->nb, S->lens, S->bs, T, L->hq,
-                         L->hkv, L->d, L->scale, S->att, threads);
+}
+
+/* y = the layer's rest after the attention (S->att): the output product and its residual add, the MLP and its */
+static void layer_out(const rad_dense_layer *L, const rad_decode_step *S, const float *x, float *y, int64_t T,
+                      int threads) {
+    const int64_t n = L->hidden, qd = L->hq * L->d;
     rad_blocks_matmul(S->att, T, qd, qd, L->wo, n, L->o_bytes, (int)L->o_fmt, S->t, n, threads);
     add(x, S->t, y, T * n);
     rms_norm(y, T, n, L->post_norm, L->eps, S->h);
@@ -92,4 +97,27 @@ void rad_dense_layer_decode(const rad_dense_layer *L, const rad_decode_step *S, 
     }
     rad_blocks_matmul(S->g, T, L->inter, L->inter, L->wd, n, L->d_bytes, (int)L->d_fmt, S->t, n, threads);
     add(y, S->t, y, T * n);
+}
+
+/* y [T, hidden] = the layer of x [T, hidden] (y may be x); kv: the layer's cache pair's rows (K from row 0, V v_rows
+ * further) */
+void rad_dense_layer_decode(const rad_dense_layer *L, const rad_decode_step *S, float *kv, int64_t v_rows,
+                            const float *x, float *y, int64_t T, int threads) {
+    const int64_t qd = L->hq * L->d, nqkv = qd + 2 * L->hkv * L->d;
+    layer_in(L, S, x, T, threads);
+    rad_decode_attention(S->qkv, nqkv, S->qkv + qd, nqkv, S->qkv + qd + L->hkv * L->d, nqkv, S->cos, S->sin, S->r,
+                         S->write_rows, S->q_rot, kv, v_rows, S->block_rows, S->nb, S->lens, S->bs, T, L->hq,
+                         L->hkv, L->d, L->scale, S->att, threads);
+    layer_out(L, S, x, y, T, threads);
+}
+
+/* the same over a layer's fp8 planes `P` (S's block_rows the flat block ids, its write_rows the slots) */
+void rad_dense_layer_decode_fp8(const rad_dense_layer *L, const rad_decode_step *S, const rad_fp8_kv *P,
+                                const float *x, float *y, int64_t T, int threads) {
+    const int64_t qd = L->hq * L->d, nqkv = qd + 2 * L->hkv * L->d;
+    layer_in(L, S, x, T, threads);
+    rad_decode_attention_fp8_rotary(S->qkv, nqkv, S->qkv + qd, nqkv, S->qkv + qd + L->hkv * L->d, nqkv, S->cos,
+                                    S->sin, S->r, S->write_rows, S->q_rot, S->k_rot, P, S->block_rows, S->nb, S->lens,
+                                    S->bs, T, L->hq, L->hkv, L->d, L->scale, S->att, threads);
+    layer_out(L, S, x, y, T, threads);
 }

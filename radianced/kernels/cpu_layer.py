@@ -8,8 +8,12 @@ once a step. Values: the products and the attention are the op-by-op path's; the
 of fp32 rounding of the reference's (their sums of squares in another order); so is the silu where AMX takes the
 MLP's format (cpu_exp.h's there, torch's on the op path; elsewhere both are the fused SwiGLU's).
 
+Over `--kv-cache-dtype fp8` planes the attention is cpu_attention.c's over the planes (`DenseLayer.fp8`): the op
+path's rotation, store and attention of those planes, in the same call.
+
 `DenseLayer` holds one layer's arguments (the weights' pointers and shapes, checked once); `Scratch` a decode
-step's (its context's rows, the rotation's tables, buffers for its rows), made on the step's first layer.
+step's (where its context lies and its new tokens go, the rotation's tables, buffers for its rows), made on the
+step's first layer.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import ctypes
 import torch
 
 from radianced.kernels import cpu_blocks
-from radianced.kernels.cpu_attention import G_MAX, Context
+from radianced.kernels.cpu_attention import G_MAX, Context, Fp8Pair, Fp8Reads, Fp8Slots
 
 _i64 = ctypes.c_int64
 
@@ -35,39 +39,50 @@ class _Layer(ctypes.Structure):  # cpu_layer.c `rad_dense_layer`
 class _Step(ctypes.Structure):  # cpu_layer.c `rad_decode_step`
     _fields_ = [("block_rows", ctypes.c_void_p), ("lens", ctypes.c_void_p), ("write_rows", ctypes.c_void_p),
                 ("nb", _i64), ("bs", _i64), ("r", _i64), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
-                *((name, ctypes.c_void_p) for name in ("h", "qkv", "att", "q_rot", "g", "u", "t"))]
+                *((name, ctypes.c_void_p) for name in ("h", "qkv", "att", "q_rot", "g", "u", "t", "k_rot"))]
 
 
 def _declare() -> ctypes.CDLL | None:
     lib = cpu_blocks._lib() if cpu_blocks.available() else None
     if lib is None or not hasattr(lib, "rad_dense_layer_decode"):
         return None
-    fn = lib.rad_dense_layer_decode
+    fn, fp8 = lib.rad_dense_layer_decode, lib.rad_dense_layer_decode_fp8
     if fn.argtypes is None:
         fn.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_Step), ctypes.c_void_p, _i64, ctypes.c_void_p,
                        ctypes.c_void_p, _i64, ctypes.c_int]
-        fn.restype = None
+        fp8.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_Step), ctypes.c_void_p, ctypes.c_void_p,
+                        ctypes.c_void_p, _i64, ctypes.c_int]
+        fn.restype = fp8.restype = None
     return lib
 
 
 class Scratch:
-    """A decode step's arguments for every layer: its `Context` (the rows each sequence reads and writes), the
-    rotation's cos and signed sin ([T, 1, R] fp32), and buffers for T rows of a model's widths."""
+    """A decode step's arguments for every layer: where its context lies and its new tokens go (a plain cache's
+    `Context`: the rows each sequence reads and writes; or fp8 planes' `Fp8Reads` and `Fp8Slots`: block ids and
+    slots), the rotation's cos and signed sin ([T, 1, R] fp32), and buffers for T rows of a model's widths."""
 
-    __slots__ = ("dims", "keep", "args", "ptr")
+    __slots__ = ("dims", "cache", "keep", "args", "ptr")
 
-    def __init__(self, context: Context, cos: torch.Tensor, sin: torch.Tensor, dims: tuple[int, int, int, int, int]):
+    def __init__(self, cache: Context | tuple[Fp8Reads, Fp8Slots], cos: torch.Tensor, sin: torch.Tensor,
+                 dims: tuple[int, int, int, int, int]):
         hidden, nqkv, qd, inter, d = dims
-        t, r = len(context.lens), cos.shape[-1]
+        if isinstance(cache, Context):
+            where = (cache.block_rows, cache.lens, cache.write_rows, cache.block_size)
+        else:
+            reads, slots = cache
+            where = (reads.ids, reads.lens, slots.slots, reads.block_size)
+        t, r = len(where[1]), cos.shape[-1]
+        if len(where[2]) != t:
+            raise ValueError(f"the step writes {len(where[2])} rows and reads {t} sequences' contexts")
         if cos.dtype is not torch.float32 or sin.dtype is not torch.float32 or not cos.is_contiguous() \
                 or not sin.is_contiguous() or cos.numel() != t * r or sin.numel() != t * r or r % 2 or r > d:
             raise ValueError(f"cos and sin must be contiguous fp32 [{t}, 1, R], R even and at most {d}, got "
                              f"{list(cos.shape)} and {list(sin.shape)}")
-        bufs = [torch.empty(t, w, dtype=torch.float32) for w in (hidden, nqkv, qd, qd, inter, inter, hidden)]
-        self.dims, self.keep = dims, (context, cos, sin, bufs)
-        self.args = _Step(context.block_rows.data_ptr(), context.lens.data_ptr(), context.write_rows.data_ptr(),
-                          context.block_rows.shape[1], context.block_size, r, cos.data_ptr(), sin.data_ptr(),
-                          *(b.data_ptr() for b in bufs))
+        kv = (nqkv - qd) // 2
+        bufs = [torch.empty(t, w, dtype=torch.float32) for w in (hidden, nqkv, qd, qd, inter, inter, hidden, kv)]
+        self.dims, self.cache, self.keep = dims, cache, (where, cos, sin, bufs)
+        self.args = _Step(where[0].data_ptr(), where[1].data_ptr(), where[2].data_ptr(), where[0].shape[1], where[3],
+                          r, cos.data_ptr(), sin.data_ptr(), *(b.data_ptr() for b in bufs))
         self.ptr = ctypes.pointer(self.args)
 
 
@@ -110,20 +125,42 @@ class DenseLayer:
             return None
         return DenseLayer(lib, norms, eps, mats, heads, scale)
 
-    def scratch(self, context: Context, cos: torch.Tensor, sin: torch.Tensor, held: Scratch | None) -> Scratch:
+    def scratch(self, cache: Context | tuple[Fp8Reads, Fp8Slots], cos: torch.Tensor, sin: torch.Tensor,
+                held: Scratch | None) -> Scratch:
         """`held` where it was made for this model's widths, else a new `Scratch` for this step."""
-        return held if held is not None and held.dims == self.dims else Scratch(context, cos, sin, self.dims)
+        return held if held is not None and held.dims == self.dims else Scratch(cache, cos, sin, self.dims)
 
     def __call__(self, x: torch.Tensor, scratch: Scratch, flat: torch.Tensor, v_rows: int) -> torch.Tensor:
         """x [T, hidden] contiguous fp32 -> the layer's output [T, hidden]; flat: the cache pair's rows
-        ([R, Hkv * D] fp32, K from row 0, V `v_rows` further: kernels/cpu.py `_Rows`)."""
-        t, hidden = x.shape
-        context = scratch.keep[0]
-        if hidden != self.dims[0] or t != len(context.lens) or not x.is_contiguous() or x.dtype is not torch.float32 \
-                or scratch.dims != self.dims:
-            raise ValueError(f"x must be contiguous fp32 [{len(context.lens)}, {self.dims[0]}], got {list(x.shape)}")
+        ([R, Hkv * D] fp32, K from row 0, V `v_rows` further: kernels/cpu.py `_Rows`); scratch: a plain cache's."""
+        context = scratch.cache
+        if not isinstance(context, Context):
+            raise ValueError("this step's scratch addresses fp8 planes, not a plain cache's rows")
+        self._check(x, scratch)
         context.check_rows(flat, v_rows, self.hkv_d)
-        y = torch.empty(t, hidden, dtype=torch.float32)
-        self.lib.rad_dense_layer_decode(self.ptr, scratch.ptr, flat.data_ptr(), v_rows, x.data_ptr(), y.data_ptr(), t,
-                                        torch.get_num_threads())
+        y = torch.empty_like(x)
+        self.lib.rad_dense_layer_decode(self.ptr, scratch.ptr, flat.data_ptr(), v_rows, x.data_ptr(), y.data_ptr(),
+                                        len(x), torch.get_num_threads())
         return y
+
+    def fp8(self, x: torch.Tensor, scratch: Scratch, pair: Fp8Pair) -> torch.Tensor:
+        """The layer over fp8 planes (`Fp8Pair`; scratch made for them): x [T, hidden] contiguous fp32 -> its output
+        [T, hidden], the new K and V rows stored into the planes."""
+        if isinstance(scratch.cache, Context):
+            raise ValueError("this step's scratch addresses a plain cache's rows, not fp8 planes")
+        reads, slots = scratch.cache
+        if pair.shape[3] * pair.shape[4] != self.hkv_d or pair.shape[4] != self.dims[4]:
+            raise ValueError(f"the planes hold {pair.shape[3]} heads of {pair.shape[4]}; the layer's KV is "
+                             f"{self.hkv_d // self.dims[4]} heads of {self.dims[4]}")
+        self._check(x, scratch)
+        pair.check(reads, slots, len(x))
+        y = torch.empty_like(x)
+        self.lib.rad_dense_layer_decode_fp8(self.ptr, scratch.ptr, pair.ptr, x.data_ptr(), y.data_ptr(), len(x),
+                                            torch.get_num_threads())
+        return y
+
+    def _check(self, x: torch.Tensor, scratch: Scratch) -> None:
+        t = len(scratch.keep[0][1])
+        if x.shape != (t, self.dims[0]) or not x.is_contiguous() or x.dtype is not torch.float32 \
+                or scratch.dims != self.dims:
+            raise ValueError(f"x must be contiguous fp32 [{t}, {self.dims[0]}], got {list(x.shape)}")
