@@ -253,23 +253,6 @@ class Fp8Slots:
         self.top = int(written.max()) + 1 if len(written) else 0
 
 
-def decode_fp8(q: torch.Tensor, k_plane, v_plane, block_tables: torch.Tensor, seq_lens,
-               scale: float) -> torch.Tensor | None:
-    """`Fp8Pair.decode` over the planes, the step's reads checked in this call: block_tables [>= B, nb] flat
-    block ids, seq_lens [B] the context lengths. None where the kernel does not apply."""
-    pair = Fp8Pair.of(k_plane, v_plane)
-    if pair is None:
-        return None
-    return pair.decode(q, Fp8Reads(block_tables, seq_lens, q.shape[0], pair.shape[2]), scale)
-
-
-def store_fp8(k_plane, v_plane, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """`Fp8Pair.store` over the planes, the slots checked in this call ([T] flat, -1 for none, the others
-    distinct). False, nothing written, where it does not apply."""
-    pair = Fp8Pair.of(k_plane, v_plane)
-    return pair is not None and pair.store(Fp8Slots(slots), k, v)
-
-
 class _Fp8Kv(ctypes.Structure):  # cpu_kernels.h `rad_fp8_kv`
     _fields_ = [(name, ctypes.c_void_p) for name in ("k_codes", "kcs", "k_scales", "kss", "v_codes", "vcs", "v_scales",
                                                      "vss")] + [("per_page", ctypes.c_int64)]

@@ -1,10 +1,10 @@
 """The host backend's `--kv-cache-dtype fp8` planes on the CPU (kernels/cpu_attention.py): the decode attention
-reading them in place (`decode_fp8`) against `reference.paged_attention` over the same planes (which dequantizes
+reading them in place (`Fp8Pair.decode`) against `reference.paged_attention` over the same planes (which dequantizes
 them with `KVPlane.blocks`), within fp32 rounding (4e-6 of max |ref|, as the plain kernel), on odd shapes (head
 dims that are no multiple of 8, GQA and MHA, one key or many blocks, a block shared by two sequences), with the
 cache laid out as the engine does (kv/cache.py: this layer's planes inside uint8 blocks of two layers, block tables
 shuffled across pages); every E4M3 code read as `fp8_dequantize` reads it; the layer op taking it at decode only;
-any thread count giving the same bits; and their write (`store_fp8`) giving `KVPlane.store`'s bytes; all of it
+any thread count giving the same bits; and their write (`Fp8Pair.store`) giving `KVPlane.store`'s bytes; all of it
 also in a build without F16C (the conversions by hand). What does not apply (prefill, other formats) is declined."""
 
 from __future__ import annotations
@@ -25,6 +25,21 @@ from tests.kernels.compare import rel_err
 BLOCK, PER_PAGE, PAGES = 16, 3, 8
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the host backend's C library is not built")
+
+
+def decode_fp8(q, k_plane, v_plane, block_tables, seq_lens, scale):
+    """`Fp8Pair.decode` over the planes, the step's reads checked here (kernels/cpu.py keeps both); None where
+    the kernel does not apply."""
+    pair = cpu_attention.Fp8Pair.of(k_plane, v_plane)
+    if pair is None:
+        return None
+    return pair.decode(q, cpu_attention.Fp8Reads(block_tables, seq_lens, len(q), pair.shape[2]), scale)
+
+
+def store_fp8(k_plane, v_plane, slots, k, v) -> bool:
+    """`Fp8Pair.store` over the planes, the slots checked here; False where it does not apply."""
+    pair = cpu_attention.Fp8Pair.of(k_plane, v_plane)
+    return pair is not None and pair.store(cpu_attention.Fp8Slots(slots), k, v)
 
 
 def _step(ctx_lens, hq, hkv, d, kv_dtype="fp8", shared=0, seed=0):
@@ -69,7 +84,7 @@ def test_the_fp8_decode_reads_the_codes_as_the_reference_dequantizes_them(case):
     ctx, hq, hkv, d, shared = CASES[case]
     q, kp, vp, tables, lens = _step(ctx, hq, hkv, d, shared=shared)
     want = reference.paged_attention(q, kp, vp, tables, list(range(len(lens) + 1)), lens, d ** -0.5)
-    got = cpu_attention.decode_fp8(q, kp, vp, tables, lens, d ** -0.5)
+    got = decode_fp8(q, kp, vp, tables, lens, d ** -0.5)
     assert got is not None and got.shape == want.shape
     assert rel_err(got, want) < 4e-6
 
@@ -81,7 +96,7 @@ def test_any_thread_count_gives_the_same_bits():
         outs = []
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            outs.append(cpu_attention.decode_fp8(q, kp, vp, tables, lens, 0.125))
+            outs.append(decode_fp8(q, kp, vp, tables, lens, 0.125))
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
@@ -102,20 +117,20 @@ def test_the_layer_op_takes_it_at_decode_and_not_for_a_prefill(monkeypatch):
 @pytest.mark.parametrize("kv_dtype", ["fp8_v4", "k6_v4"])
 def test_other_formats_and_other_dtypes_are_declined(kv_dtype):
     q, kp, vp, tables, lens = _step([20], 4, 2, 32, kv_dtype=kv_dtype)
-    assert cpu_attention.decode_fp8(q, kp, vp, tables, lens, 0.2) is None
+    assert decode_fp8(q, kp, vp, tables, lens, 0.2) is None
     q, kp, vp, tables, lens = _step([20], 4, 2, 32)
-    assert cpu_attention.decode_fp8(q.double(), kp, vp, tables, lens, 0.2) is None
+    assert decode_fp8(q.double(), kp, vp, tables, lens, 0.2) is None
 
 
 def test_a_table_that_reads_outside_the_cache_is_refused():
     q, kp, vp, tables, lens = _step([20], 4, 2, 32)
     tables[0, 1] = PAGES * PER_PAGE  # one block past the last
     with pytest.raises(ValueError, match="outside the cache"):
-        cpu_attention.decode_fp8(q, kp, vp, tables, lens, 0.2)
+        decode_fp8(q, kp, vp, tables, lens, 0.2)
     with pytest.raises(ValueError, match="seq_lens"):
-        cpu_attention.decode_fp8(q, kp, vp, tables, [33], 0.2)
+        decode_fp8(q, kp, vp, tables, [33], 0.2)
     with pytest.raises(ValueError, match="block_tables must have 2 rows"):  # a second query, no second table row
-        cpu_attention.decode_fp8(torch.cat((q, q)), kp, vp, tables, [20, 20], 0.2)
+        decode_fp8(torch.cat((q, q)), kp, vp, tables, [20, 20], 0.2)
 
 
 @pytest.mark.parametrize("d", [256, 255])  # every code in the 8-wide loop; the last 7 in the scalar one
@@ -128,7 +143,7 @@ def test_every_e4m3_code_reads_as_fp8_dequantize_makes_it_nan_and_subnormals_inc
     for scale in (0.125, 2.0 ** -24):
         vp.codes[at] = torch.arange(d, dtype=torch.uint8)
         vp.scales[at] = scale
-        got = cpu_attention.decode_fp8(q, kp, vp, tables, lens, 0.1)
+        got = decode_fp8(q, kp, vp, tables, lens, 0.1)
         want = fp8_dequantize(vp.codes[at], vp.scales[at])
         assert torch.isnan(want).sum() == (2 if d == 256 else 1)
         for row in got[0]:  # both query heads read the one value row
@@ -164,7 +179,7 @@ def test_the_c_store_writes_kvplane_stores_bytes(hkv, d):
         x[-1, -1, 1:] = 1e-30  # fp32 values far under E4M3's smallest step
         for (kc, vc), c_path in zip(planes, (False, True)):
             if c_path:
-                assert cpu_attention.store_fp8(kc, vc, slots, x, x)
+                assert store_fp8(kc, vc, slots, x, x)
             else:
                 kc.store(slots, x)
                 vc.store(slots, x)
@@ -176,13 +191,13 @@ def test_the_c_store_writes_kvplane_stores_bytes(hkv, d):
 def test_the_c_store_declines_other_formats_and_refuses_bad_slots():
     x = torch.zeros(1, 2, 32)
     q, kp, vp, tables, lens = _step([20], 4, 2, 32, kv_dtype="fp8_v4")
-    assert not cpu_attention.store_fp8(kp, vp, torch.tensor([0]), x, x)  # int4 V: KVPlane.store's
+    assert not store_fp8(kp, vp, torch.tensor([0]), x, x)  # int4 V: KVPlane.store's
     q, kp, vp, tables, lens = _step([20], 4, 2, 32)
-    assert not cpu_attention.store_fp8(kp, vp, torch.tensor([0]), x.double(), x.double())
+    assert not store_fp8(kp, vp, torch.tensor([0]), x.double(), x.double())
     with pytest.raises(ValueError, match="distinct"):
-        cpu_attention.store_fp8(kp, vp, torch.tensor([3, 3]), torch.cat((x, x)), torch.cat((x, x)))
+        store_fp8(kp, vp, torch.tensor([3, 3]), torch.cat((x, x)), torch.cat((x, x)))
     with pytest.raises(ValueError, match="slots must be in"):
-        cpu_attention.store_fp8(kp, vp, torch.tensor([PAGES * PER_PAGE * BLOCK]), x, x)
+        store_fp8(kp, vp, torch.tensor([PAGES * PER_PAGE * BLOCK]), x, x)
 
 
 def test_the_c_store_leaves_out_the_rows_without_a_slot():
@@ -195,7 +210,7 @@ def test_the_c_store_leaves_out_the_rows_without_a_slot():
     keep = slots >= 0
     want_k.store(slots[keep], k[keep])
     want_v.store(slots[keep], v[keep])
-    assert cpu_attention.store_fp8(kp, vp, slots, k, v)
+    assert store_fp8(kp, vp, slots, k, v)
     for got, want in ((kp, want_k), (vp, want_v)):
         assert torch.equal(got.codes, want.codes) and torch.equal(got.scales.view(torch.int16),
                                                                    want.scales.view(torch.int16))
