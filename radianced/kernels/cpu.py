@@ -358,19 +358,19 @@ def _rows_of(k_cache, v_cache) -> _Rows | None:
     return _kept(_ROWS, k_cache, lambda: _Rows.of(k_cache, v_cache), v_cache)
 
 
-# Each fp8 plane pair's `cpu_attention.Fp8Pair` (or None: the kernels do not apply), by `_kept` on the K plane (and
-# the V plane beside it): a KVCache hands the same planes to every step. The step's reads and slots are checked
+# Each quantized plane pair's `cpu_attention.PlanePair` (or None: the kernels do not apply), by `_kept` on the K plane
+# (and the V plane beside it): a KVCache hands the same planes to every step. The step's reads and slots are checked
 # once a step (`_per_step`): in each layer, ~89 us a decode call and ~49 us a store call went to them before.
-_FP8_PAIRS: dict = {}
-_fp8_reads = _per_step(cpu_attention.Fp8Reads)
-_fp8_slots = _per_step(cpu_attention.Fp8Slots)
+_PLANE_PAIRS: dict = {}
+_plane_reads = _per_step(cpu_attention.PlaneReads)
+_plane_slots = _per_step(cpu_attention.PlaneSlots)
 
 
-def _fp8_pair(k_cache, v_cache) -> cpu_attention.Fp8Pair | None:
-    """The pair's `Fp8Pair.of`, made once per pair of planes; None for plain caches and other formats."""
+def _plane_pair(k_cache, v_cache) -> cpu_attention.PlanePair | None:
+    """The pair's `PlanePair.of`, made once per pair of planes; None for plain caches and planes it does not read."""
     if not isinstance(k_cache, KVPlane) or not isinstance(v_cache, KVPlane):
         return None
-    return _kept(_FP8_PAIRS, k_cache, lambda: cpu_attention.Fp8Pair.of(k_cache, v_cache), v_cache)
+    return _kept(_PLANE_PAIRS, k_cache, lambda: cpu_attention.PlanePair.of(k_cache, v_cache), v_cache)
 
 
 def _block_rows(blocks: torch.Tensor, layout: tuple) -> torch.Tensor:
@@ -401,8 +401,8 @@ def write_kv(k_cache: torch.Tensor | KVPlane, v_cache: torch.Tensor | KVPlane, k
 def _write(rows: _Rows | None, k_cache, v_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """`write_kv` given the pair's `_Rows.of`."""
     if rows is None:
-        fp8 = _fp8_pair(k_cache, v_cache)
-        if fp8 is not None and fp8.store(_fp8_slots(slot_mapping), k, v):  # fp8 planes in C, the slots once a step
+        planes = _plane_pair(k_cache, v_cache)
+        if planes is not None and planes.store(_plane_slots(slot_mapping), k, v):  # in C, the slots once a step
             return
         if bool((slot_mapping < 0).any()):
             keep = slot_mapping >= 0
@@ -507,9 +507,9 @@ def _attend(rows: _Rows | None, q: torch.Tensor, k_cache, v_cache, block_tables:
     if plan.t < t:  # rows past the last sequence's are no sequence's (a mixed graph's padding): zeros
         return torch.cat((_attend(rows, q[:plan.t], k_cache, v_cache, block_tables, query_start, seq_lens, scale),
                           q.new_zeros(t - plan.t, hq, d)))
-    fp8 = _fp8_pair(k_cache, v_cache) if rows is None and q_max == 1 and plan.at is None else None
-    if fp8 is not None:  # fp8 planes read in place (a decode step: one query row every sequence)
-        out = fp8.decode(q, _fp8_reads(block_tables, _hashable(seq_lens), b, k_cache.shape[2]), scale)
+    planes = _plane_pair(k_cache, v_cache) if rows is None and q_max == 1 and plan.at is None else None
+    if planes is not None:  # quantized planes read in place (a decode step: one query row every sequence)
+        out = planes.decode(q, _plane_reads(block_tables, _hashable(seq_lens), b, k_cache.shape[2]), scale)
         if out is not None:
             return out
     if rows is not None:  # [B, Hkv, C, D] each, in one gather
@@ -626,7 +626,7 @@ def dense_layer(layer, x: torch.Tensor, rope, batch, cache) -> torch.Tensor | No
     reference's), or None where that does not apply and the model runs its ops: a prefill or mixed step, not
     fp32, a layer with a bias, qk-norm, an output gate, a zero-centred norm, a group of cards, weights the block
     kernels do not read, more rows than their products take (past `gemm_rows`), a cache that is neither plain fp32
-    rows nor fp8 planes the C attention reads (`cpu_attention.Fp8Pair`)."""
+    rows nor quantized planes the C attention reads (`cpu_attention.PlanePair`)."""
     if not batch.is_decode or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
         return None
     fused = _kept(_LAYERS, layer, lambda: _dense_layer(layer))
@@ -636,13 +636,13 @@ def dense_layer(layer, x: torch.Tensor, rope, batch, cache) -> torch.Tensor | No
     rows = _rows_of(k_cache, v_cache)
     positions, inv_freq = rope
     if rows is None:
-        fp8 = _fp8_pair(k_cache, v_cache)
-        if fp8 is None:
+        planes = _plane_pair(k_cache, v_cache)
+        if planes is None:
             return None
-        step = _fp8_step(positions, inv_freq, batch.slot_mapping, batch.block_tables, _hashable(batch.query_start_t),
-                         _hashable(batch.seq_lens_t), k_cache.shape[2])
+        step = _plane_step(positions, inv_freq, batch.slot_mapping, batch.block_tables,
+                           _hashable(batch.query_start_t), _hashable(batch.seq_lens_t), k_cache.shape[2])
         step.scratch = fused.scratch((step.reads, step.slots), step.cos, step.sin, step.scratch)
-        return fused.fp8(x, step.scratch, fp8)
+        return fused.planes(x, step.scratch, planes)
     if rows.flat.dtype != torch.float32:
         return None
     step = _decode_step(positions, inv_freq, x.dtype, batch.slot_mapping, batch.block_tables,
@@ -653,9 +653,10 @@ def dense_layer(layer, x: torch.Tensor, rope, batch, cache) -> torch.Tensor | No
     return fused(x, step.scratch, rows.flat, rows.layout[3])
 
 
-class _Fp8Step:
-    """All that the fused layers of a decode step over fp8 planes share (`_fp8_step`): the rotation's tables, the
-    step's reads and slots (`cpu_attention.Fp8Reads`, `Fp8Slots`) and the layers' scratch, made on the first."""
+class _PlaneStep:
+    """All that the fused layers of a decode step over quantized planes share (`_plane_step`): the rotation's tables,
+    the step's reads and slots (`cpu_attention.PlaneReads`, `PlaneSlots`) and the layers' scratch, made on the
+    first."""
 
     __slots__ = ("cos", "sin", "reads", "slots", "scratch")
 
@@ -663,12 +664,12 @@ class _Fp8Step:
         reference.check_decode(query_start.tolist() if isinstance(query_start, torch.Tensor) else query_start)
         self.cos, self.sin = _rope_tables.__wrapped__(positions, inv_freq, torch.float32)
         lens = torch.as_tensor(seq_lens, dtype=torch.int64)
-        self.reads = cpu_attention.Fp8Reads(block_tables, lens, len(lens), s)
-        self.slots = cpu_attention.Fp8Slots(slot_mapping)
+        self.reads = cpu_attention.PlaneReads(block_tables, lens, len(lens), s)
+        self.slots = cpu_attention.PlaneSlots(slot_mapping)
         self.scratch = None
 
 
-_fp8_step = _per_step(_Fp8Step)
+_plane_step = _per_step(_PlaneStep)
 
 
 def _dense_layer(layer) -> cpu_layer.DenseLayer | None:

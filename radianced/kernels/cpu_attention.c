@@ -257,9 +257,11 @@ void rad_decode_attention(const float *q, int64_t ldq, const float *k, int64_t l
 }
 
 
-/* -- fp8 planes (kernels/kv_formats.py `fp8`): the keys and values of a decode step read as their codes ------- */
+/* -- quantized planes (kernels/kv_formats.py: fp8, int6, int4): a decode step's keys and values read as codes -- */
 
-#define D_MAX 256 /* head dims the fp8 path holds a chunk of (K and V: 2 x 32 KiB on the stack) */
+#define D_MAX 256 /* head dims the planes' path holds a chunk of (K and V: 2 x 32 KiB on the stack) */
+#define GROUP 32  /* dims per (step, min) of an int plane (kv_formats.GROUP) */
+enum { PLANE_FP8 = 0, PLANE_INT6 = 1, PLANE_INT4 = 2 }; /* a plane's kind (cpu_attention.py `PLANE_KINDS`) */
 
 /* an fp16 value's bits as fp32 (exact: every fp16 value is an fp32 value) */
 static inline float half_float(uint16_t h) {
@@ -302,39 +304,78 @@ static inline void fp8_values(const uint8_t *c, float s, int64_t d, float *out) 
     }
 }
 
-/* a plane's layout, as kernels/kv_quant.py `KVPlane` views it: the D codes of (block id, token t, head h) at
- * codes + (id / per_page) * cs[0] + (id % per_page) * cs[1] + t * cs[2] + h * cs[3] (bytes); its fp16 scale at
- * scales + the same with ss (elements) */
+/* an int plane's d values of one token-head: codes c (int4 two a byte, the even dim in the low nibble; int6 four
+ * in three bytes, little-endian, dim 0 lowest) and per group of GROUP dims an fp16 (step, min) at sm:
+ * q * step + min, each product and sum rounded once: kernels/kv_quant.py `int_dequantize`'s, bit for bit */
+static inline void int_values(const uint8_t *c, const uint16_t *sm, int kind, int64_t d, float *out) {
+    for (int64_t g0 = 0; g0 < d; g0 += GROUP) {
+        const float step = half_float(sm[2 * (g0 / GROUP)]), lo = half_float(sm[2 * (g0 / GROUP) + 1]);
+        const int64_t end = g0 + GROUP < d ? g0 + GROUP : d;
+        for (int64_t i = g0; i < end; i++) {
+            uint32_t q;
+            if (kind == PLANE_INT4) {
+                q = c[i / 2] >> (4 * (i & 1)) & 15u;
+            } else {
+                const uint8_t *w = c + 3 * (i / 4);
+                q = ((uint32_t)w[0] | (uint32_t)w[1] << 8 | (uint32_t)w[2] << 16) >> (6 * (i & 3)) & 63u;
+            }
+            out[i] = (float)q * step + lo;
+        }
+    }
+}
+
+/* a plane's layout, as kernels/kv_quant.py `KVPlane` views it: the codes of (block id, token t, head h) at
+ * codes + (id / per_page) * cs[0] + (id % per_page) * cs[1] + t * cs[2] + h * cs[3] (bytes); its fp16 scale (fp8)
+ * or (step, min) pairs (int) at scales + the same with ss (elements), the pairs contiguous */
 typedef struct {
     const uint8_t *codes;
     const uint16_t *scales;
     const int64_t *cs, *ss;
     int64_t per_page;
-} fp8_plane;
+    int kind;
+} q_plane;
 
-/* where head h of block `id` starts in plane `pl`: its token 0's codes and scale (tokens cs[2] / ss[2] further) */
+/* where head h of block `id` starts in plane `pl`: its token 0's codes and scales (tokens cs[2] / ss[2] further) */
 typedef struct {
     const uint8_t *codes;
     const uint16_t *scales;
 } plane_at;
 
-static inline plane_at block_at(const fp8_plane *pl, int64_t id, int64_t h) {
+static inline plane_at block_at(const q_plane *pl, int64_t id, int64_t h) {
     const int64_t p = id / pl->per_page, i = id % pl->per_page;
     return (plane_at){pl->codes + p * pl->cs[0] + i * pl->cs[1] + h * pl->cs[3],
                       pl->scales + p * pl->ss[0] + i * pl->ss[1] + h * pl->ss[3]};
 }
 
-/* token t's d dequantized values of a block's head (`block_at`) into out */
-static inline void token_values(const fp8_plane *pl, plane_at at, int64_t t, int64_t d, float *out) {
-    fp8_values(at.codes + t * pl->cs[2], half_float(at.scales[t * pl->ss[2]]), d, out);
+/* token t's d dequantized values of a block's head (`block_at`) into out: `kv_quant.dequantize`'s, bit for bit */
+static inline void token_values(const q_plane *pl, plane_at at, int64_t t, int64_t d, float *out) {
+    if (pl->kind == PLANE_FP8)
+        fp8_values(at.codes + t * pl->cs[2], half_float(at.scales[t * pl->ss[2]]), d, out);
+    else
+        int_values(at.codes + t * pl->cs[2], at.scales + t * pl->ss[2], pl->kind, d, out);
 }
 
-/* `attend` over fp8 planes: each chunk of keys dequantized into buffers first (K a delta plane: a block's token 0
- * stored as itself, every later token as its residual from it, so k = residual + token 0's value, as
- * `KVPlane.blocks` adds them), then the same scores, softmax and sums. A block's addresses and its token 0's K
- * values are found once, as its first key is reached. block_ids: the sequence's block-table row (flat ids). */
-static void attend_fp8(const float *q, const fp8_plane *kp, const fp8_plane *vp, int64_t h, const int64_t *block_ids,
-                       int64_t bs, int64_t n, int64_t g, int64_t d, float scale, float *o) {
+/* o (g rows of d) = o @ C: a rotated V's weighted sums brought back from the DCT basis C [d, d] (row-major), each
+ * value a sum over the basis rows in order */
+static inline void unrotate(float *o, const float *C, int64_t g, int64_t d) {
+    float y[D_MAX];
+    for (int64_t j = 0; j < g; j++) {
+        float *oj = o + j * d;
+        for (int64_t i = 0; i < d; i++) y[i] = 0.0f;
+        for (int64_t k = 0; k < d; k++)
+            for (int64_t i = 0; i < d; i++) y[i] += oj[k] * C[k * d + i];
+        memcpy(oj, y, d * sizeof(float));
+    }
+}
+
+/* `attend` over quantized planes: each chunk of keys dequantized into buffers first (K a delta plane: a block's
+ * token 0 stored as itself, every later token as its residual from it, so k = residual + token 0's value, as
+ * `KVPlane.blocks` adds them), then the same scores, softmax and sums; a rotated V (basis C, else NULL) is summed
+ * in its basis and brought back once (attention is linear in V). A block's addresses and its token 0's K values
+ * are found once, as its first key is reached. block_ids: the sequence's block-table row (flat ids). */
+static void attend_planes(const float *q, const q_plane *kp, const q_plane *vp, const float *C, int64_t h,
+                          const int64_t *block_ids, int64_t bs, int64_t n, int64_t g, int64_t d, float scale,
+                          float *o) {
     float m[G_MAX], l[G_MAX], p[G_MAX][CHUNK], first[D_MAX];
     float kb[CHUNK * D_MAX], vb[CHUNK * D_MAX];
     int64_t at[CHUNK], bi = 0, off = 0; /* the next key's block (in the table) and token in it */
@@ -367,26 +408,28 @@ static void attend_fp8(const float *q, const fp8_plane *kp, const fp8_plane *vp,
         add_values(o, p, vb, at, cn, g, d);
     }
     softmax_end(g, d, l, o);
+    if (C) unrotate(o, C, g, d);
 }
 
-/* out [B, Hq, D] = attention of q [B, Hq, D] (contiguous) over each sequence b's lens[b] keys in the fp8 planes
- * `P`, key c in block block_ids[b, c / bs] (block_ids: [B, nb] flat block ids) at token c % bs; Hq / Hkv query
- * heads a KV head, d at most D_MAX. On `threads` OpenMP threads, a (b, KV head) pair each task. */
-void rad_decode_attention_fp8(const float *q, const rad_fp8_kv *P, const int64_t *block_ids, int64_t nb,
-                              const int64_t *lens, int64_t bs, int64_t B, int64_t hq, int64_t hkv, int64_t d,
-                              float scale, float *out, int threads) {
+/* out [B, Hq, D] = attention of q [B, Hq, D] (contiguous) over each sequence b's lens[b] keys in the planes `P`,
+ * key c in block block_ids[b, c / bs] (block_ids: [B, nb] flat block ids) at token c % bs; Hq / Hkv query heads a
+ * KV head, d at most D_MAX. On `threads` OpenMP threads, a (b, KV head) pair each task. */
+void rad_decode_attention_planes(const float *q, const rad_kv_planes *P, const int64_t *block_ids, int64_t nb,
+                                 const int64_t *lens, int64_t bs, int64_t B, int64_t hq, int64_t hkv, int64_t d,
+                                 float scale, float *out, int threads) {
     const int64_t g = hq / hkv;
-    const fp8_plane kp = {P->k_codes, P->k_scales, P->kcs, P->kss, P->per_page},
-                    vp = {P->v_codes, P->v_scales, P->vcs, P->vss, P->per_page};
+    const q_plane kp = {P->k_codes, P->k_scales, P->kcs, P->kss, P->per_page, (int)P->k_kind},
+                  vp = {P->v_codes, P->v_scales, P->vcs, P->vss, P->per_page, (int)P->v_kind};
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t task = 0; task < B * hkv; task++) {
         const int64_t b = task / hkv, h = task % hkv;
-        attend_fp8(q + (b * hq + h * g) * d, &kp, &vp, h, block_ids + b * nb, bs, lens[b], g, d, scale,
-                   out + (b * hq + h * g) * d);
+        attend_planes(q + (b * hq + h * g) * d, &kp, &vp, P->basis, h, block_ids + b * nb, bs, lens[b], g, d, scale,
+                      out + (b * hq + h * g) * d);
     }
 }
 
-/* -- fp8 planes written: kernels/kv_quant.py `KVPlane.store` for an fp8 plane, its bytes bit for bit ------------ */
+/* -- quantized planes written: kernels/kv_quant.py `KVPlane.store`, its bytes bit for bit (a rotated plane's up to
+ * its rotation's last bit: a sum over the dims in order, where the reference is a torch matmul) ------------- */
 
 /* float -> fp16 bits, rounded to nearest even (F16C's, or by hand: finite inputs below 65520 only, as here) */
 static inline uint16_t float_half(float x) {
@@ -443,15 +486,61 @@ static inline void fp8_put(const float *x, int64_t d, uint8_t *codes, uint16_t *
     }
 }
 
-/* KVPlane.store for an fp8 plane (`fp8_plane`: strides [page, block, token, head]): x [T, Hkv, D] (rows ldx
+/* one token-head's d values x of an int plane (`kind`) into its packed codes and per group of GROUP dims its fp16
+ * (step, min) at sm: `int_quantize`'s, bit for bit: min rounded to fp16 first, step = (max - min) / top rounded to
+ * fp16, each code (x - min) / step rounded half to even and clamped to 0..top (0 where the step is 0) */
+static inline void int_put(const float *x, int64_t d, int kind, uint8_t *codes, uint16_t *sm) {
+    const float top = kind == PLANE_INT4 ? 15.0f : 63.0f;
+    uint8_t q[D_MAX + 4] = {0}; /* past d: zeros, as `pack` pads */
+    for (int64_t g0 = 0; g0 < d; g0 += GROUP) {
+        const int64_t end = g0 + GROUP < d ? g0 + GROUP : d;
+        float lo = INFINITY, hi = -INFINITY;
+        for (int64_t i = g0; i < end; i++) {
+            lo = x[i] < lo || x[i] != x[i] ? x[i] : lo; /* NaN wins, as torch's amin and amax */
+            hi = x[i] > hi || x[i] != x[i] ? x[i] : hi;
+        }
+        const uint16_t lo16 = float_half(lo);
+        const float m = half_float(lo16);
+        const uint16_t step16 = float_half((hi - m) / top);
+        const float st = half_float(step16);
+        sm[2 * (g0 / GROUP)] = step16;
+        sm[2 * (g0 / GROUP) + 1] = lo16;
+        for (int64_t i = g0; i < end; i++) {
+            float y = st > 0.0f ? nearbyintf((x[i] - m) / st) : 0.0f;
+            y = y < 0.0f ? 0.0f : y > top ? top : y;
+            q[i] = (uint8_t)y;
+        }
+    }
+    if (kind == PLANE_INT4) {
+        for (int64_t j = 0; j < (d + 1) / 2; j++) codes[j] = (uint8_t)(q[2 * j] | q[2 * j + 1] << 4);
+    } else {
+        for (int64_t j = 0; j < (d + 3) / 4; j++) {
+            const uint32_t w = q[4 * j] | q[4 * j + 1] << 6 | q[4 * j + 2] << 12 | (uint32_t)q[4 * j + 3] << 18;
+            codes[3 * j] = (uint8_t)w;
+            codes[3 * j + 1] = (uint8_t)(w >> 8);
+            codes[3 * j + 2] = (uint8_t)(w >> 16);
+        }
+    }
+}
+
+/* one token-head's d values into a plane of `kind` */
+static inline void put(const float *x, int64_t d, int kind, uint8_t *codes, uint16_t *scales) {
+    if (kind == PLANE_FP8)
+        fp8_put(x, d, codes, scales);
+    else
+        int_put(x, d, kind, codes, scales);
+}
+
+/* KVPlane.store for a plane of `kind` (`q_plane`: strides [page, block, token, head]): x [T, Hkv, D] (rows ldx
  * apart, each row's heads contiguous) into the flat slots [T] (block slot / bs, token slot % bs; -1: the row is
- * not written; the others distinct). A delta plane (K) stores each block's token 0 first, as itself, then every
- * other token as its residual from token 0's stored value (written now or earlier): `KVPlane.store`'s order and
- * values. On `threads` OpenMP threads, a (token, head) each task. */
-void rad_store_fp8(const float *x, int64_t ldx, const int64_t *slots, int64_t T, uint8_t *codes, const int64_t *cs,
-                   uint16_t *scales, const int64_t *ss, int64_t per_page, int64_t bs, int64_t hkv, int64_t d, int delta,
-                   int threads) {
-    const fp8_plane pl = {codes, scales, cs, ss, per_page};
+ * not written; the others distinct). A rotated plane (basis C [D, D], else NULL) stores x @ C.T, each value a sum
+ * over the dims in order. A delta plane (K) stores each block's token 0 first, as itself, then every other token
+ * as its residual from token 0's stored value (written now or earlier): `KVPlane.store`'s order and values. On
+ * `threads` OpenMP threads, a (token, head) each task. */
+void rad_store_plane(const float *x, int64_t ldx, const int64_t *slots, int64_t T, uint8_t *codes, const int64_t *cs,
+                     uint16_t *scales, const int64_t *ss, int64_t per_page, int64_t bs, int64_t hkv, int64_t d,
+                     int kind, int delta, const float *C, int threads) {
+    const q_plane pl = {codes, scales, cs, ss, per_page, kind};
 #pragma omp parallel num_threads(threads)
     for (int pass = 0; pass < 2; pass++) { /* a delta plane's tokens 0, then the rest; a plain one's all at once */
 #pragma omp for schedule(static)
@@ -462,28 +551,39 @@ void rad_store_fp8(const float *x, int64_t ldx, const int64_t *slots, int64_t T,
             uint8_t *c = (uint8_t *)at.codes + off * cs[2];
             uint16_t *sc = (uint16_t *)at.scales + off * ss[2];
             const float *xt = x + t * ldx + h * d;
+            float y[D_MAX];
+            if (C) { /* y = x @ C.T */
+                for (int64_t i = 0; i < d; i++) {
+                    float sum = 0.0f;
+                    for (int64_t j = 0; j < d; j++) sum += xt[j] * C[i * d + j];
+                    y[i] = sum;
+                }
+                xt = y;
+            }
             if (delta && off) {
                 float first[D_MAX], r[D_MAX];
                 token_values(&pl, at, 0, d, first);
                 for (int64_t i = 0; i < d; i++) r[i] = xt[i] - first[i];
-                fp8_put(r, d, c, sc);
+                put(r, d, kind, c, sc);
             } else {
-                fp8_put(xt, d, c, sc);
+                put(xt, d, kind, c, sc);
             }
         }
     }
 }
 
-/* rad_decode_attention's over fp8 planes `P`: q and k [B, Hkv, D] (rows ldq and ldk apart, heads D apart) rotated by
- * row b's cos and sin (`rotate`), the rotated q into q_rot [B, Hq, D] and k into k_rot [B, Hkv, D]; where slots[b]
- * >= 0 the rotated k and v (rows ldv apart) stored into that slot of the K and V planes (`rad_store_fp8`); then
- * each sequence's attention over its context (`rad_decode_attention_fp8`). The same values, bytes and sums as
- * kernels/cpu.py's op path over the planes (its `_rotate`, `Fp8Pair.store` and `Fp8Pair.decode`). */
-void rad_decode_attention_fp8_rotary(const float *q, int64_t ldq, const float *k, int64_t ldk, const float *v,
-                                     int64_t ldv, const float *cos, const float *sin, int64_t r, const int64_t *slots,
-                                     float *q_rot, float *k_rot, const rad_fp8_kv *P, const int64_t *block_ids,
-                                     int64_t nb, const int64_t *lens, int64_t bs, int64_t B, int64_t hq, int64_t hkv,
-                                     int64_t d, float scale, float *out, int threads) {
+/* rad_decode_attention's over quantized planes `P`: q and k [B, Hkv, D] (rows ldq and ldk apart, heads D apart)
+ * rotated by row b's cos and sin (`rotate`), the rotated q into q_rot [B, Hq, D] and k into k_rot [B, Hkv, D];
+ * where slots[b] >= 0 the rotated k and v (rows ldv apart) stored into that slot of the K and V planes
+ * (`rad_store_plane`); then each sequence's attention over its context (`rad_decode_attention_planes`). The same
+ * values, bytes and sums as kernels/cpu.py's op path over the planes (its `_rotate`, `PlanePair.store` and
+ * `PlanePair.decode`). */
+void rad_decode_attention_planes_rotary(const float *q, int64_t ldq, const float *k, int64_t ldk, const float *v,
+                                        int64_t ldv, const float *cos, const float *sin, int64_t r,
+                                        const int64_t *slots, float *q_rot, float *k_rot, const rad_kv_planes *P,
+                                        const int64_t *block_ids, int64_t nb, const int64_t *lens, int64_t bs,
+                                        int64_t B, int64_t hq, int64_t hkv, int64_t d, float scale, float *out,
+                                        int threads) {
     const int64_t g = hq / hkv;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t task = 0; task < B * hkv; task++) {
@@ -493,8 +593,9 @@ void rad_decode_attention_fp8_rotary(const float *q, int64_t ldq, const float *k
             rotate(q + b * ldq + j * d, cb, sb, r, d, q_rot + (b * hq + j) * d);
         rotate(k + b * ldk + h * d, cb, sb, r, d, k_rot + (b * hkv + h) * d);
     }
-    rad_store_fp8(k_rot, hkv * d, slots, B, P->k_codes, P->kcs, P->k_scales, P->kss, P->per_page, bs, hkv, d, 1,
-                  threads);
-    rad_store_fp8(v, ldv, slots, B, P->v_codes, P->vcs, P->v_scales, P->vss, P->per_page, bs, hkv, d, 0, threads);
-    rad_decode_attention_fp8(q_rot, P, block_ids, nb, lens, bs, B, hq, hkv, d, scale, out, threads);
+    rad_store_plane(k_rot, hkv * d, slots, B, P->k_codes, P->kcs, P->k_scales, P->kss, P->per_page, bs, hkv, d,
+                    (int)P->k_kind, 1, NULL, threads);
+    rad_store_plane(v, ldv, slots, B, P->v_codes, P->vcs, P->v_scales, P->vss, P->per_page, bs, hkv, d,
+                    (int)P->v_kind, 0, P->basis, threads);
+    rad_decode_attention_planes(q_rot, P, block_ids, nb, lens, bs, B, hq, hkv, d, scale, out, threads);
 }

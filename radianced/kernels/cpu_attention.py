@@ -16,16 +16,22 @@ depend on the thread count: one thread computes a (sequence, KV head) pair whole
 `Context.rotary` does a decode layer's prologue in the same call: RoPE on q and k and the new token's K and V
 rows written (kernels/cpu.py `_rotate` and `_write`'s values bit for bit), then the attention.
 
-`Fp8Pair.decode` is the same attention over `--kv-cache-dtype fp8`'s planes (kernels/kv_formats.py), read as
-their codes: each chunk of keys dequantized into buffers as `KVPlane.blocks` dequantizes them (the same values bit
-for bit), then the same scores, softmax and sums. Before it the host backend gathered and dequantized every
-sequence's whole context in each layer and ran SDPA over it. `Fp8Pair.store` writes the planes in a call each
-(`KVPlane.store`'s bytes). A pair's pointers are kept, and a step's block table and slots are checked once for all
-of its layers (`Fp8Reads`, `Fp8Slots`; kernels/cpu.py). A Llama decode layer over the planes runs in one C call
-too (kernels/cpu_layer.py: `rad_decode_attention_fp8_rotary`, the rotation, store and attention here). SmolLM2
-decode steps, 2 threads, a Zen 4 EPYC, before -> with the read -> with the write too -> the checks once a step ->
-the fused layer (the plain fp32 cache beside): b8 at contexts of 1,000 374 -> 61 -> 58 -> 53-56 -> 41 ms (48), b8
-at 100 72 -> 34 -> 29 -> 23-26 -> 18.5-21.6 (19.4), b1 at 1,000 65 -> 28 -> 20 -> 16-19 -> 11.2 (12.1).
+`PlanePair.decode` is the same attention over the quantized planes of `--kv-cache-dtype fp8 | fp8_v4 | k6_v4`
+(kernels/kv_formats.py: K fp8 or int6 as the residual from its block's first token, V fp8, or int4 in the DCT
+basis), read as their codes: each chunk of keys dequantized into buffers as `KVPlane.blocks` dequantizes them (the
+same values bit for bit), then the same scores, softmax and sums; a rotated V's sums are made in its basis and
+brought back once (attention is linear in V; `KVPlane.blocks` rotates every token: other roundings, within fp32's).
+Before it the host backend gathered and dequantized every sequence's whole context in each layer and ran SDPA over
+it. `PlanePair.store` writes the planes in a call each (`KVPlane.store`'s bytes; a rotated V's rotation is a sum in
+order where the reference's is a torch matmul, so a code sitting on a rounding boundary may go one step either
+way). A pair's pointers are kept, and a step's block table and slots are checked once for all of its layers
+(`PlaneReads`, `PlaneSlots`; kernels/cpu.py). A Llama decode layer over the planes runs in one C call too
+(kernels/cpu_layer.py: `rad_decode_attention_planes_rotary`, the rotation, store and attention here).
+
+SmolLM2 decode steps, 2 threads, a Zen 4 EPYC. fp8, before -> with the read -> with the write too -> the checks
+once a step -> the fused layer (the plain fp32 cache beside): b8 at contexts of 1,000 374 -> 61 -> 58 -> 53-56 ->
+41 ms (48), b8 at 100 72 -> 34 -> 29 -> 23-26 -> 18.5-21.6 (19.4), b1 at 1,000 65 -> 28 -> 20 -> 16-19 -> 11.2
+(12.1).
 """
 
 from __future__ import annotations
@@ -129,46 +135,61 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
-D_MAX = 256  # head dims the fp8 kernel holds a chunk of (cpu_attention.c)
+D_MAX = 256  # head dims the quantized planes' kernels hold a chunk of (cpu_attention.c)
 
 
-class Fp8Pair:
-    """A layer's `--kv-cache-dtype fp8` planes (kernels/kv_quant.py `KVPlane`: K a delta plane, V plain) as the
-    kernels address them, checked once (kernels/cpu.py keeps one per pair of planes): each plane's codes' and
-    scales' pointers and strides. `of` gives None where the kernels do not apply (another format, D past D_MAX,
-    other layouts, the library not built): the caller runs the general path. Like `Context` it holds the
-    planes' tensors (not the planes: kernels/cpu.py keys it on them), so the pointers stay valid while it lives."""
+# a plane's format -> cpu_attention.c's PLANE_* kind
+PLANE_KINDS = {"fp8": 0, "int6": 1, "int4": 2}
+
+
+class PlanePair:
+    """A layer's quantized KV planes (`--kv-cache-dtype fp8 | fp8_v4 | k6_v4`: kernels/kv_quant.py `KVPlane`s, K a
+    delta plane in fp8 or int6, V a plain fp8 one or an int4 one in the DCT basis) as the kernels address them,
+    checked once (kernels/cpu.py keeps one per pair of planes): each plane's codes' and scales' pointers and strides,
+    their kinds, V's basis. `of` gives None where the kernels do not apply (other formats, D past D_MAX, other
+    layouts, the library not built): the caller runs the general path. Like `Context` it holds the planes' tensors
+    (not the planes: kernels/cpu.py keys it on them), so the pointers stay valid while it lives."""
 
     __slots__ = ("tensors", "shape", "_args", "ptr")
 
     def __init__(self, k_plane, v_plane):
         planes = (k_plane, v_plane)
-        self.tensors = tuple(t for plane in planes for t in (plane.codes, plane.scales))
-        self.shape = tuple(k_plane.codes.shape)  # [P, N, S, Hkv, D]
+        basis = v_plane.basis
+        self.tensors = tuple(t for plane in planes for t in (plane.codes, plane.scales)) + (basis,)
+        self.shape = (*k_plane.codes.shape[:4], k_plane.head_dim)  # [P, N, S, Hkv, D]
         self._args = tuple((plane.codes.data_ptr(), _strides(plane.codes), plane.scales.data_ptr(),
-                            _strides(plane.scales)) for plane in planes)
-        (kc, kcs, ks, kss), (vc, vcs, vs, vss) = self._args
-        self.ptr = ctypes.pointer(_Fp8Kv(kc, kcs.data_ptr(), ks, kss.data_ptr(), vc, vcs.data_ptr(), vs, vss.data_ptr(),
-                                         self.shape[1]))
+                            _strides(plane.scales), PLANE_KINDS[plane.fmt.name], plane.basis) for plane in planes)
+        (kc, kcs, ks, kss, kk, _), (vc, vcs, vs, vss, vk, _) = self._args
+        self.ptr = ctypes.pointer(_KvPlanes(kc, kcs.data_ptr(), ks, kss.data_ptr(), vc, vcs.data_ptr(), vs,
+                                            vss.data_ptr(), self.shape[1], kk, vk,
+                                            None if basis is None else basis.data_ptr()))
 
     @staticmethod
-    def of(k_plane, v_plane) -> Fp8Pair | None:
+    def of(k_plane, v_plane) -> PlanePair | None:
         kf, vf = k_plane.fmt, v_plane.fmt
-        if not (kf.name == vf.name == "fp8" and kf.delta and not vf.delta and not kf.rotated and not vf.rotated
-                and available()):
+        if not (kf.delta and not kf.rotated and kf.name in ("fp8", "int6") and not vf.delta
+                and vf.rotated == (vf.name == "int4") and vf.name in ("fp8", "int4") and available()):
             return None
-        p, n, s, hkv, d = k_plane.codes.shape
-        for plane in (k_plane, v_plane):
-            if plane.codes.shape != (p, n, s, hkv, d) or plane.codes.stride(4) != 1 or not plane.codes.is_cpu \
-                    or plane.scales.dtype is not torch.float16 or plane.scales.shape != (p, n, s, hkv, 1) \
-                    or not plane.scales.is_cpu or plane.head_dim != d or d > D_MAX:
+        d = k_plane.head_dim
+        p, n, s, hkv = k_plane.codes.shape[:4]
+        if v_plane.head_dim != d or d > D_MAX or vf.rotated and (
+                v_plane.basis.dtype is not torch.float32 or v_plane.basis.shape != (d, d)
+                or not v_plane.basis.is_contiguous() or not v_plane.basis.is_cpu):
+            return None
+        for plane, fmt in ((k_plane, kf), (v_plane, vf)):
+            pairs = fmt.scale_shape(s, hkv, d)[2:]  # fp8: (1,); int: (groups, 2), the pairs contiguous
+            if plane.codes.shape != (p, n, s, hkv, fmt.code_bytes(d)) or plane.codes.stride(4) != 1 \
+                    or not plane.codes.is_cpu or plane.scales.dtype is not torch.float16 \
+                    or plane.scales.shape != (p, n, s, hkv, *pairs) or not plane.scales.is_cpu \
+                    or len(pairs) == 2 and plane.scales.stride()[4:] != (2, 1):
                 return None
-        return Fp8Pair(k_plane, v_plane)
+        return PlanePair(k_plane, v_plane)
 
-    def decode(self, q: torch.Tensor, reads: Fp8Reads, scale: float) -> torch.Tensor | None:
+    def decode(self, q: torch.Tensor, reads: PlaneReads, scale: float) -> torch.Tensor | None:
         """A decode step's attention over the planes read in place: q [B, Hq, D] fp32, one query a sequence,
-        `reads` the step's -> out [B, Hq, D] fp32, the reference attention's values within fp32 rounding. None
-        where q does not fit the kernel (not CPU fp32, more than G_MAX query heads a KV head)."""
+        `reads` the step's -> out [B, Hq, D] fp32, the reference attention's values within fp32 rounding (a
+        rotated V's sums made in its basis and brought back once). None where q does not fit the kernel (not CPU
+        fp32, more than G_MAX query heads a KV head)."""
         p, n, s, hkv, d = self.shape
         b, hq = q.shape[:2]
         if q.dtype is not torch.float32 or not q.is_cpu or q.shape[2] != d or hq % hkv or hq // hkv > G_MAX:
@@ -177,12 +198,12 @@ class Fp8Pair:
         q = q.contiguous()
         out = torch.empty(b, hq, d, dtype=torch.float32)
         if b:
-            cpu_blocks._lib().rad_decode_attention_fp8(
+            cpu_blocks._lib().rad_decode_attention_planes(
                 q.data_ptr(), self.ptr, reads.ids.data_ptr(), reads.ids.shape[1], reads.lens.data_ptr(), s, b, hq, hkv,
                 d, scale, out.data_ptr(), torch.get_num_threads())
         return out
 
-    def check(self, reads: Fp8Reads | None, slots: Fp8Slots | None, b: int) -> None:
+    def check(self, reads: PlaneReads | None, slots: PlaneSlots | None, b: int) -> None:
         """Raise ValueError unless a step's reads (of `b` sequences) and slots lie inside the planes."""
         p, n, s = self.shape[:3]
         if reads is not None:
@@ -194,12 +215,12 @@ class Fp8Pair:
         if slots is not None and slots.top > p * n * s:
             raise ValueError(f"slots must be in 0..{p * n * s - 1}, got {slots.slots.tolist()}")
 
-    def store(self, slots: Fp8Slots, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """`store(slots, k)` and `store(slots, v)` of the K and V planes (`KVPlane.store`'s bytes bit for bit,
-        cpu_attention.c `rad_store_fp8`), the rows without a slot left out: k, v [T, Hkv, D] fp32, `slots` the
-        step's. False, nothing written, where they are not CPU fp32 (the caller stores through `KVPlane.store`:
-        in torch ~10 ms of SmolLM2's b8 decode step at contexts of 1,000: its quantize, the delta's read of each
-        block's token 0, the index writes)."""
+    def store(self, slots: PlaneSlots, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """`store(slots, k)` and `store(slots, v)` of the K and V planes (`KVPlane.store`'s bytes bit for bit, a
+        rotated V's up to its rotation's last bit: cpu_attention.c `rad_store_plane`), the rows without a slot left
+        out: k, v [T, Hkv, D] fp32, `slots` the step's. False, nothing written, where they are not CPU fp32 (the
+        caller stores through `KVPlane.store`: in torch ~10 ms of SmolLM2's b8 decode step at contexts of 1,000
+        in fp8: its quantize, the delta's read of each block's token 0, the index writes)."""
         p, n, s, hkv, d = self.shape
         t = len(slots.slots)
         for x in (k, v):
@@ -208,16 +229,16 @@ class Fp8Pair:
         self.check(None, slots, 0)
         if not t:
             return True
-        for (codes, cs, scales, ss), x, delta in zip(self._args, (k, v), (1, 0)):
+        for (codes, cs, scales, ss, kind, basis), x, delta in zip(self._args, (k, v), (1, 0)):
             x = _rows(x)
-            cpu_blocks._lib().rad_store_fp8(x.data_ptr(), x.stride(0), slots.slots.data_ptr(), t, codes,
-                                            cs.data_ptr(), scales, ss.data_ptr(), n, s, hkv, d, delta,
-                                            torch.get_num_threads())
+            cpu_blocks._lib().rad_store_plane(x.data_ptr(), x.stride(0), slots.slots.data_ptr(), t, codes,
+                                              cs.data_ptr(), scales, ss.data_ptr(), n, s, hkv, d, kind, delta,
+                                              None if basis is None else basis.data_ptr(), torch.get_num_threads())
         return True
 
 
-class Fp8Reads:
-    """A decode step's block table and context lengths as `Fp8Pair.decode` reads them, checked once a step
+class PlaneReads:
+    """A decode step's block table and context lengths as `PlanePair.decode` reads them, checked once a step
     (kernels/cpu.py `_per_step`): ids [B, nb] int64 flat block ids, lens [B]; top: one past the highest block
     read (checked against each pair's blocks)."""
 
@@ -238,8 +259,8 @@ class Fp8Reads:
         self.top = int(read.max()) + 1 if len(read) else 0
 
 
-class Fp8Slots:
-    """A step's KV slots as `Fp8Pair.store` writes them, checked once a step (kernels/cpu.py `_per_step`):
+class PlaneSlots:
+    """A step's KV slots as `PlanePair.store` writes them, checked once a step (kernels/cpu.py `_per_step`):
     slots [T] int64 (negative: a row without a slot, not written; the others distinct); top: one past the highest
     slot."""
 
@@ -253,9 +274,11 @@ class Fp8Slots:
         self.top = int(written.max()) + 1 if len(written) else 0
 
 
-class _Fp8Kv(ctypes.Structure):  # cpu_kernels.h `rad_fp8_kv`
+class _KvPlanes(ctypes.Structure):  # cpu_kernels.h `rad_kv_planes`
     _fields_ = [(name, ctypes.c_void_p) for name in ("k_codes", "kcs", "k_scales", "kss", "v_codes", "vcs", "v_scales",
-                                                     "vss")] + [("per_page", ctypes.c_int64)]
+                                                     "vss")] + [(name, ctypes.c_int64) for name in
+                                                                ("per_page", "k_kind", "v_kind")] + [("basis",
+                                                                                                      ctypes.c_void_p)]
 
 
 def _strides(x: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
  * own products in the order the model makes them (model/llama.py, model/layers.py):
  *
  *   h = RMSNorm(x); [q | k | v] = h @ Wqkv.T; rad_decode_attention (RoPE, the new K/V rows written, each
- *   sequence's attention over its context in place; over fp8 planes rad_decode_attention_fp8_rotary: the
+ *   sequence's attention over its context in place; over quantized planes rad_decode_attention_planes_rotary: the
  *   same with the new rows quantized and the context read as codes); y = x + att @ Wo.T; h = RMSNorm(y);
  *   g = silu(h @ Wg.T) * (h @ Wu.T) (rad_blocks_swiglu, or two products and cpu_exp.h's silu where AMX takes
  *   the format: the op path's silu there is torch's, within 2 units of fp32 rounding);
@@ -34,8 +34,8 @@ typedef struct {
 } rad_dense_layer;
 
 /* a decode step's: where the context lies and where the new tokens go, in the cache's own addressing (a plain
- * cache's rows: cpu_attention.Context's block_rows and write_rows; fp8 planes: the flat block ids and the slots,
- * cpu_attention.Fp8Reads' and Fp8Slots'), -1 for no write; the rotation; scratch for T rows */
+ * cache's rows: cpu_attention.Context's block_rows and write_rows; quantized planes: the flat block ids and the slots,
+ * cpu_attention.PlaneReads' and PlaneSlots'), -1 for no write; the rotation; scratch for T rows */
 typedef struct {
     const int64_t *block_rows, *lens, *write_rows;
     int64_t nb, bs, r;
@@ -111,13 +111,13 @@ void rad_dense_layer_decode(const rad_dense_layer *L, const rad_decode_step *S, 
     layer_out(L, S, x, y, T, threads);
 }
 
-/* the same over a layer's fp8 planes `P` (S's block_rows the flat block ids, its write_rows the slots) */
-void rad_dense_layer_decode_fp8(const rad_dense_layer *L, const rad_decode_step *S, const rad_fp8_kv *P,
-                                const float *x, float *y, int64_t T, int threads) {
+/* the same over a layer's quantized planes `P` (S's block_rows the flat block ids, its write_rows the slots) */
+void rad_dense_layer_decode_planes(const rad_dense_layer *L, const rad_decode_step *S, const rad_kv_planes *P,
+                                   const float *x, float *y, int64_t T, int threads) {
     const int64_t qd = L->hq * L->d, nqkv = qd + 2 * L->hkv * L->d;
     layer_in(L, S, x, T, threads);
-    rad_decode_attention_fp8_rotary(S->qkv, nqkv, S->qkv + qd, nqkv, S->qkv + qd + L->hkv * L->d, nqkv, S->cos,
-                                    S->sin, S->r, S->write_rows, S->q_rot, S->k_rot, P, S->block_rows, S->nb, S->lens,
-                                    S->bs, T, L->hq, L->hkv, L->d, L->scale, S->att, threads);
+    rad_decode_attention_planes_rotary(S->qkv, nqkv, S->qkv + qd, nqkv, S->qkv + qd + L->hkv * L->d, nqkv, S->cos,
+                                       S->sin, S->r, S->write_rows, S->q_rot, S->k_rot, P, S->block_rows, S->nb,
+                                       S->lens, S->bs, T, L->hq, L->hkv, L->d, L->scale, S->att, threads);
     layer_out(L, S, x, y, T, threads);
 }

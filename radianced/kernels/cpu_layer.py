@@ -8,8 +8,8 @@ once a step. Values: the products and the attention are the op-by-op path's; the
 of fp32 rounding of the reference's (their sums of squares in another order); so is the silu where AMX takes the
 MLP's format (cpu_exp.h's there, torch's on the op path; elsewhere both are the fused SwiGLU's).
 
-Over `--kv-cache-dtype fp8` planes the attention is cpu_attention.c's over the planes (`DenseLayer.fp8`): the op
-path's rotation, store and attention of those planes, in the same call.
+Over quantized planes (`--kv-cache-dtype fp8 | fp8_v4 | k6_v4`) the attention is cpu_attention.c's over the planes
+(`DenseLayer.planes`): the op path's rotation, store and attention of those planes, in the same call.
 
 `DenseLayer` holds one layer's arguments (the weights' pointers and shapes, checked once); `Scratch` a decode
 step's (where its context lies and its new tokens go, the rotation's tables, buffers for its rows), made on the
@@ -23,7 +23,7 @@ import ctypes
 import torch
 
 from radianced.kernels import cpu_blocks
-from radianced.kernels.cpu_attention import G_MAX, Context, Fp8Pair, Fp8Reads, Fp8Slots
+from radianced.kernels.cpu_attention import G_MAX, Context, PlanePair, PlaneReads, PlaneSlots
 
 _i64 = ctypes.c_int64
 
@@ -46,24 +46,24 @@ def _declare() -> ctypes.CDLL | None:
     lib = cpu_blocks._lib() if cpu_blocks.available() else None
     if lib is None or not hasattr(lib, "rad_dense_layer_decode"):
         return None
-    fn, fp8 = lib.rad_dense_layer_decode, lib.rad_dense_layer_decode_fp8
+    fn, planes = lib.rad_dense_layer_decode, lib.rad_dense_layer_decode_planes
     if fn.argtypes is None:
         fn.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_Step), ctypes.c_void_p, _i64, ctypes.c_void_p,
                        ctypes.c_void_p, _i64, ctypes.c_int]
-        fp8.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_Step), ctypes.c_void_p, ctypes.c_void_p,
-                        ctypes.c_void_p, _i64, ctypes.c_int]
-        fn.restype = fp8.restype = None
+        planes.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_Step), ctypes.c_void_p, ctypes.c_void_p,
+                           ctypes.c_void_p, _i64, ctypes.c_int]
+        fn.restype = planes.restype = None
     return lib
 
 
 class Scratch:
     """A decode step's arguments for every layer: where its context lies and its new tokens go (a plain cache's
-    `Context`: the rows each sequence reads and writes; or fp8 planes' `Fp8Reads` and `Fp8Slots`: block ids and
-    slots), the rotation's cos and signed sin ([T, 1, R] fp32), and buffers for T rows of a model's widths."""
+    `Context`: the rows each sequence reads and writes; or quantized planes' `PlaneReads` and `PlaneSlots`: block
+    ids and slots), the rotation's cos and signed sin ([T, 1, R] fp32), and buffers for T rows of a model's widths."""
 
     __slots__ = ("dims", "cache", "keep", "args", "ptr")
 
-    def __init__(self, cache: Context | tuple[Fp8Reads, Fp8Slots], cos: torch.Tensor, sin: torch.Tensor,
+    def __init__(self, cache: Context | tuple[PlaneReads, PlaneSlots], cos: torch.Tensor, sin: torch.Tensor,
                  dims: tuple[int, int, int, int, int]):
         hidden, nqkv, qd, inter, d = dims
         if isinstance(cache, Context):
@@ -125,7 +125,7 @@ class DenseLayer:
             return None
         return DenseLayer(lib, norms, eps, mats, heads, scale)
 
-    def scratch(self, cache: Context | tuple[Fp8Reads, Fp8Slots], cos: torch.Tensor, sin: torch.Tensor,
+    def scratch(self, cache: Context | tuple[PlaneReads, PlaneSlots], cos: torch.Tensor, sin: torch.Tensor,
                 held: Scratch | None) -> Scratch:
         """`held` where it was made for this model's widths, else a new `Scratch` for this step."""
         return held if held is not None and held.dims == self.dims else Scratch(cache, cos, sin, self.dims)
@@ -135,7 +135,7 @@ class DenseLayer:
         ([R, Hkv * D] fp32, K from row 0, V `v_rows` further: kernels/cpu.py `_Rows`); scratch: a plain cache's."""
         context = scratch.cache
         if not isinstance(context, Context):
-            raise ValueError("this step's scratch addresses fp8 planes, not a plain cache's rows")
+            raise ValueError("this step's scratch addresses quantized planes, not a plain cache's rows")
         self._check(x, scratch)
         context.check_rows(flat, v_rows, self.hkv_d)
         y = torch.empty_like(x)
@@ -143,11 +143,11 @@ class DenseLayer:
                                         len(x), torch.get_num_threads())
         return y
 
-    def fp8(self, x: torch.Tensor, scratch: Scratch, pair: Fp8Pair) -> torch.Tensor:
-        """The layer over fp8 planes (`Fp8Pair`; scratch made for them): x [T, hidden] contiguous fp32 -> its output
-        [T, hidden], the new K and V rows stored into the planes."""
+    def planes(self, x: torch.Tensor, scratch: Scratch, pair: PlanePair) -> torch.Tensor:
+        """The layer over quantized planes (`PlanePair`; scratch made for them): x [T, hidden] contiguous fp32 -> its
+        output [T, hidden], the new K and V rows stored into the planes."""
         if isinstance(scratch.cache, Context):
-            raise ValueError("this step's scratch addresses a plain cache's rows, not fp8 planes")
+            raise ValueError("this step's scratch addresses a plain cache's rows, not quantized planes")
         reads, slots = scratch.cache
         if pair.shape[3] * pair.shape[4] != self.hkv_d or pair.shape[4] != self.dims[4]:
             raise ValueError(f"the planes hold {pair.shape[3]} heads of {pair.shape[4]}; the layer's KV is "
@@ -155,8 +155,8 @@ class DenseLayer:
         self._check(x, scratch)
         pair.check(reads, slots, len(x))
         y = torch.empty_like(x)
-        self.lib.rad_dense_layer_decode_fp8(self.ptr, scratch.ptr, pair.ptr, x.data_ptr(), y.data_ptr(), len(x),
-                                            torch.get_num_threads())
+        self.lib.rad_dense_layer_decode_planes(self.ptr, scratch.ptr, pair.ptr, x.data_ptr(), y.data_ptr(), len(x),
+                                               torch.get_num_threads())
         return y
 
     def _check(self, x: torch.Tensor, scratch: Scratch) -> None:

@@ -4,8 +4,8 @@ A tiny random Llama converted with its layers in q8_0 (`--quantize layers=int8`)
 the block kernels read, decoded greedily (tests/greedy.py: a batch of prompts of different lengths, so the
 contexts differ) with the fused layer and with it off (`ops.dense_layer` bound to the reference's, which
 declines): the logits agree to fp32 rounding (the fused RMSNorm's sums run in another order), the greedy tokens
-are the same, and the KV cache the steps wrote agrees too; over a plain fp32 cache and over `--kv-cache-dtype
-fp8` planes (the fused layer's attention then cpu_attention.c's over the planes). SmolLM2 on the fused layer is held to transformers by
+are the same, and the KV cache the steps wrote agrees too; over a plain fp32 cache and over each quantized cache's
+planes (`--kv-cache-dtype fp8 | fp8_v4 | k6_v4`: the fused layer's attention then cpu_attention.c's over them). SmolLM2 on the fused layer is held to transformers by
 tests/model/test_smollm2_compact.py (64 greedy tokens, no ties)."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _decode(path, fused: bool, monkeypatch, kv_dtype: str = "auto"):
     return trace, cache, model
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "fp8_v4", "k6_v4"])
 def test_a_decode_layer_in_one_call_is_the_layer_of_ops(tiny_llama, monkeypatch, kv_dtype):
     calls = []
     monkeypatch.setattr(ops, "dense_layer", lambda *a: calls.append(cpu.dense_layer(*a)) or calls[-1])
@@ -56,7 +56,7 @@ def test_a_decode_layer_in_one_call_is_the_layer_of_ops(tiny_llama, monkeypatch,
     assert fused.tokens == ops_trace.tokens
     for a, b in zip(fused.logits, ops_trace.logits):
         assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())
-    # fp32 values within the RMSNorm's rounding; fp8 planes' bytes equal (a code could move with such a difference;
+    # fp32 values within the RMSNorm's rounding; the planes' bytes equal (a code could move with such a difference;
     # in these cases none does)
     torch.testing.assert_close(fused_cache.storage, ops_cache.storage, rtol=0, atol=1e-5)
 
