@@ -304,23 +304,44 @@ static inline void fp8_values(const uint8_t *c, float s, int64_t d, float *out) 
     }
 }
 
-/* an int plane's d values of one token-head: codes c (int4 two a byte, the even dim in the low nibble; int6 four
- * in three bytes, little-endian, dim 0 lowest) and per group of GROUP dims an fp16 (step, min) at sm:
- * q * step + min, each product and sum rounded once: kernels/kv_quant.py `int_dequantize`'s, bit for bit */
+/* an int plane's code of dim i: int4 two a byte, the even dim in the low nibble; int6 four in three bytes,
+ * little-endian, dim 0 lowest */
+static inline uint32_t int_code(const uint8_t *c, int kind, int64_t i) {
+    if (kind == PLANE_INT4) return c[i / 2] >> (4 * (i & 1)) & 15u;
+    const uint8_t *w = c + 3 * (i / 4);
+    return ((uint32_t)w[0] | (uint32_t)w[1] << 8 | (uint32_t)w[2] << 16) >> (6 * (i & 3)) & 63u;
+}
+
+#ifdef __AVX2__
+/* the codes of dims i .. i + 7 (i a multiple of 8) as 8 int32 lanes */
+static inline __m256i int_codes8(const uint8_t *c, int kind, int64_t i) {
+    if (kind == PLANE_INT4) { /* 4 bytes: each byte's low nibble, then its high one */
+        uint32_t w;
+        memcpy(&w, c + i / 2, sizeof w);
+        const __m256i b = _mm256_srlv_epi32(_mm256_set1_epi32((int)w), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+        return _mm256_and_si256(b, _mm256_set1_epi32(15));
+    }
+    const uint8_t *b = c + 3 * (i / 4); /* 6 bytes: two 24-bit words of four codes each */
+    const int w0 = b[0] | b[1] << 8 | b[2] << 16, w1 = b[3] | b[4] << 8 | b[5] << 16;
+    const __m256i w = _mm256_setr_epi32(w0, w0, w0, w0, w1, w1, w1, w1);
+    return _mm256_and_si256(_mm256_srlv_epi32(w, _mm256_setr_epi32(0, 6, 12, 18, 0, 6, 12, 18)),
+                            _mm256_set1_epi32(63));
+}
+#endif
+
+/* an int plane's d values of one token-head: codes c (`int_code`) and per group of GROUP dims an fp16 (step, min)
+ * at sm: q * step + min, each product and sum rounded once: kernels/kv_quant.py `int_dequantize`'s, bit for bit */
 static inline void int_values(const uint8_t *c, const uint16_t *sm, int kind, int64_t d, float *out) {
     for (int64_t g0 = 0; g0 < d; g0 += GROUP) {
         const float step = half_float(sm[2 * (g0 / GROUP)]), lo = half_float(sm[2 * (g0 / GROUP) + 1]);
         const int64_t end = g0 + GROUP < d ? g0 + GROUP : d;
-        for (int64_t i = g0; i < end; i++) {
-            uint32_t q;
-            if (kind == PLANE_INT4) {
-                q = c[i / 2] >> (4 * (i & 1)) & 15u;
-            } else {
-                const uint8_t *w = c + 3 * (i / 4);
-                q = ((uint32_t)w[0] | (uint32_t)w[1] << 8 | (uint32_t)w[2] << 16) >> (6 * (i & 3)) & 63u;
-            }
-            out[i] = (float)q * step + lo;
-        }
+        int64_t i = g0;
+#ifdef __AVX2__
+        const __m256 sv = _mm256_set1_ps(step), mv = _mm256_set1_ps(lo);
+        for (; i + 8 <= end; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(int_codes8(c, kind, i)), sv), mv));
+#endif
+        for (; i < end; i++) out[i] = (float)int_code(c, kind, i) * step + lo;
     }
 }
 
