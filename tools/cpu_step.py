@@ -1,9 +1,10 @@
 """Where a host-backend decode step's time goes: the engine in-process, each part of the step timed.
 
-    python tools/cpu_step.py MODEL.rad [--batch 1] [--threads 1] [--steps 30] [--profile]
+    python tools/cpu_step.py MODEL.rad [--batch 1] [--threads 1] [--steps 30] [--context 40]
+                                       [--kv-cache-dtype auto] [--profile]
 
-Builds the engine as `Engine.build` does on the CPU, starts `--batch` greedy requests on distinct
-40-token prompts, runs 3 steps (the prefill and two decodes), then times `--steps` decode steps
+Builds the engine as `Engine.build` does on the CPU (with `--kv-cache-dtype`), starts `--batch` greedy requests
+on distinct `--context`-token prompts, runs their prefill and two decode steps, then times `--steps` decode steps
 (`Engine.step`): the median step, and per step the time inside each wrapped part (the ops the model
 calls through `kernels.ops`, the lm_head, the sampler, the scheduler; nested parts count in their
 parents: "linear" includes the lm_head's projection). `--profile` also prints torch.profiler's
@@ -55,15 +56,20 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--context", type=int, default=40, help="prompt tokens of each request")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    engine = Engine.build(RadFile.open(args.model), Config(max_num_seqs=max(8, args.batch), max_model_len=4096),
-                          Card.from_mib(4096), "cpu")
+    cfg = Config(max_num_seqs=max(8, args.batch), max_model_len=max(4096, args.context + args.steps + 64),
+                 kv_cache_dtype=args.kv_cache_dtype)
+    engine = Engine.build(RadFile.open(args.model), cfg, Card.from_mib(4096), "cpu")
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)
     for i in range(args.batch):
-        engine.add(Request(f"r{i}", tuple(prompt_ids(40, f"p{i}")), params))
-    for _ in range(3):
+        engine.add(Request(f"r{i}", tuple(prompt_ids(args.context, f"p{i}")), params))
+    while engine.scheduler.waiting or any(s.num_computed_tokens < args.context for s in engine.scheduler.running):
+        engine.step()  # the prefill, in as many chunks as it takes
+    for _ in range(2):
         engine.step()
     totals: dict[str, float] = defaultdict(float)
     for name in ("linear", "silu_mlp", "rotary_paged_attention", "rms_norm"):
@@ -86,8 +92,8 @@ def main() -> None:
         times.append(time.perf_counter() - t)
     if prof is not None:
         prof.__exit__(None, None, None)
-    print(f"batch {args.batch}, {args.threads} thread(s): median step {1e3 * statistics.median(times):.2f} ms "
-          f"(min {1e3 * min(times):.2f}) over {args.steps} steps")
+    print(f"batch {args.batch}, {args.threads} thread(s), context {args.context}, kv {args.kv_cache_dtype}: median "
+          f"step {1e3 * statistics.median(times):.2f} ms (min {1e3 * min(times):.2f}) over {args.steps} steps")
     for label, seconds in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"  {label:36s} {1e3 * seconds / args.steps:8.2f} ms/step")
     if prof is not None:
