@@ -84,6 +84,21 @@ def test_layers_it_does_not_run_are_left_to_the_ops(tiny_llama, tmp_path):
         assert fused(x, scratch, torch.zeros(16, 32), 8).shape == (1, 64)
         with pytest.raises(ValueError, match="R even and at most 16"):
             fused.scratch(context, torch.ones(1, 1, 18), torch.ones(1, 1, 18), None)
+        # a quantized cache's scratch (block ids and slots) for its planes, and neither for the other
+        cache = KVCache.allocate(rad.model, num_blocks=4, block_size=4, num_state_slots=1, dtype=torch.float32,
+                                 kv_dtype="k6_v4")
+        pair = cpu.cpu_attention.PlanePair.of(*cache.layer(0))
+        reads = cpu.cpu_attention.PlaneReads(torch.tensor([[0, 1]]), [6], 1, 4)
+        planes_scratch = fused.scratch((reads, cpu.cpu_attention.PlaneSlots(torch.tensor([5]))), cos, sin, None)
+        assert fused.planes(x, planes_scratch, pair).shape == (1, 64)
+        with pytest.raises(ValueError, match="addresses quantized planes"):
+            fused(x, planes_scratch, torch.zeros(16, 32), 8)
+        with pytest.raises(ValueError, match="addresses a plain cache's rows"):
+            fused.planes(x, scratch, pair)
+        far = cpu.cpu_attention.PlaneReads(torch.tensor([[0, 4]]), [6], 1, 4)  # block 4 of a 4-block cache
+        with pytest.raises(ValueError, match="outside the cache's 4 blocks"):
+            fused.planes(x, fused.scratch((far, cpu.cpu_attention.PlaneSlots(torch.tensor([5]))), cos, sin, None),
+                         pair)
         # past its products' gemm_rows the op path dequantizes for torch's GEMM (other sums): declined there
         limits = [m.gemm_rows for m in fused.keep[1] if m.gemm_rows is not None]
         assert fused.rows == (min(limits) if limits else None)
