@@ -12,8 +12,8 @@ GB/s against the 55.3 probed (bench/README, session 29).
    first R (the staging buffer's rows) get a row each. It writes the step's pointer table: each
    expert's address, a slot, its staging row, or (past R) its host row, read in place as before;
    and each staged expert's host address.
-2. copy (R x chunks programs; those past the step's count return at once): staging row j <- the
-   host row of the j-th staged expert, in 16-byte words.
+2. copy (min(R, T * k) x chunks programs; those past the step's count return at once): staging row j
+   <- the host row of the j-th staged expert, in 16-byte words.
 The MoE then reads the pointer table (`moe_ptr`'s path): the same bytes, so the same result, bit
 for bit. An expert routed to several tokens crosses the link once.
 """
@@ -114,7 +114,8 @@ def stage_misses(topk_ids: torch.Tensor, table: torch.Tensor, slab: torch.Tensor
     _plan_kernel[(1,)](ids, table, slab, host, staging, out, src, count, ids.numel(), table.shape[0], host.shape[0],
                        slab.stride(0), host.stride(0), staging.stride(0), rows,
                        BLOCK_A=block_a, BLOCK_E=max(16, min(128, _PLAN_PAIRS // block_a)), num_warps=4)
-    _copy_kernel[(rows, triton.cdiv(width, _COPY_BYTES))](
+    # a call stages at most its distinct routed experts: no more copy programs than its assignments
+    _copy_kernel[(min(rows, max(ids.numel(), 1)), triton.cdiv(width, _COPY_BYTES))](
         src, count, staging.view(torch.int32), staging.stride(0) // 16, width // 16,
         CHUNK_WORDS=_COPY_BYTES // 4, BLOCK=_COPY_WORDS, num_warps=4)
     return out
