@@ -13,7 +13,7 @@ For each torch thread count (RADIANCED_CPU_THREADS for the daemon, torch.set_num
   with its Q4_1 / Q8_0 blocks kept: model/default.py) through HTTP: c = 1, 2, 4, 8 concurrent streamed greedy completions of `--tokens` tokens
   (ignore_eos) on distinct prompts; aggregate tok/s (tokens / wall), per-request decode tok/s
   (1 / TPOT), TTFT; the RSS of the daemon and its HTTP front at idle and its peak under load (psutil, every
-  50 ms);
+  50 ms, during one more pass at the largest c: sampled during the timed rows it took 10-15% of their tok/s);
   /health's worst latency while a 1,500-token prompt prefills (the event loop's responsiveness);
 - transformers `generate` (fp32, the same GGUF, greedy, `--tokens` new tokens, min_new_tokens
   the same) at batch 1 and 8 on one 40-token prompt, run after the daemon has stopped, in a
@@ -157,8 +157,11 @@ def bench_daemon(model: Path, threads: int, tokens: int, concurrency: list[int])
         asyncio.run(_concurrent(daemon.url, 1, 8, "warm"))
         time.sleep(1.0)
         idle = tree_rss_mib(psutil.Process(daemon.proc.pid))
-        watch = RssWatch(daemon.proc.pid)
         rows = [asyncio.run(_concurrent(daemon.url, c, tokens, f"t{threads}c{c}")) for c in concurrency]
+        # the peak under load from a pass of its own: sampling during the timed rows took 10-15% of their tok/s
+        # on the 2-core machine (its thread steals a core's time from the step's OpenMP team)
+        watch = RssWatch(daemon.proc.pid)
+        asyncio.run(_concurrent(daemon.url, max(concurrency), tokens, f"t{threads}rss"))
         peak = watch.stop()
         health = asyncio.run(_health_during_prefill(daemon.url))
     finally:
