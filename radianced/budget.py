@@ -34,12 +34,10 @@ from dataclasses import dataclass
 import msgspec
 
 from radianced.card import Card, MiB, align_up
-from radianced.charges import FixedCharges, fixed_charges
+from radianced.charges import FixedCharges, fixed_charges, miss_staging
 from radianced.config import Config, ConfigError
 from radianced.receipt import Part, Receipt, fmt_mib
-from radianced.sizing import (
-    BLOCK_TOKENS, ModelFacts, PagingGroup, kv_pages, miss_staging, page_bytes, paging_groups,
-)
+from radianced.sizing import BLOCK_TOKENS, ModelFacts, PagingGroup, kv_pages, page_bytes, paging_groups
 
 # Pinned host rows that O_DIRECT expert reads land in on their way to the card: reads in flight at a
 # time for the disk tier, fewer when the file is read only to fill the slots at start.

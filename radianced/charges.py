@@ -28,7 +28,7 @@ headroom first and divides what is left (`FixedCharges.elastic`) by placement mo
   per paging group); the expert pointer table (int64 per layer and expert). With
   experts on disk a placement mode adds the two disk-tier buffers (one layer's
   routed experts each). GGUF experts that may live in the host pool get the
-  card's miss staging rows (sizing.py `miss_staging`, kernels/stage.py).
+  card's miss staging rows (`miss_staging`, kernels/stage.py).
 """
 
 from __future__ import annotations
@@ -39,11 +39,10 @@ from dataclasses import dataclass
 from radianced.card import Card, MiB, align_up
 from radianced.config import Config
 from radianced.graph_shapes import mixed_buckets_of, mixed_logits_rows, no_graphs
-from radianced.kernels.formats import is_compact
+from radianced.kernels.formats import is_compact, is_staged
 from radianced.receipt import Part, fmt_mib
 from radianced.sizing import (
-    FP32, SAMPLER_BYTES, WEIGHT_CLASSES, ModelFacts, PagingGroup, activation_bytes, logits_bytes, miss_staging,
-    recurrent_bytes_per_copy,
+    FP32, SAMPLER_BYTES, WEIGHT_CLASSES, ModelFacts, PagingGroup, activation_bytes, logits_bytes, recurrent_bytes_per_copy,
 )
 
 LIBRARY_BYTES = 32 * MiB  # cuBLAS/cuBLASLt workspaces and Triton scratch
@@ -93,6 +92,22 @@ def fixed_charges(card: Card, facts: ModelFacts, cfg: Config, groups: tuple[Pagi
     state = tuple(_state(facts, cfg, groups, max_model_len, card))
     elastic = card.free_bytes - headroom - sum(p.bytes for p in weights + workspace + state)
     return FixedCharges(headroom, flag, weights, host_weights, idle, workspace, state, elastic)
+
+
+# Experts one MoE call copies in from the host pool at most (kernels/stage.py; more are read in place). The
+# headline's 24 GiB card (int4 Qwen3-Next, 88% hits) misses ~10 experts a layer at b8 of its 80 assignments.
+MISS_STAGING_ROWS = 64
+
+
+def miss_staging(facts: ModelFacts, cfg: Config, cuda: bool) -> tuple[int, int]:
+    """(rows, bytes a row) of the card's buffer that a MoE call copies its routed host-pool experts into
+    before reading them (kernels/stage.py): on a CUDA card whose experts may live in the host pool (a
+    placement other than resident, --host-pool-mib > 0), every extent in a staged format
+    (`formats.is_staged`: GGUF blocks); (0, 0) otherwise. A row is the widest extent in 16-byte words."""
+    if not (cuda and facts.expert_count and cfg.placement != "resident" and cfg.host_pool_mib > 0
+            and facts.expert_formats and all(is_staged(f) for f in facts.expert_formats)):
+        return 0, 0
+    return min(facts.experts_per_layer, MISS_STAGING_ROWS), (facts.expert_extent_bytes + 15) // 16 * 16
 
 
 def recurrent_state_charge(per_copy_bytes: int, seqs: int, speculative: int) -> int:

@@ -79,7 +79,7 @@ class Receipt:
     full_sessions: max_model_len sequences the KV pool holds at once.
     worst_case_percent: kv_pool_tokens as a percentage of max_num_seqs x max_model_len.
     miss_staging: (rows, bytes a row) of the card's buffer for a MoE call's host-pool misses
-        (sizing.py `miss_staging`; charged in `state`), (0, 0) for none.
+        (charges.py `miss_staging`; charged in `state`), (0, 0) for none.
     """
 
     placement: str

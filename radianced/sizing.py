@@ -40,7 +40,7 @@ from fractions import Fraction
 
 from radianced.card import MiB, align_up
 from radianced.config import Config
-from radianced.kernels.formats import CPU_BLOCKS, is_compact, is_staged
+from radianced.kernels.formats import CPU_BLOCKS, is_compact
 from radianced.kernels.kv_formats import KV_FORMATS
 from radianced.model.config import ModelConfig
 from radianced.model_elements import class_elements
@@ -314,24 +314,6 @@ def recurrent_bytes_per_copy(m: ModelConfig, act: int) -> int:
     recurrent = m.linear_num_value_heads * m.linear_key_head_dim * m.linear_value_head_dim * FP32
     conv = channels * (m.linear_conv_kernel_dim - 1) * act
     return len(m.linear_attention_layers) * (recurrent + conv)
-
-
-# -- the card's staging of host-pool misses ------------------------------------
-
-# Experts one MoE call copies in from the host pool at most (kernels/stage.py; more are read in place). The
-# headline's 24 GiB card (int4 Qwen3-Next, 88% hits) misses ~10 experts a layer at b8 of its 80 assignments.
-MISS_STAGING_ROWS = 64
-
-
-def miss_staging(facts: ModelFacts, cfg: Config, cuda: bool) -> tuple[int, int]:
-    """(rows, bytes a row) of the card's buffer that a MoE call copies its routed host-pool experts into
-    before reading them (kernels/stage.py): on a CUDA card whose experts may live in the host pool (a
-    placement other than resident, --host-pool-mib > 0), every extent in a staged format
-    (`formats.is_staged`: GGUF blocks); (0, 0) otherwise. A row is the widest extent in 16-byte words."""
-    if not (cuda and facts.expert_count and cfg.placement != "resident" and cfg.host_pool_mib > 0
-            and facts.expert_formats and all(is_staged(f) for f in facts.expert_formats)):
-        return 0, 0
-    return min(facts.experts_per_layer, MISS_STAGING_ROWS), (facts.expert_extent_bytes + 15) // 16 * 16
 
 
 # -- pages and paging groups ------------------------------------------------

@@ -143,7 +143,7 @@ def test_gguf_experts_with_a_host_pool_get_the_cards_miss_staging_rows(tmp_path,
     pool (a row an expert of a layer, up to MISS_STAGING_ROWS, each the widest extent in 16-byte words,
     in whole allocator units); not for plain experts, under --placement resident, without a host pool or
     on the CPU."""
-    from radianced.sizing import MISS_STAGING_ROWS
+    from radianced.charges import MISS_STAGING_ROWS
 
     src = write_qwen3moe_gguf(tmp_path / "m.gguf", stack_types=stack_types)
     convert_gguf(src, tmp_path / "c.rad", None, compact=True)

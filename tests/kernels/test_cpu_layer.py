@@ -5,8 +5,9 @@ the block kernels read, decoded greedily (tests/greedy.py: a batch of prompts of
 contexts differ) with the fused layer and with it off (`ops.dense_layer` bound to the reference's, which
 declines): the logits agree to fp32 rounding (the fused RMSNorm's sums run in another order), the greedy tokens
 are the same, and the KV cache the steps wrote agrees too; over a plain fp32 cache and over each quantized cache's
-planes (`--kv-cache-dtype fp8 | fp8_v4 | k6_v4`: the fused layer's attention then cpu_attention.c's over them). SmolLM2 on the fused layer is held to transformers by
-tests/model/test_smollm2_compact.py (64 greedy tokens, no ties)."""
+planes (`--kv-cache-dtype fp8 | fp8_v4 | k6_v4`: the fused layer's attention then cpu_attention.c's over them).
+SmolLM2 on the fused layer is held to transformers by tests/model/test_smollm2_compact.py (64 greedy tokens, no
+ties)."""
 
 from __future__ import annotations
 
