@@ -528,7 +528,7 @@ static inline void int_put(const float *x, int64_t d, int kind, uint8_t *codes, 
         sm[2 * (g0 / GROUP) + 1] = lo16;
         for (int64_t i = g0; i < end; i++) {
             float y = st > 0.0f ? nearbyintf((x[i] - m) / st) : 0.0f;
-            y = y < 0.0f ? 0.0f : y > top ? top : y;
+            y = y >= 0.0f ? (y > top ? top : y) : 0.0f; /* a NaN (a NaN in the group) codes 0, not undefined */
             q[i] = (uint8_t)y;
         }
     }
