@@ -36,13 +36,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from radianced.card import Card, MiB, align_up
+from radianced.card import Card, MiB
 from radianced.config import Config
 from radianced.graph_shapes import mixed_buckets_of, mixed_logits_rows, no_graphs
 from radianced.kernels.formats import is_compact, is_staged
 from radianced.receipt import Part, fmt_mib
 from radianced.sizing import (
-    FP32, SAMPLER_BYTES, WEIGHT_CLASSES, ModelFacts, PagingGroup, activation_bytes, logits_bytes, recurrent_bytes_per_copy,
+    FP32, SAMPLER_BYTES, WEIGHT_CLASSES, ModelFacts, PagingGroup, activation_bytes, allocator_tail, logits_bytes,
+    recurrent_bytes_per_copy, slot_bytes,
 )
 
 LIBRARY_BYTES = 32 * MiB  # cuBLAS/cuBLASLt workspaces and Triton scratch
@@ -102,9 +103,10 @@ MISS_STAGING_ROWS = 64
 def miss_staging(facts: ModelFacts, cfg: Config, cuda: bool) -> tuple[int, int]:
     """(rows, bytes a row) of the card's buffer that a MoE call copies its routed host-pool experts into
     before reading them (kernels/stage.py): on a CUDA card whose experts may live in the host pool (a
-    placement other than resident, --host-pool-mib > 0), every extent in a staged format
+    placement other than resident, a --host-pool-mib that holds one), every extent in a staged format
     (`formats.is_staged`: GGUF blocks); (0, 0) otherwise. A row is the widest extent in 16-byte words."""
-    if not (cuda and facts.expert_count and cfg.placement != "resident" and cfg.host_pool_mib > 0
+    if not (cuda and facts.expert_count and cfg.placement != "resident"
+            and cfg.host_pool_mib * MiB >= slot_bytes(facts.expert_extent_bytes)
             and facts.expert_formats and all(is_staged(f) for f in facts.expert_formats)):
         return 0, 0
     return min(facts.experts_per_layer, MISS_STAGING_ROWS), (facts.expert_extent_bytes + 15) // 16 * 16
@@ -283,7 +285,7 @@ def _state(facts: ModelFacts, cfg: Config, groups: tuple[PagingGroup, ...], L: i
         yield Part("expert pointers", layers * experts * EXPERT_POINTER,
                    f"{layers} layers x {experts} experts x {EXPERT_POINTER} B")
     rows, row = miss_staging(facts, cfg, card.cuda)
-    if rows:
-        yield Part("miss staging", align_up(rows * row, card.alloc_granule),
+    if rows:  # one tensor (tiers/slab.py), held as the caching allocator holds it
+        yield Part("miss staging", rows * row + allocator_tail(rows * row),
                    f"{rows} experts x {fmt_mib(row)}: a layer's host-pool misses copied to the card before "
                    f"they are read (GGUF blocks read in place cross the link slowly)")

@@ -141,9 +141,10 @@ def test_a_card_charges_a_compact_table_dense_and_every_other_compact_matrix_as_
 def test_gguf_experts_with_a_host_pool_get_the_cards_miss_staging_rows(tmp_path, stack_types, staged):
     """kernels/stage.py's buffer: charged in the state on a CUDA card where GGUF experts may live in the host
     pool (a row an expert of a layer, up to MISS_STAGING_ROWS, each the widest extent in 16-byte words,
-    in whole allocator units); not for plain experts, under --placement resident, without a host pool or
-    on the CPU."""
+    one tensor as the caching allocator holds it); not for plain experts, under --placement resident,
+    without a host pool or on the CPU."""
     from radianced.charges import MISS_STAGING_ROWS
+    from radianced.sizing import allocator_tail
 
     src = write_qwen3moe_gguf(tmp_path / "m.gguf", stack_types=stack_types)
     convert_gguf(src, tmp_path / "c.rad", None, compact=True)
@@ -157,7 +158,7 @@ def test_gguf_experts_with_a_host_pool_get_the_cards_miss_staging_rows(tmp_path,
         return
     rows, row = min(facts.experts_per_layer, MISS_STAGING_ROWS), (facts.expert_extent_bytes + 15) // 16 * 16
     assert receipt.miss_staging == (rows, row) and row % 16 == 0 and row >= facts.expert_extent_bytes
-    assert part.bytes == -(-rows * row // card.alloc_granule) * card.alloc_granule
+    assert part.bytes == rows * row + allocator_tail(rows * row)  # one tensor, as the caching allocator holds it
     assert f"state miss staging: {part.bytes / MiB:.2f} MiB ({rows} experts x {row / MiB:.2f} MiB" in \
         "\n".join(receipt.lines())
     for cfg, on in ((Config(host_pool_mib=64, placement="resident"), card), (Config(host_pool_mib=0), card),

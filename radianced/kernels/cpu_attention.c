@@ -452,7 +452,8 @@ void rad_decode_attention_planes(const float *q, const rad_kv_planes *P, const i
 /* -- quantized planes written: kernels/kv_quant.py `KVPlane.store`, its bytes bit for bit (a rotated plane's up to
  * its rotation's last bit: a sum over the dims in order, where the reference is a torch matmul) ------------- */
 
-/* float -> fp16 bits, rounded to nearest even (F16C's, or by hand: finite inputs below 65520 only, as here) */
+/* float -> fp16 bits, rounded to nearest even: F16C's, or by hand (a NaN as fp16's quiet NaN, magnitudes from
+ * 65520 on, which round past fp16's largest, as infinities) */
 static inline uint16_t float_half(float x) {
 #ifdef __F16C__
     return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
@@ -461,6 +462,8 @@ static inline uint16_t float_half(float x) {
     memcpy(&b, &x, sizeof b);
     const uint16_t sign = (uint16_t)(b >> 16 & 0x8000);
     const float a = fabsf(x);
+    if (a != a) return sign | 0x7E00;
+    if (a >= 65520.0f) return sign | 0x7C00;
     if (a < 0x1p-14f) return sign | (uint16_t)nearbyintf(a * 0x1p24f); /* subnormal: units of 2^-24 */
     memcpy(&b, &a, sizeof b);
     uint32_t h = ((b >> 23) - 112) << 10 | (b >> 13 & 1023), rem = b & 0x1FFF; /* a carry moves the exponent */

@@ -89,8 +89,8 @@ def stage_misses(topk_ids: torch.Tensor, table: torch.Tensor, slab: torch.Tensor
     to `staging` first (up to its rows; the rest point at their host rows, read in place).
 
     topk_ids: [T, k] int; table: [E] int64, entry >= 0 a row of slab, < 0 row -1 - entry of host
-    (`moe`'s table); slab, host: uint8 rows of compact extents, 16 bytes apart; staging: uint8
-    [R, W], W a multiple of 16 and at least host's width, rows 16 bytes apart: each staged
+    (`moe`'s table); slab, host: uint8 rows of compact extents, 16-byte aligned; staging: uint8
+    [R, W], W a multiple of 16 and at least host's width, rows 16-byte aligned: each staged
     expert's first W bytes are copied (host rows at least W bytes apart: an extent's row, read in
     whole 16-byte words). Entries past host's rows are left as they are (not staged). No host sync."""
     if staging.dtype != torch.uint8 or host.dtype != torch.uint8 or slab.dtype != torch.uint8:
@@ -98,10 +98,12 @@ def stage_misses(topk_ids: torch.Tensor, table: torch.Tensor, slab: torch.Tensor
                          f"{staging.dtype}")
     width = staging.shape[1] if staging.dim() == 2 else 0
     if not width or width % 16 or width < host.shape[1] or host.stride(0) < width or staging.stride(1) != 1 \
-            or host.stride(1) != 1 or staging.stride(0) % 16 or host.stride(0) % 16 or slab.stride(0) % 16:
+            or host.stride(1) != 1 or staging.stride(0) % 16 or host.stride(0) % 16 or slab.stride(0) % 16 \
+            or any(t.data_ptr() % 16 for t in (slab, host, staging)):
         raise ValueError(f"staging {tuple(staging.shape)} must be [R, W], W a multiple of 16 bytes at least host's "
                          f"{host.shape[1]} and at most its row stride {host.stride(0)}; slab, host and staging rows "
-                         f"16 bytes apart (strides {slab.stride()}, {host.stride()}, {staging.stride()})")
+                         f"16-byte aligned (strides {slab.stride()}, {host.stride()}, {staging.stride()}; the "
+                         f"kernels read every row of the step's pointer table in 16-byte words)")
     if staging.device != slab.device or table.device != slab.device or topk_ids.device != slab.device:
         raise ValueError(f"staging ({staging.device}), table ({table.device}) and ids ({topk_ids.device}) must be on "
                          f"the slab's device {slab.device}")

@@ -205,6 +205,7 @@ def test_the_c_store_writes_kvplane_stores_bytes(hkv, d, kv_dtype):
         x[-1, -1, 1:] = 1e-30  # fp32 values far under E4M3's smallest step, an fp16 step's
         if kv_dtype == "fp8":
             x[-1, -1, 0] = 65504.0 * 448  # fp16's largest finite scale
+            x[-2, 0, :2] = torch.tensor([-1e8, 3.0])  # a scale past fp16's: inf, every code a (signed) zero
         for (kc, vc), c_path in zip(planes, (False, True)):
             if c_path:
                 assert store_planes(kc, vc, slots, x, x)

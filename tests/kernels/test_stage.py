@@ -41,6 +41,31 @@ def test_the_routed_host_experts_are_copied_in_id_order_up_to_the_staging_rows()
     assert torch.equal(staging[0], host[3]) and torch.equal(staging[1], host[2])
 
 
+def test_the_ranks_carry_across_the_plans_chunks_of_experts():
+    """200 experts (the plan ranks 64 at a time at 128 assignments), about half in host rows, 16 tokens x top-8, 30
+    staging rows: the first 30 routed host experts in id order are staged wherever their chunk, the rest stay at
+    their host rows, and entries past the host's rows are left alone."""
+    g = torch.Generator().manual_seed(3)
+    e, rows = 200, 30
+    slab, host = _rows(e, 11).to(DEVICE), _rows(120, 12).to(DEVICE)
+    staging = torch.zeros((rows, WIDTH), dtype=torch.uint8, device=DEVICE)
+    in_host = torch.rand(e, generator=g) < 0.5
+    table = torch.where(in_host, -1 - torch.randint(0, 130, (e,), generator=g), torch.arange(e))  # rows >= 120: past
+    ids = torch.stack([torch.randperm(e, generator=g)[:8] for _ in range(16)])
+    got = stage.stage_misses(ids.to(DEVICE), table.to(DEVICE), slab, host, staging).tolist()
+    routed = set(ids.flatten().tolist())
+    misses = [x for x in range(e) if x in routed and -1 - int(table[x]) in range(120) and table[x] < 0]
+    assert len(misses) > rows and max(misses[:rows]) >= 64  # staged experts in more than one chunk
+    for x in range(e):
+        if x in misses[:rows]:
+            j = misses.index(x)
+            assert got[x] == _address(staging, j) and torch.equal(staging[j], host[-1 - int(table[x])])
+        elif table[x] >= 0:
+            assert got[x] == _address(slab, int(table[x]))
+        else:  # in place: a host row (or, past the host's rows, the address the in-place path would compute)
+            assert got[x] == host.data_ptr() + (-1 - int(table[x])) * host.stride(0)
+
+
 def test_a_step_with_no_misses_copies_nothing():
     slab, host = _rows(4, 2).to(DEVICE), _rows(2, 3).to(DEVICE)
     staging = torch.zeros((3, WIDTH), dtype=torch.uint8, device=DEVICE)
@@ -100,5 +125,8 @@ def test_staging_rows_must_be_whole_16_byte_words_of_a_host_row():
         stage.stage_misses(ids, table, slab, host, torch.zeros((1, 40), dtype=torch.uint8, device=DEVICE))
     with pytest.raises(ValueError, match="at most its row stride"):  # would read past a host row
         stage.stage_misses(ids, table, slab, host, torch.zeros((1, WIDTH + 16), dtype=torch.uint8, device=DEVICE))
+    with pytest.raises(ValueError, match="16-byte aligned"):  # a view one byte into its rows
+        stage.stage_misses(ids, table, slab, _rows(3, 6).to(DEVICE).view(-1)[1:1 + 2 * WIDTH].view(2, WIDTH),
+                           torch.zeros((1, WIDTH), dtype=torch.uint8, device=DEVICE))
     with pytest.raises(ValueError, match="must be uint8"):
         stage.stage_misses(ids, table, slab, host, torch.zeros((1, 24), dtype=torch.float32, device=DEVICE))
