@@ -432,6 +432,15 @@ static void attend_planes(const float *q, const q_plane *kp, const q_plane *vp, 
     if (C) unrotate(o, C, g, d);
 }
 
+/* the K and V planes of `P` */
+static inline q_plane k_plane(const rad_kv_planes *P) {
+    return (q_plane){P->k_codes, P->k_scales, P->kcs, P->kss, P->per_page, (int)P->k_kind};
+}
+
+static inline q_plane v_plane(const rad_kv_planes *P) {
+    return (q_plane){P->v_codes, P->v_scales, P->vcs, P->vss, P->per_page, (int)P->v_kind};
+}
+
 /* out [B, Hq, D] = attention of q [B, Hq, D] (contiguous) over each sequence b's lens[b] keys in the planes `P`,
  * key c in block block_ids[b, c / bs] (block_ids: [B, nb] flat block ids) at token c % bs; Hq / Hkv query heads a
  * KV head, d at most D_MAX. On `threads` OpenMP threads, a (b, KV head) pair each task. */
@@ -439,8 +448,7 @@ void rad_decode_attention_planes(const float *q, const rad_kv_planes *P, const i
                                  const int64_t *lens, int64_t bs, int64_t B, int64_t hq, int64_t hkv, int64_t d,
                                  float scale, float *out, int threads) {
     const int64_t g = hq / hkv;
-    const q_plane kp = {P->k_codes, P->k_scales, P->kcs, P->kss, P->per_page, (int)P->k_kind},
-                  vp = {P->v_codes, P->v_scales, P->vcs, P->vss, P->per_page, (int)P->v_kind};
+    const q_plane kp = k_plane(P), vp = v_plane(P);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t task = 0; task < B * hkv; task++) {
         const int64_t b = task / hkv, h = task % hkv;
@@ -555,25 +563,23 @@ static inline void put(const float *x, int64_t d, int kind, uint8_t *codes, uint
         int_put(x, d, kind, codes, scales);
 }
 
-/* KVPlane.store for a plane of `kind` (`q_plane`: strides [page, block, token, head]): x [T, Hkv, D] (rows ldx
- * apart, each row's heads contiguous) into the flat slots [T] (block slot / bs, token slot % bs; -1: the row is
- * not written; the others distinct). A rotated plane (basis C [D, D], else NULL) stores x @ C.T, each value a sum
- * over the dims in order. A delta plane (K) stores each block's token 0 first, as itself, then every other token
- * as its residual from token 0's stored value (written now or earlier): `KVPlane.store`'s order and values. On
- * `threads` OpenMP threads, a (token, head) each task. */
-void rad_store_plane(const float *x, int64_t ldx, const int64_t *slots, int64_t T, uint8_t *codes, const int64_t *cs,
-                     uint16_t *scales, const int64_t *ss, int64_t per_page, int64_t bs, int64_t hkv, int64_t d,
-                     int kind, int delta, const float *C, int threads) {
-    const q_plane pl = {codes, scales, cs, ss, per_page, kind};
+/* KVPlane.store for a plane (`q_plane`: strides [page, block, token, head]): x [T, Hkv, D] (rows ldx apart, each
+ * row's heads contiguous) into the flat slots [T] (block slot / bs, token slot % bs; -1: the row is not written;
+ * the others distinct). A rotated plane (basis C [D, D], else NULL) stores x @ C.T, each value a sum over the dims
+ * in order. A delta plane (K) stores each block's token 0 first, as itself, then every other token as its residual
+ * from token 0's stored value (written now or earlier): `KVPlane.store`'s order and values. On `threads` OpenMP
+ * threads, a (token, head) each task. */
+static void store_plane(const float *x, int64_t ldx, const int64_t *slots, int64_t T, const q_plane *pl, int64_t bs,
+                        int64_t hkv, int64_t d, int delta, const float *C, int threads) {
 #pragma omp parallel num_threads(threads)
     for (int pass = 0; pass < 2; pass++) { /* a delta plane's tokens 0, then the rest; a plain one's all at once */
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < T * hkv; task++) {
             const int64_t t = task / hkv, h = task % hkv, off = slots[t] % bs;
             if (slots[t] < 0 || (delta ? (off == 0) != (pass == 0) : pass == 1)) continue;
-            const plane_at at = block_at(&pl, slots[t] / bs, h);
-            uint8_t *c = (uint8_t *)at.codes + off * cs[2];
-            uint16_t *sc = (uint16_t *)at.scales + off * ss[2];
+            const plane_at at = block_at(pl, slots[t] / bs, h);
+            uint8_t *c = (uint8_t *)at.codes + off * pl->cs[2];
+            uint16_t *sc = (uint16_t *)at.scales + off * pl->ss[2];
             const float *xt = x + t * ldx + h * d;
             float y[D_MAX];
             if (C) { /* y = x @ C.T */
@@ -586,20 +592,29 @@ void rad_store_plane(const float *x, int64_t ldx, const int64_t *slots, int64_t 
             }
             if (delta && off) {
                 float first[D_MAX], r[D_MAX];
-                token_values(&pl, at, 0, d, first);
+                token_values(pl, at, 0, d, first);
                 for (int64_t i = 0; i < d; i++) r[i] = xt[i] - first[i];
-                put(r, d, kind, c, sc);
+                put(r, d, pl->kind, c, sc);
             } else {
-                put(xt, d, kind, c, sc);
+                put(xt, d, pl->kind, c, sc);
             }
         }
     }
 }
 
+/* a step's new K and V rows, k and v [T, Hkv, D] (rows ldk and ldv apart), stored into the planes `P` at the flat
+ * slots [T] (`store_plane`: K as a delta plane, V rotated by P's basis where it has one) */
+void rad_store_planes(const float *k, int64_t ldk, const float *v, int64_t ldv, const int64_t *slots, int64_t T,
+                      const rad_kv_planes *P, int64_t bs, int64_t hkv, int64_t d, int threads) {
+    const q_plane kp = k_plane(P), vp = v_plane(P);
+    store_plane(k, ldk, slots, T, &kp, bs, hkv, d, 1, NULL, threads);
+    store_plane(v, ldv, slots, T, &vp, bs, hkv, d, 0, P->basis, threads);
+}
+
 /* rad_decode_attention's over quantized planes `P`: q and k [B, Hkv, D] (rows ldq and ldk apart, heads D apart)
  * rotated by row b's cos and sin (`rotate`), the rotated q into q_rot [B, Hq, D] and k into k_rot [B, Hkv, D];
  * where slots[b] >= 0 the rotated k and v (rows ldv apart) stored into that slot of the K and V planes
- * (`rad_store_plane`); then each sequence's attention over its context (`rad_decode_attention_planes`). The same
+ * (`rad_store_planes`); then each sequence's attention over its context (`rad_decode_attention_planes`). The same
  * values, bytes and sums as kernels/cpu.py's op path over the planes (its `_rotate`, `PlanePair.store` and
  * `PlanePair.decode`). */
 void rad_decode_attention_planes_rotary(const float *q, int64_t ldq, const float *k, int64_t ldk, const float *v,
@@ -617,9 +632,6 @@ void rad_decode_attention_planes_rotary(const float *q, int64_t ldq, const float
             rotate(q + b * ldq + j * d, cb, sb, r, d, q_rot + (b * hq + j) * d);
         rotate(k + b * ldk + h * d, cb, sb, r, d, k_rot + (b * hkv + h) * d);
     }
-    rad_store_plane(k_rot, hkv * d, slots, B, P->k_codes, P->kcs, P->k_scales, P->kss, P->per_page, bs, hkv, d,
-                    (int)P->k_kind, 1, NULL, threads);
-    rad_store_plane(v, ldv, slots, B, P->v_codes, P->vcs, P->v_scales, P->vss, P->per_page, bs, hkv, d,
-                    (int)P->v_kind, 0, P->basis, threads);
+    rad_store_planes(k_rot, hkv * d, v, ldv, slots, B, P, bs, hkv, d, threads);
     rad_decode_attention_planes(q_rot, P, block_ids, nb, lens, bs, B, hq, hkv, d, scale, out, threads);
 }

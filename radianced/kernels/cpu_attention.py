@@ -146,23 +146,22 @@ PLANE_KINDS = {"fp8": 0, "int6": 1, "int4": 2}
 class PlanePair:
     """A layer's quantized KV planes (`--kv-cache-dtype fp8 | fp8_v4 | k6_v4`: kernels/kv_quant.py `KVPlane`s, K a
     delta plane in fp8 or int6, V a plain fp8 one or an int4 one in the DCT basis) as the kernels address them,
-    checked once (kernels/cpu.py keeps one per pair of planes): each plane's codes' and scales' pointers and strides,
-    their kinds, V's basis. `of` gives None where the kernels do not apply (other formats, D past D_MAX, other
-    layouts, the library not built): the caller runs the general path. Like `Context` it holds the planes' tensors
-    (not the planes: kernels/cpu.py keys it on them), so the pointers stay valid while it lives."""
+    checked once (kernels/cpu.py keeps one per pair of planes): `ptr`, cpu_kernels.h's `rad_kv_planes` (each plane's
+    codes' and scales' pointers and strides, their kinds, V's basis). `of` gives None where the kernels do not apply
+    (other formats, D past D_MAX, other layouts, the library not built): the caller runs the general path. Like
+    `Context` it holds the tensors it points at (the planes' own, not the planes: kernels/cpu.py keys it on them, and
+    the strides it made), so the pointers stay valid while it lives."""
 
-    __slots__ = ("tensors", "shape", "_args", "ptr")
+    __slots__ = ("tensors", "shape", "ptr")
 
     def __init__(self, k_plane, v_plane):
-        planes = (k_plane, v_plane)
         basis = v_plane.basis
-        self.tensors = tuple(t for plane in planes for t in (plane.codes, plane.scales)) + (basis,)
+        held = [t for plane in (k_plane, v_plane) for t in (plane.codes, _strides(plane.codes), plane.scales,
+                                                            _strides(plane.scales))]
+        self.tensors = (*held, basis)
         self.shape = (*k_plane.codes.shape[:4], k_plane.head_dim)  # [P, N, S, Hkv, D]
-        self._args = tuple((plane.codes.data_ptr(), _strides(plane.codes), plane.scales.data_ptr(),
-                            _strides(plane.scales), PLANE_KINDS[plane.fmt.name], plane.basis) for plane in planes)
-        (kc, kcs, ks, kss, kk, _), (vc, vcs, vs, vss, vk, _) = self._args
-        self.ptr = ctypes.pointer(_KvPlanes(kc, kcs.data_ptr(), ks, kss.data_ptr(), vc, vcs.data_ptr(), vs,
-                                            vss.data_ptr(), self.shape[1], kk, vk,
+        self.ptr = ctypes.pointer(_KvPlanes(*(t.data_ptr() for t in held), self.shape[1],
+                                            PLANE_KINDS[k_plane.fmt.name], PLANE_KINDS[v_plane.fmt.name],
                                             None if basis is None else basis.data_ptr()))
 
     @staticmethod
@@ -191,7 +190,7 @@ class PlanePair:
         `reads` the step's -> out [B, Hq, D] fp32, the reference attention's values within fp32 rounding (a
         rotated V's sums made in its basis and brought back once). None where q does not fit the kernel (not CPU
         fp32, more than G_MAX query heads a KV head)."""
-        p, n, s, hkv, d = self.shape
+        s, hkv, d = self.shape[2:]
         b, hq = q.shape[:2]
         if q.dtype is not torch.float32 or not q.is_cpu or q.shape[2] != d or hq % hkv or hq // hkv > G_MAX:
             return None
@@ -218,23 +217,20 @@ class PlanePair:
 
     def store(self, slots: PlaneSlots, k: torch.Tensor, v: torch.Tensor) -> bool:
         """`store(slots, k)` and `store(slots, v)` of the K and V planes (`KVPlane.store`'s bytes bit for bit, a
-        rotated V's up to its rotation's last bit: cpu_attention.c `rad_store_plane`), the rows without a slot left
+        rotated V's up to its rotation's last bit: cpu_attention.c `rad_store_planes`), the rows without a slot left
         out: k, v [T, Hkv, D] fp32, `slots` the step's. False, nothing written, where they are not CPU fp32 (the
         caller stores through `KVPlane.store`: in torch ~10 ms of SmolLM2's b8 decode step at contexts of 1,000
         in fp8: its quantize, the delta's read of each block's token 0, the index writes)."""
-        p, n, s, hkv, d = self.shape
+        s, hkv, d = self.shape[2:]
         t = len(slots.slots)
         for x in (k, v):
             if x.dtype is not torch.float32 or not x.is_cpu or x.shape != (t, hkv, d):
                 return False
         self.check(None, slots, 0)
-        if not t:
-            return True
-        for (codes, cs, scales, ss, kind, basis), x, delta in zip(self._args, (k, v), (1, 0)):
-            x = _rows(x)
-            cpu_blocks._lib().rad_store_plane(x.data_ptr(), x.stride(0), slots.slots.data_ptr(), t, codes,
-                                              cs.data_ptr(), scales, ss.data_ptr(), n, s, hkv, d, kind, delta,
-                                              None if basis is None else basis.data_ptr(), torch.get_num_threads())
+        if t:
+            k, v = _rows(k), _rows(v)
+            cpu_blocks._lib().rad_store_planes(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                                               slots.slots.data_ptr(), t, self.ptr, s, hkv, d, torch.get_num_threads())
         return True
 
 
@@ -276,10 +272,9 @@ class PlaneSlots:
 
 
 class _KvPlanes(ctypes.Structure):  # cpu_kernels.h `rad_kv_planes`
-    _fields_ = [(name, ctypes.c_void_p) for name in ("k_codes", "kcs", "k_scales", "kss", "v_codes", "vcs", "v_scales",
-                                                     "vss")] + [(name, ctypes.c_int64) for name in
-                                                                ("per_page", "k_kind", "v_kind")] + [("basis",
-                                                                                                      ctypes.c_void_p)]
+    _fields_ = [*((name, ctypes.c_void_p) for name in ("k_codes", "kcs", "k_scales", "kss", "v_codes", "vcs",
+                                                       "v_scales", "vss")),
+                *((name, ctypes.c_int64) for name in ("per_page", "k_kind", "v_kind")), ("basis", ctypes.c_void_p)]
 
 
 def _strides(x: torch.Tensor) -> torch.Tensor:

@@ -137,9 +137,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.rad_decode_attention_planes.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
                                                 ptr, ctypes.c_int]
     lib.rad_decode_attention_planes.restype = None
-    lib.rad_store_plane.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int,
-                                    ctypes.c_int, ptr, ctypes.c_int]
-    lib.rad_store_plane.restype = None
+    lib.rad_store_planes.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, ctypes.c_int]
+    lib.rad_store_planes.restype = None
     for name, older in (("rad_blocks_amx_rows", 0), ("rad_blocks_gemm_rows", 64)):
         if hasattr(lib, name):
             getattr(lib, name).argtypes, getattr(lib, name).restype = [ctypes.c_int], ctypes.c_int
