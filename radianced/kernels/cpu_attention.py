@@ -69,10 +69,7 @@ class Context:
         if self.lens.shape != (b,) or bool((self.lens < 0).any()) or bool((self.lens > nb * block_size).any()):
             raise ValueError(f"lens must be [{b}] in 0..{nb * block_size} (the block table's tokens), got "
                              f"{self.lens.tolist()}")
-        used = torch.arange(nb) < (self.lens[:, None] + block_size - 1) // block_size  # the blocks read
-        read = self.block_rows[used]
-        if len(read) and int(read.min()) < 0:
-            raise ValueError("a block read lies before the cache's first row")
+        read = _entries_read(self.block_rows, self.lens, block_size, "row")
         self._top = int(read.max()) + block_size if len(read) else 0  # rows below this one are read (K)
         self.write_rows = write_rows.to(torch.int64).contiguous()
         if self.write_rows.shape != (b,) or bool((self.write_rows < -1).any()):
@@ -129,6 +126,15 @@ class Context:
                       sin.data_ptr(), r, self.write_rows.data_ptr(), q_rot.data_ptr(), flat.data_ptr(), v_rows, rows,
                       nb, lens, s, b, hq, hkv, d, scale, out.data_ptr(), torch.get_num_threads())
         return out, q_rot
+
+
+def _entries_read(table: torch.Tensor, lens: torch.Tensor, block_size: int, unit: str) -> torch.Tensor:
+    """The entries of a block table [B, nb] that contexts of `lens` [B] tokens read (their first blocks), refusing
+    a negative one (ValueError: before the cache's first `unit`)."""
+    read = table[torch.arange(table.shape[1]) < (lens[:, None] + block_size - 1) // block_size]
+    if len(read) and int(read.min()) < 0:
+        raise ValueError(f"a block read lies before the cache's first {unit}")
+    return read
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -250,9 +256,7 @@ class PlaneReads:
                 or bool((self.lens > nb * s).any()):
             raise ValueError(f"block_tables must have {b} rows and seq_lens be [{b}] in 0..{nb * s} (the table's "
                              f"tokens), got {self.ids.shape[0]} rows and {self.lens.tolist()}")
-        read = self.ids[torch.arange(nb) < (self.lens[:, None] + s - 1) // s]
-        if len(read) and int(read.min()) < 0:
-            raise ValueError("a block read lies before the cache's first block")
+        read = _entries_read(self.ids, self.lens, s, "block")
         self.top = int(read.max()) + 1 if len(read) else 0
 
 
